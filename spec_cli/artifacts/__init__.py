@@ -1,0 +1,1 @@
+"""The contract between stages: artifact formats and their readers/writers. No model code here."""

@@ -1,0 +1,134 @@
+"""Atomic artifact writes: a reader sees the old file or the complete new one, never half of one."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+SCHEMA_VERSION = 1
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `path`; on success rename it to `path` (replacing it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+    """Write tensors + JSON metadata (under the `spec_cli` key) atomically."""
+    meta = {"spec_cli": json.dumps(metadata, sort_keys=True)}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def write_json(path: Path, data: dict) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_path(path: Path) -> str:
+    """Content hash of a file, or of every file in a folder (names included)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode())
+        digest.update(sha256_file(file).encode())
+    return digest.hexdigest()
+
+
+def read_safetensors(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read every tensor and the spec_cli metadata of a file written by `write_safetensors`."""
+    from safetensors import SafetensorError, safe_open
+
+    from spec_cli.errors import ArtifactError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{kind} not found: {path}", "check the path")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw_meta = (f.metadata() or {}).get("spec_cli")
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is not a readable safetensors file ({exc})",
+                            f"rebuild the {kind}") from exc
+    if raw_meta is None:
+        raise ArtifactError(f"{path} has no spec_cli metadata, so it is not a spec_cli {kind}",
+                            f"build it with spec_cli")
+    return tensors, json.loads(raw_meta)

@@ -1,0 +1,1 @@
+"""Chat data -> input_ids + loss_mask."""

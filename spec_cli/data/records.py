@@ -1,0 +1,111 @@
+"""Read local chat data with `datasets` and normalise each record to messages or plain text.
+
+Shapes accepted:
+- ShareGPT: {"conversations": [{"from": "human"|"gpt"|..., "value": str}, ...]}
+- OpenAI-style: {"messages": [{"role": "user"|"assistant"|..., "content": str | [parts]}, ...]}
+- plain text: {"text": str}  (every token supervised)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from spec_cli.errors import DataError
+
+ROLES = {
+    "system": "system",
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+}
+
+# Why a record was skipped (the keys of the summary's skip table).
+EMPTY = "empty"
+MALFORMED = "malformed"
+NO_ASSISTANT = "no assistant turn"
+TEMPLATE = "chat template rejected it"
+TRUNCATED = "no supervised token after truncation"
+
+
+def load_records(path: str | Path):
+    """A `datasets.Dataset` of the records in a .jsonl/.json/.parquet file or a saved dataset folder."""
+    import datasets
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"data not found: {path}",
+                        "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                split = "train" if "train" in loaded else next(iter(loaded))
+                loaded = loaded[split]
+            return loaded
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
+        if builder is None:
+            raise DataError(f"unsupported data file {path.name}",
+                            "use .jsonl, .json, .parquet or a folder saved with datasets' save_to_disk")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except DataError:
+        raise
+    except Exception as exc:  # datasets/pyarrow raise many types for unreadable files
+        raise DataError(f"cannot read {path}: {exc}",
+                        "check the file is valid JSON lines / JSON / parquet with one record per row") from exc
+
+
+def _content_text(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
+                    part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                return None
+        return "".join(texts)
+    return None
+
+
+def normalise(record: dict) -> tuple[str, Any]:
+    """("chat", messages) | ("text", str) | ("skip", reason)."""
+    turns = None
+    if record.get("conversations") is not None:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif record.get("messages") is not None:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    elif record.get("text") is not None:
+        text = record["text"]
+        if not isinstance(text, str):
+            return "skip", MALFORMED
+        return ("text", text) if text.strip() else ("skip", EMPTY)
+    else:
+        return "skip", MALFORMED
+
+    if not isinstance(turns, list):
+        return "skip", MALFORMED
+    if not turns:
+        return "skip", EMPTY
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return "skip", MALFORMED
+        # tolerate either key spelling inside either container
+        role = turn.get(role_key) if turn.get(role_key) is not None else turn.get(
+            "role" if role_key == "from" else "from")
+        content = turn.get(text_key) if turn.get(text_key) is not None else turn.get(
+            "content" if text_key == "value" else "value")
+        role = ROLES.get(str(role).strip().lower()) if role is not None else None
+        text = _content_text(content)
+        if role is None or text is None:
+            return "skip", MALFORMED
+        messages.append({"role": role, "content": text})
+    if not any(m["content"].strip() for m in messages):
+        return "skip", EMPTY
+    if not any(m["role"] == "assistant" for m in messages):
+        return "skip", NO_ASSISTANT
+    return "chat", messages

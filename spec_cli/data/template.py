@@ -1,0 +1,136 @@
+"""Tokenise one conversation with the target's chat template and mark what the assistant produces.
+
+The supervised text is derived from the template itself, never from role strings:
+- if the template has `{% generation %}` markers, transformers' assistant mask is used;
+- otherwise, for assistant turn i, the template is rendered for messages[:i] with the generation
+  prompt and for messages[:i+1]; the difference is the assistant's turn as the template writes it.
+  Inside it, the message text is supervised plus everything up to and including the first special
+  token after it (the end-of-turn token the model must emit). Template scaffolding before the text
+  (role headers, empty think blocks) and after the end-of-turn token stays unsupervised.
+Character spans are mapped to tokens with the fast tokenizer's offset mapping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spec_cli.data import records
+
+
+class TemplateMismatch(Exception):
+    """The template does not render a message's text verbatim, so its span cannot be found."""
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """Text of every special added token (end-of-turn candidates)."""
+    tokens = {tok.content for tok in tokenizer.added_tokens_decoder.values() if tok.special}
+    tokens |= set(tokenizer.all_special_tokens)
+    return sorted((t for t in tokens if t), key=len, reverse=True)
+
+
+def _first_special(text: str, start: int, end: int, specials: list[str]) -> tuple[int, int] | None:
+    best = None
+    for tok in specials:
+        pos = text.find(tok, start, end)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, pos + len(tok))
+    return best
+
+
+def assistant_spans(tokenizer, messages: list[dict], full: str,
+                    specials: list[str]) -> list[tuple[int, int]]:
+    """Character spans of `full` that the assistant turns produce."""
+    spans = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        region = None
+        try:
+            prefix = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+            upto = render(tokenizer, messages[: i + 1])
+            if i and full.startswith(upto) and upto.startswith(prefix) and len(prefix) >= cursor:
+                region = (len(prefix), len(upto))
+        except Exception:  # templates may refuse a prefix (e.g. one that ends on a system turn)
+            region = None
+        if region is None:  # fall back to a forward search from the previous turn
+            region = (cursor, len(full))
+        text = message["content"]
+        start = full.find(text, region[0], region[1]) if text else -1
+        if start == -1 and text.strip():
+            text = text.strip()
+            start = full.find(text, region[0], region[1])
+        if start == -1:
+            if text.strip():
+                raise TemplateMismatch(f"assistant turn {i} is not rendered verbatim")
+            start = region[0]  # empty message: only the end-of-turn token is produced
+            text = ""
+        end = start + len(text)
+        eot = _first_special(full, end, region[1], specials)
+        if eot is not None:
+            end = eot[1]
+        spans.append((start, end))
+        cursor = end
+    return spans
+
+
+def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for every token whose characters overlap a span. offsets: [T, 2]."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for a, b in spans:
+        mask |= ((starts < b) & (ends > a) & (ends > starts)).astype(np.uint8)
+    return mask
+
+
+def has_generation_markers(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace(
+        "-%}", "%}")
+
+
+def encode_chat(tokenizer, messages: list[dict], specials: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids [T] int32, loss_mask [T] uint8) for one conversation."""
+    if has_generation_markers(tokenizer):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return (np.asarray(out["input_ids"], dtype=np.int32),
+                np.asarray(out["assistant_masks"], dtype=np.uint8))
+    full = render(tokenizer, messages)
+    spans = assistant_spans(tokenizer, messages, full, specials)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return np.asarray(enc["input_ids"], dtype=np.int32), _mask_from_spans(offsets, spans)
+
+
+def encode_text(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int32)
+    return ids, np.ones(len(ids), dtype=np.uint8)
+
+
+def encode_record(tokenizer, record: dict, max_length: int,
+                  specials: list[str]) -> tuple[np.ndarray, np.ndarray] | str:
+    """Tokens and loss mask for one record, or the reason it is skipped."""
+    kind, value = records.normalise(record)
+    if kind == "skip":
+        return value
+    try:
+        if kind == "text":
+            ids, mask = encode_text(tokenizer, value)
+        else:
+            ids, mask = encode_chat(tokenizer, value, specials)
+    except TemplateMismatch:
+        return records.TEMPLATE
+    except Exception:  # jinja errors: e.g. roles that do not alternate, unsupported system turn
+        return records.TEMPLATE
+    if not mask.any():
+        return records.EMPTY
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not mask.any():
+        return records.TRUNCATED
+    return ids, mask

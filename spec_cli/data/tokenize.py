@@ -1,0 +1,122 @@
+"""Tokenise a chat data set: parallel, deterministic, and cached under SPEC_HOME.
+
+The cache key is the data's content hash, the tokenizer fingerprint (vocab, merges, chat template,
+special tokens), --max-length and the version of the masking rules, so a second run on the same data
+and tokenizer loads the result instead of redoing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spec_cli.artifacts.io import sha256_path
+from spec_cli.artifacts.tokens import TokenizedData, load_tokenized, save_tokenized
+from spec_cli.console import info, progress
+from spec_cli.data.records import load_records
+from spec_cli.data.template import encode_record, special_token_strings
+from spec_cli.errors import DataError
+from spec_cli.paths import spec_home
+
+# Bump when the masking or truncation rules change: old caches are then not reused.
+TOKENIZE_VERSION = "1"
+CHUNK = 256  # records per work item
+
+# Worker state (set in the parent before forking, or by the pool initializer).
+_worker: dict = {}
+
+
+def _init_worker(tokenizer, dataset, max_length: int) -> None:
+    _worker.update(tokenizer=tokenizer, dataset=dataset, max_length=max_length,
+                   specials=special_token_strings(tokenizer))
+
+
+def _encode_range(bounds: tuple[int, int]) -> list:
+    start, stop = bounds
+    rows = _worker["dataset"][start:stop]  # dict of columns
+    names = list(rows)
+    out = []
+    for j in range(stop - start):
+        record = {name: rows[name][j] for name in names}
+        out.append(encode_record(_worker["tokenizer"], record, _worker["max_length"],
+                                 _worker["specials"]))
+    return out
+
+
+def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int) -> str:
+    text = f"{TOKENIZE_VERSION}|{data_fingerprint}|{tokenizer_fp}|{max_length}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int = 2048,
+                  num_proc: int = 1, use_cache: bool = True) -> TokenizedData:
+    """Token ids + loss masks for every usable record; skip counts in `.metadata["skipped"]`."""
+    if max_length < 2:
+        raise DataError(f"--max-length {max_length} is too small", "use at least 2 (default 2048)")
+    data_path = Path(data_path).expanduser()
+    if not data_path.exists():
+        raise DataError(f"data not found: {data_path}",
+                        "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
+    data_fp = sha256_path(data_path)[:20]
+    cache_file = spec_home() / "tokenized" / f"{cache_key(data_fp, tokenizer_fp, max_length)}.safetensors"
+    if use_cache and cache_file.is_file():
+        info(f"tokenised data: reusing cache {cache_file}")
+        data = load_tokenized(cache_file)
+        data.metadata["cache_hit"] = True
+        return data
+
+    dataset = load_records(data_path)
+    n = len(dataset)
+    ranges = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
+    results: list = []
+    with progress("tokenising", total=n) as bar:
+        if num_proc <= 1 or len(ranges) <= 1:
+            _init_worker(tokenizer, dataset, max_length)
+            for bounds in ranges:
+                results.extend(_encode_range(bounds))
+                bar.advance(bounds[1] - bounds[0])
+        else:
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ctx.Pool(num_proc, initializer=_init_worker,
+                          initargs=(tokenizer, dataset, max_length)) as pool:
+                # imap keeps record order, so the result does not depend on num_proc
+                for chunk in pool.imap(_encode_range, ranges):
+                    results.extend(chunk)
+                    bar.advance(len(chunk))
+
+    skipped = Counter(r for r in results if isinstance(r, str))
+    kept = [(i, r) for i, r in enumerate(results) if not isinstance(r, str)]
+    if not kept:
+        reasons = ", ".join(f"{k}: {v}" for k, v in skipped.most_common()) or "no records"
+        raise DataError(f"{data_path} has no usable records ({reasons})",
+                        "records need an assistant turn (ShareGPT `conversations`, OpenAI `messages`) "
+                        "or a `text` field")
+    lengths = np.array([len(r[0]) for _, r in kept], dtype=np.int64)
+    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = TokenizedData(
+        input_ids=torch.from_numpy(np.concatenate([r[0] for _, r in kept]).astype(np.int32)),
+        loss_mask=torch.from_numpy(np.concatenate([r[1] for _, r in kept]).astype(np.uint8)),
+        offsets=torch.from_numpy(offsets),
+        source_index=torch.tensor([i for i, _ in kept], dtype=torch.int64),
+        metadata={
+            "data_path": str(data_path.resolve()),
+            "data_fingerprint": data_fp,
+            "tokenizer_fingerprint": tokenizer_fp,
+            "max_length": max_length,
+            "num_records": n,
+            "num_samples": len(kept),
+            "skipped": dict(sorted(skipped.items())),
+            "num_at_max_length": int(sum(1 for _, r in kept if len(r[0]) == max_length)),
+        },
+    )
+    data.metadata.update(num_tokens=data.num_tokens, num_supervised=data.num_supervised)
+    if use_cache:
+        save_tokenized(data, cache_file)
+    data.metadata["cache_hit"] = False
+    return data

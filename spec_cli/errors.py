@@ -1,0 +1,37 @@
+"""User-facing error types.
+
+Library code raises these; the CLI turns each into one line that says what went wrong and what to
+do next, and exits 1. Anything else that escapes is a bug and is reported as such.
+"""
+
+
+class SpecError(Exception):
+    """An error the user can fix. `hint` says how."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+class ConfigError(SpecError):
+    """Bad options or config file."""
+
+
+class DataError(SpecError):
+    """Chat data that cannot be read or yields nothing usable."""
+
+
+class TargetError(SpecError):
+    """A target model or tokenizer that cannot be loaded or used."""
+
+
+class ArtifactError(SpecError):
+    """An artifact that is missing, corrupt, or made from different inputs."""
+
+
+class AssetError(SpecError):
+    """A built-in asset that cannot be found or installed."""

@@ -1,0 +1,1 @@
+"""One module per `spec` command: each takes a config and returns a result for the CLI to print."""

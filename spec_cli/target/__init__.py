@@ -1,0 +1,1 @@
+"""Target models: loading, aux-layer capture, supervision."""

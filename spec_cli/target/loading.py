@@ -1,0 +1,250 @@
+"""Load a target model and its tokenizer from a transformers folder or a `.gguf` file.
+
+A `.gguf` file is dequantised once into a cached transformers folder under SPEC_HOME, so later loads
+take a fraction of a second instead of re-running the GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spec_cli.errors import ConfigError, TargetError
+from spec_cli.paths import spec_home
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- device / dtype
+
+def choose_device(device: str | None) -> torch.device:
+    """`None`/"auto": cuda if available, else cpu."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown --device {device!r}", "use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible",
+                          "use --device cpu")
+    return dev
+
+
+def choose_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """`None`/"auto": bf16 on cuda, fp32 on cpu."""
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- locating a target
+
+def resolve_target(target: str | Path) -> Path:
+    """A transformers folder for `target` (a folder, or a .gguf converted once and cached)."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return convert_gguf(ggufs[0])
+            raise TargetError(f"{path} has no config.json, so it is not a transformers model folder",
+                              "pass a folder saved with save_pretrained, or a .gguf file")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.exists():
+        raise TargetError(f"--target {path} is neither a model folder nor a .gguf file",
+                          "pass a transformers model folder or a .gguf file")
+    raise TargetError(f"--target {target} does not exist",
+                      "pass a transformers model folder, a .gguf file, or `smollm2` for the built-in")
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return spec_home() / "targets" / f"{gguf.stem}-{key[:12]}"
+
+
+def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
+    """Dequantise a GGUF model into a transformers folder (cached; done once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from spec_cli.artifacts.io import atomic_dir
+    from spec_cli.console import info
+
+    out = Path(out) if out else _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file():
+        return out
+    info(f"converting {gguf.name} to a transformers folder (once) -> {out}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unsupported GGUF files
+        raise TargetError(f"transformers cannot load {gguf}: {exc}",
+                          "check that the file is a complete GGUF of a supported architecture") from exc
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from a clean config.
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
+                                     if k not in ("quantization_config", "_name_or_path")})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "spec_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
+    return out
+
+
+# ----------------------------------------------------------------------------- tokenizer / model
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise TargetError(f"cannot load a tokenizer from {path}: {exc}",
+                          "the target folder needs its tokenizer files") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise TargetError(f"the tokenizer in {path} is a slow (Python) tokenizer",
+                          "spec_cli needs a fast tokenizer (tokenizer.json) for exact loss masks")
+    return tokenizer
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise TargetError(f"cannot read the model config in {path}: {exc}",
+                          "pass a transformers model folder") from exc
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target as a frozen causal LM in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as exc:
+        raise TargetError(f"cannot load the target model from {path}: {exc}",
+                          "pass a decoder-only causal LM that transformers supports") from exc
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+# ----------------------------------------------------------------------------- layers / aux ids
+
+def num_layers(config) -> int:
+    """The target's decoder depth, also when it sits in `config.text_config`."""
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None and getattr(config, "text_config", None) is not None:
+        n = getattr(config.text_config, "num_hidden_layers", None)
+    if n is None:
+        raise TargetError("the target config has no num_hidden_layers (nor text_config.num_hidden_layers)",
+                          "spec_cli supports decoder-only causal LMs")
+    return int(n)
+
+
+_NON_TEXT = ("vision", "visual", "audio", "image", "encoder")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers as an integer-indexed list (ModuleList or ModuleDict keyed by str(i))."""
+    n = num_layers(model.config)
+    candidates = []
+    for name, module in model.named_modules():
+        if not name.split(".")[-1] == "layers":
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            layers = list(module)
+        elif isinstance(module, nn.ModuleDict) and len(module) == n:
+            try:
+                layers = [module[str(i)] for i in range(n)]
+            except KeyError:
+                continue
+        else:
+            continue
+        off_text = any(part in name for part in _NON_TEXT)
+        candidates.append((off_text, name.count("."), name, layers))
+    if not candidates:
+        raise TargetError(f"cannot find the {n} decoder layers of {type(model).__name__}",
+                          "spec_cli needs a transformers decoder-only causal LM")
+    return min(candidates, key=lambda c: c[:3])[3]
+
+
+def default_aux_layers(n: int) -> list[int]:
+    """Outputs of 0-indexed layers 1, N//2-1, N-4 (= inputs of layers 2, N//2, N-3)."""
+    return [1, n // 2 - 1, n - 4]
+
+
+def parse_aux_layers(text: str | None, n: int) -> list[int]:
+    """`--aux-layers "1,14,26"` (0-indexed layer OUTPUTS), or the default; validated against N."""
+    if text in (None, "", "auto"):
+        ids = default_aux_layers(n)
+    else:
+        try:
+            ids = [int(part) for part in str(text).split(",")]
+        except ValueError as exc:
+            raise ConfigError(f"--aux-layers {text!r} is not a comma-separated list of integers",
+                              "write e.g. --aux-layers 1,14,26") from exc
+    validate_aux_layers(ids, n)
+    return ids
+
+
+def validate_aux_layers(ids: list[int], n: int) -> None:
+    if len(ids) != 3:
+        raise ConfigError(f"--aux-layers needs exactly 3 layer ids (EAGLE-3 reads three), got {len(ids)}",
+                          f"e.g. the default {','.join(map(str, default_aux_layers(n)))}")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"--aux-layers {ids} repeats a layer", "give three distinct layer ids")
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",
+                          f"use ids in 0..{n - 1} (0-indexed layer outputs)")
+    if n < 4:
+        raise TargetError(f"the target has only {n} decoder layers", "EAGLE-3 needs at least 4")
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes whenever tokenisation or the chat template could change."""
+    digest = hashlib.sha256()
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                         "quantization_config", "_commit_hash", "use_cache"}
+
+
+def config_fingerprint(config) -> str:
+    data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def vocab_size(config, tokenizer=None) -> int:
+    """Rows of the target's lm_head (may exceed len(tokenizer) when the embedding is padded)."""
+    v = getattr(config, "vocab_size", None)
+    if v is None and getattr(config, "text_config", None) is not None:
+        v = getattr(config.text_config, "vocab_size", None)
+    if v is None:
+        if tokenizer is None:
+            raise TargetError("the target config has no vocab_size", "pass a causal LM folder")
+        return len(tokenizer)
+    return max(int(v), len(tokenizer)) if tokenizer is not None else int(v)

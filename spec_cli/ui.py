@@ -1,0 +1,62 @@
+"""What the CLI prints at the end of each stage, and `spec inspect`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spec_cli.console import console, summary
+from spec_cli.errors import ArtifactError
+
+
+def _skipped(skipped: dict) -> str:
+    return ", ".join(f"{reason}: {count}" for reason, count in skipped.items()) or "none"
+
+
+def _coverage(by_size: dict) -> str:
+    return "  ".join(f"{int(size)}: {value:.4f}" for size, value in
+                     sorted(by_size.items(), key=lambda kv: int(kv[0])))
+
+
+def print_vocab_map_summary(result) -> None:
+    meta, tok = result.vocab_map.metadata, result.tokens.metadata
+    summary("build-vocab-map", [
+        ("target", meta["target"]),
+        ("data", f"{meta['data']} ({tok['num_records']} records)"),
+        ("tokenised", f"{tok['num_samples']} samples, {tok['num_tokens']} tokens, "
+                      f"{tok['num_supervised']} supervised"
+                      + (" (from cache)" if tok.get("cache_hit") else "")),
+        ("skipped", _skipped(tok["skipped"])),
+        ("distinct supervised ids", f"{meta['num_distinct_tokens']} of {meta['target_vocab_size']}"),
+        ("draft vocab", meta["draft_vocab_size"]),
+        ("coverage", f"{meta['coverage']:.4f}"),
+        ("coverage by Vd", _coverage(meta["coverage_by_size"])),
+        ("written", str(result.output)),
+        ("time", f"{result.seconds:.1f} s"),
+    ])
+
+
+def inspect_artifact(path: Path) -> None:
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist", "check the path")
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a folder spec_cli does not know", "pass an artifact file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("spec_cli", "{}"))
+            shapes = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as exc:
+        raise ArtifactError(f"{path} is not a safetensors artifact ({exc})",
+                            "pass a file written by spec_cli") from exc
+    console.print(f"[bold]{path}[/]  kind: {meta.get('kind', 'unknown')}  "
+                  f"schema: {meta.get('schema_version', '?')}")
+    for key, (shape, dtype) in shapes.items():
+        console.print(f"  {key:24s} {dtype:6s} {list(shape)}")
+    if "coverage_by_size" in meta:
+        console.print(f"  coverage by Vd: {_coverage(meta['coverage_by_size'])}")
+    for key, value in sorted(meta.items()):
+        if key != "coverage_by_size":
+            console.print(f"  {key}: {value}")
