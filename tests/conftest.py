@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny tokenizers with real chat templates, tiny random models, an isolated SPEC_HOME."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tests import tiny
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    """Every test gets its own SPEC_HOME (the tokenisation cache lives there)."""
+    monkeypatch.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("spec_home")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> a saved tokenizer folder (+ tiny model config) for each chat-template family."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {family: tiny.save_tiny_target(root / family, family, with_model=False)
+            for family in tiny.TEMPLATES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama target (tokenizer + weights) saved as a transformers folder."""
+    return tiny.save_tiny_target(tmp_path_factory.mktemp("llama") / "tiny-llama", "llama3",
+                                 with_model=True)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def chat_records() -> list[dict]:
+    rng = random.Random(0)
+    return [tiny.random_sharegpt(rng) for _ in range(40)]

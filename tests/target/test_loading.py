@@ -1,0 +1,101 @@
+"""Target loading: layer discovery across layouts, aux-layer rules, device/dtype defaults."""
+
+import pytest
+import torch
+from torch import nn
+
+from spec_cli.errors import ConfigError, TargetError
+from spec_cli.target import loading
+from tests import tiny
+
+
+@pytest.mark.parametrize("family", ["llama3", "chatml", "qwen3-think", "mistral", "gemma"])
+def test_decoder_layers_found_for_each_family(family):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny.tiny_config(family, 100)
+    model = AutoModelForCausalLM.from_config(config)
+    layers = loading.decoder_layers(model)
+    assert len(layers) == 8
+    assert all(a is b for a, b in zip(layers, model.model.layers))
+
+
+def test_gemma3_multimodal_layers_and_depth_from_text_config():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                           num_attention_heads=4, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)
+    assert getattr(config, "num_hidden_layers", None) is None
+    assert loading.num_layers(config) == 6
+    model = Gemma3ForConditionalGeneration(config)
+    layers = loading.decoder_layers(model)
+    # the vision tower has 6 layers too: the language model's must be chosen
+    assert all(a is b for a, b in zip(layers, model.model.language_model.layers))
+
+
+def test_module_dict_layers():
+    class Cfg:
+        num_hidden_layers = 4
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Cfg()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in (3, 1, 0, 2)})
+
+    model = Model()
+    layers = loading.decoder_layers(model)
+    assert [layers[i] for i in range(4)] == [model.layers[str(i)] for i in range(4)]
+
+
+def test_aux_layer_defaults_and_validation():
+    assert loading.default_aux_layers(30) == [1, 14, 26]  # SmolLM2
+    assert loading.default_aux_layers(32) == [1, 15, 28]  # Llama-3-8B
+    assert loading.parse_aux_layers(None, 30) == [1, 14, 26]
+    assert loading.parse_aux_layers("2,10,20", 30) == [2, 10, 20]
+    with pytest.raises(ConfigError, match="out of range"):
+        loading.parse_aux_layers("1,14,30", 30)
+    with pytest.raises(ConfigError, match="out of range"):
+        loading.parse_aux_layers("-1,14,20", 30)
+    with pytest.raises(ConfigError, match="repeats"):
+        loading.parse_aux_layers("1,14,14", 30)
+    with pytest.raises(ConfigError, match="exactly 3"):
+        loading.parse_aux_layers("1,14", 30)
+    with pytest.raises(ConfigError, match="comma-separated"):
+        loading.parse_aux_layers("one,two,three", 30)
+
+
+def test_device_and_dtype_defaults():
+    assert loading.choose_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert loading.choose_dtype(None, torch.device("cpu")) == torch.float32
+    assert loading.choose_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert loading.choose_dtype("fp16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ConfigError, match="unknown --dtype"):
+        loading.choose_dtype("int3", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            loading.choose_device("cuda")
+
+
+def test_load_tiny_target_folder(tiny_llama_dir, tmp_path):
+    assert loading.resolve_target(tiny_llama_dir) == tiny_llama_dir
+    model = loading.load_model(tiny_llama_dir, torch.device("cpu"), torch.float32)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert loading.vocab_size(model.config) == 400
+    with pytest.raises(TargetError, match="does not exist"):
+        loading.resolve_target(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetError, match="no config.json"):
+        loading.resolve_target(tmp_path / "empty")
+
+
+def test_fingerprints_track_what_matters(tiny_tokenizer_dirs):
+    a = loading.load_tokenizer(tiny_tokenizer_dirs["chatml"])
+    b = loading.load_tokenizer(tiny_tokenizer_dirs["chatml"])
+    c = loading.load_tokenizer(tiny_tokenizer_dirs["qwen3-think"])  # same vocab, other template
+    assert loading.tokenizer_fingerprint(a) == loading.tokenizer_fingerprint(b)
+    assert loading.tokenizer_fingerprint(a) != loading.tokenizer_fingerprint(c)

@@ -1,0 +1,105 @@
+"""The real CLI: help, config files, the error table, build-vocab-map end to end on tiny targets."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from spec_cli.artifacts.vocab_map import load_vocab_map
+from spec_cli.cli import main
+from tests import tiny
+from tests.conftest import write_jsonl
+
+STAGES = ["assets", "build-vocab-map", "inspect"]
+
+
+def spec(*args, env=None):
+    """Run the installed console script as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "spec_cli.cli", *args], capture_output=True, text=True,
+                          env=full_env)
+
+
+def test_help_lists_every_stage_and_each_stage_documents_defaults():
+    out = spec("--help")
+    assert out.returncode == 0
+    for stage in STAGES:
+        assert stage in out.stdout
+    out = spec("build-vocab-map", "--help")
+    assert out.returncode == 0
+    for option in ["--target", "--data", "--output", "--draft-vocab-size", "--max-length", "--num-proc",
+                   "--config", "--quiet"]:
+        assert option in out.stdout
+    assert "default: 32000" in out.stdout and "default: 2048" in out.stdout
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    rng = random.Random(0)
+    return write_jsonl(tmp_path / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(30)])
+
+
+def test_build_vocab_map_cli(tiny_tokenizer_dirs, data_file, tmp_path, capsys):
+    out = tmp_path / "vm.safetensors"
+    code = main(["build-vocab-map", "--target", str(tiny_tokenizer_dirs["llama3"]), "--data",
+                 str(data_file), "--draft-vocab-size", "64", "-o", str(out)])
+    assert code == 0
+    vm = load_vocab_map(out)
+    assert vm.draft_vocab_size == 64 and vm.target_vocab_size == 400
+    printed = capsys.readouterr().out
+    assert "coverage" in printed and "30 records" in printed
+    # inspect shows the same artifact
+    assert main(["inspect", str(out)]) == 0
+    assert "vocab_map" in capsys.readouterr().out
+
+
+def test_config_file_supplies_options_and_flags_win(tiny_tokenizer_dirs, data_file, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"target: {tiny_tokenizer_dirs['chatml']}\ndata: {data_file}\n"
+                   f"draft-vocab-size: 32\noutput: {tmp_path / 'from_file.safetensors'}\n")
+    assert main(["build-vocab-map", "--config", str(cfg), "-q"]) == 0
+    assert load_vocab_map(tmp_path / "from_file.safetensors").draft_vocab_size == 32
+    assert main(["build-vocab-map", "--config", str(cfg), "--draft-vocab-size", "48",
+                 "-o", str(tmp_path / "flag.safetensors"), "-q"]) == 0
+    assert load_vocab_map(tmp_path / "flag.safetensors").draft_vocab_size == 48
+
+
+def test_unknown_config_key_is_an_error_naming_it(tmp_path, data_file):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("target: x\ndraft_vocab: 12\n")
+    out = spec("build-vocab-map", "--config", str(cfg), "--data", str(data_file), "-o", "x")
+    assert out.returncode == 1
+    assert "unknown key 'draft_vocab'" in out.stderr
+    assert "draft-vocab-size" in out.stderr  # says what is accepted
+    assert "Traceback" not in out.stderr
+
+
+def test_user_errors_are_one_line_with_traceback_only_in_debug(tiny_tokenizer_dirs, data_file, tmp_path):
+    args = ["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(data_file),
+            "--draft-vocab-size", "100000", "-o", str(tmp_path / "v.safetensors")]
+    out = spec(*args)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "larger than the target vocab (400)" in lines[0] and "use at most 400" in lines[0]
+    assert not (tmp_path / "v.safetensors").exists()
+    debug = spec(*args, env={"SPEC_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_missing_data_and_bad_target_errors(tiny_tokenizer_dirs, tmp_path):
+    out = spec("build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(tmp_path / "no.jsonl"), "--draft-vocab-size", "10",
+               "-o", str(tmp_path / "v.safetensors"))
+    assert out.returncode == 1 and "data not found" in out.stderr
+    out = spec("build-vocab-map", "-t", str(tmp_path / "nomodel"), "-d", "x.jsonl", "-o", "v")
+    assert out.returncode == 1 and "does not exist" in out.stderr
+
+
+def test_no_supervised_tokens_is_an_error(tiny_tokenizer_dirs, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "q.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}] * 3)
+    code = main(["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(data),
+                 "--draft-vocab-size", "10", "-o", str(tmp_path / "v.safetensors")])
+    assert code == 1
+    assert "no usable records" in capsys.readouterr().err

@@ -1,0 +1,137 @@
+"""Tiny tokenizers and models built in the tests (no downloads).
+
+Each chat-template family below is written after the real one it names, so loss-mask tests cover
+templates that differ in the ways that matter: role headers, trimming, system prompts folded into a
+user turn, end-of-turn tokens vs eos, think blocks, and `{% generation %}` markers.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+WORDS = ("the a an of to and in is it you that he was for on are with as his they be at one have "
+         "this from or had by hot word but what some we can out other were all there when up use "
+         "your how said each she which do their time if will way about many then them write would "
+         "like so these her long make thing see him two has look more day could go come did number "
+         "sound no most people my over know water than call first who may down side been now find "
+         "code python model draft token 42 7 3.14 ! ? , . : ; ( ) { } = + - * / \n").split(" ")
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+QWEN3_THINK = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+GENERATION_MARKERS = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# family -> (template, special tokens, bos, eos, end-of-turn token, model config class name)
+TEMPLATES = {
+    "chatml": (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
+               "<|im_end|>", "Qwen2Config"),
+    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                        "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>",
+               "<|eot_id|>", "LlamaConfig"),
+    "gemma": (GEMMA, ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>",
+              "<end_of_turn>", "Gemma2Config"),
+    "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>", "</s>", "MistralConfig"),
+    "qwen3-think": (QWEN3_THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
+                    "<|im_end|>", "Qwen3Config"),
+    "generation-markers": (GENERATION_MARKERS, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None,
+                           "<|im_end|>", "<|im_end|>", "LlamaConfig"),
+}
+
+
+def random_text(rng: random.Random, n_min: int = 3, n_max: int = 30) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(n_min, n_max))).strip() or "ok"
+
+
+def random_sharegpt(rng: random.Random, turns: int | None = None) -> dict:
+    turns = turns or rng.randint(1, 3)
+    conv = []
+    for _ in range(turns):
+        conv.append({"from": "human", "value": random_text(rng)})
+        conv.append({"from": "gpt", "value": random_text(rng)})
+    return {"conversations": conv}
+
+
+def build_tokenizer(family: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    template, specials, bos, eos, _eot, _cfg = TEMPLATES[family]
+    rng = random.Random(1234)
+    corpus = [random_text(rng, 5, 40) for _ in range(400)] + ["system user assistant model think"] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                   pad_token=specials[0], chat_template=template)
+
+
+def tiny_config(family: str, vocab_size: int, num_layers: int = 8):
+    import transformers
+
+    cls = getattr(transformers, TEMPLATES[family][5])
+    return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+               tie_word_embeddings=False)
+
+
+def save_tiny_target(path: Path, family: str, with_model: bool = True, seed: int = 0) -> Path:
+    """A folder with the family's tokenizer and a config (and random weights when `with_model`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(family)
+    config = tiny_config(family, len(tokenizer))
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    if with_model:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    else:
+        config.save_pretrained(str(path))
+    return path
