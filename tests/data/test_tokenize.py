@@ -92,12 +92,13 @@ def test_parallel_is_deterministic_and_second_run_uses_the_cache(tmp_path, token
     def boom(*a, **k):
         raise AssertionError("the second run re-read the data")
 
+    real_load_records = tok_module.load_records
     monkeypatch.setattr(tok_module, "load_records", boom)
     again = _run(path, tokenizer, num_proc=2)
     assert again.metadata["cache_hit"]
     assert torch.equal(again.input_ids, serial.input_ids)
     # a different max length is a different cache entry
-    monkeypatch.undo()
+    monkeypatch.setattr(tok_module, "load_records", real_load_records)
     assert not _run(path, tokenizer, max_length=64).metadata["cache_hit"]
 
 
