@@ -39,6 +39,15 @@ MaxLength = Annotated[int, typer.Option(
     "--max-length", help="Truncate each conversation to this many tokens.", min=2)]
 NumProc = Annotated[int, typer.Option(
     "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1)]
+VocabMap = Annotated[Path, typer.Option(
+    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.")]
+AuxLayers = Annotated[Optional[str], typer.Option(
+    "--aux-layers", help="Three target layers the draft reads, as 0-indexed layer OUTPUTS "
+                         "(e.g. 1,14,26). Default: 1, N//2-1, N-4 for an N-layer target.")]
+Device = Annotated[Optional[str], typer.Option(
+    "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.")]
 
 
 @app.callback()
@@ -89,10 +98,51 @@ def build_vocab_map_cmd(
     print_vocab_map_summary(result)
 
 
+@app.command("precompute")
+def precompute_cmd(
+    target: Target,
+    data: Data,
+    vocab_map: VocabMap,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Feature cache folder to write.")],
+    encoding: Annotated[str, typer.Option(
+        "--encoding", help="hidden: aux + final hidden states (small; supervision rebuilt at load); "
+                           "probs: aux states + target probabilities over the draft vocab.")] = "hidden",
+    aux_layers: AuxLayers = None,
+    batch_tokens: Annotated[int, typer.Option(
+        "--batch-tokens", help="Bound on B x padded length per target batch (length-bucketed).",
+        min=1)] = 8192,
+    shard_tokens: Annotated[int, typer.Option(
+        "--shard-tokens", help="Real tokens per shard file (the unit of resume).", min=1)] = 65536,
+    max_length: MaxLength = 2048,
+    max_samples: Annotated[Optional[int], typer.Option(
+        "--max-samples", help="Use only the first N usable samples. Default: all.", min=1)] = None,
+    num_proc: NumProc = 1,
+    device: Device = None,
+    dtype: Dtype = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
+                                     "--no-resume deletes the folder's cache and starts over.")] = True,
+    config: Config = None,
+    quiet: Quiet = False,
+):
+    """Run the target over the data and write the feature cache the trainer reads (resumable;
+    scales out with `torchrun --nproc-per-node N spec precompute ...`)."""
+    from spec_cli.stages import precompute as stage
+    from spec_cli.ui import print_precompute_summary
+
+    set_quiet(quiet)
+    result = stage.run(stage.PrecomputeConfig(
+        target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
+        aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
+        max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
+        dtype=dtype, resume=resume))
+    print_precompute_summary(result)
+
+
 @app.command("inspect")
 def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
                 config: Config = None):
-    """Print what an artifact holds (vocab map, tokenised data)."""
+    """Print what an artifact holds (vocab map, tokenised data, feature cache)."""
     from spec_cli.ui import inspect_artifact
 
     inspect_artifact(path)

@@ -36,6 +36,22 @@ def print_vocab_map_summary(result) -> None:
     ])
 
 
+def print_precompute_summary(result) -> None:
+    m = result.manifest
+    tokens_per_s = result.computed_tokens / result.compute_seconds if result.computed_tokens else 0
+    summary("precompute", [
+        ("target", f"{m['target']} ({m['architecture']}, aux layers {m['aux_layers']}, {m['dtype']})"),
+        ("data", f"{m['data']} ({m['num_samples']} samples, {m['num_tokens']} tokens)"),
+        ("batches", f"{m['num_batches']} (padding {result.padding:.1%})"),
+        ("encoding", f"{m['encoding']}, {m['bytes_per_token']} bytes/token"),
+        ("shards", f"{m['num_shards']} ({result.computed_shards} computed, {result.reused_shards} reused)"),
+        ("size", f"{m['bytes'] / 1e9:.3f} GB"),
+        ("throughput", f"{tokens_per_s:.0f} tokens/s" if tokens_per_s else "-"),
+        ("written", str(result.output)),
+        ("time", f"{result.seconds:.1f} s"),
+    ])
+
+
 def inspect_artifact(path: Path) -> None:
     from safetensors import safe_open
 
@@ -43,7 +59,17 @@ def inspect_artifact(path: Path) -> None:
     if not path.exists():
         raise ArtifactError(f"{path} does not exist", "check the path")
     if path.is_dir():
-        raise ArtifactError(f"{path} is a folder spec_cli does not know", "pass an artifact file")
+        if (path / "manifest.json").is_file():
+            manifest = json.loads((path / "manifest.json").read_text())
+            console.print(f"[bold]{path}[/]  kind: {manifest.get('kind')}  "
+                          f"schema: {manifest.get('schema_version')}")
+            for key, value in sorted(manifest.items()):
+                if key != "shards":
+                    console.print(f"  {key}: {value}")
+            shards = manifest.get("shards", [])
+            console.print(f"  shards: {len(shards)} files, {sum(s['bytes'] for s in shards)} bytes")
+            return
+        raise ArtifactError(f"{path} is a folder spec_cli does not know", "pass an artifact file or folder")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("spec_cli", "{}"))

@@ -132,7 +132,9 @@ def load_config(path: Path):
 def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The target as a frozen causal LM in eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except Exception as exc:
@@ -248,3 +250,30 @@ def vocab_size(config, tokenizer=None) -> int:
             raise TargetError("the target config has no vocab_size", "pass a causal LM folder")
         return len(tokenizer)
     return max(int(v), len(tokenizer)) if tokenizer is not None else int(v)
+
+
+def target_fingerprint(path: Path) -> str:
+    """Config + weights. The weight-file hash is cached per (path, size, mtime) under SPEC_HOME."""
+    config_fp = config_fingerprint(load_config(path))
+    weight_files = sorted(p for p in Path(path).iterdir()
+                          if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    key = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in weight_files)
+    cache_file = spec_home() / "fingerprints.json"
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    weights = known.get(key)
+    if weights is None:
+        from spec_cli.artifacts.io import sha256_file, write_json
+
+        digest = hashlib.sha256()
+        for p in weight_files:
+            digest.update(sha256_file(p).encode())
+        weights = digest.hexdigest()
+        known[key] = weights
+        try:
+            write_json(cache_file, known)
+        except OSError:
+            pass
+    return hashlib.sha256(f"{config_fp}|{weights}".encode()).hexdigest()[:16]

@@ -1,0 +1,214 @@
+"""The offline feature cache: a folder of safetensors shards + manifest.json.
+
+Storage is ragged: the tokens of all samples of a shard are concatenated (padding is never stored) and
+`sample_offsets` / `batch_offsets` say where samples and batches start. Per token:
+
+  encoding `hidden` (default): aux_hidden [3H] + final_hidden [H] in the model dtype, argmax (int32),
+                               lse (fp32); `head.safetensors` holds the draft-vocab rows of the frozen
+                               lm_head once, so the loader rebuilds target_p / position_mask.
+  encoding `probs`:            aux_hidden [3H], target_p [Vd] in the model dtype, argmax, target_mass.
+
+Both also store input_ids (int32) and loss_mask (uint8), so training needs nothing but the cache.
+Shard i always holds the same batches whatever the number of ranks, so a resumed or re-split run
+writes identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, sha256_file, write_json
+from spec_cli.errors import ArtifactError
+
+KIND = "feature_cache"
+MANIFEST = "manifest.json"
+HEAD = "head.safetensors"
+ENCODINGS = ("hidden", "probs")
+# Keys that must match for a cache to be resumed or trained from, in the order they are reported.
+IDENTITY_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "vocab_map_fingerprint", "aux_layers",
+                 "encoding", "dtype", "data_fingerprint", "max_length", "batch_tokens", "shard_tokens")
+DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, dtype: str) -> int:
+    size = DTYPE_SIZE[dtype]
+    ids_and_mask = 4 + 1
+    if encoding == "hidden":
+        return (3 * hidden_size + hidden_size) * size + 4 + 4 + ids_and_mask
+    return (3 * hidden_size + draft_vocab_size) * size + 4 + 4 + ids_and_mask
+
+
+def identity_mismatch(expected: dict, found: dict) -> str | None:
+    """The first identity key whose values differ, phrased for the user, or None."""
+    for key in IDENTITY_KEYS:
+        if expected.get(key) != found.get(key):
+            return f"{key.replace('_', ' ')}: cache has {found.get(key)!r}, this run has {expected.get(key)!r}"
+    return None
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_shard(folder: Path, index: int, tensors: dict[str, torch.Tensor], identity: dict) -> dict:
+    """Write one shard atomically (temp file, fsync, rename) and its checksum sidecar."""
+    meta = {"spec_cli": json.dumps({"kind": "feature_cache_shard", "shard": index,
+                                    "identity": identity}, sort_keys=True)}
+    data = safetensors_bytes({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
+    path = Path(folder) / shard_name(index)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    entry = {"file": path.name, "shard": index, "bytes": len(data),
+             "sha256": hashlib.sha256(data).hexdigest(),
+             "samples": int(tensors["sample_offsets"].numel() - 1),
+             "batches": int(tensors["batch_offsets"].numel() - 1),
+             "tokens": int(tensors["input_ids"].numel())}
+    write_json(path.with_suffix(".json"), entry)
+    return entry
+
+
+def completed_shard(folder: Path, index: int, identity: dict) -> dict | None:
+    """The sidecar entry of a shard that is complete and verified, else None (caller recomputes).
+
+    A shard from a different cache identity is an error, never silently replaced or mixed in."""
+    path = Path(folder) / shard_name(index)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["spec_cli"])
+    except Exception:
+        return None  # unreadable: recompute it
+    mismatch = identity_mismatch(identity, meta.get("identity", {}))
+    if mismatch:
+        raise ArtifactError(f"{path} was made differently ({mismatch})",
+                            "write to a new output folder, or pass --no-resume to replace the cache")
+    sidecar = path.with_suffix(".json")
+    digest = sha256_file(path)
+    try:
+        entry = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        entry = None
+    if entry is None or entry.get("sha256") != digest:
+        if entry is not None:
+            return None  # checksum mismatch: the file was damaged
+        with safe_open(str(path), framework="pt") as f:  # killed between shard and sidecar
+            shapes = {k: f.get_slice(k).get_shape() for k in ("sample_offsets", "batch_offsets",
+                                                               "input_ids")}
+        entry = {"file": path.name, "shard": index, "bytes": path.stat().st_size, "sha256": digest,
+                 "samples": shapes["sample_offsets"][0] - 1, "batches": shapes["batch_offsets"][0] - 1,
+                 "tokens": shapes["input_ids"][0]}
+        write_json(sidecar, entry)
+    return entry
+
+
+def write_head(folder: Path, lm_head_selected: torch.Tensor, bias_selected: torch.Tensor | None,
+               selected_token_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None,
+               embed_tokens: torch.Tensor) -> None:
+    """Stored once per cache: the draft-vocab rows of the frozen lm_head (the `hidden` encoding
+    rebuilds target_p from them), the vocab map, and the input embeddings that seed the draft."""
+    tensors = {"lm_head_selected": lm_head_selected, "selected_token_ids": selected_token_ids.long(),
+               "t2d": t2d.bool(), "embed_tokens": embed_tokens}
+    if bias_selected is not None:
+        tensors["bias_selected"] = bias_selected
+    meta = {"spec_cli": json.dumps({"kind": "feature_cache_head", "softcap": softcap})}
+    with atomic_path(Path(folder) / HEAD) as tmp:
+        tmp.write_bytes(safetensors_bytes({k: v.contiguous().cpu() for k, v in tensors.items()},
+                                          metadata=meta))
+
+
+def write_manifest(folder: Path, identity: dict, info: dict, shards: list[dict]) -> dict:
+    manifest = {"schema_version": SCHEMA_VERSION, "kind": KIND, **identity, **info,
+                "num_shards": len(shards),
+                "num_samples": sum(s["samples"] for s in shards),
+                "num_batches": sum(s["batches"] for s in shards),
+                "num_tokens": sum(s["tokens"] for s in shards),
+                "bytes": sum(s["bytes"] for s in shards),
+                "shards": sorted(shards, key=lambda s: s["shard"])}
+    write_json(Path(folder) / MANIFEST, manifest)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        hint = ("the precompute run did not finish; rerun the same `spec precompute` command to resume"
+                if any(Path(folder).glob("shard-*.safetensors")) else "run `spec precompute` first")
+        raise ArtifactError(f"{folder} has no {MANIFEST}", hint)
+    manifest = json.loads(path.read_text())
+    if manifest.get("kind") != KIND or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ArtifactError(f"{folder} is not a feature cache of schema {SCHEMA_VERSION}",
+                            "rebuild it with `spec precompute`")
+    return manifest
+
+
+@dataclass
+class ShardIndex:
+    path: Path
+    sample_offsets: torch.Tensor  # [S+1] token offsets within the shard
+    batch_offsets: torch.Tensor  # [nb+1] sample offsets within the shard
+    sample_index: torch.Tensor  # [S] index in the tokenised data
+
+
+class FeatureCacheReader:
+    """Memory-mapped access to a complete cache: tokens, the batch plan, and per-sample features."""
+
+    def __init__(self, folder: Path, verify: bool = False):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        self.shards: list[ShardIndex] = []
+        self._handles: dict[int, object] = {}
+        for entry in self.manifest["shards"]:
+            path = self.folder / entry["file"]
+            if not path.is_file():
+                raise ArtifactError(f"{path} is missing from the cache", "rerun `spec precompute` to repair it")
+            if verify and sha256_file(path) != entry["sha256"]:
+                raise ArtifactError(f"{path} fails its checksum", "rerun `spec precompute` to repair it")
+            with safe_open(str(path), framework="pt") as f:
+                self.shards.append(ShardIndex(path, f.get_tensor("sample_offsets"),
+                                              f.get_tensor("batch_offsets"), f.get_tensor("sample_index")))
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.shards[shard].path), framework="pt")
+        return self._handles[shard]
+
+    def head(self) -> tuple[dict[str, torch.Tensor], dict]:
+        with safe_open(str(self.folder / HEAD), framework="pt") as f:
+            meta = json.loads(f.metadata()["spec_cli"])
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+    def locations(self):
+        """(shard, token_start, token_end, global_sample_id) for every sample, in cache order."""
+        gid = 0
+        for s, index in enumerate(self.shards):
+            offs = index.sample_offsets.tolist()
+            for j in range(len(offs) - 1):
+                yield s, offs[j], offs[j + 1], gid
+                gid += 1
+
+    def batches(self) -> list[list[int]]:
+        """The stored batch plan as lists of global sample ids (cache order)."""
+        plan, base = [], 0
+        for index in self.shards:
+            b = index.batch_offsets.tolist()
+            plan.extend([list(range(base + b[k], base + b[k + 1])) for k in range(len(b) - 1)])
+            base += b[-1]
+        return plan
+
+    def read(self, shard: int, name: str, start: int, end: int) -> torch.Tensor:
+        return self._handle(shard).get_slice(name)[start:end]
+
+    def close(self) -> None:
+        self._handles.clear()

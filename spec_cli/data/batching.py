@@ -1,0 +1,61 @@
+"""Length-bucketed batches and right-padded collation.
+
+The batch plan is a pure function of the sample lengths and `batch_tokens`, so precompute, the live
+backend and the trainer all see the same groups with the same padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_cli.artifacts.tokens import TokenizedData
+from spec_cli.errors import ConfigError
+
+
+def plan_batches(lengths: torch.Tensor, batch_tokens: int, max_batch_size: int | None = None
+                 ) -> list[list[int]]:
+    """Group samples of similar length: each batch's B * max_len <= batch_tokens.
+
+    Samples are taken longest first (ties by index), so a batch's padding is the length spread of
+    neighbours in sorted order. A sample longer than batch_tokens gets a batch of its own.
+    """
+    if batch_tokens < 1:
+        raise ConfigError("--batch-tokens must be positive", "use e.g. 8192")
+    order = torch.sort(-lengths.long(), stable=True).indices.tolist()
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_max = 0
+    for i in order:
+        length = int(lengths[i])
+        new_max = max(current_max, length)
+        full = max_batch_size is not None and len(current) >= max_batch_size
+        if current and (new_max * (len(current) + 1) > batch_tokens or full):
+            batches.append(current)
+            current, new_max = [], length
+        current.append(i)
+        current_max = new_max
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(tokens: TokenizedData, indices: list[int], pad_id: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, loss_mask), each [B, T] long."""
+    lengths = [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in indices]
+    T = max(lengths)
+    input_ids = torch.full((len(indices), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(indices), T), dtype=torch.long)
+    loss_mask = torch.zeros((len(indices), T), dtype=torch.long)
+    for row, (i, n) in enumerate(zip(indices, lengths)):
+        ids, mask = tokens.sample(i)
+        input_ids[row, :n] = ids.long()
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = mask.long()
+    return input_ids, attention_mask, loss_mask
+
+
+def padding_fraction(lengths: torch.Tensor, batches: list[list[int]]) -> float:
+    real = sum(int(lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    return 1 - real / padded if padded else 0.0

@@ -1,0 +1,44 @@
+"""torch.distributed helpers for stages launched with `torchrun` (one process per device)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init(device: torch.device | None = None) -> None:
+    """Join the process group when launched by torchrun (gloo on CPU, NCCL on CUDA)."""
+    if world_size() > 1 and not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+
+
+def local_device(device: torch.device) -> torch.device:
+    """cuda -> cuda:LOCAL_RANK under torchrun."""
+    if device.type == "cuda" and device.index is None and world_size() > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft model, its TTT unroll and losses."""

@@ -1,0 +1,249 @@
+"""`spec precompute`: run the target over the tokenised data and write the feature cache.
+
+Work is planned up front (length-bucketed batches grouped into shards by token count), so shard i
+always holds the same batches: an interrupted run skips its verified shards and writes the rest, and
+ranks under torchrun take shards i % world_size == rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spec_cli import assets, distributed
+from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts.vocab_map import load_vocab_map
+from spec_cli.console import info, progress
+from spec_cli.data.batching import collate, padding_fraction, plan_batches
+from spec_cli.data.tokenize import tokenize_data
+from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.target import loading
+
+
+_TEST_SHARD_DELAY = float(os.environ.get("SPEC_TEST_SHARD_DELAY", "0") or 0)
+
+
+@dataclass
+class PrecomputeConfig:
+    target: str
+    data: str
+    vocab_map: Path
+    output: Path
+    encoding: str = "hidden"
+    aux_layers: str | None = None
+    batch_tokens: int = 8192
+    shard_tokens: int = 65536
+    max_length: int = 2048
+    max_samples: int | None = None
+    num_proc: int = 1
+    device: str | None = None
+    dtype: str | None = None
+    resume: bool = True
+
+
+@dataclass
+class PrecomputeResult:
+    manifest: dict
+    output: Path
+    seconds: float
+    computed_shards: int
+    reused_shards: int
+    estimated_bytes: int
+    padding: float
+    compute_seconds: float = 0.0
+    computed_tokens: int = 0
+
+
+def plan_shards(batches: list[list[int]], lengths: torch.Tensor, shard_tokens: int) -> list[list[int]]:
+    """Consecutive batch indices grouped until a shard holds >= shard_tokens real tokens."""
+    shards, current, tokens = [], [], 0
+    for i, batch in enumerate(batches):
+        current.append(i)
+        tokens += int(lengths[batch].sum())
+        if tokens >= shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _check_disk(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise ArtifactError(f"the cache needs about {needed / 1e9:.2f} GB more but {folder} has "
+                            f"{free / 1e9:.2f} GB free",
+                            "free disk space, use fewer samples (--max-samples) or a smaller --max-length")
+
+
+def run(cfg: PrecomputeConfig) -> PrecomputeResult:
+    start = time.perf_counter()
+    if cfg.encoding not in fc.ENCODINGS:
+        raise ConfigError(f"unknown --encoding {cfg.encoding!r}", f"use one of {', '.join(fc.ENCODINGS)}")
+    device = distributed.local_device(loading.choose_device(cfg.device))
+    dtype = loading.choose_dtype(cfg.dtype, device)
+    distributed.init(device)
+    rank, world = distributed.rank(), distributed.world_size()
+
+    # ---- everything that can fail cheaply fails before the model loads
+    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
+    config = loading.load_config(target_dir)
+    n_layers = loading.num_layers(config)
+    aux_layers = loading.parse_aux_layers(cfg.aux_layers, n_layers)
+    tokenizer = loading.load_tokenizer(target_dir)
+    tok_fp = loading.tokenizer_fingerprint(tokenizer)
+    vocab_map = load_vocab_map(cfg.vocab_map)
+    if vocab_map.metadata.get("tokenizer_fingerprint") != tok_fp:
+        raise ArtifactError("the vocab map was built with a different tokenizer than this target's",
+                            "rebuild it with `spec build-vocab-map --target` this target")
+    if vocab_map.target_vocab_size != loading.vocab_size(config, tokenizer):
+        raise ArtifactError(f"the vocab map covers {vocab_map.target_vocab_size} target ids, the target "
+                            f"has {loading.vocab_size(config, tokenizer)}", "rebuild the vocab map")
+    data_path = Path(assets.resolve_data_arg(cfg.data))
+    if rank == 0:  # rank 0 tokenises (cached); the others then read the cache
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
+    distributed.barrier()
+    if rank != 0:
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
+    n_samples = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+    lengths = tokens.lengths[:n_samples]
+    batches = plan_batches(lengths, cfg.batch_tokens)
+    shards = plan_shards(batches, lengths, cfg.shard_tokens)
+    hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
+    dtype_name = str(dtype).replace("torch.", "")
+    identity = {
+        "target_fingerprint": loading.target_fingerprint(target_dir),
+        "tokenizer_fingerprint": tok_fp,
+        "vocab_map_fingerprint": vocab_map.fingerprint,
+        "aux_layers": aux_layers,
+        "encoding": cfg.encoding,
+        "dtype": dtype_name,
+        "data_fingerprint": f"{tokens.metadata['data_fingerprint']}:{n_samples}",
+        "max_length": cfg.max_length,
+        "batch_tokens": cfg.batch_tokens,
+        "shard_tokens": cfg.shard_tokens,
+    }
+
+    out = Path(cfg.output)
+    if not cfg.resume and rank == 0 and out.exists():
+        shutil.rmtree(out)
+    distributed.barrier()
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / fc.MANIFEST).is_file():
+        existing = fc.read_manifest(out)
+        mismatch = fc.identity_mismatch(identity, existing)
+        if mismatch:
+            raise ArtifactError(f"{out} holds a different feature cache ({mismatch})",
+                                "write to a new --output folder, or pass --no-resume to replace it")
+        info(f"feature cache {out} is already complete")
+        return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), 0,
+                                padding_fraction(lengths, batches))
+
+    mine = [i for i in range(len(shards)) if i % world == rank]
+    done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
+    todo = [i for i in mine if i not in done]
+    per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, dtype_name)
+    todo_tokens = sum(int(lengths[batches[b]].sum()) for i in todo for b in shards[i])
+    estimated = int(lengths.sum()) * per_token
+    info(f"feature cache: {n_samples} samples, {int(lengths.sum())} tokens, {len(batches)} batches in "
+         f"{len(shards)} shards; estimated size {estimated / 1e9:.2f} GB ({per_token} bytes/token); "
+         f"{len(done)} shard(s) already done")
+    _check_disk(out, todo_tokens * per_token)
+
+    backend = None
+    if todo or rank == 0:
+        from spec_cli.target.hf_backend import HFTargetBackend
+
+        backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+        backend.set_vocab_mapping(vocab_map.selected_token_ids)
+        if rank == 0:
+            fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
+                          vocab_map.selected_token_ids, vocab_map.t2d, backend.softcap,
+                          backend.get_input_embeddings())
+
+    loop_start = time.perf_counter()
+    writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next
+    pending = None
+    with progress(f"precompute (rank {rank})" if world > 1 else "precompute", total=todo_tokens) as bar:
+        for shard in todo:
+            tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
+                                     cfg.encoding, bar)
+            if pending is not None:
+                done[pending[0]] = pending[1].result()
+            pending = (shard, writer.submit(fc.write_shard, out, shard, tensors, identity))
+            if _TEST_SHARD_DELAY:  # lets tests interrupt a tiny run between shards
+                time.sleep(_TEST_SHARD_DELAY)
+        if pending is not None:
+            done[pending[0]] = pending[1].result()
+    writer.shutdown()
+    computed = len(todo)
+    compute_seconds = time.perf_counter() - loop_start
+
+    distributed.barrier()
+    manifest = None
+    if rank == 0:
+        entries = [fc.completed_shard(out, i, identity) for i in range(len(shards))]
+        if any(e is None for e in entries):
+            raise ArtifactError("some shards are missing after all ranks finished",
+                                "rerun the same command to compute them")
+        manifest = fc.write_manifest(out, identity, {
+            "architecture": backend.info["architecture"],
+            "vocab_size": backend.info["vocab_size"],
+            "hidden_size": backend.info["hidden_size"],
+            "num_layers": n_layers,
+            "draft_vocab_size": vocab_map.draft_vocab_size,
+            "target": str(target_dir),
+            "data": str(data_path),
+            "bytes_per_token": per_token,
+        }, entries)
+    distributed.barrier()
+    if backend is not None:
+        backend.close()
+    if manifest is None:
+        manifest = fc.read_manifest(out)
+    return PrecomputeResult(manifest, out, time.perf_counter() - start, computed,
+                            len(shards) - computed if rank == 0 else len(mine) - computed, estimated,
+                            padding_fraction(lengths, batches), compute_seconds, todo_tokens)
+
+
+def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: str, bar) -> dict:
+    """Run the target on each batch and keep the real tokens only (ragged)."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "input_ids", "loss_mask", "aux_hidden", "argmax", "final_hidden", "lse", "target_p",
+        "target_mass")}
+    sample_lengths, batch_sizes, sample_index = [], [], []
+    for indices in shard_batches:
+        input_ids, attention_mask, loss_mask = collate(tokens, indices)
+        aux, hidden = backend.run_target(input_ids, attention_mask)
+        argmax, lse = backend.full_vocab_stats(hidden)
+        if encoding == "probs":
+            with torch.inference_mode():
+                from spec_cli.target.supervision import draft_distribution
+
+                target_p, target_mass = draft_distribution(backend.draft_logits(hidden), lse)
+        real = attention_mask.bool().to(aux.device)  # [B, T]: ragged selection drops padding
+        parts["input_ids"].append(input_ids[attention_mask.bool()].to(torch.int32))
+        parts["loss_mask"].append(loss_mask[attention_mask.bool()].to(torch.uint8))
+        parts["aux_hidden"].append(aux[real].cpu())
+        parts["argmax"].append(argmax[real].to(torch.int32).cpu())
+        if encoding == "hidden":
+            parts["final_hidden"].append(hidden[real].cpu())
+            parts["lse"].append(lse[real].cpu())
+        else:
+            parts["target_p"].append(target_p[real].to(aux.dtype).cpu())
+            parts["target_mass"].append(target_mass[real].cpu())
+        sample_lengths.extend(attention_mask.sum(1).tolist())
+        batch_sizes.append(len(indices))
+        sample_index.extend(indices)
+        bar.advance(int(attention_mask.sum()))
+    tensors = {k: torch.cat(v) for k, v in parts.items() if v}
+    tensors["sample_offsets"] = torch.cumsum(torch.tensor([0] + sample_lengths), 0)
+    tensors["batch_offsets"] = torch.cumsum(torch.tensor([0] + batch_sizes), 0)
+    tensors["sample_index"] = torch.tensor(sample_index, dtype=torch.int64)
+    return tensors

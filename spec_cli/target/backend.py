@@ -1,0 +1,48 @@
+"""The one interface every source of supervision implements (in-process, remote, streaming).
+
+The trainer only ever calls these methods, so it cannot tell where its supervision came from.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from spec_cli.target.batch import TargetBatch
+
+
+class TargetBackend:
+    """Base class: subclasses implement generate_batch and get_input_embeddings."""
+
+    #: target facts the trainer checks against the vocab map / cache (set by subclasses)
+    info: dict
+
+    def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       seq_lens: torch.Tensor | None = None) -> TargetBatch:
+        raise NotImplementedError
+
+    def get_input_embeddings(self) -> torch.Tensor:
+        """The target's input embedding weight [V, H] (seeds the draft's frozen embeddings)."""
+        raise NotImplementedError
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
+        """The draft vocab (target ids, ascending) the supervision is computed over."""
+        raise NotImplementedError
+
+    def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+               position_ids: torch.Tensor | None = None,
+               seq_lens: torch.Tensor | None = None) -> Future | None:
+        """Start generate_batch asynchronously for prefetching. None: not supported (call
+        generate_batch instead)."""
+        return None
+
+    def close(self) -> None:
+        """Release resources (models, connections)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,40 @@
+"""What every target backend returns for one batch: the draft's inputs and its supervision.
+
+Alignment (DESIGN.md): aux hidden states stay position-aligned; input_ids, loss_mask and everything
+derived from the target's logits are shifted left by one, so at position t the draft sees the target's
+state after token t together with token t+1, and learns the target's distribution for token t+2.
+The last position of each row, which has nothing to shift in, is padding (loss_mask 0).
+Packing metadata (position_ids, seq_lens) is carried through unshifted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class TargetBatch:
+    aux_hidden: torch.Tensor  # [B, T, 3*H] target dtype, position-aligned
+    input_ids: torch.Tensor  # [B, T] long, shifted: input_ids[:, t] = x[t+1]
+    attention_mask: torch.Tensor  # [B, T] long, unshifted (1 = real token)
+    loss_mask: torch.Tensor  # [B, T] long, shifted like input_ids
+    target_p: torch.Tensor  # [B, T, Vd] fp32: softmax of the target's logits over the draft vocab
+    position_mask: torch.Tensor  # [B, T] bool: t2d[target argmax] & loss_mask
+    target_ids: torch.Tensor  # [B, T] long: the target's argmax (a target-vocab id)
+    target_mass: torch.Tensor  # [B, T] fp32: draft-vocab mass under the full-vocab normaliser
+    position_ids: torch.Tensor | None = None  # [B, T] long, unshifted (packing: restart per document)
+    seq_lens: torch.Tensor | None = None  # [B, max_docs] long, unshifted (packing)
+
+    def to(self, device: torch.device | str) -> "TargetBatch":
+        return replace(self, **{f.name: (getattr(self, f.name).to(device)
+                                         if getattr(self, f.name) is not None else None)
+                                for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())

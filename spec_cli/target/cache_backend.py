@@ -1,0 +1,126 @@
+"""A target backend that answers from a feature cache instead of running the target.
+
+The trainer forms batches from the cache's own tokens and asks for supervision exactly as it would ask
+a live target; each row (or packed document) is found by the hash of its token ids, its stored features
+are laid into the padded batch, and the same supervision functions as the live backend run on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from spec_cli.artifacts.feature_cache import FeatureCacheReader
+from spec_cli.artifacts.tokens import TokenizedData
+from spec_cli.errors import ArtifactError
+from spec_cli.target.backend import TargetBackend
+from spec_cli.target.batch import TargetBatch
+from spec_cli.target.supervision import assemble_batch, draft_distribution, selected_logits
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _key(ids: torch.Tensor) -> bytes:
+    return hashlib.sha1(ids.to(torch.int32).contiguous().numpy().tobytes()).digest()
+
+
+class CacheBackend(TargetBackend):
+    def __init__(self, folder: Path, device: torch.device | str = "cpu", verify: bool = False):
+        self.reader = FeatureCacheReader(folder, verify=verify)
+        m = self.reader.manifest
+        self.device = torch.device(device)
+        self.encoding = m["encoding"]
+        self.dtype = DTYPES[m["dtype"]]
+        self.info = {k: m[k] for k in ("architecture", "vocab_size", "hidden_size", "num_layers",
+                                       "aux_layers", "dtype", "target_fingerprint",
+                                       "tokenizer_fingerprint", "vocab_map_fingerprint")}
+        head, head_meta = self.reader.head()
+        self.selected = head["selected_token_ids"]
+        self.t2d = head["t2d"].to(self.device)
+        self.embed = head["embed_tokens"]
+        self.softcap = head_meta.get("softcap")
+        self.lm_head_selected = head.get("lm_head_selected")
+        self.bias_selected = head.get("bias_selected")
+        if self.lm_head_selected is not None:
+            self.lm_head_selected = self.lm_head_selected.to(self.device)
+        if self.bias_selected is not None:
+            self.bias_selected = self.bias_selected.to(self.device)
+        self._where: dict[bytes, tuple[int, int, int]] = {}
+        ids_parts, mask_parts, sample_index = [], [], []
+        for shard, index in enumerate(self.reader.shards):
+            ids = self.reader.read(shard, "input_ids", 0, int(index.sample_offsets[-1]))
+            ids_parts.append(ids)
+            mask_parts.append(self.reader.read(shard, "loss_mask", 0, int(index.sample_offsets[-1])))
+            sample_index.append(index.sample_index)
+            offs = index.sample_offsets.tolist()
+            for j in range(len(offs) - 1):
+                self._where.setdefault(_key(ids[offs[j]:offs[j + 1]]), (shard, offs[j], offs[j + 1]))
+        ids = torch.cat(ids_parts)
+        lengths = torch.cat([ix.sample_offsets[1:] - ix.sample_offsets[:-1] for ix in self.reader.shards])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        self._tokens = TokenizedData(ids, torch.cat(mask_parts), offsets, torch.cat(sample_index),
+                                     {"source": str(folder)})
+
+    # ------------------------------------------------------------------ cache-specific
+    def tokens(self) -> TokenizedData:
+        """Every sample of the cache (cache order); train batches are formed from these."""
+        return self._tokens
+
+    def plan(self) -> list[list[int]]:
+        return self.reader.batches()
+
+    # ------------------------------------------------------------------ interface
+    def get_input_embeddings(self) -> torch.Tensor:
+        return self.embed
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
+        if not torch.equal(selected_token_ids.long().cpu(), self.selected.long()):
+            raise ArtifactError("the vocab map differs from the one the feature cache was made with",
+                                "pass the --vocab-map used for `spec precompute`, or precompute again")
+
+    def _segments(self, attention_mask: torch.Tensor, seq_lens: torch.Tensor | None):
+        for b in range(attention_mask.shape[0]):
+            lengths = ([int(attention_mask[b].sum())] if seq_lens is None
+                       else [int(x) for x in seq_lens[b] if int(x) > 0])
+            start = 0
+            for n in lengths:
+                yield b, start, start + n
+                start += n
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
+                       seq_lens=None) -> TargetBatch:
+        B, T = input_ids.shape
+        H, dev = self.info["hidden_size"], self.device
+        aux = torch.zeros(B, T, 3 * H, dtype=self.dtype, device=dev)
+        argmax = torch.zeros(B, T, dtype=torch.long, device=dev)
+        if self.encoding == "hidden":
+            final = torch.zeros(B, T, H, dtype=self.dtype, device=dev)
+            lse = torch.zeros(B, T, dtype=torch.float32, device=dev)
+        else:
+            target_p = torch.zeros(B, T, self.selected.numel(), dtype=torch.float32, device=dev)
+            target_mass = torch.zeros(B, T, dtype=torch.float32, device=dev)
+        for b, a, e in self._segments(attention_mask, seq_lens):
+            where = self._where.get(_key(input_ids[b, a:e].cpu()))
+            if where is None:
+                raise ArtifactError("a training sample is not in the feature cache",
+                                    "train from the cache's own data, or precompute this data")
+            shard, s, t = where
+            aux[b, a:e] = self.reader.read(shard, "aux_hidden", s, t).to(dev)
+            argmax[b, a:e] = self.reader.read(shard, "argmax", s, t).to(dev).long()
+            if self.encoding == "hidden":
+                final[b, a:e] = self.reader.read(shard, "final_hidden", s, t).to(dev)
+                lse[b, a:e] = self.reader.read(shard, "lse", s, t).to(dev)
+            else:
+                target_p[b, a:e] = self.reader.read(shard, "target_p", s, t).to(dev).float()
+                target_mass[b, a:e] = self.reader.read(shard, "target_mass", s, t).to(dev)
+        if self.encoding == "hidden":
+            sel = selected_logits(final, self.lm_head_selected, self.bias_selected, self.softcap)
+            target_p, target_mass = draft_distribution(sel, lse)
+        return assemble_batch(aux, input_ids.to(dev), attention_mask.to(dev), loss_mask.to(dev),
+                              target_p, target_mass, argmax, self.t2d, position_ids, seq_lens)
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,116 @@
+"""The in-process Hugging Face target backend.
+
+The three aux layers are captured with forward hooks on those decoder layers (the model is never
+asked for every layer's hidden states), and full-vocab logits are scanned a chunk of tokens at a
+time (never a full fp32 [B*T, V] tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spec_cli.target import loading
+from spec_cli.target.backend import TargetBackend
+from spec_cli.target.batch import TargetBatch
+from spec_cli.target.supervision import (assemble_batch, block_causal_mask, draft_distribution,
+                                         full_vocab_stats, selected_logits)
+from spec_cli.errors import ConfigError
+
+
+class HFTargetBackend(TargetBackend):
+    def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None):
+        self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
+        config = loading.load_config(target_dir)
+        n = loading.num_layers(config)
+        # validated before the (slow) model load
+        self.aux_layers = (loading.parse_aux_layers(aux_layers, n) if not isinstance(aux_layers, list)
+                           else (loading.validate_aux_layers(aux_layers, n) or list(aux_layers)))
+        self.model = loading.load_model(target_dir, self.device, self.dtype)
+        self.decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        self.lm_head_weight = head.weight  # [V, H]
+        self.lm_head_bias = getattr(head, "bias", None)
+        text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
+        self.softcap = getattr(text, "final_logit_softcapping", None)
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = loading.decoder_layers(self.model)
+        self._hooks = [layers[i].register_forward_hook(self._capture(i)) for i in self.aux_layers]
+        self.selected: torch.Tensor | None = None
+        self.info = {
+            "architecture": (config.architectures or [type(self.model).__name__])[0],
+            "vocab_size": int(self.lm_head_weight.shape[0]),
+            "hidden_size": int(self.lm_head_weight.shape[1]),
+            "num_layers": n,
+            "aux_layers": list(self.aux_layers),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "target_fingerprint": loading.target_fingerprint(target_dir),
+            "tokenizer_fingerprint": loading.tokenizer_fingerprint(loading.load_tokenizer(target_dir)),
+        }
+
+    def _capture(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # ------------------------------------------------------------------ interface
+    def get_input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
+        selected = selected_token_ids.long().to(self.device)
+        if selected.numel() and int(selected.max()) >= self.info["vocab_size"]:
+            raise ConfigError("the vocab map has ids beyond this target's vocab",
+                              "build the vocab map with this target's tokenizer")
+        self.selected = selected
+        self.t2d = torch.zeros(self.info["vocab_size"], dtype=torch.bool, device=self.device)
+        self.t2d[selected] = True
+        self.lm_head_selected = self.lm_head_weight[selected].contiguous()  # [Vd, H]
+        self.bias_selected = None if self.lm_head_bias is None else self.lm_head_bias[selected]
+
+    @torch.inference_mode()
+    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
+        input_ids = input_ids.to(self.device)
+        mask = attention_mask.to(self.device)
+        if seq_lens is not None:  # packed rows: block-causal per document, positions restart
+            mask, doc_positions = block_causal_mask(seq_lens.to(self.device), input_ids.shape[1])
+            position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
+        elif position_ids is not None:
+            position_ids = position_ids.to(self.device)
+        self._captured.clear()
+        out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                           use_cache=False)
+        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
+        self._captured.clear()
+        return aux, out.last_hidden_state
+
+    def full_vocab_stats(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            return full_vocab_stats(hidden, self.lm_head_weight, self.lm_head_bias, self.softcap)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return selected_logits(hidden, self.lm_head_selected, self.bias_selected, self.softcap)
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
+                       seq_lens=None) -> TargetBatch:
+        if self.selected is None:
+            raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
+        aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens)
+        with torch.inference_mode():
+            argmax, lse = self.full_vocab_stats(hidden)
+            target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
+            return assemble_batch(aux, input_ids.to(self.device), attention_mask.to(self.device),
+                                  loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
+                                  position_ids, seq_lens)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.model = None

@@ -1,0 +1,113 @@
+"""Supervision math (DESIGN.md), shared by the live backends and the feature-cache reader so they
+produce the same batches bit for bit.
+
+Per token t (unshifted; the batch is shifted at the end):
+- argmax_t, lse_t : over the FULL target vocab (chunked, never a full fp32 [N, V] tensor at once)
+- sel_t           : the target's logits at the draft-vocab ids, [Vd]
+- target_p_t      = softmax(sel_t)                       renormalised over the draft vocab
+- target_mass_t   = exp(logsumexp(sel_t) - lse_t)        draft-vocab mass, full-vocab normaliser
+- position_mask_t = t2d[argmax_t] & loss_mask_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_cli.target.batch import TargetBatch
+
+LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma-2 style final logit soft-capping (identity when cap is None)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def full_vocab_stats(hidden: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None = None,
+                     cap: float | None = None, chunk_bytes: int = LOGITS_CHUNK_BYTES
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [...] long, logsumexp [...] fp32) of hidden @ lm_head.T, a chunk of tokens at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    vocab = lm_head.shape[0]
+    chunk = max(1, chunk_bytes // (4 * vocab))
+    argmax = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    lse = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk):
+        logits = flat[start:start + chunk] @ lm_head.T  # [n, V] model dtype
+        if bias is not None:
+            logits = logits + bias
+        logits = softcap(logits.float(), cap)
+        lse[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+        argmax[start:start + chunk] = logits.argmax(dim=-1)
+    return argmax.view(hidden.shape[:-1]), lse.view(hidden.shape[:-1])
+
+
+def selected_logits(hidden: torch.Tensor, lm_head_selected: torch.Tensor,
+                    bias_selected: torch.Tensor | None = None, cap: float | None = None) -> torch.Tensor:
+    """The target's logits at the draft-vocab ids. hidden [B, T, H] -> [B, T, Vd] fp32."""
+    logits = hidden @ lm_head_selected.T
+    if bias_selected is not None:
+        logits = logits + bias_selected
+    return softcap(logits.float(), cap)
+
+
+def draft_distribution(sel_logits: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target_p [B, T, Vd], target_mass [B, T]) from the draft-vocab logits and the full lse."""
+    target_p = torch.softmax(sel_logits, dim=-1)
+    target_mass = torch.exp(torch.logsumexp(sel_logits, dim=-1) - lse)
+    return target_p, target_mass
+
+
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """x[:, t] <- x[:, t+1]; the last position is zero. Works for [B, T, ...]."""
+    out = torch.zeros_like(x)
+    out[:, :-1] = x[:, 1:]
+    return out
+
+
+def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
+                   argmax: torch.Tensor, t2d: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   seq_lens: torch.Tensor | None = None) -> TargetBatch:
+    """Shift the per-token supervision left by one and zero everything at invalid positions.
+
+    All inputs are unshifted and position-aligned: [B, T] (+ [3H] / [Vd] trailing dims).
+    """
+    real = attention_mask.bool()  # [B, T]
+    valid = shift_left(real) & real  # position t has a next token t+1
+    vf = valid.unsqueeze(-1)
+    loss = shift_left(loss_mask.long()) * valid
+    target_ids = shift_left(argmax.long()) * valid
+    zero = torch.zeros((), dtype=aux_hidden.dtype, device=aux_hidden.device)
+    return TargetBatch(
+        aux_hidden=torch.where(real.unsqueeze(-1), aux_hidden, zero),  # pad rows carry no state
+        input_ids=shift_left(input_ids.long()) * valid,
+        attention_mask=attention_mask.long(),
+        loss_mask=loss,
+        target_p=torch.where(vf, shift_left(target_p.float()), 0.0),
+        position_mask=t2d.to(target_ids.device)[target_ids] & loss.bool(),
+        target_ids=target_ids,
+        target_mass=torch.where(valid, shift_left(target_mass.float()), 0.0),
+        position_ids=position_ids,
+        seq_lens=seq_lens,
+    )
+
+
+def block_causal_mask(seq_lens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [B, 1, T, T] bool, position_ids [B, T]) for rows packed with documents of seq_lens."""
+    B = seq_lens.shape[0]
+    mask = torch.zeros(B, 1, T, T, dtype=torch.bool, device=seq_lens.device)
+    position_ids = torch.zeros(B, T, dtype=torch.long, device=seq_lens.device)
+    for b in range(B):
+        start = 0
+        for length in seq_lens[b].tolist():
+            if length <= 0:
+                continue
+            end = start + length
+            mask[b, 0, start:end, start:end] = torch.ones(length, length, dtype=torch.bool,
+                                                          device=seq_lens.device).tril()
+            position_ids[b, start:end] = torch.arange(length, device=seq_lens.device)
+            start = end
+        pad = torch.arange(start, T, device=seq_lens.device)
+        mask[b, 0, pad, pad] = True  # padding attends to itself only (no all-masked rows -> no NaN)
+    return mask, position_ids
