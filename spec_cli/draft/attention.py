@@ -1,0 +1,324 @@
+"""TTT attention: step-0 causal attention plus each position's own keys from later TTT steps.
+
+At TTT step k (SpecForge's `cache_hidden` recurrence, DESIGN.md "TTT unroll"), query t attends to
+
+    keys = [k0[s] for s <= t in t's document]  +  [k1[t], k2[t], ..., kk[t]]
+
+The causal part runs in a fused attention kernel that also returns its log-sum-exp (lse); the k extra
+keys are per-position dot products; the two softmaxes merge exactly:
+
+    s_j = q . k_j[t] * scale                                 # [B, h, T] for each extra step j
+    lse = logaddexp(lse_c, logsumexp_j s_j)                  # the global normaliser
+    out = exp(lse_c - lse) * out_c + sum_j exp(s_j - lse) * v_j[t]
+
+Backward is exact too: flash attention's backward only needs the softmax probabilities
+P = exp(s - lse) and D = rowsum(dO * O). Run with the MERGED out and lse, the fused backward returns
+the exact gradient of the causal keys (the split-KV identity); the extra keys get theirs explicitly:
+
+    dS_j = P_j * (dO . v_j - D);  dq += dS_j * k_j * scale;  dk_j = dS_j * q * scale;  dv_j = P_j * dO
+
+No [T, T] score tensor is ever materialised (packing adds one [B, 1, T, T] bias, built once per batch),
+so memory grows linearly with T. Kernels (chosen by device and dtype at run time):
+- "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (+ its backward), GQA native.
+- "cuda_efficient": aten._scaled_dot_product_efficient_attention (+ its backward). Not run in this
+  repo's tests (no GPU); it is checked against the math kernel on a tiny input before first use and
+  replaced by the math kernel, with a warning, if it fails or disagrees.
+- "math": query-chunked plain PyTorch with the same (out, lse) contract; any device or dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# masks
+
+
+def block_causal_bias(seq_lens: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias for packed rows: causal within each document, -inf across.
+
+    seq_lens: [B, D] document lengths (zero-padded); slots past their sum form one more block.
+    Returns [B, 1, T, T] (0 = attend, -inf = masked). Its last dim is stored padded to a multiple of
+    16 elements, which the CUDA kernels require and the CPU kernel accepts.
+    """
+    doc = document_index(seq_lens, seq_len)  # [B, T]
+    same_doc = doc[:, :, None] == doc[:, None, :]  # [B, T, T]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc.device).tril()
+    padded = -(-seq_len // 16) * 16
+    bias = torch.zeros(doc.shape[0], 1, seq_len, padded, dtype=dtype, device=doc.device)
+    bias = bias[..., :seq_len]
+    bias.masked_fill_(~(same_doc & causal)[:, None], float("-inf"))
+    return bias
+
+
+def document_index(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, D] document lengths -> [B, T] index of each slot's document (D for trailing padding)."""
+    ends = seq_lens.long().cumsum(1)  # [B, D] exclusive end of each document
+    slots = torch.arange(seq_len, device=seq_lens.device).expand(seq_lens.shape[0], seq_len)
+    return torch.searchsorted(ends, slots.contiguous(), right=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# causal kernels: fwd(q, k, v, bias, scale) -> (out, lse, state); bwd(dout, q, k, v, bias, out, lse,
+# scale, state) -> (dq, dk, dv). q [B, h, T, d]; k, v [B, hkv, T, d]; bias None (causal) or an
+# additive [B, 1, T, T] bias that already contains the causal structure. lse [B, h, T] float32
+# (float64 for float64 inputs).
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _cpu_flash_fwd(q, k, v, bias, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, bias is None, attn_mask=bias, scale=scale)
+    return out, lse, None
+
+
+def _cpu_flash_bwd(dout, q, k, v, bias, out, lse, scale, state):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, bias is None, attn_mask=bias, scale=scale)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, h, T, d] -> [B, hkv, T, d], summing each kv head's query group."""
+    return x if x.shape[1] == kv_heads else x.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+def _cuda_efficient_fwd(q, k, v, bias, scale):
+    B, h, T, _ = q.shape
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    bias = None if bias is None else bias.expand(B, h, T, T)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, bias is None, scale=scale)
+    return out, lse[..., :T], (seed, offset, lse.shape[-1])  # lse comes padded to a multiple of 32
+
+
+def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
+    seed, offset, lse_len = state
+    B, h, T, _ = q.shape
+    kv_heads = k.shape[1]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    bias = None if bias is None else bias.expand(B, h, T, T)
+    lse = torch.nn.functional.pad(lse.float(), (0, lse_len - T))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q, k, v, bias, out.contiguous(), lse, seed, offset, 0.0,
+        [True, True, True, False], bias is None, scale=scale)
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+MATH_CHUNK = 256  # query rows per chunk of the math kernel: its memory is O(chunk * T)
+
+
+def _chunk_bias(bias, start, end, like):
+    """Additive bias for query rows [start, end) against keys [0, end)."""
+    if bias is not None:
+        return bias[:, :, start:end, :end]
+    rows = torch.arange(start, end, device=like.device)[:, None]
+    cols = torch.arange(end, device=like.device)[None, :]
+    return torch.zeros(end - start, end, dtype=like.dtype, device=like.device
+                       ).masked_fill_(cols > rows, float("-inf"))
+
+
+def _math_fwd(q, k, v, bias, scale):
+    acc = _acc_dtype(q.dtype)
+    T, h = q.shape[2], q.shape[1]
+    k, v = _repeat_kv(k, h).to(acc), _repeat_kv(v, h).to(acc)
+    out = torch.empty(q.shape, dtype=acc, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    for start in range(0, T, MATH_CHUNK):
+        end = min(start + MATH_CHUNK, T)  # causal: keys past `end` are never attended
+        s = q[:, :, start:end].to(acc) @ k[:, :, :end].transpose(-1, -2) * scale  # [B, h, c, end]
+        s = s + _chunk_bias(bias, start, end, s)
+        lse[:, :, start:end] = s.logsumexp(-1)
+        out[:, :, start:end] = torch.exp(s - lse[:, :, start:end, None]) @ v[:, :, :end]
+    return out.to(q.dtype), lse, None
+
+
+def _math_bwd(dout, q, k, v, bias, out, lse, scale, state):
+    acc = _acc_dtype(q.dtype)
+    T, h, kv_heads = q.shape[2], q.shape[1], k.shape[1]
+    k, v = _repeat_kv(k, h).to(acc), _repeat_kv(v, h).to(acc)
+    dout, out = dout.to(acc), out.to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    D = (dout * out).sum(-1, keepdim=True)  # [B, h, T, 1] rowsum(dO * O)
+    for start in range(0, T, MATH_CHUNK):
+        end = min(start + MATH_CHUNK, T)
+        qc, doc = q[:, :, start:end].to(acc), dout[:, :, start:end]
+        s = qc @ k[:, :, :end].transpose(-1, -2) * scale + _chunk_bias(bias, start, end, qc)
+        p = torch.exp(s - lse[:, :, start:end, None])  # [B, h, c, end] global probabilities
+        dv[:, :, :end] += p.transpose(-1, -2) @ doc
+        ds = p * (doc @ v[:, :, :end].transpose(-1, -2) - D[:, :, start:end])
+        dq[:, :, start:end] = ds @ k[:, :, :end] * scale
+        dk[:, :, :end] += ds.transpose(-1, -2) @ qc * scale
+    return (dq.to(q.dtype), _sum_groups(dk, kv_heads).to(q.dtype),
+            _sum_groups(dv, kv_heads).to(q.dtype))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+CPU_FLASH = Kernel("cpu_flash", _cpu_flash_fwd, _cpu_flash_bwd)
+CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_fwd, _cuda_efficient_bwd)
+MATH = Kernel("math", _math_fwd, _math_bwd)
+
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_checked: dict[tuple, bool] = {}
+
+
+def fused_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
+    """The fused kernel for this device and dtype, or None."""
+    if device.type == "cpu" and dtype in _CPU_DTYPES:
+        return CPU_FLASH
+    if device.type == "cuda" and dtype in _CUDA_DTYPES:
+        return CUDA_EFFICIENT
+    return None
+
+
+def pick_kernel(device: torch.device, dtype: torch.dtype, impl: str = "auto") -> Kernel:
+    """impl: "auto" (fused when available and self-checked, else math), "fused" or "math"."""
+    if impl == "math":
+        return MATH
+    kernel = fused_kernel(device, dtype)
+    if impl == "fused":
+        if kernel is None:
+            raise ValueError(f"no fused attention kernel for {device.type}/{dtype}")
+        return kernel
+    if impl != "auto":
+        raise ValueError(f"unknown attention impl {impl!r}: use auto, fused or math")
+    if kernel is None or not _self_check(kernel, device, dtype):
+        return MATH
+    return kernel
+
+
+def _self_check(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the kernel once on a tiny input (GQA, causal and masked) against the math kernel."""
+    key = (kernel.name, device.type, device.index, dtype)
+    if key not in _checked:
+        _checked[key] = _agrees_with_math(kernel, device, dtype)
+    return _checked[key]
+
+
+@torch.no_grad()
+def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    B, h, kv_heads, T, d = 2, 4, 2, 19, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q, k, v, dout = rand(B, h, T, d), rand(B, kv_heads, T, d), rand(B, kv_heads, T, d), rand(B, h, T, d)
+    seq_lens = torch.tensor([[7, 12], [19, 0]], device=device)
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    try:
+        for bias in (None, block_causal_bias(seq_lens, T, dtype)):
+            out, lse, state = kernel.fwd(q, k, v, bias, d ** -0.5)
+            ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
+            grads = kernel.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, state)
+            ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
+            pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
+            if not all(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol) for a, b in pairs):
+                raise RuntimeError("results differ from the math kernel")
+    except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
+        warnings.warn(f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
+                      f"self-check ({err}); using the slower math kernel")
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# the TTT attention
+
+
+def _extra_scores(q: torch.Tensor, extra_k: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """q [B, h, T, d], extra_k[j] [B, hkv, T, d] -> [B, h, T, n]: each query against its own position."""
+    qg = q.unflatten(1, (extra_k[0].shape[1], -1))  # [B, hkv, g, T, d]
+    return torch.stack([(qg * kj[:, :, None]).sum(-1).flatten(1, 2) for kj in extra_k], -1) * scale
+
+
+def _extra_values(p: torch.Tensor, extra_v: list[torch.Tensor]) -> torch.Tensor:
+    """p [B, h, T, n], extra_v[j] [B, hkv, T, d] -> sum_j p_j * v_j: [B, h, T, d]."""
+    kv_heads = extra_v[0].shape[1]
+    pg = p.unflatten(1, (kv_heads, -1))  # [B, hkv, g, T, n]
+    return sum(pg[..., j, None] * vj[:, :, None] for j, vj in enumerate(extra_v)).flatten(1, 2)
+
+
+class _TTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel, bias, scale, n_extra, q, k0, v0, *extra):
+        acc = _acc_dtype(q.dtype)
+        out_c, lse_c, state = kernel.fwd(q, k0, v0, bias, scale)  # [B, h, T, d], [B, h, T]
+        lse_c = lse_c.to(acc)
+        if n_extra == 0:
+            out, lse = out_c, lse_c
+        else:
+            extra_k = [x.to(acc) for x in extra[:n_extra]]
+            extra_v = [x.to(acc) for x in extra[n_extra:]]
+            s = _extra_scores(q.to(acc), extra_k, scale)  # [B, h, T, n]
+            lse = torch.logaddexp(lse_c, s.logsumexp(-1))  # [B, h, T] global normaliser
+            out = (torch.exp(lse_c - lse)[..., None] * out_c.to(acc)
+                   + _extra_values(torch.exp(s - lse[..., None]), extra_v)).to(q.dtype)
+        ctx.kernel, ctx.scale, ctx.n_extra, ctx.state = kernel, scale, n_extra, state
+        ctx.save_for_backward(bias, out, lse, q, k0, v0, *extra)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        bias, out, lse, q, k0, v0, *extra = ctx.saved_tensors
+        n, scale = ctx.n_extra, ctx.scale
+        # causal part: the fused backward with the merged out and lse is exact (split-KV identity)
+        dq, dk0, dv0 = ctx.kernel.bwd(dout, q, k0, v0, bias, out, lse, scale, ctx.state)
+        if n == 0:
+            return None, None, None, None, dq, dk0, dv0
+        acc = lse.dtype
+        extra_k = [x.to(acc) for x in extra[:n]]
+        extra_v = [x.to(acc) for x in extra[n:]]
+        q_, dout_ = q.to(acc), dout.to(acc)
+        kv_heads = k0.shape[1]
+        p = torch.exp(_extra_scores(q_, extra_k, scale) - lse[..., None])  # [B, h, T, n]
+        D = (dout_ * out.to(acc)).sum(-1)  # [B, h, T] rowsum(dO * O)
+        dq = dq.to(acc)
+        dks, dvs = [], []
+        for j in range(n):
+            kj = _repeat_kv(extra_k[j], q.shape[1])
+            vj = _repeat_kv(extra_v[j], q.shape[1])
+            ds = p[..., j] * ((dout_ * vj).sum(-1) - D)  # [B, h, T]
+            dq = dq + ds[..., None] * kj * scale
+            dks.append(_sum_groups(ds[..., None] * q_ * scale, kv_heads).to(extra[j].dtype))
+            dvs.append(_sum_groups(p[..., j, None] * dout_, kv_heads).to(extra[n + j].dtype))
+        return (None, None, None, None, dq.to(q.dtype), dk0, dv0, *dks, *dvs)
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                  extra_k: list[torch.Tensor] = (), extra_v: list[torch.Tensor] = (),
+                  bias: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """Attention of TTT step n = len(extra_k): causal over (k0, v0), plus each query's own position
+    in every extra (k_j, v_j).
+
+    q: [B, h, T, d]; k0, v0, extra_k[j], extra_v[j]: [B, hkv, T, d] (hkv divides h);
+    bias: None for causal (right padding needs nothing more: padded keys sit after every real query),
+    or an additive [B, 1, T, T] bias holding the block-causal structure (`block_causal_bias`).
+    Returns [B, h, T, d].
+    """
+    if len(extra_k) != len(extra_v):
+        raise ValueError("extra_k and extra_v must have the same length")
+    kernel = pick_kernel(q.device, q.dtype, impl)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if bias is not None:
+        bias = bias.to(q.dtype)
+    return _TTTAttention.apply(kernel, bias, scale, len(extra_k), q, k0, v0, *extra_k, *extra_v)

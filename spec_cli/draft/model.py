@@ -1,0 +1,349 @@
+"""The EAGLE-3 draft: a Llama-style decoder layer over [token embedding, target aux hidden states].
+
+Parameter and buffer names are the ones the engines load (DESIGN.md), so export is a rename at most:
+
+    embed_tokens.weight            [V, H]      copied from the target, frozen
+    fc_norm.{0,1,2}.weight         [H_t]       EAGLE-3.1 only: one RMSNorm per aux chunk
+    fc.weight                      [H, 3*H_t]
+    midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
+    midlayer.self_attn.{q,k,v,o}_proj.weight   q/k/v read 2*H: cat(input_layernorm(embeds), hidden_norm(hidden))
+    midlayer.mlp.{gate,up,down}_proj.weight
+    layers.{i}.*                   i = 1..n-1: ordinary Llama layers (H input), when num_hidden_layers > 1.
+                                   vLLM names the first layer `layers.0.` (it maps `midlayer.` there), so
+                                   the extra layers continue that numbering.
+    norm.weight, lm_head.weight    [Vd, H]
+    d2t [Vd] int64 (target_id = draft_id + d2t[draft_id]), t2d [V] bool  (persistent buffers)
+
+One step maps (token ids, incoming state) -> the state fed to the next step:
+    x = layer_0(embed(ids), hidden); x = layer_i(x) ...; state = norm(x) if norm_output else x
+and `logits(state)` applies `norm` unless `norm_output` already did.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+from spec_cli.draft.attention import ttt_attention
+from spec_cli.draft.config import DraftConfig
+from spec_cli.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# rotary embeddings
+
+
+def rope_inv_freq(config: DraftConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) for default, linear and llama3 rope."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ConfigError(f"rope type {kind!r} is not supported by the draft model",
+                      "supported: default, linear, llama3; override the draft's rope_scaling")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d]; cos, sin [B, T, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() if x.element_size() < 4 else x  # half precision: normalise in fp32
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """The projections of a Llama attention block; the attention itself is passed in (`attend`)."""
+
+    def __init__(self, config: DraftConfig, input_size: int):
+        super().__init__()
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(input_size, h * d, bias=False)
+        self.k_proj = nn.Linear(input_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(input_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, in] -> q [B, h, T, d], k, v [B, hkv, T, d] (rope applied to q and k)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, h, T, d] -> [B, T, H]."""
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama decoder layer. The first one (`midlayer`) also reads the token embeddings: its q/k/v
+    take cat(input_layernorm(embeds), hidden_norm(hidden)) [2*H]; the residual is the un-normed hidden."""
+
+    def __init__(self, config: DraftConfig, first: bool):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.first = first
+        self.input_layernorm = RMSNorm(H, eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(config, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, attend):
+        """embeds [B, T, H] (first layer; None otherwise), hidden [B, T, H] ->
+        (hidden [B, T, H], k [B, hkv, T, d], v [B, hkv, T, d]). attend(q, k, v) -> [B, h, T, d]."""
+        if self.first:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        else:
+            x = self.input_layernorm(hidden)
+        q, k, v = self.self_attn.qkv(x, cos, sin)
+        hidden = hidden + self.self_attn.out(attend(q, k, v))
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental decoding
+
+
+class KVCache:
+    """Keys/values per layer for decoding, [B, hkv, L, d] each; all rows share one length."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append this call's k, v [B, hkv, n, d]; return the whole cache of the layer."""
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], 2), torch.cat([self.v[layer], v], 2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (drop rejected speculative tokens)."""
+        self.k = [None if k is None else k[:, :, :length] for k in self.k]
+        self.v = [None if v is None else v[:, :, :length] for v in self.v]
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        H, Ht = config.hidden_size, config.target_hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps) for _ in range(3))
+        self.fc = nn.Linear(3 * Ht, H, bias=False)
+        self.midlayer = DecoderLayer(config, first=True)
+        if config.num_hidden_layers > 1:
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
+                                         for i in range(1, config.num_hidden_layers)})
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        rope_inv_freq(config)  # fail early on an unsupported rope type
+        self.attn_impl = "auto"  # TTT attention kernel: auto | fused | math
+
+    # -- vocabulary and weights ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def set_vocab_map(self, selected_token_ids: torch.Tensor) -> None:
+        """Fill d2t (offsets) and t2d (mask) from the ascending selected target ids [Vd]."""
+        ids = torch.as_tensor(selected_token_ids).long().to(self.d2t.device)
+        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
+        if ids.shape != (Vd,):
+            raise ConfigError(f"vocab map has {ids.numel()} ids, the draft vocab is {Vd}",
+                              "rebuild the vocab map or the draft with the same --draft-vocab-size")
+        if ids.min() < 0 or ids.max() >= V or (Vd > 1 and bool((ids[1:] <= ids[:-1]).any())):
+            raise ConfigError("selected token ids must be ascending, distinct and inside the target "
+                              f"vocab (0..{V - 1})", "rebuild the vocab map for this target")
+        self.d2t.copy_(ids - torch.arange(Vd, device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def has_vocab_map(self) -> bool:
+        return int(self.t2d.sum()) == self.config.draft_vocab_size
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids (d2t holds offsets)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def copy_embeddings(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embedding [V, H]."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ConfigError(f"target embedding {tuple(weight.shape)} does not fit the draft's "
+                              f"{tuple(self.embed_tokens.weight.shape)}",
+                              "the draft's hidden size must equal the target's")
+        self.embed_tokens.weight.copy_(weight)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        extra = [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]
+        return [self.midlayer, *extra]
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3*H_t] target aux states -> [B, T, H]: fc_norm (EAGLE-3.1) then fc."""
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(3, dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] step state -> [..., Vd]; `norm` unless norm_output already applied it."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+
+    def rope(self, position_ids: torch.Tensor):
+        """[B, T] positions -> cos, sin [B, T, head_dim] in the model dtype."""
+        # fp32 always (a buffer would be cast by .to(bfloat16)); d/2 values, computed per call
+        inv_freq = rope_inv_freq(self.config).to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _layers(self, embeds, hidden, cos, sin, attends):
+        """Run the decoder stack. attends[i](q, k, v) -> [B, h, T, d] is layer i's attention.
+        Returns (state fed to the next step [B, T, H], [(k, v)] per layer)."""
+        kvs = []
+        for i, layer in enumerate(self.decoder_layers):
+            hidden, k, v = layer(embeds if i == 0 else None, hidden, cos, sin, attends[i])
+            kvs.append((k, v))
+        return (self.norm(hidden) if self.config.norm_output else hidden), kvs
+
+    # -- TTT (training) --------------------------------------------------------------------------
+
+    def ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, caches: list[list], bias: torch.Tensor | None = None,
+                 checkpoint: bool = False) -> torch.Tensor:
+        """One TTT step over whole rows.
+
+        input_ids [B, T]; hidden [B, T, H]: project(aux) at step 0, the previous step's state after;
+        caches: one list per layer of the (k, v) of earlier steps ([0] = step 0), appended to here;
+        bias: None (causal) or block_causal_bias. Returns the state for the next step [B, T, H].
+        """
+        attends = [_ttt_attend(list(cache), bias, self.attn_impl) for cache in caches]
+        embeds = self.embed_tokens(input_ids)  # [B, T, H], frozen
+        if checkpoint:  # recompute the layer in backward: keeps only its inputs and k/v
+            state, kvs = activation_checkpoint(self._layers, embeds, hidden, cos, sin, attends,
+                                               use_reentrant=False)
+        else:
+            state, kvs = self._layers(embeds, hidden, cos, sin, attends)
+        for cache, kv in zip(caches, kvs):
+            cache.append(kv)
+        return state
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                position_ids: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 0 over whole rows (causal): [B, T] ids, [B, T, 3*H_t] aux -> state [B, T, H]."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = self.rope(position_ids)
+        caches = [[] for _ in self.decoder_layers]
+        return self.ttt_step(input_ids, self.project(aux_hidden), cos, sin, caches, bias)
+
+    # -- incremental decoding --------------------------------------------------------------------
+
+    def forward_step(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                     position_ids: torch.Tensor, cache: KVCache,
+                     attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode n new positions against the cache: input_ids [B, n], hidden [B, n, H]
+        (project(aux) for positions the target verified, the draft's own state when drafting),
+        position_ids [B, n]. attn_mask [B, 1, n, L_old + n] bool (True = attend) for tree drafts;
+        default causal. Appends to `cache`; returns the states [B, n, H] (`logits` of them predict
+        the next tokens)."""
+        n, past = input_ids.shape[1], len(cache)
+        if attn_mask is None:
+            attn_mask = torch.ones(n, past + n, dtype=torch.bool, device=input_ids.device).tril(past)
+        cos, sin = self.rope(position_ids)
+
+        def attend_fn(i):
+            def attend(q, k, v):
+                k, v = cache.update(i, k, v)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+            return attend
+
+        attends = [attend_fn(i) for i in range(len(self.decoder_layers))]
+        state, _ = self._layers(self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype),
+                                cos, sin, attends)
+        return state
+
+
+def _ttt_attend(cache: list, bias, impl: str):
+    """Layer attention at TTT step len(cache): step 0 is causal over its own keys; later steps
+    attend the step-0 prefix plus each position's own keys from steps 1..k (`cache` + this step)."""
+    def attend(q, k, v):
+        if not cache:
+            return ttt_attention(q, k, v, bias=bias, impl=impl)
+        (k0, v0), later = cache[0], cache[1:]
+        extra_k = [kv[0] for kv in later] + [k]
+        extra_v = [kv[1] for kv in later] + [v]
+        return ttt_attention(q, k0, v0, extra_k, extra_v, bias=bias, impl=impl)
+    return attend
