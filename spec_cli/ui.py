@@ -52,6 +52,22 @@ def print_precompute_summary(result) -> None:
     ])
 
 
+def print_train_summary(result) -> None:
+    rows = [("run", str(result.run_dir)), ("checkpoint", str(result.checkpoint)),
+            ("steps", result.steps), ("time", f"{result.seconds / 60:.1f} min")]
+    if result.final_train:
+        t = result.final_train
+        rows.append(("train (last window)", f"loss {t['loss']:.4f}  acc step0 {t['acc'][0]:.3f}  "
+                                            f"sim. accept len {t['acceptance_length']:.3f}"))
+    if result.final_eval:
+        e = result.final_eval
+        rows.append(("eval", f"loss {e['loss']:.4f}  acc " + " ".join(f"{a:.3f}" for a in e["acc"])
+                     + f"  sim. accept len {e['acceptance_length']:.3f}"))
+    if result.plot:
+        rows.append(("curves", str(result.plot)))
+    summary("train", rows)
+
+
 def inspect_artifact(path: Path) -> None:
     from safetensors import safe_open
 

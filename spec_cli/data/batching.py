@@ -59,3 +59,32 @@ def padding_fraction(lengths: torch.Tensor, batches: list[list[int]]) -> float:
     real = sum(int(lengths[b].sum()) for b in batches)
     padded = sum(len(b) * int(lengths[b].max()) for b in batches)
     return 1 - real / padded if padded else 0.0
+
+
+def plan_packed(lengths: torch.Tensor, row_tokens: int) -> list[list[int]]:
+    """Pack samples into rows of at most row_tokens tokens (first-fit decreasing); one row per batch.
+
+    A sample longer than row_tokens gets a row of its own."""
+    order = torch.sort(-lengths.long(), stable=True).indices.tolist()
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for r, room in enumerate(free):
+            if n <= room:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(max(row_tokens - n, 0))
+    return rows
+
+
+def collate_packed(tokens: TokenizedData, indices: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row: (input_ids, attention_mask, loss_mask) [1, T] and seq_lens [1, D]."""
+    ids = torch.cat([tokens.sample(i)[0].long() for i in indices]).unsqueeze(0)
+    loss = torch.cat([tokens.sample(i)[1].long() for i in indices]).unsqueeze(0)
+    seq_lens = torch.tensor([[int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in indices]])
+    return ids, torch.ones_like(ids), loss, seq_lens

@@ -201,12 +201,14 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
             "target": str(target_dir),
             "data": str(data_path),
             "bytes_per_token": per_token,
+            "target_config": config.to_dict(),
         }, entries)
     distributed.barrier()
     if backend is not None:
         backend.close()
     if manifest is None:
         manifest = fc.read_manifest(out)
+    distributed.shutdown()
     return PrecomputeResult(manifest, out, time.perf_counter() - start, computed,
                             len(shards) - computed if rank == 0 else len(mine) - computed, estimated,
                             padding_fraction(lengths, batches), compute_seconds, todo_tokens)
@@ -223,7 +225,7 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
         aux, hidden = backend.run_target(input_ids, attention_mask)
         argmax, lse = backend.full_vocab_stats(hidden)
         if encoding == "probs":
-            with torch.inference_mode():
+            with torch.no_grad():
                 from spec_cli.target.supervision import draft_distribution
 
                 target_p, target_mass = draft_distribution(backend.draft_logits(hidden), lse)

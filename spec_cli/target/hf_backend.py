@@ -71,7 +71,7 @@ class HFTargetBackend(TargetBackend):
         self.lm_head_selected = self.lm_head_weight[selected].contiguous()  # [Vd, H]
         self.bias_selected = None if self.lm_head_bias is None else self.lm_head_bias[selected]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ class HFTargetBackend(TargetBackend):
         return aux, out.last_hidden_state
 
     def full_vocab_stats(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode():
+        with torch.no_grad():
             return full_vocab_stats(hidden, self.lm_head_weight, self.lm_head_bias, self.softcap)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class HFTargetBackend(TargetBackend):
         if self.selected is None:
             raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
         aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens)
-        with torch.inference_mode():
+        with torch.no_grad():
             argmax, lse = self.full_vocab_stats(hidden)
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
             return assemble_batch(aux, input_ids.to(self.device), attention_mask.to(self.device),

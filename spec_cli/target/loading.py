@@ -209,10 +209,11 @@ def validate_aux_layers(ids: list[int], n: int) -> None:
                           f"e.g. the default {','.join(map(str, default_aux_layers(n)))}")
     if len(set(ids)) != len(ids):
         raise ConfigError(f"--aux-layers {ids} repeats a layer", "give three distinct layer ids")
-    bad = [i for i in ids if not 0 <= i < n]
+    bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",
-                          f"use ids in 0..{n - 1} (0-indexed layer outputs)")
+                          f"use ids in 0..{n - 2} (0-indexed layer outputs; vLLM and SGLang capture "
+                          "a layer's input, so the last layer's output cannot be served)")
     if n < 4:
         raise TargetError(f"the target has only {n} decoder layers", "EAGLE-3 needs at least 4")
 

@@ -59,6 +59,10 @@ def test_aux_layer_defaults_and_validation():
     assert loading.parse_aux_layers("2,10,20", 30) == [2, 10, 20]
     with pytest.raises(ConfigError, match="out of range"):
         loading.parse_aux_layers("1,14,30", 30)
+    with pytest.raises(ConfigError, match="out of range") as err:
+        loading.parse_aux_layers("1,14,29", 30)
+    assert "last layer's output cannot be served" in err.value.hint
+    assert loading.parse_aux_layers("0,14,28", 30) == [0, 14, 28]
     with pytest.raises(ConfigError, match="out of range"):
         loading.parse_aux_layers("-1,14,20", 30)
     with pytest.raises(ConfigError, match="repeats"):

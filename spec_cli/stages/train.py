@@ -1,0 +1,444 @@
+"""`spec train`: train an EAGLE-3 draft with the TTT unroll.
+
+Supervision comes from a feature cache (`--cache`) or a live target (`--target`), both through the
+TargetBackend interface. The batch plan is fixed up front and epoch e visits it in the order of a
+permutation seeded by (seed, e), so the data position is a function of the step alone: `--resume`
+continues exactly where a run stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spec_cli import assets, distributed
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.artifacts.io import write_json
+from spec_cli.artifacts.vocab_map import load_vocab_map
+from spec_cli.console import info
+from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
+from spec_cli.draft.config import DraftConfig
+from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.ttt import ttt_forward
+from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.stages.train_log import TrainLogger, plot_curves
+from spec_cli.target import loading
+
+# Options that may change between a run and its --resume (they do not change the math).
+RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
+                     "resume", "device", "num_proc", "activation_checkpointing"}
+
+
+@dataclass
+class TrainConfig:
+    vocab_map: Path
+    output: Path
+    cache: Path | None = None
+    target: str | None = None
+    data: str | None = None
+    # data
+    max_length: int = 2048
+    max_samples: int | None = None
+    batch_tokens: int = 8192
+    pack: bool = False
+    eval_fraction: float = 0.02
+    num_proc: int = 1
+    # draft
+    aux_layers: str | None = None
+    draft_layers: int = 1
+    draft_hidden_size: int | None = None
+    draft_intermediate_size: int | None = None
+    draft_heads: int | None = None
+    draft_kv_heads: int | None = None
+    fc_norm: bool = False
+    norm_output: bool = False
+    # objective
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    loss: str = "soft-ce"
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 1.0
+    # optimisation
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    max_steps: int | None = None
+    epochs: float = 1.0
+    seed: int = 0
+    activation_checkpointing: bool = False
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 500
+    keep_last: int = 3
+    resume: bool = False
+    device: str | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path
+    steps: int
+    seconds: float
+    final_train: dict | None
+    final_eval: dict | None
+    plot: Path | None
+
+
+# ----------------------------------------------------------------------------- data sources
+
+@dataclass
+class Source:
+    backend: object  # TargetBackend
+    tokens: object  # TokenizedData
+    plan: list[list[int]]
+    target_config: dict
+    aux_layers: list[int]
+    identity: dict
+
+
+def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
+    if (cfg.cache is None) == (cfg.target is None):
+        raise ConfigError("pass exactly one of --cache (a feature cache) or --target (a live target)",
+                          "e.g. spec train --cache cache/ --vocab-map vocab.safetensors -o runs/x")
+    if cfg.cache is not None:
+        from spec_cli.target.cache_backend import CacheBackend
+
+        backend = CacheBackend(cfg.cache, device=device)
+        m = backend.reader.manifest
+        if m["vocab_map_fingerprint"] != vocab_map.fingerprint:
+            raise ArtifactError("the vocab map differs from the one the feature cache was made with",
+                                "pass the --vocab-map used for `spec precompute`")
+        if cfg.aux_layers not in (None, "", "auto") and \
+                loading.parse_aux_layers(cfg.aux_layers, m["num_layers"]) != m["aux_layers"]:
+            raise ArtifactError(f"--aux-layers {cfg.aux_layers} differs from the cache's {m['aux_layers']}",
+                                "drop --aux-layers (the cache decides) or precompute again")
+        target_config = m.get("target_config") or loading.load_config(m["target"]).to_dict()
+        tokens = backend.tokens()
+        plan = backend.plan() if not cfg.pack else plan_packed(tokens.lengths, cfg.batch_tokens)
+        identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+        return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity)
+
+    from spec_cli.data.tokenize import tokenize_data
+    from spec_cli.target.hf_backend import HFTargetBackend
+
+    if cfg.data is None:
+        raise ConfigError("--target needs --data", "pass the chat data to train on")
+    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
+    config = loading.load_config(target_dir)
+    aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config))
+    tokenizer = loading.load_tokenizer(target_dir)
+    tok_fp = loading.tokenizer_fingerprint(tokenizer)
+    if vocab_map.metadata.get("tokenizer_fingerprint") != tok_fp:
+        raise ArtifactError("the vocab map was built with a different tokenizer than this target's",
+                            "rebuild it with `spec build-vocab-map` for this target")
+    data_path = Path(assets.resolve_data_arg(cfg.data))
+    if distributed.is_main():
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
+    distributed.barrier()
+    if not distributed.is_main():
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
+    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+    lengths = tokens.lengths[:n]
+    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
+    dtype = loading.choose_dtype(cfg.dtype, device)
+    backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+    identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity)
+
+
+def split_eval(plan: list[list[int]], fraction: float, seed: int) -> tuple[list, list]:
+    """(train batches, held-out eval batches): a seeded choice of whole batches."""
+    n_eval = 0 if fraction <= 0 or len(plan) < 2 else max(1, round(len(plan) * fraction))
+    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    held = set(order[:n_eval])
+    return [b for i, b in enumerate(plan) if i not in held], [b for i, b in enumerate(plan) if i in held]
+
+
+def batch_at(train_batches: list, g: int, seed: int) -> tuple[int, list[int]]:
+    """(epoch, sample indices) of global micro-batch number g."""
+    epoch, pos = divmod(g, len(train_batches))
+    order = torch.randperm(len(train_batches), generator=torch.Generator().manual_seed(seed + epoch))
+    return epoch, train_batches[int(order[pos])]
+
+
+def supervise(source: Source, indices: list[int], pack: bool, device: torch.device):
+    if pack:
+        ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
+        batch = source.backend.generate_batch(ids, am, lm, seq_lens=seq_lens)
+    else:
+        ids, am, lm = collate(source.tokens, indices)
+        batch = source.backend.generate_batch(ids, am, lm)
+    return batch.to(device)
+
+
+# ----------------------------------------------------------------------------- schedule / model
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class TTTObjective(nn.Module):
+    """The draft + its TTT loss behind one forward(), so DDP can wrap it."""
+
+    def __init__(self, draft: Eagle3Draft, cfg: TrainConfig):
+        super().__init__()
+        self.draft = draft
+        self.kw = dict(ttt_steps=cfg.ttt_steps, step_weight=cfg.step_weight, loss=cfg.loss,
+                       lk_kl_scale=cfg.lk_kl_scale, lk_kl_decay=cfg.lk_kl_decay,
+                       checkpoint=cfg.activation_checkpointing)
+
+    def forward(self, batch):
+        return ttt_forward(self.draft, batch, **self.kw)
+
+
+class Metrics:
+    """Sums over micro-batches (and ranks) of the TTT metrics."""
+
+    def __init__(self, k: int):
+        self.loss = torch.zeros(1, dtype=torch.float64)
+        self.step_loss = torch.zeros(k, dtype=torch.float64)
+        self.correct = torch.zeros(k, dtype=torch.float64)
+        self.total = torch.zeros(k, dtype=torch.float64)
+        self.tokens = torch.zeros(1, dtype=torch.float64)
+        self.batches = torch.zeros(1, dtype=torch.float64)
+
+    def add(self, out, tokens: int) -> None:
+        self.loss += float(out.loss.detach())
+        self.step_loss += out.step_loss.detach().double().cpu()
+        self.correct += out.correct.double().cpu()
+        self.total += out.total.double().cpu()
+        self.tokens += tokens
+        self.batches += 1
+
+    def all_reduce(self) -> None:
+        if torch.distributed.is_initialized():
+            flat = torch.cat([self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches])
+            torch.distributed.all_reduce(flat)
+            k = self.correct.numel()
+            self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches = flat.split(
+                [1, k, k, k, 1, 1])
+
+    def record(self) -> dict:
+        n = max(float(self.batches), 1.0)
+        acc = (self.correct / self.total.clamp_min(1)).tolist()
+        accept, prod = 1.0, 1.0
+        for a in acc:
+            prod *= a
+            accept += prod
+        return {"loss": float(self.loss) / n, "step_loss": (self.step_loss / n).tolist(), "acc": acc,
+                "acceptance_length": accept, "tokens": int(self.tokens)}
+
+
+def evaluate(objective: TTTObjective, source: Source, eval_batches: list, cfg: TrainConfig,
+             device: torch.device) -> dict | None:
+    if not eval_batches:
+        return None
+    metrics = Metrics(cfg.ttt_steps)
+    objective.eval()
+    with torch.no_grad(), _autocast(device):
+        for i in range(distributed.rank(), len(eval_batches), distributed.world_size()):
+            batch = supervise(source, eval_batches[i], cfg.pack, device)
+            metrics.add(objective(batch), batch.num_tokens)
+    objective.train()
+    metrics.all_reduce()
+    return metrics.record()
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"torch_cuda_{i}"] = s
+    return state
+
+
+def _restore_rng(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
+    path = Path(cfg.output) / "run.json"
+    latest = ckpt.latest_checkpoint(cfg.output)
+    if latest is not None and not cfg.resume:
+        raise ConfigError(f"{cfg.output} already holds checkpoints (latest {latest.name})",
+                          "pass --resume to continue that run, or choose a new --output folder")
+    if cfg.resume and path.is_file():
+        before = json.loads(path.read_text())
+        for key in sorted(set(before["options"]) | set(run_json["options"])):
+            if key in RESUMABLE_CHANGES:
+                continue
+            if before["options"].get(key) != run_json["options"].get(key):
+                raise ConfigError(f"--resume with a different {key.replace('_', '-')}: the run used "
+                                  f"{before['options'].get(key)!r}, now {run_json['options'].get(key)!r}",
+                                  "resume with the run's options, or start a new run folder")
+        for key, value in before["identity"].items():
+            if run_json["identity"].get(key) != value:
+                raise ArtifactError(f"--resume against a different {key.replace('_', ' ')}",
+                                    "resume with the same target/cache and vocab map")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def run(cfg: TrainConfig, after_step=None) -> TrainResult:
+    start_time = time.perf_counter()
+    device = distributed.local_device(loading.choose_device(cfg.device))
+    distributed.init(device)
+    rank, world = distributed.rank(), distributed.world_size()
+    torch.manual_seed(cfg.seed)
+
+    vocab_map = load_vocab_map(cfg.vocab_map)
+    source = open_source(cfg, device, vocab_map)
+    source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
+    train_batches, eval_batches = split_eval(source.plan, cfg.eval_fraction, cfg.seed)
+    if not train_batches:
+        raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
+    per_step = cfg.grad_accum * world
+    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(train_batches)) // per_step)
+
+    from transformers import PretrainedConfig
+
+    target_config = PretrainedConfig.from_dict(source.target_config)
+    draft_config = DraftConfig.from_target(
+        target_config, vocab_map.draft_vocab_size, source.aux_layers,
+        num_hidden_layers=cfg.draft_layers, hidden_size=cfg.draft_hidden_size,
+        intermediate_size=cfg.draft_intermediate_size, num_attention_heads=cfg.draft_heads,
+        num_key_value_heads=cfg.draft_kv_heads, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+        target_fingerprint=source.identity["target_fingerprint"],
+        tokenizer_fingerprint=source.identity["tokenizer_fingerprint"],
+        vocab_map_fingerprint=vocab_map.fingerprint)
+    draft = Eagle3Draft(draft_config)
+    draft.copy_embeddings(source.backend.get_input_embeddings())
+    draft.set_vocab_map(vocab_map.selected_token_ids)
+    draft.to(device)
+    names = [n for n, p in draft.named_parameters() if p.requires_grad]
+    params = [p for n, p in draft.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    run_json = {"options": options, "identity": {**source.identity, "vocab_map_fingerprint":
+                                                 vocab_map.fingerprint}}
+    _check_run_dir(cfg, run_json)
+    step = 0
+    if cfg.resume and (latest := ckpt.latest_checkpoint(cfg.output)) is not None:
+        parts = ckpt.load_checkpoint(latest)
+        draft.load_state_dict(parts["model"])
+        optimizer.load_state_dict(ckpt.unflatten_optimizer(parts["optimizer"],
+                                                           parts["trainer_state"]["param_groups"], names))
+        _restore_rng(parts["rng"])
+        step = parts["trainer_state"]["step"]
+        info(f"resuming from {latest} (step {step})")
+    if rank == 0:
+        Path(cfg.output).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.output) / "run.json", run_json)
+
+    objective = TTTObjective(draft, cfg)
+    model = objective
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def save(at_step: int) -> Path | None:
+        if rank != 0:
+            return None
+        opt_tensors, groups = ckpt.flatten_optimizer(optimizer.state_dict(), names)
+        epoch, _ = divmod(at_step * per_step, len(train_batches))
+        return ckpt.save_checkpoint(
+            cfg.output, at_step, draft.state_dict(), opt_tensors, _rng_state(), draft_config.to_dict(),
+            {"step": at_step, "epoch": epoch, "micro_batches_done": at_step * per_step,
+             "total_steps": total_steps, "lr": lr_at(max(at_step - 1, 0), total_steps, cfg),
+             "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum},
+            keep_last=cfg.keep_last)
+
+    logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0)
+    info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
+         f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}")
+    window, window_start, last_saved = Metrics(cfg.ttt_steps), time.perf_counter(), step
+    final_train = final_eval = None
+    try:
+        while step < total_steps:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, total_steps, cfg)
+            for micro in range(cfg.grad_accum):
+                g = step * per_step + micro * world + rank  # this rank's global micro-batch number
+                _, indices = batch_at(train_batches, g, cfg.seed)
+                batch = supervise(source, indices, cfg.pack, device)
+                sync = micro == cfg.grad_accum - 1 or world == 1
+                ctx = model.no_sync() if not sync else _null()
+                with ctx, _autocast(device):
+                    out = model(batch)
+                    (out.loss / cfg.grad_accum).backward()  # each backward adds: average the micro-batches
+                window.add(out, batch.num_tokens)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if after_step is not None:
+                after_step(step)
+
+            last = step == total_steps
+            if step % cfg.log_every == 0 or last:
+                window.all_reduce()
+                elapsed = time.perf_counter() - window_start
+                final_train = {"split": "train", "step": step, "lr": optimizer.param_groups[0]["lr"],
+                               **window.record(), "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
+                               "steps_in_record": int(float(window.batches) / per_step) or 1}
+                logger.log(final_train)
+                window, window_start = Metrics(cfg.ttt_steps), time.perf_counter()
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                final_eval = evaluate(objective, source, eval_batches, cfg, device)
+                if final_eval is not None:
+                    logger.log({"split": "eval", "step": step, **final_eval})
+            if step % cfg.save_every == 0 or last:
+                save(step)
+                last_saved = step
+    except KeyboardInterrupt:
+        if step > last_saved:  # keep the finished steps; `--resume` continues from here
+            saved = save(step)
+            if saved is not None:
+                info(f"interrupted: saved {saved}; rerun with --resume to continue")
+        raise
+    finally:
+        logger.close()
+        source.backend.close()
+    distributed.barrier()
+    plot = plot_curves(cfg.output) if rank == 0 else None
+    checkpoint_dir = ckpt.latest_checkpoint(cfg.output)
+    distributed.shutdown()
+    return TrainResult(Path(cfg.output), checkpoint_dir, step, time.perf_counter() - start_time,
+                       final_train, final_eval, plot)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

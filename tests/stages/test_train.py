@@ -1,0 +1,158 @@
+"""spec train: exact resume, DDP == single process, cache == live, checkpoints and logs."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.cli import main
+from spec_cli.stages import train as stage
+from tests import tiny
+from tests.conftest import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_llama_dir):
+    """Tiny Llama target, chat data, vocab map and a feature cache, all made through the CLI.
+
+    The random target's lm_head is scaled up so its next-token distributions are peaked (like a
+    trained model's) rather than near-uniform: there is then something for the draft to learn."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("train")
+    target = root / "peaky-llama"
+    shutil.copytree(tiny_llama_dir, target)
+    model = AutoModelForCausalLM.from_pretrained(str(target))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(str(target))
+    tiny_llama_dir = target
+    rng = random.Random(11)
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(48)])
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data),
+                     "--draft-vocab-size", "96", "-o", str(root / "vm.safetensors"), "-q"]) == 0
+        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v",
+                     str(root / "vm.safetensors"), "-o", str(root / "cache"), "--batch-tokens", "512",
+                     "-q"]) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "data": data, "vm": root / "vm.safetensors", "cache": root / "cache",
+            "target": tiny_llama_dir}
+
+
+def config(setup, out, **kw) -> stage.TrainConfig:
+    base = dict(vocab_map=setup["vm"], output=out, cache=setup["cache"], ttt_steps=3, lr=3e-3,
+                max_steps=6, log_every=2, eval_every=3, save_every=3, eval_fraction=0.2,
+                batch_tokens=512)
+    base.update(kw)
+    return stage.TrainConfig(**base)
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+def assert_same(a: dict, b: dict, exact=True):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_resume_continues_bit_for_bit(setup, tmp_path):
+    straight = stage.run(config(setup, tmp_path / "straight"))
+    assert straight.steps == 6
+
+    def interrupt(step):
+        if step == 4:  # after a checkpoint at 3: Ctrl-C saves step 4 too
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(config(setup, tmp_path / "resumed"), after_step=interrupt)
+    assert ckpt.latest_checkpoint(tmp_path / "resumed").name == "step-00000004"
+    resumed = stage.run(config(setup, tmp_path / "resumed", resume=True))
+    assert resumed.steps == 6
+    assert_same(weights(tmp_path / "straight"), weights(tmp_path / "resumed"))
+    opt_a = load_file(str(ckpt.latest_checkpoint(tmp_path / "straight") / "optimizer.safetensors"))
+    opt_b = load_file(str(ckpt.latest_checkpoint(tmp_path / "resumed") / "optimizer.safetensors"))
+    assert_same(opt_a, opt_b)
+
+
+def test_checkpoints_logs_and_plot(setup, tmp_path):
+    out = tmp_path / "run"
+    result = stage.run(config(setup, out, max_steps=8, save_every=2, keep_last=2))
+    assert [p.name for p in ckpt.checkpoint_dirs(out)] == ["step-00000006", "step-00000008"]
+    last = ckpt.latest_checkpoint(out)
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["total_steps"] == 8
+    model = load_file(str(last / "model.safetensors"))
+    for key in ["fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+                "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"]:
+        assert key in model, key
+    assert model["lm_head.weight"].shape[0] == 96 and model["t2d"].dtype == torch.bool
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8] and [r["step"] for r in evals] == [3, 6, 8]
+    assert len(train[0]["acc"]) == 3 and train[0]["tokens_per_s"] > 0
+    assert result.plot is not None and result.plot.stat().st_size > 10_000
+
+
+def test_resume_refuses_changed_options_and_new_runs_refuse_old_folders(setup, tmp_path, capsys):
+    out = tmp_path / "run"
+    stage.run(config(setup, out, max_steps=3))
+    args = ["train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]), "-o", str(out),
+            "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "6", "--batch-tokens", "512",
+            "--eval-fraction", "0.2", "-q"]
+    assert main(args) == 1
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert main(args + ["--resume", "--ttt-steps", "4"]) == 1
+    assert "different ttt-steps" in capsys.readouterr().err
+
+
+def test_training_from_cache_equals_training_live(setup, tmp_path):
+    """Same batches, bit-identical supervision: the same weights either way."""
+    cached = stage.run(config(setup, tmp_path / "cached", max_steps=4))
+    live = stage.run(config(setup, tmp_path / "live", max_steps=4, cache=None,
+                            target=str(setup["target"]), data=str(setup["data"]), dtype="fp32"))
+    assert cached.steps == live.steps == 4
+    assert_same(weights(tmp_path / "cached"), weights(tmp_path / "live"))
+
+
+def test_it_learns(setup, tmp_path):
+    result = stage.run(config(setup, tmp_path / "learn", max_steps=40, eval_every=40, log_every=5))
+    records = [json.loads(line) for line in (tmp_path / "learn" / "log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"]
+    assert evals[-1]["loss"] < 0.8 * train[0]["loss"]  # and on held-out batches
+    assert train[-1]["acc"][0] > train[0]["acc"][0]
+
+
+def test_ddp_two_processes_match_one_process(setup, tmp_path):
+    """2 gloo ranks x 1 micro-batch == 1 process x 2 micro-batches (same global batch)."""
+    single = stage.run(config(setup, tmp_path / "single", max_steps=3, grad_accum=2, eval_every=0))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           "-m", "spec_cli.cli", "train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]),
+           "-o", str(tmp_path / "ddp"), "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "3",
+           "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0", "--log-every", "2",
+           "--save-every", "3", "-q"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert single.steps == 3
+    assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
