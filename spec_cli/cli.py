@@ -139,6 +139,177 @@ def precompute_cmd(
     print_precompute_summary(result)
 
 
+@app.command("train")
+def train_cmd(
+    vocab_map: VocabMap,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder (checkpoints, logs, plot).")],
+    cache: Annotated[Optional[Path], typer.Option(
+        "--cache", help="Feature cache from `spec precompute` (no target needed).")] = None,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", "-t", help="Live target instead of a cache: a transformers folder, a .gguf "
+                               "file, or `smollm2`. Needs --data.")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        "--data", "-d", help="Chat data for a live --target (as in build-vocab-map).")] = None,
+    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="TTT unroll depth.", min=1)] = 7,
+    step_weight: Annotated[float, typer.Option(
+        "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).")] = 0.8,
+    loss: Annotated[str, typer.Option(
+        "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).")] = "soft-ce",
+    lk_kl_scale: Annotated[float, typer.Option("--lk-kl-scale", help="lk-lambda: KL weight scale.")] = 1.0,
+    lk_kl_decay: Annotated[float, typer.Option("--lk-kl-decay", help="lk-lambda: KL weight decay.")] = 1.0,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).")] = 2e-4,
+    min_lr_ratio: Annotated[float, typer.Option(
+        "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.")] = 0.0,
+    warmup_ratio: Annotated[float, typer.Option(
+        "--warmup-ratio", help="Linear warmup as a fraction of the steps.")] = 0.03,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay.")] = 0.0,
+    grad_clip: Annotated[float, typer.Option(
+        "--grad-clip", help="Clip the gradient norm to this (0: off).")] = 0.5,
+    grad_accum: Annotated[int, typer.Option(
+        "--grad-accum", help="Micro-batches per optimizer step (per process).", min=1)] = 1,
+    batch_tokens: Annotated[int, typer.Option(
+        "--batch-tokens", help="Bound on B x padded length per micro-batch (a cache keeps its own "
+                               "batches unless --pack).", min=1)] = 8192,
+    max_steps: Annotated[Optional[int], typer.Option(
+        "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.", min=1)] = None,
+    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training batches.")] = 1.0,
+    pack: Annotated[bool, typer.Option(
+        "--pack", help="Pack several conversations per row (block-causal per document).")] = False,
+    eval_fraction: Annotated[float, typer.Option(
+        "--eval-fraction", help="Share of batches held out for evaluation.")] = 0.02,
+    draft_layers: Annotated[int, typer.Option(
+        "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", min=1)] = 1,
+    draft_hidden_size: Annotated[Optional[int], typer.Option(
+        "--draft-hidden-size", help="Default: the target's hidden size.")] = None,
+    draft_intermediate_size: Annotated[Optional[int], typer.Option(
+        "--draft-intermediate-size", help="Default: the target's.")] = None,
+    draft_heads: Annotated[Optional[int], typer.Option("--draft-heads", help="Default: the target's.")] = None,
+    draft_kv_heads: Annotated[Optional[int], typer.Option(
+        "--draft-kv-heads", help="Default: the target's.")] = None,
+    fc_norm: Annotated[bool, typer.Option(
+        "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.")] = False,
+    norm_output: Annotated[bool, typer.Option(
+        "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.")] = False,
+    activation_checkpointing: Annotated[bool, typer.Option(
+        "--activation-checkpointing", help="Recompute activations in backward (long sequences).")] = False,
+    aux_layers: AuxLayers = None,
+    max_length: MaxLength = 2048,
+    max_samples: Annotated[Optional[int], typer.Option(
+        "--max-samples", help="Live target: use only the first N samples.", min=1)] = None,
+    num_proc: NumProc = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for init, data order and eval split.")] = 0,
+    log_every: Annotated[int, typer.Option("--log-every", help="Steps per log record.", min=1)] = 10,
+    eval_every: Annotated[int, typer.Option(
+        "--eval-every", help="Steps between evaluations (0: only at the end).", min=0)] = 200,
+    save_every: Annotated[int, typer.Option(
+        "--save-every", help="Steps between checkpoints (and at the end).", min=1)] = 500,
+    keep_last: Annotated[int, typer.Option("--keep-last", help="Checkpoints to keep.", min=1)] = 3,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the run in --output from its latest checkpoint.")] = False,
+    device: Device = None,
+    dtype: Dtype = None,
+    config: Config = None,
+    quiet: Quiet = False,
+):
+    """Train an EAGLE-3 draft with the TTT unroll (multi-process: `torchrun --nproc-per-node N`)."""
+    from spec_cli.stages import train as stage
+    from spec_cli.ui import print_train_summary
+
+    set_quiet(quiet)
+    result = stage.run(stage.TrainConfig(
+        vocab_map=vocab_map, output=output, cache=cache, target=target, data=data,
+        max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
+        eval_fraction=eval_fraction, num_proc=num_proc, aux_layers=aux_layers,
+        draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
+        draft_intermediate_size=draft_intermediate_size, draft_heads=draft_heads,
+        draft_kv_heads=draft_kv_heads, fc_norm=fc_norm, norm_output=norm_output,
+        ttt_steps=ttt_steps, step_weight=step_weight, loss=loss, lk_kl_scale=lk_kl_scale,
+        lk_kl_decay=lk_kl_decay, lr=lr, min_lr_ratio=min_lr_ratio, warmup_ratio=warmup_ratio,
+        weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum, max_steps=max_steps,
+        epochs=epochs, seed=seed, activation_checkpointing=activation_checkpointing,
+        log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
+        resume=resume, device=device, dtype=dtype))
+    print_train_summary(result)
+
+
+@app.command("export")
+def export_cmd(
+    source: Annotated[Path, typer.Argument(
+        help="A run folder (its latest checkpoint) or one of its checkpoints/step-* folders.")],
+    format: Annotated[str, typer.Option(  # noqa: A002 (the option's name; YAML key `format`)
+        "--format", "-f", help="vllm, sglang or speculators (vLLM's speculators format).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Export folder: new, empty or an earlier export (built beside it, then "
+                               "renamed into place).")],
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32 for the float weights.")] = "bf16",
+    check: Annotated[bool, typer.Option(
+        "--check/--no-check", help="Read the export back with the engine's loading rules and compare its "
+                                   "predictions with the checkpoint's before writing -o.")] = True,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", "-t", help="Target path or hub id for the README's serving command (and the speculators "
+                               "verifier). Default: the target the run was trained with.")] = None,
+    config: Config = None,
+    quiet: Quiet = False,
+):
+    """Export a draft checkpoint as a folder vLLM or SGLang serves as is (config.json,
+    model.safetensors, README.md), checked by reading it back the way the engine does."""
+    from spec_cli.console import summary
+    from spec_cli.stages import export as stage
+
+    set_quiet(quiet)
+    result = stage.run(stage.ExportConfig(source=source, format=format, output=output, dtype=dtype,
+                                          check=check, target=target))
+    summary("export", result.summary_rows())
+
+
+@app.command("eval")
+def eval_cmd(
+    target: Target,
+    draft: Annotated[Path, typer.Option(
+        "--draft", help="A `spec train` run folder (its latest checkpoint), a checkpoints/step-* folder, or "
+                        "a `spec export` folder of any format (read as the engine reads it).")],
+    prompts: Annotated[str, typer.Option(
+        "--prompts", "-p", help="`mt-bench` (built-in, 2 turns each) or a chat data file (the user turns of "
+                                "each record).")] = "mt-bench",
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Folder for eval.json, outputs.jsonl and acceptance.png. Default: RUN/eval/"
+                               "step-N for a run or checkpoint, EXPORT-eval beside an export.")] = None,
+    depth: Annotated[int, typer.Option(
+        "--depth", help="Draft tokens per target forward (a tree's depth).", min=1)] = 3,
+    topk: Annotated[int, typer.Option(
+        "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1)] = 1,
+    num_tokens: Annotated[Optional[int], typer.Option(
+        "--num-tokens", help="Tree only: drafted nodes verified per target forward (the most probable by "
+                             "cumulative draft log-prob). Default: 16.", min=1)] = None,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="0: greedy (output identical to the target's); > 0: speculative sampling, "
+                              "which keeps the target's distribution.", min=0.0)] = 0.0,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", help="Tokens generated per turn at most.", min=1)] = 256,
+    num_prompts: Annotated[Optional[int], typer.Option(
+        "--num-prompts", help="Use this many prompts, spread over the categories. Default: all.", min=1)] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling (temperature > 0).")] = 0,
+    fingerprint_check: Annotated[bool, typer.Option(
+        "--fingerprint-check/--no-fingerprint-check",
+        help="Refuse a draft whose recorded target/tokenizer fingerprint is not this target's.")] = True,
+    device: Device = None,
+    dtype: Dtype = None,
+    config: Config = None,
+    quiet: Quiet = False,
+):
+    """Run real speculative decoding (target verifies, draft proposes) and report the acceptance length,
+    the acceptance rate by draft position and the speed-up over the target alone."""
+    from spec_cli.eval.report import print_table
+    from spec_cli.stages import eval as stage
+
+    set_quiet(quiet)
+    result = stage.run(stage.EvalConfig(
+        target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
+        num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
+        num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check))
+    print_table(result)
+
+
 @app.command("inspect")
 def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
                 config: Config = None):

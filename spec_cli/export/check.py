@@ -1,0 +1,283 @@
+"""The export self-check: read a written folder back the way the engine will, and compare with the
+training checkpoint.
+
+    1. files        exactly config.json, model.safetensors (format "pt") and README.md
+    2. config       what the engine builds from config.json (engines.read_*) matches the checkpoint:
+                    sizes, rope, eps, EAGLE-3.1 flags in the engine's meaning, no norm_before_residual
+    3. weights      every file key is loaded (not skipped or rejected), every parameter the engine needs
+                    is there with its shape, floats in the requested dtype and finite, d2t int64
+    4. vocab        the engine's draft id -> target id equals the checkpoint's selected ids
+                    (arange(Vd) + d2t), which must also be exactly the checkpoint's t2d
+    5. aux layers   the layers the engine captures, decoded to spec_cli's convention, are the
+                    checkpoint's (in the engine's concatenation order)
+    6. predictions  an Eagle3Draft built from what the engine loaded, and the checkpoint's, run on the
+                    same random aux states / ids for two draft steps: same target-id predictions and
+                    logits as the checkpoint cast to the export dtype; and the same argmax as the fp32
+                    checkpoint wherever its top-1 margin is not tiny
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from spec_cli.draft.config import DraftConfig
+from spec_cli.draft.model import Eagle3Draft, rope_inv_freq
+from spec_cli.errors import ConfigError
+from spec_cli.export import engines
+from spec_cli.export.errors import ExportCheckError
+from spec_cli.export.source import DraftSource
+
+EXPECTED_FILES = {"config.json", "model.safetensors", "README.md"}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class CheckReport:
+    format: str
+    params_loaded: int
+    aux_layer_outputs: list[int]  # what the engine feeds the draft, spec_cli convention, engine order
+    positions: int  # (draft step, position) pairs compared
+    confident: int  # of which the fp32 checkpoint's top-1 margin is not tiny
+    agreement_fp32: float  # share of those where the export's prediction equals the fp32 checkpoint's
+
+
+def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -> CheckReport:
+    """Raise ExportCheckError listing what the engine would load wrongly; else return the report."""
+    problems, report = find_problems(folder, fmt, src, dtype)
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ExportCheckError(f"the {fmt} export would not serve as trained: "
+                               + "; ".join(problems[:3]) + more,
+                               "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
+                               "report this, or export another checkpoint")
+    return report
+
+
+def find_problems(folder: Path, fmt: str, src: DraftSource,
+                  dtype: torch.dtype) -> tuple[list[str], CheckReport | None]:
+    folder = Path(folder)
+    present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    problems = [f"{name} is missing" for name in sorted(EXPECTED_FILES - present)]
+    problems += [f"{name} is not read by the engine" for name in sorted(present - EXPECTED_FILES)]
+    if not {"config.json", "model.safetensors"} <= present:
+        return problems, None
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, ValueError, SafetensorError) as exc:
+        return problems + [f"the files cannot be read ({exc})"], None
+    if meta.get("format") != "pt":
+        problems.append("model.safetensors lacks the metadata format 'pt' transformers loaders require")
+
+    read, params_of, optional_of, route = engines.ENGINES[fmt]
+    view = read(raw)
+    problems += view.problems
+    problems += _config_problems(view, src.config)
+    if view.hidden_size == 0:
+        return problems, None
+
+    # -- weights: route every file key like the engine's loader --------------------------------
+    expected, optional = params_of(view), optional_of(view)
+    loaded: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        r = route(key, view)
+        if r.kind != "param":
+            problems.append(f"'{key}': {r.why}")
+            continue
+        if r.name == "hot_token_id":
+            tensor = engines.hot_token_id(tensor.long())
+        loaded[r.name] = tensor
+    for name in sorted(set(expected) - set(loaded)):
+        problems.append(f"the engine's {name} is not in the file (it keeps its initial value: random "
+                        "weights, or an identity vocab map)")
+    V = view.vocab_size
+    for name, tensor in loaded.items():
+        shape = expected.get(name) or optional.get(name) or ((V,) if name == "t2d" else None)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            problems.append(f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}")
+    for key, tensor in tensors.items():
+        if key == "d2t" and tensor.dtype != torch.int64:
+            problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
+        elif key == "t2d" and tensor.dtype != torch.bool:
+            problems.append(f"t2d is {tensor.dtype}, not a bool mask")
+        elif key not in ("d2t", "t2d"):
+            if tensor.dtype != dtype:
+                problems.append(f"{key} is {tensor.dtype}, not the requested {dtype}")
+            elif not bool(torch.isfinite(tensor.float()).all()):
+                problems.append(f"{key} has inf/nan values in {dtype}")
+
+    # -- vocab -----------------------------------------------------------------------------------
+    selected = _checkpoint_selected_ids(src)
+    if selected is None:
+        problems.append("the checkpoint's d2t and t2d disagree")
+    vocab_name = next((n for n in ("draft_id_to_target_id", "hot_token_id") if n in loaded), None)
+    targets = None
+    if vocab_name is not None and tuple(loaded[vocab_name].shape) == (view.draft_vocab_size,):
+        targets = engines.draft_to_target(vocab_name, loaded[vocab_name])
+        if selected is not None and (targets.shape != selected.shape or not torch.equal(targets, selected)):
+            wrong = int((targets != selected).sum()) if targets.shape == selected.shape else targets.numel()
+            problems.append(f"draft ids map to the wrong target ids ({wrong} of {targets.numel()} differ; "
+                            "arange instead of offsets, or a zeroed/damaged d2t)")
+    if "t2d" in loaded and selected is not None and loaded["t2d"].shape == (V,):
+        if not torch.equal(loaded["t2d"].bool().nonzero().flatten(), selected):
+            problems.append("t2d does not mark exactly the draft vocabulary's target ids")
+
+    # -- aux layers ------------------------------------------------------------------------------
+    c = src.config
+    outputs, why = engines.captured_layer_outputs(view, c.target_num_layers, c.target_architecture)
+    if why:
+        problems.append(why)
+    elif outputs != sorted(c.aux_layer_ids):
+        problems.append(f"the engine would feed the draft the outputs of layers {outputs} "
+                        f"(ids {view.aux_ids}); it was trained on {sorted(c.aux_layer_ids)}")
+
+    if problems or targets is None:
+        return problems, None
+
+    # -- predictions -----------------------------------------------------------------------------
+    state = {}
+    for name, tensor in loaded.items():
+        key = engines.to_draft_key(name)
+        if key is not None and key not in ("d2t", "t2d"):
+            state[key] = tensor.float()
+    # the engine embeds with the draft's table when it loaded one, else with the target's (the
+    # checkpoint's frozen copy), which it holds in the serving dtype too
+    embed = src.state["embed_tokens.weight"].to(dtype).float()
+    state.setdefault("embed_tokens.weight", embed)
+    state["d2t"] = targets - torch.arange(targets.numel())
+    state["t2d"] = torch.zeros(V, dtype=torch.bool)
+    state["t2d"][targets] = True
+    try:
+        engine_config = DraftConfig(
+            vocab_size=V, target_hidden_size=view.target_hidden_size, aux_layer_ids=outputs,
+            target_num_layers=c.target_num_layers, hidden_size=view.hidden_size,
+            intermediate_size=view.intermediate_size, num_attention_heads=view.num_attention_heads,
+            num_key_value_heads=view.num_key_value_heads, head_dim=view.head_dim,
+            draft_vocab_size=view.draft_vocab_size, num_hidden_layers=view.num_hidden_layers,
+            rms_norm_eps=view.rms_norm_eps, rope_theta=view.rope_theta, rope_scaling=view.rope_scaling,
+            max_position_embeddings=view.max_position_embeddings, hidden_act=view.hidden_act,
+            fc_norm=view.fc_norm, norm_output=view.norm_output)
+        exported = _materialise(engine_config, state)
+    except (ConfigError, RuntimeError, KeyError) as exc:
+        return problems + [f"the engine's draft cannot be built from the export ({exc})"], None
+
+    cast = {k: (v.to(dtype).float() if v.dtype in _FLOATS else v) for k, v in src.state.items()
+            if k != "embed_tokens.weight"}
+    as_cast = _materialise(c, {**cast, "embed_tokens.weight": embed})  # embed shared, not copied
+    as_trained = _materialise(c, {k: (v.float() if v.dtype in _FLOATS else v) for k, v in src.state.items()})
+
+    g = torch.Generator().manual_seed(0)
+    B, T, steps = 2, 16, 2
+    layers = sorted(set(c.aux_layer_ids) | set(outputs))
+    states = {layer: torch.randn(B, T, c.target_hidden_size, generator=g) for layer in layers}
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux_trained = torch.cat([states[i] for i in c.aux_layer_ids], dim=-1)  # training order
+    aux_engine = torch.cat([states[i] for i in outputs], dim=-1)  # the engine's order
+    got = _predict(exported, ids, aux_engine, steps)
+    want = _predict(as_cast, ids, aux_trained, steps)
+    fp32 = _predict(as_trained, ids, aux_trained, steps)
+
+    for k, ((g_logits, g_ids), (w_logits, w_ids)) in enumerate(zip(got, want)):
+        scale = max(1.0, float(w_logits.abs().max()))
+        diff = float((g_logits - w_logits).abs().max())
+        sure = _margin(w_logits) > 1e-4 * scale  # positions not decided by float summation order
+        if diff > 1e-4 * scale or not torch.equal(g_ids[sure], w_ids[sure]):
+            problems.append(f"draft step {k}: the export's predictions differ from the checkpoint cast to "
+                            f"{dtype} (max logit diff {diff:.3g}, "
+                            f"{int((g_ids != w_ids)[sure].sum())} target ids differ)")
+    confident = agree = 0
+    for (g_logits, g_ids), (w_logits, w_ids) in zip(got, fp32):
+        sure = _margin(w_logits) > 0.05 * (1.0 + w_logits.max(-1).values.abs())
+        confident += int(sure.sum())
+        agree += int((g_ids == w_ids)[sure].sum())
+    agreement = agree / confident if confident else 1.0
+    if agreement < 0.9:
+        problems.append(f"in {dtype} the export agrees with the fp32 checkpoint on only {agreement:.0%} of "
+                        "the positions where the checkpoint is confident")
+    report = CheckReport(format=fmt, params_loaded=len(loaded), aux_layer_outputs=outputs,
+                         positions=B * T * steps, confident=confident, agreement_fp32=agreement)
+    return problems, report
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
+    """The draft the engine builds vs the one that was trained."""
+    if view.hidden_size == 0:
+        return []
+    trained_scaling = engines.rope_scaling_of(c.rope_scaling)
+    fields = [
+        ("vocab_size", view.vocab_size, c.vocab_size),
+        ("draft_vocab_size", view.draft_vocab_size, c.draft_vocab_size),
+        ("hidden_size", view.hidden_size, c.hidden_size),
+        ("target_hidden_size", view.target_hidden_size, c.target_hidden_size),
+        ("intermediate_size", view.intermediate_size, c.intermediate_size),
+        ("num_attention_heads", view.num_attention_heads, c.num_attention_heads),
+        ("num_key_value_heads", view.num_key_value_heads, c.num_key_value_heads),
+        ("head_dim", view.head_dim, c.head_dim),
+        ("num_hidden_layers", view.num_hidden_layers, c.num_hidden_layers),
+        ("rms_norm_eps", view.rms_norm_eps, c.rms_norm_eps),
+        ("rope_theta", view.rope_theta, c.rope_theta),
+        ("rope_scaling", view.rope_scaling, trained_scaling),
+        ("max_position_embeddings", view.max_position_embeddings, c.max_position_embeddings),
+        ("hidden_act", view.hidden_act, c.hidden_act),
+        ("fc_norm", view.fc_norm, c.fc_norm),
+        ("norm_output", view.norm_output, c.norm_output),
+    ]
+    problems = [f"{name} is {got} for the engine, {want} in training"
+                for name, got, want in fields if got != want]
+    if view.norm_before_residual:
+        problems.append("the engine would apply hidden_norm before taking the residual "
+                        "(norm_before_residual); the draft was trained without it")
+    if view.norm_before_fc:
+        problems.append("the engine would RMSNorm the concatenated aux states (norm_before_fc); "
+                        "the draft was trained without it")
+    if not view.use_aux_hidden_state:
+        problems.append("eagle_config.use_aux_hidden_state is false: the engine would skip fc")
+    return problems
+
+
+def _checkpoint_selected_ids(src: DraftSource) -> torch.Tensor | None:
+    """arange(Vd) + d2t, cross-checked against the checkpoint's t2d mask."""
+    selected = torch.arange(src.state["d2t"].numel()) + src.state["d2t"].long()
+    from_mask = src.state["t2d"].bool().nonzero().flatten()
+    return selected if torch.equal(selected, from_mask) else None
+
+
+def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]) -> Eagle3Draft:
+    """An Eagle3Draft holding `state` (no second copy of the weights: built on the meta device)."""
+    with torch.device("meta"):
+        draft = Eagle3Draft(config)
+    draft.load_state_dict(state, strict=True, assign=True)
+    draft.inv_freq = rope_inv_freq(config)  # non-persistent buffer: rebuild it off the meta device
+    draft.attn_impl = "math"
+    return draft.eval()
+
+
+@torch.no_grad()
+def _predict(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, steps: int):
+    """[(logits [B, T, Vd] fp32, predicted target ids [B, T])] for draft steps 0..steps-1. Step k reads
+    the ids rolled left by k and the draft's own state of step k-1 (where norm_output matters)."""
+    B, T = ids.shape
+    cos, sin = draft.rope(torch.arange(T).expand(B, T))
+    caches = [[] for _ in draft.decoder_layers]
+    hidden = draft.project(aux)
+    out = []
+    for k in range(steps):
+        hidden = draft.ttt_step(torch.roll(ids, -k, dims=1), hidden, cos, sin, caches)
+        logits = draft.logits(hidden).float()
+        out.append((logits, draft.to_target_ids(logits.argmax(-1))))
+    return out
+
+
+def _margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit. [B, T]."""
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]

@@ -1,0 +1,73 @@
+"""README.md of an export folder: how to serve it, what it was trained for, how good it measured."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from spec_cli.export.source import DraftSource
+from spec_cli.export.writers import ExportFiles
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
+
+
+def serve_command(fmt: str, folder: Path, target: str | None, steps: int) -> str:
+    """The serving command for this export (flag names from the engines' docs / server args)."""
+    target = target or "TARGET"
+    folder = str(folder)
+    if fmt == "sglang":
+        # python/sglang/srt/server_args.py; with top-k 1 the draft tree is a chain of num_steps + 1 tokens
+        return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+                f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(folder)} "
+                f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {steps + 1}")
+    spec = json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": steps})
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str) -> str:
+    c = src.config
+    fmt, steps = files.format, files.num_speculative_tokens
+    lines = [f"# EAGLE-3 draft for {c.target_architecture or 'the target'} ({ENGINE_NAMES[fmt]})", "",
+             f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
+             f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
+             serve_command(fmt, folder, src.target, steps), "```", ""]
+    if fmt == "speculators":
+        lines += ["vLLM also serves a speculators folder directly, taking the target from "
+                  "`speculators_config.verifier.name_or_path`:", "", "```bash",
+                  f"vllm serve {shlex.quote(str(folder))}", "```", ""]
+    if src.target is None:
+        lines += ["Replace `TARGET` with the target model the draft was trained for (see below).", ""]
+    unknown = "unknown"
+    lines += [f"`{steps}` draft tokens per step; the draft was trained with a "
+              f"{src.ttt_steps or unknown}-step TTT unroll, so deeper settings see states it never "
+              "trained on.",
+              "", "## Target", "",
+              f"- architecture: `{c.target_architecture or unknown}`, {c.target_num_layers} decoder layers, "
+              f"hidden size {c.target_hidden_size}, vocab {c.vocab_size}",
+              f"- path: `{src.target or unknown}`",
+              f"- fingerprint: `{c.target_fingerprint or unknown}` "
+              f"(tokenizer `{c.tokenizer_fingerprint or unknown}`)",
+              f"- aux layers (outputs of 0-indexed decoder layers): {files.aux_layer_outputs}; written for "
+              f"{ENGINE_NAMES[fmt]} as `{files.engine_aux_ids}`",
+              f"- draft vocab: {c.draft_vocab_size} target ids "
+              f"(vocab map `{c.vocab_map_fingerprint or unknown}`)",
+              "", "Serve it with exactly this target: another model (or revision) gives low acceptance "
+              "without any error.", ""]
+    if c.fc_norm or c.norm_output:
+        lines += ["## EAGLE-3.1", "",
+                  f"Trained with fc_norm={c.fc_norm}, norm_output={c.norm_output}. Engines without EAGLE-3.1 "
+                  "support ignore `norm_output` silently: use a vLLM / SGLang release whose llama_eagle3.py "
+                  "reads `fc_norm` and `norm_output`.", ""]
+    lines += ["## Measured quality", ""]
+    e = src.last_eval
+    if e:
+        acc = ", ".join(f"{a:.3f}" for a in e["acc"])
+        lines += [f"Held-out evaluation at step {e['step']} (simulated, teacher-forced):", "",
+                  f"- top-1 accuracy per draft step: {acc}",
+                  f"- simulated acceptance length: {e['acceptance_length']:.3f}", "",
+                  "Measure real acceptance on the engine with `spec eval`.", ""]
+    else:
+        lines += ["No evaluation record was found in the run's log.jsonl.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""`spec export`: write a draft checkpoint as a folder vLLM or SGLang serves as is, and prove it.
+
+The folder is built beside -o, read back with the engine's loading rules and compared with the
+checkpoint (the self-check, on by default), and only then renamed to -o. A failure leaves -o as it
+was and nothing else behind.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from spec_cli.artifacts.io import atomic_dir
+from spec_cli.console import info
+from spec_cli.errors import ConfigError
+from spec_cli.export import DTYPES, FORMATS
+from spec_cli.export.check import CheckReport, check_export
+from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
+from spec_cli.export.source import load_source
+from spec_cli.export.writers import DTYPE_NAMES, build
+from spec_cli.target import loading
+
+
+@dataclass
+class ExportConfig:
+    source: Path  # a run folder (its latest checkpoint) or a checkpoints/step-* folder
+    format: str  # vllm | sglang | speculators
+    output: Path
+    dtype: str = "bf16"  # float weights are cast to this
+    check: bool = True  # read the export back with the engine's rules before renaming it to -o
+    target: str | None = None  # target path/id to record; default: the one the run trained against
+
+
+@dataclass
+class ExportResult:
+    output: Path
+    format: str
+    checkpoint: Path
+    step: int
+    dtype: str
+    bytes: int
+    engine_aux_ids: list[int]
+    aux_layer_outputs: list[int]
+    serve_command: str
+    check: CheckReport | None
+    seconds: float
+
+    def summary_rows(self) -> list[tuple[str, object]]:
+        rows = [("format", ENGINE_NAMES[self.format]),
+                ("checkpoint", f"{self.checkpoint} (step {self.step})"),
+                ("written", f"{self.output} ({self.bytes / 1e6:.1f} MB, {self.dtype})"),
+                ("aux layer ids", f"{self.engine_aux_ids} as the engine counts them (layer outputs "
+                                  f"{self.aux_layer_outputs})")]
+        if self.check is None:
+            rows.append(("self-check", "skipped (--no-check)"))
+        else:
+            c = self.check
+            rows.append(("self-check", f"passed: {c.params_loaded} tensors load, vocab map and aux layers "
+                                       f"{c.aux_layer_outputs} as trained, predictions match on "
+                                       f"{c.positions} positions ({c.agreement_fp32:.0%} vs fp32)"))
+        rows += [("serve", self.serve_command), ("time", f"{self.seconds:.1f} s")]
+        return rows
+
+
+def run(cfg: ExportConfig) -> ExportResult:
+    start = time.perf_counter()
+    fmt = cfg.format.lower()
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {cfg.format!r} is not one of {', '.join(FORMATS)}",
+                          "e.g. spec export runs/x --format vllm -o exports/x-vllm")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}",
+                          "use bf16 (the default)")
+    dtype = DTYPES[cfg.dtype]
+    src = load_source(cfg.source, target=cfg.target)
+    _check_target(src)
+    files = build(src, fmt, dtype)  # refuses drafts the engine cannot serve as trained, before any write
+    output = Path(cfg.output).resolve()
+    _check_output(output, src.checkpoint)
+    info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
+
+    report = None
+    with _created_parents(output), atomic_dir(output) as tmp:
+        save_file(files.tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(files.config, indent=2) + "\n")
+        (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype]))
+        if cfg.check:
+            report = check_export(tmp, fmt, src, dtype)
+    size = sum(p.stat().st_size for p in output.iterdir())
+    return ExportResult(output=output, format=fmt, checkpoint=src.checkpoint, step=src.step, dtype=cfg.dtype,
+                        bytes=size, engine_aux_ids=files.engine_aux_ids,
+                        aux_layer_outputs=files.aux_layer_outputs,
+                        serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens),
+                        check=report, seconds=time.perf_counter() - start)
+
+
+def _check_target(src) -> None:
+    """A target that is a local model folder must have the shape the draft was trained for (the README
+    and the speculators verifier name it; a different target serves with low acceptance, silently)."""
+    path = Path(src.target).expanduser() if src.target else None
+    if path is None or not (path / "config.json").is_file():
+        return
+    config = loading.load_config(path)
+    text = config if getattr(config, "num_hidden_layers", None) else getattr(config, "text_config", config)
+    c = src.config
+    found = (loading.num_layers(config), getattr(text, "hidden_size", None),
+             getattr(text, "vocab_size", None))
+    wanted = (c.target_num_layers, c.target_hidden_size, c.vocab_size)
+    if found != wanted:
+        raise ConfigError(f"target {path} has (layers, hidden size, vocab) {found}; the draft was trained "
+                          f"for {wanted}", "pass --target the model the draft was trained for")
+
+
+def _check_output(output: Path, checkpoint: Path) -> None:
+    """-o may be new, empty, or an earlier export (replaced); never a folder holding anything else."""
+    if checkpoint.resolve().is_relative_to(output):
+        raise ConfigError(f"-o {output} contains the checkpoint being exported", "choose a new output folder")
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise ConfigError(f"-o {output} is a file", "choose a folder path for the export")
+    if not any(output.iterdir()):
+        return
+    try:
+        previous = json.loads((output / "config.json").read_text()).get("spec_cli", {})
+    except (OSError, ValueError, AttributeError):
+        previous = {}
+    if not isinstance(previous, dict) or previous.get("kind") != "draft_export":
+        raise ConfigError(f"-o {output} already exists and is not a spec export; it would be replaced",
+                          "choose a new output folder, or remove it first")
+
+
+class _created_parents:
+    """Remove the (empty) parent folders of -o this export created, if it fails."""
+
+    def __init__(self, output: Path):
+        self.created = []
+        parent = output.parent
+        while not parent.exists():
+            self.created.append(parent)
+            parent = parent.parent
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            for folder in self.created:  # deepest first
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+        return False

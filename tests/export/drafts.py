@@ -1,0 +1,49 @@
+"""Synthetic draft checkpoints for the export tests: a tiny Eagle3Draft with random weights (scaled so
+its predictions are decided, not ties), a vocab map, and the run files export reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from spec_cli.artifacts.checkpoint import save_checkpoint
+from spec_cli.draft.config import DraftConfig
+from spec_cli.draft.model import Eagle3Draft
+
+V, VD, H, HT, N = 300, 40, 32, 48, 8  # target vocab, draft vocab, draft hidden, target hidden, target layers
+
+
+def draft_config(**overrides) -> DraftConfig:
+    values = dict(vocab_size=V, target_hidden_size=HT, aux_layer_ids=[1, 3, 4], target_num_layers=N,
+                  hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, draft_vocab_size=VD, target_architecture="LlamaForCausalLM",
+                  rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
+                  target_fingerprint="t" * 16, tokenizer_fingerprint="k" * 16, vocab_map_fingerprint="v" * 16)
+    values.update(overrides)
+    return DraftConfig(**values)
+
+
+def selected_ids(seed: int = 0) -> torch.Tensor:
+    return torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:VD]).values
+
+
+def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, **overrides) -> Path:
+    """A run folder with one checkpoint (step 5), run.json and a log.jsonl with an eval record."""
+    config = draft_config(**overrides)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config)
+    with torch.no_grad():
+        for _, p in draft.named_parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    draft.set_vocab_map(selected_ids(seed))
+    save_checkpoint(root, 5, draft.state_dict(), {}, {"torch_cpu": torch.get_rng_state()},
+                    config.to_dict(), {"step": 5})
+    (root / "run.json").write_text(json.dumps({"options": {"target": "/models/tiny-llama",
+                                                           "ttt_steps": ttt_steps}}))
+    records = [{"split": "eval", "step": 3, "acc": [0.4, 0.2], "acceptance_length": 1.48, "loss": 2.0},
+               {"split": "eval", "step": 5, "acc": [0.5, 0.3], "acceptance_length": 1.65, "loss": 1.0},
+               {"split": "eval", "step": 9, "acc": [0.9, 0.9], "acceptance_length": 2.71, "loss": 0.1}]
+    (root / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root

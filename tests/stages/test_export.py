@@ -1,0 +1,97 @@
+"""spec export end to end: a tiny draft trained through the real CLI, exported for every engine."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.cli import main
+from tests import tiny
+from tests.conftest import write_jsonl
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matrices: one intra-op thread is faster than two (and immune to a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama_dir):
+    """Tiny Llama target -> vocab map -> feature cache -> a 4-step draft run, all through the CLI."""
+    root = tmp_path_factory.mktemp("export")
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(random.Random(5)) for _ in range(24)])
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "64",
+                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
+        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
+                     "-o", str(root / "cache"), "--batch-tokens", "512", "-q"]) == 0
+        assert main(["train", "--cache", str(root / "cache"), "-v", str(root / "vm.safetensors"),
+                     "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "4", "--lr", "3e-3",
+                     "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "2",
+                     "--save-every", "2", "--log-every", "2", "-q"]) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "run": root / "run", "target": tiny_llama_dir}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_export_each_format_through_the_cli(trained, tmp_path, fmt, capsys):
+    out = tmp_path / fmt
+    assert main(["export", str(trained["run"]), "--format", fmt, "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "self-check" in printed and "passed" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    source = ckpt.latest_checkpoint(trained["run"])
+    trained_state = load_file(str(source / "model.safetensors"))
+    draft_config = json.loads((source / "config.json").read_text())
+    assert source.name == "step-00000004"
+    assert torch.equal(tensors["d2t"], trained_state["d2t"])  # offsets, as trained
+    assert "embed_tokens.weight" not in tensors  # the engines use the target's table
+    aux = draft_config["aux_layer_ids"]  # spec_cli convention: layer outputs ([1, 3, 4] for 8 layers)
+    if fmt == "sglang":
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == aux
+    else:
+        assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in aux]
+
+    readme = (out / "README.md").read_text()
+    assert str(trained["target"]) in readme  # the target the cache was made from
+    records = [json.loads(line) for line in (trained["run"] / "log.jsonl").read_text().splitlines()]
+    last_eval = [r for r in records if r["split"] == "eval"][-1]
+    assert f"{last_eval['acceptance_length']:.3f}" in readme
+    if fmt != "sglang":
+        assert "vllm serve" in readme and '"method": "eagle3"' in readme
+
+
+def test_export_a_chosen_checkpoint_without_the_check(trained, tmp_path):
+    first = ckpt.checkpoint_dirs(trained["run"])[0]
+    out = tmp_path / "out"
+    assert main(["export", str(first), "-f", "vllm", "-o", str(out), "--no-check", "--dtype", "fp32", "-q"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["spec_cli"]["step"] == 2 and config["torch_dtype"] == "float32"
+    # exporting again replaces the earlier export
+    assert main(["export", str(trained["run"]), "-f", "vllm", "-o", str(out), "-q"]) == 0
+    assert json.loads((out / "config.json").read_text())["spec_cli"]["step"] == 4
+
+
+def test_bad_input_fails_in_one_line_and_writes_nothing(trained, tmp_path, capsys):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    out = tmp_path / "out"
+    assert main(["export", str(empty), "--format", "vllm", "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "holds no draft checkpoint" in err and len(err.splitlines()) == 1
+    assert main(["export", str(trained["run"]), "--format", "tensorrt", "-o", str(out)]) == 1
+    assert "--format" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-run"]
