@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import resource
 import subprocess
 import sys

@@ -6,7 +6,8 @@ Parameter and buffer names are the ones the engines load (DESIGN.md), so export 
     fc_norm.{0,1,2}.weight         [H_t]       EAGLE-3.1 only: one RMSNorm per aux chunk
     fc.weight                      [H, 3*H_t]
     midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight
-    midlayer.self_attn.{q,k,v,o}_proj.weight   q/k/v read 2*H: cat(input_layernorm(embeds), hidden_norm(hidden))
+    midlayer.self_attn.{q,k,v,o}_proj.weight   q/k/v read 2*H:
+                                   cat(input_layernorm(embeds), hidden_norm(hidden))
     midlayer.mlp.{gate,up,down}_proj.weight
     layers.{i}.*                   i = 1..n-1: ordinary Llama layers (H input), when num_hidden_layers > 1.
                                    vLLM names the first layer `layers.0.` (it maps `midlayer.` there), so
@@ -267,9 +268,10 @@ class Eagle3Draft(nn.Module):
         dtype = self.fc.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _layers(self, embeds, hidden, cos, sin, attends):
+    def _layers(self, input_ids, hidden, cos, sin, attends):
         """Run the decoder stack. attends[i](q, k, v) -> [B, h, T, d] is layer i's attention.
         Returns (state fed to the next step [B, T, H], [(k, v)] per layer)."""
+        embeds = self.embed_tokens(input_ids)  # [B, T, H], frozen
         kvs = []
         for i, layer in enumerate(self.decoder_layers):
             hidden, k, v = layer(embeds if i == 0 else None, hidden, cos, sin, attends[i])
@@ -288,12 +290,11 @@ class Eagle3Draft(nn.Module):
         bias: None (causal) or block_causal_bias. Returns the state for the next step [B, T, H].
         """
         attends = [_ttt_attend(list(cache), bias, self.attn_impl) for cache in caches]
-        embeds = self.embed_tokens(input_ids)  # [B, T, H], frozen
-        if checkpoint:  # recompute the layer in backward: keeps only its inputs and k/v
-            state, kvs = activation_checkpoint(self._layers, embeds, hidden, cos, sin, attends,
+        if checkpoint:  # recompute the layers in backward: keeps only their inputs and k/v
+            state, kvs = activation_checkpoint(self._layers, input_ids, hidden, cos, sin, attends,
                                                use_reentrant=False)
         else:
-            state, kvs = self._layers(embeds, hidden, cos, sin, attends)
+            state, kvs = self._layers(input_ids, hidden, cos, sin, attends)
         for cache, kv in zip(caches, kvs):
             cache.append(kv)
         return state
@@ -331,7 +332,7 @@ class Eagle3Draft(nn.Module):
             return attend
 
         attends = [attend_fn(i) for i in range(len(self.decoder_layers))]
-        state, _ = self._layers(self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype),
+        state, _ = self._layers(input_ids, hidden.to(self.fc.weight.dtype),
                                 cos, sin, attends)
         return state
 

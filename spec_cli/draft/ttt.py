@@ -75,11 +75,13 @@ def packed_positions(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.arange(seq_len, device=seq_lens.device) - starts.gather(1, doc)
 
 
-def _head(draft: Eagle3Draft, state, target_p, target_mass, target_ids, loss, kl_scale, kl_decay):
-    """Logits at the N supervised positions -> (loss, top-1 hits). state [N, H]."""
-    logits = draft.logits(state)  # [N, Vd]
-    value = step_loss(logits, target_p, target_mass, loss, kl_scale, kl_decay)
-    return value, top1_correct(logits.detach(), draft.d2t, target_ids)
+def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl_scale, kl_decay):
+    """Step k's loss and top-1 hits at its N supervised slots (b, t), whose targets sit at t + k.
+    Gathers inside, so that activation checkpointing keeps no [N, Vd] copy of target_p."""
+    logits = draft.logits(hidden[b, t])  # [N, Vd]
+    target_p = batch.target_p[b, t + k]  # [N, Vd]
+    value = step_loss(logits, target_p, batch.target_mass[b, t + k], loss, kl_scale, kl_decay)
+    return value, top1_correct(logits.detach(), draft.d2t, batch.target_ids[b, t + k])
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step_weight: float = 0.8,
@@ -116,11 +118,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
         valid = remaining > k  # the target at t + k is still in t's document
         scored = valid & shift_left(batch.loss_mask, k).bool()  # [B, T] accuracy denominator
         sup_b, sup_t = (valid & shift_left(batch.position_mask, k).bool()).nonzero(as_tuple=True)
-        value, hits = head(draft, hidden[sup_b, sup_t],  # [N, H]
-                           batch.target_p[sup_b, sup_t + k],  # [N, Vd]
-                           batch.target_mass[sup_b, sup_t + k],  # [N]
-                           batch.target_ids[sup_b, sup_t + k],  # [N]
-                           loss, lk_kl_scale, lk_kl_decay)
+        value, hits = head(draft, hidden, batch, sup_b, sup_t, k, loss, lk_kl_scale, lk_kl_decay)
         total_loss = total_loss + weights[k] * value
         losses.append(value.detach())
         correct.append(hits)

@@ -3,6 +3,7 @@ random TargetBatch with the supervision a target would give (right padding or pa
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spec_cli.draft.config import DraftConfig
@@ -10,6 +11,16 @@ from spec_cli.draft.model import Eagle3Draft
 from spec_cli.target.batch import TargetBatch
 
 V, VD = 64, 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread avoids thread start/sync overhead (and other processes' contention).
+    Test modules import this fixture, which makes it apply to them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides) -> DraftConfig:

@@ -8,6 +8,7 @@ import torch
 
 from spec_cli.draft import attention
 from spec_cli.draft.attention import block_causal_bias, document_index, pick_kernel, ttt_attention
+from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 
 
 def explicit_attention(q, k0, v0, extra_k, extra_v, allowed):

@@ -2,8 +2,9 @@
 
 import torch
 
-from spec_cli.draft.losses import (acceptance, acceptance_length, lk_alpha_loss, lk_lambda_loss,
+from spec_cli.draft.losses import (acceptance, acceptance_length, lk_alpha_loss,
                                    soft_cross_entropy, step_loss, step_weights, top1_correct)
+from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 
 
 def _dist(N=6, Vd=10, seed=0):

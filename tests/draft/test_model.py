@@ -5,6 +5,7 @@ import torch
 
 from spec_cli.draft.model import Eagle3Draft, KVCache, rope_inv_freq
 from spec_cli.errors import ConfigError
+from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft import V, VD, random_batch, selected_ids, tiny_config, tiny_draft
 
 LAYER = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",

@@ -13,6 +13,7 @@ import torch
 
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.draft.ttt import doc_remaining, packed_positions, shift_left, ttt_forward
+from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft import random_batch, tiny_draft
 
 
@@ -34,7 +35,10 @@ def documents(batch):
     B, T = batch.input_ids.shape
     doc = torch.full((B, T), -1)
     for b in range(B):
-        docs = batch.seq_lens[b].tolist() if batch.seq_lens is not None else [int(batch.attention_mask[b].sum())]
+        if batch.seq_lens is not None:
+            docs = batch.seq_lens[b].tolist()
+        else:
+            docs = [int(batch.attention_mask[b].sum())]
         start = 0
         for i, n in enumerate(docs):
             doc[b, start:start + n] = i
@@ -85,7 +89,8 @@ def reference_ttt(draft, batch, steps, step_weight, loss="soft-ce"):
             o = p[..., :T] @ vs[0] + sum(p[..., T + j - 1:T + j] * vs[j] for j in range(1, len(vs)))
             x = x + o.transpose(1, 2).reshape(B, T, h * d) @ P[f"{n}.self_attn.o_proj.weight"].T
             m = rms(x, P[f"{n}.post_attention_layernorm.weight"], eps)
-            g = torch.nn.functional.silu(m @ P[f"{n}.mlp.gate_proj.weight"].T) * (m @ P[f"{n}.mlp.up_proj.weight"].T)
+            gate, up = m @ P[f"{n}.mlp.gate_proj.weight"].T, m @ P[f"{n}.mlp.up_proj.weight"].T
+            g = torch.nn.functional.silu(gate) * up
             x = x + g @ P[f"{n}.mlp.down_proj.weight"].T
         normed = rms(x, P["norm.weight"], eps)
         hidden = normed if cfg.norm_output else x
@@ -132,7 +137,8 @@ CASES = {  # name: (draft options, lengths, T, seq_lens, steps)
     "steps-1": (dict(), [13, 9], 13, None, 1),
     "packing-7": (dict(), [14, 12], 14, [[5, 9], [4, 3, 5]], 7),
     "fc_norm-norm_output": (dict(fc_norm=True, norm_output=True), [12, 7], 12, None, 4),
-    "two-layers-packing": (dict(num_hidden_layers=2, num_key_value_heads=1), [12, 11], 12, [[6, 6], [3, 8]], 5),
+    "two-layers-packing": (dict(num_hidden_layers=2, num_key_value_heads=1), [12, 11], 12,
+                           [[6, 6], [3, 8]], 5),
 }
 
 
@@ -148,7 +154,8 @@ def _compare(draft, batch, steps, loss="soft-ce", tol=None, **kwargs):
     grads = torch.autograd.grad(out.loss, [p for _, p in params], allow_unused=True)
     tol = tol or dict(atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out.loss, ref_loss, **tol)
-    torch.testing.assert_close(out.step_loss, torch.stack([s[0] for s in ref_steps]).to(out.step_loss.dtype), **tol)
+    ref_step_loss = torch.stack([s[0] for s in ref_steps]).to(out.step_loss.dtype)
+    torch.testing.assert_close(out.step_loss, ref_step_loss, **tol)
     assert out.correct.tolist() == [int(s[1]) for s in ref_steps]
     assert out.total.tolist() == [int(s[2]) for s in ref_steps]
     assert out.supervised.tolist() == [int(s[3]) for s in ref_steps]
