@@ -1,0 +1,8 @@
+"""`spec eval`: real EAGLE-3 speculative decoding in PyTorch, measured against the target alone.
+
+    target.py       the target with its KV cache and forward hooks on the three aux layers
+    speculative.py  prefill, draft_chain, draft_tree, verify, accept, and the one decode loop
+    drafts.py       a draft from a run folder, a checkpoint or an export folder (read as the engine does)
+    prompts.py      MT-bench or a chat file -> conversations of user turns
+    report.py       acceptance / speed tallies, the table, eval.json and acceptance.png
+"""

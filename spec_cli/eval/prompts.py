@@ -1,0 +1,99 @@
+"""Evaluation prompts: MT-bench (80 questions, 2 turns each, 8 categories), or any chat data file.
+
+A conversation is a list of user turns. Turn j is asked, through the target's chat template, after the
+model's own answers to turns 0..j-1 (MT-bench's protocol). Records read:
+    {"turns": [str, ...], "category": ...}                  MT-bench questions
+    {"conversations": [...]} / {"messages": [...]}          ShareGPT / OpenAI chats: their user turns
+                                                            (and a leading system message)
+    {"prompt" | "instruction" | "question" | "text": str}   one turn
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spec_cli import assets
+from spec_cli.data import records
+from spec_cli.errors import DataError
+
+SINGLE_TURN_KEYS = ("prompt", "instruction", "question", "text")
+
+
+@dataclass
+class Conversation:
+    id: str
+    turns: list[str]  # user turns, asked in order
+    category: str | None = None
+    system: str | None = None
+    answers: list[str] = field(default_factory=list)  # the model's, filled in as they are generated
+
+    def messages(self, turn: int) -> list[dict]:
+        """The chat up to user turn `turn`, with the model's earlier answers."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for j in range(turn):
+            out += [{"role": "user", "content": self.turns[j]},
+                    {"role": "assistant", "content": self.answers[j]}]
+        return out + [{"role": "user", "content": self.turns[turn]}]
+
+
+def _user_turns(record: dict) -> tuple[list[str], str | None]:
+    """(user turns, system prompt) of one record."""
+    if isinstance(record.get("turns"), list):
+        return [t for t in record["turns"] if isinstance(t, str) and t.strip()], None
+    chat = record.get("conversations") if record.get("conversations") is not None else record.get("messages")
+    if isinstance(chat, list):
+        turns, system = [], None
+        for i, turn in enumerate(chat):
+            if not isinstance(turn, dict):
+                continue
+            role = records.ROLES.get(str(turn.get("role", turn.get("from", ""))).strip().lower())
+            text = records._content_text(turn.get("content", turn.get("value")))
+            if not text or not text.strip():
+                continue
+            if role == "user":
+                turns.append(text)
+            elif role == "system" and i == 0:
+                system = text
+        return turns, system
+    for key in SINGLE_TURN_KEYS:
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [record[key]], None
+    return [], None
+
+
+def load_conversations(prompts: str, num_prompts: int | None = None) -> list[Conversation]:
+    """`mt-bench`, `sharegpt` (both built in) or a chat data file -> conversations. With `num_prompts`,
+    that many are taken round-robin over the categories (so a few prompts still cover them), in file order."""
+    path = assets.resolve_data_arg(prompts)  # `mt-bench` / `sharegpt` name the built-in files
+    found = []
+    for i, record in enumerate(records.load_records(path)):
+        turns, system = _user_turns(record)
+        if turns:
+            category = record.get("category")
+            found.append(Conversation(id=str(record.get("question_id", record.get("id", i))), turns=turns,
+                                      category=str(category) if category else None, system=system))
+    if not found:
+        raise DataError(f"no user turns found in {prompts}",
+                        "each record needs `turns`, `conversations`/`messages` with user turns, or `prompt`")
+    if num_prompts is None or num_prompts >= len(found):
+        return found
+    by_category: dict[str | None, list[int]] = {}
+    for i, conv in enumerate(found):
+        by_category.setdefault(conv.category, []).append(i)
+    queues, chosen = list(by_category.values()), []
+    while len(chosen) < num_prompts:
+        for queue in queues:
+            if queue and len(chosen) < num_prompts:
+                chosen.append(queue.pop(0))
+    return [found[i] for i in sorted(chosen)]
+
+
+def prompt_ids(tokenizer, conv: Conversation, turn: int) -> list[int]:
+    """Token ids of the chat up to user turn `turn`, ending with the assistant's generation prompt."""
+    messages = conv.messages(turn)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    # no chat template (a base model): the turns as plain text, one paragraph each
+    text = "\n\n".join(m["content"] for m in messages) + "\n\n"
+    return tokenizer(text)["input_ids"]

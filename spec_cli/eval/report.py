@@ -1,0 +1,136 @@
+"""What `spec eval` measured, summed per category: acceptance, tokens/s of both decoders, speed-up.
+
+    acceptance length      tokens produced per target forward of the speculative loop (the accepted
+                           drafts + the target's own token), over all such forwards
+    acceptance rate at j   P(draft position j accepted | positions 1..j-1 accepted): of the forwards in
+                           which position j was verified on the accepted path, the share that accepted it
+                           (tree: position = depth)
+    tokens/s               new tokens / wall time of the whole generation (prefill included), for the
+                           speculative decoder and for the target alone on the same prompts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spec_cli.eval.speculative import Generation
+
+
+@dataclass
+class Tally:
+    positions: int = 0  # draft positions reported (--depth); more are added if reached
+    turns: int = 0
+    steps: int = 0  # target forwards in the speculative loops
+    produced: int = 0  # tokens those forwards produced
+    accepted: list[int] = field(default_factory=list)  # [j-1]: forwards that accepted position j
+    verified: list[int] = field(default_factory=list)  # [j-1]: forwards that verified position j on the path
+    spec_tokens: int = 0
+    spec_seconds: float = 0.0
+    target_tokens: int = 0
+    target_seconds: float = 0.0
+    same_as_target: int = 0  # greedy: turns whose output equals the target's token for token
+
+    def add(self, spec: Generation, base: Generation | None) -> None:
+        self.turns += 1
+        self.spec_tokens += len(spec.tokens)
+        self.spec_seconds += spec.seconds
+        for m, v in spec.steps:
+            self.steps += 1
+            self.produced += m + 1
+            while len(self.verified) < max(v, self.positions):
+                self.verified.append(0)
+                self.accepted.append(0)
+            for j in range(v):
+                self.verified[j] += 1
+                self.accepted[j] += int(j < m)
+        if base is not None:
+            self.target_tokens += len(base.tokens)
+            self.target_seconds += base.seconds
+            self.same_as_target += int(base.tokens == spec.tokens)
+
+    def metrics(self) -> dict:
+        spec_tps = self.spec_tokens / self.spec_seconds if self.spec_seconds else 0.0
+        target_tps = self.target_tokens / self.target_seconds if self.target_seconds else 0.0
+        return {
+            "turns": self.turns,
+            "acceptance_length": self.produced / self.steps if self.steps else 0.0,
+            "acceptance_rate": [a / v if v else None for a, v in zip(self.accepted, self.verified)],
+            "accepted": list(self.accepted),
+            "verified": list(self.verified),
+            "target_forwards": self.steps,
+            "tokens_produced": self.produced,
+            "spec_tokens": self.spec_tokens,
+            "spec_seconds": round(self.spec_seconds, 4),
+            "spec_tokens_per_s": spec_tps,
+            "target_tokens": self.target_tokens,
+            "target_seconds": round(self.target_seconds, 4),
+            "target_tokens_per_s": target_tps,
+            "speedup": spec_tps / target_tps if target_tps else 0.0,
+            "same_as_target": self.same_as_target,
+        }
+
+
+# ----------------------------------------------------------------------------- output
+
+def print_table(result) -> None:
+    """The per-category table and the acceptance by position (rich)."""
+    from rich.table import Table
+
+    from spec_cli.console import console, is_quiet
+
+    if is_quiet():
+        return
+    s = result.settings
+    shape = (f"chain of {s['depth']}" if s["topk"] == 1 else
+             f"tree depth {s['depth']}, top-{s['topk']}, {s['num_tokens']} nodes")
+    mode = "greedy" if s["temperature"] == 0 else f"sampling T={s['temperature']:g}"
+    table = Table(title=f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})",
+                  title_justify="left")
+    for name, justify in (("category", "left"), ("turns", "right"), ("accept len", "right"),
+                          ("spec tok/s", "right"), ("target tok/s", "right"), ("speed-up", "right")):
+        table.add_column(name, justify=justify)
+    rows = list(result.categories.items()) if len(result.categories) > 1 else []
+    for i, (name, m) in enumerate(rows + [("all", result.overall)]):
+        table.add_row(name, str(m["turns"]), f"{m['acceptance_length']:.2f}",
+                      f"{m['spec_tokens_per_s']:.1f}", f"{m['target_tokens_per_s']:.1f}",
+                      f"{m['speedup']:.2f}x", style="bold" if name == "all" else None,
+                      end_section=i == len(rows) - 1)
+    console.print(table)
+    rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
+                      for j, r in enumerate(result.overall["acceptance_rate"]))
+    console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
+    if s["temperature"] == 0:
+        o = result.overall
+        console.print(f"greedy outputs identical to the target's: {o['same_as_target']}/{o['turns']} turns")
+    console.print(f"written: {result.json_path}, {result.plot_path}")
+
+
+def plot_acceptance(path: Path, overall: dict, categories: dict, title: str) -> Path:
+    """acceptance.png: the acceptance rate at each draft position, overall (bars) and per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    def curve(m):  # positions never verified (None) are left out
+        points = [(j + 1, r) for j, r in enumerate(m["acceptance_rate"]) if r is not None]
+        return [j for j, _ in points], [r for _, r in points]
+
+    positions = list(range(1, len(overall["acceptance_rate"]) + 1))
+    ax.bar(*curve(overall), color="#4c72b0", alpha=0.6, label="all")
+    for name, m in categories.items():
+        ax.plot(*curve(m), "o-", ms=3, lw=1, label=name)
+    ax.set_xlabel("draft position (tree: depth)")
+    ax.set_ylabel("P(accepted | earlier positions accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(positions)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if categories:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,117 @@
+"""The target during speculative decoding: a transformers causal LM, batch size 1, with a KV cache
+(`DynamicCache`) and forward hooks that capture the outputs of the three aux decoder layers.
+
+Tree verification passes a 4D mask [1, 1, n, past + n] (True = attend), which transformers uses as
+given; for eager attention it is turned into the additive float mask eager attention adds to its
+scores. Keeping an accepted tree path in the cache gathers its positions (they are not contiguous).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from spec_cli.errors import ConfigError
+from spec_cli.target import loading
+
+TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that read a custom 4D mask as is
+
+
+class Target:
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
+        self.model = model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.capture = True  # off for the target-alone baseline (its aux states are not needed)
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = loading.decoder_layers(model)
+        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in set(self.aux_layer_ids)]
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            if self.capture:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- cache -----------------------------------------------------------------------------------
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return int(cache.get_seq_length())
+
+    def keep(self, cache, past: int, rows: list[int]) -> None:
+        """Keep the first `past` positions and, after them, the rows `rows` (ascending) of the last
+        forward, in that order: the accepted path of a verification."""
+        new = self.cache_length(cache) - past
+        if rows == list(range(len(rows))):  # a prefix of the verified rows (always, for a chain)
+            if new > len(rows):
+                cache.crop(-(new - len(rows)))  # negative: remove that many (transformers 4 and 5)
+            return
+        index = torch.tensor(rows, device=self.model.device) + past
+        for layer in cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ConfigError("tree verification cannot keep a path in a sliding-window cache layer",
+                                  "use a chain draft (--topk 1) with this target")
+            layer.keys = torch.cat([layer.keys[:, :, :past], layer.keys[:, :, index]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :past], layer.values[:, :, index]], dim=2)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache,
+                tree_mask: torch.Tensor | None = None, last_only: bool = False):
+        """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal).
+        Returns (logits fp32 [n, V] ([1, V] with last_only), aux [n, 3*H_t] or None)."""
+        mask = None if tree_mask is None else self._mask(tree_mask[None, None])
+        self._captured.clear()
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache})
+        logits = out.logits[0].float()
+        aux = None
+        if self.capture:
+            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)[0]  # [n, 3*H_t]
+            self._captured.clear()
+        return logits, aux
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[1, 1, n, L] bool (True = attend) -> the mask this attention implementation adds or reads."""
+        if self.attn_implementation == "sdpa":
+            return allowed
+        if self.attn_implementation == "eager":
+            dtype = self.model.dtype
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)
+        raise ConfigError(f"tree verification needs a custom attention mask, which the target's "
+                          f"{self.attn_implementation!r} attention does not take",
+                          f"use a chain draft (--topk 1), or {' or '.join(TREE_ATTENTION)} attention")
+
+
+def tree_attention(parents: torch.Tensor, past: int) -> torch.Tensor:
+    """Mask of one verification: row 0 is the root (the newest committed token), row i + 1 drafted node
+    i. Each row attends the `past` cached positions, its ancestors and itself.
+    parents [N] (-1 = the root; parents come before children) -> [N + 1, past + N + 1] bool."""
+    N = parents.numel()
+    tree = torch.eye(N + 1, dtype=torch.bool, device=parents.device)  # [N+1, N+1] ancestor-or-self
+    tree[:, 0] = True  # the root is everyone's ancestor
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            tree[i + 1] |= tree[p + 1]  # a node sees what its parent sees
+    prefix = torch.ones(N + 1, past, dtype=torch.bool, device=parents.device)
+    return torch.cat([prefix, tree], dim=1)
