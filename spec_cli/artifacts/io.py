@@ -65,6 +65,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
+        for file in tmp.rglob("*"):  # some writers create 0600 files; give them normal permissions
+            if file.is_file():
+                os.chmod(file, 0o666 & ~_umask())
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
