@@ -1,0 +1,97 @@
+"""`spec serve-target`: load the target and answer supervision requests until stopped.
+
+Stops on Ctrl-C / SIGTERM, or when the last client disconnects with `exit_on_disconnect`; requests in
+progress finish first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+from spec_cli import assets
+from spec_cli.console import info
+from spec_cli.errors import ConfigError
+from spec_cli.serve.http import HTTPHandle
+from spec_cli.serve.server import Limits, TargetServer
+from spec_cli.target import loading
+
+TOKEN_ENV = "SPEC_SERVE_TOKEN"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """The tokenizer as the text files save_pretrained writes ({name: text})."""
+    with tempfile.TemporaryDirectory(prefix="spec-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+          aux_layers: str | list[int] | None = None, device: str | None = None, dtype: str | None = None,
+          max_batch_tokens: int = 65536, max_batch_size: int = 1024, max_seq_len: int = 32768,
+          max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
+          exit_on_disconnect: bool = False, data_plane: bool = False,
+          on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
+
+    `token` (default: $SPEC_SERVE_TOKEN) is then required on every request. `port` 0 picks a free
+    port; `on_ready(url)` is called once the server listens.
+    """
+    token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+    for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
+                        ("max-seq-len", max_seq_len), ("max-body-bytes", max_body_bytes),
+                        ("request-timeout", request_timeout)):
+        if value <= 0:
+            raise ConfigError(f"--{name} must be positive, got {value}", f"pass a positive --{name}")
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port", "use 1..65535 (0: any free port)")
+    target_dir = loading.resolve_target(assets.resolve_target_arg(str(target)))
+    from spec_cli.target.hf_backend import HFTargetBackend
+
+    backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+    try:
+        logic = TargetServer(
+            backend, target_config=loading.load_config(target_dir).to_dict(),
+            tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir)), token=token,
+            limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
+            exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
+        try:
+            handle = HTTPHandle(logic, host, port, request_timeout)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                              "choose another --port (0: any free port) or stop what holds it") from exc
+        _serve_until_stopped(handle, target_dir, token, on_ready)
+    finally:
+        backend.close()
+
+
+def _serve_until_stopped(handle: HTTPHandle, target_dir: Path, token: str | None,
+                         on_ready: Callable[[str], None] | None) -> None:
+    logic = handle.logic
+    stop = logic.shutdown_event
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        info(f"serving {target_dir.name} (aux layers {logic.backend.info['aux_layers']}, "
+             f"{logic.backend.info['dtype']}) {'with' if token else 'without'} a token")
+        if handle.host not in LOOPBACK and not token:
+            info("[bold yellow]warning:[/] listening beyond this machine without a token: anyone who "
+                 f"reaches port {handle.port} can use the target (set --token or ${TOKEN_ENV})")
+        info(f"listening on {handle.url}")
+        if on_ready is not None:
+            on_ready(handle.url)
+        while not stop.wait(0.2):
+            pass
+        info("stopping: waiting for requests in progress")
+    finally:
+        handle.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    info("stopped")

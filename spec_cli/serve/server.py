@@ -1,0 +1,366 @@
+"""Request handling of the target server, independent of any transport (testable without sockets).
+
+`TargetServer.handle(method, path, headers, body)` takes one request and returns one `Response`;
+`spec_cli.serve.http` only moves bytes. Every input is checked before it reaches the model and a bad
+one is answered with a 4xx and a JSON `{"error": ...}` saying what is wrong; the server keeps serving.
+
+Endpoints (all under /v1; every request carries `Authorization: Bearer TOKEN` when a token is set):
+
+| method | path | body -> answer |
+| --- | --- | --- |
+| GET  | /health           | -> JSON {"status": "ok", "protocol"} |
+| GET  | /info             | -> JSON: architecture, vocab/hidden size, aux layers, fingerprints, |
+|      |                   |    target config, limits |
+| GET  | /tokenizer        | -> JSON {"files": {name: text}} (the trainer tokenises its data with it) |
+| GET  | /input_embeddings | -> tensors {"weight": [V, H]} (seeds the draft, once) |
+| POST | /vocab_mapping    | tensors {"selected_token_ids": [Vd] int64} -> JSON {"vocab_id"} |
+| POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens]} |
+|      |                   | + {"vocab_id"} -> tensors: exactly the TargetBatch (draft-vocab supervision) |
+| POST | /data_plane       | JSON {"backend": "gloo"} -> JSON session (tensors via torch.distributed) |
+| POST | /data_plane/store | JSON store operation (the data plane's rendezvous, behind the token) |
+| POST | /disconnect       | -> JSON {"ok": true}; with exit_on_disconnect the last client's stops it |
+
+One generate runs on the model at a time (a lock); requests wait their turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from spec_cli.serve import wire
+
+log = logging.getLogger(__name__)
+
+GENERATE_TENSORS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "seq_lens")
+KEPT_VOCAB_MAPS = 8  # draft vocabs remembered at once (several trainers may share a server)
+MAX_CLIENTS = 4096  # client ids tracked for exit_on_disconnect
+
+
+@dataclass
+class Limits:
+    """Bounds on one request (the CLI exposes each as an option)."""
+
+    max_batch_tokens: int = 65536  # B x T of one generate
+    max_batch_size: int = 1024  # B of one generate
+    max_seq_len: int = 32768  # T of one generate (also <= the target's max_position_embeddings)
+    max_body_bytes: int = 64 << 20  # bytes of one request body
+
+
+@dataclass
+class Response:
+    status: int
+    content_type: str
+    parts: list  # buffers written one after the other
+    nbytes: int
+    close: bool = False  # close the connection after answering (errors: the stream may be unread)
+    headers: dict = field(default_factory=dict)
+    after: Callable[[], None] | None = None  # run once the response is flushed (data-plane send)
+    failed: Callable[[], None] | None = None  # run instead when the response could not be sent
+
+    @classmethod
+    def json(cls, obj: dict, status: int = 200, **kw) -> "Response":
+        body = wire.dumps(obj)
+        return cls(status, wire.JSON_TYPE, [body], len(body), **kw)
+
+    @classmethod
+    def tensors(cls, encoded: wire.Encoded, **kw) -> "Response":
+        return cls(200, wire.TENSOR_TYPE, encoded.parts, encoded.nbytes, **kw)
+
+    def body(self) -> bytes:
+        return b"".join(bytes(p) for p in self.parts)
+
+
+class RequestError(Exception):
+    """A request the server refuses: answered with `status` and a JSON error, never a traceback."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code  # names a 409's cause for the client: "vocab" or "data_plane"
+
+
+def vocab_id(selected_token_ids: torch.Tensor) -> str:
+    """Names a draft vocab on the wire: the sha256 of its int64 ids."""
+    ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(400, message)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _int64(name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
+    if t.dtype != torch.int64:
+        raise _bad(f"{name} must be int64, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise _bad(f"{name} must have {ndim} dimensions, got shape {list(t.shape)}")
+    return t
+
+
+def _binary(name: str, t: torch.Tensor) -> None:
+    if t.numel() and not bool(((t == 0) | (t == 1)).all()):
+        raise _bad(f"{name} must hold only 0 and 1")
+
+
+def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits: Limits,
+                      max_positions: int | None) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments of generate_batch, or RequestError(400) naming the first problem."""
+    unknown = sorted(set(tensors) - set(GENERATE_TENSORS))
+    if unknown:
+        raise _bad(f"unknown tensor(s) {unknown}; a generate request holds {list(GENERATE_TENSORS)}")
+    missing = [n for n in GENERATE_TENSORS[:3] if n not in tensors]
+    if missing:
+        raise _bad(f"missing tensor(s) {missing}")
+    ids = _int64("input_ids", tensors["input_ids"], 2)
+    B, T = ids.shape
+    if B < 1 or T < 1:
+        raise _bad(f"input_ids is empty (shape {[B, T]})")
+    if B > limits.max_batch_size:
+        raise _bad(f"batch of {B} rows exceeds the server's limit of {limits.max_batch_size}")
+    if T > limits.max_seq_len:
+        raise _bad(f"sequence length {T} exceeds the server's limit of {limits.max_seq_len}")
+    if B * T > limits.max_batch_tokens:
+        raise _bad(f"batch of {B} x {T} = {B * T} tokens exceeds the server's limit of "
+                   f"{limits.max_batch_tokens}")
+    for name in ("attention_mask", "loss_mask", "position_ids"):
+        if name in tensors and list(_int64(name, tensors[name], 2).shape) != [B, T]:
+            raise _bad(f"{name} has shape {list(tensors[name].shape)}, input_ids has {[B, T]}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise _bad(f"input_ids must lie in [0, {vocab_size}) (the target's vocab), got "
+                   f"[{int(ids.min())}, {int(ids.max())}]")
+    am, lm = tensors["attention_mask"], tensors["loss_mask"]
+    _binary("attention_mask", am)
+    _binary("loss_mask", lm)
+    if bool((lm > am).any()):
+        raise _bad("loss_mask is 1 where attention_mask is 0 (padding cannot be supervised)")
+    if not bool(am.any(dim=1).all()):
+        raise _bad("a row has no real token (attention_mask all 0)")
+    position_ids = tensors.get("position_ids")
+    if position_ids is not None:
+        top = max_positions or limits.max_seq_len
+        if int(position_ids.min()) < 0 or int(position_ids.max()) >= top:
+            raise _bad(f"position_ids must lie in [0, {top})")
+    seq_lens = tensors.get("seq_lens")
+    if seq_lens is not None:
+        _int64("seq_lens", seq_lens, 2)
+        if seq_lens.shape[0] != B or not 1 <= seq_lens.shape[1] <= T:
+            raise _bad(f"seq_lens must have shape [{B}, D] with 1 <= D <= {T}, got "
+                       f"{list(seq_lens.shape)}")
+        if int(seq_lens.min()) < 0:
+            raise _bad("seq_lens must be non-negative")
+        total = seq_lens.sum(dim=1)  # [B]
+        if bool((total > T).any()):
+            raise _bad(f"seq_lens of a row sum to more than the row length {T}")
+        real = torch.arange(T).unsqueeze(0) < total.unsqueeze(1)  # [B, T]
+        if not torch.equal(real.long(), am):
+            raise _bad("attention_mask must be 1 exactly on the first sum(seq_lens) tokens of each row")
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "position_ids": position_ids,
+            "seq_lens": seq_lens}
+
+
+def validate_vocab_mapping(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor:
+    if set(tensors) != {"selected_token_ids"}:
+        raise _bad(f"a vocab mapping holds exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
+    ids = _int64("selected_token_ids", tensors["selected_token_ids"], 1)
+    if not 1 <= ids.numel() <= vocab_size:
+        raise _bad(f"selected_token_ids must hold 1..{vocab_size} ids, got {ids.numel()}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise _bad(f"selected_token_ids must lie in [0, {vocab_size}) (the target's vocab)")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise _bad("selected_token_ids must be strictly ascending (sorted, no repeats)")
+    return ids.clone()
+
+
+# ----------------------------------------------------------------------------- the server logic
+
+class TargetServer:
+    """Answers supervision requests with a loaded target backend (HFTargetBackend or alike).
+
+    `target_config` (the target's config.to_dict()) and `tokenizer_files` ({name: text}) let a
+    trainer that has neither build its draft and tokenise its data; both are optional.
+    """
+
+    def __init__(self, backend, *, target_config: dict | None = None,
+                 tokenizer_files: dict[str, str] | None = None, token: str | None = None,
+                 limits: Limits | None = None, exit_on_disconnect: bool = False,
+                 data_plane: bool = False):
+        self.backend = backend
+        self.target_config = target_config
+        self.tokenizer_files = tokenizer_files
+        self.token = token or None
+        self.limits = replace(limits or Limits())  # a copy: max_seq_len is capped below
+        self.vocab_size = int(backend.info["vocab_size"])
+        self.max_positions = (target_config or {}).get("max_position_embeddings") or \
+            ((target_config or {}).get("text_config") or {}).get("max_position_embeddings")
+        if self.max_positions:
+            self.limits.max_seq_len = min(self.limits.max_seq_len, int(self.max_positions))
+        self.exit_on_disconnect = exit_on_disconnect
+        self.shutdown_event = threading.Event()
+        self.generate_lock = threading.Lock()  # one forward on the model at a time
+        self._state_lock = threading.Lock()
+        self._vocab_maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._active_vocab: str | None = None
+        self._clients: set[str] = set()
+        self.data_planes = None
+        if data_plane:
+            from spec_cli.serve.data_plane import ServerDataPlanes
+
+            self.data_planes = ServerDataPlanes(self)
+        self.routes: dict[str, tuple[str, Callable]] = {
+            "/v1/health": ("GET", self.health),
+            "/v1/info": ("GET", self.model_info),
+            "/v1/tokenizer": ("GET", self.tokenizer),
+            "/v1/input_embeddings": ("GET", self.input_embeddings),
+            "/v1/vocab_mapping": ("POST", self.set_vocab_mapping),
+            "/v1/generate": ("POST", self.generate),
+            "/v1/data_plane": ("POST", self.init_data_plane),
+            "/v1/data_plane/store": ("POST", self.data_plane_store),
+            "/v1/disconnect": ("POST", self.disconnect),
+        }
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, method: str, path: str, headers, body: bytes | bytearray,
+               peer: dict | None = None) -> Response:
+        """One request -> one response. Never raises: errors become 4xx/5xx JSON answers."""
+        try:
+            return self._handle(method, path.split("?", 1)[0], headers, body, peer or {})
+        except RequestError as exc:
+            log.info("%s %s -> %d %s", method, path, exc.status, exc.message)
+            extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+            return Response.json({"error": exc.message, "status": exc.status, "code": exc.code},
+                                 exc.status, close=exc.status != 409, headers=extra)
+        except wire.WireError as exc:
+            return Response.json({"error": str(exc), "status": 400}, 400, close=True)
+        except Exception as exc:  # the model failed (e.g. out of memory): say so, keep serving
+            log.exception("%s %s failed", method, path)
+            return Response.json({"error": f"internal error: {type(exc).__name__}: {exc}",
+                                  "status": 500}, 500, close=True)
+
+    def _handle(self, method, path, headers, body, peer) -> Response:
+        lowered = {str(k).lower(): v for k, v in headers.items()}  # header names ignore case
+
+        def get(name: str) -> str | None:
+            return lowered.get(name.lower())
+
+        if not self.authorized(get("Authorization")):
+            raise RequestError(401, "missing or wrong token (send `Authorization: Bearer TOKEN`)")
+        if self.shutdown_event.is_set() and path != "/v1/health":
+            raise RequestError(503, "the server is shutting down")
+        if len(body) > self.limits.max_body_bytes:
+            raise RequestError(413, f"body of {len(body)} bytes exceeds the limit of "
+                                    f"{self.limits.max_body_bytes}")
+        if path not in self.routes:
+            raise RequestError(404, f"no endpoint {path!r}; see /v1/info")
+        allowed, handler = self.routes[path]
+        if method != allowed:
+            raise RequestError(405, f"{path} takes {allowed}, not {method}")
+        client = get("X-Spec-Client")
+        if client:
+            if len(client) > 64:
+                raise _bad("X-Spec-Client is longer than 64 characters")
+            with self._state_lock:
+                if path != "/v1/disconnect" and len(self._clients) < MAX_CLIENTS:
+                    self._clients.add(client)
+        return handler(body, client=client, peer=peer, session=get("X-Spec-Data-Plane"))
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether an Authorization header carries the token (always, when none is set)."""
+        if self.token is None:
+            return True
+        expected = f"Bearer {self.token}".encode()
+        given = (header or "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, expected)  # constant time in the token's content
+
+    # ------------------------------------------------------------------ endpoints
+    def health(self, body, **_) -> Response:
+        return Response.json({"status": "ok", "protocol": wire.PROTOCOL})
+
+    def info(self) -> dict:
+        return {"protocol": wire.PROTOCOL, **self.backend.info, "target_config": self.target_config,
+                "limits": asdict(self.limits), "has_tokenizer": self.tokenizer_files is not None,
+                "vocab_ids": list(self._vocab_maps),
+                "data_plane": self.data_planes.backends() if self.data_planes else []}
+
+    def model_info(self, body, **_) -> Response:
+        return Response.json(self.info())
+
+    def tokenizer(self, body, **_) -> Response:
+        if self.tokenizer_files is None:
+            raise RequestError(404, "this server has no tokenizer to share")
+        return Response.json({"files": self.tokenizer_files,
+                              "tokenizer_fingerprint": self.backend.info.get("tokenizer_fingerprint")})
+
+    def input_embeddings(self, body, **_) -> Response:
+        return Response.tensors(wire.encode({"weight": self.backend.get_input_embeddings()}))
+
+    def set_vocab_mapping(self, body, **_) -> Response:
+        tensors, _meta = wire.decode(bytearray(body))
+        ids = validate_vocab_mapping(tensors, self.vocab_size)
+        vid = vocab_id(ids)
+        with self.generate_lock:
+            self.backend.set_vocab_mapping(ids)
+            self._active_vocab = vid
+            self._vocab_maps[vid] = ids
+            self._vocab_maps.move_to_end(vid)
+            while len(self._vocab_maps) > KEPT_VOCAB_MAPS:
+                self._vocab_maps.popitem(last=False)
+        return Response.json({"vocab_id": vid, "draft_vocab_size": int(ids.numel())})
+
+    def supervise(self, tensors: dict[str, torch.Tensor], vid) -> dict[str, torch.Tensor]:
+        """Validate one generate request and run the target on it (under the model lock)."""
+        kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
+        with self.generate_lock:
+            if vid not in self._vocab_maps:
+                raise RequestError(409, f"unknown vocab_id {vid!r}: send the vocab mapping first "
+                                        "(POST /v1/vocab_mapping)", code="vocab")
+            if vid != self._active_vocab:  # another trainer switched it: switch back (cheap)
+                self.backend.set_vocab_mapping(self._vocab_maps[vid])
+                self._active_vocab = vid
+            return self.backend.generate_batch(**kwargs).tensors()
+
+    def generate(self, body, client=None, session=None, **_) -> Response:
+        tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))
+        if session is not None:  # X-Spec-Data-Plane: the tensors go over torch.distributed
+            return self._data_planes().generate(session, tensors, meta.get("vocab_id"), client)
+        out = self.supervise(tensors, meta.get("vocab_id"))
+        return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
+
+    def _data_planes(self):
+        if self.data_planes is None:
+            raise RequestError(409, "this server has no tensor data plane (start it with --data-plane)",
+                               code="data_plane")
+        return self.data_planes
+
+    def init_data_plane(self, body, client=None, peer=None, **_) -> Response:
+        return Response.json(self._data_planes().init(wire.loads(body), client, peer or {}))
+
+    def data_plane_store(self, body, client=None, **_) -> Response:
+        return Response.json(self._data_planes().store(wire.loads(body), client))
+
+    def disconnect(self, body, client=None, **_) -> Response:
+        with self._state_lock:
+            self._clients.discard(client)
+            last = not self._clients
+        if self.data_planes is not None and client:
+            self.data_planes.close_client(client)
+        if self.exit_on_disconnect and last:
+            log.info("the last client disconnected: shutting down")
+            return Response.json({"ok": True, "shutting_down": True}, close=True,
+                                 after=self.shutdown_event.set)
+        return Response.json({"ok": True, "shutting_down": False})
+
+    def close(self) -> None:
+        self.shutdown_event.set()
+        if self.data_planes is not None:
+            self.data_planes.close()

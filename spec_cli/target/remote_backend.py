@@ -1,0 +1,499 @@
+"""The remote target backend: supervision from `spec serve-target` servers, over HTTP.
+
+It implements the same interface as the in-process target, and the server runs the very same
+`generate_batch`, so a remote run gets the same tensors bit for bit. Only draft-vocab supervision
+crosses the wire (the TargetBatch tensors), never full-vocab logits.
+
+- Several URLs: each batch goes to the server with the fewest requests in flight (round robin on
+  ties); a server that cannot be reached is skipped for the retry.
+- `submit` starts a batch in the background (a concurrent.futures.Future): with `prefetch` N, up to N
+  requests are in flight, so target inference overlaps draft training.
+- Timeouts on every socket operation, bounded retries with exponential backoff on connection errors,
+  and a RemoteError (message + hint) when a server is gone, refuses a request, or serves a different
+  target than the trainer expects (RemoteMismatchError).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+
+from spec_cli.errors import TargetError
+from spec_cli.serve import wire
+from spec_cli.serve.server import vocab_id as _vocab_id
+from spec_cli.target.backend import TargetBackend
+from spec_cli.target.batch import TargetBatch
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "SPEC_SERVE_TOKEN"
+# what identifies a target: compared across servers and with `expect`
+IDENTITY_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "aux_layers", "dtype",
+                 "target_fingerprint", "tokenizer_fingerprint")
+BATCH_FIELDS = ("aux_hidden", "input_ids", "attention_mask", "loss_mask", "target_p", "position_mask",
+                "target_ids", "target_mass")
+
+
+class RemoteError(TargetError):
+    """The remote target server cannot be reached, or refused or failed a request."""
+
+
+class RemoteMismatchError(RemoteError):
+    """The remote server serves a different target (or aux layers, or protocol) than expected."""
+
+
+class _Server:
+    def __init__(self, url: str):
+        text = url.strip()
+        if "://" not in text:
+            text = "http://" + text
+        parts = urlsplit(text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RemoteError(f"--remote {url!r} is not an http(s)://HOST:PORT address",
+                              "e.g. --remote http://10.0.0.5:8000")
+        if parts.path not in ("", "/") or parts.query:
+            raise RemoteError(f"--remote {url!r} has a path; give only scheme, host and port",
+                              "e.g. --remote http://10.0.0.5:8000")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:
+            raise RemoteError(f"--remote {url!r}: {exc}", "e.g. --remote http://10.0.0.5:8000") from None
+        self.scheme, self.host, self.port = parts.scheme, parts.hostname, port
+        self.url = f"{parts.scheme}://{parts.netloc}"
+        self.in_flight = 0
+        self.info: dict = {}
+        self.data_plane = None  # a ClientDataPlane once negotiated
+
+
+class _Retry(Exception):
+    """A connection-level failure worth another attempt."""
+
+
+class _Conflict(RemoteError):
+    """409 from a server: it lacks our vocab mapping (code "vocab": restarted, or never told) or our
+    data-plane session (code "data_plane")."""
+
+    def __init__(self, message: str, server: _Server, code: str | None):
+        super().__init__(message, None)
+        self.server, self.code = server, code
+
+
+class RemoteBackend(TargetBackend):
+    """Supervision from one or more `spec serve-target` servers.
+
+    urls: server addresses ("http://host:port"; "host:port" works too).
+    token: sent as `Authorization: Bearer`; default $SPEC_SERVE_TOKEN.
+    prefetch: requests `submit` keeps in flight (0: submit is unsupported, generate_batch only).
+    timeout: seconds any one socket operation may wait (a generate's answer included).
+    retries, backoff: attempts after a connection error, waiting backoff * 2**k seconds before each.
+    expect: identity the trainer requires, e.g. {"target_fingerprint": ..., "tokenizer_fingerprint":
+        ..., "aux_layers": [...]} (any key of `info`); a difference raises RemoteMismatchError.
+    data_plane: "http" (tensors in the HTTP body) or "gloo" (tensors over torch.distributed, when the
+        server offers it; falls back to HTTP otherwise).
+    """
+
+    def __init__(self, urls: list[str] | str, token: str | None = None, prefetch: int = 2,
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 expect: dict | None = None, data_plane: str = "http", connect_timeout: float = 10.0):
+        if isinstance(urls, str):
+            urls = urls.split(",")
+        urls = [u for u in (u.strip() for u in urls) if u]
+        if not urls:
+            raise RemoteError("no --remote server address given", "e.g. --remote http://10.0.0.5:8000")
+        if prefetch < 0 or retries < 0 or timeout <= 0 or connect_timeout <= 0 or backoff < 0:
+            raise RemoteError("prefetch and retries must be >= 0 and the timeouts > 0",
+                              "e.g. --prefetch 2")
+        if data_plane not in ("http", "gloo"):
+            raise RemoteError(f"unknown data plane {data_plane!r}", "use http or gloo")
+        self.servers = [_Server(u) for u in urls]
+        if len({s.url for s in self.servers}) != len(self.servers):
+            raise RemoteError("the same server is listed twice in --remote", "list each server once")
+        self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        self.prefetch, self.timeout, self.retries, self.backoff = prefetch, timeout, retries, backoff
+        self.connect_timeout = connect_timeout
+        self.client_id = uuid.uuid4().hex
+        self._local = threading.local()
+        self._conns: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._closing = self._closed = False
+        self._embeddings: torch.Tensor | None = None
+        self._vocab: tuple[str, wire.Encoded, int] | None = None  # (vocab_id, message, Vd)
+        try:
+            self._connect_all(expect or {})
+            if data_plane != "http":
+                from spec_cli.serve.data_plane import ClientDataPlane
+
+                for server in self.servers:
+                    server.data_plane = ClientDataPlane.negotiate(self, server, data_plane)
+        except BaseException:
+            self._close_connections()
+            raise
+
+    # ------------------------------------------------------------------ connections
+    def _connection(self, server: _Server) -> tuple[http.client.HTTPConnection, bool]:
+        """(this thread's connection to `server`, whether it is new)."""
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(server.url)
+        if conn is not None and conn.sock is not None:
+            return conn, False
+        cls = http.client.HTTPSConnection if server.scheme == "https" else http.client.HTTPConnection
+        conn = cls(server.host, server.port, timeout=self.connect_timeout)
+        conn.connect()
+        conn.sock.settimeout(self.timeout)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns[server.url] = conn
+        with self._lock:
+            self._conns.append(conn)
+        return conn, True
+
+    def _drop(self, server: _Server) -> None:
+        conn = getattr(self._local, "conns", {}).pop(server.url, None)
+        if conn is not None:
+            conn.close()
+
+    def _exchange(self, server: _Server, method: str, path: str, body, timeout: float,
+                  data_plane: bool = False) -> tuple[int, str, bytearray]:
+        """One request on this thread's keep-alive connection -> (status, content type, body)."""
+        parts, nbytes = (body.parts, body.nbytes) if isinstance(body, wire.Encoded) else \
+            ([body], len(body))
+        ctype = wire.TENSOR_TYPE if isinstance(body, wire.Encoded) else wire.JSON_TYPE
+        for attempt in range(2):  # a reused connection the server closed meanwhile: once more, fresh
+            try:
+                conn, fresh = self._connection(server)
+            except OSError as exc:  # refused, unreachable, or no handshake within connect_timeout
+                raise _Retry(f"cannot connect: {exc}") from exc
+            try:
+                conn.sock.settimeout(timeout)
+                conn.putrequest(method, path, skip_accept_encoding=True)
+                conn.putheader("Content-Type", ctype)
+                conn.putheader("Content-Length", str(nbytes))
+                conn.putheader("X-Spec-Client", self.client_id)
+                if self.token:
+                    conn.putheader("Authorization", f"Bearer {self.token}")
+                if data_plane and server.data_plane is not None:
+                    conn.putheader("X-Spec-Data-Plane", server.data_plane.sid)
+                conn.endheaders()
+                for part in parts:
+                    conn.send(part)
+                response = conn.getresponse()
+                length = int(response.getheader("Content-Length") or 0)
+                data = bytearray(length)
+                view, got = memoryview(data), 0
+                while got < length:
+                    n = response.readinto(view[got:])
+                    if not n:
+                        raise http.client.IncompleteRead(bytes(view[:0]), length - got)
+                    got += n
+                if response.will_close:
+                    self._drop(server)
+                return response.status, response.getheader("Content-Type") or "", data
+            except (TimeoutError, socket.timeout):
+                self._drop(server)
+                raise
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(server)
+                stale = not fresh and isinstance(exc, (http.client.RemoteDisconnected,
+                                                       ConnectionResetError, BrokenPipeError))
+                if stale and attempt == 0:
+                    continue
+                raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _pick(self, avoid: set[str]) -> _Server:
+        with self._lock:
+            candidates = [s for s in self.servers if s.url not in avoid] or self.servers
+            self._turn += 1
+            n = len(candidates)
+            ordered = [candidates[(self._turn + i) % n] for i in range(n)]
+            return min(ordered, key=lambda s: s.in_flight)
+
+    def _call(self, method: str, path: str, body=b"", server: _Server | None = None,
+              what: str = "the request", retries: int | None = None,
+              timeout: float | None = None, data_plane: bool = False) -> tuple[_Server, dict | tuple]:
+        """Send with retries; (server, JSON object) or (server, (tensors, metadata)).
+
+        `server` pins the request to one server; otherwise a failed attempt moves to another."""
+        retries = self.retries if retries is None else retries
+        avoid: set[str] = set()
+        last, srv = "", server
+        for attempt in range(retries + 1):
+            if self._closed:
+                raise RemoteError("the remote backend is closed", "this is a bug in the caller")
+            srv = server or self._pick(avoid)
+            with self._lock:
+                srv.in_flight += 1
+            try:
+                status, ctype, data = self._exchange(srv, method, path, body, timeout or self.timeout,
+                                                     data_plane)
+            except (TimeoutError, socket.timeout):
+                raise RemoteError(f"the target server {srv.url} gave no answer to {what} within "
+                                  f"{timeout or self.timeout:g} s",
+                                  "check the server's log (a batch too large for it?) or raise the "
+                                  "client timeout") from None
+            except (_Retry, OSError) as exc:
+                last = str(exc)
+                status = None
+            finally:
+                with self._lock:
+                    srv.in_flight -= 1
+            if status is not None and status != 503:
+                return srv, self._answer(srv, status, ctype, data, what)
+            if status == 503:
+                last = "the server is shutting down"
+            avoid.add(srv.url)
+            if attempt < retries:
+                log.warning("%s: %s (attempt %d of %d)", srv.url, last, attempt + 1, retries + 1)
+                time.sleep(self.backoff * 2 ** attempt)
+        where = srv.url if len(self.servers) == 1 or server else ", ".join(s.url for s in self.servers)
+        raise RemoteError(f"the target server {where} cannot be reached ({last}) after "
+                          f"{retries + 1} attempt(s)",
+                          "check that `spec serve-target` still runs there; the training run can "
+                          "continue from its last checkpoint with --resume")
+
+    def _answer(self, server: _Server, status: int, ctype: str, data: bytearray, what: str):
+        if status == 200:
+            try:
+                return wire.decode(data) if ctype.startswith(wire.TENSOR_TYPE) else wire.loads(data)
+            except wire.WireError as exc:
+                raise RemoteError(f"the target server {server.url} sent a malformed answer to {what}: "
+                                  f"{exc}", "check that server and trainer run the same spec_cli") from None
+        try:
+            error = wire.loads(data)
+            message, code = str(error.get("error", "")), error.get("code")
+        except wire.WireError:
+            message, code = bytes(data[:200]).decode("utf-8", "replace"), None
+        if status == 401:
+            raise RemoteError(f"the target server {server.url} refused the token",
+                              f"pass the server's token (--token or ${TOKEN_ENV})")
+        if status == 409:
+            raise _Conflict(message, server, code)
+        hint = ("lower --batch-tokens / --max-length, or raise the server's --max-batch-tokens / "
+                "--max-seq-len / --max-body-bytes" if status == 413 or "limit" in message else
+                "see the server's log" if status >= 500 else
+                "check that server and trainer run the same spec_cli version")
+        raise RemoteError(f"the target server {server.url} answered {status} to {what}: {message}", hint)
+
+    # ------------------------------------------------------------------ identity
+    def _connect_all(self, expect: dict) -> None:
+        for server in self.servers:
+            _, server.info = self._call("GET", "/v1/info", server=server, what="the info request")
+            if server.info.get("protocol") != wire.PROTOCOL:
+                raise RemoteMismatchError(
+                    f"the target server {server.url} speaks protocol {server.info.get('protocol')}, "
+                    f"this trainer {wire.PROTOCOL}", "run the same spec_cli version on both machines")
+        first = self.servers[0]
+        for server in self.servers[1:]:
+            for key in IDENTITY_KEYS:
+                if server.info.get(key) != first.info.get(key):
+                    raise RemoteMismatchError(
+                        f"the target servers disagree on {key.replace('_', ' ')}: {first.url} has "
+                        f"{first.info.get(key)!r}, {server.url} has {server.info.get(key)!r}",
+                        "start every server with the same target, --aux-layers and --dtype")
+        for key, want in expect.items():
+            if want is None:
+                continue
+            got = first.info.get(key)
+            if got != want:
+                raise RemoteMismatchError(
+                    f"the target server {first.url} serves a different {key.replace('_', ' ')}: "
+                    f"{got!r}, the run expects {want!r}",
+                    "start `spec serve-target` with the target and --aux-layers this run (or its "
+                    "vocab map / cache) was made with, or point --remote at the right server")
+        self.info = {k: first.info.get(k) for k in IDENTITY_KEYS}
+        self.target_config: dict | None = first.info.get("target_config")
+        self.limits = {k: min(s.info["limits"][k] for s in self.servers) for k in first.info["limits"]}
+
+    def load_tokenizer(self, folder: Path | None = None):
+        """The server's tokenizer (saved under SPEC_HOME), checked against its fingerprint."""
+        from spec_cli.artifacts.io import atomic_dir
+        from spec_cli.paths import spec_home
+        from spec_cli.target import loading
+
+        fingerprint = self.info["tokenizer_fingerprint"]
+        folder = Path(folder) if folder else spec_home() / "remote" / "tokenizers" / fingerprint
+        if not folder.is_dir():
+            server, answer = self._call("GET", "/v1/tokenizer", what="the tokenizer request")
+            files = answer.get("files")
+            if not isinstance(files, dict) or not files:
+                raise RemoteError(f"the target server {server.url} sent no tokenizer files",
+                                  "check that server and trainer run the same spec_cli version")
+            for name, text in files.items():
+                if not (isinstance(name, str) and isinstance(text, str)
+                        and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name)):
+                    raise RemoteError(f"the target server {server.url} sent a tokenizer file with a "
+                                      f"bad name {str(name)[:60]!r}", "check the server")
+            try:
+                with atomic_dir(folder) as tmp:
+                    for name, text in files.items():
+                        (tmp / name).write_text(text, encoding="utf-8")
+            except OSError:
+                if not folder.is_dir():  # else another process (rank) saved it meanwhile
+                    raise
+        tokenizer = loading.load_tokenizer(folder)
+        if loading.tokenizer_fingerprint(tokenizer) != fingerprint:
+            raise RemoteMismatchError("the tokenizer the server sent does not reproduce its fingerprint",
+                                      f"delete {folder} and retry; else run the same transformers "
+                                      "version on both machines")
+        return tokenizer
+
+    # ------------------------------------------------------------------ interface
+    def get_input_embeddings(self) -> torch.Tensor:
+        if self._embeddings is None:
+            _, (tensors, _) = self._call("GET", "/v1/input_embeddings", what="the input embeddings")
+            weight = tensors.get("weight")
+            V, H = self.info["vocab_size"], self.info["hidden_size"]
+            if weight is None or weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
+                raise RemoteError("the target server sent input embeddings of the wrong shape",
+                                  f"expected [~{V}, {H}]; check the server")
+            self._embeddings = weight
+        return self._embeddings
+
+    def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
+        ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
+        vid = _vocab_id(ids)
+        self._vocab = (vid, wire.encode({"selected_token_ids": ids}), int(ids.numel()))
+        for server in self.servers:
+            self._send_vocab(server)
+
+    def _send_vocab(self, server: _Server) -> None:
+        vid, message, _ = self._vocab
+        try:
+            _, answer = self._call("POST", "/v1/vocab_mapping", message, server=server,
+                                   what="the vocab mapping")
+        except _Conflict as exc:
+            raise RemoteError(f"the target server {server.url} refused the vocab mapping: {exc}",
+                              "check the server") from None
+        if answer.get("vocab_id") != vid:
+            raise RemoteError(f"the target server {server.url} stored a different vocab mapping",
+                              "check that server and trainer run the same spec_cli version")
+
+    def _request(self, input_ids, attention_mask, loss_mask, position_ids, seq_lens) -> wire.Encoded:
+        if self._vocab is None:
+            raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
+        tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                   "position_ids": position_ids, "seq_lens": seq_lens}
+        # int64 on the wire; an owned copy, so the caller may reuse its tensors after submit()
+        message = wire.encode({k: v.detach().to("cpu", torch.int64).clone()
+                               for k, v in tensors.items() if v is not None},
+                              {"vocab_id": self._vocab[0]})
+        B, T = input_ids.shape if input_ids.dim() == 2 else (1, input_ids.numel())
+        limits = self.limits
+        for what, value, limit, option in (
+                ("sequence length", T, limits["max_seq_len"], "--max-seq-len"),
+                ("batch size", B, limits["max_batch_size"], "--max-batch-size"),
+                ("batch tokens (B x T)", B * T, limits["max_batch_tokens"], "--max-batch-tokens"),
+                ("request bytes", message.nbytes, limits["max_body_bytes"], "--max-body-bytes")):
+            if value > limit:  # refused before it is sent
+                raise RemoteError(f"a batch's {what} {value} exceeds the target server's limit {limit}",
+                                  f"lower --batch-tokens / --max-length, or start the server with a "
+                                  f"larger {option}")
+        return message
+
+    def _generate(self, message: wire.Encoded, shape: tuple[int, int]) -> TargetBatch:
+        from spec_cli.serve.data_plane import DataPlaneError
+
+        resent: set[str] = set()
+        for _ in range(2 * len(self.servers) + 1):
+            try:
+                server, answer = self._call("POST", "/v1/generate", message, what="a generate request",
+                                            data_plane=True)
+            except _Conflict as exc:
+                server = exc.server
+                if exc.code == "data_plane":  # the session broke: the HTTP body from now on
+                    self._drop_data_plane(server, str(exc))
+                    continue
+                if exc.code != "vocab" or server.url in resent:
+                    raise RemoteError(f"the target server {server.url} refused a generate request: "
+                                      f"{exc}", "check the server's log") from None
+                resent.add(server.url)  # the server lost (or never had) our vocab mapping: resend
+                self._send_vocab(server)
+                continue
+            if isinstance(answer, tuple):  # the tensors came in the HTTP body
+                return self._batch(server, answer[0], shape)
+            if server.data_plane is None:
+                raise RemoteError(f"the target server {server.url} answered without tensors",
+                                  "check that server and trainer run the same spec_cli version")
+            try:
+                return self._batch(server, server.data_plane.receive(answer), shape)
+            except DataPlaneError as exc:
+                self._drop_data_plane(server, str(exc))
+        raise RemoteError("the target servers keep refusing generate requests", "check the servers")
+
+    def _drop_data_plane(self, server: _Server, why: str) -> None:
+        with self._lock:
+            plane, server.data_plane = server.data_plane, None
+        if plane is not None:
+            log.warning("%s: the data plane broke (%s); using the HTTP body", server.url, why)
+            plane.close()
+
+    def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
+        B, T = shape
+        Vd, H3 = self._vocab[2], 3 * self.info["hidden_size"]
+        expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, H3],
+                                                            "target_p": [B, T, Vd]}
+        problems = [n for n in BATCH_FIELDS if n not in tensors or list(tensors[n].shape) != expected[n]]
+        if problems or set(tensors) - set(BATCH_FIELDS) - {"position_ids", "seq_lens"}:
+            raise RemoteError(f"the target server {server.url} sent a malformed batch "
+                              f"(fields {sorted(tensors)}; wrong: {problems})",
+                              "check that server and trainer run the same spec_cli version")
+        return TargetBatch(**tensors)
+
+    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
+                       seq_lens=None) -> TargetBatch:
+        message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+        return self._generate(message, tuple(input_ids.shape))
+
+    def submit(self, input_ids, attention_mask, loss_mask, position_ids=None,
+               seq_lens=None) -> Future | None:
+        if self.prefetch <= 0:
+            return None
+        message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+        with self._lock:
+            if self._closing:
+                raise RemoteError("the remote backend is closed", "this is a bug in the caller")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="spec-remote")
+        return self._pool.submit(self._generate, message, tuple(input_ids.shape))
+
+    def close(self) -> None:
+        """Stop prefetching, say goodbye to each server (best effort, 5 s), close connections."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            try:
+                self._call("POST", "/v1/disconnect", b"{}", server=server, retries=0,
+                           what="the disconnect", timeout=min(5.0, self.timeout))
+            except (RemoteError, OSError):
+                pass
+            if server.data_plane is not None:
+                server.data_plane.close()
+        self._closed = True
+        self._close_connections()
+
+    def _close_connections(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            try:
+                conn.close()
+            except OSError:
+                pass

@@ -1,0 +1,283 @@
+"""The remote backend against real servers on 127.0.0.1: the same tensors and the same trained
+weights as the in-process target; clear errors when a server differs, refuses, hangs or dies."""
+
+import random
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_cli.cli import main
+from spec_cli.serve.server import Limits
+from spec_cli.stages import train as stage
+from spec_cli.target.batch import TargetBatch
+from spec_cli.target.remote_backend import RemoteBackend, RemoteError, RemoteMismatchError
+from tests import tiny
+from tests.conftest import write_jsonl
+from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models run fastest on one thread (and the cores may be shared)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama_dir):
+    backend = load_backend(tiny_llama_dir)
+    backend.set_vocab_mapping(draft_vocab())
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir):
+    """Two servers, each with its own copy of the target."""
+    handles = [start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok")
+               for _ in range(2)]
+    yield handles
+    for h in handles:
+        h.stop(grace=5)
+        h.logic.backend.close()
+
+
+def assert_same_batch(got: TargetBatch, want: TargetBatch):
+    want_t, got_t = want.tensors(), got.tensors()
+    assert set(got_t) == set(want_t)
+    for name, t in want_t.items():
+        assert got_t[name].dtype == t.dtype and torch.equal(got_t[name], t), name
+
+
+def count_calls(monkeypatch, handle) -> list:
+    calls = []
+    real = handle.logic.backend.generate_batch
+    monkeypatch.setattr(handle.logic.backend, "generate_batch",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_remote_supervision_equals_in_process(servers, local, monkeypatch):
+    calls = [count_calls(monkeypatch, h) for h in servers]
+    remote = RemoteBackend([h.url for h in servers], token="tok", prefetch=3)
+    assert remote.info == {k: local.info[k] for k in remote.info}
+    assert torch.equal(remote.get_input_embeddings(), local.get_input_embeddings())
+    remote.set_vocab_mapping(draft_vocab())
+    requests = [random_batch(B, T, seed) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33), (2, 2)])]
+    for ids, am, lm in requests:  # synchronous
+        assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
+    futures = [remote.submit(*requests[i % 4]) for i in range(12)]  # prefetch: 3 in flight
+    for i, future in enumerate(futures):
+        assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 4]))
+    packed = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(9))
+    seq_lens = torch.tensor([[11, 12, 7]])
+    ones = torch.ones_like(packed)
+    assert_same_batch(remote.generate_batch(packed, ones, ones, seq_lens=seq_lens),
+                      local.generate_batch(packed, ones, ones, seq_lens=seq_lens))
+    assert all(len(c) >= 3 for c in calls), [len(c) for c in calls]  # both servers did work
+    remote.close()
+
+
+def test_gloo_data_plane_gives_the_same_tensors(tiny_llama_dir, local):
+    handle = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, data_plane=True)
+    plain = start_server(load_backend(tiny_llama_dir), tiny_llama_dir)
+    try:
+        remote = RemoteBackend([handle.url], prefetch=3, data_plane="gloo")
+        assert remote.servers[0].data_plane is not None
+        remote.set_vocab_mapping(draft_vocab())
+        requests = [random_batch(seed=s) for s in range(4)]
+        futures = [remote.submit(*r) for r in requests] + [remote.submit(*r) for r in requests]
+        for i, future in enumerate(futures):
+            assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 4]))
+        assert remote.servers[0].data_plane is not None and not remote.servers[0].data_plane.broken
+        handle.logic.data_planes.close()  # the server drops the session: the client falls back
+        assert_same_batch(remote.generate_batch(*requests[1]), local.generate_batch(*requests[1]))
+        assert remote.servers[0].data_plane is None
+        remote.close()
+        fallback = RemoteBackend([plain.url], data_plane="gloo")  # not offered: the HTTP body
+        assert fallback.servers[0].data_plane is None
+        fallback.set_vocab_mapping(draft_vocab())
+        assert_same_batch(fallback.generate_batch(*requests[0]), local.generate_batch(*requests[0]))
+        fallback.close()
+    finally:
+        for h in (handle, plain):
+            h.stop(grace=5)
+            h.logic.backend.close()
+
+
+def test_a_different_target_is_a_clear_error(servers, tiny_llama_dir, local):
+    url = servers[0].url
+    with pytest.raises(RemoteMismatchError, match="different target fingerprint") as err:
+        RemoteBackend(url, token="tok", expect={"target_fingerprint": "0123456789abcdef"})
+    assert "spec serve-target" in err.value.hint
+    with pytest.raises(RemoteMismatchError, match="different aux layers"):
+        RemoteBackend(url, token="tok", expect={"aux_layers": [1, 2, 5]})
+    same = {k: local.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    ok = RemoteBackend(url, token="tok", expect=same)
+    ok.close()
+    other = start_server(load_backend(tiny_llama_dir, aux_layers=[1, 2, 5]), tiny_llama_dir, token="tok")
+    try:
+        with pytest.raises(RemoteMismatchError, match="disagree on aux layers"):
+            RemoteBackend([url, other.url], token="tok")
+    finally:
+        other.stop(grace=5)
+        other.logic.backend.close()
+
+
+def test_refusals_are_clear_errors(servers, tiny_llama_dir):
+    with pytest.raises(RemoteError, match="refused the token") as err:
+        RemoteBackend(servers[0].url, token="nope")
+    assert "--token" in err.value.hint
+    for bad in ("ftp://127.0.0.1:1", "http://127.0.0.1:80/v1", "http://127.0.0.1:99999", ""):
+        with pytest.raises(RemoteError):
+            RemoteBackend(bad)
+    small = start_server(load_backend(tiny_llama_dir), tiny_llama_dir,
+                         limits=Limits(max_batch_tokens=64, max_seq_len=16))
+    try:
+        remote = RemoteBackend(small.url)
+        remote.set_vocab_mapping(draft_vocab())
+        with pytest.raises(RemoteError, match="sequence length 20 exceeds the target server's limit 16"):
+            remote.generate_batch(*random_batch(3, 20))
+        remote.close()
+    finally:
+        small.stop(grace=5)
+        small.logic.backend.close()
+
+
+def test_a_server_that_lost_the_vocab_mapping_gets_it_again(servers, local):
+    remote = RemoteBackend(servers[0].url, token="tok")
+    remote.set_vocab_mapping(draft_vocab())
+    servers[0].logic._vocab_maps.clear()  # as after a server restart
+    ids, am, lm = random_batch(seed=4)
+    assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
+    remote.close()
+
+
+def test_unreachable_and_silent_servers_fail_fast():
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="cannot be reached .* after 3 attempt"):
+        RemoteBackend(f"127.0.0.1:{port}", retries=2, backoff=0.05)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    try:
+        with pytest.raises(RemoteError, match="gave no answer to the info request within 1 s"):
+            RemoteBackend(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=1)
+    finally:
+        silent.close()
+    assert time.monotonic() - start < 15
+
+
+def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local):
+    proc = ServerProcess(tiny_llama_dir)
+    try:
+        remote = RemoteBackend(proc.url, prefetch=2, retries=1, backoff=0.1, timeout=30)
+        remote.set_vocab_mapping(draft_vocab())
+        requests = [random_batch(4, 64, seed=s) for s in range(3)]
+        futures = [remote.submit(*requests[i % 3]) for i in range(12)]
+        futures[0].result(timeout=60)
+        proc.proc.kill()  # SIGKILL: no goodbye
+        start = time.monotonic()
+        outcomes = []
+        for i, future in enumerate(futures):
+            try:
+                assert_same_batch(future.result(timeout=30), local.generate_batch(*requests[i % 3]))
+                outcomes.append("ok")
+            except RemoteError as exc:
+                assert "cannot be reached" in str(exc) and "--resume" in exc.hint
+                outcomes.append("error")
+        assert "error" in outcomes and time.monotonic() - start < 30
+        with pytest.raises(RemoteError, match="cannot be reached"):
+            remote.generate_batch(*requests[0])
+        remote.close()
+    finally:
+        proc.kill()
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def train_setup(tmp_path_factory, tiny_llama_dir):
+    """A peaked tiny target (as in tests/stages/test_train.py), chat data and a vocab map."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("remote-train")
+    target = root / "peaky-llama"
+    shutil.copytree(tiny_llama_dir, target)
+    model = AutoModelForCausalLM.from_pretrained(str(target))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(str(target))
+    rng = random.Random(11)
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(24)])
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "96",
+                 "-o", str(root / "vm.safetensors"), "-q"]) == 0
+    return {"target": target, "data": data, "vm": root / "vm.safetensors"}
+
+
+def remote_source(cfg: stage.TrainConfig, device, vocab_map, urls, token=None) -> stage.Source:
+    """What `open_source` does for `spec train --remote URL[,URL...]` (the snippet in the report)."""
+    from spec_cli import assets, distributed
+    from spec_cli.data.batching import plan_batches, plan_packed
+    from spec_cli.data.tokenize import tokenize_data
+    from spec_cli.errors import ConfigError
+    from spec_cli.target import loading
+
+    backend = RemoteBackend(urls, token=token, prefetch=2,
+                            expect={"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")})
+    try:
+        aux_layers = backend.info["aux_layers"]
+        if cfg.aux_layers not in (None, "", "auto") and \
+                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"]) != aux_layers:
+            raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
+                              "drop --aux-layers (the server decides) or restart it with them")
+        tok_fp = backend.info["tokenizer_fingerprint"]
+        data_path = Path(assets.resolve_data_arg(cfg.data))
+        if distributed.is_main():
+            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, cfg.num_proc)
+        distributed.barrier()
+        if not distributed.is_main():
+            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, 1)
+    except BaseException:
+        backend.close()
+        raise
+    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+    lengths = tokens.lengths[:n]
+    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
+    identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    return stage.Source(backend, tokens, plan, backend.target_config, aux_layers, identity)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_training_against_a_server_equals_training_in_process(train_setup, tmp_path, monkeypatch, pack):
+    kw = dict(vocab_map=train_setup["vm"], target=str(train_setup["target"]), data=str(train_setup["data"]),
+              dtype="fp32", ttt_steps=3, lr=3e-3, max_steps=3, log_every=1, eval_every=2, save_every=3,
+              eval_fraction=0.2, batch_tokens=256, pack=pack)
+    live = stage.run(stage.TrainConfig(output=tmp_path / "live", **kw))
+    handle = start_server(load_backend(train_setup["target"]), train_setup["target"])
+    calls = count_calls(monkeypatch, handle)
+    try:
+        monkeypatch.setattr(stage, "open_source", lambda cfg, device, vocab_map: remote_source(
+            cfg, device, vocab_map, [handle.url]))
+        remote = stage.run(stage.TrainConfig(output=tmp_path / "remote", **kw))
+    finally:
+        handle.stop(grace=5)
+        handle.logic.backend.close()
+    assert live.steps == remote.steps == 3
+    assert len(calls) >= 3  # every batch came from the server
+    from safetensors.torch import load_file
+
+    from spec_cli.artifacts import checkpoint as ckpt
+
+    a = load_file(str(ckpt.latest_checkpoint(tmp_path / "live") / "model.safetensors"))
+    b = load_file(str(ckpt.latest_checkpoint(tmp_path / "remote") / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert live.final_eval["loss"] == remote.final_eval["loss"]
