@@ -149,7 +149,14 @@ def train_cmd(
         "--target", "-t", help="Live target instead of a cache: a transformers folder, a .gguf "
                                "file, or `smollm2`. Needs --data.")] = None,
     data: Annotated[Optional[str], typer.Option(
-        "--data", "-d", help="Chat data for a live --target (as in build-vocab-map).")] = None,
+        "--data", "-d", help="Chat data for a live --target or --remote (as in build-vocab-map).")] = None,
+    remote: Annotated[Optional[str], typer.Option(
+        "--remote", help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.")] = None,
+    token: Annotated[Optional[str], typer.Option(
+        "--token", envvar="SPEC_SERVE_TOKEN", help="--remote: the servers' token. Default: "
+                                                  "$SPEC_SERVE_TOKEN.")] = None,
+    prefetch: Annotated[int, typer.Option(
+        "--prefetch", help="--remote: requests in flight per client.", min=0)] = 2,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="TTT unroll depth.", min=1)] = 7,
     step_weight: Annotated[float, typer.Option(
         "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).")] = 0.8,
@@ -217,7 +224,8 @@ def train_cmd(
 
     set_quiet(quiet)
     result = stage.run(stage.TrainConfig(
-        vocab_map=vocab_map, output=output, cache=cache, target=target, data=data,
+        vocab_map=vocab_map, output=output, cache=cache, target=target, data=data, remote=remote,
+        token=token, prefetch=prefetch,
         max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
         eval_fraction=eval_fraction, num_proc=num_proc, aux_layers=aux_layers,
         draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
@@ -308,6 +316,50 @@ def eval_cmd(
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check))
     print_table(result)
+
+
+@app.command("serve-target")
+def serve_target_cmd(
+    target: Target,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on. 127.0.0.1: this machine only; 0.0.0.0: every "
+                       "interface (set --token).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", "-p", help="TCP port (0: any free port; the URL is printed).", min=0, max=65535)] = 8000,
+    token: Annotated[Optional[str], typer.Option(
+        "--token", envvar="SPEC_SERVE_TOKEN", help="Require `Authorization: Bearer TOKEN` on every "
+                                                  "request. Default: $SPEC_SERVE_TOKEN; unset: no check.")] = None,
+    aux_layers: AuxLayers = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    max_batch_tokens: Annotated[int, typer.Option(
+        "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).")] = 65536,
+    max_batch_size: Annotated[int, typer.Option(
+        "--max-batch-size", help="Refuse a generate request of more than this many rows.")] = 1024,
+    max_seq_len: Annotated[int, typer.Option(
+        "--max-seq-len", help="Refuse rows longer than this (also capped at the target's "
+                              "max_position_embeddings).")] = 32768,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", help="Refuse request bodies larger than this.")] = 64 << 20,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", help="Seconds a client may take to send a request, or keep an idle "
+                                  "connection.")] = 120.0,
+    exit_on_disconnect: Annotated[bool, typer.Option(
+        "--exit-on-disconnect", help="Stop when the last trainer that connected disconnects.")] = False,
+    data_plane: Annotated[bool, typer.Option(
+        "--data-plane", help="Offer the gloo tensor data plane (torch.distributed; trusted networks "
+                             "only).")] = False,
+    config: Config = None,
+    quiet: Quiet = False,
+):
+    """Serve a target model: answer supervision requests from `spec train --remote`."""
+    from spec_cli.serve.run import serve
+
+    set_quiet(quiet)
+    serve(target, host=host, port=port, token=token, aux_layers=aux_layers, device=device, dtype=dtype,
+          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+          max_body_bytes=max_body_bytes, request_timeout=request_timeout,
+          exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
 
 
 @app.command("inspect")

@@ -33,7 +33,8 @@ from spec_cli.target import loading
 
 # Options that may change between a run and its --resume (they do not change the math).
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
-                     "resume", "device", "num_proc", "activation_checkpointing"}
+                     "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
+                     "token"}
 
 
 @dataclass
@@ -43,6 +44,9 @@ class TrainConfig:
     cache: Path | None = None
     target: str | None = None
     data: str | None = None
+    remote: str | None = None  # URL[,URL...] of `spec serve-target` servers
+    token: str | None = None  # never written to run.json
+    prefetch: int = 2
     # data
     max_length: int = 2048
     max_samples: int | None = None
@@ -110,9 +114,12 @@ class Source:
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
-    if (cfg.cache is None) == (cfg.target is None):
-        raise ConfigError("pass exactly one of --cache (a feature cache) or --target (a live target)",
+    if sum(x is not None for x in (cfg.cache, cfg.target, cfg.remote)) != 1:
+        raise ConfigError("pass exactly one of --cache (a feature cache), --target (a live target) or "
+                          "--remote (served targets)",
                           "e.g. spec train --cache cache/ --vocab-map vocab.safetensors -o runs/x")
+    if cfg.remote is not None:
+        return _remote_source(cfg, vocab_map)
     if cfg.cache is not None:
         from spec_cli.target.cache_backend import CacheBackend
 
@@ -157,6 +164,37 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
     identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
     return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity)
+
+
+def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
+    from spec_cli.data.tokenize import tokenize_data
+    from spec_cli.target.remote_backend import RemoteBackend
+
+    if cfg.data is None:
+        raise ConfigError("--remote needs --data", "pass the chat data to train on")
+    backend = RemoteBackend(cfg.remote, token=cfg.token, prefetch=cfg.prefetch,
+                            expect={"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")})
+    try:
+        aux_layers = backend.info["aux_layers"]
+        if cfg.aux_layers not in (None, "", "auto") and \
+                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"]) != aux_layers:
+            raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
+                              "drop --aux-layers (the server decides) or restart it with them")
+        tok_fp = backend.info["tokenizer_fingerprint"]
+        data_path = Path(assets.resolve_data_arg(cfg.data))
+        if distributed.is_main():
+            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, cfg.num_proc)
+        distributed.barrier()
+        if not distributed.is_main():
+            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, 1)
+    except BaseException:
+        backend.close()
+        raise
+    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+    lengths = tokens.lengths[:n]
+    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
+    identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    return Source(backend, tokens, plan, backend.target_config, aux_layers, identity)
 
 
 def split_eval(plan: list[list[int]], fraction: float, seed: int) -> tuple[list, list]:
@@ -341,7 +379,8 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     params = [p for n, p in draft.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
+               if k != "token"}  # a secret never goes to disk
     run_json = {"options": options, "identity": {**source.identity, "vocab_map_fingerprint":
                                                  vocab_map.fingerprint}}
     _check_run_dir(cfg, run_json)

@@ -156,3 +156,37 @@ def test_ddp_two_processes_match_one_process(setup, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert single.steps == 3
     assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
+
+
+def test_cli_remote_training_equals_live(setup, tmp_path):
+    """`spec serve-target` + `spec train --remote` gives the weights of the in-process run."""
+    import socket
+    import time as _time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "spec_cli.cli", "serve-target", "-t", str(setup["target"]),
+                               "--port", str(port), "--token", "s3cret", "--dtype", "fp32", "-q"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = _time.time() + 120
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert server.poll() is None and _time.time() < deadline, "server did not start"
+            _time.sleep(0.2)
+        args = ["train", "--remote", f"http://127.0.0.1:{port}", "--token", "s3cret", "--data",
+                str(setup["data"]), "-v", str(setup["vm"]), "-o", str(tmp_path / "remote"), "--ttt-steps", "3",
+                "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction", "0.2",
+                "--eval-every", "0", "-q"]
+        assert main(args) == 0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    live = stage.run(config(setup, tmp_path / "live", max_steps=3, eval_every=0, cache=None,
+                            target=str(setup["target"]), data=str(setup["data"]), dtype="fp32"))
+    assert live.steps == 3
+    assert_same(weights(tmp_path / "live"), weights(tmp_path / "remote"))
+    assert "s3cret" not in (tmp_path / "remote" / "run.json").read_text()
