@@ -30,6 +30,7 @@ from spec_cli.draft.ttt import ttt_forward
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
 from spec_cli.target import loading
+from spec_cli.target.backend import TargetBackend
 
 # Options that may change between a run and its --resume (they do not change the math).
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
@@ -220,6 +221,15 @@ def supervise(source: Source, indices: list[int], pack: bool, device: torch.devi
         ids, am, lm = collate(source.tokens, indices)
         batch = source.backend.generate_batch(ids, am, lm)
     return batch.to(device)
+
+
+def submit(source: Source, indices: list[int], pack: bool):
+    """Start supervision asynchronously; None when the backend cannot."""
+    if pack:
+        ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
+        return source.backend.submit(ids, am, lm, seq_lens=seq_lens)
+    ids, am, lm = collate(source.tokens, indices)
+    return source.backend.submit(ids, am, lm)
 
 
 # ----------------------------------------------------------------------------- schedule / model
@@ -415,6 +425,28 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
              "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum},
             keep_last=cfg.keep_last)
 
+    # Supervision for this rank's i-th micro-batch (global number i * world + rank). Backends that
+    # can work asynchronously (remote) get the next --prefetch batches in flight; order does not
+    # change results, so prefetching is exact.
+    pending: dict = {}
+    can_submit = type(source.backend).submit is not TargetBackend.submit
+
+    def indices_of(i: int) -> list[int]:
+        return batch_at(train_batches, i * world + rank, cfg.seed)[1]
+
+    def next_batch(i: int):
+        if can_submit and cfg.prefetch > 0:
+            for j in range(i, min(i + 1 + cfg.prefetch, total_steps * cfg.grad_accum)):
+                if j not in pending:
+                    future = submit(source, indices_of(j), cfg.pack)
+                    if future is None:
+                        break
+                    pending[j] = future
+        future = pending.pop(i, None)
+        if future is not None:
+            return future.result().to(device)
+        return supervise(source, indices_of(i), cfg.pack, device)
+
     logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0)
     info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
          f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}")
@@ -425,9 +457,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
             for micro in range(cfg.grad_accum):
-                g = step * per_step + micro * world + rank  # this rank's global micro-batch number
-                _, indices = batch_at(train_batches, g, cfg.seed)
-                batch = supervise(source, indices, cfg.pack, device)
+                batch = next_batch(step * cfg.grad_accum + micro)
                 sync = micro == cfg.grad_accum - 1 or world == 1
                 ctx = model.no_sync() if not sync else _null()
                 with ctx, _autocast(device):
