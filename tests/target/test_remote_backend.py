@@ -221,39 +221,6 @@ def train_setup(tmp_path_factory, tiny_llama_dir):
     return {"target": target, "data": data, "vm": root / "vm.safetensors"}
 
 
-def remote_source(cfg: stage.TrainConfig, device, vocab_map, urls, token=None) -> stage.Source:
-    """What `open_source` does for `spec train --remote URL[,URL...]` (the snippet in the report)."""
-    from spec_cli import assets, distributed
-    from spec_cli.data.batching import plan_batches, plan_packed
-    from spec_cli.data.tokenize import tokenize_data
-    from spec_cli.errors import ConfigError
-    from spec_cli.target import loading
-
-    backend = RemoteBackend(urls, token=token, prefetch=2,
-                            expect={"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")})
-    try:
-        aux_layers = backend.info["aux_layers"]
-        if cfg.aux_layers not in (None, "", "auto") and \
-                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"]) != aux_layers:
-            raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
-                              "drop --aux-layers (the server decides) or restart it with them")
-        tok_fp = backend.info["tokenizer_fingerprint"]
-        data_path = Path(assets.resolve_data_arg(cfg.data))
-        if distributed.is_main():
-            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, cfg.num_proc)
-        distributed.barrier()
-        if not distributed.is_main():
-            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, 1)
-    except BaseException:
-        backend.close()
-        raise
-    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
-    lengths = tokens.lengths[:n]
-    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
-    identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
-    return stage.Source(backend, tokens, plan, backend.target_config, aux_layers, identity)
-
-
 @pytest.mark.parametrize("pack", [False, True])
 def test_training_against_a_server_equals_training_in_process(train_setup, tmp_path, monkeypatch, pack):
     kw = dict(vocab_map=train_setup["vm"], target=str(train_setup["target"]), data=str(train_setup["data"]),
@@ -263,9 +230,8 @@ def test_training_against_a_server_equals_training_in_process(train_setup, tmp_p
     handle = start_server(load_backend(train_setup["target"]), train_setup["target"])
     calls = count_calls(monkeypatch, handle)
     try:
-        monkeypatch.setattr(stage, "open_source", lambda cfg, device, vocab_map: remote_source(
-            cfg, device, vocab_map, [handle.url]))
-        remote = stage.run(stage.TrainConfig(output=tmp_path / "remote", **kw))
+        remote = stage.run(stage.TrainConfig(output=tmp_path / "remote",
+                                             **{**kw, "target": None, "remote": handle.url}))
     finally:
         handle.stop(grace=5)
         handle.logic.backend.close()
