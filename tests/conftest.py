@@ -18,6 +18,18 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread is faster than two (and immune to a busy machine).
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
     """family -> a saved tokenizer folder (+ tiny model config) for each chat-template family."""

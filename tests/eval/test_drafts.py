@@ -15,10 +15,7 @@ from spec_cli.stages import export as export_stage
 from tests.export.drafts import HT, N, V, make_run
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
     yield
     torch.set_num_threads(threads)
 

@@ -18,10 +18,7 @@ TREES = [(3, 3, 8), (4, 2, 0)]
 N_NEW = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
     yield
     torch.set_num_threads(threads)
 

@@ -48,11 +48,7 @@ FC_NORM_KEYS = {f"fc_norm.{j}.weight": [HT] for j in range(3)}
 FORMATS = list(EXPECTED_KEYS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread is faster than two (and immune to a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
     yield
     torch.set_num_threads(threads)
 

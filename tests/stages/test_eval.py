@@ -14,10 +14,7 @@ from tests import tiny
 from tests.conftest import write_jsonl
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
     yield
     torch.set_num_threads(threads)
 

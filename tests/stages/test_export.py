@@ -13,11 +13,7 @@ from tests import tiny
 from tests.conftest import write_jsonl
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread is faster than two (and immune to a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
     yield
     torch.set_num_threads(threads)
 

@@ -20,12 +20,7 @@ from tests.conftest import write_jsonl
 from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models run fastest on one thread (and the cores may be shared)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
