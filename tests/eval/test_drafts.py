@@ -16,8 +16,6 @@ from tests.export.drafts import HT, N, V, make_run
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-    yield
-    torch.set_num_threads(threads)
 
 
 def target_config(**overrides):

@@ -22,8 +22,6 @@ ALPHA = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-    yield
-    torch.set_num_threads(threads)
 
 
 def chi2_pvalue(counts: torch.Tensor, p: torch.Tensor, min_expected: float = 5.0) -> float:

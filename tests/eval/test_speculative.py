@@ -19,8 +19,6 @@ N_NEW = 20
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,6 @@ FORMATS = list(EXPECTED_KEYS)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

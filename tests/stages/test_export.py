@@ -14,8 +14,6 @@ from tests.conftest import write_jsonl
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
