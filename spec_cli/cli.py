@@ -13,7 +13,7 @@ import typer
 from spec_cli import __version__
 from spec_cli.config import apply_config_file
 from spec_cli.console import err_console, set_quiet
-from spec_cli.errors import SpecError
+from spec_cli.errors import ConfigError, SpecError
 
 app = typer.Typer(
     name="spec",
@@ -48,6 +48,24 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")]
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.")]
+
+
+def parse_duration(text: str | None, option: str) -> float | None:
+    """'90s', '45m', '1.5h' or a bare number of minutes -> seconds."""
+    if text is None:
+        return None
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    raw = text.strip().lower()
+    scale = units.get(raw[-1:], None)
+    number = raw[:-1] if scale is not None else raw
+    try:
+        value = float(number) * (scale or 60.0)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{option} {text!r} is not a duration", "write e.g. 90s, 45m or 2h (a bare number "
+                                                                   "is minutes)")
+    return value
 
 
 @app.callback()
@@ -180,6 +198,9 @@ def train_cmd(
     max_steps: Annotated[Optional[int], typer.Option(
         "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.", min=1)] = None,
     epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training batches.")] = 1.0,
+    max_time: Annotated[Optional[str], typer.Option(
+        "--max-time", help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
+                           "number is minutes); --resume continues the schedule.")] = None,
     pack: Annotated[bool, typer.Option(
         "--pack", help="Pack several conversations per row (block-causal per document).")] = False,
     eval_fraction: Annotated[float, typer.Option(
@@ -234,7 +255,8 @@ def train_cmd(
         ttt_steps=ttt_steps, step_weight=step_weight, loss=loss, lk_kl_scale=lk_kl_scale,
         lk_kl_decay=lk_kl_decay, lr=lr, min_lr_ratio=min_lr_ratio, warmup_ratio=warmup_ratio,
         weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum, max_steps=max_steps,
-        epochs=epochs, seed=seed, activation_checkpointing=activation_checkpointing,
+        epochs=epochs, max_time=parse_duration(max_time, "--max-time"), seed=seed,
+        activation_checkpointing=activation_checkpointing,
         log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
         resume=resume, device=device, dtype=dtype))
     print_train_summary(result)

@@ -39,6 +39,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when `flag` is true on any (so all ranks stop at the same step)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device or torch.device("cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -55,6 +55,8 @@ def print_precompute_summary(result) -> None:
 def print_train_summary(result) -> None:
     rows = [("run", str(result.run_dir)), ("checkpoint", str(result.checkpoint)),
             ("steps", result.steps), ("time", f"{result.seconds / 60:.1f} min")]
+    if result.total_steps and result.steps < result.total_steps:
+        rows[2] = ("steps", f"{result.steps} of {result.total_steps} (--max-time reached; --resume continues)")
     if result.final_train:
         t = result.final_train
         rows.append(("train (last window)", f"loss {t['loss']:.4f}  acc step0 {t['acc'][0]:.3f}  "

@@ -35,7 +35,7 @@ from spec_cli.target.backend import TargetBackend
 # Options that may change between a run and its --resume (they do not change the math).
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
                      "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
-                     "token"}
+                     "token", "max_time"}
 
 
 @dataclass
@@ -79,6 +79,7 @@ class TrainConfig:
     grad_accum: int = 1
     max_steps: int | None = None
     epochs: float = 1.0
+    max_time: float | None = None  # seconds of training loop; stop cleanly (checkpoint) when reached
     seed: int = 0
     activation_checkpointing: bool = False
     # bookkeeping
@@ -100,6 +101,7 @@ class TrainResult:
     final_train: dict | None
     final_eval: dict | None
     plot: Path | None
+    total_steps: int | None = None  # the planned steps (> steps when --max-time stopped the run)
 
 
 # ----------------------------------------------------------------------------- data sources
@@ -451,9 +453,10 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
          f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}")
     window, window_start, last_saved = Metrics(cfg.ttt_steps), time.perf_counter(), step
+    loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = None
     try:
-        while step < total_steps:
+        while step < total_steps and not out_of_time:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
             for micro in range(cfg.grad_accum):
@@ -472,7 +475,13 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             if after_step is not None:
                 after_step(step)
 
-            last = step == total_steps
+            if cfg.max_time is not None and not out_of_time and step < total_steps:
+                out_of_time = distributed.any_rank(
+                    time.perf_counter() - loop_start >= cfg.max_time, device)
+                if out_of_time:
+                    info(f"--max-time {cfg.max_time:g}s reached after step {step} of {total_steps}; "
+                         f"saving (rerun with --resume to continue the schedule)")
+            last = step == total_steps or out_of_time
             if step % cfg.log_every == 0 or last:
                 window.all_reduce()
                 elapsed = time.perf_counter() - window_start
@@ -502,7 +511,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     checkpoint_dir = ckpt.latest_checkpoint(cfg.output)
     distributed.shutdown()
     return TrainResult(Path(cfg.output), checkpoint_dir, step, time.perf_counter() - start_time,
-                       final_train, final_eval, plot)
+                       final_train, final_eval, plot, total_steps)
 
 
 class _null:

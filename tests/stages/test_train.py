@@ -190,3 +190,22 @@ def test_cli_remote_training_equals_live(setup, tmp_path):
     assert live.steps == 3
     assert_same(weights(tmp_path / "live"), weights(tmp_path / "remote"))
     assert "s3cret" not in (tmp_path / "remote" / "run.json").read_text()
+
+
+def test_max_time_stops_with_a_checkpoint_and_resume_finishes_the_schedule(setup, tmp_path, capsys):
+    args = ["train", "-v", str(setup["vm"]), "--cache", str(setup["cache"]), "--ttt-steps", "3",
+            "--lr", "3e-3", "--max-steps", "5", "--eval-fraction", "0.2", "--batch-tokens", "512", "-q"]
+    assert main(args + ["-o", str(tmp_path / "straight")]) == 0
+    # a limit already reached after the first step: the run stops there, checkpoint saved
+    assert main(args + ["-o", str(tmp_path / "timed"), "--max-time", "0.001s"]) == 0
+    assert ckpt.latest_checkpoint(tmp_path / "timed").name == "step-00000001"
+    state = json.loads((ckpt.latest_checkpoint(tmp_path / "timed") / "trainer_state.json").read_text())
+    assert state["total_steps"] == 5
+    assert main(args + ["-o", str(tmp_path / "timed"), "--resume"]) == 0
+    assert ckpt.latest_checkpoint(tmp_path / "timed").name == "step-00000005"
+    assert_same(weights(tmp_path / "straight"), weights(tmp_path / "timed"))
+
+    capsys.readouterr()
+    assert main(args + ["-o", str(tmp_path / "bad"), "--max-time", "soon"]) == 1
+    err = capsys.readouterr().err
+    assert "--max-time 'soon' is not a duration" in err and "45m" in err
