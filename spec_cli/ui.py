@@ -70,6 +70,23 @@ def print_train_summary(result) -> None:
     summary("train", rows)
 
 
+def print_demo_summary(result) -> None:
+    rows = [(s.name, f"{s.status:<8} {s.seconds / 60:5.1f} min  {s.artifact}") for s in result.stages]
+    if result.train_steps:
+        rows.append(("train steps", result.train_steps))
+    if result.acceptance_length is not None:
+        p = result.profile
+        rows.append(("acceptance length", f"{result.acceptance_length:.2f} tokens per target forward "
+                                          f"(MT-bench, greedy, chain {p.eval_depth})"))
+        rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run)"))
+    if result.eval_json is not None:
+        rows.append(("eval report", str(result.eval_json)))
+    if result.serve_command:
+        rows.append(("serve with vLLM", result.serve_command))
+    rows.append(("total", f"{result.seconds / 60:.1f} min; rerun `spec demo` to reuse the finished stages"))
+    summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
+
+
 def inspect_artifact(path: Path) -> None:
     from safetensors import safe_open
 

@@ -135,3 +135,19 @@ def save_tiny_target(path: Path, family: str, with_model: bool = True, seed: int
     else:
         config.save_pretrained(str(path))
     return path
+
+
+def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
+    """A copy of a tiny random target whose lm_head is scaled up, so its next-token distributions are
+    peaked (like a trained model's) rather than near-uniform: there is something for a draft to learn."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(str(dst))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(str(dst))
+    return dst

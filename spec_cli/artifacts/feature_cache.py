@@ -113,13 +113,15 @@ def completed_shard(folder: Path, index: int, identity: dict) -> dict | None:
 
 def write_head(folder: Path, lm_head_selected: torch.Tensor, bias_selected: torch.Tensor | None,
                selected_token_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None,
-               embed_tokens: torch.Tensor) -> None:
+               embed_tokens: torch.Tensor, final_norm: torch.Tensor | None = None) -> None:
     """Stored once per cache: the draft-vocab rows of the frozen lm_head (the `hidden` encoding
     rebuilds target_p from them), the vocab map, and the input embeddings that seed the draft."""
     tensors = {"lm_head_selected": lm_head_selected, "selected_token_ids": selected_token_ids.long(),
                "t2d": t2d.bool(), "embed_tokens": embed_tokens}
     if bias_selected is not None:
         tensors["bias_selected"] = bias_selected
+    if final_norm is not None:
+        tensors["final_norm"] = final_norm
     meta = {"spec_cli": json.dumps({"kind": "feature_cache_head", "softcap": softcap})}
     with atomic_path(Path(folder) / HEAD) as tmp:
         tmp.write_bytes(safetensors_bytes({k: v.contiguous().cpu() for k, v in tensors.items()},

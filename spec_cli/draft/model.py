@@ -240,6 +240,20 @@ class Eagle3Draft(nn.Module):
                               "the draft's hidden size must equal the target's")
         self.embed_tokens.weight.copy_(weight)
 
+    @torch.no_grad()
+    def init_from_target(self, lm_head_selected: torch.Tensor, final_norm: torch.Tensor | None = None) -> bool:
+        """Start `lm_head` from the target's lm_head rows of the draft vocab and `norm` from the target's
+        final norm, so the draft learns to produce a state in the target's own output space instead of
+        also learning a token geometry from scratch. (The draft at position t reads the target's state
+        at t and the token t+1 and predicts token t+2, so no other layer can be copied as is.)
+        False (nothing changed) when the shapes do not allow it."""
+        if tuple(lm_head_selected.shape) != tuple(self.lm_head.weight.shape):
+            return False
+        self.lm_head.weight.copy_(lm_head_selected)
+        if final_norm is not None and tuple(final_norm.shape) == tuple(self.norm.weight.shape):
+            self.norm.weight.copy_(final_norm)
+        return True
+
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         extra = [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]

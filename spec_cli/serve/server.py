@@ -14,6 +14,7 @@ Endpoints (all under /v1; every request carries `Authorization: Bearer TOKEN` wh
 | GET  | /tokenizer        | -> JSON {"files": {name: text}} (the trainer tokenises its data with it) |
 | GET  | /input_embeddings | -> tensors {"weight": [V, H]} (seeds the draft, once) |
 | POST | /vocab_mapping    | tensors {"selected_token_ids": [Vd] int64} -> JSON {"vocab_id"} |
+| POST | /output_head      | JSON {"vocab_id"} -> tensors {"lm_head_selected" [Vd, H] [, "final_norm" [H]]} |
 | POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens]} |
 |      |                   | + {"vocab_id"} -> tensors: exactly the TargetBatch (draft-vocab supervision) |
 | POST | /data_plane       | JSON {"backend": "gloo"} -> JSON session (tensors via torch.distributed) |
@@ -223,6 +224,7 @@ class TargetServer:
             "/v1/tokenizer": ("GET", self.tokenizer),
             "/v1/input_embeddings": ("GET", self.input_embeddings),
             "/v1/vocab_mapping": ("POST", self.set_vocab_mapping),
+            "/v1/output_head": ("POST", self.output_head),
             "/v1/generate": ("POST", self.generate),
             "/v1/data_plane": ("POST", self.init_data_plane),
             "/v1/data_plane/store": ("POST", self.data_plane_store),
@@ -317,16 +319,29 @@ class TargetServer:
                 self._vocab_maps.popitem(last=False)
         return Response.json({"vocab_id": vid, "draft_vocab_size": int(ids.numel())})
 
+    def _use_vocab(self, vid) -> None:
+        """Under generate_lock: make `vid` the backend's active vocab mapping."""
+        if vid not in self._vocab_maps:
+            raise RequestError(409, f"unknown vocab_id {vid!r}: send the vocab mapping first "
+                                    "(POST /v1/vocab_mapping)", code="vocab")
+        if vid != self._active_vocab:  # another trainer switched it: switch back (cheap)
+            self.backend.set_vocab_mapping(self._vocab_maps[vid])
+            self._active_vocab = vid
+
+    def output_head(self, body, **_) -> Response:
+        vid = wire.loads(body).get("vocab_id")
+        with self.generate_lock:
+            self._use_vocab(vid)
+            head = self.backend.get_output_head()
+        if head is None:
+            raise RequestError(404, "this target has no output head to share")
+        return Response.tensors(wire.encode({k: v.detach().cpu().contiguous() for k, v in head.items()}))
+
     def supervise(self, tensors: dict[str, torch.Tensor], vid) -> dict[str, torch.Tensor]:
         """Validate one generate request and run the target on it (under the model lock)."""
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
         with self.generate_lock:
-            if vid not in self._vocab_maps:
-                raise RequestError(409, f"unknown vocab_id {vid!r}: send the vocab mapping first "
-                                        "(POST /v1/vocab_mapping)", code="vocab")
-            if vid != self._active_vocab:  # another trainer switched it: switch back (cheap)
-                self.backend.set_vocab_mapping(self._vocab_maps[vid])
-                self._active_vocab = vid
+            self._use_vocab(vid)
             return self.backend.generate_batch(**kwargs).tensors()
 
     def generate(self, body, client=None, session=None, **_) -> Response:

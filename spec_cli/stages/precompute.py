@@ -165,7 +165,8 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         if rank == 0:
             fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
                           vocab_map.selected_token_ids, vocab_map.t2d, backend.softcap,
-                          backend.get_input_embeddings())
+                          backend.get_input_embeddings(),
+                          (backend.get_output_head() or {}).get("final_norm"))
 
     loop_start = time.perf_counter()
     writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next

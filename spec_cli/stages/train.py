@@ -3,7 +3,9 @@
 Supervision comes from a feature cache (`--cache`) or a live target (`--target`), both through the
 TargetBackend interface. The batch plan is fixed up front and epoch e visits it in the order of a
 permutation seeded by (seed, e), so the data position is a function of the step alone: `--resume`
-continues exactly where a run stopped.
+continues exactly where a run stopped. With `--stream` a live target runs in producer threads ahead
+of the trainer, through a bounded store (spec_cli/stream); the batches, and so the weights, are the
+same bit for bit.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from spec_cli.target.backend import TargetBackend
 # Options that may change between a run and its --resume (they do not change the math).
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
                      "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
-                     "token", "max_time"}
+                     "token", "max_time", "stream", "stream_max_bytes", "stream_dir",
+                     "init_from_target"}
 
 
 @dataclass
@@ -48,6 +51,9 @@ class TrainConfig:
     remote: str | None = None  # URL[,URL...] of `spec serve-target` servers
     token: str | None = None  # never written to run.json
     prefetch: int = 2
+    stream: bool = False  # live target: producer threads run `prefetch` batches ahead, bounded
+    stream_max_bytes: int = 4 << 30  # bound on the supervision the stream store holds
+    stream_dir: Path | None = None  # keep streamed samples as files in a folder here (else memory)
     # data
     max_length: int = 2048
     max_samples: int | None = None
@@ -64,6 +70,7 @@ class TrainConfig:
     draft_kv_heads: int | None = None
     fc_norm: bool = False
     norm_output: bool = False
+    init_from_target: bool = True  # lm_head (draft-vocab rows) and final norm copied from the target
     # objective
     ttt_steps: int = 7
     step_weight: float = 0.8
@@ -102,6 +109,7 @@ class TrainResult:
     final_eval: dict | None
     plot: Path | None
     total_steps: int | None = None  # the planned steps (> steps when --max-time stopped the run)
+    stream: dict | None = None  # the stream store's health report (--stream)
 
 
 # ----------------------------------------------------------------------------- data sources
@@ -121,6 +129,12 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         raise ConfigError("pass exactly one of --cache (a feature cache), --target (a live target) or "
                           "--remote (served targets)",
                           "e.g. spec train --cache cache/ --vocab-map vocab.safetensors -o runs/x")
+    if cfg.stream and cfg.cache is not None:
+        raise ConfigError("--stream runs a live target ahead of the trainer; a feature cache is already "
+                          "on disk", "drop --stream, or train from --target / --remote")
+    if cfg.stream_dir is not None and not cfg.stream:
+        raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
+                          "--stream-dir")
     if cfg.remote is not None:
         return _remote_source(cfg, vocab_map)
     if cfg.cache is not None:
@@ -215,23 +229,46 @@ def batch_at(train_batches: list, g: int, seed: int) -> tuple[int, list[int]]:
     return epoch, train_batches[int(order[pos])]
 
 
-def supervise(source: Source, indices: list[int], pack: bool, device: torch.device):
+def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
+    """The keyword arguments of generate_batch for one batch of samples."""
     if pack:
         ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
-        batch = source.backend.generate_batch(ids, am, lm, seq_lens=seq_lens)
-    else:
-        ids, am, lm = collate(source.tokens, indices)
-        batch = source.backend.generate_batch(ids, am, lm)
-    return batch.to(device)
+        return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "seq_lens": seq_lens}
+    ids, am, lm = collate(source.tokens, indices)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+
+
+def supervise(source: Source, indices: list[int], pack: bool, device: torch.device):
+    return source.backend.generate_batch(**inputs_for(source, indices, pack)).to(device)
 
 
 def submit(source: Source, indices: list[int], pack: bool):
     """Start supervision asynchronously; None when the backend cannot."""
-    if pack:
-        ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
-        return source.backend.submit(ids, am, lm, seq_lens=seq_lens)
-    ids, am, lm = collate(source.tokens, indices)
-    return source.backend.submit(ids, am, lm)
+    return source.backend.submit(**inputs_for(source, indices, pack))
+
+
+def open_stream(cfg: TrainConfig, source: Source, indices_of, start: int, stop: int,
+                device: torch.device):
+    """Producer threads that supervise micro-batches start..stop-1 ahead of the trainer (--stream).
+
+    An in-process target runs one batch at a time (its backend is wrapped so that evaluation can
+    share it); remote servers get --prefetch requests at once. The store holds at most --prefetch + 1
+    batches and --stream-max-bytes bytes."""
+    from spec_cli.stream import (FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader,
+                                 new_run_id)
+
+    run_id = new_run_id()
+    bounds = dict(max_samples=cfg.prefetch + 1, max_bytes=cfg.stream_max_bytes)
+    if cfg.stream_dir is not None:
+        store = FolderStore(Path(cfg.stream_dir) / f"spec-stream-{run_id}", **bounds)
+    else:
+        store = MemoryStore(**bounds)
+    if cfg.remote is None:
+        source.backend = SerializedBackend(source.backend)
+    producer = Producer(source.backend, store, run_id, target_version=source.identity["target_fingerprint"])
+    workers = max(1, cfg.prefetch) if cfg.remote is not None else 1
+    return StreamLoader(producer, lambda i: inputs_for(source, indices_of(i), cfg.pack), start, stop,
+                        prefetch=cfg.prefetch, workers=workers, device=device)
 
 
 # ----------------------------------------------------------------------------- schedule / model
@@ -386,6 +423,11 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     draft = Eagle3Draft(draft_config)
     draft.copy_embeddings(source.backend.get_input_embeddings())
     draft.set_vocab_map(vocab_map.selected_token_ids)
+    if cfg.init_from_target:  # (a --resume then loads its checkpoint over it)
+        head = source.backend.get_output_head()
+        if head is None or not draft.init_from_target(head["lm_head_selected"], head.get("final_norm")):
+            info("the draft's lm_head starts random: the target's output head is not available here "
+                 "or does not fit the draft's hidden size")
     draft.to(device)
     names = [n for n, p in draft.named_parameters() if p.requires_grad]
     params = [p for n, p in draft.named_parameters() if p.requires_grad]
@@ -427,16 +469,19 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
              "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum},
             keep_last=cfg.keep_last)
 
-    # Supervision for this rank's i-th micro-batch (global number i * world + rank). Backends that
-    # can work asynchronously (remote) get the next --prefetch batches in flight; order does not
-    # change results, so prefetching is exact.
+    # Supervision for this rank's i-th micro-batch (global number i * world + rank). With --stream,
+    # producer threads make it ahead of time; else backends that can work asynchronously (remote)
+    # get the next --prefetch batches in flight. Order does not change results: both are exact.
     pending: dict = {}
     can_submit = type(source.backend).submit is not TargetBackend.submit
+    stream = None
 
     def indices_of(i: int) -> list[int]:
         return batch_at(train_batches, i * world + rank, cfg.seed)[1]
 
     def next_batch(i: int):
+        if stream is not None:
+            return stream.get(i)
         if can_submit and cfg.prefetch > 0:
             for j in range(i, min(i + 1 + cfg.prefetch, total_steps * cfg.grad_accum)):
                 if j not in pending:
@@ -454,8 +499,11 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
          f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}")
     window, window_start, last_saved = Metrics(cfg.ttt_steps), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
-    final_train = final_eval = None
+    final_train = final_eval = stream_report = None
     try:
+        if cfg.stream:
+            stream = open_stream(cfg, source, indices_of, step * cfg.grad_accum,
+                                 total_steps * cfg.grad_accum, device)
         while step < total_steps and not out_of_time:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
@@ -504,6 +552,10 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
                 info(f"interrupted: saved {saved}; rerun with --resume to continue")
         raise
     finally:
+        if stream is not None:  # stop the producers and free the store before the target goes
+            stream.close()
+            stream_report = stream.report()
+            _save_stream_report(cfg, rank, stream_report)
         logger.close()
         source.backend.close()
     distributed.barrier()
@@ -511,7 +563,19 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     checkpoint_dir = ckpt.latest_checkpoint(cfg.output)
     distributed.shutdown()
     return TrainResult(Path(cfg.output), checkpoint_dir, step, time.perf_counter() - start_time,
-                       final_train, final_eval, plot, total_steps)
+                       final_train, final_eval, plot, total_steps, stream_report)
+
+
+def _save_stream_report(cfg: TrainConfig, rank: int, report: dict) -> None:
+    """stream.json in the run folder (rank 0; also after an error or Ctrl-C) and one log line."""
+    info(f"stream: {report['produced']} batches produced, {report['consumed']} consumed, peak "
+         f"{report['peak_bytes'] / 2**20:.1f} MiB in the store; the trainer waited "
+         f"{report['trainer_wait_s']:.1f} s, producers {report['put_wait_s']:.1f} s on the bound")
+    if rank == 0:
+        try:
+            write_json(Path(cfg.output) / "stream.json", report)
+        except OSError as exc:  # never hide the error that ended the run
+            info(f"could not write stream.json: {exc}")
 
 
 class _null:

@@ -31,6 +31,12 @@ class TargetBackend:
         """The draft vocab (target ids, ascending) the supervision is computed over."""
         raise NotImplementedError
 
+    def get_output_head(self) -> dict[str, torch.Tensor] | None:
+        """After set_vocab_mapping: {"lm_head_selected": [Vd, H]} plus, when the target's final norm is
+        an RMSNorm, {"final_norm": [H]} (its effective per-channel scale). They seed the draft's lm_head
+        and final norm. None: not available."""
+        return None
+
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                position_ids: torch.Tensor | None = None,
                seq_lens: torch.Tensor | None = None) -> Future | None:

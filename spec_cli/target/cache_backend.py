@@ -43,6 +43,7 @@ class CacheBackend(TargetBackend):
         self.softcap = head_meta.get("softcap")
         self.lm_head_selected = head.get("lm_head_selected")
         self.bias_selected = head.get("bias_selected")
+        self.final_norm = head.get("final_norm")
         if self.lm_head_selected is not None:
             self.lm_head_selected = self.lm_head_selected.to(self.device)
         if self.bias_selected is not None:
@@ -75,6 +76,14 @@ class CacheBackend(TargetBackend):
     # ------------------------------------------------------------------ interface
     def get_input_embeddings(self) -> torch.Tensor:
         return self.embed
+
+    def get_output_head(self) -> dict[str, torch.Tensor] | None:
+        if self.lm_head_selected is None:
+            return None
+        head = {"lm_head_selected": self.lm_head_selected}
+        if self.final_norm is not None:
+            head["final_norm"] = self.final_norm
+        return head
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
         if not torch.equal(selected_token_ids.long().cpu(), self.selected.long()):

@@ -19,6 +19,20 @@ from spec_cli.target.supervision import (assemble_batch, block_causal_mask, draf
 from spec_cli.errors import ConfigError
 
 
+def final_norm_scale(norm, hidden_size: int) -> torch.Tensor | None:
+    """The effective per-channel scale of an RMSNorm module (also Gemma's 1 + weight form), read by
+    normalising a vector of ones (its RMS is 1). None for other norms (LayerNorm subtracts the mean)."""
+    if norm is None or "rmsnorm" not in type(norm).__name__.lower():
+        return None
+    weight = next(norm.parameters(), None)
+    if weight is None:
+        return None
+    with torch.no_grad():
+        ones = torch.ones(1, hidden_size, device=weight.device, dtype=torch.float32)
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)) or 0.0)
+        return (norm(ones.to(weight.dtype)).float()[0] * (1.0 + eps) ** 0.5).cpu()
+
+
 class HFTargetBackend(TargetBackend):
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None):
@@ -70,6 +84,15 @@ class HFTargetBackend(TargetBackend):
         self.t2d[selected] = True
         self.lm_head_selected = self.lm_head_weight[selected].contiguous()  # [Vd, H]
         self.bias_selected = None if self.lm_head_bias is None else self.lm_head_bias[selected]
+
+    def get_output_head(self) -> dict[str, torch.Tensor] | None:
+        if self.selected is None:
+            return None
+        head = {"lm_head_selected": self.lm_head_selected.detach()}
+        scale = final_norm_scale(getattr(self.decoder, "norm", None), self.info["hidden_size"])
+        if scale is not None:
+            head["final_norm"] = scale
+        return head
 
     @torch.no_grad()
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

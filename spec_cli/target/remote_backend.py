@@ -363,6 +363,25 @@ class RemoteBackend(TargetBackend):
             self._embeddings = weight
         return self._embeddings
 
+    def get_output_head(self) -> dict[str, torch.Tensor] | None:
+        if self._vocab is None:
+            return None
+        vid, _, Vd = self._vocab
+        server = self.servers[0]
+        try:
+            _, (tensors, _) = self._call("POST", "/v1/output_head", wire.dumps({"vocab_id": vid}),
+                                         server=server, what="the output head")
+        except _Conflict:  # the server restarted and lost our mapping: send it again, once
+            self._send_vocab(server)
+            _, (tensors, _) = self._call("POST", "/v1/output_head", wire.dumps({"vocab_id": vid}),
+                                         server=server, what="the output head")
+        H = self.info["hidden_size"]
+        head = tensors.get("lm_head_selected")
+        if head is None or tuple(head.shape) != (Vd, H):
+            raise RemoteError("the target server sent an output head of the wrong shape",
+                              f"expected [{Vd}, {H}]; check that server and trainer run the same spec_cli")
+        return tensors
+
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
         ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
         vid = _vocab_id(ids)

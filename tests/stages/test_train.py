@@ -209,3 +209,24 @@ def test_max_time_stops_with_a_checkpoint_and_resume_finishes_the_schedule(setup
     assert main(args + ["-o", str(tmp_path / "bad"), "--max-time", "soon"]) == 1
     err = capsys.readouterr().err
     assert "--max-time 'soon' is not a duration" in err and "45m" in err
+
+
+def test_the_draft_starts_from_the_targets_head_unless_random_init(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.artifacts.vocab_map import load_vocab_map
+
+    target = AutoModelForCausalLM.from_pretrained(str(setup["target"]))
+    ids = load_vocab_map(setup["vm"]).selected_token_ids
+    # lr 0: the saved weights are the initial ones (from the cache, as from a live target)
+    for source in ({"cache": setup["cache"]}, {"cache": None, "target": str(setup["target"]),
+                                                "data": str(setup["data"])}):
+        out = tmp_path / f"init-{len(source)}"
+        stage.run(config(setup, out, max_steps=1, lr=0.0, **source))
+        w = weights(out)
+        assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
+        torch.testing.assert_close(w["norm.weight"], target.model.norm.weight.detach())
+    stage.run(config(setup, tmp_path / "random", max_steps=1, lr=0.0, init_from_target=False))
+    w = weights(tmp_path / "random")
+    assert not torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
+    assert torch.equal(w["norm.weight"], torch.ones_like(w["norm.weight"]))

@@ -92,3 +92,27 @@ def test_batches_are_length_bucketed():
     for batch in plan:
         assert len(batch) * int(lengths[batch].max()) <= 200 or len(batch) == 1
     assert plan[0] == [1, 7]  # longest first, similar lengths together
+
+
+def test_output_head_is_the_targets_lm_head_rows_and_final_norm(backend):
+    head = backend.get_output_head()
+    sel = backend.selected
+    assert torch.equal(head["lm_head_selected"], backend.model.lm_head.weight[sel])
+    # RMSNorm of a ones vector is its per-channel scale: for Llama that is the weight itself
+    torch.testing.assert_close(head["final_norm"], backend.model.model.norm.weight.detach(), rtol=1e-5, atol=1e-6)
+    # and the scale reproduces the norm on any input (independent of how it was read)
+    x = torch.randn(4, head["final_norm"].numel())
+    rms = x.pow(2).mean(-1, keepdim=True).add(backend.model.model.norm.variance_epsilon).rsqrt()
+    torch.testing.assert_close(backend.model.model.norm(x), x * rms * head["final_norm"], rtol=1e-5, atol=1e-5)
+
+
+def test_final_norm_scale_reads_gemmas_one_plus_weight_form():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from spec_cli.target.hf_backend import final_norm_scale
+
+    norm = GemmaRMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 16))
+    torch.testing.assert_close(final_norm_scale(norm, 16), 1.0 + torch.linspace(-0.5, 0.5, 16))
+    assert final_norm_scale(torch.nn.LayerNorm(16), 16) is None  # not an RMSNorm: left alone

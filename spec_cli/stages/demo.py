@@ -1,0 +1,271 @@
+"""`spec demo`: every stage on the built-in assets (SmolLM2-135M target, ShareGPT, MT-bench).
+
+assets -> build-vocab-map -> precompute -> train (bounded time) -> export (vLLM, self-checked) -> eval.
+Each stage writes into one demo folder and is skipped when its artifact is already complete, so a
+rerun (or a run after Ctrl-C) picks up where the last one stopped: precompute keeps its verified
+shards, train resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from spec_cli import assets
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts.io import write_json
+from spec_cli.console import info
+from spec_cli.errors import ConfigError, SpecError
+from spec_cli.paths import spec_home
+
+DEMO_JSON = "demo.json"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes chosen so that the whole demo fits its time on 2 CPU cores (a GPU finishes far sooner)."""
+
+    name: str
+    samples: int  # ShareGPT conversations precomputed
+    max_length: int  # tokens per conversation
+    draft_vocab_size: int
+    ttt_steps: int
+    batch_tokens: int  # packed rows of this many tokens per optimizer step
+    epochs: float
+    lr: float
+    train_minutes: float  # --max-time guard; the schedule is sized by epochs
+    eval_prompts: int  # MT-bench questions (both turns), spread over the categories
+    eval_max_new_tokens: int
+    eval_depth: int = 3
+
+    def describe(self) -> str:
+        return (f"{self.samples} conversations x {self.max_length} tokens, Vd {self.draft_vocab_size}, "
+                f"TTT {self.ttt_steps}, {self.epochs:g} epochs (at most {self.train_minutes:g} min), eval on "
+                f"{self.eval_prompts} MT-bench questions")
+
+
+PROFILES = {
+    "quick": Profile("quick", samples=120, max_length=256, draft_vocab_size=4096, ttt_steps=3,
+                     batch_tokens=2048, epochs=4.0, lr=2e-3, train_minutes=2.5, eval_prompts=4,
+                     eval_max_new_tokens=32),
+    "full": Profile("full", samples=1500, max_length=256, draft_vocab_size=8192, ttt_steps=3,
+                    batch_tokens=2048, epochs=2.0, lr=1e-3, train_minutes=20.0, eval_prompts=8,
+                    eval_max_new_tokens=96),
+}
+
+
+@dataclass
+class DemoConfig:
+    quick: bool = False
+    output: Path | None = None  # default: SPEC_HOME/demo/<profile>
+    install: bool = True  # pip-install the built-in assets when missing
+    device: str | None = None
+    dtype: str | None = None
+
+    @property
+    def profile(self) -> Profile:
+        return PROFILES["quick" if self.quick else "full"]
+
+    def folder(self) -> Path:
+        return Path(self.output) if self.output else spec_home() / "demo" / self.profile.name
+
+
+@dataclass
+class StageRecord:
+    name: str
+    status: str  # ran | reused | resumed
+    seconds: float
+    artifact: Path
+
+
+@dataclass
+class DemoResult:
+    folder: Path
+    profile: Profile
+    stages: list[StageRecord] = field(default_factory=list)
+    acceptance_length: float | None = None
+    speedup: float | None = None
+    train_steps: str = ""
+    eval_json: Path | None = None
+    serve_command: str = ""
+    seconds: float = 0.0
+
+    def artifact(self, name: str) -> Path:
+        return next(s.artifact for s in self.stages if s.name == name)
+
+
+def run(cfg: DemoConfig) -> DemoResult:
+    start = time.perf_counter()
+    profile, folder = cfg.profile, cfg.folder()
+    _claim_folder(folder, profile)
+    result = DemoResult(folder=folder, profile=profile)
+    info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
+
+    def stage(name: str, artifact: Path, work) -> None:
+        t0 = time.perf_counter()
+        info(f"[{len(result.stages) + 1}/6] {name}")
+        status = work()
+        result.stages.append(StageRecord(name, status, time.perf_counter() - t0, artifact))
+        _record(folder, profile, result)
+
+    found: dict = {}
+    stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
+    vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
+    stage("build-vocab-map", vocab_map, lambda: _vocab_map(profile, found, vocab_map))
+    cache = folder / "cache"
+    stage("precompute", cache, lambda: _precompute(cfg, profile, found, vocab_map, cache))
+    run_dir = folder / "run"
+    stage("train", run_dir, lambda: _train(cfg, profile, vocab_map, cache, run_dir, result))
+    export_dir = folder / "export-vllm"
+    stage("export", export_dir, lambda: _export(run_dir, export_dir, found, result))
+    eval_dir = folder / "eval"
+    stage("eval", eval_dir, lambda: _eval(cfg, profile, found, export_dir, eval_dir, result))
+    result.seconds = time.perf_counter() - start
+    _record(folder, profile, result)
+    return result
+
+
+# ----------------------------------------------------------------------------- stages
+
+def _assets(cfg: DemoConfig, found: dict) -> str:
+    found.update(assets.ensure_all(install=cfg.install))
+    return "ready"
+
+
+def _vocab_map(profile: Profile, found: dict, path: Path) -> str:
+    from spec_cli.artifacts.vocab_map import load_vocab_map
+    from spec_cli.stages import build_vocab_map
+    from spec_cli.ui import print_vocab_map_summary
+
+    if path.is_file():
+        try:
+            if load_vocab_map(path).draft_vocab_size == profile.draft_vocab_size:
+                return "reused"
+        except SpecError:
+            pass  # unreadable or stale: build it again (written atomically over it)
+    result = build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
+        target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path,
+        draft_vocab_size=profile.draft_vocab_size, max_length=profile.max_length, num_proc=2))
+    print_vocab_map_summary(result)
+    return "ran"
+
+
+def _precompute(cfg: DemoConfig, profile: Profile, found: dict, vocab_map: Path, cache: Path) -> str:
+    from spec_cli.stages import precompute
+    from spec_cli.ui import print_precompute_summary
+
+    partial = cache.is_dir() and any(cache.iterdir())
+    result = precompute.run(precompute.PrecomputeConfig(
+        target=str(found["smollm2"]), data=str(found["sharegpt"]), vocab_map=vocab_map, output=cache,
+        max_length=profile.max_length, max_samples=profile.samples, batch_tokens=8192, num_proc=2,
+        device=cfg.device, dtype=cfg.dtype, resume=True))
+    if result.computed_shards == 0 and (cache / fc.MANIFEST).is_file() and partial:
+        return "reused"
+    print_precompute_summary(result)
+    return "resumed" if result.reused_shards else "ran"
+
+
+def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_dir: Path,
+           result: DemoResult) -> str:
+    from spec_cli.stages import train
+    from spec_cli.ui import print_train_summary
+
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is not None:
+        state = json.loads((latest / "trainer_state.json").read_text())
+        if state["step"] >= state["total_steps"]:
+            result.train_steps = f"{state['step']} of {state['total_steps']}"
+            return "reused"
+    outcome = train.run(train.TrainConfig(
+        vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
+        ttt_steps=profile.ttt_steps, lr=profile.lr, epochs=profile.epochs, fc_norm=True,
+        eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,
+        max_time=profile.train_minutes * 60, resume=latest is not None, device=cfg.device, dtype=cfg.dtype))
+    print_train_summary(outcome)
+    result.train_steps = f"{outcome.steps} of {outcome.total_steps}"
+    return "resumed" if latest is not None else "ran"
+
+
+def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) -> str:
+    from spec_cli.console import summary
+    from spec_cli.stages import export
+
+    latest = ckpt.latest_checkpoint(run_dir)
+    config = export_dir / "config.json"
+    if config.is_file():
+        recorded = json.loads(config.read_text()).get("spec_cli", {})
+        if recorded.get("checkpoint") == str(latest):
+            result.serve_command = _serve_command(export_dir)
+            return "reused"
+    outcome = export.run(export.ExportConfig(source=latest, format="vllm", output=export_dir, check=True,
+                                             target=str(found["smollm2"])))
+    summary("export", outcome.summary_rows())
+    result.serve_command = outcome.serve_command
+    return "ran"
+
+
+def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
+          result: DemoResult) -> str:
+    from spec_cli.eval.report import print_table
+    from spec_cli.stages import eval as evaluate
+
+    mt_bench = str(found["mt-bench"])
+    settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
+                "num_prompts": profile.eval_prompts, "prompts": mt_bench}
+    step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
+    report = eval_dir / "eval.json"
+    result.eval_json = report
+    if report.is_file():
+        done = json.loads(report.read_text())
+        if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
+            result.acceptance_length = done["overall"]["acceptance_length"]
+            result.speedup = done["overall"]["speedup"]
+            return "reused"
+    outcome = evaluate.run(evaluate.EvalConfig(
+        target=str(found["smollm2"]), draft=export_dir, prompts=mt_bench, output=eval_dir,
+        depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
+        num_prompts=profile.eval_prompts, device=cfg.device, dtype=cfg.dtype))
+    print_table(outcome)
+    result.acceptance_length = outcome.overall["acceptance_length"]
+    result.speedup = outcome.overall["speedup"]
+    return "ran"
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+def _serve_command(export_dir: Path) -> str:
+    """The vLLM command from the export's README (the first `vllm serve` line)."""
+    readme = export_dir / "README.md"
+    if readme.is_file():
+        for line in readme.read_text().splitlines():
+            if line.strip().startswith("vllm serve"):
+                return line.strip()
+    return ""
+
+
+def _claim_folder(folder: Path, profile: Profile) -> None:
+    """A demo folder belongs to one profile: the stages' artifacts would refuse to mix anyway, but
+    saying so up front is clearer than a mismatch deep inside precompute."""
+    record = folder / DEMO_JSON
+    if record.is_file():
+        before = json.loads(record.read_text()).get("profile", {})
+        if before.get("name") != profile.name or before != asdict(profile):
+            raise ConfigError(f"{folder} holds a demo with other settings ({before.get('name')})",
+                              "use another --output folder, or delete that one to start over")
+    elif folder.is_dir() and any(folder.iterdir()):
+        raise ConfigError(f"{folder} is not empty and holds no {DEMO_JSON}",
+                          "give `spec demo --output` a new or empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(record, {"kind": "demo", "profile": asdict(profile), "stages": []})
+
+
+def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
+    write_json(folder / DEMO_JSON, {
+        "kind": "demo", "profile": asdict(profile),
+        "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1),
+                    "artifact": str(s.artifact)} for s in result.stages],
+        "acceptance_length": result.acceptance_length, "speedup": result.speedup,
+        "seconds": round(result.seconds, 1)})

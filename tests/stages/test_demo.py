@@ -1,0 +1,97 @@
+"""spec demo: every stage runs on the built-in assets (here: tiny stand-ins), and a rerun reuses what is
+finished, resumes what is not, and redoes what depends on a newer artifact."""
+
+import json
+import random
+
+import pytest
+from safetensors import safe_open
+
+from spec_cli import assets
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.cli import main
+from spec_cli.stages import demo
+from tests import tiny
+from tests.conftest import write_jsonl
+
+TINY = demo.Profile("quick", samples=24, max_length=64, draft_vocab_size=96, ttt_steps=2, batch_tokens=256,
+                    epochs=1.0, lr=3e-3, train_minutes=10.0, eval_prompts=2, eval_max_new_tokens=6,
+                    eval_depth=2)
+
+
+@pytest.fixture
+def builtins(tmp_path, tiny_llama_dir, monkeypatch, one_thread):
+    """The built-in assets replaced by a tiny peaked target, tiny ShareGPT and a 2-category MT-bench."""
+    rng = random.Random(5)
+    found = {
+        "smollm2": tiny.peaked_copy(tiny_llama_dir, tmp_path / "target"),
+        "sharegpt": write_jsonl(tmp_path / "sharegpt.jsonl", [tiny.random_sharegpt(rng) for _ in range(40)]),
+        "mt-bench": write_jsonl(tmp_path / "mt_bench.jsonl", [
+            {"question_id": 81 + i, "category": ["writing", "math"][i % 2],
+             "turns": [tiny.random_text(rng, 3, 8), tiny.random_text(rng, 3, 8)]} for i in range(4)]),
+    }
+    monkeypatch.setattr(assets, "ensure_all", lambda install=True: found)
+    monkeypatch.setitem(demo.PROFILES, "quick", TINY)
+    return found
+
+
+def record(folder):
+    return json.loads((folder / demo.DEMO_JSON).read_text())
+
+
+def statuses(folder) -> dict:
+    return {s["name"]: s["status"] for s in record(folder)["stages"]}
+
+
+def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    assert statuses(out) == {"assets": "ready", "build-vocab-map": "ran", "precompute": "ran", "train": "ran",
+                             "export": "ran", "eval": "ran"}
+    # the export is what vLLM loads: its config names the draft vocab and the checkpoint it came from
+    config = json.loads((out / "export-vllm" / "config.json").read_text())
+    latest = ckpt.latest_checkpoint(out / "run")
+    assert config["spec_cli"]["checkpoint"] == str(latest) and config["draft_vocab_size"] == 96
+    with safe_open(str(out / "export-vllm" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("d2t").shape == (96,)
+    report = json.loads((out / "eval" / "eval.json").read_text())
+    assert report["draft"]["kind"] == "export" and report["settings"]["depth"] == 2
+    assert report["settings"]["num_prompts"] == 2 and set(report["categories"]) == {"writing", "math"}
+    assert report["overall"]["same_as_target"] == report["overall"]["turns"] == 4  # greedy: exact
+    assert record(out)["acceptance_length"] == pytest.approx(report["overall"]["acceptance_length"])
+    printed = capsys.readouterr().out
+    assert "acceptance length" in printed and "speed-up" in printed and str(out / "export-vllm") in printed
+
+    stamp = (latest / "model.safetensors").stat().st_mtime_ns
+    eval_stamp = (out / "eval" / "eval.json").stat().st_mtime_ns
+    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    assert statuses(out) == {"assets": "ready", "build-vocab-map": "reused", "precompute": "reused",
+                             "train": "reused", "export": "reused", "eval": "reused"}
+    assert (latest / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (out / "eval" / "eval.json").stat().st_mtime_ns == eval_stamp
+
+
+def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp_path, monkeypatch):
+    # a time budget that runs out after the first step: the demo stops training there, with a
+    # checkpoint, and still exports and evaluates what it has
+    monkeypatch.setitem(demo.PROFILES, "quick", TINY.__class__(**{**TINY.__dict__, "train_minutes": 1e-6}))
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "-o", str(out), "-q"]) == 0
+    assert ckpt.latest_checkpoint(out / "run").name == "step-00000001"
+    first_eval = json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"]
+    assert first_eval == 1
+
+    assert main(["demo", "--quick", "-o", str(out), "-q"]) == 0
+    assert statuses(out)["train"] == "resumed" and statuses(out)["export"] == "ran"
+    assert ckpt.latest_checkpoint(out / "run").name == "step-00000002"
+    assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 2
+
+
+def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["demo", "--quick", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not empty and holds no demo.json" in err and "new or empty folder" in err
+    assert (out / "notes.txt").read_text() == "mine"
