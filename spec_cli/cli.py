@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import click
 import typer
+from rich.markup import escape
 
 from spec_cli import __version__
 from spec_cli.config import apply_config_file
@@ -228,6 +229,9 @@ def train_cmd(
         "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.")] = False,
     norm_output: Annotated[bool, typer.Option(
         "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.")] = False,
+    fsdp: Annotated[bool, typer.Option(
+        "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state across "
+                       "processes (FSDP2) instead of replicating them (DDP); for large drafts.")] = False,
     init_from_target: Annotated[bool, typer.Option(
         "--init-from-target/--random-init", help="Start the draft's lm_head and final norm from the target's "
                                                   "(its lm_head rows of the draft vocab), or random.")] = True,
@@ -266,7 +270,7 @@ def train_cmd(
         draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
         draft_intermediate_size=draft_intermediate_size, draft_heads=draft_heads,
         draft_kv_heads=draft_kv_heads, fc_norm=fc_norm, norm_output=norm_output,
-        init_from_target=init_from_target, ttt_steps=ttt_steps, step_weight=step_weight, loss=loss,
+        init_from_target=init_from_target, fsdp=fsdp, ttt_steps=ttt_steps, step_weight=step_weight, loss=loss,
         lk_kl_scale=lk_kl_scale,
         lk_kl_decay=lk_kl_decay, lr=lr, min_lr_ratio=min_lr_ratio, warmup_ratio=warmup_ratio,
         weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum, max_steps=max_steps,
@@ -457,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         return 1
     except click.exceptions.Exit as exc:
         return exc.exit_code
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line unless debugging
         if debug:
             raise
-        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc} "
+        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
                           "(rerun with SPEC_DEBUG=1 for the traceback and report it)", soft_wrap=True)
         return 2
 

@@ -32,10 +32,11 @@ def is_quiet() -> bool:
     return _quiet
 
 
-def info(message: str) -> None:
-    """A progress line for the user (suppressed by --quiet)."""
+def info(message: str, markup: bool = False) -> None:
+    """A progress line for the user (suppressed by --quiet). Plain text unless `markup`: messages
+    carry paths and library errors, whose brackets are not rich markup."""
     if not _quiet:
-        console.print(message)
+        console.print(message, markup=markup)
 
 
 def progress_enabled() -> bool:

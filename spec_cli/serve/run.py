@@ -83,7 +83,7 @@ def _serve_until_stopped(handle: HTTPHandle, target_dir: Path, token: str | None
              f"{logic.backend.info['dtype']}) {'with' if token else 'without'} a token")
         if handle.host not in LOOPBACK and not token:
             info("[bold yellow]warning:[/] listening beyond this machine without a token: anyone who "
-                 f"reaches port {handle.port} can use the target (set --token or ${TOKEN_ENV})")
+                 f"reaches port {handle.port} can use the target (set --token or ${TOKEN_ENV})", markup=True)
         info(f"listening on {handle.url}")
         if on_ready is not None:
             on_ready(handle.url)

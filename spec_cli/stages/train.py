@@ -26,6 +26,7 @@ from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
+from spec_cli.draft import sharding
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
 from spec_cli.draft.ttt import ttt_forward
@@ -38,7 +39,7 @@ from spec_cli.target.backend import TargetBackend
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
                      "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
                      "token", "max_time", "stream", "stream_max_bytes", "stream_dir",
-                     "init_from_target"}
+                     "init_from_target", "fsdp"}
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainConfig:
     draft_kv_heads: int | None = None
     fc_norm: bool = False
     norm_output: bool = False
+    fsdp: bool = False  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
     init_from_target: bool = True  # lm_head (draft-vocab rows) and final norm copied from the target
     # objective
     ttt_steps: int = 7
@@ -340,10 +342,17 @@ def evaluate(objective: TTTObjective, source: Source, eval_batches: list, cfg: T
         return None
     metrics = Metrics(cfg.ttt_steps)
     objective.eval()
+    rank, world = distributed.rank(), distributed.world_size()
+    # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank
+    # past the end repeats its last batch without counting it.
+    rounds = -(-len(eval_batches) // world)
     with torch.no_grad(), _autocast(device):
-        for i in range(distributed.rank(), len(eval_batches), distributed.world_size()):
-            batch = supervise(source, eval_batches[i], cfg.pack, device)
-            metrics.add(objective(batch), batch.num_tokens)
+        for r in range(rounds):
+            i = r * world + rank
+            batch = supervise(source, eval_batches[min(i, len(eval_batches) - 1)], cfg.pack, device)
+            out = objective(batch)
+            if i < len(eval_batches):
+                metrics.add(out, batch.num_tokens)
     objective.train()
     metrics.all_reduce()
     return metrics.record()
@@ -429,6 +438,11 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             info("the draft's lm_head starts random: the target's output head is not available here "
                  "or does not fit the draft's hidden size")
     draft.to(device)
+    units = []  # FSDP2 units (--fsdp under torchrun); else DDP replicates the draft
+    if cfg.fsdp and world > 1:
+        units = sharding.shard(draft)
+    elif cfg.fsdp:
+        info("--fsdp shards across torchrun processes; with one process it trains as usual")
     names = [n for n, p in draft.named_parameters() if p.requires_grad]
     params = [p for n, p in draft.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -441,9 +455,10 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     step = 0
     if cfg.resume and (latest := ckpt.latest_checkpoint(cfg.output)) is not None:
         parts = ckpt.load_checkpoint(latest)
-        draft.load_state_dict(parts["model"])
-        optimizer.load_state_dict(ckpt.unflatten_optimizer(parts["optimizer"],
-                                                           parts["trainer_state"]["param_groups"], names))
+        sharding.load_full_state(draft, optimizer, parts["model"],
+                                 ckpt.unflatten_optimizer(parts["optimizer"],
+                                                          parts["trainer_state"]["param_groups"], names),
+                                 names, sharded=bool(units))
         _restore_rng(parts["rng"])
         step = parts["trainer_state"]["step"]
         info(f"resuming from {latest} (step {step})")
@@ -453,20 +468,22 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
 
     objective = TTTObjective(draft, cfg)
     model = objective
-    if world > 1:
+    if world > 1 and not units:
         model = nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None)
 
     def save(at_step: int) -> Path | None:
+        model_state, optimizer_state = sharding.full_state(draft, optimizer, names, sharded=bool(units))
         if rank != 0:
             return None
-        opt_tensors, groups = ckpt.flatten_optimizer(optimizer.state_dict(), names)
+        opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, names)
         epoch, _ = divmod(at_step * per_step, len(train_batches))
         return ckpt.save_checkpoint(
-            cfg.output, at_step, draft.state_dict(), opt_tensors, _rng_state(), draft_config.to_dict(),
+            cfg.output, at_step, model_state, opt_tensors, _rng_state(), draft_config.to_dict(),
             {"step": at_step, "epoch": epoch, "micro_batches_done": at_step * per_step,
              "total_steps": total_steps, "lr": lr_at(max(at_step - 1, 0), total_steps, cfg),
-             "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum},
+             "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum,
+             "parallel": "fsdp" if units else ("ddp" if world > 1 else "single")},
             keep_last=cfg.keep_last)
 
     # Supervision for this rank's i-th micro-batch (global number i * world + rank). With --stream,
@@ -496,7 +513,8 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
 
     logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0)
     info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
-         f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}")
+         f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}"
+         + (f", {'FSDP2' if units else 'DDP'} over {world} processes" if world > 1 else ""))
     window, window_start, last_saved = Metrics(cfg.ttt_steps), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = stream_report = None
@@ -510,7 +528,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             for micro in range(cfg.grad_accum):
                 batch = next_batch(step * cfg.grad_accum + micro)
                 sync = micro == cfg.grad_accum - 1 or world == 1
-                ctx = model.no_sync() if not sync else _null()
+                ctx = _null() if sync else (sharding.no_gradient_sync(units) if units else model.no_sync())
                 with ctx, _autocast(device):
                     out = model(batch)
                     (out.loss / cfg.grad_accum).backward()  # each backward adds: average the micro-batches

@@ -156,6 +156,8 @@ def test_ddp_two_processes_match_one_process(setup, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert single.steps == 3
     assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
+    state = json.loads((ckpt.latest_checkpoint(tmp_path / "ddp") / "trainer_state.json").read_text())
+    assert state["parallel"] == "ddp"
 
 
 def test_cli_remote_training_equals_live(setup, tmp_path):
@@ -230,3 +232,36 @@ def test_the_draft_starts_from_the_targets_head_unless_random_init(setup, tmp_pa
     w = weights(tmp_path / "random")
     assert not torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
     assert torch.equal(w["norm.weight"], torch.ones_like(w["norm.weight"]))
+
+
+def _torchrun(setup, out, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
+           "-m", "spec_cli.cli", "train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]),
+           "-o", str(out), "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512",
+           "--eval-fraction", "0.2", "--eval-every", "0", "--log-every", "2", "--save-every", "3", "-q",
+           *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_fsdp_two_processes_match_one_process_through_a_resume(setup, tmp_path):
+    """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
+    stopped after its first step (checkpoint gathered from the shards) and resumed (scattered back)."""
+    single = tmp_path / "single"
+    stage.run(config(setup, single, max_steps=3, grad_accum=2, eval_every=0))
+    _torchrun(setup, tmp_path / "fsdp", "--fsdp", "--max-time", "0.001s")
+    assert ckpt.latest_checkpoint(tmp_path / "fsdp").name == "step-00000001"
+    _torchrun(setup, tmp_path / "fsdp", "--fsdp", "--resume")
+    assert ckpt.latest_checkpoint(tmp_path / "fsdp").name == "step-00000003"
+    state = json.loads((ckpt.latest_checkpoint(tmp_path / "fsdp") / "trainer_state.json").read_text())
+    assert state["parallel"] == "fsdp" and state["world_size"] == 2
+    assert_same(weights(single), weights(tmp_path / "fsdp"), exact=False)
+    opt_single = load_file(str(ckpt.latest_checkpoint(single) / "optimizer.safetensors"))
+    opt_fsdp = load_file(str(ckpt.latest_checkpoint(tmp_path / "fsdp") / "optimizer.safetensors"))
+    assert_same(opt_single, opt_fsdp, exact=False)
+
+    # gradient accumulation under FSDP: 2 ranks x 2 micro-batches == 1 process x 4
+    stage.run(config(setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
+    _torchrun(setup, tmp_path / "fsdp-accum", "--fsdp", "--grad-accum", "2", "--eval-every", "2")
+    assert_same(weights(tmp_path / "single4"), weights(tmp_path / "fsdp-accum"), exact=False)
