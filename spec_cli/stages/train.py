@@ -72,7 +72,7 @@ class TrainConfig:
     fc_norm: bool = False
     norm_output: bool = False
     fsdp: bool = False  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
-    init_from_target: bool = True  # lm_head (draft-vocab rows) and final norm copied from the target
+    init_from_target: bool = False  # lm_head (draft-vocab rows) and final norm copied from the target
     # objective
     ttt_steps: int = 7
     step_weight: float = 0.8

@@ -213,7 +213,7 @@ def test_max_time_stops_with_a_checkpoint_and_resume_finishes_the_schedule(setup
     assert "--max-time 'soon' is not a duration" in err and "45m" in err
 
 
-def test_the_draft_starts_from_the_targets_head_unless_random_init(setup, tmp_path):
+def test_init_from_target_copies_the_targets_head_and_random_init_does_not(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from spec_cli.artifacts.vocab_map import load_vocab_map
@@ -224,11 +224,11 @@ def test_the_draft_starts_from_the_targets_head_unless_random_init(setup, tmp_pa
     for source in ({"cache": setup["cache"]}, {"cache": None, "target": str(setup["target"]),
                                                 "data": str(setup["data"])}):
         out = tmp_path / f"init-{len(source)}"
-        stage.run(config(setup, out, max_steps=1, lr=0.0, **source))
+        stage.run(config(setup, out, max_steps=1, lr=0.0, init_from_target=True, **source))
         w = weights(out)
         assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
         torch.testing.assert_close(w["norm.weight"], target.model.norm.weight.detach())
-    stage.run(config(setup, tmp_path / "random", max_steps=1, lr=0.0, init_from_target=False))
+    stage.run(config(setup, tmp_path / "random", max_steps=1, lr=0.0))  # the default
     w = weights(tmp_path / "random")
     assert not torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
     assert torch.equal(w["norm.weight"], torch.ones_like(w["norm.weight"]))
