@@ -24,13 +24,8 @@ def trained(tmp_path_factory, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("eval")
-    target = root / "peaky-llama"
-    shutil.copytree(tiny_llama_dir, target)
+    target = tiny_llama_dir = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     model = AutoModelForCausalLM.from_pretrained(str(target))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(str(target))
-    tiny_llama_dir = target
     rng = random.Random(5)
     data = write_jsonl(root / "chat.jsonl", _self_distilled(model, target, rng, 32))
     prompts = write_jsonl(root / "prompts.jsonl", [

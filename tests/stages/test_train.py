@@ -20,22 +20,10 @@ from tests.conftest import write_jsonl
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_llama_dir):
-    """Tiny Llama target, chat data, vocab map and a feature cache, all made through the CLI.
-
-    The random target's lm_head is scaled up so its next-token distributions are peaked (like a
-    trained model's) rather than near-uniform: there is then something for the draft to learn."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
+    """A peaked tiny Llama target (tiny.peaked_copy), chat data, vocab map and a feature cache, all made
+    through the CLI."""
     root = tmp_path_factory.mktemp("train")
-    target = root / "peaky-llama"
-    shutil.copytree(tiny_llama_dir, target)
-    model = AutoModelForCausalLM.from_pretrained(str(target))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(str(target))
-    tiny_llama_dir = target
+    tiny_llama_dir = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     rng = random.Random(11)
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(48)])
     mp = pytest.MonkeyPatch()

@@ -2,7 +2,6 @@
 weights as the in-process target; clear errors when a server differs, refuses, hangs or dies."""
 
 import random
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -199,16 +198,9 @@ def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local)
 
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory, tiny_llama_dir):
-    """A peaked tiny target (as in tests/stages/test_train.py), chat data and a vocab map."""
-    from transformers import AutoModelForCausalLM
-
+    """A peaked tiny target (tiny.peaked_copy), chat data and a vocab map."""
     root = tmp_path_factory.mktemp("remote-train")
-    target = root / "peaky-llama"
-    shutil.copytree(tiny_llama_dir, target)
-    model = AutoModelForCausalLM.from_pretrained(str(target))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(str(target))
+    target = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     rng = random.Random(11)
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(24)])
     assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "96",
