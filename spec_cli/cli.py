@@ -69,11 +69,30 @@ def parse_duration(text: str | None, option: str) -> float | None:
     return value
 
 
-@app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False):
-    if version:
+def parse_size(text: str, option: str) -> int:
+    """'512M', '4G', '1.5g', '65536' -> bytes (K/M/G/T are powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(raw[-1:], None)
+    try:
+        value = float(raw[:-1] if scale else raw) * (scale or 1)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise ConfigError(f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes")
+    return int(value)
+
+
+def _print_version(value: bool) -> None:
+    if value:
         print(f"spec_cli {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", help="Print the version.", is_eager=True, callback=_print_version)] = False):
+    pass
 
 
 # ----------------------------------------------------------------------------- commands
@@ -180,9 +199,9 @@ def train_cmd(
     stream: Annotated[bool, typer.Option(
         "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
                          "trainer through a bounded store (same results as without).")] = False,
-    stream_max_bytes: Annotated[int, typer.Option(
-        "--stream-max-bytes", help="--stream: bytes of supervision the store may hold; producers wait "
-                                   "beyond it.", min=1)] = 4 << 30,
+    stream_max_bytes: Annotated[str, typer.Option(
+        "--stream-max-bytes", help="--stream: supervision the store may hold (e.g. 512M, 4G, or bytes); "
+                                   "producers wait beyond it.")] = "4G",
     stream_dir: Annotated[Optional[Path], typer.Option(
         "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
                              "end) instead of in memory.", file_okay=False)] = None,
@@ -264,7 +283,8 @@ def train_cmd(
     set_quiet(quiet)
     result = stage.run(stage.TrainConfig(
         vocab_map=vocab_map, output=output, cache=cache, target=target, data=data, remote=remote,
-        token=token, prefetch=prefetch, stream=stream, stream_max_bytes=stream_max_bytes,
+        token=token, prefetch=prefetch, stream=stream,
+        stream_max_bytes=parse_size(stream_max_bytes, "--stream-max-bytes"),
         stream_dir=stream_dir,
         max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
         eval_fraction=eval_fraction, num_proc=num_proc, aux_layers=aux_layers,
@@ -464,12 +484,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         err_console.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         return 1
-    except click.exceptions.Exit as exc:
+    except (click.exceptions.Exit, typer.Exit) as exc:
         return exc.exit_code
-    except click.ClickException as exc:
+    except (click.ClickException, typer.TyperException) as exc:  # typer >= 0.2x raises its own click's
         exc.show()
         return exc.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
         err_console.print("interrupted")
         return 130
     except Exception as exc:  # a bug: say so in one line unless debugging

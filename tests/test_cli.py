@@ -12,7 +12,8 @@ from spec_cli.cli import main
 from tests import tiny
 from tests.conftest import write_jsonl
 
-STAGES = ["assets", "build-vocab-map", "inspect"]
+STAGES = ["assets", "build-vocab-map", "precompute", "train", "export", "eval", "serve-target", "inspect",
+          "demo"]
 
 
 def spec(*args, env=None):
@@ -39,6 +40,31 @@ def test_help_lists_every_stage_and_each_stage_documents_defaults():
 def data_file(tmp_path):
     rng = random.Random(0)
     return write_jsonl(tmp_path / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(30)])
+
+
+def test_version_and_usage_errors_are_what_a_user_expects():
+    out = spec("--version")
+    assert out.returncode == 0 and out.stdout.strip().startswith("spec_cli ")
+    # a value of the wrong type, a missing option, an unknown command: click's usage message and exit 2,
+    # never an "internal error"
+    cases = [(("train", "-v", "x", "-o", "y", "--ttt-steps", "many"), "Invalid value for '--ttt-steps'"),
+             (("train",), "Missing option '--vocab-map'"),
+             (("nosuch",), "No such command 'nosuch'"),
+             (("train", "-v", "x", "-o", "y", "--max-time", "soon"), "--max-time 'soon' is not a duration"),
+             (("train", "-v", "x", "-o", "y", "--stream-max-bytes", "lots"), "--stream-max-bytes 'lots' is not a size")]
+    for args, message in cases:
+        out = spec(*args)
+        assert message in out.stderr, (args, out.stderr)
+        assert "internal error" not in out.stderr
+        assert out.returncode == (1 if "is not a" in message else 2)
+
+
+def test_sizes_and_durations_parse_as_a_user_writes_them():
+    from spec_cli.cli import parse_duration, parse_size
+
+    assert [parse_size(t, "-x") for t in ("512M", "4G", "4GiB", "1.5k", "65536")] == [
+        512 << 20, 4 << 30, 4 << 30, 1536, 65536]
+    assert [parse_duration(t, "-x") for t in ("90s", "45m", "2h", "1.5")] == [90.0, 2700.0, 7200.0, 90.0]
 
 
 def test_build_vocab_map_cli(tiny_tokenizer_dirs, data_file, tmp_path, capsys):
