@@ -49,7 +49,7 @@ class Profile:
 
 PROFILES = {
     "quick": Profile("quick", samples=120, max_length=256, draft_vocab_size=4096, ttt_steps=3,
-                     batch_tokens=2048, epochs=3.0, lr=2e-3, train_minutes=2.0, eval_prompts=4,
+                     batch_tokens=2048, epochs=3.0, lr=1e-3, train_minutes=2.0, eval_prompts=4,
                      eval_max_new_tokens=32),
     "full": Profile("full", samples=1200, max_length=256, draft_vocab_size=8192, ttt_steps=3,
                     batch_tokens=2048, epochs=2.0, lr=1e-3, train_minutes=18.0, eval_prompts=8,
