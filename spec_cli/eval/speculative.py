@@ -51,6 +51,14 @@ class Settings:
         return self.topk > 1
 
 
+def eos_ids(tokenizer, generation_config) -> frozenset[int]:
+    """The ids that end a turn: the tokenizer's eos and the generation config's (either may be a list)."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(generation_config, "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
+    return frozenset(int(i) for i in ids if i is not None)
+
+
 @dataclass
 class Proposal:
     """Drafted tokens as a tree over the root (the newest committed token); a chain is a path."""

@@ -151,7 +151,11 @@ def _engine_tensors(src: DraftSource, fmt: str, order: list[int], dtype: torch.d
     # The engines embed with the TARGET's table, which the draft's frozen copy equals: vLLM shares it
     # when the file has none (vllm/v1/worker/gpu/spec_decode/eagle/utils.py load_eagle_model,
     # has_own_embed_tokens), SGLang replaces it anyway (eagle_worker.py: draft model .set_embed(embed)).
-    del state["embed_tokens.weight"]
+    # The speculators library cannot do without it: speculators 0.9.0 marks its embedding initialised
+    # and, under transformers 5 (meta-device init), is left with uninitialised memory when the file has
+    # none; its own checkpoints keep it, and vLLM drops a copy equal to the target's.
+    if fmt != "speculators":
+        del state["embed_tokens.weight"]
     if fmt != "speculators":
         # vLLM (llama_eagle3.py Eagle3LlamaForCausalLM.load_weights) and SGLang
         # (LlamaForCausalLMEagle3.load_weights) both `continue` on "t2d"; the speculators library reads it.

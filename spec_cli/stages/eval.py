@@ -1,5 +1,10 @@
 """`spec eval`: real speculative decoding of the target with a draft, on MT-bench or chat prompts.
 
+`--engine torch` (default) runs spec_cli's own decoder (chain or EAGLE-2 tree); `--engine vllm` runs the
+same prompts and settings inside vLLM (`spec_cli.engine.vllm`): one engine with the draft and one
+without, side by side in this process, acceptance read from vLLM's own per-request counters. A run or
+checkpoint is exported for vLLM (fp32, into a temporary folder) first.
+
 For every user turn the speculative decoder and the target alone (plain decoding with its KV cache)
 answer the same prompt, one after the other, so machine load hits both alike. Turn j of a conversation
 is asked after the speculative decoder's own answer to turn j-1 (under greedy it is also the target's).
@@ -17,16 +22,26 @@ from pathlib import Path
 import torch
 
 from spec_cli import __version__, assets
+import contextlib
+import tempfile
+from typing import Callable
+
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.errors import ConfigError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, plot_acceptance
-from spec_cli.eval.speculative import Settings, generate, generate_target
+from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target
 from spec_cli.eval.target import TREE_ATTENTION, Target
 from spec_cli.target import loading
 
 WARMUP_TOKENS = 8  # one untimed generation of each decoder first (allocator, kernels, lazy init)
+ENGINES = ("torch", "vllm")
+VLLM_FORMATS = ("vllm", "speculators")  # export formats vLLM reads
+
+# (prompt ids, seed or None[, settings]) -> Generation; one for the speculative decoder, one for the
+# target alone (settings default to the run's; the warm-up passes shorter ones)
+Decoder = Callable[..., Generation]
 
 
 @dataclass
@@ -45,6 +60,7 @@ class EvalConfig:
     device: str | None = None
     dtype: str | None = None
     check_fingerprint: bool = True
+    engine: str = "torch"  # torch: spec_cli's decoder; vllm: inside vLLM
 
 
 @dataclass
@@ -59,6 +75,7 @@ class EvalResult:
     overall: dict
     categories: dict
     seconds: float
+    engine: str = "torch"
 
 
 def tree_size(depth: int, topk: int, num_tokens: int | None) -> int:
@@ -88,14 +105,11 @@ def _validate(cfg: EvalConfig) -> None:
                           "drop --num-tokens, or add --topk")
     if cfg.num_tokens is not None and cfg.num_tokens < 1:
         raise ConfigError("--num-tokens must be at least 1", "e.g. --num-tokens 16")
-
-
-def _eos_ids(tokenizer, model) -> frozenset[int]:
-    ids = {tokenizer.eos_token_id}
-    generation = getattr(model, "generation_config", None)
-    extra = getattr(generation, "eos_token_id", None)
-    ids |= set(extra) if isinstance(extra, (list, tuple)) else {extra}
-    return frozenset(int(i) for i in ids if i is not None)
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}", "e.g. --engine vllm")
+    if cfg.engine == "vllm" and cfg.topk > 1:
+        raise ConfigError("vLLM serves EAGLE-3 drafts as a chain of num_speculative_tokens here, not an "
+                          "EAGLE-2 tree", "use --topk 1 with --engine vllm (or --engine torch for trees)")
 
 
 def run(cfg: EvalConfig) -> EvalResult:
@@ -110,41 +124,36 @@ def run(cfg: EvalConfig) -> EvalResult:
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")
+    if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in VLLM_FORMATS:
+        raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
+                          "pass a vllm or speculators export, or the run / checkpoint (exported for vLLM "
+                          "on the fly)")
     conversations = prompts.load_conversations(cfg.prompts, cfg.num_prompts)
     output = Path(cfg.output) if cfg.output else default_output(loaded)
 
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
     info(f"loading {target_dir.name} ({str(dtype).replace('torch.', '')} on {device}) and the draft "
-         f"{loaded.describe()}")
-    model = loading.load_model(target_dir, device, dtype)
-    draft = loaded.model
-    if loaded.needs_embeddings:  # engines share the target's table with the draft
-        draft.copy_embeddings(model.get_input_embeddings().weight.float().cpu())
-    draft.to(device=device, dtype=dtype).eval()
-    target = Target(model, c.aux_layer_ids)
-    if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
-        raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
-                          f"{target.attn_implementation}", "use a chain (--topk 1)")
+         f"{loaded.describe()}" + (" in vLLM" if cfg.engine == "vllm" else ""))
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth
     settings = Settings(depth=cfg.depth, topk=cfg.topk, num_tokens=nodes,
                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                        eos_ids=_eos_ids(tokenizer, model))
-
-    seeds = _Seeds(cfg.seed, device) if cfg.temperature > 0 else None
-    warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
-    first = prompts.prompt_ids(tokenizer, conversations[0], 0)
-    generate(target, draft, first, warm, seeds and seeds(0, 0, 0))
-    generate_target(target, first, warm, seeds and seeds(0, 0, 1))
-    overall, categories, records = decode_all(target, draft, tokenizer, conversations, settings, seeds)
-    target.close()
+                        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
+    opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
+    with opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info):
+        seeds = _Seeds(cfg.seed) if cfg.temperature > 0 else None
+        warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
+        first = prompts.prompt_ids(tokenizer, conversations[0], 0)
+        spec(first, seeds and seeds(0, 0, 0), warm)
+        base(first, seeds and seeds(0, 0, 1), warm)
+        overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds)
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
                      "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                      "prompts": cfg.prompts, "num_prompts": len(conversations),
                      "turns": sum(len(conv.turns) for conv in conversations), "seed": cfg.seed,
                      "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-                     "eos_ids": sorted(settings.eos_ids)}
+                     "eos_ids": sorted(settings.eos_ids), "engine": cfg.engine}
     overall_m = overall.metrics()
     category_m = {name: t.metrics() for name, t in categories.items()}
     output.mkdir(parents=True, exist_ok=True)
@@ -155,20 +164,88 @@ def run(cfg: EvalConfig) -> EvalResult:
         "target": str(target_dir), "draft": {"path": str(loaded.path), "kind": loaded.kind,
                                              "format": loaded.format, "step": loaded.step,
                                              "aux_layer_outputs": list(c.aux_layer_ids)},
-        "settings": settings_json, "overall": overall_m, "categories": category_m,
+        "engine": engine_info, "settings": settings_json, "overall": overall_m, "categories": category_m,
     })
     with atomic_path(outputs_path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     shape = f"chain {cfg.depth}" if cfg.topk == 1 else f"tree {cfg.depth}x{cfg.topk}/{settings.num_tokens}"
+    where = " in vLLM" if cfg.engine == "vllm" else ""
     plot_acceptance(plot_path, overall_m, category_m,
-                    f"{loaded.path.name} on {target_dir.name} ({shape}): acceptance length "
+                    f"{loaded.path.name} on {target_dir.name}{where} ({shape}): acceptance length "
                     f"{overall_m['acceptance_length']:.2f}, speed-up {overall_m['speedup']:.2f}x")
     return EvalResult(output=output, json_path=json_path, plot_path=plot_path, outputs_path=outputs_path,
                       draft=loaded.describe(), target_name=target_dir.name, settings=settings_json,
-                      overall=overall_m, categories=category_m, seconds=time.perf_counter() - start)
+                      overall=overall_m, categories=category_m, seconds=time.perf_counter() - start,
+                      engine=cfg.engine)
 
 
-def decode_all(target: Target, draft, tokenizer, conversations: list[prompts.Conversation],
+@contextlib.contextmanager
+def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path, device, dtype,
+                    settings: Settings):
+    """spec_cli's decoder and the target alone (plain decoding with its KV cache), both in PyTorch."""
+    model = loading.load_model(target_dir, device, dtype)
+    draft = loaded.model
+    if loaded.needs_embeddings:  # engines share the target's table with the draft
+        draft.copy_embeddings(model.get_input_embeddings().weight.float().cpu())
+    draft.to(device=device, dtype=dtype).eval()
+    target = Target(model, draft.config.aux_layer_ids)
+    if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
+        raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
+                          f"{target.attn_implementation}", "use a chain (--topk 1)")
+
+    def generator(seed: int | None):
+        return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+    def spec(ids, seed, s=settings):
+        return generate(target, draft, ids, s, generator(seed))
+
+    def base(ids, seed, s=settings):
+        return generate_target(target, ids, s, generator(seed))
+
+    try:
+        yield spec, base, {"name": "torch", "version": torch.__version__}
+    finally:
+        target.close()
+
+
+@contextlib.contextmanager
+def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path, device, dtype,
+                   settings: Settings):
+    """Two vLLM engines in this process: the target with the draft (EAGLE-3, a chain of --depth) and the
+    target alone. A run or checkpoint is exported for vLLM into a temporary folder first."""
+    from spec_cli.engine import vllm
+
+    vllm.require("spec eval --engine vllm")
+    with contextlib.ExitStack() as stack:
+        folder = loaded.path
+        if loaded.kind != "export":
+            from spec_cli.stages import export
+
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spec-eval-vllm-")))
+            info(f"exporting {loaded.path} for vLLM (fp32) into a temporary folder")
+            folder = export.run(export.ExportConfig(source=loaded.path, format="vllm", output=tmp / "draft",
+                                                    dtype="fp32", engine_check="none",
+                                                    target=str(target_dir))).output
+        length = loading.max_positions(loading.load_config(target_dir))
+        spec_engine = stack.enter_context(vllm.Engine(target_dir, folder, cfg.depth, dtype, length,
+                                                      cfg.seed, track_loading=True))
+        problems = spec_engine.load_report.problems()
+        if problems:
+            info("warning: " + "; ".join(problems))
+        base_engine = stack.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
+                                                      seed=cfg.seed))
+
+        def spec(ids, seed, s=settings):
+            return spec_engine.generate(ids, s.max_new_tokens, s.temperature, s.eos_ids, seed)
+
+        def base(ids, seed, s=settings):
+            return base_engine.generate(ids, s.max_new_tokens, s.temperature, s.eos_ids, seed)
+
+        yield spec, base, {"name": "vllm", "version": vllm.version(), "draft_folder": str(folder),
+                           "load_problems": problems}
+
+
+def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
                settings: Settings, seeds: _Seeds | None):
     """Every turn of every conversation, speculative then target alone on the same prompt; turn j is
     asked after the speculative decoder's answer to turn j-1. -> (overall, per-category Tally, records)."""
@@ -177,29 +254,32 @@ def decode_all(target: Target, draft, tokenizer, conversations: list[prompts.Con
         for i, conv in enumerate(conversations):
             for turn in range(len(conv.turns)):
                 ids = prompts.prompt_ids(tokenizer, conv, turn)
-                spec = generate(target, draft, ids, settings, seeds and seeds(i, turn, 0))
-                base = generate_target(target, ids, settings, seeds and seeds(i, turn, 1))
-                overall.add(spec, base)
+                s = spec(ids, seeds and seeds(i, turn, 0))
+                b = base(ids, seeds and seeds(i, turn, 1))
+                overall.add(s, b)
                 if conv.category:
-                    categories.setdefault(conv.category, Tally(settings.depth)).add(spec, base)
-                answer = tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
+                    categories.setdefault(conv.category, Tally(settings.depth)).add(s, b)
+                answer = tokenizer.decode(s.tokens, skip_special_tokens=True).strip()
                 conv.answers.append(answer)
                 records.append({"id": conv.id, "category": conv.category, "turn": turn,
-                                "prompt_tokens": len(ids), "tokens": len(spec.tokens),
-                                "acceptance_length": round(spec.acceptance_length, 4),
-                                "same_as_target": spec.tokens == base.tokens, "answer": answer})
+                                "prompt_tokens": len(ids), "tokens": len(s.tokens),
+                                "acceptance_length": round(s.acceptance_length, 4),
+                                "accepted_per_step": [m for m, _ in s.steps],
+                                "same_as_target": s.tokens == b.tokens,
+                                "spec_seconds": round(s.seconds, 4), "target_seconds": round(b.seconds, 4),
+                                "answer": answer})
                 bar.advance()
     return overall, categories, records
 
 
 class _Seeds:
-    """A seeded generator per (conversation, turn, decoder): sampling runs are reproducible."""
+    """A seed per (conversation, turn, decoder): sampling runs are reproducible."""
 
-    def __init__(self, seed: int, device: torch.device):
-        self.seed, self.device = seed, device
+    def __init__(self, seed: int):
+        self.seed = seed
 
-    def __call__(self, *key: int) -> torch.Generator:
+    def __call__(self, *key: int) -> int:
         seed = self.seed
         for k in key:
             seed = (seed * 1_000_003 + k) % (2 ** 63)
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return seed

@@ -1,8 +1,9 @@
 """`spec export`: write a draft checkpoint as a folder vLLM or SGLang serves as is, and prove it.
 
 The folder is built beside -o, read back with the engine's loading rules and compared with the
-checkpoint (the self-check, on by default), and only then renamed to -o. A failure leaves -o as it
-was and nothing else behind.
+checkpoint (the self-check, on by default), checked by vLLM itself when it is installed (the engine
+check: vLLM loads the folder and its acceptance counts must match the checkpoint's), and only then
+renamed to -o. A failure leaves -o as it was and nothing else behind.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from spec_cli import assets
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info
-from spec_cli.errors import ConfigError
+from spec_cli.errors import ConfigError, SpecError
 from spec_cli.export import DTYPES, FORMATS
+from spec_cli.export import engine_check as engine
 from spec_cli.export.check import CheckReport, check_export
 from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
 from spec_cli.export.source import load_source
@@ -33,6 +36,7 @@ class ExportConfig:
     dtype: str = "bf16"  # float weights are cast to this
     check: bool = True  # read the export back with the engine's rules before renaming it to -o
     target: str | None = None  # target path/id to record; default: the one the run trained against
+    engine_check: str | None = None  # auto (vLLM when installed) | vllm | none; None: $SPEC_ENGINE_CHECK or auto
 
 
 @dataclass
@@ -48,6 +52,8 @@ class ExportResult:
     serve_command: str
     check: CheckReport | None
     seconds: float
+    engine_check: engine.EngineCheckReport | None = None
+    engine_check_note: str = ""  # why the engine check did not run
 
     def summary_rows(self) -> list[tuple[str, object]]:
         rows = [("format", ENGINE_NAMES[self.format]),
@@ -62,6 +68,16 @@ class ExportResult:
             rows.append(("self-check", f"passed: {c.params_loaded} tensors load, vocab map and aux layers "
                                        f"{c.aux_layer_outputs} as trained, predictions match on "
                                        f"{c.positions} positions ({c.agreement_fp32:.0%} vs fp32)"))
+        e = self.engine_check
+        if e is None:
+            rows.append(("engine check", self.engine_check_note or "skipped"))
+        else:
+            rows.append(("engine check", f"passed: vLLM {e.version} loaded every draft weight"
+                                         + (f" (shares {', '.join(e.shared)} with the target)" if e.shared else "")
+                                         + f"; acceptance length {e.acceptance_length:.2f} vs "
+                                         f"{e.reference_acceptance_length:.2f} for the checkpoint on {e.prompts} "
+                                         f"greedy prompts (accepted per position {e.accepted} vs "
+                                         f"{e.reference_accepted})"))
         rows += [("serve", self.serve_command), ("time", f"{self.seconds:.1f} s")]
         return rows
 
@@ -81,21 +97,48 @@ def run(cfg: ExportConfig) -> ExportResult:
     files = build(src, fmt, dtype)  # refuses drafts the engine cannot serve as trained, before any write
     output = Path(cfg.output).resolve()
     _check_output(output, src.checkpoint)
+    mode = engine.resolve_mode(cfg.engine_check, fmt)
+    target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
+    if target_dir is not None:  # before writing anything: vLLM's own verdict on the target
+        engine.refuse_unservable(loading.load_config(target_dir))
     info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
 
-    report = None
+    report = engine_report = None
     with _created_parents(output), atomic_dir(output) as tmp:
         save_file(files.tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(files.config, indent=2) + "\n")
         (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype]))
         if cfg.check:
             report = check_export(tmp, fmt, src, dtype)
+        if target_dir is not None:
+            info(f"engine check: loading the export in vLLM with {target_dir}")
+            engine_report = engine.engine_check(tmp, fmt, src, dtype, target_dir,
+                                                files.num_speculative_tokens)
     size = sum(p.stat().st_size for p in output.iterdir())
     return ExportResult(output=output, format=fmt, checkpoint=src.checkpoint, step=src.step, dtype=cfg.dtype,
                         bytes=size, engine_aux_ids=files.engine_aux_ids,
                         aux_layer_outputs=files.aux_layer_outputs,
                         serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens),
-                        check=report, seconds=time.perf_counter() - start)
+                        check=report, seconds=time.perf_counter() - start, engine_check=engine_report,
+                        engine_check_note=note)
+
+
+def _engine_target(src, fmt: str, mode: str, asked: str) -> tuple[Path | None, str]:
+    """The local target folder the engine check runs with (None: no check), and why not."""
+    explicit = asked == "vllm"
+    if mode == "none":
+        if asked == "none":
+            return None, "skipped (--engine-check none)"
+        if fmt not in engine.ENGINE_FORMATS:
+            return None, f"skipped (vLLM does not read {fmt} exports)"
+        return None, "skipped (vLLM is not installed; pip install -e '.[vllm]' adds this check)"
+    try:
+        return loading.resolve_target(assets.resolve_target_arg(src.target or "")), ""
+    except SpecError as exc:
+        if explicit:
+            raise ConfigError(f"the engine check needs the target model, and {src.target!r} is not one here "
+                              f"({exc.message})", "pass --target the local target folder") from exc
+        return None, f"skipped (the target {src.target!r} is not a local model; pass --target to check)"
 
 
 def _check_target(src) -> None:

@@ -144,6 +144,23 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Modul
     return model
 
 
+def generation_config(path: Path):
+    """The model folder's generation_config.json (its eos ids), or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
+
+
+def max_positions(config) -> int | None:
+    """The target's context length (max_position_embeddings, also in `text_config`), if it says."""
+    text = config if getattr(config, "max_position_embeddings", None) else getattr(config, "text_config", None)
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
 # ----------------------------------------------------------------------------- layers / aux ids
 
 def num_layers(config) -> int:

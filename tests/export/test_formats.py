@@ -42,7 +42,7 @@ COMMON = {"fc.weight": [H, 3 * HT], "norm.weight": [H], "lm_head.weight": [VD, H
 EXPECTED_KEYS = {
     "vllm": {**COMMON, **layer_keys("midlayer.")},
     "sglang": {**COMMON, **layer_keys("midlayer.")},
-    "speculators": {**COMMON, **layer_keys("layers.0."), "t2d": [V]},
+    "speculators": {**COMMON, **layer_keys("layers.0."), "t2d": [V], "embed_tokens.weight": [V, H]},
 }
 FC_NORM_KEYS = {f"fc_norm.{j}.weight": [HT] for j in range(3)}
 FORMATS = list(EXPECTED_KEYS)

@@ -1,0 +1,153 @@
+"""The export checked by the engine itself: vLLM loads the written folder, decodes a few short greedy
+prompts with it, and its acceptance counts are compared with spec_cli's PyTorch evaluator running the
+CHECKPOINT (its weights rounded to the export dtype, i.e. what the files should hold) on the same prompts.
+
+Why the checkpoint and not the files: a zeroed d2t or shifted aux ids in the folder would make both
+readers of the folder agree, and serve badly. vLLM's load itself is checked too (`LoadReport`): a draft
+parameter vLLM left unloaded or a file key it dropped fails the export.
+
+Tolerance. Both sides decode greedily in fp32; the target's and the draft's kernels differ (vLLM's
+CPU linears are oneDNN, spec_cli's are PyTorch's), so an argmax can flip where the top two logits
+nearly tie, and the rest of that answer then differs. A flip moves a few steps, not the acceptance
+length of every prompt: the check fails when the acceptance lengths differ by more than
+max(ABS_TOLERANCE, REL_TOLERANCE * the reference's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spec_cli.draft.model import Eagle3Draft
+from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.eval import prompts
+from spec_cli.eval.report import Tally
+from spec_cli.eval.speculative import Settings, eos_ids, generate
+from spec_cli.eval.target import Target
+from spec_cli.export.errors import ExportCheckError
+from spec_cli.export.source import DraftSource
+from spec_cli.target import loading
+
+MODES = ("auto", "vllm", "none")
+ENGINE_FORMATS = ("vllm", "speculators")  # formats vLLM reads
+PROMPTS = ("Write a short poem about the sea.",
+           "Explain what a hash table is, in two sentences.",
+           "Give three tips for someone learning to cook.",
+           "What is 17 times 23? Show your steps.")
+MAX_NEW_TOKENS = 32
+DEPTH = 3  # draft tokens per verification when the export does not say (its README's serving command)
+ABS_TOLERANCE = 0.05
+REL_TOLERANCE = 0.05
+
+
+@dataclass
+class EngineCheckReport:
+    engine: str
+    version: str
+    prompts: int
+    acceptance_length: float  # vLLM
+    reference_acceptance_length: float  # spec_cli's decoder on the checkpoint
+    accepted: list[int]  # per draft position, vLLM
+    reference_accepted: list[int]
+    same_tokens: int  # prompts whose vLLM output equals the reference's token for token
+    shared: list[str] = field(default_factory=list)  # draft weights vLLM takes from the target
+
+
+def resolve_mode(mode: str | None, fmt: str) -> str:
+    """auto -> vllm when vLLM is installed and reads this format, else none."""
+    import os
+
+    from spec_cli.engine import vllm
+
+    mode = (mode or os.environ.get("SPEC_ENGINE_CHECK") or "auto").lower()
+    if mode not in MODES:
+        raise ConfigError(f"--engine-check {mode!r} is not one of {', '.join(MODES)}", "e.g. --engine-check vllm")
+    if mode == "vllm" and fmt not in ENGINE_FORMATS:
+        raise ConfigError(f"vLLM does not read the {fmt} format, so it cannot check this export",
+                          "use --engine-check none for sglang exports")
+    if mode == "auto":
+        return "vllm" if fmt in ENGINE_FORMATS and vllm.available() else "none"
+    return mode
+
+
+def refuse_unservable(target_config) -> None:
+    """Refuse, in vLLM's words, a target whose vLLM model class cannot feed an EAGLE-3 draft."""
+    from spec_cli.engine import vllm
+
+    arch = (getattr(target_config, "architectures", None) or [""])[0]
+    ok, why = vllm.target_supports_eagle3(arch)
+    if not ok:
+        raise ArtifactError(f"vLLM cannot serve an EAGLE-3 draft for this target: {why}",
+                            "export for another engine (--format sglang), or --engine-check none to write it "
+                            "anyway")
+
+
+def reference_draft(src: DraftSource, dtype: torch.dtype) -> Eagle3Draft:
+    """The checkpoint's draft with its float weights rounded to the export dtype (what the files hold)."""
+    draft = Eagle3Draft(src.config)
+    state = {k: (v.to(dtype).float() if v.is_floating_point() else v) for k, v in src.state.items()}
+    draft.load_state_dict(state)
+    return draft.eval()
+
+
+def check_prompts(tokenizer) -> list[list[int]]:
+    conversations = [prompts.Conversation(id=str(i), turns=[text]) for i, text in enumerate(PROMPTS)]
+    return [prompts.prompt_ids(tokenizer, conv, 0) for conv in conversations]
+
+
+def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, target_dir: Path,
+                 depth: int = DEPTH) -> EngineCheckReport:
+    """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report."""
+    from spec_cli.engine import vllm
+
+    vllm.require("the export's engine check (--engine-check vllm)")
+    config = loading.load_config(target_dir)
+    refuse_unservable(config)
+    tokenizer = loading.load_tokenizer(target_dir)
+    ids = check_prompts(tokenizer)
+    settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
+                        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
+
+    # the reference first: building a vLLM engine lowers this process's torch threads for good
+    model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
+    draft = reference_draft(src, dtype)
+    draft.copy_embeddings(model.get_input_embeddings().weight.float())
+    target = Target(model, src.config.aux_layer_ids)
+    try:
+        reference = [generate(target, draft, p, settings) for p in ids]
+    finally:
+        target.close()
+    del model, target
+
+    length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
+    with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True) as engine:
+        served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
+        load = engine.load_report
+
+    ours, theirs = Tally(depth), Tally(depth)
+    for r, s in zip(reference, served):
+        ours.add(r, None)
+        theirs.add(s, None)
+    o, t = ours.metrics(), theirs.metrics()
+    report = EngineCheckReport(engine="vllm", version=vllm.version() or "", prompts=len(ids),
+                               acceptance_length=t["acceptance_length"],
+                               reference_acceptance_length=o["acceptance_length"],
+                               accepted=t["accepted"], reference_accepted=o["accepted"],
+                               same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
+                               shared=list(load.shared))
+    problems = load.problems()
+    gap = abs(report.acceptance_length - report.reference_acceptance_length)
+    if gap > max(ABS_TOLERANCE, REL_TOLERANCE * report.reference_acceptance_length):
+        problems.append(f"vLLM accepts {report.acceptance_length:.2f} tokens per step (accepted per position "
+                        f"{report.accepted}) where the checkpoint accepts "
+                        f"{report.reference_acceptance_length:.2f} ({report.reference_accepted}) on the "
+                        f"same {len(ids)} greedy prompts")
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ExportCheckError(f"vLLM {report.version} does not serve the {fmt} export as trained: "
+                               + "; ".join(problems[:3]) + more,
+                               "nothing was written to the output folder; --engine-check none skips this "
+                               "check (SPEC_DEBUG=1 shows vLLM's log)")
+    return report

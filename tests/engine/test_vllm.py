@@ -1,0 +1,236 @@
+"""vLLM in the loop (the `vllm` extra): `spec eval --engine vllm`, the export's engine check, and engine
+resources released on exit, error and Ctrl-C. The tiny target is sized for vLLM's CPU attention
+(head_dim 32: the CPU kernels take 32, 64, 80, ... only); its draft is trained here so that it accepts
+something, which the acceptance comparisons need."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spec_cli.cli import main
+from tests import tiny
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.engine
+
+
+def save_vllm_sized_target(path: Path) -> Path:
+    """Random Llama weights with the attention and MLP outputs scaled up, so that each layer changes the
+    residual stream a lot (at the default init neighbouring layers' states are nearly the same, and a
+    draft reading the wrong layers would still accept)."""
+    import transformers
+
+    tokenizer = tiny.build_tokenizer("llama3")
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    path.mkdir(parents=True)
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(8)
+            layer.mlp.down_proj.weight.mul_(8)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A peaked tiny target, a draft trained on it for 150 steps, and its vLLM export (engine check off)."""
+    root = tmp_path_factory.mktemp("engine")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        target = tiny.peaked_copy(save_vllm_sized_target(root / "raw"), root / "target")
+        rng = random.Random(0)
+        data = root / "data.jsonl"
+        data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(80)))
+        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64",
+                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
+        assert main(["train", "--target", str(target), "--data", str(data), "-v", str(root / "vm.safetensors"),
+                     "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "150", "--lr", "1e-2",
+                     "--batch-tokens", "512", "-q"]) == 0
+        assert main(["export", str(root / "run"), "--format", "vllm", "--dtype", "fp32", "--engine-check",
+                     "none", "-o", str(root / "export"), "-q"]) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "target": target, "data": data, "run": root / "run", "export": root / "export"}
+
+
+def _eval(trained, draft, out: Path, *extra: str) -> dict:
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(draft), "--prompts", str(trained["data"]),
+                 "--num-prompts", "4", "--max-new-tokens", "24", "-o", str(out), "-q", *extra]) == 0
+    return json.loads((out / "eval.json").read_text())
+
+
+def test_vllm_eval_counts_equal_the_pytorch_evaluator(trained, tmp_path):
+    torch_report = _eval(trained, trained["run"], tmp_path / "torch")
+    vllm_report = _eval(trained, trained["run"], tmp_path / "vllm", "--engine", "vllm")
+    t, v = torch_report["overall"], vllm_report["overall"]
+    assert sum(t["accepted"]) > 0, "the draft must accept something for the comparison to mean anything"
+    assert v["accepted"] == t["accepted"] and v["verified"] == t["verified"]
+    assert v["acceptance_length"] == pytest.approx(t["acceptance_length"])
+    assert v["acceptance_rate"] == t["acceptance_rate"]
+    assert v["same_as_target"] == v["turns"] == t["turns"]  # vLLM's speculative output == its target alone
+    assert v["spec_tokens_per_s"] > 0 and v["target_tokens_per_s"] > 0 and v["speedup"] > 0
+    assert vllm_report["engine"]["name"] == "vllm" and vllm_report["engine"]["load_problems"] == []
+    assert vllm_report["settings"]["engine"] == "vllm"
+    records = [json.loads(line) for line in (tmp_path / "vllm" / "outputs.jsonl").read_text().splitlines()]
+    ours = [json.loads(line) for line in (tmp_path / "torch" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["accepted_per_step"] for r in records] == [r["accepted_per_step"] for r in ours]
+    assert all(r["spec_seconds"] > 0 and r["target_seconds"] > 0 for r in records)
+    assert (tmp_path / "vllm" / "acceptance.png").stat().st_size > 0
+
+
+def test_vllm_eval_reads_a_speculators_export_and_refuses_sglang(trained, tmp_path, capsys):
+    assert main(["export", str(trained["run"]), "--format", "speculators", "--dtype", "fp32", "--engine-check",
+                 "none", "-o", str(tmp_path / "spec"), "-q"]) == 0
+    reference = _eval(trained, trained["export"], tmp_path / "torch")
+    report = _eval(trained, tmp_path / "spec", tmp_path / "vllm", "--engine", "vllm")
+    assert report["overall"]["accepted"] == reference["overall"]["accepted"]
+    assert report["draft"]["format"] == "speculators"
+    assert main(["export", str(trained["run"]), "--format", "sglang", "-o", str(tmp_path / "sgl"), "-q"]) == 0
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(tmp_path / "sgl"), "--engine", "vllm",
+                 "-q"]) == 1
+    assert "vLLM does not read a sglang export" in capsys.readouterr().err
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["run"]), "--engine", "vllm",
+                 "--topk", "4", "-q"]) == 1
+    assert "--topk 1 with --engine vllm" in capsys.readouterr().err
+
+
+def test_export_engine_check_passes_and_reports_vllms_numbers(trained, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", str(trained["run"]), "--format", "vllm", "-o", str(out)]) == 0  # auto: vLLM is here
+    text = capsys.readouterr().out
+    assert "engine check" in text and "passed: vLLM" in text
+    assert (out / "model.safetensors").is_file()
+
+
+def _tampered(trained, tmp_path: Path, how: str) -> Path:
+    folder = tmp_path / how
+    shutil.copytree(trained["export"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if how == "zeroed-d2t":
+        tensors["d2t"] = torch.zeros_like(tensors["d2t"])
+    elif how == "wrong-aux":  # e.g. ids written for another target depth: [2, 4, 5] -> [1, 2, 3]
+        config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    elif how == "missing-key":
+        del tensors["midlayer.mlp.down_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how,expected", [("zeroed-d2t", "where the checkpoint accepts"),
+                                          ("wrong-aux", "where the checkpoint accepts"),
+                                          ("missing-key", "unloaded")])
+def test_engine_check_catches_a_tampered_export(trained, tmp_path, how, expected):
+    from spec_cli.export import ExportCheckError
+    from spec_cli.export.engine_check import engine_check
+    from spec_cli.export.source import load_source
+
+    folder = _tampered(trained, tmp_path, how)
+    src = load_source(trained["run"])
+    with pytest.raises(ExportCheckError, match=expected):
+        engine_check(folder, "vllm", src, torch.float32, trained["target"], depth=3)
+
+
+def test_engine_check_accepts_the_untampered_export(trained):
+    from spec_cli.export.engine_check import engine_check
+    from spec_cli.export.source import load_source
+
+    report = engine_check(trained["export"], "vllm", load_source(trained["run"]), torch.float32,
+                          trained["target"], depth=3)
+    assert report.accepted == report.reference_accepted and sum(report.accepted) > 0
+    assert report.shared == ["model.embed_tokens.weight"]  # the export has none; vLLM shares the target's
+
+
+def _children() -> set[int]:
+    import os
+
+    me = os.getpid()
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me:
+                out.add(int(entry.name))
+    return out
+
+
+def test_engines_are_released_on_ctrl_c_and_on_error(trained, tmp_path, monkeypatch, capsys):
+    from spec_cli.engine import vllm
+
+    opened, closed = [], []
+    real_init, real_close, real_generate = vllm.Engine.__init__, vllm.Engine.close, vllm.Engine.generate
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        opened.append(self)
+
+    def close(self):
+        if "llm" in self.__dict__:
+            closed.append(self)
+        real_close(self)
+
+    calls = {"n": 0}
+
+    def generate(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:  # past the warm-up, in the middle of the run
+            raise KeyboardInterrupt
+        return real_generate(self, *a, **k)
+
+    before = _children()
+    monkeypatch.setattr(vllm.Engine, "__init__", init)
+    monkeypatch.setattr(vllm.Engine, "close", close)
+    monkeypatch.setattr(vllm.Engine, "generate", generate)
+    args = ["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+            str(trained["data"]), "--num-prompts", "2", "--max-new-tokens", "8", "--engine", "vllm", "-q"]
+    assert main(args + ["-o", str(tmp_path / "a")]) == 130
+    assert len(opened) == 2 and {id(e) for e in closed} == {id(e) for e in opened}
+    assert all("llm" not in e.__dict__ for e in opened)
+    assert not (tmp_path / "a" / "eval.json").exists()
+
+    opened.clear(), closed.clear()
+    calls["n"] = -100
+
+    def fail(self, *a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(vllm.Engine, "generate", fail)
+    assert main(args + ["-o", str(tmp_path / "b")]) == 2  # an unexpected error: reported, engines closed
+    assert len(opened) == 2 and len(closed) == 2
+    assert _children() <= before  # no engine or worker process left behind
+    capsys.readouterr()
+
+
+def test_without_vllm_the_commands_say_how_to_install_it(trained, tmp_path, monkeypatch, capsys):
+    from spec_cli.engine import vllm
+
+    monkeypatch.setattr(vllm, "available", lambda: False)
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--engine", "vllm",
+                 "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "needs vLLM, which is not installed" in err and "pip install -e '.[vllm]'" in err
+    assert "Traceback" not in err
+    assert main(["export", str(trained["run"]), "--format", "vllm", "--engine-check", "vllm", "-o",
+                 str(tmp_path / "x"), "-q"]) == 1
+    assert "pip install -e '.[vllm]'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    # auto: no vLLM, no check, and the export says so
+    assert main(["export", str(trained["run"]), "--format", "vllm", "-o", str(tmp_path / "y")]) == 0
+    assert "vLLM is not installed" in capsys.readouterr().out
