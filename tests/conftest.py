@@ -57,3 +57,9 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 def chat_records() -> list[dict]:
     rng = random.Random(0)
     return [tiny.random_sharegpt(rng) for _ in range(40)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Engine tests last: vLLM, once loaded in this process, keeps its own torch thread settings (it
+    replaces torch.set_num_threads), which would change how every later test runs."""
+    items.sort(key=lambda item: item.get_closest_marker("engine") is not None)

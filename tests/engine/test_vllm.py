@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def trained(tmp_path_factory):
 
 def _eval(trained, draft, out: Path, *extra: str) -> dict:
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(draft), "--prompts", str(trained["data"]),
-                 "--num-prompts", "4", "--max-new-tokens", "24", "-o", str(out), "-q", *extra]) == 0
+                 "--num-prompts", "3", "--max-new-tokens", "16", "-o", str(out), "-q", *extra]) == 0
     return json.loads((out / "eval.json").read_text())
 
 
@@ -110,8 +111,11 @@ def test_vllm_eval_reads_a_speculators_export_and_refuses_sglang(trained, tmp_pa
 def test_export_engine_check_passes_and_reports_vllms_numbers(trained, tmp_path, capsys):
     out = tmp_path / "export"
     assert main(["export", str(trained["run"]), "--format", "vllm", "-o", str(out)]) == 0  # auto: vLLM is here
-    text = capsys.readouterr().out
-    assert "engine check" in text and "passed: vLLM" in text
+    text = " ".join(capsys.readouterr().out.split())  # the summary table wraps lines
+    assert "engine check passed: vLLM" in text
+    assert "shares model.embed_tokens.weight with the target" in text  # the export has none
+    served, reference = re.search(r"accepted per position (\[[\d, ]+\]) vs (\[[\d, ]+\])", text).groups()
+    assert served == reference and json.loads(served)[0] > 0
     assert (out / "model.safetensors").is_file()
 
 
@@ -143,16 +147,6 @@ def test_engine_check_catches_a_tampered_export(trained, tmp_path, how, expected
     src = load_source(trained["run"])
     with pytest.raises(ExportCheckError, match=expected):
         engine_check(folder, "vllm", src, torch.float32, trained["target"], depth=3)
-
-
-def test_engine_check_accepts_the_untampered_export(trained):
-    from spec_cli.export.engine_check import engine_check
-    from spec_cli.export.source import load_source
-
-    report = engine_check(trained["export"], "vllm", load_source(trained["run"]), torch.float32,
-                          trained["target"], depth=3)
-    assert report.accepted == report.reference_accepted and sum(report.accepted) > 0
-    assert report.shared == ["model.embed_tokens.weight"]  # the export has none; vLLM shares the target's
 
 
 def _children() -> set[int]:
