@@ -210,6 +210,27 @@ class Engine:
             raise ArtifactError(f"vLLM {version()} would not load {what}: {engine_reason(exc)}",
                                 "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
         self._sampling = vllm.SamplingParams
+        self._proposals: list[list[int]] = []
+        if draft is not None:
+            self._record_proposals()
+
+    def _record_proposals(self) -> None:
+        """Keep the token ids vLLM's drafter proposes (one row per verify step; batch size 1 here)."""
+        try:
+            runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            drafter = runner.drafter
+        except AttributeError:  # not the in-process layout: acceptance counts only
+            return
+        propose = drafter.propose
+
+        def recording(*args, **kwargs):
+            out = propose(*args, **kwargs)
+            ids = out[0] if isinstance(out, tuple) else out
+            with contextlib.suppress(Exception):
+                self._proposals.extend(ids.tolist())
+            return out
+
+        drafter.propose = recording
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                  eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Generation:
@@ -218,6 +239,7 @@ class Engine:
         params = self._sampling(temperature=float(temperature), max_tokens=int(max_new_tokens),
                                 seed=seed, stop_token_ids=sorted(eos_ids) or None,
                                 skip_special_tokens=False, detokenize=False)
+        self._proposals = []
         start = time.perf_counter()
         try:
             out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
@@ -231,7 +253,9 @@ class Engine:
         # accepted path): positions 1..m were accepted and m+1 was verified unless all d were accepted
         steps = ([(m, min(m + 1, d)) for m, d in zip(metrics.per_step_accepted, metrics.per_step_drafted)]
                  if metrics is not None else [])
-        return Generation(tokens=list(completion.token_ids), seconds=seconds, steps=steps)
+        # the drafter proposes once more after the last verify step; those drafts are never verified
+        return Generation(tokens=list(completion.token_ids), seconds=seconds, steps=steps,
+                          drafts=[list(row) for row in self._proposals[:len(steps)]])
 
     def close(self) -> None:
         llm = self.__dict__.pop("llm", None)

@@ -76,6 +76,7 @@ class Generation:
     # per target forward of the speculative loop: (drafts accepted, deepest position verified on the
     # accepted path); the step produced accepted + 1 tokens
     steps: list[tuple[int, int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
 
     @property
     def acceptance_length(self) -> float:
@@ -264,7 +265,7 @@ def generate(target: Target, draft: Eagle3Draft, prompt: list[int], settings: Se
     t_cache, d_cache = target.new_cache(), KVCache(len(draft.decoder_layers))
     logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device))  # pending [P, 3*H_t]
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
-    steps, appended = [], tokens[-1:]
+    steps, drafts, appended = [], [], tokens[-1:]
     while not _finished(appended, len(tokens) - len(prompt), settings):
         n = len(tokens)  # target cache: x[0..n-2]; draft cache: slots 0..n-2-len(pending)
         new_ids = torch.tensor(tokens[n - len(pending):], device=device)  # x[i+1] for the pending slots i
@@ -284,10 +285,11 @@ def generate(target: Target, draft: Eagle3Draft, prompt: list[int], settings: Se
         last = path[-1] if path else -1
         verified = len(path) + int(bool((proposal.parents == last).any()))  # a child of the last was tried
         steps.append((len(path), verified))
+        drafts.append(proposal.tokens.tolist())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens=_cut(tokens[len(prompt):], settings), seconds=time.perf_counter() - start,
-                      steps=steps)
+                      steps=steps, drafts=drafts)
 
 
 @torch.no_grad()

@@ -11,6 +11,12 @@ CPU linears are oneDNN, spec_cli's are PyTorch's), so an argmax can flip where t
 nearly tie, and the rest of that answer then differs. A flip moves a few steps, not the acceptance
 length of every prompt: the check fails when the acceptance lengths differ by more than
 max(ABS_TOLERANCE, REL_TOLERANCE * the reference's).
+
+Proposals. Acceptance alone says little about a draft that accepts little (a briefly trained one):
+reading the wrong target layers then changes what it proposes, not how often that is accepted. So the
+tokens vLLM's drafter proposes at each verify step are recorded too and, for prompts whose outputs are
+identical on both sides (so every step has the same context), compared with the checkpoint's: the
+check fails when fewer than MIN_DRAFTS_EQUAL of the steps propose exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ MAX_NEW_TOKENS = 32
 DEPTH = 3  # draft tokens per verification when the export does not say (its README's serving command)
 ABS_TOLERANCE = 0.05
 REL_TOLERANCE = 0.05
+MIN_DRAFTS_EQUAL = 0.9  # proposals compared step by step: a near-tie flip changes one, wrong layers most
 
 
 @dataclass
@@ -52,6 +59,8 @@ class EngineCheckReport:
     accepted: list[int]  # per draft position, vLLM
     reference_accepted: list[int]
     same_tokens: int  # prompts whose vLLM output equals the reference's token for token
+    drafts_compared: int = 0  # verify steps whose proposals were compared (prompts with equal outputs)
+    drafts_equal: float = 0.0  # share of those where vLLM proposed exactly the checkpoint's tokens
     shared: list[str] = field(default_factory=list)  # draft weights vLLM takes from the target
 
 
@@ -137,7 +146,14 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
                                accepted=t["accepted"], reference_accepted=o["accepted"],
                                same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
                                shared=list(load.shared))
+    pairs = [(a, b) for r, s in zip(reference, served) if r.tokens == s.tokens and s.drafts
+             for a, b in zip(r.drafts, s.drafts)]
+    report.drafts_compared = len(pairs)
+    report.drafts_equal = sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
     problems = load.problems()
+    if pairs and report.drafts_equal < MIN_DRAFTS_EQUAL:
+        problems.append(f"vLLM proposed the checkpoint's draft tokens at only {report.drafts_equal:.0%} of "
+                        f"{len(pairs)} verify steps (same context on both sides)")
     gap = abs(report.acceptance_length - report.reference_acceptance_length)
     if gap > max(ABS_TOLERANCE, REL_TOLERANCE * report.reference_acceptance_length):
         problems.append(f"vLLM accepts {report.acceptance_length:.2f} tokens per step (accepted per position "

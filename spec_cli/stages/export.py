@@ -77,7 +77,8 @@ class ExportResult:
                                          + f"; acceptance length {e.acceptance_length:.2f} vs "
                                          f"{e.reference_acceptance_length:.2f} for the checkpoint on {e.prompts} "
                                          f"greedy prompts (accepted per position {e.accepted} vs "
-                                         f"{e.reference_accepted})"))
+                                         f"{e.reference_accepted}); same draft tokens at "
+                                         f"{e.drafts_equal:.0%} of {e.drafts_compared} steps"))
         rows += [("serve", self.serve_command), ("time", f"{self.seconds:.1f} s")]
         return rows
 
