@@ -1,8 +1,11 @@
-"""The in-process Hugging Face target backend.
+"""The in-process Hugging Face target backend, and the head math every in-process target shares.
 
 The three aux layers are captured with forward hooks on those decoder layers (the model is never
 asked for every layer's hidden states), and full-vocab logits are scanned a chunk of tokens at a
-time (never a full fp32 [B*T, V] tensor).
+time (never a full fp32 [B*T, V] tensor). `LocalTargetBackend` holds what does not depend on the
+engine that runs the decoder (lm_head statistics, the draft-vocab distribution, batch assembly), so
+the transformers and vLLM backends (spec_cli/target/vllm_backend.py) turn hidden states into
+supervision with the same code.
 """
 
 from __future__ import annotations
@@ -33,46 +36,47 @@ def final_norm_scale(norm, hidden_size: int) -> torch.Tensor | None:
         return (norm(ones.to(weight.dtype)).float()[0] * (1.0 + eps) ** 0.5).cpu()
 
 
-class HFTargetBackend(TargetBackend):
-    def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None):
-        self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
-        self.dtype = dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
-        config = loading.load_config(target_dir)
-        n = loading.num_layers(config)
-        # validated before the (slow) model load
-        self.aux_layers = (loading.parse_aux_layers(aux_layers, n) if not isinstance(aux_layers, list)
-                           else (loading.validate_aux_layers(aux_layers, n) or list(aux_layers)))
-        self.model = loading.load_model(target_dir, self.device, self.dtype)
-        self.decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        self.lm_head_weight = head.weight  # [V, H]
-        self.lm_head_bias = getattr(head, "bias", None)
-        text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
-        self.softcap = getattr(text, "final_logit_softcapping", None)
-        self._captured: dict[int, torch.Tensor] = {}
-        layers = loading.decoder_layers(self.model)
-        self._hooks = [layers[i].register_forward_hook(self._capture(i)) for i in self.aux_layers]
-        self.selected: torch.Tensor | None = None
-        self.info = {
-            "architecture": (config.architectures or [type(self.model).__name__])[0],
-            "vocab_size": int(self.lm_head_weight.shape[0]),
-            "hidden_size": int(self.lm_head_weight.shape[1]),
-            "num_layers": n,
-            "aux_layers": list(self.aux_layers),
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "target_fingerprint": loading.target_fingerprint(target_dir),
-            "tokenizer_fingerprint": loading.tokenizer_fingerprint(loading.load_tokenizer(target_dir)),
-        }
+def describe_target(target_dir: Path, config, architecture: str, lm_head_weight: torch.Tensor,
+                    aux_layers: list[int], dtype: torch.dtype) -> dict:
+    """The target facts a backend reports (`TargetBackend.info`); they do not depend on the engine."""
+    return {
+        "architecture": architecture,
+        "vocab_size": int(lm_head_weight.shape[0]),
+        "hidden_size": int(lm_head_weight.shape[1]),
+        "num_layers": loading.num_layers(config),
+        "aux_layers": list(aux_layers),
+        "dtype": str(dtype).replace("torch.", ""),
+        "target_fingerprint": loading.target_fingerprint(target_dir),
+        "tokenizer_fingerprint": loading.tokenizer_fingerprint(loading.load_tokenizer(target_dir)),
+    }
 
-    def _capture(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
 
-    # ------------------------------------------------------------------ interface
-    def get_input_embeddings(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
+def resolve_aux_layers(aux_layers: list[int] | str | None, n: int) -> list[int]:
+    """--aux-layers text or a list of ids, validated against an n-layer target."""
+    if isinstance(aux_layers, list):
+        loading.validate_aux_layers(aux_layers, n)
+        return list(aux_layers)
+    return loading.parse_aux_layers(aux_layers, n)
+
+
+class LocalTargetBackend(TargetBackend):
+    """A target whose decoder runs in this process. Subclasses set device, dtype, aux_layers, info,
+    lm_head_weight [V, H], lm_head_bias, softcap and final_norm (the decoder's final norm module or
+    None), and implement run_target; the supervision is computed here, the same for every engine."""
+
+    device: torch.device
+    dtype: torch.dtype
+    lm_head_weight: torch.Tensor
+    lm_head_bias: torch.Tensor | None = None
+    softcap: float | None = None
+    final_norm = None
+    selected: torch.Tensor | None = None
+
+    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
+        raise NotImplementedError
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
         selected = selected_token_ids.long().to(self.device)
@@ -89,29 +93,10 @@ class HFTargetBackend(TargetBackend):
         if self.selected is None:
             return None
         head = {"lm_head_selected": self.lm_head_selected.detach()}
-        scale = final_norm_scale(getattr(self.decoder, "norm", None), self.info["hidden_size"])
+        scale = final_norm_scale(self.final_norm, self.info["hidden_size"])
         if scale is not None:
             head["final_norm"] = scale
         return head
-
-    @torch.no_grad()
-    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
-        input_ids = input_ids.to(self.device)
-        mask = attention_mask.to(self.device)
-        if seq_lens is not None:  # packed rows: block-causal per document, positions restart
-            mask, doc_positions = block_causal_mask(seq_lens.to(self.device), input_ids.shape[1])
-            position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
-        elif position_ids is not None:
-            position_ids = position_ids.to(self.device)
-        self._captured.clear()
-        out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                           use_cache=False)
-        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
-        self._captured.clear()
-        return aux, out.last_hidden_state
 
     def full_vocab_stats(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -131,6 +116,59 @@ class HFTargetBackend(TargetBackend):
             return assemble_batch(aux, input_ids.to(self.device), attention_mask.to(self.device),
                                   loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
                                   position_ids, seq_lens)
+
+
+class HFTargetBackend(LocalTargetBackend):
+    def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None):
+        self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
+        config = loading.load_config(target_dir)
+        # validated before the (slow) model load
+        self.aux_layers = resolve_aux_layers(aux_layers, loading.num_layers(config))
+        self.model = loading.load_model(target_dir, self.device, self.dtype)
+        self.decoder = self.model.get_decoder()
+        self.final_norm = getattr(self.decoder, "norm", None)
+        head = self.model.get_output_embeddings()
+        self.lm_head_weight = head.weight  # [V, H]
+        self.lm_head_bias = getattr(head, "bias", None)
+        text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
+        self.softcap = getattr(text, "final_logit_softcapping", None)
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = loading.decoder_layers(self.model)
+        self._hooks = [layers[i].register_forward_hook(self._capture(i)) for i in self.aux_layers]
+        self.selected = None
+        self.info = describe_target(target_dir, config,
+                                    (config.architectures or [type(self.model).__name__])[0],
+                                    self.lm_head_weight, self.aux_layers, self.dtype)
+
+    def _capture(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # ------------------------------------------------------------------ interface
+    def get_input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.no_grad()
+    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
+        input_ids = input_ids.to(self.device)
+        mask = attention_mask.to(self.device)
+        if seq_lens is not None:  # packed rows: block-causal per document, positions restart
+            mask, doc_positions = block_causal_mask(seq_lens.to(self.device), input_ids.shape[1])
+            position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
+        elif position_ids is not None:
+            position_ids = position_ids.to(self.device)
+        self._captured.clear()
+        out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                           use_cache=False)
+        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
+        self._captured.clear()
+        return aux, out.last_hidden_state
 
     def close(self) -> None:
         for hook in self._hooks:
