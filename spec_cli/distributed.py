@@ -1,4 +1,9 @@
-"""torch.distributed helpers for stages launched with `torchrun` (one process per device)."""
+"""torch.distributed helpers for stages launched with `torchrun` (one process per device).
+
+They act only under torchrun (WORLD_SIZE > 1): an in-process vLLM engine initialises a one-process
+gloo group of its own, which these helpers must neither wait on nor destroy (a later engine in the same
+process needs it).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,13 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _ours() -> bool:
+    """Is there a torchrun process group (not one a vLLM engine made for itself)?"""
+    return world_size() > 1 and dist.is_initialized()
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if _ours() else int(os.environ.get("RANK", "0"))
 
 
 def is_main() -> bool:
@@ -35,13 +45,13 @@ def local_device(device: torch.device) -> torch.device:
 
 
 def barrier() -> None:
-    if dist.is_initialized():
+    if _ours():
         dist.barrier()
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     """True on every rank when `flag` is true on any (so all ranks stop at the same step)."""
-    if not dist.is_initialized():
+    if not _ours():
         return flag
     t = torch.tensor([1 if flag else 0], device=device or torch.device("cpu"))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -49,5 +59,5 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
+    if _ours():
         dist.destroy_process_group()
