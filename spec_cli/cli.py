@@ -157,6 +157,10 @@ def precompute_cmd(
     num_proc: NumProc = 1,
     device: Device = None,
     dtype: Dtype = None,
+    target_engine: Annotated[str, typer.Option(
+        "--target-engine", help="transformers or vllm (the `vllm` extra): what runs the target. The "
+                                "cache is the same either way (same identity; values agree to fp32 "
+                                "rounding).")] = "transformers",
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
                                      "--no-resume deletes the folder's cache and starts over.")] = True,
@@ -173,7 +177,7 @@ def precompute_cmd(
         target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
         aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
-        dtype=dtype, resume=resume))
+        dtype=dtype, resume=resume, target_engine=target_engine))
     print_precompute_summary(result)
 
 
@@ -273,6 +277,9 @@ def train_cmd(
         "--resume", help="Continue the run in --output from its latest checkpoint.")] = False,
     device: Device = None,
     dtype: Dtype = None,
+    target_engine: Annotated[str, typer.Option(
+        "--target-engine", help="Live --target (also --stream): transformers or vllm (the `vllm` "
+                                "extra) runs it; the supervision is the same either way.")] = "transformers",
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -298,7 +305,7 @@ def train_cmd(
         epochs=epochs, max_time=parse_duration(max_time, "--max-time"), seed=seed,
         activation_checkpointing=activation_checkpointing,
         log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
-        resume=resume, device=device, dtype=dtype))
+        resume=resume, device=device, dtype=dtype, target_engine=target_engine))
     print_train_summary(result)
     if result.stream:
         from spec_cli.console import summary
@@ -410,6 +417,9 @@ def serve_target_cmd(
     aux_layers: AuxLayers = None,
     device: Device = None,
     dtype: Dtype = None,
+    target_engine: Annotated[str, typer.Option(
+        "--target-engine", help="transformers or vllm (the `vllm` extra): what runs the target; "
+                                "clients get the same supervision either way.")] = "transformers",
     max_batch_tokens: Annotated[int, typer.Option(
         "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).")] = 65536,
     max_batch_size: Annotated[int, typer.Option(
@@ -437,7 +447,8 @@ def serve_target_cmd(
     serve(target, host=host, port=port, token=token, aux_layers=aux_layers, device=device, dtype=dtype,
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
-          exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
+          exit_on_disconnect=exit_on_disconnect, data_plane=data_plane,
+          target_engine=target_engine)
 
 
 @app.command("demo")

@@ -18,7 +18,7 @@ from spec_cli.console import info
 from spec_cli.errors import ConfigError
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.server import Limits, TargetServer
-from spec_cli.target import loading
+from spec_cli.target import loading, local
 
 TOKEN_ENV = "SPEC_SERVE_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -36,11 +36,12 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           max_batch_tokens: int = 65536, max_batch_size: int = 1024, max_seq_len: int = 32768,
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
           exit_on_disconnect: bool = False, data_plane: bool = False,
-          on_ready: Callable[[str], None] | None = None) -> None:
+          on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers") -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
     `token` (default: $SPEC_SERVE_TOKEN) is then required on every request. `port` 0 picks a free
-    port; `on_ready(url)` is called once the server listens.
+    port; `on_ready(url)` is called once the server listens. `target_engine` runs the target in
+    transformers or vLLM (the same supervision and target identity either way).
     """
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
@@ -50,10 +51,9 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
             raise ConfigError(f"--{name} must be positive, got {value}", f"pass a positive --{name}")
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", "use 1..65535 (0: any free port)")
+    local.check_engine(target_engine)
     target_dir = loading.resolve_target(assets.resolve_target_arg(str(target)))
-    from spec_cli.target.hf_backend import HFTargetBackend
-
-    backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+    backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype)
     try:
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),

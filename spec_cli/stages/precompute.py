@@ -23,7 +23,7 @@ from spec_cli.console import info, progress
 from spec_cli.data.batching import collate, padding_fraction, plan_batches
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ArtifactError, ConfigError
-from spec_cli.target import loading
+from spec_cli.target import loading, local
 
 
 _TEST_SHARD_DELAY = float(os.environ.get("SPEC_TEST_SHARD_DELAY", "0") or 0)
@@ -45,6 +45,7 @@ class PrecomputeConfig:
     device: str | None = None
     dtype: str | None = None
     resume: bool = True
+    target_engine: str = "transformers"  # or vllm: the same cache (identity), another engine
 
 
 @dataclass
@@ -92,6 +93,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     rank, world = distributed.rank(), distributed.world_size()
 
     # ---- everything that can fail cheaply fails before the model loads
+    local.check_engine(cfg.target_engine)
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     config = loading.load_config(target_dir)
     n_layers = loading.num_layers(config)
@@ -157,56 +159,58 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     _check_disk(out, todo_tokens * per_token)
 
     backend = None
-    if todo or rank == 0:
-        from spec_cli.target.hf_backend import HFTargetBackend
+    try:
+        if todo or rank == 0:
+            backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype)
+            backend.set_vocab_mapping(vocab_map.selected_token_ids)
+            if rank == 0:
+                fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
+                              vocab_map.selected_token_ids, vocab_map.t2d, backend.softcap,
+                              backend.get_input_embeddings(),
+                              (backend.get_output_head() or {}).get("final_norm"))
 
-        backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
-        backend.set_vocab_mapping(vocab_map.selected_token_ids)
-        if rank == 0:
-            fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
-                          vocab_map.selected_token_ids, vocab_map.t2d, backend.softcap,
-                          backend.get_input_embeddings(),
-                          (backend.get_output_head() or {}).get("final_norm"))
-
-    loop_start = time.perf_counter()
-    writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next
-    pending = None
-    with progress(f"precompute (rank {rank})" if world > 1 else "precompute", total=todo_tokens) as bar:
-        for shard in todo:
-            tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
-                                     cfg.encoding, bar)
+        loop_start = time.perf_counter()
+        writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next
+        pending = None
+        label = f"precompute (rank {rank})" if world > 1 else "precompute"
+        with progress(label, total=todo_tokens) as bar:
+            for shard in todo:
+                tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
+                                         cfg.encoding, bar)
+                if pending is not None:
+                    done[pending[0]] = pending[1].result()
+                pending = (shard, writer.submit(fc.write_shard, out, shard, tensors, identity))
+                if _TEST_SHARD_DELAY:  # lets tests interrupt a tiny run between shards
+                    time.sleep(_TEST_SHARD_DELAY)
             if pending is not None:
                 done[pending[0]] = pending[1].result()
-            pending = (shard, writer.submit(fc.write_shard, out, shard, tensors, identity))
-            if _TEST_SHARD_DELAY:  # lets tests interrupt a tiny run between shards
-                time.sleep(_TEST_SHARD_DELAY)
-        if pending is not None:
-            done[pending[0]] = pending[1].result()
-    writer.shutdown()
-    computed = len(todo)
-    compute_seconds = time.perf_counter() - loop_start
+        writer.shutdown()
+        computed = len(todo)
+        compute_seconds = time.perf_counter() - loop_start
 
-    distributed.barrier()
-    manifest = None
-    if rank == 0:
-        entries = [fc.completed_shard(out, i, identity) for i in range(len(shards))]
-        if any(e is None for e in entries):
-            raise ArtifactError("some shards are missing after all ranks finished",
-                                "rerun the same command to compute them")
-        manifest = fc.write_manifest(out, identity, {
-            "architecture": backend.info["architecture"],
-            "vocab_size": backend.info["vocab_size"],
-            "hidden_size": backend.info["hidden_size"],
-            "num_layers": n_layers,
-            "draft_vocab_size": vocab_map.draft_vocab_size,
-            "target": str(target_dir),
-            "data": str(data_path),
-            "bytes_per_token": per_token,
-            "target_config": config.to_dict(),
-        }, entries)
-    distributed.barrier()
-    if backend is not None:
-        backend.close()
+        distributed.barrier()
+        manifest = None
+        if rank == 0:
+            entries = [fc.completed_shard(out, i, identity) for i in range(len(shards))]
+            if any(e is None for e in entries):
+                raise ArtifactError("some shards are missing after all ranks finished",
+                                    "rerun the same command to compute them")
+            manifest = fc.write_manifest(out, identity, {
+                "architecture": backend.info["architecture"],
+                "vocab_size": backend.info["vocab_size"],
+                "hidden_size": backend.info["hidden_size"],
+                "num_layers": n_layers,
+                "draft_vocab_size": vocab_map.draft_vocab_size,
+                "target": str(target_dir),
+                "data": str(data_path),
+                "bytes_per_token": per_token,
+                "target_config": config.to_dict(),
+                "target_engine": cfg.target_engine,  # provenance only: not part of the identity
+            }, entries)
+        distributed.barrier()
+    finally:  # also on an error or Ctrl-C: the engine holds the model (vLLM also its KV cache)
+        if backend is not None:
+            backend.close()
     if manifest is None:
         manifest = fc.read_manifest(out)
     distributed.shutdown()

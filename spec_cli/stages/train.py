@@ -32,14 +32,14 @@ from spec_cli.draft.model import Eagle3Draft
 from spec_cli.draft.ttt import ttt_forward
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
-from spec_cli.target import loading
+from spec_cli.target import loading, local
 from spec_cli.target.backend import TargetBackend
 
 # Options that may change between a run and its --resume (they do not change the math).
 RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
                      "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
                      "token", "max_time", "stream", "stream_max_bytes", "stream_dir",
-                     "init_from_target", "fsdp"}
+                     "init_from_target", "fsdp", "target_engine"}
 
 
 @dataclass
@@ -55,6 +55,7 @@ class TrainConfig:
     stream: bool = False  # live target: producer threads run `prefetch` batches ahead, bounded
     stream_max_bytes: int = 4 << 30  # bound on the supervision the stream store holds
     stream_dir: Path | None = None  # keep streamed samples as files in a folder here (else memory)
+    target_engine: str = "transformers"  # live --target: the engine that runs it (transformers, vllm)
     # data
     max_length: int = 2048
     max_samples: int | None = None
@@ -158,7 +159,6 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity)
 
     from spec_cli.data.tokenize import tokenize_data
-    from spec_cli.target.hf_backend import HFTargetBackend
 
     if cfg.data is None:
         raise ConfigError("--target needs --data", "pass the chat data to train on")
@@ -180,7 +180,7 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     lengths = tokens.lengths[:n]
     plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
     dtype = loading.choose_dtype(cfg.dtype, device)
-    backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+    backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype)
     identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
     return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity)
 
@@ -318,7 +318,7 @@ class Metrics:
         self.batches += 1
 
     def all_reduce(self) -> None:
-        if torch.distributed.is_initialized():
+        if distributed.world_size() > 1 and torch.distributed.is_initialized():  # not vLLM's own group
             flat = torch.cat([self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches])
             torch.distributed.all_reduce(flat)
             k = self.correct.numel()
@@ -408,6 +408,10 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     distributed.init(device)
     rank, world = distributed.rank(), distributed.world_size()
     torch.manual_seed(cfg.seed)
+    local.check_engine(cfg.target_engine)
+    if cfg.target_engine != "transformers" and cfg.target is None:
+        raise ConfigError(f"--target-engine {cfg.target_engine} runs a live --target in this process",
+                          "drop --target-engine (a cache or a server decides), or train from --target")
 
     vocab_map = load_vocab_map(cfg.vocab_map)
     source = open_source(cfg, device, vocab_map)

@@ -1,0 +1,43 @@
+"""The engine that runs an in-process target (`--target-engine transformers|vllm`).
+
+Both give the same supervision (tests/target/test_vllm_backend.py measures how close), so nothing an
+artifact is identified by (target, tokenizer, vocab map, aux layers, dtype) depends on the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spec_cli import distributed
+from spec_cli.errors import ConfigError
+
+ENGINES = ("transformers", "vllm")
+
+
+def check_engine(name: str) -> str:
+    """Fail early (before tokenising or loading anything) on an unknown or uninstalled engine."""
+    if name not in ENGINES:
+        raise ConfigError(f"unknown --target-engine {name!r}", f"use one of {', '.join(ENGINES)}")
+    if name == "vllm":
+        from spec_cli.engine import vllm as engine
+
+        engine.require("--target-engine vllm")
+        if distributed.world_size() > 1:
+            raise ConfigError("--target-engine vllm runs one engine in this process; it does not run "
+                              "under torchrun", "run without torchrun, or use --target-engine transformers")
+    return name
+
+
+def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
+                 device: torch.device | str | None, dtype: torch.dtype | str | None):
+    """The target loaded by engine `name` (a LocalTargetBackend)."""
+    check_engine(name)
+    if name == "vllm":
+        from spec_cli.target.vllm_backend import VLLMTargetBackend
+
+        return VLLMTargetBackend(target_dir, aux_layers, device, dtype)
+    from spec_cli.target.hf_backend import HFTargetBackend
+
+    return HFTargetBackend(target_dir, aux_layers, device, dtype)

@@ -1,0 +1,237 @@
+"""The target run by vLLM in this process (`--target-engine vllm`), giving the same TargetBatch as the
+transformers backend.
+
+Why not vLLM's own extraction path. vLLM 0.32 extracts hidden states with the speculative method
+`extract_hidden_states` (a cache-only "draft" that writes the aux states into its KV cache) and
+`ExampleHiddenStatesConnector` (a KV connector that copies them out into a safetensors file per
+request). On a CPU build the connector fails: its copy out asks for pinned memory
+(`RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no pinned memory allocator
+is available on this system.`), and it copies a request only at the engine step after the one that
+finished it, so a prompt-only `generate` leaves a lock file that `load_hidden_states` waits on forever.
+It also yields only the aux states, not the final normed state the lm_head reads.
+
+So the engine runs in-process (the uni executor, spec_cli.engine.vllm) and its model is asked for
+what vLLM itself gives an EAGLE-3 draft: `set_aux_hidden_state_layers` makes the model's forward
+return (final normed hidden, [aux states]) and this backend's wrapper of that forward keeps them,
+placing each token by (request, position) from the model runner's batch. vLLM counts an aux id as the
+INPUT of layer i (hidden + residual before it); spec_cli's ids are layer OUTPUTS (DESIGN.md), so
+spec_cli layer j is vLLM id j + 1. Each row (each document of a packed row: block-causal with
+positions restarting per document is the same as separate prompts) is one prompt-only request
+(max_tokens=1), so vLLM runs one prefill over it, in chunks when it is long. The lm_head, its final
+norm and the input embeddings are read from the engine's own embedding modules (vLLM keeps those
+weights; its CPU linears are repacked), and the supervision is computed by the same code as the
+transformers backend (LocalTargetBackend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from pathlib import Path
+
+import torch
+
+from spec_cli.engine import vllm as engine
+from spec_cli.errors import ConfigError, TargetError
+from spec_cli.target import loading
+from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
+
+_request_ids = itertools.count()
+
+
+def vllm_layer_ids(aux_layers: list[int]) -> tuple[int, ...]:
+    """spec_cli aux ids (output of layer j) -> vLLM's eagle_aux_hidden_state_layer_ids (input of j+1)."""
+    return tuple(j + 1 for j in aux_layers)
+
+
+def _language_model(model):
+    """The module that owns embed_tokens / layers / norm (vLLM's own unwrap rule for aux layers)."""
+    parent = model.get_language_model() if hasattr(model, "get_language_model") else \
+        getattr(model, "language_model", model)
+    return getattr(parent, "model", parent)
+
+
+def _rows(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(row, start, length) of each prompt to run: the real tokens of a right-padded row, or each
+    document of a packed row."""
+    prompts = []
+    lengths = attention_mask.long().sum(1).tolist()
+    for b, n in enumerate(lengths):
+        if not bool(attention_mask[b, :n].all()):
+            raise ConfigError("the vLLM target engine needs right-padded rows (real tokens first)",
+                              "pad on the right, or use --target-engine transformers")
+        if seq_lens is None:
+            if n:
+                prompts.append((b, 0, n))
+            continue
+        start = 0
+        for length in seq_lens[b].tolist():
+            if length > 0:
+                prompts.append((b, start, int(length)))
+                start += int(length)
+        if start > attention_mask.shape[1]:
+            raise ConfigError(f"seq_lens of row {b} add up to {start}, more than the row's "
+                              f"{attention_mask.shape[1]} positions", "check the packing")
+    return prompts
+
+
+def _check_positions(position_ids: torch.Tensor, prompts: list[tuple[int, int, int]]) -> None:
+    """vLLM numbers each prompt's positions from 0: other position_ids cannot be honoured."""
+    for b, start, length in prompts:
+        if not torch.equal(position_ids[b, start:start + length].long().cpu(), torch.arange(length)):
+            raise ConfigError("the vLLM target engine numbers positions from 0 in each row (or each "
+                              "packed document); these position_ids differ",
+                              "drop position_ids, or use --target-engine transformers")
+
+
+class VLLMTargetBackend(LocalTargetBackend):
+    """The target in a vLLM engine; aux states and the final normed state come from vLLM's forward."""
+
+    def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+                 max_model_len: int | None = None):
+        vllm = engine.require("--target-engine vllm")
+        from vllm.platforms import current_platform
+
+        self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
+        if self.device.type != current_platform.device_type:
+            raise ConfigError(f"vLLM {engine.version()} here runs on {current_platform.device_type}, not "
+                              f"--device {self.device}",
+                              f"pass --device {current_platform.device_type}, or use --target-engine "
+                              "transformers")
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
+        config = loading.load_config(target_dir)
+        self.aux_layers = resolve_aux_layers(aux_layers, loading.num_layers(config))
+        architecture = (config.architectures or [""])[0]
+        ok, why = engine.target_supports_eagle3(architecture)
+        if not ok:
+            raise TargetError(why, "use --target-engine transformers for this target")
+        text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
+        self.softcap = getattr(text, "final_logit_softcapping", None)
+        self._sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self._sink = None  # (request -> row, aux rows, hidden rows) while a batch runs
+        self.engine = engine.Engine(target_dir, dtype=self.dtype, max_model_len=max_model_len)
+        try:
+            self._attach(int(text.vocab_size))
+            self.info = describe_target(target_dir, config, architecture, self.lm_head_weight,
+                                        self.aux_layers, self.dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, vocab_size: int) -> None:
+        """Reach the engine's model (uni executor: it lives in this process), turn on its aux capture
+        and wrap its forward."""
+        if self.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+            raise RuntimeError("prefix caching would skip the forward over cached tokens")
+        core = self.engine.llm.llm_engine.engine_core.engine_core
+        self._runner = core.model_executor.driver_worker.worker.model_runner
+        model = self._runner.model
+        lm = _language_model(model)
+        # vLLM pads its embedding tables to a multiple of 64 rows; the target's vocab is the first rows
+        head = getattr(model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if (weight is None or weight.ndim != 2 or not weight.is_floating_point()
+                or weight.shape[0] < vocab_size):
+            raise TargetError(f"vLLM's {type(model).__name__} keeps no plain lm_head weight (quantized?)",
+                              "use --target-engine transformers for this target")
+        self.lm_head_weight = weight[:vocab_size].to(self.device)  # [V, H]
+        bias = getattr(head, "bias", None)
+        self.lm_head_bias = bias[:vocab_size].to(self.device) if isinstance(bias, torch.Tensor) else None
+        self._embed = lm.embed_tokens.weight[:vocab_size]
+        self.final_norm = getattr(lm, "norm", None)
+        # sorted, once each: the order vLLM returns them in; self._order puts them in --aux-layers order
+        ids = vllm_layer_ids(self.aux_layers)
+        model.set_aux_hidden_state_layers(ids)
+        captured = tuple(sorted(set(ids)))
+        self._order = [captured.index(i) for i in ids]
+        self._model, self._forward = model, model.forward
+        model.forward = self._capturing_forward
+
+    def _capturing_forward(self, *args, **kwargs):
+        """The engine model's forward: put this step's hidden and aux states of each token into the
+        running batch's rows (by request and position), and hand the runner the hidden state alone,
+        as it expects."""
+        out = self._forward(*args, **kwargs)
+        if not isinstance(out, tuple):
+            return out
+        hidden, aux = out
+        sink = self._sink
+        if sink is not None:
+            where, aux_rows, hidden_rows = sink
+            runner = self._runner
+            num_reqs = runner.input_batch.num_reqs
+            offsets = runner.query_start_loc.cpu[:num_reqs + 1].tolist()  # token offsets per request
+            positions = kwargs["positions"] if "positions" in kwargs else args[1]
+            for r, rid in enumerate(runner.input_batch.req_ids[:num_reqs]):
+                if rid not in where:
+                    continue
+                b, start, length = where[rid]
+                lo, hi = offsets[r], offsets[r + 1]
+                pos = positions[lo:hi].long().cpu()
+                keep = pos < length  # prompt tokens only
+                slots = (start + pos[keep]).to(hidden_rows.device)
+                keep = keep.to(hidden.device)
+                hidden_rows[b, slots] = hidden[lo:hi][keep].to(hidden_rows.device, hidden_rows.dtype)
+                aux_rows[b, slots] = torch.cat([aux[i][lo:hi][keep] for i in self._order],
+                                               dim=-1).to(aux_rows.device, aux_rows.dtype)
+        return hidden
+
+    # ------------------------------------------------------------------ interface
+    def get_input_embeddings(self) -> torch.Tensor:
+        return self._embed.to(self.device)
+
+    @torch.no_grad()
+    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype; zero at
+        padding."""
+        if getattr(self, "engine", None) is None:
+            raise RuntimeError("the vLLM target backend is closed")
+        B, T = input_ids.shape
+        prompts = _rows(attention_mask.cpu(), None if seq_lens is None else seq_lens.cpu())
+        if position_ids is not None:
+            _check_positions(position_ids, prompts)
+        H = self.info["hidden_size"]
+        aux = torch.zeros(B, T, 3 * H, dtype=self.dtype, device=self.device)
+        hidden = torch.zeros(B, T, H, dtype=self.dtype, device=self.device)
+        ids = input_ids.long().cpu()
+        llm_engine = self.engine.llm.llm_engine
+        where: dict[str, tuple[int, int, int]] = {}  # vLLM request id -> (row, start, length)
+        names: list[str] = []
+        self._sink = (where, aux, hidden)
+        try:
+            for b, start, length in prompts:
+                names.append(f"spec-target-{next(_request_ids)}")
+                try:
+                    rid = llm_engine.add_request(names[-1], {"prompt_token_ids": ids[
+                        b, start:start + length].tolist()}, self._sampling)
+                except Exception as exc:  # noqa: BLE001 (its validation error; e.g. past max_model_len)
+                    raise ConfigError(f"vLLM refused a row of {length} tokens: {engine.engine_reason(exc)}",
+                                      "use a smaller --max-length") from exc
+                where[rid] = (b, start, length)
+            while llm_engine.has_unfinished_requests():
+                llm_engine.step()
+        except BaseException:  # an error or Ctrl-C mid-batch: leave no request in the engine
+            with contextlib.suppress(Exception):
+                llm_engine.abort_request(names)
+            raise
+        finally:
+            self._sink = None
+        return aux, hidden
+
+    def close(self) -> None:
+        model = self.__dict__.pop("_model", None)
+        if model is not None:
+            with contextlib.suppress(Exception):
+                del model.forward  # back to the class's forward
+        self.__dict__.pop("_runner", None)
+        self.__dict__.pop("_embed", None)
+        eng = self.__dict__.pop("engine", None)
+        if eng is not None:
+            eng.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
