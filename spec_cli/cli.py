@@ -49,6 +49,10 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")]
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.")]
+TargetEngine = Annotated[str, typer.Option(
+    "--target-engine", help="transformers or vllm (the `vllm` extra): what runs a live target. The "
+                            "supervision is the same either way (fp32 rounding), and so is the identity "
+                            "of what it makes.")]
 
 
 def parse_duration(text: str | None, option: str) -> float | None:
@@ -157,10 +161,7 @@ def precompute_cmd(
     num_proc: NumProc = 1,
     device: Device = None,
     dtype: Dtype = None,
-    target_engine: Annotated[str, typer.Option(
-        "--target-engine", help="transformers or vllm (the `vllm` extra): what runs the target. The "
-                                "cache is the same either way (same identity; values agree to fp32 "
-                                "rounding).")] = "transformers",
+    target_engine: TargetEngine = "transformers",
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
                                      "--no-resume deletes the folder's cache and starts over.")] = True,
@@ -277,9 +278,7 @@ def train_cmd(
         "--resume", help="Continue the run in --output from its latest checkpoint.")] = False,
     device: Device = None,
     dtype: Dtype = None,
-    target_engine: Annotated[str, typer.Option(
-        "--target-engine", help="Live --target (also --stream): transformers or vllm (the `vllm` "
-                                "extra) runs it; the supervision is the same either way.")] = "transformers",
+    target_engine: TargetEngine = "transformers",
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -417,9 +416,7 @@ def serve_target_cmd(
     aux_layers: AuxLayers = None,
     device: Device = None,
     dtype: Dtype = None,
-    target_engine: Annotated[str, typer.Option(
-        "--target-engine", help="transformers or vllm (the `vllm` extra): what runs the target; "
-                                "clients get the same supervision either way.")] = "transformers",
+    target_engine: TargetEngine = "transformers",
     max_batch_tokens: Annotated[int, typer.Option(
         "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).")] = 65536,
     max_batch_size: Annotated[int, typer.Option(
