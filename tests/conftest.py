@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -11,14 +12,27 @@ import pytest
 from tests import tiny
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_engine_check():
+    """Exports skip vLLM's engine check (auto when vLLM is installed: seconds per export, and the tiny
+    targets' head_dim 8 is not one vLLM's CPU kernels run), module fixtures included; the engine tests
+    turn it back on."""
+    previous = os.environ.get("SPEC_ENGINE_CHECK")
+    os.environ["SPEC_ENGINE_CHECK"] = "none"
+    yield
+    if previous is None:
+        os.environ.pop("SPEC_ENGINE_CHECK", None)
+    else:
+        os.environ["SPEC_ENGINE_CHECK"] = previous
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch, request):
-    """Every test gets its own SPEC_HOME (the tokenisation cache lives there). Exports skip vLLM's
-    engine check (auto when vLLM is installed) except in the engine tests, which exercise it."""
+    """Every test gets its own SPEC_HOME (the tokenisation cache lives there)."""
     monkeypatch.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("spec_home")))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    if request.node.get_closest_marker("engine") is None:
-        monkeypatch.setenv("SPEC_ENGINE_CHECK", "none")
+    if request.node.get_closest_marker("engine") is not None:
+        monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")
 
 
 @pytest.fixture(scope="module")
