@@ -228,3 +228,17 @@ def test_without_vllm_the_commands_say_how_to_install_it(trained, tmp_path, monk
     # auto: no vLLM, no check, and the export says so
     assert main(["export", str(trained["run"]), "--format", "vllm", "-o", str(tmp_path / "y")]) == 0
     assert "vLLM is not installed" in capsys.readouterr().out
+
+
+def test_export_refuses_a_target_vllm_cannot_feed_an_eagle3_draft(trained, tmp_path, capsys):
+    target = tmp_path / "gpt2-shaped"
+    shutil.copytree(trained["target"], target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]  # a vLLM model class without SupportsEagle3
+    (target / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "export"
+    assert main(["export", str(trained["run"]), "--format", "vllm", "--engine-check", "vllm", "-t", str(target),
+                 "-o", str(out), "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "GPT2LMHeadModel does not implement SupportsEagle3" in err and "--engine-check none" in err
+    assert not out.exists()
