@@ -35,3 +35,9 @@ class ArtifactError(SpecError):
 
 class AssetError(SpecError):
     """A built-in asset that cannot be found or installed."""
+
+
+def listing(problems: list[str], shown: int = 3) -> str:
+    """The first problems, joined for a one-line error, and how many more there are."""
+    more = f" (+{len(problems) - shown} more)" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more

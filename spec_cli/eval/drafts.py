@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
-from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines
 from spec_cli.export.source import load_source
 from spec_cli.target import loading
@@ -127,9 +127,8 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
     if why:
         problems.append(why)
     if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ArtifactError(f"the {fmt} engine would not load {folder} as a working draft: "
-                            + "; ".join(problems[:3]) + more,
+                            + listing(problems),
                             "re-export the checkpoint with `spec export` (its self-check catches these)")
 
     vocab_name = "hot_token_id" if "hot_token_id" in loaded else "draft_id_to_target_id"

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft, rope_inv_freq
-from spec_cli.errors import ConfigError
+from spec_cli.errors import ConfigError, listing
 from spec_cli.export import engines
 from spec_cli.export.errors import ExportCheckError
 from spec_cli.export.source import DraftSource
@@ -50,9 +50,8 @@ def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -
     """Raise ExportCheckError listing what the engine would load wrongly; else return the report."""
     problems, report = find_problems(folder, fmt, src, dtype)
     if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ExportCheckError(f"the {fmt} export would not serve as trained: "
-                               + "; ".join(problems[:3]) + more,
+                               + listing(problems),
                                "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
                                "report this, or export another checkpoint")
     return report

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.draft.model import Eagle3Draft
-from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.eval import prompts
 from spec_cli.eval.report import Tally
 from spec_cli.eval.speculative import Settings, eos_ids, generate
@@ -161,9 +161,8 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
                         f"{report.reference_acceptance_length:.2f} ({report.reference_accepted}) on the "
                         f"same {len(ids)} greedy prompts")
     if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ExportCheckError(f"vLLM {report.version} does not serve the {fmt} export as trained: "
-                               + "; ".join(problems[:3]) + more,
+                               + listing(problems),
                                "nothing was written to the output folder; --engine-check none skips this "
                                "check (SPEC_DEBUG=1 shows vLLM's log)")
     return report
