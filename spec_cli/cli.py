@@ -320,8 +320,8 @@ def export_cmd(
     format: Annotated[str, typer.Option(  # noqa: A002 (the option's name; YAML key `format`)
         "--format", "-f", help="vllm, sglang or speculators (vLLM's speculators format).")],
     output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Export folder: new, empty or an earlier export (built beside it, then "
-                               "renamed into place).")],
+        "--output", "-o", help="Export folder: new or empty, or an earlier export with --overwrite (built "
+                               "beside it, then renamed into place).")],
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32 for the float weights.")] = "bf16",
     check: Annotated[bool, typer.Option(
         "--check/--no-check", help="Read the export back with the engine's loading rules and compare its "
@@ -335,6 +335,8 @@ def export_cmd(
                                "checkpoint's; none: skip. Default auto (env SPEC_ENGINE_CHECK): vllm when "
                                "vLLM is installed, the format is vllm or speculators and the target is "
                                "local.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an earlier spec export in -o (without it, -o must be new or empty).")] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -345,7 +347,8 @@ def export_cmd(
 
     set_quiet(quiet)
     result = stage.run(stage.ExportConfig(source=source, format=format, output=output, dtype=dtype,
-                                          check=check, target=target, engine_check=engine_check))
+                                          check=check, target=target, engine_check=engine_check,
+                                          overwrite=overwrite))
     summary("export", result.summary_rows())
 
 

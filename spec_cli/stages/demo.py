@@ -201,7 +201,7 @@ def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) ->
             result.serve_command = _serve_command(export_dir)
             return "reused"
     outcome = export.run(export.ExportConfig(source=latest, format="vllm", output=export_dir, check=True,
-                                             target=str(found["smollm2"])))
+                                             target=str(found["smollm2"]), overwrite=True))
     summary("export", outcome.summary_rows())
     result.serve_command = outcome.serve_command
     return "ran"

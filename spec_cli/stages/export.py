@@ -37,6 +37,7 @@ class ExportConfig:
     check: bool = True  # read the export back with the engine's rules before renaming it to -o
     target: str | None = None  # target path/id to record; default: the one the run trained against
     engine_check: str | None = None  # auto (vLLM when installed) | vllm | none; None: $SPEC_ENGINE_CHECK or auto
+    overwrite: bool = False  # replace an earlier spec export in -o (refused otherwise, naming what is there)
 
 
 @dataclass
@@ -97,7 +98,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     _check_target(src)
     files = build(src, fmt, dtype)  # refuses drafts the engine cannot serve as trained, before any write
     output = Path(cfg.output).resolve()
-    _check_output(output, src.checkpoint)
+    _check_output(output, src.checkpoint, cfg.overwrite)
     mode = engine.resolve_mode(cfg.engine_check, fmt)
     target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
     if target_dir is not None:  # before writing anything: vLLM's own verdict on the target
@@ -159,8 +160,8 @@ def _check_target(src) -> None:
                           f"for {wanted}", "pass --target the model the draft was trained for")
 
 
-def _check_output(output: Path, checkpoint: Path) -> None:
-    """-o may be new, empty, or an earlier export (replaced); never a folder holding anything else."""
+def _check_output(output: Path, checkpoint: Path, overwrite: bool) -> None:
+    """-o may be new, empty, or (with --overwrite) an earlier export; never a folder holding anything else."""
     if checkpoint.resolve().is_relative_to(output):
         raise ConfigError(f"-o {output} contains the checkpoint being exported", "choose a new output folder")
     if not output.exists():
@@ -176,6 +177,10 @@ def _check_output(output: Path, checkpoint: Path) -> None:
     if not isinstance(previous, dict) or previous.get("kind") != "draft_export":
         raise ConfigError(f"-o {output} already exists and is not a spec export; it would be replaced",
                           "choose a new output folder, or remove it first")
+    if not overwrite:
+        raise ConfigError(f"-o {output} already holds a {previous.get('format')} export of step "
+                          f"{previous.get('step')} ({previous.get('checkpoint')})",
+                          "add --overwrite to replace it, or choose a new output folder")
 
 
 class _created_parents:

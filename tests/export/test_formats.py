@@ -297,7 +297,7 @@ def test_a_failed_check_leaves_nothing_and_keeps_the_old_export(run_dir, tmp_pat
 
     monkeypatch.setattr(stage, "build", broken_build)
     with pytest.raises(ExportCheckError, match="wrong target ids"):
-        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=out))
+        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=out, overwrite=True))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left
     with pytest.raises(ExportCheckError):

@@ -71,14 +71,19 @@ def test_export_each_format_through_the_cli(trained, tmp_path, fmt, capsys):
         assert "vllm serve" in readme and '"method": "eagle3"' in readme
 
 
-def test_export_a_chosen_checkpoint_without_the_check(trained, tmp_path):
+def test_export_a_chosen_checkpoint_without_the_check(trained, tmp_path, capsys):
     first = ckpt.checkpoint_dirs(trained["run"])[0]
     out = tmp_path / "out"
     assert main(["export", str(first), "-f", "vllm", "-o", str(out), "--no-check", "--dtype", "fp32", "-q"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["spec_cli"]["step"] == 2 and config["torch_dtype"] == "float32"
-    # exporting again replaces the earlier export
-    assert main(["export", str(trained["run"]), "-f", "vllm", "-o", str(out), "-q"]) == 0
+    # exporting again over it is refused, naming what is there; --overwrite replaces it
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["export", str(trained["run"]), "-f", "sglang", "-o", str(out), "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"already holds a vllm export of step 2 ({first})" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main(["export", str(trained["run"]), "-f", "vllm", "-o", str(out), "--overwrite", "-q"]) == 0
     assert json.loads((out / "config.json").read_text())["spec_cli"]["step"] == 4
 
 
