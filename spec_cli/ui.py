@@ -87,37 +87,147 @@ def print_demo_summary(result) -> None:
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
 
 
-def inspect_artifact(path: Path) -> None:
+def _line(text: str) -> None:
+    console.print(text, markup=False, soft_wrap=True)  # paths and values are not rich markup
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is not readable JSON ({exc})", "pass a complete artifact folder") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _tensors(path: Path) -> tuple[dict, dict]:
+    """(file metadata, {key: (shape, dtype)}) of a safetensors file, without reading the tensors."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            shapes = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as exc:
+        raise ArtifactError(f"{path} is not a safetensors artifact ({exc})",
+                            "pass a file written by spec_cli") from exc
+    return meta, shapes
+
+
+def _print_tensors(shapes: dict, limit: int = 40) -> None:
+    for key, (shape, dtype) in list(shapes.items())[:limit]:
+        _line(f"  {key:40s} {dtype:6s} {list(shape)}")
+    if len(shapes) > limit:
+        _line(f"  ... and {len(shapes) - limit} more tensors")
+
+
+def _inspect_checkpoint(path: Path) -> None:
+    state = _read_json(path / "trainer_state.json")
+    config = _read_json(path / "config.json")
+    _, shapes = _tensors(path / "model.safetensors")
+    _line(f"{path}  kind: draft_checkpoint  schema: {state.get('schema_version', '?')}")
+    _line(f"  step: {state.get('step')}  epoch: {state.get('epoch')}")
+    for key in ("target_architecture", "target_num_layers", "aux_layer_ids", "hidden_size", "num_hidden_layers",
+                "vocab_size", "draft_vocab_size", "fc_norm", "norm_output", "target_fingerprint"):
+        if key in config:
+            _line(f"  {key}: {config[key]}")
+    _line(f"  tensors: {len(shapes)} in model.safetensors")
+
+
+def _inspect_run(path: Path) -> None:
+    from spec_cli.artifacts.checkpoint import checkpoint_dirs
+
+    options = _read_json(path / "run.json").get("options", {})
+    checkpoints = checkpoint_dirs(path)
+    _line(f"{path}  kind: run")
+    for key in ("target", "cache", "remote", "data", "vocab_map", "ttt_steps", "lr", "loss"):
+        if options.get(key) is not None:
+            _line(f"  {key}: {options[key]}")
+    _line(f"  checkpoints: {', '.join(c.name for c in checkpoints) or 'none'}")
+    evals = []
+    if (path / "log.jsonl").is_file():
+        for line in (path / "log.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("split") == "eval":
+                evals.append(record)
+    if evals:
+        last = evals[-1]
+        acc = " ".join(f"{a:.3f}" for a in last.get("acc", []))
+        _line(f"  last eval: step {last.get('step')}, accuracy per TTT step {acc}, simulated acceptance "
+              f"length {last.get('acceptance_length', 0):.2f}")
+
+
+def _inspect_export(path: Path, config: dict) -> None:
+    block = config.get("spec_cli") if isinstance(config.get("spec_cli"), dict) else {}
+    _, shapes = _tensors(path / "model.safetensors")
+    arch = (config.get("architectures") or ["?"])[0]
+    _line(f"{path}  kind: draft_export  format: {block.get('format', 'unknown (not written by spec_cli)')}  "
+          f"architecture: {arch}")
+    for key in ("step", "checkpoint", "target", "target_architecture", "aux_layer_outputs", "dtype"):
+        if key in block:
+            _line(f"  {key}: {block[key]}")
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if aux is not None:
+        _line(f"  aux layer ids as the engine counts them: {aux}")
+    _print_tensors(shapes)
+
+
+def _inspect_eval(path: Path) -> None:
+    report = _read_json(path / "eval.json")
+    s, o = report.get("settings", {}), report.get("overall", {})
+    engine = report.get("engine") or {"name": s.get("engine", "torch")}
+    _line(f"{path}  kind: eval  engine: {engine.get('name')} {engine.get('version', '')}".rstrip())
+    _line(f"  draft: {report.get('draft', {}).get('path')}  target: {report.get('target')}")
+    _line(f"  prompts: {s.get('prompts')} ({s.get('turns')} turns), depth {s.get('depth')}, top-k {s.get('topk')}, "
+          f"temperature {s.get('temperature')}, {s.get('max_new_tokens')} new tokens")
+    rates = " ".join("-" if r is None else f"{r:.2f}" for r in o.get("acceptance_rate", []))
+    _line(f"  acceptance length {o.get('acceptance_length', 0):.2f}, rate by position {rates}, speed-up "
+          f"{o.get('speedup', 0):.2f}x, same output as the target {o.get('same_as_target')}/{o.get('turns')}")
+    for name, m in sorted(report.get("categories", {}).items()):
+        _line(f"  {name:12s} acceptance length {m.get('acceptance_length', 0):.2f}  speed-up {m.get('speedup', 0):.2f}x")
+
+
+def inspect_artifact(path: Path) -> None:
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path} does not exist", "check the path")
     if path.is_dir():
         if (path / "manifest.json").is_file():
-            manifest = json.loads((path / "manifest.json").read_text())
-            console.print(f"[bold]{path}[/]  kind: {manifest.get('kind')}  "
-                          f"schema: {manifest.get('schema_version')}")
+            manifest = _read_json(path / "manifest.json")
+            _line(f"{path}  kind: {manifest.get('kind')}  schema: {manifest.get('schema_version')}")
             for key, value in sorted(manifest.items()):
                 if key != "shards":
-                    console.print(f"  {key}: {value}")
+                    _line(f"  {key}: {value}")
             shards = manifest.get("shards", [])
-            console.print(f"  shards: {len(shards)} files, {sum(s['bytes'] for s in shards)} bytes")
+            _line(f"  shards: {len(shards)} files, {sum(s['bytes'] for s in shards)} bytes")
             return
-        raise ArtifactError(f"{path} is a folder spec_cli does not know", "pass an artifact file or folder")
+        if (path / "trainer_state.json").is_file():
+            return _inspect_checkpoint(path)
+        if (path / "run.json").is_file():
+            return _inspect_run(path)
+        if (path / "eval.json").is_file():
+            return _inspect_eval(path)
+        if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+            return _inspect_export(path, _read_json(path / "config.json"))
+        raise ArtifactError(f"{path} is a folder spec_cli does not know",
+                            "pass a vocab map, feature cache, run, checkpoint, export or eval folder")
+    if path.name == "model.safetensors" and (path.parent / "config.json").is_file() and \
+            not (path.parent / "trainer_state.json").is_file():
+        return _inspect_export(path.parent, _read_json(path.parent / "config.json"))
+    if path.name == "eval.json":
+        return _inspect_eval(path.parent)
+    file_meta, shapes = _tensors(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("spec_cli", "{}"))
-            shapes = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except Exception as exc:
-        raise ArtifactError(f"{path} is not a safetensors artifact ({exc})",
-                            "pass a file written by spec_cli") from exc
-    console.print(f"[bold]{path}[/]  kind: {meta.get('kind', 'unknown')}  "
-                  f"schema: {meta.get('schema_version', '?')}")
-    for key, (shape, dtype) in shapes.items():
-        console.print(f"  {key:24s} {dtype:6s} {list(shape)}")
+        meta = json.loads(file_meta.get("spec_cli", "{}"))
+    except ValueError:
+        meta = {}
+    _line(f"{path}  kind: {meta.get('kind', 'unknown')}  schema: {meta.get('schema_version', '?')}")
+    _print_tensors(shapes)
     if "coverage_by_size" in meta:
-        console.print(f"  coverage by Vd: {_coverage(meta['coverage_by_size'])}")
+        _line(f"  coverage by Vd: {_coverage(meta['coverage_by_size'])}")
     for key, value in sorted(meta.items()):
         if key != "coverage_by_size":
-            console.print(f"  {key}: {value}")
+            _line(f"  {key}: {value}")

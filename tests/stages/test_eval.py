@@ -141,3 +141,28 @@ def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     assert "--num-tokens sizes a tree" in capsys.readouterr().err
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(tmp_path), "-q"]) == 1
     assert "holds no draft checkpoint" in capsys.readouterr().err
+
+
+def test_inspect_describes_every_folder_the_pipeline_writes(trained, tmp_path, capsys):
+    """Run, checkpoint, export (and its model.safetensors) and eval folders, as the README promises."""
+    _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "1",
+           "--max-new-tokens", "4", "-o", str(tmp_path / "ev")])
+    report = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    checkpoint = trained["run"] / "checkpoints" / "step-00000012"
+    expected = {
+        trained["run"]: ["kind: run", "step-00000012", "ttt_steps: 2"],
+        checkpoint: ["kind: draft_checkpoint", "step: 12", "aux_layer_ids: [1, 3, 4]"],
+        trained["export"]: ["kind: draft_export", "format: vllm", "step: 12", "d2t",
+                            "aux layer ids as the engine counts them: [2, 4, 5]"],
+        trained["export"] / "model.safetensors": ["kind: draft_export", "format: vllm"],
+        tmp_path / "ev": ["kind: eval", "engine: torch",
+                          f"acceptance length {report['overall']['acceptance_length']:.2f}"],
+    }
+    for path, wanted in expected.items():
+        assert main(["inspect", str(path)]) == 0, path
+        text = capsys.readouterr().out
+        for w in wanted:
+            assert w in text, (path, w)
+        assert "unknown" not in text.split("\n")[0]
+    assert main(["inspect", str(tmp_path)]) == 1  # a folder that holds none of these
+    assert "spec_cli does not know" in capsys.readouterr().err
