@@ -71,7 +71,13 @@ def print_train_summary(result) -> None:
 
 
 def print_demo_summary(result) -> None:
-    rows = [(s.name, f"{s.status:<8} {s.seconds / 60:5.1f} min  {s.artifact}") for s in result.stages]
+    def when(s) -> str:
+        p = s.produced or {}
+        if s.status == "reused" and p.get("seconds") is not None:  # what it took when it was made
+            return f"reused   (it {p.get('status')} in {p['seconds'] / 60:.1f} min)  {s.artifact}"
+        return f"{s.status:<8} {s.seconds / 60:5.1f} min  {s.artifact}"
+
+    rows = [(s.name, when(s)) for s in result.stages]
     if result.train_steps:
         rows.append(("train steps", result.train_steps))
     if result.acceptance_length is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,8 @@ class StageRecord:
     status: str  # ran | reused | resumed
     seconds: float
     artifact: Path
+    # the run that produced the artifact (this one unless reused): {"status", "seconds", "at"}
+    produced: dict | None = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ class DemoResult:
 def run(cfg: DemoConfig) -> DemoResult:
     start = time.perf_counter()
     profile, folder = cfg.profile, cfg.folder()
+    earlier = _produced(folder)  # before _claim_folder rewrites demo.json
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)
     info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
@@ -108,7 +112,13 @@ def run(cfg: DemoConfig) -> DemoResult:
         t0 = time.perf_counter()
         info(f"[{len(result.stages) + 1}/6] {name}")
         status = work()
-        result.stages.append(StageRecord(name, status, time.perf_counter() - t0, artifact))
+        seconds = time.perf_counter() - t0
+        if status == "reused" and name in earlier:  # keep the real time and result of the run that made it
+            produced = earlier[name]
+        else:
+            produced = {"status": status, "seconds": round(seconds, 1),
+                        "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        result.stages.append(StageRecord(name, status, seconds, artifact, produced))
         _record(folder, profile, result)
 
     found: dict = {}
@@ -262,10 +272,23 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
     write_json(record, {"kind": "demo", "profile": asdict(profile), "stages": []})
 
 
+def _produced(folder: Path) -> dict[str, dict]:
+    """stage -> how its artifact was produced, from the folder's demo.json (empty if none)."""
+    try:
+        stages = json.loads((folder / DEMO_JSON).read_text()).get("stages", [])
+    except (OSError, ValueError, AttributeError):
+        return {}
+    out = {}
+    for s in stages:
+        if isinstance(s, dict) and s.get("name"):
+            out[s["name"]] = s.get("produced") or {"status": s.get("status"), "seconds": s.get("seconds")}
+    return out
+
+
 def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
     write_json(folder / DEMO_JSON, {
         "kind": "demo", "profile": asdict(profile),
         "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1),
-                    "artifact": str(s.artifact)} for s in result.stages],
+                    "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
         "seconds": round(result.seconds, 1)})

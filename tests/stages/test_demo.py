@@ -64,9 +64,17 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
 
     stamp = (latest / "model.safetensors").stat().st_mtime_ns
     eval_stamp = (out / "eval" / "eval.json").stat().st_mtime_ns
+    first = {s["name"]: s["produced"] for s in record(out)["stages"]}
+    assert first["train"]["status"] == "ran" and first["train"]["seconds"] > 0
     assert main(["demo", "--quick", "-o", str(out)]) == 0
     assert statuses(out) == {"assets": "ready", "build-vocab-map": "reused", "precompute": "reused",
                              "train": "reused", "export": "reused", "eval": "reused"}
+    # the rerun keeps each stage's real time and result from the run that produced it
+    again = {s["name"]: s["produced"] for s in record(out)["stages"]}
+    assert {k: v for k, v in again.items() if k != "assets"} == {k: v for k, v in first.items() if k != "assets"}
+    assert main(["demo", "--quick", "-o", str(out)]) == 0  # and so does a third run
+    assert {s["name"]: s["produced"] for s in record(out)["stages"]}["train"] == first["train"]
+    assert "it ran in" in " ".join(capsys.readouterr().out.split())
     assert (latest / "model.safetensors").stat().st_mtime_ns == stamp
     assert (out / "eval" / "eval.json").stat().st_mtime_ns == eval_stamp
 
