@@ -77,3 +77,41 @@ def pytest_collection_modifyitems(config, items):
     """Engine tests last: vLLM, once loaded in this process, keeps its own torch thread settings (it
     replaces torch.set_num_threads), which would change how every later test runs."""
     items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
+
+
+REAL_HOME = Path(os.environ.get("SPEC_HOME") or Path.home() / ".cache" / "spec_cli")
+
+
+@pytest.fixture(scope="session")
+def real_assets() -> dict[str, Path]:
+    """The built-in SmolLM2 / ShareGPT / MT-bench, installed by `spec assets` into the user's SPEC_HOME
+    (the install step; read only from then on). Tests pass these paths explicitly and write everything
+    else (tokenisation caches, conversions, runs) into their own temporary SPEC_HOME."""
+    from spec_cli.cli import main
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(REAL_HOME))
+    try:
+        assert main(["assets", "-q"]) == 0
+    finally:
+        mp.undo()
+    folder = REAL_HOME / "assets"
+    return {"home": REAL_HOME, "target": folder / "SmolLM2-135M-Instruct", "sharegpt": folder / "sharegpt.jsonl",
+            "mt-bench": folder / "mt_bench.jsonl"}
+
+
+def home_snapshot() -> dict[str, int]:
+    """Every file under the user's SPEC_HOME with its mtime (the real-model tests must leave it as is)."""
+    if not REAL_HOME.is_dir():
+        return {}
+    return {str(p.relative_to(REAL_HOME)): p.stat().st_mtime_ns for p in REAL_HOME.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def untouched_real_home(real_assets):
+    """Module fixture: fails the module's last test if anything under the user's SPEC_HOME changed."""
+    before = home_snapshot()
+    yield
+    after = home_snapshot()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"tests wrote into the user's SPEC_HOME: {changed[:5]}"

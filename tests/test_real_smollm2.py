@@ -1,7 +1,7 @@
 """End to end on the real built-in assets: SmolLM2-135M-Instruct's tokenizer and ShareGPT records.
 
-These use the user's SPEC_HOME (where `spec assets`, the install step, put the assets) so the GGUF
-conversion is done once per machine, not once per test run.
+The assets are read from the user's SPEC_HOME (where `spec assets`, the install step, put them);
+everything the tests write goes to their own temporary SPEC_HOME.
 """
 
 import json
@@ -13,16 +13,11 @@ import pytest
 
 from spec_cli.cli import main
 
-pytestmark = pytest.mark.real
-
-REAL_HOME = os.environ.get("SPEC_HOME") or str(Path.home() / ".cache" / "spec_cli")
-
+pytestmark = [pytest.mark.real, pytest.mark.usefixtures("untouched_real_home")]
 
 @pytest.fixture
-def real_home(monkeypatch):
-    monkeypatch.setenv("SPEC_HOME", REAL_HOME)
-    assert main(["assets", "-q"]) == 0
-    return Path(REAL_HOME)
+def real_home(real_assets):
+    return real_assets["home"]
 
 
 @pytest.fixture
@@ -39,7 +34,8 @@ def test_build_vocab_map_on_real_tokenizer_and_sharegpt(real_home, sharegpt_subs
     from spec_cli.artifacts.vocab_map import load_vocab_map
 
     out = tmp_path / "vm.safetensors"
-    assert main(["build-vocab-map", "-t", "smollm2", "-d", str(sharegpt_subset),
+    target = real_home / "assets" / "SmolLM2-135M-Instruct"
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(sharegpt_subset),
                  "--draft-vocab-size", "8192", "--num-proc", "2", "-o", str(out), "-q"]) == 0
     vm = load_vocab_map(out)
     assert vm.target_vocab_size == 49152 and vm.draft_vocab_size == 8192
@@ -78,7 +74,8 @@ def test_gguf_file_as_target(real_home):
     from spec_cli.target.loading import load_tokenizer, resolve_target, tokenizer_fingerprint
 
     gguf = assets.package_file(assets.SMOLLM2)
-    folder = resolve_target(gguf)  # converted once, cached under SPEC_HOME/targets
+    folder = resolve_target(gguf)  # converted once, cached under (the test's own) SPEC_HOME/targets
+    assert folder.is_relative_to(Path(os.environ["SPEC_HOME"])) and not folder.is_relative_to(real_home)
     assert (folder / "config.json").is_file()
     assert resolve_target(gguf) == folder
     assert tokenizer_fingerprint(load_tokenizer(folder)) == tokenizer_fingerprint(

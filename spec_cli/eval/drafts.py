@@ -123,6 +123,18 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
             problems.append(f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}")
     n_layers = loading.num_layers(target_config)
     arch = (getattr(target_config, "architectures", None) or [""])[0]
+    block = raw.get("spec_cli") if isinstance(raw.get("spec_cli"), dict) else {}
+    recorded = {"layers": block.get("target_num_layers"), "vocab size": view.vocab_size or None,
+                "hidden size": view.target_hidden_size or None}
+    text = target_config if getattr(target_config, "num_hidden_layers", None) else \
+        getattr(target_config, "text_config", target_config)
+    found = {"layers": n_layers, "vocab size": loading.vocab_size(target_config),
+             "hidden size": getattr(text, "hidden_size", None)}
+    differ = [f"{k} {recorded[k]} (the target has {found[k]})" for k in recorded
+              if recorded[k] is not None and found[k] is not None and recorded[k] != found[k]]
+    if differ:  # a different target, not a broken export: say what differs
+        raise ArtifactError(f"the export {folder} was made for a target with " + ", ".join(differ),
+                            "pass --target the model the draft was trained for")
     outputs, why = engines.captured_layer_outputs(view, n_layers, arch)
     if why:
         problems.append(why)
@@ -135,7 +147,6 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
     targets = engines.draft_to_target(vocab_name, loaded[vocab_name])  # [Vd] target id per draft id
     state = {key: t for name, t in loaded.items()
              if (key := engines.to_draft_key(name)) is not None and key not in ("d2t", "t2d")}
-    block = raw.get("spec_cli") if isinstance(raw.get("spec_cli"), dict) else {}
     try:
         config = DraftConfig(
             vocab_size=view.vocab_size, target_hidden_size=view.target_hidden_size, aux_layer_ids=outputs,

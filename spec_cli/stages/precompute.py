@@ -203,6 +203,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
                 "draft_vocab_size": vocab_map.draft_vocab_size,
                 "target": str(target_dir),
                 "data": str(data_path),
+                "vocab_map": str(Path(cfg.vocab_map).resolve()),  # provenance: named when a map mismatches
                 "bytes_per_token": per_token,
                 "target_config": config.to_dict(),
                 "target_engine": cfg.target_engine,  # provenance only: not part of the identity

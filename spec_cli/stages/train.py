@@ -146,7 +146,10 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         backend = CacheBackend(cfg.cache, device=device)
         m = backend.reader.manifest
         if m["vocab_map_fingerprint"] != vocab_map.fingerprint:
-            raise ArtifactError("the vocab map differs from the one the feature cache was made with",
+            made_with = f" ({m['vocab_map']})" if m.get("vocab_map") else ""
+            raise ArtifactError(f"the vocab map {cfg.vocab_map} (fingerprint {vocab_map.fingerprint}) differs "
+                                f"from the one the feature cache was made with{made_with}, fingerprint "
+                                f"{m['vocab_map_fingerprint']}",
                                 "pass the --vocab-map used for `spec precompute`")
         if cfg.aux_layers not in (None, "", "auto") and \
                 loading.parse_aux_layers(cfg.aux_layers, m["num_layers"]) != m["aux_layers"]:

@@ -5,9 +5,7 @@ vLLM; vLLM's acceptance counts equal spec_cli's evaluator's, and an export whose
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,34 +13,28 @@ import torch
 from spec_cli.cli import main
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.engine, pytest.mark.real]
-
-REAL_HOME = os.environ.get("SPEC_HOME") or str(Path.home() / ".cache" / "spec_cli")
-
+pytestmark = [pytest.mark.engine, pytest.mark.real, pytest.mark.usefixtures("untouched_real_home")]
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(tmp_path_factory, real_assets):
     root = tmp_path_factory.mktemp("smol")
+    target = real_assets["target"]  # read only; this module writes into its own SPEC_HOME
     mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", REAL_HOME)  # the built-in assets, converted once per machine
+    mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(["assets", "-q"]) == 0
-        lines = (Path(REAL_HOME) / "assets" / "sharegpt.jsonl").read_text(encoding="utf-8").split("\n")
+        lines = real_assets["sharegpt"].read_text(encoding="utf-8").split("\n")
         data = root / "sharegpt.jsonl"
         data.write_text("\n".join(lines[:200]) + "\n", encoding="utf-8")
-        assert main(["build-vocab-map", "-t", "smollm2", "-d", str(data), "--draft-vocab-size", "2048",
+        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "2048",
                      "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["train", "--target", "smollm2", "--data", str(data), "-v", str(root / "vm.safetensors"),
+        assert main(["train", "--target", str(target), "--data", str(data), "-v", str(root / "vm.safetensors"),
                      "-o", str(root / "run"), "--max-samples", "32", "--max-length", "256", "--pack",
                      "--batch-tokens", "2048", "--ttt-steps", "2", "--max-steps", "6", "--lr", "2e-3",
                      "--eval-fraction", "0", "-q"]) == 0
-        from spec_cli import assets
-        from spec_cli.target import loading
-
-        target = loading.resolve_target(assets.resolve_target_arg("smollm2"))  # the converted folder
     finally:
         mp.undo()
-    return {"root": root, "run": root / "run", "data": data, "target": target}
+    return {"root": root, "run": root / "run", "data": data, "target": target,
+            "mt-bench": real_assets["mt-bench"]}
 
 
 def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance(smol, tmp_path, capsys):
@@ -53,7 +45,8 @@ def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance(smol, tmp_
 
     reports = {}
     for engine in ("torch", "vllm"):
-        assert main(["eval", "-t", str(smol["target"]), "--draft", str(out), "--num-prompts", "2",
+        assert main(["eval", "-t", str(smol["target"]), "--draft", str(out), "--prompts", str(smol["mt-bench"]),
+                     "--num-prompts", "2",
                      "--max-new-tokens", "16", "--engine", engine, "-o", str(tmp_path / engine), "-q"]) == 0
         reports[engine] = json.loads((tmp_path / engine / "eval.json").read_text())["overall"]
     t, v = reports["torch"], reports["vllm"]

@@ -124,7 +124,7 @@ def test_eval_tree_on_mt_bench_with_default_output(trained, capsys):
 def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(trained["target"], other)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(other))
     with torch.no_grad():
@@ -141,6 +141,20 @@ def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     assert "--num-tokens sizes a tree" in capsys.readouterr().err
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(tmp_path), "-q"]) == 1
     assert "holds no draft checkpoint" in capsys.readouterr().err
+
+    # an export evaluated on a shallower target: say what differs, not "re-export the checkpoint"
+    shallow = tmp_path / "shallow"
+    shallow.mkdir()
+    for f in trained["target"].iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, shallow / f.name)
+    config = json.loads((shallow / "config.json").read_text())
+    config["num_hidden_layers"] = 6
+    (shallow / "config.json").write_text(json.dumps(config))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(shallow))).save_pretrained(str(shallow))
+    assert main(["eval", "-t", str(shallow), "--draft", str(trained["export"]), "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "was made for a target with layers 8 (the target has 6)" in err and "re-export" not in err
 
 
 def test_inspect_describes_every_folder_the_pipeline_writes(trained, tmp_path, capsys):

@@ -253,3 +253,15 @@ def test_fsdp_two_processes_match_one_process_through_a_resume(setup, tmp_path):
     stage.run(config(setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
     _torchrun(setup, tmp_path / "fsdp-accum", "--fsdp", "--grad-accum", "2", "--eval-every", "2")
     assert_same(weights(tmp_path / "single4"), weights(tmp_path / "fsdp-accum"), exact=False)
+
+
+def test_a_cache_made_with_another_vocab_map_names_that_map(setup, tmp_path, capsys):
+    other = tmp_path / "vm-64.safetensors"
+    assert main(["build-vocab-map", "-t", str(setup["target"]), "-d", str(setup["data"]),
+                 "--draft-vocab-size", "64", "-o", str(other), "-q"]) == 0
+    assert main(["train", "--cache", str(setup["cache"]), "-v", str(other), "-o", str(tmp_path / "run"),
+                 "--max-steps", "1", "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the vocab map {other}" in err
+    assert f"made with ({setup['vm'].resolve()})" in err and "--vocab-map used for `spec precompute`" in err
+    assert not (tmp_path / "run").exists()
