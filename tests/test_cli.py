@@ -129,3 +129,15 @@ def test_no_supervised_tokens_is_an_error(tiny_tokenizer_dirs, tmp_path, capsys)
                  "--draft-vocab-size", "10", "-o", str(tmp_path / "v.safetensors")])
     assert code == 1
     assert "no usable records" in capsys.readouterr().err
+
+
+def test_unreadable_data_is_one_line_with_the_parsers_reason(tiny_tokenizer_dirs, tmp_path):
+    """datasets/pyarrow printed their own error line before ours; the cause belongs in ours."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json at all {\n")
+    out = spec("build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(bad),
+               "--draft-vocab-size", "64", "-o", str(tmp_path / "v.safetensors"))
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: cannot read") and "JSON parse error" in " ".join(out.stderr.split())

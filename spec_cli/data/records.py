@@ -37,6 +37,8 @@ def load_records(path: str | Path):
         raise DataError(f"data not found: {path}",
                         "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines: ours says it once
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
@@ -52,8 +54,12 @@ def load_records(path: str | Path):
     except DataError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for unreadable files
-        raise DataError(f"cannot read {path}: {exc}",
+        cause = exc.__cause__ or exc.__context__
+        detail = f"{exc} ({cause})" if cause is not None and str(cause) not in str(exc) else str(exc)
+        raise DataError(f"cannot read {path}: {detail}",
                         "check the file is valid JSON lines / JSON / parquet with one record per row") from exc
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _content_text(content: Any) -> str | None:
