@@ -80,6 +80,8 @@ def print_demo_summary(result) -> None:
     rows = [(s.name, when(s)) for s in result.stages]
     if result.train_steps:
         rows.append(("train steps", result.train_steps))
+    for warning in result.warnings:
+        rows.append(("WARNING", warning))
     if result.acceptance_length is not None:
         p = result.profile
         rows.append(("acceptance length", f"{result.acceptance_length:.2f} tokens per target forward "
