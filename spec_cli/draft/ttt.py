@@ -3,7 +3,9 @@
 Teacher-forced rolling (DESIGN.md "TTT unroll"): at step k slot t reads token input_ids[t + k] (the
 ids rolled left by k) with the draft's own state of step k - 1 at slot t, and is supervised by the
 target at t + k: loss_mask, position_mask, target_p, target_ids and target_mass roll with the ids.
-Positions and the attention mask stay those of step 0. Slot t takes part at step k only while its
+The attention mask stays that of step 0; positions advance with the step (slot t sits at position
+t + k at step k), as at serving, where the k-th drafted token is decoded at position t + k (vLLM,
+SGLang and `spec eval` alike), and as SpecForge trains. Slot t takes part at step k only while its
 target stays in its own document: k < doc_remaining[t] (right padding and packing alike).
 
 Metrics per step, as sums so they add up across batches and ranks:
@@ -100,10 +102,9 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
     if position_ids is None:
         position_ids = packed_positions(batch.seq_lens, T) if batch.seq_lens is not None else \
             torch.arange(T, device=device).expand(B, T)
-    cos, sin = draft.rope(position_ids)  # [B, T, d]
     bias = None  # causal: right-padded keys come after every real query
     if batch.seq_lens is not None:  # packing: block-causal per document
-        bias = block_causal_bias(batch.seq_lens, T, cos.dtype)
+        bias = block_causal_bias(batch.seq_lens, T, draft.fc.weight.dtype)
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
     weights = step_weights(ttt_steps, step_weight)
     head = (lambda *a: activation_checkpoint(_head, *a, use_reentrant=False)) if checkpoint else _head
@@ -114,6 +115,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
     losses, correct, total, supervised = [], [], [], []
     for k in range(ttt_steps):
         ids = shift_left(batch.input_ids, k)  # slot t reads token t + k
+        cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
         hidden = draft.ttt_step(ids, hidden, cos, sin, caches, bias, checkpoint)  # [B, T, H]
         valid = remaining > k  # the target at t + k is still in t's document
         scored = valid & shift_left(batch.loss_mask, k).bool()  # [B, T] accuracy denominator

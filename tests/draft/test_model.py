@@ -128,8 +128,9 @@ def test_incremental_decoding_matches_full_forward(options):
 
 
 def test_ttt_step_one_equals_decoding_with_an_extra_key():
-    """At TTT step 1, slot t sees the step-0 keys of 0..t plus its own step-1 key: exactly a decode
-    of one extra token at position t whose cache holds the step-0 keys of 0..t."""
+    """At TTT step 1, slot t sees the step-0 keys of 0..t plus its own step-1 key at position t + 1:
+    exactly serving's decode of the first drafted token, one position on, whose cache holds the
+    step-0 keys of 0..t (spec eval and vLLM both feed draft token j at position t + j)."""
     draft = tiny_draft(dtype=torch.float64)
     batch = random_batch(draft.config, [7], 7, dtype=torch.float64)
     B, T = 1, 7
@@ -139,10 +140,10 @@ def test_ttt_step_one_equals_decoding_with_an_extra_key():
         caches = [[]]
         h0 = draft.ttt_step(batch.input_ids, draft.project(batch.aux_hidden), cos, sin, caches)
         ids1 = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, :1] * 0], 1)
-        h1 = draft.ttt_step(ids1, h0, cos, sin, caches)
+        h1 = draft.ttt_step(ids1, h0, *draft.rope(pos + 1), caches)
         hidden = draft.project(batch.aux_hidden)
         for t in range(T):
             cache = KVCache(1)
             draft.forward_step(batch.input_ids[:, :t + 1], hidden[:, :t + 1], pos[:, :t + 1], cache)
-            step = draft.forward_step(ids1[:, t:t + 1], h0[:, t:t + 1], pos[:, t:t + 1], cache)
+            step = draft.forward_step(ids1[:, t:t + 1], h0[:, t:t + 1], pos[:, t:t + 1] + 1, cache)
             torch.testing.assert_close(step[:, 0], h1[:, t], atol=1e-12, rtol=1e-10)

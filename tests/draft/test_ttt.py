@@ -1,7 +1,8 @@
 """The TTT unroll against an independent, slow reference written from DESIGN.md.
 
 The reference reads the draft's weights by their engine names and recomputes everything plainly:
-full [B, h, T, T + k] scores per step (SpecForge's `cache_hidden` recurrence), full [B, T, Vd]
+full [B, h, T, T + k] scores per step (SpecForge's `cache_hidden` recurrence, positions t + k at
+step k as SpecForge and every serving engine use them), full [B, T, Vd]
 logits, supervision rolled with explicit per-slot document checks. Loss, metrics and the gradients
 of every trainable parameter must match `ttt_forward`.
 """
@@ -78,7 +79,7 @@ def reference_ttt(draft, batch, steps, step_weight, loss="soft-ce"):
             q = (inp @ P[f"{n}.self_attn.q_proj.weight"].T).view(B, T, h, d).transpose(1, 2)
             kk = (inp @ P[f"{n}.self_attn.k_proj.weight"].T).view(B, T, kvh, d).transpose(1, 2)
             vv = (inp @ P[f"{n}.self_attn.v_proj.weight"].T).view(B, T, kvh, d).transpose(1, 2)
-            q, kk = rope(q, pos, cfg.rope_theta), rope(kk, pos, cfg.rope_theta)
+            q, kk = rope(q, pos + k, cfg.rope_theta), rope(kk, pos + k, cfg.rope_theta)
             ks, vs = cache[n]
             ks.append(kk.repeat_interleave(h // kvh, 1))
             vs.append(vv.repeat_interleave(h // kvh, 1))
