@@ -11,11 +11,13 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -44,13 +46,27 @@ def progress_enabled() -> bool:
 
 
 class _NullTask:
-    def advance(self, n: int = 1) -> None:
+    def advance(self, n: int = 1, count: int = 0) -> None:
         pass
 
 
+class _RateColumn(ProgressColumn):
+    """The task's `count` field (what the caller produced, e.g. tokens) per second elapsed."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        elapsed = task.elapsed or 0.0
+        rate = task.fields.get("count", 0) / elapsed if elapsed > 0 else 0.0
+        return Text(f"{rate:,.0f} {self.unit}/s")
+
+
 @contextlib.contextmanager
-def progress(description: str, total: int | None) -> Iterator:
-    """A rich progress bar; yields an object with `advance(n)`. Disabled off a terminal."""
+def progress(description: str, total: int | None, rate: str | None = None) -> Iterator:
+    """A rich progress bar; yields an object with `advance(n, count=0)`. With `rate` (a unit, e.g.
+    "tokens") it also shows the `count`s advanced per second. Disabled off a terminal."""
     if not progress_enabled():
         yield _NullTask()
         return
@@ -58,15 +74,19 @@ def progress(description: str, total: int | None) -> Iterator:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        *([_RateColumn(rate)] if rate else []),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=console, transient=False) as bar:
-        task_id = bar.add_task(description, total=total)
+        task_id = bar.add_task(description, total=total, count=0)
 
         class _Task:
-            def advance(self, n: int = 1) -> None:
-                bar.advance(task_id, n)
+            counted = 0
+
+            def advance(self, n: int = 1, count: int = 0) -> None:
+                self.counted += count
+                bar.update(task_id, advance=n, count=self.counted)
 
         yield _Task()
 

@@ -18,6 +18,25 @@ def _coverage(by_size: dict) -> str:
                      sorted(by_size.items(), key=lambda kv: int(kv[0])))
 
 
+def print_regenerate_summary(result) -> None:
+    meta, counts = result.meta, result.meta["counts"]
+    engine = meta["engine"]
+    parts = f"{result.computed_parts} computed, {result.reused_parts} reused"
+    summary("regenerate", [
+        ("output", f"{result.output}" + (" (already complete)" if result.already_complete else "")),
+        ("records written", f"{counts['records_written']} of {counts['records_read']} read ({parts} chunks)"),
+        ("skipped", _skipped(counts["skipped"])),
+        ("turns answered", counts["turns_answered"]),
+        ("cut at the length limit", f"{counts['answers_cut_by_length']} answers (finish_reason \"length\")"),
+        ("ended early", _skipped(counts["conversations_ended_early"])),
+        ("tokens generated", counts["tokens_generated"]),
+        ("tokens/s", f"{meta['tokens_per_second']:.1f}"),
+        ("engine", f"{engine['name']} {engine.get('version') or ''}".rstrip() + f", {meta['dtype']}"),
+        ("provenance", f"{result.output}.meta.json"),
+        ("time", f"{result.seconds:.1f} s"),
+    ])
+
+
 def print_vocab_map_summary(result) -> None:
     meta, tok = result.vocab_map.metadata, result.tokens.metadata
     summary("build-vocab-map", [

@@ -12,7 +12,7 @@ from spec_cli.cli import main
 from tests import tiny
 from tests.conftest import write_jsonl
 
-STAGES = ["assets", "build-vocab-map", "precompute", "train", "export", "eval", "serve-target", "inspect",
+STAGES = ["assets", "regenerate", "build-vocab-map", "precompute", "train", "export", "eval", "serve-target", "inspect",
           "demo"]
 
 

@@ -4,6 +4,10 @@ Shapes accepted:
 - ShareGPT: {"conversations": [{"from": "human"|"gpt"|..., "value": str}, ...]}
 - OpenAI-style: {"messages": [{"role": "user"|"assistant"|..., "content": str | [parts]}, ...]}
 - plain text: {"text": str}  (every token supervised)
+
+An assistant message may carry `"finish_reason": "length"` (written by `spec regenerate` when the
+answer was cut at the length limit): it is kept, and the loss mask then leaves out the end-of-turn
+token the model never emitted.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
-def normalise(record: dict) -> tuple[str, Any]:
-    """("chat", messages) | ("text", str) | ("skip", reason)."""
+def normalise(record: dict, require_assistant: bool = True) -> tuple[str, Any]:
+    """("chat", messages) | ("text", str) | ("skip", reason). `require_assistant=False` keeps chats
+    without an assistant turn (prompts for `spec regenerate`)."""
     turns = None
     if record.get("conversations") is not None:
         turns, role_key, text_key = record["conversations"], "from", "value"
@@ -109,9 +114,12 @@ def normalise(record: dict) -> tuple[str, Any]:
         text = _content_text(content)
         if role is None or text is None:
             return "skip", MALFORMED
-        messages.append({"role": role, "content": text})
+        message = {"role": role, "content": text}
+        if role == "assistant" and turn.get("finish_reason") in ("stop", "length"):
+            message["finish_reason"] = turn["finish_reason"]
+        messages.append(message)
     if not any(m["content"].strip() for m in messages):
         return "skip", EMPTY
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return "skip", NO_ASSISTANT
     return "chat", messages

@@ -7,6 +7,8 @@ The supervised text is derived from the template itself, never from role strings
   Inside it, the message text is supervised plus everything up to and including the first special
   token after it (the end-of-turn token the model must emit). Template scaffolding before the text
   (role headers, empty think blocks) and after the end-of-turn token stays unsupervised.
+An assistant message with `"finish_reason": "length"` was cut at a length limit: the model never
+emitted its end-of-turn token, so only its text is supervised (with either rule above).
 Character spans are mapped to tokens with the fast tokenizer's offset mapping.
 """
 
@@ -31,6 +33,11 @@ def special_token_strings(tokenizer) -> list[str]:
     tokens = {tok.content for tok in tokenizer.added_tokens_decoder.values() if tok.special}
     tokens |= set(tokenizer.all_special_tokens)
     return sorted((t for t in tokens if t), key=len, reverse=True)
+
+
+def cut_at_length(message: dict) -> bool:
+    """An answer cut at the length limit: the template closes it with a token the model never emitted."""
+    return message.get("finish_reason") == "length"
 
 
 def _first_special(text: str, start: int, end: int, specials: list[str]) -> tuple[int, int] | None:
@@ -72,7 +79,7 @@ def assistant_spans(tokenizer, messages: list[dict], full: str,
             text = ""
         end = start + len(text)
         eot = _first_special(full, end, region[1], specials)
-        if eot is not None:
+        if eot is not None and not cut_at_length(message):
             end = eot[1]
         spans.append((start, end))
         cursor = end
@@ -88,6 +95,22 @@ def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.nd
     return mask
 
 
+def _unmask_unemitted_eot(tokenizer, messages: list[dict], ids: np.ndarray, mask: np.ndarray) -> None:
+    """Generation-marker masks: run k of supervised tokens is assistant message k. Where that message
+    was cut at the length limit, drop the run's last token when it is a special token (the end-of-turn
+    token the template adds). Left as is when the runs do not line up with the messages."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # run k: [starts[k], ends[k])
+    answers = [m for m in messages if m["role"] == "assistant"]
+    if len(starts) != len(answers):
+        return
+    special_ids = set(tokenizer.all_special_ids) | {
+        i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    for message, end in zip(answers, ends):
+        if cut_at_length(message) and int(ids[end - 1]) in special_ids:
+            mask[end - 1] = 0
+
+
 def has_generation_markers(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace(
@@ -99,8 +122,11 @@ def encode_chat(tokenizer, messages: list[dict], specials: list[str]) -> tuple[n
     if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        return (np.asarray(out["input_ids"], dtype=np.int32),
-                np.asarray(out["assistant_masks"], dtype=np.uint8))
+        ids = np.asarray(out["input_ids"], dtype=np.int32)
+        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        if any(cut_at_length(m) for m in messages if m["role"] == "assistant"):
+            _unmask_unemitted_eot(tokenizer, messages, ids, mask)
+        return ids, mask
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, specials)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

@@ -24,7 +24,7 @@ from spec_cli.errors import DataError
 from spec_cli.paths import spec_home
 
 # Bump when the masking or truncation rules change: old caches are then not reused.
-TOKENIZE_VERSION = "1"
+TOKENIZE_VERSION = "2"  # 2: answers cut at the length limit do not supervise the end-of-turn token
 CHUNK = 256  # records per work item
 
 # Worker state (set in the parent before forking, or by the pool initializer).

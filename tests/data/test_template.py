@@ -68,6 +68,30 @@ def test_templates_that_trim_content_supervise_the_trimmed_text(tokenizers, fami
     assert supervised_runs(tokenizer, ids, mask) == ["the code" + tiny.TEMPLATES[family][4]]
 
 
+@pytest.mark.parametrize("family", list(tiny.TEMPLATES))
+def test_an_answer_cut_at_the_length_limit_does_not_supervise_its_end_of_turn(tokenizers, family):
+    """`spec regenerate` marks an answer the length limit cut with finish_reason "length": the model never
+    emitted the end-of-turn token the template closes it with, so only its text is supervised."""
+    tokenizer = tokenizers[family]
+    eot = tiny.TEMPLATES[family][4]
+    specials = special_token_strings(tokenizer)
+    rng = random.Random(5)
+    messages = conversation(rng, 3, system=False)
+    messages[1]["finish_reason"] = "stop"  # finished answers supervise their end-of-turn token as before
+    plain = encode_record(tokenizer, {"messages": [dict(m) for m in messages]}, 4096, specials)
+    messages[-1]["finish_reason"] = "length"
+    ids, mask = encode_record(tokenizer, {"messages": messages}, 4096, specials)
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert supervised_runs(tokenizer, ids, mask) == [answers[0] + eot, answers[1] + eot, answers[2]]
+    assert ids.tolist() == plain[0].tolist()  # the same tokens; one supervised token fewer
+    assert int(plain[1].sum()) - int(mask.sum()) == 1
+    # a cut in the middle of a conversation too (each answer is handled on its own)
+    messages[-1].pop("finish_reason")
+    messages[3]["finish_reason"] = "length"
+    ids, mask = encode_record(tokenizer, {"messages": messages}, 4096, specials)
+    assert supervised_runs(tokenizer, ids, mask) == [answers[0] + eot, answers[1], answers[2] + eot]
+
+
 def test_think_block_scaffolding_is_not_supervised(tokenizers):
     tokenizer = tokenizers["qwen3-think"]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer"}]
