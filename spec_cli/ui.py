@@ -106,6 +106,10 @@ def print_demo_summary(result) -> None:
         rows.append(("acceptance length", f"{result.acceptance_length:.2f} tokens per target forward "
                                           f"(MT-bench, greedy, chain {p.eval_depth})"))
         rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run)"))
+    if result.heldout_acceptance_length is not None:
+        rows.append(("held-out prompts", f"acceptance length {result.heldout_acceptance_length:.2f}, speed-up "
+                                         f"{result.heldout_speedup:.2f}x ({result.profile.heldout_prompts} "
+                                         "ShareGPT conversations the draft never saw)"))
     if result.eval_json is not None:
         rows.append(("eval report", str(result.eval_json)))
     if result.serve_command:

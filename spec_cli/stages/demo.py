@@ -1,9 +1,11 @@
 """`spec demo`: every stage on the built-in assets (SmolLM2-135M target, ShareGPT, MT-bench).
 
-assets -> build-vocab-map -> precompute -> train (bounded time) -> export (vLLM, self-checked) -> eval.
+assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy) -> build-vocab-map ->
+precompute -> train (a fixed number of steps) -> export (vLLM, self-checked) -> eval on MT-bench ->
+eval on held-out ShareGPT prompts (conversations the draft never saw).
 Each stage writes into one demo folder and is skipped when its artifact is already complete, so a
-rerun (or a run after Ctrl-C) picks up where the last one stopped: precompute keeps its verified
-shards, train resumes from its latest checkpoint.
+rerun (or a run after Ctrl-C) picks up where the last one stopped: regenerate keeps its finished
+parts, precompute its verified shards, train resumes from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from pathlib import Path
 from spec_cli import assets
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts import feature_cache as fc
-from spec_cli.artifacts.io import write_json
+from spec_cli.artifacts.io import atomic_path, write_json
 from spec_cli.console import info
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.paths import spec_home
 
 DEMO_JSON = "demo.json"
+STAGES = 8
 
 
 @dataclass(frozen=True)
@@ -30,31 +33,34 @@ class Profile:
     """Sizes chosen so that the whole demo fits its time on 2 CPU cores (a GPU finishes far sooner)."""
 
     name: str
-    samples: int  # ShareGPT conversations precomputed
+    samples: int  # ShareGPT conversations the target answers itself (regenerate), then trained on
     max_length: int  # tokens per conversation
+    regen_max_new_tokens: int  # tokens per regenerated answer at most
     draft_vocab_size: int
     ttt_steps: int
     batch_tokens: int  # packed rows of this many tokens per optimizer step
     epochs: float
     lr: float
-    train_minutes: float  # what training took on 2 quiet CPU cores (help text); the schedule is in epochs
     eval_prompts: int  # MT-bench questions (both turns), spread over the categories
     eval_max_new_tokens: int
+    heldout_prompts: int  # ShareGPT conversations after the regenerated ones (first two user turns)
+    expected_minutes: float  # the whole demo on 2 quiet CPU cores (help text)
     eval_depth: int = 3
 
     def describe(self) -> str:
-        return (f"{self.samples} conversations x {self.max_length} tokens, Vd {self.draft_vocab_size}, "
-                f"TTT {self.ttt_steps}, {self.epochs:g} epochs (~{self.train_minutes:g} min on 2 cores), eval on "
-                f"{self.eval_prompts} MT-bench questions")
+        return (f"{self.samples} ShareGPT prompts answered by the target itself (<= {self.max_length} tokens "
+                f"each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.epochs:g} epochs, eval on "
+                f"{self.eval_prompts} MT-bench questions and {self.heldout_prompts} held-out ShareGPT "
+                f"conversations (~{self.expected_minutes:g} min on 2 cores)")
 
 
 PROFILES = {
-    "quick": Profile("quick", samples=120, max_length=256, draft_vocab_size=4096, ttt_steps=3,
-                     batch_tokens=2048, epochs=3.0, lr=1e-3, train_minutes=2.0, eval_prompts=4,
-                     eval_max_new_tokens=32),
-    "full": Profile("full", samples=1200, max_length=256, draft_vocab_size=8192, ttt_steps=3,
-                    batch_tokens=2048, epochs=2.0, lr=1e-3, train_minutes=18.0, eval_prompts=8,
-                    eval_max_new_tokens=64),
+    "quick": Profile("quick", samples=120, max_length=256, regen_max_new_tokens=192, draft_vocab_size=4096,
+                     ttt_steps=3, batch_tokens=2048, epochs=3.0, lr=1e-3, eval_prompts=4,
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8),
+    "full": Profile("full", samples=1200, max_length=256, regen_max_new_tokens=192, draft_vocab_size=8192,
+                    ttt_steps=3, batch_tokens=2048, epochs=2.0, lr=1e-3, eval_prompts=8,
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=45),
 }
 
 
@@ -93,6 +99,8 @@ class DemoResult:
     warnings: list[str] = field(default_factory=list)
     acceptance_length: float | None = None
     speedup: float | None = None
+    heldout_acceptance_length: float | None = None
+    heldout_speedup: float | None = None
     train_steps: str = ""
     eval_json: Path | None = None
     serve_command: str = ""
@@ -112,7 +120,7 @@ def run(cfg: DemoConfig) -> DemoResult:
 
     def stage(name: str, artifact: Path, work) -> None:
         t0 = time.perf_counter()
-        info(f"[{len(result.stages) + 1}/6] {name}")
+        info(f"[{len(result.stages) + 1}/{STAGES}] {name}")
         status = work()
         seconds = time.perf_counter() - t0
         if status == "reused" and name in earlier:  # keep the real time and result of the run that made it
@@ -125,16 +133,21 @@ def run(cfg: DemoConfig) -> DemoResult:
 
     found: dict = {}
     stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
+    data = folder / "regenerated.jsonl"
+    stage("regenerate", data, lambda: _regenerate(cfg, profile, found, data))
     vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
-    stage("build-vocab-map", vocab_map, lambda: _vocab_map(profile, found, vocab_map))
+    stage("build-vocab-map", vocab_map, lambda: _vocab_map(profile, found, data, vocab_map))
     cache = folder / "cache"
-    stage("precompute", cache, lambda: _precompute(cfg, profile, found, vocab_map, cache))
+    stage("precompute", cache, lambda: _precompute(cfg, profile, found, data, vocab_map, cache))
     run_dir = folder / "run"
     stage("train", run_dir, lambda: _train(cfg, profile, vocab_map, cache, run_dir, result))
     export_dir = folder / "export-vllm"
     stage("export", export_dir, lambda: _export(run_dir, export_dir, found, result))
     eval_dir = folder / "eval"
     stage("eval", eval_dir, lambda: _eval(cfg, profile, found, export_dir, eval_dir, result))
+    heldout_dir = folder / "eval-heldout"
+    stage("eval-heldout", heldout_dir, lambda: _eval(cfg, profile, found, export_dir, heldout_dir, result,
+                                                     heldout=_heldout_prompts(profile, found, data, folder)))
     result.seconds = time.perf_counter() - start
     _record(folder, profile, result)
     return result
@@ -147,7 +160,51 @@ def _assets(cfg: DemoConfig, found: dict) -> str:
     return "ready"
 
 
-def _vocab_map(profile: Profile, found: dict, path: Path) -> str:
+def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> str:
+    from spec_cli.stages import regenerate
+    from spec_cli.ui import print_regenerate_summary
+
+    outcome = regenerate.run(regenerate.RegenerateConfig(
+        target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path, temperature=0.0,
+        max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
+        max_samples=profile.samples, device=cfg.device, dtype=cfg.dtype))
+    if outcome.already_complete:
+        return "reused"
+    print_regenerate_summary(outcome)
+    return "resumed" if outcome.reused_parts else "ran"
+
+
+def _heldout_prompts(profile: Profile, found: dict, data: Path, folder: Path) -> Path:
+    """ShareGPT conversations after the last one regenerated (the draft never saw them), first two
+    user turns each, written once into the demo folder."""
+    from spec_cli.data import records
+
+    path = folder / "heldout.jsonl"
+    if path.is_file():
+        return path
+    used = max((json.loads(line).get("source_index", -1) for line in data.read_text().splitlines()
+                if line.strip()), default=-1)
+    chosen = []
+    with open(found["sharegpt"], encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if index <= used or not line.strip():
+                continue
+            kind, messages = records.normalise(json.loads(line))
+            if kind != "chat":
+                continue
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users or messages[users[0]]["content"].strip() == "":
+                continue
+            end = users[2] if len(users) > 2 else len(messages)
+            chosen.append(json.dumps({"messages": messages[:end], "source_index": index}, ensure_ascii=False))
+            if len(chosen) == profile.heldout_prompts:
+                break
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in chosen), encoding="utf-8")
+    return path
+
+
+def _vocab_map(profile: Profile, found: dict, data: Path, path: Path) -> str:
     from spec_cli.artifacts.vocab_map import load_vocab_map
     from spec_cli.stages import build_vocab_map
     from spec_cli.ui import print_vocab_map_summary
@@ -159,20 +216,21 @@ def _vocab_map(profile: Profile, found: dict, path: Path) -> str:
         except SpecError:
             pass  # unreadable or stale: build it again (written atomically over it)
     result = build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-        target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path,
+        target=str(found["smollm2"]), data=str(data), output=path,
         draft_vocab_size=profile.draft_vocab_size, max_length=profile.max_length, num_proc=2))
     print_vocab_map_summary(result)
     return "ran"
 
 
-def _precompute(cfg: DemoConfig, profile: Profile, found: dict, vocab_map: Path, cache: Path) -> str:
+def _precompute(cfg: DemoConfig, profile: Profile, found: dict, data: Path, vocab_map: Path,
+                cache: Path) -> str:
     from spec_cli.stages import precompute
     from spec_cli.ui import print_precompute_summary
 
     partial = cache.is_dir() and any(cache.iterdir())
     result = precompute.run(precompute.PrecomputeConfig(
-        target=str(found["smollm2"]), data=str(found["sharegpt"]), vocab_map=vocab_map, output=cache,
-        max_length=profile.max_length, max_samples=profile.samples, batch_tokens=8192, num_proc=2,
+        target=str(found["smollm2"]), data=str(data), vocab_map=vocab_map, output=cache,
+        max_length=profile.max_length, batch_tokens=8192, num_proc=2,
         device=cfg.device, dtype=cfg.dtype, resume=True))
     if result.computed_shards == 0 and (cache / fc.MANIFEST).is_file() and partial:
         return "reused"
@@ -224,29 +282,37 @@ def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) ->
 
 
 def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
-          result: DemoResult) -> str:
+          result: DemoResult, heldout: Path | None = None) -> str:
+    """MT-bench, or with `heldout` those prompts (the second eval row of the demo's table)."""
     from spec_cli.eval.report import print_table
     from spec_cli.stages import eval as evaluate
 
-    mt_bench = str(found["mt-bench"])
+    prompts = str(heldout) if heldout is not None else str(found["mt-bench"])
+    count = profile.heldout_prompts if heldout is not None else profile.eval_prompts
     settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
-                "num_prompts": profile.eval_prompts, "prompts": mt_bench}
+                "num_prompts": count, "prompts": prompts}
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
-    result.eval_json = report
+
+    def keep(overall: dict) -> None:
+        if heldout is not None:
+            result.heldout_acceptance_length, result.heldout_speedup = overall["acceptance_length"], \
+                overall["speedup"]
+        else:
+            result.eval_json = report
+            result.acceptance_length, result.speedup = overall["acceptance_length"], overall["speedup"]
+
     if report.is_file():
         done = json.loads(report.read_text())
         if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
-            result.acceptance_length = done["overall"]["acceptance_length"]
-            result.speedup = done["overall"]["speedup"]
+            keep(done["overall"])
             return "reused"
     outcome = evaluate.run(evaluate.EvalConfig(
-        target=str(found["smollm2"]), draft=export_dir, prompts=mt_bench, output=eval_dir,
+        target=str(found["smollm2"]), draft=export_dir, prompts=prompts, output=eval_dir,
         depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
-        num_prompts=profile.eval_prompts, device=cfg.device, dtype=cfg.dtype))
+        num_prompts=count, device=cfg.device, dtype=cfg.dtype))
     print_table(outcome)
-    result.acceptance_length = outcome.overall["acceptance_length"]
-    result.speedup = outcome.overall["speedup"]
+    keep(outcome.overall)
     return "ran"
 
 
@@ -297,4 +363,5 @@ def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
         "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1),
                     "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
+        "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
         "seconds": round(result.seconds, 1)})

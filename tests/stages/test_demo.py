@@ -14,8 +14,9 @@ from spec_cli.stages import demo
 from tests import tiny
 from tests.conftest import write_jsonl
 
-TINY = demo.Profile("quick", samples=24, max_length=64, draft_vocab_size=96, ttt_steps=2, batch_tokens=256,
-                    epochs=1.0, lr=3e-3, train_minutes=10.0, eval_prompts=2, eval_max_new_tokens=6,
+TINY = demo.Profile("quick", samples=24, max_length=64, regen_max_new_tokens=12, draft_vocab_size=96,
+                    ttt_steps=2, batch_tokens=256, epochs=1.0, lr=3e-3, eval_prompts=2, eval_max_new_tokens=6,
+                    heldout_prompts=2, expected_minutes=1,
                     eval_depth=2)
 
 
@@ -46,8 +47,23 @@ def statuses(folder) -> dict:
 def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "-o", str(out)]) == 0
-    assert statuses(out) == {"assets": "ready", "build-vocab-map": "ran", "precompute": "ran", "train": "ran",
-                             "export": "ran", "eval": "ran"}
+    assert statuses(out) == {"assets": "ready", "regenerate": "ran", "build-vocab-map": "ran",
+                             "precompute": "ran", "train": "ran", "export": "ran", "eval": "ran",
+                             "eval-heldout": "ran"}
+    # the draft trains on what the target itself answered: every record of the regenerated file
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(regenerated) == TINY.samples
+    assert all(m["role"] in ("system", "user", "assistant") for r in regenerated for m in r["messages"])
+    manifest = json.loads((out / "cache" / "manifest.json").read_text())
+    assert str(out / "regenerated.jsonl") in json.dumps(manifest)
+    # the held-out prompts come after every regenerated conversation, and are reported on their own
+    heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert len(heldout) == TINY.heldout_prompts
+    assert min(r["source_index"] for r in heldout) > max(r["source_index"] for r in regenerated)
+    held_report = json.loads((out / "eval-heldout" / "eval.json").read_text())
+    assert held_report["settings"]["prompts"] == str(out / "heldout.jsonl")
+    assert record(out)["heldout"]["acceptance_length"] == pytest.approx(
+        held_report["overall"]["acceptance_length"])
     # the export is what vLLM loads: its config names the draft vocab and the checkpoint it came from
     config = json.loads((out / "export-vllm" / "config.json").read_text())
     latest = ckpt.latest_checkpoint(out / "run")
@@ -67,8 +83,9 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     first = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert first["train"]["status"] == "ran" and first["train"]["seconds"] > 0
     assert main(["demo", "--quick", "-o", str(out)]) == 0
-    assert statuses(out) == {"assets": "ready", "build-vocab-map": "reused", "precompute": "reused",
-                             "train": "reused", "export": "reused", "eval": "reused"}
+    assert statuses(out) == {"assets": "ready", "regenerate": "reused", "build-vocab-map": "reused",
+                             "precompute": "reused", "train": "reused", "export": "reused", "eval": "reused",
+                             "eval-heldout": "reused"}
     # the rerun keeps each stage's real time and result from the run that produced it
     again = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert {k: v for k, v in again.items() if k != "assets"} == {k: v for k, v in first.items() if k != "assets"}
@@ -105,3 +122,10 @@ def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is not empty and holds no demo.json" in err and "new or empty folder" in err
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_help_states_both_profiles_expected_durations(capsys):
+    assert main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    quick, full = demo.PROFILES["quick"].expected_minutes, demo.PROFILES["full"].expected_minutes
+    assert f"--quick about {quick:g} minutes" in text and f"the default about {full:g}" in text
