@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import click
 import typer
@@ -15,9 +16,12 @@ from spec_cli import __version__
 from spec_cli.config import apply_config_file
 from spec_cli.console import err_console, set_quiet
 from spec_cli.errors import ConfigError, SpecError
+from spec_cli.help import (CHECKPOINTS, CHECKS, DATA, DECODING, DRAFT, GENERATION, INPUTS, LIMITS, OBJECTIVE,
+                           OPTIMISATION, RUNTIME, SERVER, TARGET, Command, Group)
 
 app = typer.Typer(
     name="spec",
+    cls=Group,
     help="Train EAGLE-3 speculative-decoding drafts for a target LLM and export them for vLLM/SGLang.",
     no_args_is_help=True,
     add_completion=False,
@@ -26,33 +30,48 @@ app = typer.Typer(
 )
 
 # ----------------------------------------------------------------------------- shared options
+# Each in the --help panel it belongs to (spec_cli.help); `in_panel` shows one in another.
 
 Config = Annotated[Optional[Path], typer.Option(
     "--config", help="YAML file of option values (keys are option names); flags win over it.",
     is_eager=True, callback=apply_config_file, exists=False, dir_okay=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
 Target = Annotated[str, typer.Option(
-    "--target", "-t", help="Target model: a transformers folder, a .gguf file, or `smollm2` (built-in).")]
+    "--target", "-t", help="Target model: a transformers folder, a .gguf file, or `smollm2` (built-in).",
+    rich_help_panel=INPUTS)]
 Data = Annotated[str, typer.Option(
     "--data", "-d", help="Chat data: .jsonl/.json/.parquet, a saved `datasets` folder, or `sharegpt` "
-                         "(built-in). ShareGPT `conversations`, OpenAI `messages`, or plain `text`.")]
+                         "(built-in). ShareGPT `conversations`, OpenAI `messages`, or plain `text`.",
+    rich_help_panel=INPUTS)]
 MaxLength = Annotated[int, typer.Option(
-    "--max-length", help="Truncate each conversation to this many tokens.", min=2)]
+    "--max-length", help="Truncate each conversation to this many tokens.", min=2, rich_help_panel=DATA)]
 NumProc = Annotated[int, typer.Option(
-    "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1)]
+    "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1, rich_help_panel=DATA)]
 VocabMap = Annotated[Path, typer.Option(
-    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.")]
+    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.", rich_help_panel=INPUTS)]
 AuxLayers = Annotated[Optional[str], typer.Option(
     "--aux-layers", help="Three target layers the draft reads, as 0-indexed layer OUTPUTS "
-                         "(e.g. 1,14,26). Default: 1, N//2-1, N-4 for an N-layer target.")]
+                         "(e.g. 1,14,26). Default: 1, N//2-1, N-4 for an N-layer target.",
+    rich_help_panel=INPUTS)]
 Device = Annotated[Optional[str], typer.Option(
-    "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.")]
+    "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option(
-    "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.")]
+    "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.", rich_help_panel=RUNTIME)]
 TargetEngine = Annotated[str, typer.Option(
     "--target-engine", help="transformers or vllm (the `vllm` extra): what runs a live target. The "
                             "supervision is the same either way (fp32 rounding), and so is the identity "
-                            "of what it makes.")]
+                            "of what it makes.", rich_help_panel=RUNTIME)]
+
+
+def in_panel(panel: str, option):
+    """One of the shared options above, shown in another --help panel than its own."""
+    kind, info = get_args(option)
+    info = copy.copy(info)
+    info.rich_help_panel = panel
+    return Annotated[kind, info]
+
+
+DraftAuxLayers = in_panel(DRAFT, AuxLayers)  # train: the layers are part of the draft's design
 
 
 def parse_duration(text: str | None, option: str) -> float | None:
@@ -101,7 +120,7 @@ def _root(version: Annotated[bool, typer.Option(
 
 # ----------------------------------------------------------------------------- commands
 
-@app.command("assets")
+@app.command("assets", cls=Command)
 def assets_cmd(config: Config = None, quiet: Quiet = False,
                no_install: Annotated[bool, typer.Option(
                    "--no-install", help="Only find the assets; fail instead of pip-installing.")] = False):
@@ -117,40 +136,46 @@ def assets_cmd(config: Config = None, quiet: Quiet = False,
              ("mt-bench (prompts)", found["mt-bench"])])
 
 
-@app.command("regenerate")
+@app.command("regenerate", cls=Command)
 def regenerate_cmd(
     target: Target,
     data: Data,
     output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Chat data file to write (.jsonl), with OUT.meta.json (provenance) beside it.")],
+        "--output", "-o", help="Chat data file to write (.jsonl), with OUT.meta.json (provenance) beside it.",
+        rich_help_panel=INPUTS)],
     temperature: Annotated[float, typer.Option(
         "--temperature", help="0: greedy; > 0: sampled, each answer from its own generator seeded by "
-                              "(--seed, record, turn), so reruns and resumes give the same file.", min=0.0)] = 0.0,
+                              "(--seed, record, turn), so reruns and resumes give the same file.", min=0.0,
+        rich_help_panel=GENERATION)] = 0.0,
     top_p: Annotated[float, typer.Option(
         "--top-p", help="Sample from the most probable ids holding this much probability (1: all).",
-        min=0.0, max=1.0)] = 1.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling (temperature > 0).")] = 0,
+        min=0.0, max=1.0, rich_help_panel=GENERATION)] = 1.0,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed for sampling (temperature > 0).", rich_help_panel=GENERATION)] = 0,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", help="Tokens per answer at most; an answer cut there is marked "
-                                 "finish_reason \"length\" and ends its conversation.", min=1)] = 512,
+                                 "finish_reason \"length\" and ends its conversation.", min=1,
+        rich_help_panel=GENERATION)] = 512,
     max_length: MaxLength = 2048,
     max_samples: Annotated[Optional[int], typer.Option(
-        "--max-samples", help="Answer only the first N usable records. Default: all.", min=1)] = None,
+        "--max-samples", help="Answer only the first N usable records. Default: all.", min=1,
+        rich_help_panel=DATA)] = None,
     batch_size: Annotated[Optional[int], typer.Option(
         "--batch-size", help="Sequences per generation batch at most (vLLM: sequences it runs at once). "
-                             "Default: as --batch-tokens allows.", min=1)] = None,
+                             "Default: as --batch-tokens allows.", min=1, rich_help_panel=RUNTIME)] = None,
     batch_tokens: Annotated[int, typer.Option(
         "--batch-tokens", help="transformers: bound on B x (padded prompt + new tokens) per batch "
-                               "(length-sorted).", min=1)] = 16384,
+                               "(length-sorted).", min=1, rich_help_panel=RUNTIME)] = 16384,
     chunk_size: Annotated[int, typer.Option(
-        "--chunk-size", help="Records per part file (the unit of resume).", min=1)] = 128,
+        "--chunk-size", help="Records per part file (the unit of resume).", min=1, rich_help_panel=RUNTIME)] = 128,
     engine: Annotated[str, typer.Option(
-        "--engine", help="transformers or vllm (the `vllm` extra): what runs the target.")] = "transformers",
+        "--engine", help="transformers or vllm (the `vllm` extra): what runs the target.",
+        rich_help_panel=RUNTIME)] = "transformers",
     device: Device = None,
     dtype: Dtype = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an -o made from other inputs or settings (or an unfinished run of "
-                            "them) instead of refusing.")] = False,
+                            "them) instead of refusing.", rich_help_panel=INPUTS)] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -168,13 +193,15 @@ def regenerate_cmd(
     print_regenerate_summary(result)
 
 
-@app.command("build-vocab-map")
+@app.command("build-vocab-map", cls=Command)
 def build_vocab_map_cmd(
     target: Target,
     data: Data,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Vocab map file to write (.safetensors).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Vocab map file to write (.safetensors).", rich_help_panel=INPUTS)],
     draft_vocab_size: Annotated[int, typer.Option(
-        "--draft-vocab-size", help="Draft vocabulary size Vd (the most frequent supervised ids).")] = 32000,
+        "--draft-vocab-size", help="Draft vocabulary size Vd (the most frequent supervised ids).",
+        rich_help_panel=DRAFT)] = 32000,
     max_length: MaxLength = 2048,
     num_proc: NumProc = 1,
     config: Config = None,
@@ -191,31 +218,36 @@ def build_vocab_map_cmd(
     print_vocab_map_summary(result)
 
 
-@app.command("precompute")
+@app.command("precompute", cls=Command)
 def precompute_cmd(
     target: Target,
     data: Data,
     vocab_map: VocabMap,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Feature cache folder to write.")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Feature cache folder to write.", rich_help_panel=INPUTS)],
     encoding: Annotated[str, typer.Option(
         "--encoding", help="hidden: aux + final hidden states (small; supervision rebuilt at load); "
-                           "probs: aux states + target probabilities over the draft vocab.")] = "hidden",
+                           "probs: aux states + target probabilities over the draft vocab.",
+        rich_help_panel=INPUTS)] = "hidden",
     aux_layers: AuxLayers = None,
     batch_tokens: Annotated[int, typer.Option(
         "--batch-tokens", help="Bound on B x padded length per target batch (length-bucketed).",
-        min=1)] = 8192,
+        min=1, rich_help_panel=RUNTIME)] = 8192,
     shard_tokens: Annotated[int, typer.Option(
-        "--shard-tokens", help="Real tokens per shard file (the unit of resume).", min=1)] = 65536,
+        "--shard-tokens", help="Real tokens per shard file (the unit of resume).", min=1,
+        rich_help_panel=RUNTIME)] = 65536,
     max_length: MaxLength = 2048,
     max_samples: Annotated[Optional[int], typer.Option(
-        "--max-samples", help="Use only the first N usable samples. Default: all.", min=1)] = None,
+        "--max-samples", help="Use only the first N usable samples. Default: all.", min=1,
+        rich_help_panel=DATA)] = None,
     num_proc: NumProc = 1,
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
-                                     "--no-resume deletes the folder's cache and starts over.")] = True,
+                                     "--no-resume deletes the folder's cache and starts over.",
+        rich_help_panel=INPUTS)] = True,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -233,100 +265,127 @@ def precompute_cmd(
     print_precompute_summary(result)
 
 
-@app.command("train")
+@app.command("train", cls=Command)
 def train_cmd(
     vocab_map: VocabMap,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder (checkpoints, logs, plot).")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Run folder (checkpoints, logs, plot).", rich_help_panel=INPUTS)],
     cache: Annotated[Optional[Path], typer.Option(
-        "--cache", help="Feature cache from `spec precompute` (no target needed).")] = None,
+        "--cache", help="Feature cache from `spec precompute` (no target needed).", rich_help_panel=INPUTS)] = None,
     target: Annotated[Optional[str], typer.Option(
         "--target", "-t", help="Live target instead of a cache: a transformers folder, a .gguf "
-                               "file, or `smollm2`. Needs --data.")] = None,
+                               "file, or `smollm2`. Needs --data.", rich_help_panel=TARGET)] = None,
     data: Annotated[Optional[str], typer.Option(
-        "--data", "-d", help="Chat data for a live --target or --remote (as in build-vocab-map).")] = None,
+        "--data", "-d", help="Chat data for a live --target or --remote (as in build-vocab-map).",
+        rich_help_panel=TARGET)] = None,
     remote: Annotated[Optional[str], typer.Option(
-        "--remote", help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.")] = None,
+        "--remote", help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.",
+        rich_help_panel=TARGET)] = None,
     token: Annotated[Optional[str], typer.Option(
         "--token", envvar="SPEC_SERVE_TOKEN", help="--remote: the servers' token. Default: "
-                                                  "$SPEC_SERVE_TOKEN.")] = None,
+                                                  "$SPEC_SERVE_TOKEN.", rich_help_panel=TARGET)] = None,
     prefetch: Annotated[int, typer.Option(
         "--prefetch", help="--remote: requests in flight per client; --stream: batches the target "
-                           "runs ahead of the trainer.", min=0)] = 2,
+                           "runs ahead of the trainer.", min=0, rich_help_panel=TARGET)] = 2,
     stream: Annotated[bool, typer.Option(
         "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
-                         "trainer through a bounded store (same results as without).")] = False,
+                         "trainer through a bounded store (same results as without).",
+        rich_help_panel=TARGET)] = False,
     stream_max_bytes: Annotated[str, typer.Option(
         "--stream-max-bytes", help="--stream: supervision the store may hold (e.g. 512M, 4G, or bytes); "
-                                   "producers wait beyond it.")] = "4G",
+                                   "producers wait beyond it.", rich_help_panel=TARGET)] = "4G",
     stream_dir: Annotated[Optional[Path], typer.Option(
         "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
-                             "end) instead of in memory.", file_okay=False)] = None,
-    ttt_steps: Annotated[int, typer.Option("--ttt-steps", help="TTT unroll depth.", min=1)] = 7,
+                             "end) instead of in memory.", file_okay=False, rich_help_panel=TARGET)] = None,
+    ttt_steps: Annotated[int, typer.Option(
+        "--ttt-steps", help="TTT unroll depth.", min=1, rich_help_panel=OBJECTIVE)] = 7,
     step_weight: Annotated[float, typer.Option(
-        "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).")] = 0.8,
+        "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).",
+        rich_help_panel=OBJECTIVE)] = 0.8,
     loss: Annotated[str, typer.Option(
-        "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).")] = "soft-ce",
-    lk_kl_scale: Annotated[float, typer.Option("--lk-kl-scale", help="lk-lambda: KL weight scale.")] = 1.0,
-    lk_kl_decay: Annotated[float, typer.Option("--lk-kl-decay", help="lk-lambda: KL weight decay.")] = 1.0,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).")] = 2e-4,
+        "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
+        rich_help_panel=OBJECTIVE)] = "soft-ce",
+    lk_kl_scale: Annotated[float, typer.Option(
+        "--lk-kl-scale", help="lk-lambda: KL weight scale.", rich_help_panel=OBJECTIVE)] = 1.0,
+    lk_kl_decay: Annotated[float, typer.Option(
+        "--lk-kl-decay", help="lk-lambda: KL weight decay.", rich_help_panel=OBJECTIVE)] = 1.0,
+    lr: Annotated[float, typer.Option(
+        "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", rich_help_panel=OPTIMISATION)] = 2e-4,
     min_lr_ratio: Annotated[float, typer.Option(
-        "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.")] = 0.0,
+        "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.", rich_help_panel=OPTIMISATION)] = 0.0,
     warmup_ratio: Annotated[float, typer.Option(
-        "--warmup-ratio", help="Linear warmup as a fraction of the steps.")] = 0.03,
-    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay.")] = 0.0,
+        "--warmup-ratio", help="Linear warmup as a fraction of the steps.", rich_help_panel=OPTIMISATION)] = 0.03,
+    weight_decay: Annotated[float, typer.Option(
+        "--weight-decay", help="AdamW weight decay.", rich_help_panel=OPTIMISATION)] = 0.0,
     grad_clip: Annotated[float, typer.Option(
-        "--grad-clip", help="Clip the gradient norm to this (0: off).")] = 0.5,
+        "--grad-clip", help="Clip the gradient norm to this (0: off).", rich_help_panel=OPTIMISATION)] = 0.5,
     grad_accum: Annotated[int, typer.Option(
-        "--grad-accum", help="Micro-batches per optimizer step (per process).", min=1)] = 1,
+        "--grad-accum", help="Micro-batches per optimizer step (per process).", min=1,
+        rich_help_panel=OPTIMISATION)] = 1,
     batch_tokens: Annotated[int, typer.Option(
         "--batch-tokens", help="Bound on B x padded length per micro-batch (a cache keeps its own "
-                               "batches unless --pack).", min=1)] = 8192,
+                               "batches unless --pack).", min=1, rich_help_panel=DATA)] = 8192,
     max_steps: Annotated[Optional[int], typer.Option(
-        "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.", min=1)] = None,
-    epochs: Annotated[float, typer.Option("--epochs", help="Passes over the training batches.")] = 1.0,
+        "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.", min=1,
+        rich_help_panel=OPTIMISATION)] = None,
+    epochs: Annotated[float, typer.Option(
+        "--epochs", help="Passes over the training batches.", rich_help_panel=OPTIMISATION)] = 1.0,
     max_time: Annotated[Optional[str], typer.Option(
         "--max-time", help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
-                           "number is minutes); --resume continues the schedule.")] = None,
+                           "number is minutes); --resume continues the schedule.",
+        rich_help_panel=OPTIMISATION)] = None,
     pack: Annotated[bool, typer.Option(
-        "--pack", help="Pack several conversations per row (block-causal per document).")] = False,
+        "--pack", help="Pack several conversations per row (block-causal per document).",
+        rich_help_panel=DATA)] = False,
     eval_fraction: Annotated[float, typer.Option(
-        "--eval-fraction", help="Share of batches held out for evaluation.")] = 0.02,
+        "--eval-fraction", help="Share of batches held out for evaluation.", rich_help_panel=DATA)] = 0.02,
     draft_layers: Annotated[int, typer.Option(
-        "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", min=1)] = 1,
+        "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", min=1, rich_help_panel=DRAFT)] = 1,
     draft_hidden_size: Annotated[Optional[int], typer.Option(
-        "--draft-hidden-size", help="Default: the target's hidden size.")] = None,
+        "--draft-hidden-size", help="Default: the target's hidden size.", rich_help_panel=DRAFT)] = None,
     draft_intermediate_size: Annotated[Optional[int], typer.Option(
-        "--draft-intermediate-size", help="Default: the target's.")] = None,
-    draft_heads: Annotated[Optional[int], typer.Option("--draft-heads", help="Default: the target's.")] = None,
+        "--draft-intermediate-size", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
+    draft_heads: Annotated[Optional[int], typer.Option(
+        "--draft-heads", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
     draft_kv_heads: Annotated[Optional[int], typer.Option(
-        "--draft-kv-heads", help="Default: the target's.")] = None,
+        "--draft-kv-heads", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
     fc_norm: Annotated[bool, typer.Option(
-        "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.")] = False,
+        "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.", rich_help_panel=DRAFT)] = False,
     norm_output: Annotated[bool, typer.Option(
-        "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.")] = False,
+        "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.",
+        rich_help_panel=DRAFT)] = False,
     fsdp: Annotated[bool, typer.Option(
         "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state across "
-                       "processes (FSDP2) instead of replicating them (DDP); for large drafts.")] = False,
+                       "processes (FSDP2) instead of replicating them (DDP); for large drafts.",
+        rich_help_panel=RUNTIME)] = False,
     init_from_target: Annotated[bool, typer.Option(
         "--init-from-target/--random-init", help="Start the draft's lm_head and final norm from the target's "
                                                   "(its lm_head rows of the draft vocab) instead of random. "
-                                                  "Measured slower to learn on SmolLM2 (see CHANGELOG).")] = False,
+                                                  "Measured slower to learn on SmolLM2 (see CHANGELOG).",
+        rich_help_panel=DRAFT)] = False,
     activation_checkpointing: Annotated[bool, typer.Option(
-        "--activation-checkpointing", help="Recompute activations in backward (long sequences).")] = False,
-    aux_layers: AuxLayers = None,
+        "--activation-checkpointing", help="Recompute activations in backward (long sequences).",
+        rich_help_panel=RUNTIME)] = False,
+    aux_layers: DraftAuxLayers = None,
     max_length: MaxLength = 2048,
     max_samples: Annotated[Optional[int], typer.Option(
-        "--max-samples", help="Live target: use only the first N samples.", min=1)] = None,
+        "--max-samples", help="Live target: use only the first N samples.", min=1, rich_help_panel=DATA)] = None,
     num_proc: NumProc = 1,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for init, data order and eval split.")] = 0,
-    log_every: Annotated[int, typer.Option("--log-every", help="Steps per log record.", min=1)] = 10,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed for init, data order and eval split.", rich_help_panel=OPTIMISATION)] = 0,
+    log_every: Annotated[int, typer.Option(
+        "--log-every", help="Steps per log record.", min=1, rich_help_panel=CHECKPOINTS)] = 10,
     eval_every: Annotated[int, typer.Option(
-        "--eval-every", help="Steps between evaluations (0: only at the end).", min=0)] = 200,
+        "--eval-every", help="Steps between evaluations (0: only at the end).", min=0,
+        rich_help_panel=CHECKPOINTS)] = 200,
     save_every: Annotated[int, typer.Option(
-        "--save-every", help="Steps between checkpoints (and at the end).", min=1)] = 500,
-    keep_last: Annotated[int, typer.Option("--keep-last", help="Checkpoints to keep.", min=1)] = 3,
+        "--save-every", help="Steps between checkpoints (and at the end).", min=1,
+        rich_help_panel=CHECKPOINTS)] = 500,
+    keep_last: Annotated[int, typer.Option(
+        "--keep-last", help="Checkpoints to keep.", min=1, rich_help_panel=CHECKPOINTS)] = 3,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue the run in --output from its latest checkpoint.")] = False,
+        "--resume", help="Continue the run in --output from its latest checkpoint.",
+        rich_help_panel=CHECKPOINTS)] = False,
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
@@ -364,30 +423,34 @@ def train_cmd(
         summary("stream", report_rows(result.stream))
 
 
-@app.command("export")
+@app.command("export", cls=Command)
 def export_cmd(
     source: Annotated[Path, typer.Argument(
         help="A run folder (its latest checkpoint) or one of its checkpoints/step-* folders.")],
     format: Annotated[str, typer.Option(  # noqa: A002 (the option's name; YAML key `format`)
-        "--format", "-f", help="vllm, sglang or speculators (vLLM's speculators format).")],
+        "--format", "-f", help="vllm, sglang or speculators (vLLM's speculators format).", rich_help_panel=INPUTS)],
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Export folder: new or empty, or an earlier export with --overwrite (built "
-                               "beside it, then renamed into place).")],
-    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32 for the float weights.")] = "bf16",
+                               "beside it, then renamed into place).", rich_help_panel=INPUTS)],
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="bf16, fp16 or fp32 for the float weights.", rich_help_panel=INPUTS)] = "bf16",
     check: Annotated[bool, typer.Option(
         "--check/--no-check", help="Read the export back with the engine's loading rules and compare its "
-                                   "predictions with the checkpoint's before writing -o.")] = True,
+                                   "predictions with the checkpoint's before writing -o.",
+        rich_help_panel=CHECKS)] = True,
     target: Annotated[Optional[str], typer.Option(
         "--target", "-t", help="Target path or hub id for the README's serving command (and the speculators "
-                               "verifier). Default: the target the run was trained with.")] = None,
+                               "verifier). Default: the target the run was trained with.",
+        rich_help_panel=INPUTS)] = None,
     engine_check: Annotated[Optional[str], typer.Option(
         "--engine-check", help="vllm: load the written folder in vLLM, decode a few greedy prompts and fail "
                                "unless every draft weight loads and vLLM's acceptance matches the "
                                "checkpoint's; none: skip. Default auto (env SPEC_ENGINE_CHECK): vllm when "
                                "vLLM is installed, the format is vllm or speculators and the target is "
-                               "local.")] = None,
+                               "local.", rich_help_panel=CHECKS)] = None,
     overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace an earlier spec export in -o (without it, -o must be new or empty).")] = False,
+        "--overwrite", help="Replace an earlier spec export in -o (without it, -o must be new or empty).",
+        rich_help_panel=INPUTS)] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -403,40 +466,46 @@ def export_cmd(
     summary("export", result.summary_rows())
 
 
-@app.command("eval")
+@app.command("eval", cls=Command)
 def eval_cmd(
     target: Target,
     draft: Annotated[Path, typer.Option(
         "--draft", help="A `spec train` run folder (its latest checkpoint), a checkpoints/step-* folder, or "
-                        "a `spec export` folder of any format (read as the engine reads it).")],
+                        "a `spec export` folder of any format (read as the engine reads it).",
+        rich_help_panel=INPUTS)],
     prompts: Annotated[str, typer.Option(
         "--prompts", "-p", help="`mt-bench` (built-in, 2 turns each) or a chat data file (the user turns of "
-                                "each record).")] = "mt-bench",
+                                "each record).", rich_help_panel=INPUTS)] = "mt-bench",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Folder for eval.json, outputs.jsonl and acceptance.png. Default: RUN/eval/"
-                               "step-N for a run or checkpoint, EXPORT-eval beside an export.")] = None,
+                               "step-N for a run or checkpoint, EXPORT-eval beside an export.",
+        rich_help_panel=INPUTS)] = None,
     depth: Annotated[int, typer.Option(
-        "--depth", help="Draft tokens per target forward (a tree's depth).", min=1)] = 3,
+        "--depth", help="Draft tokens per target forward (a tree's depth).", min=1, rich_help_panel=DECODING)] = 3,
     topk: Annotated[int, typer.Option(
-        "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1)] = 1,
+        "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1,
+        rich_help_panel=DECODING)] = 1,
     num_tokens: Annotated[Optional[int], typer.Option(
         "--num-tokens", help="Tree only: drafted nodes verified per target forward (the most probable by "
-                             "cumulative draft log-prob). Default: 16.", min=1)] = None,
+                             "cumulative draft log-prob). Default: 16.", min=1, rich_help_panel=DECODING)] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", help="0: greedy (output identical to the target's); > 0: speculative sampling, "
-                              "which keeps the target's distribution.", min=0.0)] = 0.0,
+                              "which keeps the target's distribution.", min=0.0, rich_help_panel=DECODING)] = 0.0,
     max_new_tokens: Annotated[int, typer.Option(
-        "--max-new-tokens", help="Tokens generated per turn at most.", min=1)] = 256,
+        "--max-new-tokens", help="Tokens generated per turn at most.", min=1, rich_help_panel=DECODING)] = 256,
     num_prompts: Annotated[Optional[int], typer.Option(
-        "--num-prompts", help="Use this many prompts, spread over the categories. Default: all.", min=1)] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling (temperature > 0).")] = 0,
+        "--num-prompts", help="Use this many prompts, spread over the categories. Default: all.", min=1,
+        rich_help_panel=INPUTS)] = None,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed for sampling (temperature > 0).", rich_help_panel=DECODING)] = 0,
     fingerprint_check: Annotated[bool, typer.Option(
         "--fingerprint-check/--no-fingerprint-check",
-        help="Refuse a draft whose recorded target/tokenizer fingerprint is not this target's.")] = True,
+        help="Refuse a draft whose recorded target/tokenizer fingerprint is not this target's.",
+        rich_help_panel=INPUTS)] = True,
     engine: Annotated[str, typer.Option(
         "--engine", help="torch: spec_cli's decoder (chain or tree); vllm: the same prompts inside vLLM "
                          "(target alone and target + draft, vLLM's own acceptance counters; chain only; "
-                         "needs the vllm extra).")] = "torch",
+                         "needs the vllm extra).", rich_help_panel=RUNTIME)] = "torch",
     device: Device = None,
     dtype: Dtype = None,
     config: Config = None,
@@ -456,38 +525,43 @@ def eval_cmd(
     print_table(result)
 
 
-@app.command("serve-target")
+@app.command("serve-target", cls=Command)
 def serve_target_cmd(
     target: Target,
     host: Annotated[str, typer.Option(
         "--host", help="Address to listen on. 127.0.0.1: this machine only; 0.0.0.0: every "
-                       "interface (set --token).")] = "127.0.0.1",
+                       "interface (set --token).", rich_help_panel=SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option(
-        "--port", "-p", help="TCP port (0: any free port; the URL is printed).", min=0, max=65535)] = 8000,
+        "--port", "-p", help="TCP port (0: any free port; the URL is printed).", min=0, max=65535,
+        rich_help_panel=SERVER)] = 8000,
     token: Annotated[Optional[str], typer.Option(
         "--token", envvar="SPEC_SERVE_TOKEN", help="Require `Authorization: Bearer TOKEN` on every "
-                                                  "request. Default: $SPEC_SERVE_TOKEN; unset: no check.")] = None,
+                                                  "request. Default: $SPEC_SERVE_TOKEN; unset: no check.",
+        rich_help_panel=SERVER)] = None,
     aux_layers: AuxLayers = None,
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
     max_batch_tokens: Annotated[int, typer.Option(
-        "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).")] = 65536,
+        "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).",
+        rich_help_panel=LIMITS)] = 65536,
     max_batch_size: Annotated[int, typer.Option(
-        "--max-batch-size", help="Refuse a generate request of more than this many rows.")] = 1024,
+        "--max-batch-size", help="Refuse a generate request of more than this many rows.",
+        rich_help_panel=LIMITS)] = 1024,
     max_seq_len: Annotated[int, typer.Option(
         "--max-seq-len", help="Refuse rows longer than this (also capped at the target's "
-                              "max_position_embeddings).")] = 32768,
+                              "max_position_embeddings).", rich_help_panel=LIMITS)] = 32768,
     max_body_bytes: Annotated[int, typer.Option(
-        "--max-body-bytes", help="Refuse request bodies larger than this.")] = 64 << 20,
+        "--max-body-bytes", help="Refuse request bodies larger than this.", rich_help_panel=LIMITS)] = 64 << 20,
     request_timeout: Annotated[float, typer.Option(
         "--request-timeout", help="Seconds a client may take to send a request, or keep an idle "
-                                  "connection.")] = 120.0,
+                                  "connection.", rich_help_panel=SERVER)] = 120.0,
     exit_on_disconnect: Annotated[bool, typer.Option(
-        "--exit-on-disconnect", help="Stop when the last trainer that connected disconnects.")] = False,
+        "--exit-on-disconnect", help="Stop when the last trainer that connected disconnects.",
+        rich_help_panel=SERVER)] = False,
     data_plane: Annotated[bool, typer.Option(
         "--data-plane", help="Offer the gloo tensor data plane (torch.distributed; trusted networks "
-                             "only).")] = False,
+                             "only).", rich_help_panel=SERVER)] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -502,7 +576,7 @@ def serve_target_cmd(
           target_engine=target_engine)
 
 
-@app.command("demo")
+@app.command("demo", cls=Command)
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
         "--quick", help="A smaller run (about 8 minutes on 2 CPU cores) that exercises every stage.")] = False,
@@ -533,7 +607,7 @@ def demo_cmd(
     print_demo_summary(result)
 
 
-@app.command("inspect")
+@app.command("inspect", cls=Command)
 def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
                 config: Config = None):
     """Print what an artifact holds (vocab map, tokenised data, feature cache)."""

@@ -74,7 +74,7 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
     n = len(dataset)
     ranges = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
     results: list = []
-    with progress("tokenising", total=n) as bar:
+    with progress("tokenising", total=n, unit="records") as bar:
         if num_proc <= 1 or len(ranges) <= 1:
             _init_worker(tokenizer, dataset, max_length)
             for bounds in ranges:

@@ -76,6 +76,7 @@ class Tally:
 def print_table(result) -> None:
     """The per-category table and the acceptance by position (rich)."""
     from rich.table import Table
+    from rich.text import Text
 
     from spec_cli.console import console, is_quiet
 
@@ -85,11 +86,11 @@ def print_table(result) -> None:
     shape = (f"chain of {s['depth']}" if s["topk"] == 1 else
              f"tree depth {s['depth']}, top-{s['topk']}, {s['num_tokens']} nodes")
     mode = "greedy" if s["temperature"] == 0 else f"sampling T={s['temperature']:g}"
-    table = Table(title=f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})",
-                  title_justify="left")
+    table = Table(title=Text(f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})"),
+                  title_justify="left")  # a path in the title: wrapped, and not read as rich markup
     for name, justify in (("category", "left"), ("turns", "right"), ("accept len", "right"),
                           ("spec tok/s", "right"), ("target tok/s", "right"), ("speed-up", "right")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")
     rows = list(result.categories.items()) if len(result.categories) > 1 else []
     for i, (name, m) in enumerate(rows + [("all", result.overall)]):
         table.add_row(name, str(m["turns"]), f"{m['acceptance_length']:.2f}",

@@ -42,7 +42,7 @@ def count_supervised(tokens: TokenizedData, vocab_size: int) -> torch.Tensor:
     """[V] int64 counts of target ids at loss_mask == 1, by vectorised bincount over chunks."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     n = tokens.num_tokens
-    with progress("counting", total=n) as bar:
+    with progress("counting", total=n, unit="tokens") as bar:
         for start in range(0, n, COUNT_CHUNK):
             ids = tokens.input_ids[start:start + COUNT_CHUNK].long()
             mask = tokens.loss_mask[start:start + COUNT_CHUNK].bool()

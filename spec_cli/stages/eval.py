@@ -250,7 +250,7 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
     """Every turn of every conversation, speculative then target alone on the same prompt; turn j is
     asked after the speculative decoder's answer to turn j-1. -> (overall, per-category Tally, records)."""
     overall, categories, records = Tally(settings.depth), {}, []
-    with progress("eval", sum(len(conv.turns) for conv in conversations)) as bar:
+    with progress("eval", sum(len(conv.turns) for conv in conversations), unit="turns") as bar:
         for i, conv in enumerate(conversations):
             for turn in range(len(conv.turns)):
                 ids = prompts.prompt_ids(tokenizer, conv, turn)

@@ -173,7 +173,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next
         pending = None
         label = f"precompute (rank {rank})" if world > 1 else "precompute"
-        with progress(label, total=todo_tokens) as bar:
+        with progress(label, total=todo_tokens, unit="tokens") as bar:
             for shard in todo:
                 tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
                                          cfg.encoding, bar)

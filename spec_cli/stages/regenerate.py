@@ -464,7 +464,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         if todo:
             engine = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos)
         total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
-        with progress("regenerating", total=total_turns, rate="tokens") as bar:
+        with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
                 parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar)
                 _write_part(folder, k, parts[k])

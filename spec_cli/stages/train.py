@@ -518,7 +518,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             return future.result().to(device)
         return supervise(source, indices_of(i), cfg.pack, device)
 
-    logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0)
+    logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0, start_step=step, world=world)
     info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
          f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}"
          + (f", {'FSDP2' if units else 'DDP'} over {world} processes" if world > 1 else ""))
@@ -532,6 +532,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         while step < total_steps and not out_of_time:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
+            step_tokens = 0
             for micro in range(cfg.grad_accum):
                 batch = next_batch(step * cfg.grad_accum + micro)
                 sync = micro == cfg.grad_accum - 1 or world == 1
@@ -540,11 +541,13 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
                     out = model(batch)
                     (out.loss / cfg.grad_accum).backward()  # each backward adds: average the micro-batches
                 window.add(out, batch.num_tokens)
+                step_tokens += batch.num_tokens
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            logger.step(step_tokens)
             if after_step is not None:
                 after_step(step)
 

@@ -7,10 +7,11 @@ import json
 import time
 from pathlib import Path
 
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
-from spec_cli.console import console, info, is_quiet, progress_enabled
+from spec_cli.console import Bar, console, info, is_quiet, progress_display, progress_enabled
 
 
 def _fmt_acc(acc: list[float], n: int = 4) -> str:
@@ -18,7 +19,11 @@ def _fmt_acc(acc: list[float], n: int = 4) -> str:
 
 
 class TrainLogger:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+    """On a terminal: the last log record as a table over a bar of the steps, which advances every
+    step with the tokens/s of this process and the time left, re-rendered twice a second."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, start_step: int = 0,
+                 world: int = 1):
         self.run_dir = Path(run_dir)
         self.total = total_steps
         self.enabled = enabled  # rank 0 only
@@ -26,6 +31,7 @@ class TrainLogger:
         self.start = time.perf_counter()
         self.first_step: int | None = None
         self.live: Live | None = None
+        self.bar: Bar | None = None
         self.last_eval: dict | None = None
         self.tb = None
         if not enabled:
@@ -37,19 +43,27 @@ class TrainLogger:
         except Exception:
             self.tb = None
         if progress_enabled():
-            self.live = Live(self._table(None), console=console, refresh_per_second=2, transient=False)
+            self.display = progress_display("steps", rate="tokens")
+            self.bar = Bar(self.display, "train" if world == 1 else "train (rank 0)", total_steps, start_step)
+            self.live = Live(self._view(None), console=console, refresh_per_second=2, transient=False)
             self.live.start()
+
+    def step(self, tokens: int) -> None:
+        """One optimizer step done, over `tokens` tokens of this process."""
+        if self.bar is not None:
+            self.bar.advance(1, count=tokens)
+
+    def _view(self, record: dict | None) -> Group:
+        return Group(self._table(record), self.display)
 
     def _table(self, record: dict | None) -> Table:
         table = Table(title="spec train", show_header=True, title_justify="left")
-        for col in ("step", "loss", "acc per TTT step", "sim. accept len", "tokens/s", "eta",
-                    "eval acc0 / accept len"):
-            table.add_column(col)
+        for col in ("step", "loss", "acc per TTT step", "sim. accept len", "tokens/s", "eval acc0 / accept len"):
+            table.add_column(col, overflow="fold")
         if record:
             ev = self.last_eval
             table.add_row(f"{record['step']}/{self.total}", f"{record['loss']:.4f}", _fmt_acc(record["acc"]),
                           f"{record['acceptance_length']:.3f}", f"{record['tokens_per_s']:.0f}",
-                          f"{record['eta_s'] / 60:.1f} min",
                           f"{ev['acc'][0]:.3f} / {ev['acceptance_length']:.3f}" if ev else "-")
         return table
 
@@ -73,7 +87,7 @@ class TrainLogger:
             for k, a in enumerate(record["acc"]):
                 self.tb.add_scalar(f"{prefix}/acc_step{k}", a, record["step"])
         if self.live is not None and record["split"] == "train":
-            self.live.update(self._table(record))
+            self.live.update(self._view(record))
         elif not is_quiet():
             if record["split"] == "train":
                 info(f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  acc "

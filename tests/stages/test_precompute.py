@@ -1,5 +1,6 @@
 """spec precompute: cache == live backend (bit for bit), resume after kill -9, mismatches, torchrun."""
 
+import contextlib
 import hashlib
 import os
 import random
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,6 +83,28 @@ def test_bf16_cache_is_within_bf16_rounding(tiny_llama_dir, workdir, tmp_path):
     got, want = cache.generate_batch(ids, am, lm), live.generate_batch(ids, am, lm)
     assert torch.equal(got.aux_hidden, want.aux_hidden) and torch.equal(got.target_ids, want.target_ids)
     torch.testing.assert_close(got.target_p, want.target_p, rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_bar_counts_tokens_and_advances_once_per_target_batch(tiny_llama_dir, workdir, tmp_path,
+                                                                  monkeypatch):
+    from spec_cli.stages import precompute as stage
+
+    bars = []
+
+    @contextlib.contextmanager
+    def recording(description, total, *, unit=None, rate=None):
+        bar = SimpleNamespace(total=total, unit=unit, advances=[])
+        bar.advance = lambda n=1, count=0: bar.advances.append(n)
+        bars.append(bar)
+        yield bar
+
+    monkeypatch.setattr(stage, "progress", recording)
+    out = tmp_path / "cache"
+    assert precompute(tiny_llama_dir, workdir, out) == 0
+    manifest = fc.read_manifest(out)
+    [bar] = bars
+    assert bar.unit == "tokens" and bar.total == manifest["num_tokens"]  # its rate is in tokens/s
+    assert len(bar.advances) == manifest["num_batches"] > 3 and sum(bar.advances) == bar.total
 
 
 def test_resume_after_kill_9_gives_the_identical_cache(tiny_llama_dir, workdir, tmp_path):
