@@ -57,6 +57,10 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.", rich_help_panel=RUNTIME)]
+Threads = Annotated[Optional[int], typer.Option(
+    "--threads", help="Intra-op CPU threads. Default: auto, the cores this process may use less those "
+                      "other processes keep busy (OMP_NUM_THREADS if set); recorded with the result.",
+    min=1, rich_help_panel=RUNTIME)]
 TargetEngine = Annotated[str, typer.Option(
     "--target-engine", help="transformers or vllm (the `vllm` extra): what runs a live target. The "
                             "supervision is the same either way (fp32 rounding), and so is the identity "
@@ -173,6 +177,7 @@ def regenerate_cmd(
         rich_help_panel=RUNTIME)] = "transformers",
     device: Device = None,
     dtype: Dtype = None,
+    threads: Threads = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an -o made from other inputs or settings (or an unfinished run of "
                             "them) instead of refusing.", rich_help_panel=INPUTS)] = False,
@@ -189,7 +194,7 @@ def regenerate_cmd(
         target=target, data=data, output=output, temperature=temperature, top_p=top_p, seed=seed,
         max_new_tokens=max_new_tokens, max_length=max_length, max_samples=max_samples, batch_size=batch_size,
         batch_tokens=batch_tokens, chunk_size=chunk_size, engine=engine, device=device, dtype=dtype,
-        overwrite=overwrite))
+        threads=threads, overwrite=overwrite))
     print_regenerate_summary(result)
 
 
@@ -244,6 +249,7 @@ def precompute_cmd(
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
+    threads: Threads = None,
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
                                      "--no-resume deletes the folder's cache and starts over.",
@@ -261,7 +267,7 @@ def precompute_cmd(
         target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
         aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
-        dtype=dtype, resume=resume, target_engine=target_engine))
+        dtype=dtype, resume=resume, target_engine=target_engine, threads=threads))
     print_precompute_summary(result)
 
 
@@ -506,6 +512,11 @@ def eval_cmd(
         "--engine", help="torch: spec_cli's decoder (chain or tree); vllm: the same prompts inside vLLM "
                          "(target alone and target + draft, vLLM's own acceptance counters; chain only; "
                          "needs the vllm extra).", rich_help_panel=RUNTIME)] = "torch",
+    threads: Threads = None,
+    timing_repeats: Annotated[int, typer.Option(
+        "--timing-repeats", help="Decode each turn this many times with each decoder, alternating, and "
+                                 "keep each turn's median time (same seeds: the same output).", min=1,
+        rich_help_panel=RUNTIME)] = 1,
     device: Device = None,
     dtype: Dtype = None,
     config: Config = None,
@@ -521,7 +532,7 @@ def eval_cmd(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
-        engine=engine))
+        engine=engine, threads=threads, timing_repeats=timing_repeats))
     print_table(result)
 
 

@@ -18,6 +18,17 @@ def _coverage(by_size: dict) -> str:
                      sorted(by_size.items(), key=lambda kv: int(kv[0])))
 
 
+def _threads(record: dict) -> str:
+    """" on 1 thread (why)" from a stage's "threads" and "threads_reason" ("" when not recorded)."""
+    n = record.get("threads")
+    return f" on {n} thread{'s' if n != 1 else ''} ({record.get('threads_reason')})" if n else ""
+
+
+def _busy(record: dict | None) -> list[tuple[str, str]]:
+    """A WARNING row when spec_cli.threads.Meter found the machine too busy for the speed to mean much."""
+    return [("WARNING", record["warning"])] if (record or {}).get("warning") else []
+
+
 def print_regenerate_summary(result) -> None:
     meta, counts = result.meta, result.meta["counts"]
     engine = meta["engine"]
@@ -30,7 +41,8 @@ def print_regenerate_summary(result) -> None:
         ("cut at the length limit", f"{counts['answers_cut_by_length']} answers (finish_reason \"length\")"),
         ("ended early", _skipped(counts["conversations_ended_early"])),
         ("tokens generated", counts["tokens_generated"]),
-        ("tokens/s", f"{meta['tokens_per_second']:.1f}"),
+        ("tokens/s", f"{meta['tokens_per_second']:.1f}" + _threads(meta)),
+        *_busy(meta.get("busy")),
         ("engine", f"{engine['name']} {engine.get('version') or ''}".rstrip() + f", {meta['dtype']}"),
         ("provenance", f"{result.output}.meta.json"),
         ("time", f"{result.seconds:.1f} s"),
@@ -58,6 +70,7 @@ def print_vocab_map_summary(result) -> None:
 def print_precompute_summary(result) -> None:
     m = result.manifest
     tokens_per_s = result.computed_tokens / result.compute_seconds if result.computed_tokens else 0
+    on = _threads({"threads": result.threads, "threads_reason": result.threads_reason})
     summary("precompute", [
         ("target", f"{m['target']} ({m['architecture']}, aux layers {m['aux_layers']}, {m['dtype']})"),
         ("data", f"{m['data']} ({m['num_samples']} samples, {m['num_tokens']} tokens)"),
@@ -65,7 +78,8 @@ def print_precompute_summary(result) -> None:
         ("encoding", f"{m['encoding']}, {m['bytes_per_token']} bytes/token"),
         ("shards", f"{m['num_shards']} ({result.computed_shards} computed, {result.reused_shards} reused)"),
         ("size", f"{m['bytes'] / 1e9:.3f} GB"),
-        ("throughput", f"{tokens_per_s:.0f} tokens/s" if tokens_per_s else "-"),
+        ("throughput", f"{tokens_per_s:.0f} tokens/s{on}" if tokens_per_s else "-"),
+        *_busy(result.busy),
         ("written", str(result.output)),
         ("time", f"{result.seconds:.1f} s"),
     ])
@@ -105,11 +119,16 @@ def print_demo_summary(result) -> None:
         p = result.profile
         rows.append(("acceptance length", f"{result.acceptance_length:.2f} tokens per target forward "
                                           f"(MT-bench, greedy, chain {p.eval_depth})"))
-        rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run)"))
+        note = getattr(result, "speed_note", "")
+        per_turn = f"; per turn {note}" if note else ""
+        rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run"
+                                 f"{per_turn})"))
     if result.heldout_acceptance_length is not None:
+        note = getattr(result, "heldout_speed_note", "")
+        per_turn = f"; per turn {note}" if note else ""
         rows.append(("held-out prompts", f"acceptance length {result.heldout_acceptance_length:.2f}, speed-up "
                                          f"{result.heldout_speedup:.2f}x ({result.profile.heldout_prompts} "
-                                         "ShareGPT conversations the draft never saw)"))
+                                         f"ShareGPT conversations the draft never saw{per_turn})"))
     if result.eval_json is not None:
         rows.append(("eval report", str(result.eval_json)))
     if result.serve_command:
@@ -217,6 +236,14 @@ def _inspect_eval(path: Path) -> None:
     rates = " ".join("-" if r is None else f"{r:.2f}" for r in o.get("acceptance_rate", []))
     _line(f"  acceptance length {o.get('acceptance_length', 0):.2f}, rate by position {rates}, speed-up "
           f"{o.get('speedup', 0):.2f}x, same output as the target {o.get('same_as_target')}/{o.get('turns')}")
+    if s.get("threads"):
+        from spec_cli.eval.report import spread_text
+
+        spread = spread_text(o.get("speedup_spread"))
+        _line(f"  timing: {s['threads']} thread(s) ({s.get('threads_reason')}), {s.get('timing_repeats', 1)} "
+              f"run(s) per turn and decoder" + (f"; per-turn speed-up {spread}" if spread else ""))
+    if (report.get("busy") or {}).get("warning"):
+        _line(f"  WARNING: {report['busy']['warning']}")
     for name, m in sorted(report.get("categories", {}).items()):
         _line(f"  {name:12s} acceptance length {m.get('acceptance_length', 0):.2f}  speed-up {m.get('speedup', 0):.2f}x")
 

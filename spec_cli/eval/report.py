@@ -7,10 +7,15 @@
                            (tree: position = depth)
     tokens/s               new tokens / wall time of the whole generation (prefill included), for the
                            speculative decoder and for the target alone on the same prompts
+    speed-up               speculative tokens/s / the target's, over all turns (each turn's median time
+                           when it was timed more than once)
+    per-turn spread        the same ratio for each turn alone: median, quartiles, min and max; a wide
+                           spread means the total rests on a few turns (or on a noisy machine)
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +35,7 @@ class Tally:
     target_tokens: int = 0
     target_seconds: float = 0.0
     same_as_target: int = 0  # greedy: turns whose output equals the target's token for token
+    ratios: list[float] = field(default_factory=list)  # each turn's speed-up (tokens on both sides)
 
     def add(self, spec: Generation, base: Generation | None) -> None:
         self.turns += 1
@@ -48,6 +54,9 @@ class Tally:
             self.target_tokens += len(base.tokens)
             self.target_seconds += base.seconds
             self.same_as_target += int(base.tokens == spec.tokens)
+            ratio = turn_speedup(spec, base)
+            if ratio is not None:
+                self.ratios.append(ratio)
 
     def metrics(self) -> dict:
         spec_tps = self.spec_tokens / self.spec_seconds if self.spec_seconds else 0.0
@@ -68,13 +77,40 @@ class Tally:
             "target_tokens_per_s": target_tps,
             "speedup": spec_tps / target_tps if target_tps else 0.0,
             "same_as_target": self.same_as_target,
+            "speedup_spread": spread(self.ratios),
         }
+
+
+def turn_speedup(spec: Generation, base: Generation) -> float | None:
+    """One turn's speed-up: its speculative tokens/s over the target's (None without tokens or time)."""
+    if not (spec.tokens and base.tokens and spec.seconds > 0 and base.seconds > 0):
+        return None
+    return (len(spec.tokens) / spec.seconds) / (len(base.tokens) / base.seconds)
+
+
+def spread(values: list[float]) -> dict | None:
+    """Median, quartiles (linear interpolation, as numpy.percentile), min and max of `values`."""
+    if not values:
+        return None
+    q1, median, q3 = (statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1
+                      else values * 3)
+    return {"turns": len(values), "median": median, "q1": q1, "q3": q3, "min": min(values),
+            "max": max(values)}
+
+
+def spread_text(s: dict | None) -> str:
+    """"median 1.40x, middle half 1.31-1.55x, range 1.10-1.90x over 8 turns" ("" without a spread)."""
+    if not s:
+        return ""
+    return (f"median {s['median']:.2f}x, middle half {s['q1']:.2f}-{s['q3']:.2f}x, range "
+            f"{s['min']:.2f}-{s['max']:.2f}x over {s['turns']} turn{'s' if s['turns'] != 1 else ''}")
 
 
 # ----------------------------------------------------------------------------- output
 
 def print_table(result) -> None:
-    """The per-category table and the acceptance by position (rich)."""
+    """The per-category table, the acceptance by position, how the speed was timed, and a WARNING when
+    the machine was too busy for it (rich)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -89,14 +125,16 @@ def print_table(result) -> None:
     table = Table(title=Text(f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})"),
                   title_justify="left")  # a path in the title: wrapped, and not read as rich markup
     for name, justify in (("category", "left"), ("turns", "right"), ("accept len", "right"),
-                          ("spec tok/s", "right"), ("target tok/s", "right"), ("speed-up", "right")):
+                          ("spec tok/s", "right"), ("target tok/s", "right"), ("speed-up", "right"),
+                          ("per turn", "right")):
         table.add_column(name, justify=justify, overflow="fold")
     rows = list(result.categories.items()) if len(result.categories) > 1 else []
     for i, (name, m) in enumerate(rows + [("all", result.overall)]):
+        q = m.get("speedup_spread")
         table.add_row(name, str(m["turns"]), f"{m['acceptance_length']:.2f}",
                       f"{m['spec_tokens_per_s']:.1f}", f"{m['target_tokens_per_s']:.1f}",
-                      f"{m['speedup']:.2f}x", style="bold" if name == "all" else None,
-                      end_section=i == len(rows) - 1)
+                      f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
+                      style="bold" if name == "all" else None, end_section=i == len(rows) - 1)
     console.print(table)
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
@@ -104,6 +142,18 @@ def print_table(result) -> None:
     if s["temperature"] == 0:
         o = result.overall
         console.print(f"greedy outputs identical to the target's: {o['same_as_target']}/{o['turns']} turns")
+    text = spread_text(result.overall.get("speedup_spread"))
+    if text:
+        console.print(f"per-turn speed-up ('per turn' above: the middle half): {text}", markup=False)
+    if s.get("threads"):
+        repeats = s.get("timing_repeats", 1)
+        timed = ("each turn timed once per decoder" if repeats == 1 else
+                 f"each turn timed {repeats} times per decoder, alternating, median kept")
+        console.print(f"timing: {s['threads']} thread{'s' if s['threads'] != 1 else ''} "
+                      f"({s.get('threads_reason')}); {timed}", markup=False)
+    busy = getattr(result, "busy", None) or {}
+    if busy.get("warning"):
+        console.print(Text(f"WARNING: {busy['warning']}", style="bold yellow"))
     console.print(f"written: {result.json_path}, {result.plot_path}")
 
 

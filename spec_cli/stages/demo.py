@@ -101,6 +101,8 @@ class DemoResult:
     speedup: float | None = None
     heldout_acceptance_length: float | None = None
     heldout_speedup: float | None = None
+    speed_note: str = ""  # the per-turn spread of each eval's speed-up (report.spread_text)
+    heldout_speed_note: str = ""
     train_steps: str = ""
     eval_json: Path | None = None
     serve_command: str = ""
@@ -284,7 +286,7 @@ def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) ->
 def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
           result: DemoResult, heldout: Path | None = None) -> str:
     """MT-bench, or with `heldout` those prompts (the second eval row of the demo's table)."""
-    from spec_cli.eval.report import print_table
+    from spec_cli.eval.report import print_table, spread_text
     from spec_cli.stages import eval as evaluate
 
     prompts = str(heldout) if heldout is not None else str(found["mt-bench"])
@@ -294,25 +296,31 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
 
-    def keep(overall: dict) -> None:
+    def keep(overall: dict, busy: dict | None) -> None:
+        note = spread_text(overall.get("speedup_spread"))
         if heldout is not None:
             result.heldout_acceptance_length, result.heldout_speedup = overall["acceptance_length"], \
                 overall["speedup"]
+            result.heldout_speed_note = note
         else:
             result.eval_json = report
             result.acceptance_length, result.speedup = overall["acceptance_length"], overall["speedup"]
+            result.speed_note = note
+        if (busy or {}).get("warning"):  # the speed-up above came from a crowded machine: say so
+            which = "held-out" if heldout is not None else "MT-bench"
+            result.warnings.append(f"{which} eval: {busy['warning']}")
 
     if report.is_file():
         done = json.loads(report.read_text())
         if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
-            keep(done["overall"])
+            keep(done["overall"], done.get("busy"))
             return "reused"
     outcome = evaluate.run(evaluate.EvalConfig(
         target=str(found["smollm2"]), draft=export_dir, prompts=prompts, output=eval_dir,
         depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
         num_prompts=count, device=cfg.device, dtype=cfg.dtype))
     print_table(outcome)
-    keep(outcome.overall)
+    keep(outcome.overall, outcome.busy)
     return "ran"
 
 

@@ -6,10 +6,19 @@ without, side by side in this process, acceptance read from vLLM's own per-reque
 checkpoint is exported for vLLM (fp32, into a temporary folder) first.
 
 For every user turn the speculative decoder and the target alone (plain decoding with its KV cache)
-answer the same prompt, one after the other, so machine load hits both alike. Turn j of a conversation
-is asked after the speculative decoder's own answer to turn j-1 (under greedy it is also the target's).
-Written to --output: eval.json (settings, overall and per-category numbers), outputs.jsonl (each
-answer and its acceptance) and acceptance.png (acceptance rate by draft position).
+answer the same prompt, one after the other, so machine load hits both alike; with --timing-repeats R
+each does so R times, alternating (same seeds, so the same output), and each turn keeps its median
+time. Turn j of a conversation is asked after the speculative decoder's own answer to turn j-1 (under
+greedy it is also the target's).
+
+Fair timing without knowing the trick: the intra-op thread count is chosen for the run (spec_cli.threads:
+the cores other processes are not busy on; --threads overrides) and recorded, and the run measures how
+much CPU it got and how busy the neighbours were: a figure from a crowded machine is reported with a
+WARNING rather than trusted.
+
+Written to --output: eval.json (settings incl. threads, overall and per-category numbers with the spread
+of the per-turn speed-ups, "busy"), outputs.jsonl (each answer, its acceptance and its timings) and
+acceptance.png (acceptance rate by draft position).
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import __version__, assets
+from spec_cli import __version__, assets, threads
 import contextlib
+import statistics
 import tempfile
 from typing import Callable
 
@@ -30,7 +40,7 @@ from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.errors import ConfigError
 from spec_cli.eval import drafts, prompts
-from spec_cli.eval.report import Tally, plot_acceptance
+from spec_cli.eval.report import Tally, plot_acceptance, turn_speedup
 from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target
 from spec_cli.eval.target import TREE_ATTENTION, Target
 from spec_cli.target import loading
@@ -61,6 +71,8 @@ class EvalConfig:
     dtype: str | None = None
     check_fingerprint: bool = True
     engine: str = "torch"  # torch: spec_cli's decoder; vllm: inside vLLM
+    threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
+    timing_repeats: int = 1  # times each decoder answers each turn (alternating); the median is kept
 
 
 @dataclass
@@ -76,6 +88,7 @@ class EvalResult:
     categories: dict
     seconds: float
     engine: str = "torch"
+    busy: dict | None = None  # spec_cli.threads.Meter.stop: how much of the machine the timing got
 
 
 def tree_size(depth: int, topk: int, num_tokens: int | None) -> int:
@@ -103,6 +116,8 @@ def _validate(cfg: EvalConfig) -> None:
     if cfg.num_tokens is not None and cfg.topk == 1:
         raise ConfigError("--num-tokens sizes a tree (--topk 2 or more); a chain verifies --depth tokens",
                           "drop --num-tokens, or add --topk")
+    if cfg.timing_repeats < 1 or (cfg.threads is not None and cfg.threads < 1):
+        raise ConfigError("--timing-repeats and --threads must be at least 1", "e.g. --timing-repeats 3")
     if cfg.num_tokens is not None and cfg.num_tokens < 1:
         raise ConfigError("--num-tokens must be at least 1", "e.g. --num-tokens 16")
     if cfg.engine not in ENGINES:
@@ -140,20 +155,30 @@ def run(cfg: EvalConfig) -> EvalResult:
                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                         eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
-    with opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info):
+    choice = threads.choose_for_run(cfg.threads)  # before the models load (vLLM then sets its own)
+    with threads.applied(choice.threads, restore=cfg.engine == "torch"), \
+            opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info):
+        used = torch.get_num_threads()
+        reason = choice.reason if used == choice.threads else \
+            f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"
+        info(f"timing on {used} thread{'s' if used != 1 else ''}: {reason}")
         seeds = _Seeds(cfg.seed) if cfg.temperature > 0 else None
         warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
         first = prompts.prompt_ids(tokenizer, conversations[0], 0)
         spec(first, seeds and seeds(0, 0, 0), warm)
         base(first, seeds and seeds(0, 0, 1), warm)
-        overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds)
+        meter = threads.Meter()
+        overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,
+                                                  cfg.timing_repeats)
+        busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
                      "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                      "prompts": cfg.prompts, "num_prompts": len(conversations),
                      "turns": sum(len(conv.turns) for conv in conversations), "seed": cfg.seed,
                      "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-                     "eos_ids": sorted(settings.eos_ids), "engine": cfg.engine}
+                     "eos_ids": sorted(settings.eos_ids), "engine": cfg.engine,
+                     "threads": used, "threads_reason": reason, "timing_repeats": cfg.timing_repeats}
     overall_m = overall.metrics()
     category_m = {name: t.metrics() for name, t in categories.items()}
     output.mkdir(parents=True, exist_ok=True)
@@ -165,6 +190,7 @@ def run(cfg: EvalConfig) -> EvalResult:
                                              "format": loaded.format, "step": loaded.step,
                                              "aux_layer_outputs": list(c.aux_layer_ids)},
         "engine": engine_info, "settings": settings_json, "overall": overall_m, "categories": category_m,
+        "busy": busy,
     })
     with atomic_path(outputs_path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -176,7 +202,7 @@ def run(cfg: EvalConfig) -> EvalResult:
     return EvalResult(output=output, json_path=json_path, plot_path=plot_path, outputs_path=outputs_path,
                       draft=loaded.describe(), target_name=target_dir.name, settings=settings_json,
                       overall=overall_m, categories=category_m, seconds=time.perf_counter() - start,
-                      engine=cfg.engine)
+                      engine=cfg.engine, busy=busy)
 
 
 @contextlib.contextmanager
@@ -246,16 +272,17 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
-               settings: Settings, seeds: _Seeds | None):
-    """Every turn of every conversation, speculative then target alone on the same prompt; turn j is
-    asked after the speculative decoder's answer to turn j-1. -> (overall, per-category Tally, records)."""
+               settings: Settings, seeds: _Seeds | None, repeats: int = 1):
+    """Every turn of every conversation, speculative then target alone on the same prompt (`repeats`
+    times, alternating); turn j is asked after the speculative decoder's answer to turn j-1.
+    -> (overall, per-category Tally, records)."""
     overall, categories, records = Tally(settings.depth), {}, []
     with progress("eval", sum(len(conv.turns) for conv in conversations), unit="turns") as bar:
         for i, conv in enumerate(conversations):
             for turn in range(len(conv.turns)):
                 ids = prompts.prompt_ids(tokenizer, conv, turn)
-                s = spec(ids, seeds and seeds(i, turn, 0))
-                b = base(ids, seeds and seeds(i, turn, 1))
+                s, b, record = timed_turn(spec, base, ids, seeds and seeds(i, turn, 0),
+                                          seeds and seeds(i, turn, 1), repeats)
                 overall.add(s, b)
                 if conv.category:
                     categories.setdefault(conv.category, Tally(settings.depth)).add(s, b)
@@ -265,11 +292,32 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
                                 "prompt_tokens": len(ids), "tokens": len(s.tokens),
                                 "acceptance_length": round(s.acceptance_length, 4),
                                 "accepted_per_step": [m for m, _ in s.steps],
-                                "same_as_target": s.tokens == b.tokens,
-                                "spec_seconds": round(s.seconds, 4), "target_seconds": round(b.seconds, 4),
-                                "answer": answer})
+                                "same_as_target": s.tokens == b.tokens, **record, "answer": answer})
                 bar.advance()
     return overall, categories, records
+
+
+def timed_turn(spec: Decoder, base: Decoder, ids: list[int], spec_seed: int | None, base_seed: int | None,
+               repeats: int) -> tuple[Generation, Generation, dict]:
+    """One turn decoded `repeats` times by each decoder, alternating (spec, base, spec, base, ...) so that
+    a change in the machine's load hits both; the same seeds each time, so the same output.
+    -> (spec, base) with their median seconds, and the turn's timing fields for outputs.jsonl."""
+    spec_runs, base_runs = [], []
+    for _ in range(repeats):
+        spec_runs.append(spec(ids, spec_seed))
+        base_runs.append(base(ids, base_seed))
+    s = replace(spec_runs[0], seconds=statistics.median(g.seconds for g in spec_runs))
+    b = replace(base_runs[0], seconds=statistics.median(g.seconds for g in base_runs))
+    ratio = turn_speedup(s, b)
+    record = {"spec_seconds": round(s.seconds, 4), "target_seconds": round(b.seconds, 4),
+              "speedup": None if ratio is None else round(ratio, 4)}
+    if repeats > 1:
+        record["spec_seconds_runs"] = [round(g.seconds, 4) for g in spec_runs]
+        record["target_seconds_runs"] = [round(g.seconds, 4) for g in base_runs]
+        # the median is of the same work only if every run gave the same tokens
+        record["repeats_same_output"] = all(g.tokens == s.tokens for g in spec_runs) and \
+            all(g.tokens == b.tokens for g in base_runs)
+    return s, b, record
 
 
 class _Seeds:

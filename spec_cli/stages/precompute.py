@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import assets, distributed
+from spec_cli import assets, distributed, threads
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, progress
@@ -46,6 +46,7 @@ class PrecomputeConfig:
     dtype: str | None = None
     resume: bool = True
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another engine
+    threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
 
 
 @dataclass
@@ -59,6 +60,11 @@ class PrecomputeResult:
     padding: float
     compute_seconds: float = 0.0
     computed_tokens: int = 0
+    # how the tokens/s were measured (not in the manifest, which a resumed or torchrun run must
+    # reproduce byte for byte): threads, why, and spec_cli.threads.Meter's "busy" record
+    threads: int = 0
+    threads_reason: str = ""
+    busy: dict | None = None
 
 
 def plan_shards(batches: list[list[int]], lengths: torch.Tensor, shard_tokens: int) -> list[list[int]]:
@@ -159,6 +165,9 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     _check_disk(out, todo_tokens * per_token)
 
     backend = None
+    choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(choice.threads)
     try:
         if todo or rank == 0:
             backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype)
@@ -169,6 +178,10 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
                               backend.get_input_embeddings(),
                               (backend.get_output_head() or {}).get("final_norm"))
 
+        used = torch.get_num_threads()
+        reason = choice.reason if used == choice.threads else \
+            f"set by {cfg.target_engine} (asked for {choice.threads}: {choice.reason})"
+        meter = threads.Meter()
         loop_start = time.perf_counter()
         writer = ThreadPoolExecutor(max_workers=1)  # overlap writing a shard with computing the next
         pending = None
@@ -187,6 +200,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         writer.shutdown()
         computed = len(todo)
         compute_seconds = time.perf_counter() - loop_start
+        busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu") if todo else None
 
         distributed.barrier()
         manifest = None
@@ -212,12 +226,15 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     finally:  # also on an error or Ctrl-C: the engine holds the model (vLLM also its KV cache)
         if backend is not None:
             backend.close()
+        if cfg.target_engine == "transformers":  # vLLM replaces torch.set_num_threads once loaded
+            torch.set_num_threads(previous)
     if manifest is None:
         manifest = fc.read_manifest(out)
     distributed.shutdown()
     return PrecomputeResult(manifest, out, time.perf_counter() - start, computed,
                             len(shards) - computed if rank == 0 else len(mine) - computed, estimated,
-                            padding_fraction(lengths, batches), compute_seconds, todo_tokens)
+                            padding_fraction(lengths, batches), compute_seconds, todo_tokens, used, reason,
+                            busy)
 
 
 def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: str, bar) -> dict:

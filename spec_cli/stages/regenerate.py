@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import __version__, assets
+from spec_cli import __version__, assets, threads
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import records
@@ -80,6 +80,7 @@ class RegenerateConfig:
     device: str | None = None
     dtype: str | None = None
     overwrite: bool = False
+    threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
 
 
 @dataclass
@@ -459,10 +460,17 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
     info(f"regenerate: {len(conversations)} records in {len(chunks)} chunk(s) of {cfg.chunk_size}"
          + (f"; reusing {len(parts)} finished chunk(s) from {folder}" if parts else ""))
 
-    engine = None
+    engine, timing = None, {}
+    choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(choice.threads)
     try:
         if todo:
             engine = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos)
+            used = torch.get_num_threads()
+            timing = {"threads": used, "threads_reason": choice.reason if used == choice.threads else
+                      f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"}
+            meter = threads.Meter()
         total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
         with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
@@ -470,14 +478,19 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
                 _write_part(folder, k, parts[k])
                 if _TEST_CHUNK_DELAY:  # lets tests interrupt a tiny run between chunks
                     time.sleep(_TEST_CHUNK_DELAY)
+        if todo:  # how this run's tokens/s were measured
+            timing["busy"] = meter.stop(timing["threads"], threads.available_cores(), device.type == "cpu")
     finally:  # also on an error or Ctrl-C: vLLM holds the model and its KV cache
         if engine is not None:
             engine.close()
+        if cfg.engine == "transformers":  # vLLM replaces torch.set_num_threads once loaded
+            torch.set_num_threads(previous)
 
     ordered = [parts[k] for k in range(len(chunks))]
     _write_output(output, ordered)
     meta = _provenance(cfg, identity, read, ordered, target_dir, data_path, tokenizer, device, output)
-    meta.update(parts=len(chunks), parts_reused=len(chunks) - len(todo), seconds=time.perf_counter() - start)
+    meta.update(parts=len(chunks), parts_reused=len(chunks) - len(todo), seconds=time.perf_counter() - start,
+                **timing)
     write_json(sidecar, meta)
     shutil.rmtree(folder)
     return RegenerateResult(output, meta, meta["seconds"], len(todo), len(chunks) - len(todo))

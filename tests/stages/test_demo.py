@@ -77,6 +77,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert record(out)["acceptance_length"] == pytest.approx(report["overall"]["acceptance_length"])
     printed = capsys.readouterr().out
     assert "acceptance length" in printed and "speed-up" in printed and str(out / "export-vllm") in printed
+    assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
 
     stamp = (latest / "model.safetensors").stat().st_mtime_ns
     eval_stamp = (out / "eval" / "eval.json").stat().st_mtime_ns
@@ -111,7 +112,35 @@ def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp
     assert statuses(out)["train"] == "resumed" and statuses(out)["export"] == "ran"
     assert ckpt.latest_checkpoint(out / "run").name == "step-00000005"
     assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 5
-    assert "WARNING" not in capsys.readouterr().out
+    assert "WARNING training stopped" not in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(tmp_path, capsys):
+    """From a finished eval.json (reused): the per-turn spread beside the speed-up, and the eval's busy
+    warning as a WARNING row, so a headline figure from a crowded machine is not taken at face value."""
+    from spec_cli.ui import print_demo_summary
+
+    export_dir, eval_dir = tmp_path / "export-vllm", tmp_path / "eval"
+    export_dir.mkdir()
+    eval_dir.mkdir()
+    (export_dir / "config.json").write_text(json.dumps({"spec_cli": {"step": 5}}))
+    mt_bench = tmp_path / "mt_bench.jsonl"
+    spread = {"turns": 4, "median": 0.3, "q1": 0.25, "q3": 0.4, "min": 0.2, "max": 0.9}
+    (eval_dir / "eval.json").write_text(json.dumps({
+        "draft": {"step": 5},
+        "settings": {"depth": TINY.eval_depth, "topk": 1, "max_new_tokens": TINY.eval_max_new_tokens,
+                     "num_prompts": TINY.eval_prompts, "prompts": str(mt_bench)},
+        "overall": {"acceptance_length": 1.5, "speedup": 0.31, "speedup_spread": spread},
+        "busy": {"too_busy": True, "warning": "the machine was too busy for these speeds to mean much: "
+                                              "this process got 40% of the 2 core(s) it used"}}))
+    result = demo.DemoResult(folder=tmp_path, profile=TINY)
+    assert demo._eval(demo.DemoConfig(), TINY, {"mt-bench": mt_bench}, export_dir, eval_dir, result) == "reused"
+    print_demo_summary(result)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "0.31x over the target alone (same prompts, same run; per turn median 0.30x, middle half " \
+           "0.25-0.40x, range 0.20-0.90x over 4 turns)" in printed
+    assert "WARNING MT-bench eval: the machine was too busy for these speeds to mean much: this process " \
+           "got 40% of the 2 core(s) it used" in printed
 
 
 def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):

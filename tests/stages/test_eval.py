@@ -180,3 +180,127 @@ def test_inspect_describes_every_folder_the_pipeline_writes(trained, tmp_path, c
         assert "unknown" not in text.split("\n")[0]
     assert main(["inspect", str(tmp_path)]) == 1  # a folder that holds none of these
     assert "spec_cli does not know" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- fair timing
+
+class _Tokenizer:
+    """Just what decode_all needs: no chat template (plain text prompts), ids from word lengths."""
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [len(w) for w in text.split()]}
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(map(str, tokens))
+
+
+def test_repeats_alternate_the_decoders_and_keep_each_turns_median(monkeypatch):
+    """R=3: spec, base, spec, base, spec, base on each turn with the same seeds; the medians, the
+    speed-up and its per-turn spread equal a computation from the injected times."""
+    import numpy as np
+
+    from spec_cli.eval.prompts import Conversation
+    from spec_cli.eval.speculative import Generation, Settings
+    from spec_cli.stages import eval as evaluate
+
+    rng = random.Random(3)
+    turns = 4  # 2 conversations x 2 turns
+    times = {"spec": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)],
+             "base": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)]}
+    calls = []
+
+    def decoder(name, tokens):
+        def decode(ids, seed, s=None):  # the r-th run of this decoder on turn t takes times[name][t][r]
+            turn, run = divmod(sum(1 for c in calls if c[0] == name), 3)
+            calls.append((name, tuple(ids), seed))
+            return Generation(tokens=tokens, seconds=times[name][turn][run],
+                              steps=[(2, 3), (1, 3)] if name == "spec" else [])
+        return decode
+
+    conversations = [Conversation(id=f"c{i}", turns=["a bb ccc", "dd e"], category=["x", "y"][i])
+                     for i in range(2)]
+    overall, categories, records = evaluate.decode_all(
+        decoder("spec", [5, 6, 7, 8, 9]), decoder("base", [5, 6, 7, 8, 9]), _Tokenizer(), conversations,
+        Settings(depth=3, temperature=0.7), evaluate._Seeds(11), repeats=3)
+
+    assert [c[0] for c in calls] == ["spec", "base"] * 3 * turns
+    for t in range(turns):  # the same prompt and the same seed per decoder, every repeat
+        turn_calls = calls[6 * t:6 * t + 6]
+        assert len({c[1] for c in turn_calls}) == 1
+        assert len({c[2] for c in turn_calls[0::2]}) == 1 and len({c[2] for c in turn_calls[1::2]}) == 1
+    spec_med = [float(np.median(t)) for t in times["spec"]]
+    base_med = [float(np.median(t)) for t in times["base"]]
+    ratios = [b / s for s, b in zip(spec_med, base_med)]  # same tokens: the tokens/s ratio is a time ratio
+    m = overall.metrics()
+    assert m["spec_seconds"] == pytest.approx(sum(spec_med), abs=1e-4)
+    assert m["speedup"] == pytest.approx(sum(base_med) / sum(spec_med))
+    q1, median, q3 = np.percentile(ratios, [25, 50, 75])
+    assert m["speedup_spread"] == pytest.approx({"turns": 4, "median": median, "q1": q1, "q3": q3,
+                                                 "min": min(ratios), "max": max(ratios)})
+    x = categories["x"].metrics()["speedup_spread"]  # conversation 0's two turns
+    assert x["turns"] == 2 and x["median"] == pytest.approx(np.median(ratios[:2]))
+    for record, s, b, r, t in zip(records, spec_med, base_med, ratios, range(turns)):
+        assert record["spec_seconds"] == round(s, 4) and record["target_seconds"] == round(b, 4)
+        assert record["speedup"] == pytest.approx(r, abs=1e-4)
+        assert record["spec_seconds_runs"] == [round(v, 4) for v in times["spec"][t]]
+        assert record["target_seconds_runs"] == [round(v, 4) for v in times["base"][t]]
+        assert record["repeats_same_output"] is True
+
+
+def test_one_timing_run_keeps_outputs_jsonl_as_it_was():
+    from spec_cli.eval.speculative import Generation
+    from spec_cli.stages import eval as evaluate
+
+    s, b, record = evaluate.timed_turn(lambda ids, seed: Generation([1, 2], 0.5),
+                                       lambda ids, seed: Generation([1, 2], 1.0), [3], None, None, 1)
+    assert record == {"spec_seconds": 0.5, "target_seconds": 1.0, "speedup": 2.0}
+    assert (s.seconds, b.seconds) == (0.5, 1.0)
+
+
+def test_eval_records_threads_repeats_and_per_turn_timings(trained, tmp_path, capsys):
+    out = tmp_path / "timed"
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+                 str(trained["prompts"]), "--num-prompts", "2", "--max-new-tokens", "6", "--threads", "1",
+                 "--timing-repeats", "2", "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    report = json.loads((out / "eval.json").read_text())
+    s = report["settings"]
+    assert (s["threads"], s["threads_reason"], s["timing_repeats"]) == (1, "--threads 1", 2)
+    assert "timing: 1 thread (--threads 1); each turn timed 2 times per decoder, alternating" in printed
+    spread = report["overall"]["speedup_spread"]
+    assert spread["turns"] == 4 and spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"]
+    assert "per-turn speed-up" in printed and f"median {spread['median']:.2f}x" in printed
+    assert set(report["categories"]["coding"]["speedup_spread"]) == set(spread)
+    busy = report["busy"]  # measured, whatever it says on this machine
+    assert busy["threads"] == 1 and set(busy) >= {"too_busy", "cpu_share", "other_load", "warning"}
+    records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for r in records:
+        assert len(r["spec_seconds_runs"]) == len(r["target_seconds_runs"]) == 2
+        assert r["spec_seconds"] == pytest.approx(sum(r["spec_seconds_runs"]) / 2, abs=1e-4)  # median of 2
+        assert r["speedup"] > 0 and r["repeats_same_output"] is True  # greedy: the same output each time
+
+
+def test_a_busy_machine_is_named_in_the_table_and_eval_json(trained, tmp_path, capsys, monkeypatch):
+    from spec_cli import threads
+
+    meter = threads.Meter
+
+    def crowded():  # 10 s of timing: 3 s of CPU for 1 thread, neighbours 1.5 cores busy on 2
+        return meter(clock=iter([0.0, 10.0]).__next__, cpu=iter([0.0, 3.0]).__next__,
+                             busy=iter([0.0, 18.0]).__next__)
+
+    monkeypatch.setattr(threads, "Meter", crowded)
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    out = tmp_path / "busy"
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "1",
+                 "--max-new-tokens", "4", "--threads", "1", "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "WARNING: the machine was too busy for these speeds to mean much: this process got 30% of the " \
+           "1 core(s) it used; other processes kept 1.5 of 2 cores busy (we left them 1). Rerun on a quiet " \
+           "machine" in printed
+    busy = json.loads((out / "eval.json").read_text())["busy"]
+    assert busy["too_busy"] and busy["cpu_share"] == 0.3 and busy["other_load"] == 1.5
+    assert main(["inspect", str(out)]) == 0
+    assert "WARNING: the machine was too busy" in " ".join(capsys.readouterr().out.split())

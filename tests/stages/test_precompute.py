@@ -107,6 +107,16 @@ def test_the_bar_counts_tokens_and_advances_once_per_target_batch(tiny_llama_dir
     assert len(bar.advances) == manifest["num_batches"] > 3 and sum(bar.advances) == bar.total
 
 
+def test_the_summary_says_on_how_many_threads_the_throughput_was_measured(tiny_llama_dir, workdir, tmp_path,
+                                                                          capsys):
+    before = torch.get_num_threads()
+    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v", str(workdir["vm"]),
+                 "-o", str(tmp_path / "cache"), "--batch-tokens", "512", "--threads", "1"]) == 0
+    assert "tokens/s on 1 thread (--threads 1)" in " ".join(capsys.readouterr().out.split())
+    assert torch.get_num_threads() == before  # the stage's choice does not leak into what runs next
+    assert "threads" not in fc.read_manifest(tmp_path / "cache")  # reruns and torchrun: the same bytes
+
+
 def test_resume_after_kill_9_gives_the_identical_cache(tiny_llama_dir, workdir, tmp_path):
     straight = tmp_path / "straight"
     assert precompute(tiny_llama_dir, workdir, straight) == 0

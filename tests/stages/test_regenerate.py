@@ -190,6 +190,8 @@ def test_output_is_chat_data_for_the_other_stages_and_the_sidecar_says_how_it_wa
     assert m["settings"]["temperature"] == 0.0 and m["settings"]["max_new_tokens"] == 8
     assert m["settings"]["max_length"] == 384 and m["counts"]["tokens_generated"] > 0
     assert m["tokens_per_second"] > 0 and m["spec_cli_version"] and m["chat_template_sha256"]
+    # how the tokens/s were measured: the thread count chosen for the run, and how busy the machine was
+    assert m["threads"] >= 1 and m["threads_reason"] and {"too_busy", "cpu_share"} <= set(m["busy"])
     assert not Path(f"{out}.parts").exists()
 
     tokenizer = loading.load_tokenizer(talker)
