@@ -55,12 +55,12 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", samples=120, max_length=256, regen_max_new_tokens=192, draft_vocab_size=4096,
-                     ttt_steps=3, batch_tokens=2048, epochs=3.0, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8),
-    "full": Profile("full", samples=1200, max_length=256, regen_max_new_tokens=192, draft_vocab_size=8192,
-                    ttt_steps=3, batch_tokens=2048, epochs=2.0, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=45),
+    "quick": Profile("quick", samples=48, max_length=256, regen_max_new_tokens=192, draft_vocab_size=4096,
+                     ttt_steps=3, batch_tokens=2048, epochs=10.0, lr=1e-3, eval_prompts=4,
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=6),
+    "full": Profile("full", samples=320, max_length=256, regen_max_new_tokens=192, draft_vocab_size=8192,
+                    ttt_steps=3, batch_tokens=2048, epochs=10.0, lr=1e-3, eval_prompts=8,
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=30),
 }
 
 
