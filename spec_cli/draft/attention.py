@@ -17,8 +17,10 @@ the exact gradient of the causal keys (the split-KV identity); the extra keys ge
 
     dS_j = P_j * (dO . v_j - D);  dq += dS_j * k_j * scale;  dk_j = dS_j * q * scale;  dv_j = P_j * dO
 
-No [T, T] score tensor is ever materialised (packing adds one [B, 1, T, T] bias, built once per batch),
-so memory grows linearly with T. Kernels (chosen by device and dtype at run time):
+No [T, T] score tensor is ever materialised, so memory grows linearly with T. Packed rows pass their
+documents as `Segments`: the causal kernel then runs once per document (block-causal is causal within
+each document), which is exact and costs sum(L_i^2) instead of T^2; a dense [B, 1, T, T] bias
+(`block_causal_bias`) is still accepted for callers that have one. Kernels (chosen by device and dtype at run time):
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (+ its backward), GQA native.
 - "cuda_efficient": aten._scaled_dot_product_efficient_attention (+ its backward). Not run in this
   repo's tests (no GPU); it is checked against the math kernel on a tiny input before first use and
@@ -61,6 +63,65 @@ def document_index(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     ends = seq_lens.long().cumsum(1)  # [B, D] exclusive end of each document
     slots = torch.arange(seq_len, device=seq_lens.device).expand(seq_lens.shape[0], seq_len)
     return torch.searchsorted(ends, slots.contiguous(), right=True)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The documents of packed rows as (row, start, end) slot ranges, together covering every slot of
+    every row (a row's trailing padding is one more range). Attention is causal within a range and
+    never crosses one."""
+
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> "Segments":
+        spans = []
+        for row, lengths in enumerate(seq_lens.tolist()):
+            start = 0
+            for length in lengths:
+                if length > 0:
+                    spans.append((row, start, start + length))
+                    start += length
+            if start < seq_len:
+                spans.append((row, start, seq_len))
+        return cls(tuple(spans))
+
+
+def _segmented_fwd(kernel, q, k, v, segments: Segments, scale):
+    """The causal kernel once per segment; (out, lse, per-segment states)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=_acc_dtype(q.dtype), device=q.device)
+    states = []
+    for b, s, e in segments.spans:
+        o, l, state = kernel.fwd(q[b:b + 1, :, s:e].contiguous(), k[b:b + 1, :, s:e].contiguous(),
+                                 v[b:b + 1, :, s:e].contiguous(), None, scale)
+        out[b:b + 1, :, s:e] = o
+        lse[b:b + 1, :, s:e] = l
+        states.append(state)
+    return out, lse, states
+
+
+def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, states):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for (b, s, e), state in zip(segments.spans, states):
+        def part(x):
+            return x[b:b + 1, :, s:e].contiguous()
+        gq, gk, gv = kernel.bwd(part(dout), part(q), part(k), part(v), None, part(out),
+                                lse[b:b + 1, :, s:e].contiguous(), scale, state)
+        dq[b:b + 1, :, s:e], dk[b:b + 1, :, s:e], dv[b:b + 1, :, s:e] = gq, gk, gv
+    return dq, dk, dv
+
+
+def _causal_fwd(kernel, q, k, v, bias, scale):
+    if isinstance(bias, Segments):
+        return _segmented_fwd(kernel, q, k, v, bias, scale)
+    return kernel.fwd(q, k, v, bias, scale)
+
+
+def _causal_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state):
+    if isinstance(bias, Segments):
+        return _segmented_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state)
+    return kernel.bwd(dout, q, k, v, bias, out, lse, scale, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +323,7 @@ class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel, bias, scale, n_extra, q, k0, v0, *extra):
         acc = _acc_dtype(q.dtype)
-        out_c, lse_c, state = kernel.fwd(q, k0, v0, bias, scale)  # [B, h, T, d], [B, h, T]
+        out_c, lse_c, state = _causal_fwd(kernel, q, k0, v0, bias, scale)  # [B, h, T, d], [B, h, T]
         lse_c = lse_c.to(acc)
         if n_extra == 0:
             out, lse = out_c, lse_c
@@ -274,15 +335,17 @@ class _TTTAttention(torch.autograd.Function):
             out = (torch.exp(lse_c - lse)[..., None] * out_c.to(acc)
                    + _extra_values(torch.exp(s - lse[..., None]), extra_v)).to(q.dtype)
         ctx.kernel, ctx.scale, ctx.n_extra, ctx.state = kernel, scale, n_extra, state
-        ctx.save_for_backward(bias, out, lse, q, k0, v0, *extra)
+        ctx.segments = bias if isinstance(bias, Segments) else None
+        ctx.save_for_backward(None if ctx.segments else bias, out, lse, q, k0, v0, *extra)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         bias, out, lse, q, k0, v0, *extra = ctx.saved_tensors
+        bias = ctx.segments or bias
         n, scale = ctx.n_extra, ctx.scale
         # causal part: the fused backward with the merged out and lse is exact (split-KV identity)
-        dq, dk0, dv0 = ctx.kernel.bwd(dout, q, k0, v0, bias, out, lse, scale, ctx.state)
+        dq, dk0, dv0 = _causal_bwd(ctx.kernel, dout, q, k0, v0, bias, out, lse, scale, ctx.state)
         if n == 0:
             return None, None, None, None, dq, dk0, dv0
         acc = lse.dtype
@@ -306,19 +369,19 @@ class _TTTAttention(torch.autograd.Function):
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                   extra_k: list[torch.Tensor] = (), extra_v: list[torch.Tensor] = (),
-                  bias: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+                  bias: torch.Tensor | Segments | None = None, impl: str = "auto") -> torch.Tensor:
     """Attention of TTT step n = len(extra_k): causal over (k0, v0), plus each query's own position
     in every extra (k_j, v_j).
 
     q: [B, h, T, d]; k0, v0, extra_k[j], extra_v[j]: [B, hkv, T, d] (hkv divides h);
     bias: None for causal (right padding needs nothing more: padded keys sit after every real query),
-    or an additive [B, 1, T, T] bias holding the block-causal structure (`block_causal_bias`).
-    Returns [B, h, T, d].
+    packed documents as `Segments` (causal within each), or an additive [B, 1, T, T] bias holding the
+    block-causal structure (`block_causal_bias`). Returns [B, h, T, d].
     """
     if len(extra_k) != len(extra_v):
         raise ValueError("extra_k and extra_v must have the same length")
     kernel = pick_kernel(q.device, q.dtype, impl)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if bias is not None:
+    if isinstance(bias, torch.Tensor):
         bias = bias.to(q.dtype)
     return _TTTAttention.apply(kernel, bias, scale, len(extra_k), q, k0, v0, *extra_k, *extra_v)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from spec_cli.draft.attention import block_causal_bias, document_index
+from spec_cli.draft.attention import Segments, document_index
 from spec_cli.draft.losses import LOSSES, acceptance_length, step_loss, step_weights, top1_correct
 from spec_cli.draft.model import Eagle3Draft
 from spec_cli.target.batch import TargetBatch
@@ -103,8 +103,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
         position_ids = packed_positions(batch.seq_lens, T) if batch.seq_lens is not None else \
             torch.arange(T, device=device).expand(B, T)
     bias = None  # causal: right-padded keys come after every real query
-    if batch.seq_lens is not None:  # packing: block-causal per document
-        bias = block_causal_bias(batch.seq_lens, T, draft.fc.weight.dtype)
+    if batch.seq_lens is not None:  # packing: causal within each document, one kernel call each
+        bias = Segments.from_seq_lens(batch.seq_lens, T)
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
     weights = step_weights(ttt_steps, step_weight)
     head = (lambda *a: activation_checkpoint(_head, *a, use_reentrant=False)) if checkpoint else _head

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spec_cli.draft import attention
-from spec_cli.draft.attention import block_causal_bias, document_index, pick_kernel, ttt_attention
+from spec_cli.draft.attention import Segments, block_causal_bias, document_index, pick_kernel, ttt_attention
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 
 
@@ -52,12 +52,15 @@ def _allowed(B, T, seq_lens):
     return allowed
 
 
-CASES = [  # heads, kv heads, extra steps, packed
-    (4, 2, 0, False),
-    (4, 2, 1, False),
-    (4, 1, 6, False),
-    (2, 2, 3, True),
-    (4, 2, 6, True),
+CASES = [  # heads, kv heads, extra steps, packing (None: causal rows)
+    (4, 2, 0, None),
+    (4, 2, 1, None),
+    (4, 1, 6, None),
+    (2, 2, 3, "bias"),
+    (4, 2, 6, "bias"),
+    (2, 2, 3, "segments"),
+    (4, 2, 6, "segments"),
+    (4, 1, 0, "segments"),
 ]
 
 
@@ -69,7 +72,11 @@ def test_matches_explicit(impl, dtype, heads, kv_heads, n_extra, packed, monkeyp
     B, T, d = 2, 11, 8
     seq_lens = torch.tensor([[4, 5], [11, 0]]) if packed else None
     q, k0, v0, ek, ev = _inputs(B, heads, kv_heads, T, d, n_extra, dtype)
-    bias = block_causal_bias(seq_lens, T, dtype) if packed else None
+    bias = None
+    if packed == "bias":
+        bias = block_causal_bias(seq_lens, T, dtype)
+    elif packed == "segments":
+        bias = Segments.from_seq_lens(seq_lens, T)
     out = ttt_attention(q, k0, v0, ek, ev, bias, impl=impl)
     ref = explicit_attention(q, k0, v0, ek, ev, _allowed(B, T, seq_lens))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
@@ -112,6 +119,12 @@ def test_broken_fused_kernel_falls_back_to_math(monkeypatch):
     monkeypatch.setattr(attention, "_checked", {})
     with pytest.warns(UserWarning, match="self-check"):
         assert pick_kernel(torch.device("cpu"), torch.float32).name == "math"
+
+
+def test_segments_cover_every_slot_once():
+    seq_lens = torch.tensor([[2, 3, 0], [1, 0, 0], [4, 2, 0]])
+    assert Segments.from_seq_lens(seq_lens, 6).spans == (
+        (0, 0, 2), (0, 2, 5), (0, 5, 6), (1, 0, 1), (1, 1, 6), (2, 0, 4), (2, 4, 6))
 
 
 def test_document_index_and_bias():
