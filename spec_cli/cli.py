@@ -61,6 +61,11 @@ Threads = Annotated[Optional[int], typer.Option(
     "--threads", help="Intra-op CPU threads. Default: auto, the cores this process may use less those "
                       "other processes keep busy (OMP_NUM_THREADS if set); recorded with the result.",
     min=1, rich_help_panel=RUNTIME)]
+ChatTemplate = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Render conversations with this chat template instead of the target's own: a "
+                            "Jinja file (or a tokenizer_config.json holding one), or a family: chatml, "
+                            "llama3, gemma, mistral. Needed for a base model without one; recorded in "
+                            "every artifact made from it.", rich_help_panel=DATA)]
 TargetEngine = Annotated[str, typer.Option(
     "--target-engine", help="transformers or vllm (the `vllm` extra): what runs a live target. The "
                             "supervision is the same either way (fp32 rounding), and so is the identity "
@@ -181,6 +186,7 @@ def regenerate_cmd(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an -o made from other inputs or settings (or an unfinished run of "
                             "them) instead of refusing.", rich_help_panel=INPUTS)] = False,
+    chat_template: ChatTemplate = None,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -194,7 +200,7 @@ def regenerate_cmd(
         target=target, data=data, output=output, temperature=temperature, top_p=top_p, seed=seed,
         max_new_tokens=max_new_tokens, max_length=max_length, max_samples=max_samples, batch_size=batch_size,
         batch_tokens=batch_tokens, chunk_size=chunk_size, engine=engine, device=device, dtype=dtype,
-        threads=threads, overwrite=overwrite))
+        threads=threads, overwrite=overwrite, chat_template=chat_template))
     print_regenerate_summary(result)
 
 
@@ -209,6 +215,7 @@ def build_vocab_map_cmd(
         rich_help_panel=DRAFT)] = 32000,
     max_length: MaxLength = 2048,
     num_proc: NumProc = 1,
+    chat_template: ChatTemplate = None,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -219,7 +226,8 @@ def build_vocab_map_cmd(
     set_quiet(quiet)
     result = stage.run(stage.BuildVocabMapConfig(target=target, data=data, output=output,
                                                  draft_vocab_size=draft_vocab_size,
-                                                 max_length=max_length, num_proc=num_proc))
+                                                 max_length=max_length, num_proc=num_proc,
+                                                 chat_template=chat_template))
     print_vocab_map_summary(result)
 
 
@@ -246,6 +254,7 @@ def precompute_cmd(
         "--max-samples", help="Use only the first N usable samples. Default: all.", min=1,
         rich_help_panel=DATA)] = None,
     num_proc: NumProc = 1,
+    chat_template: ChatTemplate = None,
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
@@ -267,7 +276,7 @@ def precompute_cmd(
         target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
         aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
-        dtype=dtype, resume=resume, target_engine=target_engine, threads=threads))
+        dtype=dtype, resume=resume, target_engine=target_engine, threads=threads, chat_template=chat_template))
     print_precompute_summary(result)
 
 
@@ -372,7 +381,16 @@ def train_cmd(
     activation_checkpointing: Annotated[bool, typer.Option(
         "--activation-checkpointing", help="Recompute activations in backward (long sequences).",
         rich_help_panel=RUNTIME)] = False,
+    draft_rope_theta: Annotated[Optional[float], typer.Option(
+        "--draft-rope-theta", help="Train the draft with plain rope at this theta instead of the target's rope "
+                                   "(taken from the target by default, scaling included; needed only for a "
+                                   "scaling type the draft does not compute).", min=1.0,
+        rich_help_panel=DRAFT)] = None,
     aux_layers: DraftAuxLayers = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", help="Live --target / --remote: render conversations with this chat template (a "
+                                "Jinja file or chatml, llama3, gemma, mistral) instead of the target's own; "
+                                "as for build-vocab-map.", rich_help_panel=TARGET)] = None,
     max_length: MaxLength = 2048,
     max_samples: Annotated[Optional[int], typer.Option(
         "--max-samples", help="Live target: use only the first N samples.", min=1, rich_help_panel=DATA)] = None,
@@ -420,7 +438,8 @@ def train_cmd(
         epochs=epochs, max_time=parse_duration(max_time, "--max-time"), seed=seed,
         activation_checkpointing=activation_checkpointing,
         log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
-        resume=resume, device=device, dtype=dtype, target_engine=target_engine))
+        resume=resume, device=device, dtype=dtype, target_engine=target_engine, chat_template=chat_template,
+        draft_rope_theta=draft_rope_theta))
     print_train_summary(result)
     if result.stream:
         from spec_cli.console import summary
@@ -457,6 +476,10 @@ def export_cmd(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an earlier spec export in -o (without it, -o must be new or empty).",
         rich_help_panel=INPUTS)] = False,
+    allow_unsupported_target: Annotated[bool, typer.Option(
+        "--allow-unsupported-target", help="Write the export although the engine (as spec_cli knows its "
+                                           "version) cannot capture this target's aux hidden states; a "
+                                           "warning instead of a refusal.", rich_help_panel=CHECKS)] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -468,7 +491,7 @@ def export_cmd(
     set_quiet(quiet)
     result = stage.run(stage.ExportConfig(source=source, format=format, output=output, dtype=dtype,
                                           check=check, target=target, engine_check=engine_check,
-                                          overwrite=overwrite))
+                                          overwrite=overwrite, allow_unsupported_target=allow_unsupported_target))
     summary("export", result.summary_rows())
 
 
@@ -517,6 +540,7 @@ def eval_cmd(
         "--timing-repeats", help="Decode each turn this many times with each decoder, alternating, and "
                                  "keep each turn's median time (same seeds: the same output).", min=1,
         rich_help_panel=RUNTIME)] = 1,
+    chat_template: ChatTemplate = None,
     device: Device = None,
     dtype: Dtype = None,
     config: Config = None,
@@ -532,7 +556,7 @@ def eval_cmd(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
-        engine=engine, threads=threads, timing_repeats=timing_repeats))
+        engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template))
     print_table(result)
 
 
@@ -573,6 +597,11 @@ def serve_target_cmd(
     data_plane: Annotated[bool, typer.Option(
         "--data-plane", help="Offer the gloo tensor data plane (torch.distributed; trusted networks "
                              "only).", rich_help_panel=SERVER)] = False,
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", help="The chat template the trainers' data is rendered with (a Jinja file or "
+                                "chatml, llama3, gemma, mistral): sent with the tokenizer, and part of the "
+                                "tokenizer fingerprint the server reports. Default: the target's own.",
+        rich_help_panel=SERVER)] = None,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -584,7 +613,7 @@ def serve_target_cmd(
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
           exit_on_disconnect=exit_on_disconnect, data_plane=data_plane,
-          target_engine=target_engine)
+          target_engine=target_engine, chat_template=chat_template)
 
 
 @app.command("demo", cls=Command)

@@ -33,6 +33,11 @@ def info(message: str, markup: bool = False) -> None:
         console.print(message, markup=markup)
 
 
+def warn(message: str) -> None:
+    """A warning the user must see: on stderr, --quiet or not. Plain text (paths, library errors)."""
+    err_console.print(Text.assemble(("warning: ", "bold yellow"), message))
+
+
 def progress_enabled() -> bool:
     return not _quiet and sys.stdout.isatty()
 

@@ -49,10 +49,16 @@ def print_regenerate_summary(result) -> None:
     ])
 
 
+def _template(meta: dict) -> str:
+    sha = meta.get("chat_template_sha256")
+    return f"{meta.get('chat_template_source', '?')} (sha256 {sha[:12]})" if sha else "none"
+
+
 def print_vocab_map_summary(result) -> None:
     meta, tok = result.vocab_map.metadata, result.tokens.metadata
     summary("build-vocab-map", [
         ("target", meta["target"]),
+        ("chat template", _template(meta)),
         ("data", f"{meta['data']} ({tok['num_records']} records)"),
         ("tokenised", f"{tok['num_samples']} samples, {tok['num_tokens']} tokens, "
                       f"{tok['num_supervised']} supervised"

@@ -32,8 +32,12 @@ MANIFEST = "manifest.json"
 HEAD = "head.safetensors"
 ENCODINGS = ("hidden", "probs")
 # Keys that must match for a cache to be resumed or trained from, in the order they are reported.
-IDENTITY_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "vocab_map_fingerprint", "aux_layers",
-                 "encoding", "dtype", "data_fingerprint", "max_length", "batch_tokens", "shard_tokens")
+IDENTITY_KEYS = ("target_fingerprint", "chat_template_sha256", "tokenizer_fingerprint", "vocab_map_fingerprint",
+                 "aux_layers", "encoding", "dtype", "data_fingerprint", "max_length", "batch_tokens",
+                 "shard_tokens")
+# Keys a cache written before they existed may lack; the keys after them cover them (the tokenizer
+# fingerprint hashes the chat template), so such a cache stays usable.
+OPTIONAL_IDENTITY_KEYS = ("chat_template_sha256",)
 DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -52,6 +56,8 @@ def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, dtyp
 def identity_mismatch(expected: dict, found: dict) -> str | None:
     """The first identity key whose values differ, phrased for the user, or None."""
     for key in IDENTITY_KEYS:
+        if key in OPTIONAL_IDENTITY_KEYS and key not in found:
+            continue
         if expected.get(key) != found.get(key):
             return f"{key.replace('_', ' ')}: cache has {found.get(key)!r}, this run has {expected.get(key)!r}"
     return None

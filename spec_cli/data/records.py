@@ -29,6 +29,8 @@ EMPTY = "empty"
 MALFORMED = "malformed"
 NO_ASSISTANT = "no assistant turn"
 TEMPLATE = "chat template rejected it"
+ASSISTANT_FIRST = "begins with an assistant turn (the chat template refuses it)"
+NO_TEMPLATE = "no chat template"  # never in a summary: tokenize_data stops with one error instead
 TRUNCATED = "no supervised token after truncation"
 
 

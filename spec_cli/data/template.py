@@ -139,12 +139,21 @@ def encode_text(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.ones(len(ids), dtype=np.uint8)
 
 
+def begins_with_assistant(messages: list[dict]) -> bool:
+    """The first turn after any system turns is the assistant's (ShareGPT has many: the human's opening
+    turn was lost). Templates that require roles to alternate from `user` (Gemma, Mistral) refuse them."""
+    first = next((m for m in messages if m["role"] != "system"), None)
+    return first is not None and first["role"] == "assistant"
+
+
 def encode_record(tokenizer, record: dict, max_length: int,
                   specials: list[str]) -> tuple[np.ndarray, np.ndarray] | str:
     """Tokens and loss mask for one record, or the reason it is skipped."""
     kind, value = records.normalise(record)
     if kind == "skip":
         return value
+    if kind == "chat" and not getattr(tokenizer, "chat_template", None):
+        return records.NO_TEMPLATE  # tokenize_data says so once, naming --chat-template
     try:
         if kind == "text":
             ids, mask = encode_text(tokenizer, value)
@@ -153,7 +162,7 @@ def encode_record(tokenizer, record: dict, max_length: int,
     except TemplateMismatch:
         return records.TEMPLATE
     except Exception:  # jinja errors: e.g. roles that do not alternate, unsupported system turn
-        return records.TEMPLATE
+        return records.ASSISTANT_FIRST if kind == "chat" and begins_with_assistant(value) else records.TEMPLATE
     if not mask.any():
         return records.EMPTY
     ids, mask = ids[:max_length], mask[:max_length]

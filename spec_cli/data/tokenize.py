@@ -18,13 +18,16 @@ import torch
 from spec_cli.artifacts.io import sha256_path
 from spec_cli.artifacts.tokens import TokenizedData, load_tokenized, save_tokenized
 from spec_cli.console import info, progress
+from spec_cli.data import chat_templates, records
 from spec_cli.data.records import load_records
 from spec_cli.data.template import encode_record, special_token_strings
 from spec_cli.errors import DataError
 from spec_cli.paths import spec_home
 
 # Bump when the masking or truncation rules change: old caches are then not reused.
-TOKENIZE_VERSION = "2"  # 2: answers cut at the length limit do not supervise the end-of-turn token
+# 2: answers cut at the length limit do not supervise the end-of-turn token
+# 3: records a template refuses because they begin with an assistant turn are counted apart
+TOKENIZE_VERSION = "3"
 CHUNK = 256  # records per work item
 
 # Worker state (set in the parent before forking, or by the pool initializer).
@@ -46,6 +49,15 @@ def _encode_range(bounds: tuple[int, int]) -> list:
         out.append(encode_record(_worker["tokenizer"], record, _worker["max_length"],
                                  _worker["specials"]))
     return out
+
+
+def has_conversations(dataset, probe: int = 1000) -> bool:
+    """Some of the first `probe` records hold a chat (`conversations` / `messages`)."""
+    for column in ("conversations", "messages"):
+        if column in dataset.column_names and any(
+                v is not None for v in dataset.select_columns(column)[:probe][column]):
+            return True
+    return False
 
 
 def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int) -> str:
@@ -71,6 +83,9 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
         return data
 
     dataset = load_records(data_path)
+    if has_conversations(dataset):  # before tokenising: one error, not every record skipped
+        chat_templates.require(tokenizer, getattr(tokenizer, "name_or_path", "") or "the target",
+                               f"the conversations in {data_path.name}")
     n = len(dataset)
     ranges = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
     results: list = []
@@ -90,12 +105,18 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
                     bar.advance(len(chunk))
 
     skipped = Counter(r for r in results if isinstance(r, str))
+    if skipped[records.NO_TEMPLATE]:  # chat records in a data set whose columns did not say so
+        chat_templates.require(tokenizer, getattr(tokenizer, "name_or_path", "") or "the target",
+                               f"the conversations in {data_path.name}")
     kept = [(i, r) for i, r in enumerate(results) if not isinstance(r, str)]
     if not kept:
         reasons = ", ".join(f"{k}: {v}" for k, v in skipped.most_common()) or "no records"
-        raise DataError(f"{data_path} has no usable records ({reasons})",
-                        "records need an assistant turn (ShareGPT `conversations`, OpenAI `messages`) "
-                        "or a `text` field")
+        refused = skipped[records.TEMPLATE] + skipped[records.ASSISTANT_FIRST]
+        hint = ("the chat template refuses these conversations: check that it renders user and assistant "
+                "turns, or pass --chat-template with the template the target is served with"
+                if refused * 2 > sum(skipped.values()) else
+                "records need an assistant turn (ShareGPT `conversations`, OpenAI `messages`) or a `text` field")
+        raise DataError(f"{data_path} has no usable records ({reasons})", hint)
     lengths = np.array([len(r[0]) for _, r in kept], dtype=np.int64)
     offsets = np.zeros(len(kept) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -1,4 +1,15 @@
-"""The draft model's configuration, derived from the target's config and the vocab map."""
+"""The draft model's configuration, derived from the target's config and the vocab map.
+
+Rope. The draft layer's rotary embedding is taken from the target (`target_rope`), for every layout
+transformers writes: a flat `rope_parameters` (transformers 5), `rope_theta` + `rope_scaling` (4.x, with
+`type` or `rope_type`), and `rope_parameters` nested per layer type (Gemma 3: `full_attention` /
+`sliding_attention`, each with its own theta and scaling). The draft is one full-attention layer that
+attends over the whole context, so from a nested config it takes the `full_attention` entry: the
+sliding layers' rope (Gemma 3: theta 10k, no scaling) is tuned for a 512-token window. Nothing falls
+back silently: the choice is recorded in `rope_source` (README of every export, the train log), and a
+scaling type the draft cannot compute is an error naming `--draft-rope-theta`, the explicit way to train
+plain rope instead (the draft's rope is its own: it only has to agree between training and serving).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,88 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_cli.errors import ConfigError
+
+# Rope scaling types the draft computes the same way as transformers, vLLM and SGLang.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+@dataclass(frozen=True)
+class RopeChoice:
+    theta: float
+    scaling: dict | None  # None: plain rope; else the scaling dict with `rope_type` (no theta)
+    source: str  # where it came from, in words
+
+
+def _scaling_of(entry: dict, max_positions: int | None) -> dict | None:
+    """A rope dict -> its scaling part (theta and partial_rotary_factor dropped), `type` -> `rope_type`,
+    with the fields the engines require filled the way transformers fills them."""
+    out = {k: v for k, v in entry.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if "type" in out:  # 4.x spelling; transformers 5 merges a Gemma 3 `{"type": "linear"}` next to its
+        old = out.pop("type")  # own "rope_type": "default", so the published `type` wins over that default
+        if out.get("rope_type", "default") == "default":
+            out["rope_type"] = old
+    kind = out.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind in ("llama3", "yarn") and out.get("original_max_position_embeddings") is None and max_positions:
+        out["original_max_position_embeddings"] = max_positions  # transformers' standardize_rope_params
+    if kind == "yarn" and out.get("factor") is None and max_positions:
+        out["factor"] = max_positions / out["original_max_position_embeddings"]  # _compute_yarn_parameters
+    return out
+
+
+def target_rope(text) -> RopeChoice:
+    """The rope the draft takes from the target's (text) config; see the module docstring."""
+    params = getattr(text, "rope_parameters", None)
+    legacy_theta = getattr(text, "rope_theta", None)
+    max_positions = getattr(text, "max_position_embeddings", None)
+    where = "rope_parameters"
+    if not params:  # transformers 4.x layout (or a config transformers did not standardise)
+        params = dict(getattr(text, "rope_scaling", None) or {})
+        where = "rope_theta/rope_scaling"
+    params = dict(params)
+    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+    note = ""
+    if nested:
+        if "full_attention" in nested:
+            key = "full_attention"
+        elif len(nested) == 1:
+            key = next(iter(nested))
+        else:
+            raise ConfigError(f"the target's rope_parameters are set per layer type ({', '.join(nested)}) and "
+                              "none is full_attention, so it is not clear which one a full-attention draft "
+                              "layer should copy", "pass --draft-rope-theta THETA to train plain rope")
+        others = ", ".join(f"{k}: theta {float(v.get('rope_theta', legacy_theta or DEFAULT_THETA)):g}"
+                           + (f", {v['rope_type']}" if v.get("rope_type", "default") != "default" else "")
+                           for k, v in nested.items() if k != key)
+        entry = dict(nested[key])
+        where = f"rope_parameters[{key!r}]"
+        if others:
+            note = (f"; the draft is a full-attention layer, so it copies the target's {key} layers, not "
+                    f"its other layer types ({others})")
+    else:
+        entry = params
+    theta = entry.get("rope_theta", legacy_theta)
+    if theta is None:
+        theta = DEFAULT_THETA
+        note += f"; the target config names no rope theta, so transformers' default {DEFAULT_THETA:g} is used"
+    scaling = _scaling_of(entry, max_positions)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"the target's rope scaling {kind!r} ({where}) is not one the draft computes "
+                          f"({', '.join(ROPE_TYPES)})",
+                          "pass --draft-rope-theta THETA to train the draft with plain rope at that theta")
+    partial = entry.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        note += (f"; the target rotates {partial:g} of each head, the draft (a Llama layer, as the engines "
+                 "build it) all of its head")
+    described = f"theta {float(theta):g}" + (f", {kind} scaling {_fields(scaling)}" if scaling else "")
+    return RopeChoice(float(theta), scaling, f"target {where}: {described}{note}")
+
+
+def _fields(scaling: dict) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in scaling.items() if k != "rope_type") + ")"
 
 
 @dataclass
@@ -28,6 +121,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rope_source: str = ""  # where the rope settings came from (target_rope), in words
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     # EAGLE-3.1 options
@@ -37,6 +131,9 @@ class DraftConfig:
     target_architecture: str = ""
     target_fingerprint: str = ""
     tokenizer_fingerprint: str = ""
+    chat_template_sha256: str | None = None  # the template the training data was rendered with
+    chat_template_source: str = ""
+    tokenizer_base_fingerprint: str = ""  # the tokenizer without its template (tells the two apart)
     vocab_map_fingerprint: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -57,11 +154,13 @@ class DraftConfig:
         if getattr(text, "num_hidden_layers", None) is None and getattr(text, "text_config", None):
             text = text.text_config
         heads = text.num_attention_heads
-        rope = getattr(text, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", "default")
-        rope_scaling = None if rope_type == "default" else {
-            k: v for k, v in rope.items() if k != "rope_theta"}
+        if overrides.get("rope_theta") is not None:  # --draft-rope-theta: plain rope, chosen by the user
+            rope = RopeChoice(float(overrides["rope_theta"]), None,
+                              f"--draft-rope-theta: theta {float(overrides['rope_theta']):g}, no scaling "
+                              "(not taken from the target)")
+            overrides = {k: v for k, v in overrides.items() if k not in ("rope_theta", "rope_scaling")}
+        else:
+            rope = target_rope(text)
         values = dict(
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
@@ -74,8 +173,9 @@ class DraftConfig:
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            rope_source=rope.source,
             max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
             target_architecture=(getattr(target_config, "architectures", None) or [""])[0],
         )

@@ -37,8 +37,43 @@ from spec_cli.errors import ConfigError
 # rotary embeddings
 
 
+def _yarn(inv_freq: torch.Tensor, base: float, d: int, scaling: dict, max_positions: int) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters; vLLM's YaRNScalingRotaryEmbedding): dims that rotate
+    fast enough keep their frequency, slow ones are interpolated by `factor`, a linear ramp in between."""
+    factor, old_len = scaling["factor"], scaling.get("original_max_position_embeddings") or max_positions
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over old_len
+        return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_scale(config: DraftConfig) -> float:
+    """YaRN's factor on cos/sin (1 for other rope types): `attention_factor`, else from mscale."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
 def rope_inv_freq(config: DraftConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32) for default, linear and llama3 rope."""
+    """Inverse frequencies [head_dim / 2] (float32) for default, linear, llama3 and yarn rope."""
     d = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
     scaling = config.rope_scaling or {}
@@ -56,8 +91,10 @@ def rope_inv_freq(config: DraftConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn(inv_freq, config.rope_theta, d, scaling, config.max_position_embeddings)
     raise ConfigError(f"rope type {kind!r} is not supported by the draft model",
-                      "supported: default, linear, llama3; override the draft's rope_scaling")
+                      "supported: default, linear, llama3, yarn; train with --draft-rope-theta THETA")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +317,8 @@ class Eagle3Draft(nn.Module):
         freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.fc.weight.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = rope_attention_scale(self.config)  # yarn only; 1 otherwise
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def _layers(self, input_ids, hidden, cos, sin, attends):
         """Run the decoder stack. attends[i](q, k, v) -> [B, h, T, d] is layer i's attention.
@@ -301,7 +339,7 @@ class Eagle3Draft(nn.Module):
 
         input_ids [B, T]; hidden [B, T, H]: project(aux) at step 0, the previous step's state after;
         caches: one list per layer of the (k, v) of earlier steps ([0] = step 0), appended to here;
-        bias: None (causal) or block_causal_bias. Returns the state for the next step [B, T, H].
+        bias: None (causal), attention.Segments (packed) or block_causal_bias. Returns the state for the next step [B, T, H].
         """
         attends = [_ttt_attend(list(cache), bias, self.attn_impl) for cache in caches]
         if checkpoint:  # recompute the layers in backward: keeps only their inputs and k/v

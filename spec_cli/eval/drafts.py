@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from spec_cli.data import chat_templates
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
 from spec_cli.errors import ArtifactError, ConfigError, listing
@@ -66,7 +67,9 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
     recorded = {"vocab_size": src.config.vocab_size, "target_hidden_size": src.config.target_hidden_size,
                 "target_num_layers": src.config.target_num_layers,
                 "target_fingerprint": src.config.target_fingerprint,
-                "tokenizer_fingerprint": src.config.tokenizer_fingerprint}
+                "tokenizer_fingerprint": src.config.tokenizer_fingerprint,
+                **_template_record(src.config.chat_template_sha256, src.config.chat_template_source,
+                                   src.config.tokenizer_base_fingerprint)}
     kind = "checkpoint" if src.checkpoint.resolve() == path.resolve() else "run"
     return LoadedDraft(model=model.eval(), kind=kind, path=src.checkpoint, step=src.step,
                        run_dir=src.run_dir, recorded=recorded)
@@ -173,15 +176,23 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
     recorded = {"vocab_size": view.vocab_size, "target_hidden_size": view.target_hidden_size,
                 "target_num_layers": block.get("target_num_layers"),
                 "target_fingerprint": block.get("target_fingerprint") or "",
-                "tokenizer_fingerprint": block.get("tokenizer_fingerprint") or ""}
+                "tokenizer_fingerprint": block.get("tokenizer_fingerprint") or "",
+                **_template_record(block.get("chat_template_sha256"), block.get("chat_template_source"),
+                                   block.get("tokenizer_base_fingerprint"))}
     return LoadedDraft(model=model.eval(), kind="export", path=folder, format=fmt, step=block.get("step"),
                        recorded=recorded, needs_embeddings="embed_tokens.weight" in missing)
 
 
 # ----------------------------------------------------------------------------- the target it is for
 
+def _template_record(sha256: str | None, source: str | None, base_fingerprint: str | None) -> dict:
+    """The chat template a draft's data was rendered with (and its tokenizer without it), when recorded."""
+    return {"chat_template_sha256": sha256, "chat_template_source": source,
+            "tokenizer_base_fingerprint": base_fingerprint} if base_fingerprint else {}
+
+
 def check_target(draft: LoadedDraft, target_dir: Path, target_config, tokenizer,
-                 check_fingerprint: bool = True) -> None:
+                 check_fingerprint: bool = True, chat_template=None) -> None:
     """Raise ArtifactError unless the draft was made for this target: vocab, hidden size and depth, and
     (when the draft records them) the target's and tokenizer's fingerprints."""
     text = target_config if getattr(target_config, "num_hidden_layers", None) else \
@@ -211,5 +222,8 @@ def check_target(draft: LoadedDraft, target_dir: Path, target_config, tokenizer,
                             f"{hint}, or add --no-fingerprint-check to evaluate it on this one anyway")
     recorded = draft.recorded.get("tokenizer_fingerprint")
     if recorded and recorded != loading.tokenizer_fingerprint(tokenizer):
+        why = chat_templates.mismatch(draft.recorded, tokenizer, chat_template, "the draft's training data")
+        if why is not None:
+            raise ArtifactError(why[0], f"{why[1]}; or add --no-fingerprint-check")
         raise ArtifactError(f"the draft was trained with a different tokenizer or chat template than "
                             f"{target_dir}'s", f"{hint}, or add --no-fingerprint-check")

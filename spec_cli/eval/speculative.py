@@ -299,7 +299,7 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     start = time.perf_counter()
     device = target.model.device
     target.capture = False
-    cache = target.new_cache()
+    cache = target.new_cache(rollback=False)  # the model's own: nothing is ever taken back
     logits, _ = prefill(target, cache, torch.tensor(prompt, device=device))
     new = [next_token(logits, settings.temperature, generator)]
     while not _finished(new[-1:], len(new), settings):

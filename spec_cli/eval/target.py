@@ -1,9 +1,18 @@
 """The target during speculative decoding: a transformers causal LM, batch size 1, with a KV cache
 (`DynamicCache`) and forward hooks that capture the outputs of the three aux decoder layers.
 
-Tree verification passes a 4D mask [1, 1, n, past + n] (True = attend), which transformers uses as
-given; for eager attention it is turned into the additive float mask eager attention adds to its
-scores. Keeping an accepted tree path in the cache gathers its positions (they are not contiguous).
+Rolling back. A verification appends the root and every drafted token; the rejected ones then leave the
+cache. transformers' sliding-window cache layer keeps only its last window - 1 positions, so once a turn
+reaches the window it cannot take tokens back (`crop` raises). Verification therefore keeps every layer,
+sliding ones too, as a full `DynamicLayer`; the model's own masks (or, for a tree, target/masks.py's, with
+each layer kind's rule on the tokens' positions) show each sliding layer only its window, so the logits
+are those of the target's own decoding. Per step that costs attention over the whole prefix on sliding
+layers too, as on the full ones (linear in the length; memory: the whole prefix per layer). The
+target-alone baseline, which never rolls back, keeps the model's own cache.
+
+Tree verification passes a 4D mask [1, 1, n, past + n] per layer kind (one tensor, or a dict keyed by
+kind for mixed targets such as Gemma 3), which transformers uses as given. Keeping an accepted tree path
+in the cache gathers its positions (they are not contiguous).
 """
 
 from __future__ import annotations
@@ -13,10 +22,10 @@ import inspect
 import torch
 from torch import nn
 
-from spec_cli.errors import ConfigError
 from spec_cli.target import loading
+from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 
-TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that read a custom 4D mask as is
+TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a custom 4D mask as is
 
 
 class Target:
@@ -30,6 +39,7 @@ class Target:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.layout = Layout.from_config(model.config)
 
     def _hook(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -44,9 +54,15 @@ class Target:
 
     # -- cache -----------------------------------------------------------------------------------
 
-    def new_cache(self):
+    def new_cache(self, rollback: bool = True):
+        """rollback: a full layer per decoder layer, so that `keep` can drop rejected tokens (see the
+        module docstring); else the model's own cache (sliding layers keep their window only)."""
         from transformers import DynamicCache
 
+        if rollback:
+            self.layout.require("speculative decoding (verifying drafts and dropping the rejected ones)",
+                                "evaluate a target whose layers are all full, sliding or chunked attention")
+            return DynamicCache()
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
@@ -65,10 +81,7 @@ class Target:
                 cache.crop(-(new - len(rows)))  # negative: remove that many (transformers 4 and 5)
             return
         index = torch.tensor(rows, device=self.model.device) + past
-        for layer in cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise ConfigError("tree verification cannot keep a path in a sliding-window cache layer",
-                                  "use a chain draft (--topk 1) with this target")
+        for layer in cache.layers:  # full layers only (new_cache)
             layer.keys = torch.cat([layer.keys[:, :, :past], layer.keys[:, :, index]], dim=2)
             layer.values = torch.cat([layer.values[:, :, :past], layer.values[:, :, index]], dim=2)
 
@@ -79,7 +92,10 @@ class Target:
                 tree_mask: torch.Tensor | None = None, last_only: bool = False):
         """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal).
         Returns (logits fp32 [n, V] ([1, V] with last_only), aux [n, 3*H_t] or None)."""
-        mask = None if tree_mask is None else self._mask(tree_mask[None, None])
+        mask = None
+        if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
+            mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
+                             self.model.dtype, "tree verification (--topk 2 or more)")
         self._captured.clear()
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache})
@@ -89,18 +105,6 @@ class Target:
             aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)[0]  # [n, 3*H_t]
             self._captured.clear()
         return logits, aux
-
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """[1, 1, n, L] bool (True = attend) -> the mask this attention implementation adds or reads."""
-        if self.attn_implementation == "sdpa":
-            return allowed
-        if self.attn_implementation == "eager":
-            dtype = self.model.dtype
-            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min)
-        raise ConfigError(f"tree verification needs a custom attention mask, which the target's "
-                          f"{self.attn_implementation!r} attention does not take",
-                          f"use a chain draft (--topk 1), or {' or '.join(TREE_ATTENTION)} attention")
 
 
 def tree_attention(parents: torch.Tensor, past: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ def serve_command(fmt: str, folder: Path, target: str | None, steps: int) -> str
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
-def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str) -> str:
+def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, support=None) -> str:
     c = src.config
     fmt, steps = files.format, files.num_speculative_tokens
     lines = [f"# EAGLE-3 draft for {c.target_architecture or 'the target'} ({ENGINE_NAMES[fmt]})", "",
@@ -53,8 +53,18 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str) 
               f"{ENGINE_NAMES[fmt]} as `{files.engine_aux_ids}`",
               f"- draft vocab: {c.draft_vocab_size} target ids "
               f"(vocab map `{c.vocab_map_fingerprint or unknown}`)",
+              f"- chat template the training data was rendered with: "
+              + (f"{c.chat_template_source} (sha256 `{c.chat_template_sha256}`); serve with the same template"
+                 if c.chat_template_sha256 else unknown),
               "", "Serve it with exactly this target: another model (or revision) gives low acceptance "
-              "without any error.", ""]
+              "without any error.", "", "## Draft layer", "",
+              f"- rope: theta {c.rope_theta:g}, scaling `{json.dumps(c.rope_scaling)}` (written as `rope_theta`, "
+              "`rope_scaling` and `rope_parameters`, which vLLM and SGLang read)",
+              f"- why: {c.rope_source or unknown}", ""]
+    if support is not None and support.served is not True:
+        lines += ["## Engine support", "", f"WARNING: {support.reason} (from {support.source}). "
+                  "This folder was written anyway; check that your engine captures this target's aux "
+                  "hidden states before relying on it.", ""]
     if c.fc_norm or c.norm_output:
         lines += ["## EAGLE-3.1", "",
                   f"Trained with fc_norm={c.fc_norm}, norm_output={c.norm_output}. Engines without EAGLE-3.1 "

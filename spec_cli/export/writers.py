@@ -299,5 +299,8 @@ def _provenance(src: DraftSource, fmt: str, dtype: torch.dtype) -> dict:
         "aux_layer_outputs": list(c.aux_layer_ids), "target_num_layers": c.target_num_layers,
         "target": src.target, "target_architecture": c.target_architecture,
         "target_fingerprint": c.target_fingerprint, "tokenizer_fingerprint": c.tokenizer_fingerprint,
+        "chat_template_sha256": c.chat_template_sha256, "chat_template_source": c.chat_template_source,
+        "tokenizer_base_fingerprint": c.tokenizer_base_fingerprint,
+        "rope_source": c.rope_source,
         "vocab_map_fingerprint": c.vocab_map_fingerprint,
     }

@@ -15,6 +15,7 @@ from typing import Callable
 
 from spec_cli import assets
 from spec_cli.console import info
+from spec_cli.data import chat_templates
 from spec_cli.errors import ConfigError
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.server import Limits, TargetServer
@@ -36,12 +37,14 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           max_batch_tokens: int = 65536, max_batch_size: int = 1024, max_seq_len: int = 32768,
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
           exit_on_disconnect: bool = False, data_plane: bool = False,
-          on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers") -> None:
+          on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
+          chat_template: str | None = None) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
     `token` (default: $SPEC_SERVE_TOKEN) is then required on every request. `port` 0 picks a free
     port; `on_ready(url)` is called once the server listens. `target_engine` runs the target in
-    transformers or vLLM (the same supervision and target identity either way).
+    transformers or vLLM (the same supervision and target identity either way). `chat_template`
+    (--chat-template) replaces the target's own in the tokenizer sent to trainers and in its fingerprint.
     """
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
@@ -52,12 +55,13 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", "use 1..65535 (0: any free port)")
     local.check_engine(target_engine)
+    template = chat_templates.resolve(chat_template)
     target_dir = loading.resolve_target(assets.resolve_target_arg(str(target)))
-    backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype)
+    backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template)
     try:
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),
-            tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir)), token=token,
+            tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
             exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
         try:

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from spec_cli.errors import SpecError
 from spec_cli.serve import wire
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,12 @@ class Response:
 class RequestError(Exception):
     """A request the server refuses: answered with `status` and a JSON error, never a traceback."""
 
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, hint: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code  # names a 409's cause for the client: "vocab" or "data_plane"
+        self.hint = hint  # what the client can do about it (a 422: what the target refuses)
 
 
 def vocab_id(selected_token_ids: torch.Tensor) -> str:
@@ -240,8 +242,10 @@ class TargetServer:
         except RequestError as exc:
             log.info("%s %s -> %d %s", method, path, exc.status, exc.message)
             extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-            return Response.json({"error": exc.message, "status": exc.status, "code": exc.code},
-                                 exc.status, close=exc.status != 409, headers=extra)
+            answer = {"error": exc.message, "status": exc.status, "code": exc.code}
+            if exc.hint:
+                answer["hint"] = exc.hint
+            return Response.json(answer, exc.status, close=exc.status != 409, headers=extra)
         except wire.WireError as exc:
             return Response.json({"error": str(exc), "status": 400}, 400, close=True)
         except Exception as exc:  # the model failed (e.g. out of memory): say so, keep serving
@@ -342,7 +346,10 @@ class TargetServer:
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
         with self.generate_lock:
             self._use_vocab(vid)
-            return self.backend.generate_batch(**kwargs).tensors()
+            try:
+                return self.backend.generate_batch(**kwargs).tensors()
+            except SpecError as exc:  # a request this target cannot answer exactly (e.g. packing)
+                raise RequestError(422, exc.message, hint=exc.hint) from None
 
     def generate(self, body, client=None, session=None, **_) -> Response:
         tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))

@@ -12,6 +12,7 @@ from spec_cli import assets
 from spec_cli.artifacts.tokens import TokenizedData
 from spec_cli.artifacts.vocab_map import VocabMap, build_vocab_map, save_vocab_map
 from spec_cli.console import progress
+from spec_cli.data import chat_templates
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ConfigError
 from spec_cli.target.loading import (load_config, load_tokenizer, resolve_target,
@@ -28,6 +29,7 @@ class BuildVocabMapConfig:
     draft_vocab_size: int = 32000
     max_length: int = 2048
     num_proc: int = 1
+    chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
 
 @dataclass
@@ -55,7 +57,8 @@ def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     start = time.perf_counter()
     target_dir = resolve_target(assets.resolve_target_arg(cfg.target))
     data_path = Path(assets.resolve_data_arg(cfg.data))
-    tokenizer = load_tokenizer(target_dir)
+    template = chat_templates.resolve(cfg.chat_template)
+    tokenizer = load_tokenizer(target_dir, template)
     v = vocab_size(load_config(target_dir), tokenizer)
     if cfg.draft_vocab_size > v:  # fail before tokenising anything
         raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target vocab "
@@ -65,6 +68,7 @@ def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     counts = count_supervised(tokens, v)
     vocab_map = build_vocab_map(counts, cfg.draft_vocab_size, {
         "tokenizer_fingerprint": tok_fp,
+        **chat_templates.identity(tokenizer, template),
         "target": str(target_dir),
         "data": str(data_path),
         "data_fingerprint": tokens.metadata["data_fingerprint"],

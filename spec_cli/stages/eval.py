@@ -18,7 +18,9 @@ WARNING rather than trusted.
 
 Written to --output: eval.json (settings incl. threads, overall and per-category numbers with the spread
 of the per-turn speed-ups, "busy"), outputs.jsonl (each answer, its acceptance and its timings) and
-acceptance.png (acceptance rate by draft position).
+acceptance.png (acceptance rate by draft position). outputs.jsonl is rewritten (atomically) after every
+turn, so a turn that fails leaves the finished ones there, and the error names the prompt and turn;
+eval.json and acceptance.png come at the end (a folder without eval.json is an interrupted run).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Callable
 
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
-from spec_cli.errors import ConfigError
+from spec_cli.data import chat_templates
+from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, plot_acceptance, turn_speedup
 from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target
@@ -73,6 +76,7 @@ class EvalConfig:
     engine: str = "torch"  # torch: spec_cli's decoder; vllm: inside vLLM
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     timing_repeats: int = 1  # times each decoder answers each turn (alternating); the median is kept
+    chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
 
 @dataclass
@@ -132,9 +136,10 @@ def run(cfg: EvalConfig) -> EvalResult:
     _validate(cfg)
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     target_config = loading.load_config(target_dir)
-    tokenizer = loading.load_tokenizer(target_dir)
+    template = chat_templates.resolve(cfg.chat_template)
+    tokenizer = loading.load_tokenizer(target_dir, template)
     loaded = drafts.load_draft(Path(cfg.draft), target_config)
-    drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint)
+    drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint, template)
     c = loaded.model.config
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
@@ -153,7 +158,8 @@ def run(cfg: EvalConfig) -> EvalResult:
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth
     settings = Settings(depth=cfg.depth, topk=cfg.topk, num_tokens=nodes,
                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
+                        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir))
+                        | chat_templates.end_of_turn_ids(tokenizer, template))
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
     choice = threads.choose_for_run(cfg.threads)  # before the models load (vLLM then sets its own)
     with threads.applied(choice.threads, restore=cfg.engine == "torch"), \
@@ -165,11 +171,16 @@ def run(cfg: EvalConfig) -> EvalResult:
         seeds = _Seeds(cfg.seed) if cfg.temperature > 0 else None
         warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
         first = prompts.prompt_ids(tokenizer, conversations[0], 0)
-        spec(first, seeds and seeds(0, 0, 0), warm)
-        base(first, seeds and seeds(0, 0, 1), warm)
+        try:
+            spec(first, seeds and seeds(0, 0, 0), warm)
+            base(first, seeds and seeds(0, 0, 1), warm)
+        except Exception as exc:
+            raise turn_failed(exc, f"the warm-up on prompt {conversations[0].id!r}, turn 1") from exc
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "eval.json").unlink(missing_ok=True)  # never an old eval.json beside new outputs
         meter = threads.Meter()
         overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,
-                                                  cfg.timing_repeats)
+                                                  cfg.timing_repeats, outputs=output / "outputs.jsonl")
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
@@ -181,8 +192,7 @@ def run(cfg: EvalConfig) -> EvalResult:
                      "threads": used, "threads_reason": reason, "timing_repeats": cfg.timing_repeats}
     overall_m = overall.metrics()
     category_m = {name: t.metrics() for name, t in categories.items()}
-    output.mkdir(parents=True, exist_ok=True)
-    json_path, outputs_path = output / "eval.json", output / "outputs.jsonl"
+    json_path, outputs_path = output / "eval.json", output / "outputs.jsonl"  # outputs: by decode_all
     plot_path = output / "acceptance.png"
     write_json(json_path, {
         "kind": "eval", "schema_version": SCHEMA_VERSION, "version": __version__,
@@ -192,8 +202,6 @@ def run(cfg: EvalConfig) -> EvalResult:
         "engine": engine_info, "settings": settings_json, "overall": overall_m, "categories": category_m,
         "busy": busy,
     })
-    with atomic_path(outputs_path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     shape = f"chain {cfg.depth}" if cfg.topk == 1 else f"tree {cfg.depth}x{cfg.topk}/{settings.num_tokens}"
     where = " in vLLM" if cfg.engine == "vllm" else ""
     plot_acceptance(plot_path, overall_m, category_m,
@@ -272,17 +280,25 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
-               settings: Settings, seeds: _Seeds | None, repeats: int = 1):
+               settings: Settings, seeds: _Seeds | None, repeats: int = 1, outputs: Path | None = None):
     """Every turn of every conversation, speculative then target alone on the same prompt (`repeats`
     times, alternating); turn j is asked after the speculative decoder's answer to turn j-1.
-    -> (overall, per-category Tally, records)."""
+    `outputs` (outputs.jsonl) is rewritten after every turn; a turn that fails raises an error naming
+    its prompt and turn, the turns before it kept there. -> (overall, per-category Tally, records)."""
     overall, categories, records = Tally(settings.depth), {}, []
+    if outputs is not None:
+        write_records(outputs, records)
     with progress("eval", sum(len(conv.turns) for conv in conversations), unit="turns") as bar:
         for i, conv in enumerate(conversations):
             for turn in range(len(conv.turns)):
-                ids = prompts.prompt_ids(tokenizer, conv, turn)
-                s, b, record = timed_turn(spec, base, ids, seeds and seeds(i, turn, 0),
-                                          seeds and seeds(i, turn, 1), repeats)
+                try:
+                    ids = prompts.prompt_ids(tokenizer, conv, turn)
+                    s, b, record = timed_turn(spec, base, ids, seeds and seeds(i, turn, 0),
+                                              seeds and seeds(i, turn, 1), repeats)
+                except Exception as exc:
+                    kept = outputs and f"the turns before it ({len(records)}) are in {outputs}"
+                    raise turn_failed(exc, f"prompt {conv.id!r} ({i + 1} of {len(conversations)}), "
+                                           f"turn {turn + 1}", kept) from exc
                 overall.add(s, b)
                 if conv.category:
                     categories.setdefault(conv.category, Tally(settings.depth)).add(s, b)
@@ -293,8 +309,29 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
                                 "acceptance_length": round(s.acceptance_length, 4),
                                 "accepted_per_step": [m for m, _ in s.steps],
                                 "same_as_target": s.tokens == b.tokens, **record, "answer": answer})
+                if outputs is not None:
+                    write_records(outputs, records)
                 bar.advance()
     return overall, categories, records
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """outputs.jsonl, one JSON object a line, written atomically (a reader sees it whole)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+class TurnError(SpecError):
+    """A turn that failed on an error the user can fix (its cause's message and hint, and where)."""
+
+
+def turn_failed(exc: Exception, where: str, kept: str | None = None) -> Exception:
+    """`exc` raised while decoding `where`, said with where and what was kept: a TurnError for a user
+    error, a RuntimeError (a bug: the CLI says so) for anything else."""
+    if isinstance(exc, SpecError):
+        hint = "; ".join(h for h in (exc.hint, kept) if h) or None
+        return TurnError(f"{where}: {exc.message}", hint)
+    return RuntimeError(f"{where} failed: {type(exc).__name__}: {exc}" + (f" ({kept})" if kept else ""))
 
 
 def timed_turn(spec: Decoder, base: Decoder, ids: list[int], spec_seed: int | None, base_seed: int | None,

@@ -17,10 +17,12 @@ from safetensors.torch import save_file
 
 from spec_cli import assets
 from spec_cli.artifacts.io import atomic_dir
-from spec_cli.console import info
+from spec_cli.console import info, warn
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.export import DTYPES, FORMATS
 from spec_cli.export import engine_check as engine
+from spec_cli.export import support as engine_support
+from spec_cli.export.errors import ExportError
 from spec_cli.export.check import CheckReport, check_export
 from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
 from spec_cli.export.source import load_source
@@ -38,6 +40,7 @@ class ExportConfig:
     target: str | None = None  # target path/id to record; default: the one the run trained against
     engine_check: str | None = None  # auto (vLLM when installed) | vllm | none; None: $SPEC_ENGINE_CHECK or auto
     overwrite: bool = False  # replace an earlier spec export in -o (refused otherwise, naming what is there)
+    allow_unsupported_target: bool = False  # write it although the engine is known not to serve the target
 
 
 @dataclass
@@ -55,10 +58,12 @@ class ExportResult:
     seconds: float
     engine_check: engine.EngineCheckReport | None = None
     engine_check_note: str = ""  # why the engine check did not run
+    support: engine_support.Support | None = None  # does the engine serve EAGLE-3 for this target
 
     def summary_rows(self) -> list[tuple[str, object]]:
         rows = [("format", ENGINE_NAMES[self.format]),
                 ("checkpoint", f"{self.checkpoint} (step {self.step})"),
+                ("engine support", _support_row(self.support)),
                 ("written", f"{self.output} ({self.bytes / 1e6:.1f} MB, {self.dtype})"),
                 ("aux layer ids", f"{self.engine_aux_ids} as the engine counts them (layer outputs "
                                   f"{self.aux_layer_outputs})")]
@@ -96,11 +101,16 @@ def run(cfg: ExportConfig) -> ExportResult:
     dtype = DTYPES[cfg.dtype]
     src = load_source(cfg.source, target=cfg.target)
     _check_target(src)
+    support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
     files = build(src, fmt, dtype)  # refuses drafts the engine cannot serve as trained, before any write
+    files.config["spec_cli"]["engine_support"] = {"engine": support.engine, "served": support.served,
+                                                  "reason": support.reason, "source": support.source}
     output = Path(cfg.output).resolve()
     _check_output(output, src.checkpoint, cfg.overwrite)
     mode = engine.resolve_mode(cfg.engine_check, fmt)
     target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
+    if target_dir is not None and support.served is not True and cfg.allow_unsupported_target:
+        target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
     if target_dir is not None:  # before writing anything: vLLM's own verdict on the target
         engine.refuse_unservable(loading.load_config(target_dir))
     info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
@@ -109,7 +119,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     with _created_parents(output), atomic_dir(output) as tmp:
         save_file(files.tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(files.config, indent=2) + "\n")
-        (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype]))
+        (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype], support))
         if cfg.check:
             report = check_export(tmp, fmt, src, dtype)
         if target_dir is not None:
@@ -122,7 +132,35 @@ def run(cfg: ExportConfig) -> ExportResult:
                         aux_layer_outputs=files.aux_layer_outputs,
                         serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens),
                         check=report, seconds=time.perf_counter() - start, engine_check=engine_report,
-                        engine_check_note=note)
+                        engine_check_note=note, support=support)
+
+
+def check_support(fmt: str, architecture: str, allow: bool) -> engine_support.Support:
+    """Refuse (or, with --allow-unsupported-target, warn about) an export for an engine known not to
+    serve EAGLE-3 drafts for this target; warn where it is not known."""
+    verdict = engine_support.support(fmt, architecture)
+    if verdict.served is True:
+        return verdict
+    others = engine_support.alternatives(fmt, architecture)
+    instead = f"export --format {others[0]} ({engine_support.support(others[0], architecture).engine} serves " \
+              f"{architecture})" if others else ""
+    if verdict.served is False and not allow:
+        raise ExportError(f"{verdict.engine} cannot serve an EAGLE-3 draft for this target: {verdict.reason} "
+                          f"(from {verdict.source})",
+                          (f"{instead}, or " if instead else "") + "pass --allow-unsupported-target to write "
+                          "it anyway (e.g. for vLLM's --model-impl transformers, or an engine release that "
+                          "added support)")
+    warn(f"{verdict.reason} (from {verdict.source}); the export is written, but check that your engine serves "
+         "it" + (f", or {instead}" if instead else ""))
+    return verdict
+
+
+def _support_row(verdict: engine_support.Support | None) -> str:
+    if verdict is None:
+        return "-"
+    if verdict.served:
+        return f"{verdict.engine} serves EAGLE-3 drafts for this target ({verdict.source})"
+    return f"WARNING: {verdict.reason} ({verdict.source})"
 
 
 def _engine_target(src, fmt: str, mode: str, asked: str) -> tuple[Path | None, str]:

@@ -20,6 +20,7 @@ from spec_cli import assets, distributed, threads
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, progress
+from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, padding_fraction, plan_batches
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ArtifactError, ConfigError
@@ -47,6 +48,7 @@ class PrecomputeConfig:
     resume: bool = True
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another engine
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
+    chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
 
 @dataclass
@@ -104,12 +106,11 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     config = loading.load_config(target_dir)
     n_layers = loading.num_layers(config)
     aux_layers = loading.parse_aux_layers(cfg.aux_layers, n_layers)
-    tokenizer = loading.load_tokenizer(target_dir)
-    tok_fp = loading.tokenizer_fingerprint(tokenizer)
+    template = chat_templates.resolve(cfg.chat_template)
+    tokenizer = loading.load_tokenizer(target_dir, template)
     vocab_map = load_vocab_map(cfg.vocab_map)
-    if vocab_map.metadata.get("tokenizer_fingerprint") != tok_fp:
-        raise ArtifactError("the vocab map was built with a different tokenizer than this target's",
-                            "rebuild it with `spec build-vocab-map --target` this target")
+    tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map {cfg.vocab_map}",
+                                     "rebuild it with `spec build-vocab-map --target` this target")
     if vocab_map.target_vocab_size != loading.vocab_size(config, tokenizer):
         raise ArtifactError(f"the vocab map covers {vocab_map.target_vocab_size} target ids, the target "
                             f"has {loading.vocab_size(config, tokenizer)}", "rebuild the vocab map")
@@ -128,6 +129,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     identity = {
         "target_fingerprint": loading.target_fingerprint(target_dir),
         "tokenizer_fingerprint": tok_fp,
+        "chat_template_sha256": chat_templates.template_sha256(tokenizer.chat_template),
         "vocab_map_fingerprint": vocab_map.fingerprint,
         "aux_layers": aux_layers,
         "encoding": cfg.encoding,
@@ -146,6 +148,9 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     if (out / fc.MANIFEST).is_file():
         existing = fc.read_manifest(out)
         mismatch = fc.identity_mismatch(identity, existing)
+        template_differs = chat_templates.mismatch(existing, tokenizer, template, f"the feature cache in {out}")
+        if mismatch and template_differs:
+            raise ArtifactError(template_differs[0], f"{template_differs[1]} (--no-resume replaces it)")
         if mismatch:
             raise ArtifactError(f"{out} holds a different feature cache ({mismatch})",
                                 "write to a new --output folder, or pass --no-resume to replace it")
@@ -221,6 +226,8 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
                 "bytes_per_token": per_token,
                 "target_config": config.to_dict(),
                 "target_engine": cfg.target_engine,  # provenance only: not part of the identity
+                "chat_template_source": chat_templates.source_of(tokenizer, template),
+                "tokenizer_base_fingerprint": loading.tokenizer_fingerprint(tokenizer, chat_template=None),
             }, entries)
         distributed.barrier()
     finally:  # also on an error or Ctrl-C: the engine holds the model (vLLM also its KV cache)

@@ -43,7 +43,7 @@ import torch
 from spec_cli import __version__, assets, threads
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
-from spec_cli.data import records
+from spec_cli.data import chat_templates, records
 from spec_cli.data.template import render
 from spec_cli.errors import ArtifactError, ConfigError, DataError, TargetError
 from spec_cli.eval.speculative import eos_ids
@@ -81,6 +81,7 @@ class RegenerateConfig:
     dtype: str | None = None
     overwrite: bool = False
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
+    chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
 
 @dataclass
@@ -407,10 +408,9 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
                         "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     output = Path(cfg.output)
-    tokenizer = loading.load_tokenizer(target_dir)
-    if not getattr(tokenizer, "chat_template", None):
-        raise TargetError(f"the tokenizer in {target_dir} has no chat template",
-                          "regenerate asks the target through its chat template: use an instruct/chat model")
+    template = chat_templates.resolve(cfg.chat_template)
+    tokenizer = loading.load_tokenizer(target_dir, template)
+    chat_templates.require(tokenizer, target_dir, "the prompts")  # regenerate asks through the template
     config = loading.load_config(target_dir)
     context = loading.max_positions(config)
     if context and cfg.max_length > context:
@@ -418,7 +418,8 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         cfg = replace(cfg, max_length=context)
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
-    eos = eos_ids(tokenizer, loading.generation_config(target_dir))
+    eos = eos_ids(tokenizer, loading.generation_config(target_dir)) | chat_templates.end_of_turn_ids(tokenizer,
+                                                                                                     template)
     if not eos:
         raise TargetError(f"the target in {target_dir} names no eos / end-of-turn token",
                           "its tokenizer or generation_config.json needs an eos_token_id")
@@ -530,6 +531,7 @@ def _provenance(cfg: RegenerateConfig, identity: dict, read: dict, parts: list[d
         "target_fingerprint": identity["target_fingerprint"],
         "tokenizer_fingerprint": identity["tokenizer_fingerprint"],
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "chat_template_source": chat_templates.source_of(tokenizer, chat_templates.resolve(cfg.chat_template)),
         "data": str(data_path.resolve()),
         "data_sha256": identity["data_sha256"],
         "engine": engine,

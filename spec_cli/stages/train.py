@@ -25,6 +25,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info
+from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
 from spec_cli.draft import sharding
 from spec_cli.draft.config import DraftConfig
@@ -56,6 +57,7 @@ class TrainConfig:
     stream_max_bytes: int = 4 << 30  # bound on the supervision the stream store holds
     stream_dir: Path | None = None  # keep streamed samples as files in a folder here (else memory)
     target_engine: str = "transformers"  # live --target: the engine that runs it (transformers, vllm)
+    chat_template: str | None = None  # live --target / --remote: a Jinja file or family name (tokenising)
     # data
     max_length: int = 2048
     max_samples: int | None = None
@@ -70,6 +72,7 @@ class TrainConfig:
     draft_intermediate_size: int | None = None
     draft_heads: int | None = None
     draft_kv_heads: int | None = None
+    draft_rope_theta: float | None = None  # plain rope at this theta instead of the target's (explicit)
     fc_norm: bool = False
     norm_output: bool = False
     fsdp: bool = False  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
@@ -125,6 +128,7 @@ class Source:
     target_config: dict
     aux_layers: list[int]
     identity: dict
+    chat_template: dict = dataclasses.field(default_factory=dict)  # sha256 + source of the template used
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
@@ -138,6 +142,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     if cfg.stream_dir is not None and not cfg.stream:
         raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
                           "--stream-dir")
+    if cfg.chat_template is not None and cfg.cache is not None:
+        raise ConfigError("--chat-template is for a live --target or --remote: a feature cache was tokenised "
+                          "when it was made", "drop --chat-template (pass it to `spec precompute` instead)")
     if cfg.remote is not None:
         return _remote_source(cfg, vocab_map)
     if cfg.cache is not None:
@@ -159,7 +166,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         tokens = backend.tokens()
         plan = backend.plan() if not cfg.pack else plan_packed(tokens.lengths, cfg.batch_tokens)
         identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
-        return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity)
+        template = {k: m[k] for k in ("chat_template_sha256", "chat_template_source",
+                                      "tokenizer_base_fingerprint") if k in m}
+        return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template)
 
     from spec_cli.data.tokenize import tokenize_data
 
@@ -168,11 +177,10 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     config = loading.load_config(target_dir)
     aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config))
-    tokenizer = loading.load_tokenizer(target_dir)
-    tok_fp = loading.tokenizer_fingerprint(tokenizer)
-    if vocab_map.metadata.get("tokenizer_fingerprint") != tok_fp:
-        raise ArtifactError("the vocab map was built with a different tokenizer than this target's",
-                            "rebuild it with `spec build-vocab-map` for this target")
+    template = chat_templates.resolve(cfg.chat_template)
+    tokenizer = loading.load_tokenizer(target_dir, template)
+    tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map {cfg.vocab_map}",
+                                     "rebuild it with `spec build-vocab-map` for this target")
     data_path = Path(assets.resolve_data_arg(cfg.data))
     if distributed.is_main():
         tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
@@ -183,9 +191,10 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     lengths = tokens.lengths[:n]
     plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
     dtype = loading.choose_dtype(cfg.dtype, device)
-    backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype)
+    backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype, template)
     identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
-    return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity)
+    return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity,
+                  chat_templates.identity(tokenizer, template))
 
 
 def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
@@ -194,29 +203,41 @@ def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
 
     if cfg.data is None:
         raise ConfigError("--remote needs --data", "pass the chat data to train on")
-    backend = RemoteBackend(cfg.remote, token=cfg.token, prefetch=cfg.prefetch,
-                            expect={"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")})
+    template = chat_templates.resolve(cfg.chat_template)
+    # With --chat-template the trainer's own template replaces the server's, so the tokenizer is checked
+    # once it is here (below), not against what the server reports.
+    expect = {} if template else {"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")}
+    backend = RemoteBackend(cfg.remote, token=cfg.token, prefetch=cfg.prefetch, expect=expect)
     try:
         aux_layers = backend.info["aux_layers"]
         if cfg.aux_layers not in (None, "", "auto") and \
                 loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"]) != aux_layers:
             raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
                               "drop --aux-layers (the server decides) or restart it with them")
+        tokenizer = chat_templates.apply(backend.load_tokenizer(), template)
         tok_fp = backend.info["tokenizer_fingerprint"]
+        if template is not None:
+            tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map "
+                                             f"{cfg.vocab_map}", "rebuild it with `spec build-vocab-map` "
+                                             "for this target and --chat-template")
         data_path = Path(assets.resolve_data_arg(cfg.data))
         if distributed.is_main():
-            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, cfg.num_proc)
+            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
         distributed.barrier()
         if not distributed.is_main():
-            tokens = tokenize_data(data_path, backend.load_tokenizer(), tok_fp, cfg.max_length, 1)
+            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
     except BaseException:
         backend.close()
         raise
     n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
     lengths = tokens.lengths[:n]
     plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
-    identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
-    return Source(backend, tokens, plan, backend.target_config, aux_layers, identity)
+    identity = {"target_fingerprint": backend.info["target_fingerprint"], "tokenizer_fingerprint": tok_fp,
+                "aux_layers": backend.info["aux_layers"]}
+    template_record = chat_templates.identity(tokenizer, template)
+    if template is None and backend.servers[0].info.get("chat_template_source"):  # serve-target --chat-template
+        template_record["chat_template_source"] = backend.servers[0].info["chat_template_source"]
+    return Source(backend, tokens, plan, backend.target_config, aux_layers, identity, template_record)
 
 
 def split_eval(plan: list[list[int]], fraction: float, seed: int) -> tuple[list, list]:
@@ -425,17 +446,20 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     per_step = cfg.grad_accum * world
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(train_batches)) // per_step)
 
-    from transformers import PretrainedConfig
-
-    target_config = PretrainedConfig.from_dict(source.target_config)
+    target_config = loading.config_from_dict(source.target_config)
     draft_config = DraftConfig.from_target(
         target_config, vocab_map.draft_vocab_size, source.aux_layers,
         num_hidden_layers=cfg.draft_layers, hidden_size=cfg.draft_hidden_size,
         intermediate_size=cfg.draft_intermediate_size, num_attention_heads=cfg.draft_heads,
         num_key_value_heads=cfg.draft_kv_heads, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+        rope_theta=cfg.draft_rope_theta,
         target_fingerprint=source.identity["target_fingerprint"],
         tokenizer_fingerprint=source.identity["tokenizer_fingerprint"],
+        chat_template_sha256=source.chat_template.get("chat_template_sha256"),
+        chat_template_source=source.chat_template.get("chat_template_source", ""),
+        tokenizer_base_fingerprint=source.chat_template.get("tokenizer_base_fingerprint", ""),
         vocab_map_fingerprint=vocab_map.fingerprint)
+    info(f"draft rope: {draft_config.rope_source}")
     draft = Eagle3Draft(draft_config)
     draft.copy_embeddings(source.backend.get_input_embeddings())
     draft.set_vocab_map(vocab_map.selected_token_ids)

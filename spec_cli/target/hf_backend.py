@@ -17,9 +17,11 @@ import torch
 from spec_cli.target import loading
 from spec_cli.target.backend import TargetBackend
 from spec_cli.target.batch import TargetBatch
-from spec_cli.target.supervision import (assemble_batch, block_causal_mask, draft_distribution,
-                                         full_vocab_stats, selected_logits)
+from spec_cli.target.masks import Layout, for_model
+from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
+
+PACKING = "packing several documents into one row (--pack)"
 
 
 def final_norm_scale(norm, hidden_size: int) -> torch.Tensor | None:
@@ -138,6 +140,7 @@ class HFTargetBackend(LocalTargetBackend):
         layers = loading.decoder_layers(self.model)
         self._hooks = [layers[i].register_forward_hook(self._capture(i)) for i in self.aux_layers]
         self.selected = None
+        self.layout = Layout.from_config(self.model.config)  # the attention each layer runs (--pack)
         self.info = describe_target(target_dir, config,
                                     (config.architectures or [type(self.model).__name__])[0],
                                     self.lm_head_weight, self.aux_layers, self.dtype)
@@ -158,8 +161,10 @@ class HFTargetBackend(LocalTargetBackend):
         """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
         input_ids = input_ids.to(self.device)
         mask = attention_mask.to(self.device)
-        if seq_lens is not None:  # packed rows: block-causal per document, positions restart
-            mask, doc_positions = block_causal_mask(seq_lens.to(self.device), input_ids.shape[1])
+        if seq_lens is not None:  # packed rows: each layer kind's mask per document, positions restart
+            self.layout.require(PACKING, "train without --pack (one document per row)")
+            masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
+            mask = for_model(masks, self.model.config._attn_implementation or "sdpa", self.dtype, PACKING)
             position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
         elif position_ids is not None:
             position_ids = position_ids.to(self.device)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spec_cli.errors import ConfigError, TargetError
+from spec_cli.errors import ArtifactError, ConfigError, TargetError
 from spec_cli.paths import spec_home
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -105,8 +105,12 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- tokenizer / model
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, chat_template=None):
+    """The target's fast tokenizer; `chat_template` (a data.chat_templates.ChatTemplate, from
+    --chat-template) replaces its own template, and so enters its fingerprint."""
     from transformers import AutoTokenizer
+
+    from spec_cli.data import chat_templates
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -116,7 +120,7 @@ def load_tokenizer(path: Path):
     if not getattr(tokenizer, "is_fast", False):
         raise TargetError(f"the tokenizer in {path} is a slow (Python) tokenizer",
                           "spec_cli needs a fast tokenizer (tokenizer.json) for exact loss masks")
-    return tokenizer
+    return chat_templates.apply(tokenizer, chat_template)
 
 
 def load_config(path: Path):
@@ -127,6 +131,19 @@ def load_config(path: Path):
     except Exception as exc:
         raise TargetError(f"cannot read the model config in {path}: {exc}",
                           "pass a transformers model folder") from exc
+
+
+def config_from_dict(data: dict):
+    """A config saved as a dict (a cache manifest, a server's answer) as its own transformers class, so
+    transformers standardises it as it would on load (rope layouts of 4.x included); a plain
+    PretrainedConfig when the model type is unknown here."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    data = {k: v for k, v in data.items() if k not in ("_name_or_path", "transformers_version")}
+    try:
+        return AutoConfig.for_model(**data)
+    except Exception:  # noqa: BLE001 (unknown model type, a class's strict validation): as before
+        return PretrainedConfig.from_dict(data)
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -237,13 +254,32 @@ def validate_aux_layers(ids: list[int], n: int) -> None:
 
 # ----------------------------------------------------------------------------- fingerprints
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Changes whenever tokenisation or the chat template could change."""
+_OWN = object()
+
+
+def tokenizer_fingerprint(tokenizer, chat_template=_OWN) -> str:
+    """Changes whenever tokenisation or the chat template could change. `chat_template=None` gives the
+    fingerprint of the tokenizer alone (recorded to tell a different template from a different tokenizer)."""
+    template = getattr(tokenizer, "chat_template", None) if chat_template is _OWN else chat_template
     digest = hashlib.sha256()
     digest.update(tokenizer.backend_tokenizer.to_str().encode())
-    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    digest.update(str(template).encode())
     digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
+
+
+def check_tokenizer(recorded: dict, tokenizer, chat_template, what: str, rebuild: str) -> str:
+    """The tokenizer fingerprint, after checking it is the one `recorded` (an artifact's metadata) was
+    made with; a different chat template is named as such."""
+    from spec_cli.data import chat_templates
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if recorded.get("tokenizer_fingerprint") == fingerprint:
+        return fingerprint
+    why = chat_templates.mismatch(recorded, tokenizer, chat_template, what)
+    if why is not None:
+        raise ArtifactError(*why)
+    raise ArtifactError(f"{what} was built with a different tokenizer than this target's", rebuild)
 
 
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",

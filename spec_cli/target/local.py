@@ -31,13 +31,24 @@ def check_engine(name: str) -> str:
 
 
 def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
-                 device: torch.device | str | None, dtype: torch.dtype | str | None):
-    """The target loaded by engine `name` (a LocalTargetBackend)."""
+                 device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None):
+    """The target loaded by engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
+    data.chat_templates.ChatTemplate) is the template its data is tokenised with: it enters the
+    tokenizer fingerprint the backend reports."""
     check_engine(name)
     if name == "vllm":
         from spec_cli.target.vllm_backend import VLLMTargetBackend
 
-        return VLLMTargetBackend(target_dir, aux_layers, device, dtype)
-    from spec_cli.target.hf_backend import HFTargetBackend
+        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype)
+    else:
+        from spec_cli.target.hf_backend import HFTargetBackend
 
-    return HFTargetBackend(target_dir, aux_layers, device, dtype)
+        backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+    if chat_template is not None:
+        from spec_cli.target import loading
+
+        tokenizer = loading.load_tokenizer(target_dir)
+        tokenizer.chat_template = chat_template.text
+        backend.info["tokenizer_fingerprint"] = loading.tokenizer_fingerprint(tokenizer)
+        backend.info["chat_template_source"] = chat_template.source  # provenance (a server reports it)
+    return backend

@@ -274,15 +274,16 @@ class RemoteBackend(TargetBackend):
                                   f"{exc}", "check that server and trainer run the same spec_cli") from None
         try:
             error = wire.loads(data)
-            message, code = str(error.get("error", "")), error.get("code")
+            message, code, hint = str(error.get("error", "")), error.get("code"), error.get("hint")
         except wire.WireError:
-            message, code = bytes(data[:200]).decode("utf-8", "replace"), None
+            message, code, hint = bytes(data[:200]).decode("utf-8", "replace"), None, None
         if status == 401:
             raise RemoteError(f"the target server {server.url} refused the token",
                               f"pass the server's token (--token or ${TOKEN_ENV})")
         if status == 409:
             raise _Conflict(message, server, code)
-        hint = ("lower --batch-tokens / --max-length, or raise the server's --max-batch-tokens / "
+        hint = (str(hint) if status == 422 and hint else  # the target refuses it, and says what to do
+                "lower --batch-tokens / --max-length, or raise the server's --max-batch-tokens / "
                 "--max-seq-len / --max-body-bytes" if status == 413 or "limit" in message else
                 "see the server's log" if status >= 500 else
                 "check that server and trainer run the same spec_cli version")

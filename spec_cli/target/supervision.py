@@ -91,23 +91,3 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
         position_ids=position_ids,
         seq_lens=seq_lens,
     )
-
-
-def block_causal_mask(seq_lens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [B, 1, T, T] bool, position_ids [B, T]) for rows packed with documents of seq_lens."""
-    B = seq_lens.shape[0]
-    mask = torch.zeros(B, 1, T, T, dtype=torch.bool, device=seq_lens.device)
-    position_ids = torch.zeros(B, T, dtype=torch.long, device=seq_lens.device)
-    for b in range(B):
-        start = 0
-        for length in seq_lens[b].tolist():
-            if length <= 0:
-                continue
-            end = start + length
-            mask[b, 0, start:end, start:end] = torch.ones(length, length, dtype=torch.bool,
-                                                          device=seq_lens.device).tril()
-            position_ids[b, start:end] = torch.arange(length, device=seq_lens.device)
-            start = end
-        pad = torch.arange(start, T, device=seq_lens.device)
-        mask[b, 0, pad, pad] = True  # padding attends to itself only (no all-masked rows -> no NaN)
-    return mask, position_ids

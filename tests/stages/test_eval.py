@@ -304,3 +304,69 @@ def test_a_busy_machine_is_named_in_the_table_and_eval_json(trained, tmp_path, c
     assert busy["too_busy"] and busy["cpu_share"] == 0.3 and busy["other_load"] == 1.5
     assert main(["inspect", str(out)]) == 0
     assert "WARNING: the machine was too busy" in " ".join(capsys.readouterr().out.split())
+
+
+# ----------------------------------------------------------------------------- a turn that fails
+
+def test_a_failing_turn_keeps_the_finished_ones_and_names_its_prompt(tmp_path):
+    """outputs.jsonl holds every turn before the one that failed (written after each turn); the error
+    says which prompt and turn failed, and where the finished turns are."""
+    from spec_cli.errors import ConfigError
+    from spec_cli.eval.prompts import Conversation
+    from spec_cli.eval.speculative import Generation, Settings
+    from spec_cli.stages import eval as evaluate
+
+    conversations = [Conversation(id=f"c{i}", turns=["a bb ccc", "dd e"]) for i in range(2)]
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text('{"stale": true}\n')  # from an earlier run into the same folder
+
+    def failing_at(call: int, error: Exception):
+        calls = []
+
+        def decode(ids, seed, s=None):
+            calls.append(ids)
+            if len(calls) == call:
+                raise error
+            return Generation(tokens=[len(calls)], seconds=1.0, steps=[(0, 1)])
+        return decode
+
+    base = lambda ids, seed, s=None: Generation(tokens=[0], seconds=1.0)  # noqa: E731
+    with pytest.raises(RuntimeError) as err:
+        evaluate.decode_all(failing_at(3, IndexError("index 9 is out of bounds")), base, _Tokenizer(),
+                            conversations, Settings(depth=3), None, outputs=outputs)
+    assert str(err.value) == (f"prompt 'c1' (2 of 2), turn 1 failed: IndexError: index 9 is out of bounds "
+                              f"(the turns before it (2) are in {outputs})")
+    records = [json.loads(line) for line in outputs.read_text().splitlines()]
+    assert [(r["id"], r["turn"], r["answer"]) for r in records] == [("c0", 0, "1"), ("c0", 1, "2")]
+
+    with pytest.raises(evaluate.TurnError) as err:  # a user error keeps its message and hint
+        evaluate.decode_all(failing_at(1, ConfigError("too long", "use a shorter prompt")), base,
+                            _Tokenizer(), conversations, Settings(depth=3), None, outputs=outputs)
+    assert err.value.message == "prompt 'c0' (1 of 2), turn 1: too long"
+    assert err.value.hint == f"use a shorter prompt; the turns before it (0) are in {outputs}"
+    assert outputs.read_text() == ""  # nothing of the earlier run is left to be mistaken for this one
+
+
+def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, capsys, monkeypatch):
+    from spec_cli.stages import eval as evaluate
+
+    out = tmp_path / "failed"
+    out.mkdir()
+    (out / "eval.json").write_text("{}")  # an earlier run's report must not sit beside new outputs
+    real, calls = evaluate.generate, []
+
+    def flaky(*args, **kwargs):  # the warm-up, then turns 1 and 2 of prompt 0; turn 1 of prompt 1 fails
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "generate", flaky)
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+                 str(trained["prompts"]), "--max-new-tokens", "4", "-o", str(out), "-q"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "prompt '1' (2 of 4), turn 1 failed: RuntimeError: out of memory" in err, err
+    assert "the turns before it (2) are in" in err
+    records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [(r["turn"], r["same_as_target"]) for r in records] == [(0, True), (1, True)]
+    assert not (out / "eval.json").exists()
