@@ -54,7 +54,8 @@ VARIANTS = {
     "regen-vd16384": ("regen", 16384, {}, 0.0),
     "regen-2x": ("regen", 8192, {}, 0.0),  # --steps x 2 (see below)
     "regen-t0.7": ("regen", 8192, {}, 0.7),
-    "demo": ("demo", 8192, {}, 0.0),  # --data demo=DEMO/regenerated.jsonl (link the demo's cache and run)  # the greedy-data draft, served sampled
+    "demo": ("demo", 8192, {}, 0.0),  # --data demo=DEMO/regenerated.jsonl (link the demo's cache and run)
+    "demo-lr3e-3": ("demo", 8192, dict(lr=3e-3), 0.0),  # the greedy-data draft, served sampled
     "sampled-t0.7": ("sampled", 8192, {}, 0.7),  # sampled (0.7) data, served sampled
 }
 

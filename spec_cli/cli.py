@@ -619,7 +619,7 @@ def serve_target_cmd(
 @app.command("demo", cls=Command)
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run (about 6 minutes on 2 CPU cores) that exercises every stage.")] = False,
+        "--quick", help="A smaller run (about 7 minutes on 2 CPU cores) that exercises every stage.")] = False,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
@@ -634,9 +634,10 @@ def demo_cmd(
     quiet: Quiet = False,
 ):
     """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
-    ShareGPT prompts itself), build-vocab-map, precompute, train (a fixed number of steps), export for
+    ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
+    precompute, train (a fixed number of steps), export for
     vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Rerunning reuses finished
-    stages. Expected on 2 quiet CPU cores: --quick about 6 minutes, the default about 30."""
+    stages. Expected on 2 quiet CPU cores: --quick about 7 minutes, the default about 38."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

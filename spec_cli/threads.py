@@ -99,9 +99,24 @@ def applied(threads: int, restore: bool = True):
 
 # ----------------------------------------------------------------------------- measuring
 
-def busy_seconds(text: str | None = None, cpus: set[int] | None = None) -> float | None:
+def niced_work_yields() -> bool:
+    """Whether other processes' niced CPU time (the `nice` column of /proc/stat) would go to us when we
+    wanted it: we run at nice 0 or below, and the scheduler weighs nice across the whole machine (no
+    autogroups; with them a niced process in another session still gets its group's full share)."""
+    try:
+        autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() != "0"
+    except OSError:
+        autogroup = False
+    return not autogroup and os.getpriority(os.PRIO_PROCESS, 0) <= 0
+
+
+def busy_seconds(text: str | None = None, cpus: set[int] | None = None,
+                 count_niced: bool | None = None) -> float | None:
     """CPU seconds spent busy (everything but idle and iowait) on `cpus` (default: ours) since boot,
-    from /proc/stat; None where there is none."""
+    from /proc/stat; None where there is none. Niced time is left out when it yields to us
+    (`niced_work_yields`, or `count_niced=False`): a niced neighbour takes none of our cores."""
+    if count_niced is None:
+        count_niced = not niced_work_yields()
     if text is None:
         try:
             text = Path("/proc/stat").read_text()
@@ -119,7 +134,7 @@ def busy_seconds(text: str | None = None, cpus: set[int] | None = None) -> float
             continue
         # user nice system idle iowait irq softirq steal (guest time is already inside user)
         values = [int(v) for v in fields[:8]] + [0] * (8 - len(fields[:8]))
-        ticks += sum(values) - values[3] - values[4]
+        ticks += sum(values) - values[3] - values[4] - (0 if count_niced else values[1])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

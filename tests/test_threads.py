@@ -51,9 +51,16 @@ def test_busy_seconds_reads_only_our_cores_from_proc_stat():
             "cpu1 200 0 20 400 5 1 2 3 0 0\n"
             "intr 12345\n")
     tick = 1 / os.sysconf("SC_CLK_TCK")
-    assert threads.busy_seconds(stat, {0}) == pytest.approx(110 * tick)
-    assert threads.busy_seconds(stat, {1}) == pytest.approx(226 * tick)  # irq, softirq, steal count
-    assert threads.busy_seconds(stat, {0, 1}) == pytest.approx(336 * tick)
+    assert threads.busy_seconds(stat, {0}, count_niced=True) == pytest.approx(110 * tick)
+    assert threads.busy_seconds(stat, {1}, count_niced=True) == pytest.approx(226 * tick)  # irq, softirq, steal
+    assert threads.busy_seconds(stat, {0, 1}, count_niced=True) == pytest.approx(336 * tick)
+
+
+def test_niced_neighbours_count_only_when_they_would_not_yield():
+    stat = "cpu0 100 40 10 500 5 0 0 0 0 0\n"
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert threads.busy_seconds(stat, {0}, count_niced=True) == pytest.approx(150 * tick)
+    assert threads.busy_seconds(stat, {0}, count_niced=False) == pytest.approx(110 * tick)
 
 
 def test_the_verdict_names_the_numbers_and_what_to_do():

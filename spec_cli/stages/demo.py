@@ -1,8 +1,10 @@
 """`spec demo`: every stage on the built-in assets (SmolLM2-135M target, ShareGPT, MT-bench).
 
-assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy) -> build-vocab-map ->
-precompute -> train (a fixed number of steps) -> export (vLLM, self-checked) -> eval on MT-bench ->
-eval on held-out ShareGPT prompts (conversations the draft never saw).
+assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy) -> training data (the
+regenerated conversations plus the next ShareGPT conversations as they are: the target's own
+distributions supervise every position either way, and prefill costs a fraction of generation) ->
+build-vocab-map -> precompute -> train (a fixed number of steps) -> export (vLLM, self-checked) ->
+eval on MT-bench -> eval on held-out ShareGPT prompts (conversations the draft never saw).
 Each stage writes into one demo folder and is skipped when its artifact is already complete, so a
 rerun (or a run after Ctrl-C) picks up where the last one stopped: regenerate keeps its finished
 parts, precompute its verified shards, train resumes from its latest checkpoint.
@@ -25,7 +27,7 @@ from spec_cli.errors import ConfigError, SpecError
 from spec_cli.paths import spec_home
 
 DEMO_JSON = "demo.json"
-STAGES = 8
+STAGES = 9
 
 
 @dataclass(frozen=True)
@@ -39,28 +41,30 @@ class Profile:
     draft_vocab_size: int
     ttt_steps: int
     batch_tokens: int  # packed rows of this many tokens per optimizer step
-    epochs: float
+    steps: int  # optimizer steps of batch_tokens packed tokens (a fixed time, whatever the data's size)
     lr: float
     eval_prompts: int  # MT-bench questions (both turns), spread over the categories
     eval_max_new_tokens: int
     heldout_prompts: int  # ShareGPT conversations after the regenerated ones (first two user turns)
     expected_minutes: float  # the whole demo on 2 quiet CPU cores (help text)
     eval_depth: int = 3
+    original_samples: int = 0  # further ShareGPT conversations trained on with their original answers
 
     def describe(self) -> str:
-        return (f"{self.samples} ShareGPT prompts answered by the target itself (<= {self.max_length} tokens "
-                f"each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.epochs:g} epochs, eval on "
+        original = f" + {self.original_samples} as written" if self.original_samples else ""
+        return (f"{self.samples} ShareGPT prompts answered by the target itself{original} (<= {self.max_length} "
+                f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps, eval on "
                 f"{self.eval_prompts} MT-bench questions and {self.heldout_prompts} held-out ShareGPT "
                 f"conversations (~{self.expected_minutes:g} min on 2 cores)")
 
 
 PROFILES = {
-    "quick": Profile("quick", samples=48, max_length=256, regen_max_new_tokens=192, draft_vocab_size=4096,
-                     ttt_steps=3, batch_tokens=2048, epochs=10.0, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=6),
-    "full": Profile("full", samples=320, max_length=256, regen_max_new_tokens=192, draft_vocab_size=8192,
-                    ttt_steps=3, batch_tokens=2048, epochs=10.0, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=30),
+    "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
+                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=100, lr=1e-3, eval_prompts=4,
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=7),
+    "full": Profile("full", samples=320, original_samples=400, max_length=256, regen_max_new_tokens=192,
+                    draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=720, lr=1e-3, eval_prompts=8,
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=38),
 }
 
 
@@ -135,8 +139,10 @@ def run(cfg: DemoConfig) -> DemoResult:
 
     found: dict = {}
     stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
-    data = folder / "regenerated.jsonl"
-    stage("regenerate", data, lambda: _regenerate(cfg, profile, found, data))
+    regenerated = folder / "regenerated.jsonl"
+    stage("regenerate", regenerated, lambda: _regenerate(cfg, profile, found, regenerated))
+    data = folder / "train.jsonl"
+    stage("training data", data, lambda: _training_data(profile, found, regenerated, data))
     vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
     stage("build-vocab-map", vocab_map, lambda: _vocab_map(profile, found, data, vocab_map))
     cache = folder / "cache"
@@ -176,31 +182,64 @@ def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> s
     return "resumed" if outcome.reused_parts else "ran"
 
 
-def _heldout_prompts(profile: Profile, found: dict, data: Path, folder: Path) -> Path:
-    """ShareGPT conversations after the last one regenerated (the draft never saw them), first two
-    user turns each, written once into the demo folder."""
+def _last_source_index(data: Path) -> int:
+    return max((json.loads(line).get("source_index", -1) for line in data.read_text().splitlines()
+                if line.strip()), default=-1)
+
+
+def _sharegpt_after(found: dict, used: int, count: int, keep_users: int | None = None):
+    """The next `count` ShareGPT chat records after source index `used` (leading assistant messages
+    dropped, as regenerate does; at most `keep_users` user turns), each with its source index."""
     from spec_cli.data import records
 
-    path = folder / "heldout.jsonl"
-    if path.is_file():
-        return path
-    used = max((json.loads(line).get("source_index", -1) for line in data.read_text().splitlines()
-                if line.strip()), default=-1)
-    chosen = []
+    if count <= 0:
+        return
     with open(found["sharegpt"], encoding="utf-8") as f:
         for index, line in enumerate(f):
             if index <= used or not line.strip():
                 continue
-            kind, messages = records.normalise(json.loads(line))
+            try:
+                kind, messages = records.normalise(json.loads(line))
+            except (ValueError, SpecError):
+                continue
             if kind != "chat":
                 continue
+            while messages and messages[0]["role"] == "assistant":
+                messages = messages[1:]
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
             if not users or messages[users[0]]["content"].strip() == "":
                 continue
-            end = users[2] if len(users) > 2 else len(messages)
-            chosen.append(json.dumps({"messages": messages[:end], "source_index": index}, ensure_ascii=False))
-            if len(chosen) == profile.heldout_prompts:
-                break
+            if keep_users is not None and len(users) > keep_users:
+                messages = messages[:users[keep_users]]
+            yield {"messages": messages, "source_index": index}
+            count -= 1
+            if count == 0:
+                return
+
+
+def _training_data(profile: Profile, found: dict, regenerated: Path, path: Path) -> str:
+    """The regenerated conversations, then `original_samples` further ShareGPT conversations with
+    their original answers (written once; a rerun with the same inputs reuses it)."""
+    lines = [line for line in regenerated.read_text(encoding="utf-8").splitlines() if line.strip()]
+    used = _last_source_index(regenerated)
+    lines += [json.dumps({**r, "source": "sharegpt"}, ensure_ascii=False)
+              for r in _sharegpt_after(found, used, profile.original_samples)]
+    text = "".join(line + "\n" for line in lines)
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return "reused"
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return "ran"
+
+
+def _heldout_prompts(profile: Profile, found: dict, data: Path, folder: Path) -> Path:
+    """ShareGPT conversations after the last one trained on (the draft never saw them), first two
+    user turns each, written once into the demo folder."""
+    path = folder / "heldout.jsonl"
+    if path.is_file():
+        return path
+    chosen = [json.dumps(r, ensure_ascii=False)
+              for r in _sharegpt_after(found, _last_source_index(data), profile.heldout_prompts, keep_users=2)]
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in chosen), encoding="utf-8")
     return path
@@ -253,7 +292,7 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
             return "reused"
     outcome = train.run(train.TrainConfig(
         vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
-        ttt_steps=profile.ttt_steps, lr=profile.lr, epochs=profile.epochs, fc_norm=True,
+        ttt_steps=profile.ttt_steps, lr=profile.lr, max_steps=profile.steps, fc_norm=True,
         eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,
         max_time=cfg.max_time, resume=latest is not None, device=cfg.device, dtype=cfg.dtype))
     print_train_summary(outcome)

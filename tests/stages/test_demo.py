@@ -15,9 +15,9 @@ from tests import tiny
 from tests.conftest import write_jsonl
 
 TINY = demo.Profile("quick", samples=24, max_length=64, regen_max_new_tokens=12, draft_vocab_size=96,
-                    ttt_steps=2, batch_tokens=256, epochs=1.0, lr=3e-3, eval_prompts=2, eval_max_new_tokens=6,
+                    ttt_steps=2, batch_tokens=256, steps=6, lr=3e-3, eval_prompts=2, eval_max_new_tokens=6,
                     heldout_prompts=2, expected_minutes=1,
-                    eval_depth=2)
+                    eval_depth=2, original_samples=5)
 
 
 @pytest.fixture
@@ -47,19 +47,31 @@ def statuses(folder) -> dict:
 def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "-o", str(out)]) == 0
-    assert statuses(out) == {"assets": "ready", "regenerate": "ran", "build-vocab-map": "ran",
+    assert statuses(out) == {"assets": "ready", "regenerate": "ran", "training data": "ran",
+                             "build-vocab-map": "ran",
                              "precompute": "ran", "train": "ran", "export": "ran", "eval": "ran",
                              "eval-heldout": "ran"}
     # the draft trains on what the target itself answered: every record of the regenerated file
     regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
     assert len(regenerated) == TINY.samples
     assert all(m["role"] in ("system", "user", "assistant") for r in regenerated for m in r["messages"])
+    # ... then the next ShareGPT conversations with their original answers, in source order
+    trained = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert trained[:TINY.samples] == regenerated and len(trained) == TINY.samples + TINY.original_samples
+    originals = trained[TINY.samples:]
+    sharegpt = builtins["sharegpt"].read_text().splitlines()
+    last = max(r["source_index"] for r in regenerated)
+    assert [r["source_index"] for r in originals] == list(range(last + 1, last + 1 + TINY.original_samples))
+    for r in originals:  # the answers are the data set's own, word for word
+        source = json.loads(sharegpt[r["source_index"]])["conversations"]
+        assert [m["content"] for m in r["messages"]] == [m["value"] for m in source]
     manifest = json.loads((out / "cache" / "manifest.json").read_text())
-    assert str(out / "regenerated.jsonl") in json.dumps(manifest)
-    # the held-out prompts come after every regenerated conversation, and are reported on their own
+    assert str(out / "train.jsonl") in json.dumps(manifest)
+    assert manifest["num_samples"] > TINY.samples  # the originals were trained on too
+    # the held-out prompts come after every conversation trained on, and are reported on their own
     heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
     assert len(heldout) == TINY.heldout_prompts
-    assert min(r["source_index"] for r in heldout) > max(r["source_index"] for r in regenerated)
+    assert min(r["source_index"] for r in heldout) > max(r["source_index"] for r in trained)
     held_report = json.loads((out / "eval-heldout" / "eval.json").read_text())
     assert held_report["settings"]["prompts"] == str(out / "heldout.jsonl")
     assert record(out)["heldout"]["acceptance_length"] == pytest.approx(
@@ -84,7 +96,8 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     first = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert first["train"]["status"] == "ran" and first["train"]["seconds"] > 0
     assert main(["demo", "--quick", "-o", str(out)]) == 0
-    assert statuses(out) == {"assets": "ready", "regenerate": "reused", "build-vocab-map": "reused",
+    assert statuses(out) == {"assets": "ready", "regenerate": "reused", "training data": "reused",
+                             "build-vocab-map": "reused",
                              "precompute": "reused", "train": "reused", "export": "reused", "eval": "reused",
                              "eval-heldout": "reused"}
     # the rerun keeps each stage's real time and result from the run that produced it
@@ -103,15 +116,15 @@ def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "-o", str(out), "--max-time", "0.001s"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert "WARNING training stopped by --max-time at step 1 of 5" in printed
+    assert "WARNING training stopped by --max-time at step 1 of 6" in printed
     assert ckpt.latest_checkpoint(out / "run").name == "step-00000001"
     first_eval = json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"]
     assert first_eval == 1
 
     assert main(["demo", "--quick", "-o", str(out)]) == 0  # no cap: the rerun finishes the schedule
     assert statuses(out)["train"] == "resumed" and statuses(out)["export"] == "ran"
-    assert ckpt.latest_checkpoint(out / "run").name == "step-00000005"
-    assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 5
+    assert ckpt.latest_checkpoint(out / "run").name == "step-00000006"
+    assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 6
     assert "WARNING training stopped" not in " ".join(capsys.readouterr().out.split())
 
 
