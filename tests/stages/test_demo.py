@@ -67,6 +67,9 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
         assert [m["content"] for m in r["messages"]] == [m["value"] for m in source]
     manifest = json.loads((out / "cache" / "manifest.json").read_text())
     assert str(out / "train.jsonl") in json.dumps(manifest)
+    # the draft vocabulary comes from what the target itself wrote (what it predicts when served)
+    from spec_cli.artifacts.vocab_map import load_vocab_map
+    assert load_vocab_map(out / "vocab-96.safetensors").metadata["data"] == str(out / "regenerated.jsonl")
     assert manifest["num_samples"] > TINY.samples  # the originals were trained on too
     # the held-out prompts come after every conversation trained on, and are reported on their own
     heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
