@@ -619,7 +619,7 @@ def serve_target_cmd(
 @app.command("demo", cls=Command)
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run (about 7 minutes on 2 CPU cores) that exercises every stage.")] = False,
+        "--quick", help="A smaller run (about 7.5 minutes on 2 CPU cores) that exercises every stage.")] = False,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
@@ -637,7 +637,7 @@ def demo_cmd(
     ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
     precompute, train (a fixed number of steps), export for
     vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Rerunning reuses finished
-    stages. Expected on 2 quiet CPU cores: --quick about 7 minutes, the default about 38."""
+    stages. Expected on 2 quiet CPU cores: --quick about 7.5 minutes, the default about 35."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

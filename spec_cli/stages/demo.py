@@ -61,10 +61,10 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=100, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=7),
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=7.5),
     "full": Profile("full", samples=320, original_samples=400, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=720, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=38),
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=35),
 }
 
 
