@@ -56,6 +56,13 @@ QWEN3_THINK = (
     "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+PHI3 = (  # Phi-3 / Phi-3.5 mini: role tags, <|end|> closes each turn, eos after the last one
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{ '<|system|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 GENERATION_MARKERS = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}"
     "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
@@ -76,6 +83,8 @@ TEMPLATES = {
     "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>", "</s>", "MistralConfig"),
     "qwen3-think": (QWEN3_THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
                     "<|im_end|>", "Qwen3Config"),
+    "phi3": (PHI3, ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None,
+             "<|endoftext|>", "<|end|>", "Phi3Config"),
     "generation-markers": (GENERATION_MARKERS, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None,
                            "<|im_end|>", "<|im_end|>", "LlamaConfig"),
 }
@@ -115,9 +124,10 @@ def tiny_config(family: str, vocab_size: int, num_layers: int = 8):
     import transformers
 
     cls = getattr(transformers, TEMPLATES[family][5])
+    ids = dict(pad_token_id=0, bos_token_id=None, eos_token_id=0) if family == "phi3" else {}  # Phi3Config: 32000
     return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-               tie_word_embeddings=False)
+               tie_word_embeddings=False, **ids)
 
 
 def save_tiny_target(path: Path, family: str, with_model: bool = True, seed: int = 0) -> Path:

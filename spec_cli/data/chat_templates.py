@@ -158,12 +158,33 @@ def apply(tokenizer, template: ChatTemplate | None):
 
 
 def end_of_turn_ids(tokenizer, template: ChatTemplate | None) -> frozenset[int]:
-    """The family template's end-of-turn token (when it is one token): generation stops at it, as at the
-    eos (a base model's generation config names only its eos)."""
-    if template is None or not template.end_of_turn:
+    """The template's end-of-turn token (when it is one token): generation stops at it, as at the eos (a
+    base model's generation config names only its eos). A family declares it; for a file it is read off
+    the template: the special token it writes right after an answer."""
+    if template is None:
         return frozenset()
-    ids = tokenizer(template.end_of_turn, add_special_tokens=False)["input_ids"]
+    end = template.end_of_turn or _closing_special_token(tokenizer, template.text)
+    if not end:
+        return frozenset()
+    ids = tokenizer(end, add_special_tokens=False)["input_ids"]
     return frozenset(ids) if len(ids) == 1 else frozenset()
+
+
+def _closing_special_token(tokenizer, text: str) -> str | None:
+    """The special token `text` renders right after an assistant's answer (`<end_of_turn>`, `<|im_end|>`,
+    `</s>`), or None (nothing special there, or the template cannot render a plain user/assistant chat)."""
+    answer = "spec-cli-answer"
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": answer}],
+                                                 chat_template=text, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template may refuse this chat; then there is nothing to read
+        return None
+    if not isinstance(rendered, str) or answer not in rendered:
+        return None
+    after = tokenizer(rendered.split(answer, 1)[1], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
 
 
 def source_of(tokenizer, template: ChatTemplate | None) -> str:

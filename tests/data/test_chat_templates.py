@@ -4,6 +4,7 @@ and records that begin with an assistant turn."""
 import hashlib
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,30 @@ def test_family_end_of_turn_tokens_stop_generation():
     assert chat_templates.end_of_turn_ids(gemma, None) == frozenset()
     # not a single token of this tokenizer: nothing to stop at
     assert chat_templates.end_of_turn_ids(gemma, chat_templates.resolve("chatml")) == frozenset()
+
+
+@pytest.mark.parametrize("family", list(tiny.TEMPLATES))
+def test_a_template_files_end_of_turn_is_read_off_the_template(family, tmp_path):
+    """A Jinja file declares no end-of-turn: the special token it writes right after an answer is the one
+    (before, a base model with --chat-template FILE generated past its turn in eval and regenerate)."""
+    path = tmp_path / "chat.jinja"
+    path.write_text(tiny.TEMPLATES[family][0])
+    tokenizer = base_tokenizer(family)
+    assert chat_templates.end_of_turn_ids(tokenizer, chat_templates.resolve(str(path))) == {
+        tokenizer.convert_tokens_to_ids(tiny.TEMPLATES[family][4])}
+
+
+def test_the_shipped_gemma3_file_ends_turns_as_the_family_does(tmp_path):
+    gemma = base_tokenizer("gemma")
+    shipped = chat_templates.resolve(str(Path(__file__).resolve().parents[2] / "examples" / "gemma3_chat.jinja"))
+    family = chat_templates.resolve("gemma")
+    assert chat_templates.end_of_turn_ids(gemma, shipped) == chat_templates.end_of_turn_ids(gemma, family)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "},
+                {"role": "assistant", "content": "hello\n"}, {"role": "user", "content": "more"}]
+    render = [gemma.apply_chat_template(messages, chat_template=t.text, tokenize=False, add_generation_prompt=True)
+              for t in (shipped, family)]
+    assert render[0] == render[1]  # the same turns as the family template
+    # a template that closes answers with plain text has no end-of-turn token to stop at
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    assert chat_templates.end_of_turn_ids(gemma, chat_templates.resolve(str(plain))) == frozenset()
