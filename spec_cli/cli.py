@@ -257,6 +257,10 @@ def precompute_cmd(
     chat_template: ChatTemplate = None,
     device: Device = None,
     dtype: Dtype = None,
+    storage_dtype: Annotated[Optional[str], typer.Option(
+        "--storage-dtype", help="bf16, fp16 or fp32: the dtype the cache stores hidden states (and probs) "
+                                "in; training upcasts them. bf16 halves an fp32 cache. Default: the model "
+                                "dtype (--dtype).", rich_help_panel=RUNTIME)] = None,
     target_engine: TargetEngine = "transformers",
     threads: Threads = None,
     resume: Annotated[bool, typer.Option(
@@ -276,7 +280,8 @@ def precompute_cmd(
         target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
         aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
-        dtype=dtype, resume=resume, target_engine=target_engine, threads=threads, chat_template=chat_template))
+        dtype=dtype, storage_dtype=storage_dtype, resume=resume, target_engine=target_engine, threads=threads,
+        chat_template=chat_template))
     print_precompute_summary(result)
 
 

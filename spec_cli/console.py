@@ -49,6 +49,14 @@ def progress_enabled() -> bool:
 # `-:--:--` throughout. Here the rate and the time left come from all the work done so far, as of
 # the last advance, and the time left counts down between advances.
 
+def human_bytes(n: float) -> str:
+    """Decimal units, as disk tools print them: 1234567 -> "1.23 MB"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def _amount(x: float) -> str:
     """1234 -> '1234', 56789 -> '56.8k', 12345678 -> '12.3M'."""
     if x >= 1e9:

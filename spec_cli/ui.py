@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_cli.console import console, summary
+from spec_cli.console import console, human_bytes, summary
 from spec_cli.errors import ArtifactError
 
 
@@ -81,14 +81,25 @@ def print_precompute_summary(result) -> None:
         ("target", f"{m['target']} ({m['architecture']}, aux layers {m['aux_layers']}, {m['dtype']})"),
         ("data", f"{m['data']} ({m['num_samples']} samples, {m['num_tokens']} tokens)"),
         ("batches", f"{m['num_batches']} (padding {result.padding:.1%})"),
-        ("encoding", f"{m['encoding']}, {m['bytes_per_token']} bytes/token"),
+        ("encoding", f"{m['encoding']}, {m['bytes_per_token']} bytes/token, stored in "
+                     f"{m.get('storage_dtype', m['dtype'])}"),
         ("shards", f"{m['num_shards']} ({result.computed_shards} computed, {result.reused_shards} reused)"),
-        ("size", f"{m['bytes'] / 1e9:.3f} GB"),
+        ("size", _cache_size(result)),
         ("throughput", f"{tokens_per_s:.0f} tokens/s{on}" if tokens_per_s else "-"),
         *_busy(result.busy),
         ("written", str(result.output)),
         ("time", f"{result.seconds:.1f} s"),
     ])
+
+
+def _cache_size(result) -> str:
+    """Everything in the cache folder (shards, head, manifest) and the estimate the disk check used."""
+    d = result.disk or {"shards": result.manifest["bytes"], "head": result.manifest.get("head_bytes", 0),
+                        "manifest": 0}
+    total = sum(d[k] for k in ("shards", "head", "manifest"))
+    text = (f"{human_bytes(total)} (shards {human_bytes(d['shards'])}, head {human_bytes(d['head'])}, "
+            f"manifest {human_bytes(d['manifest'])})")
+    return text + (f"; estimated {human_bytes(result.estimated_bytes)}" if result.computed_shards else "")
 
 
 def print_train_summary(result) -> None:
@@ -143,6 +154,10 @@ def print_demo_summary(result) -> None:
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
 
 
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
 def _line(text: str) -> None:
     console.print(text, markup=False, soft_wrap=True)  # paths and values are not rich markup
 
@@ -187,18 +202,35 @@ def _inspect_checkpoint(path: Path) -> None:
         if key in config:
             _line(f"  {key}: {config[key]}")
     _line(f"  tensors: {len(shapes)} in model.safetensors")
+    from spec_cli.artifacts import checkpoint as ckpt
+
+    frozen = ckpt.checkpoint_meta(path).get("frozen")
+    if frozen:
+        where = next((p for p in ckpt.frozen_candidates(path) if p.is_file()
+                      and ckpt.frozen_meta(p).get("fingerprint") == frozen["fingerprint"]), None)
+        _line(f"  frozen (not in the checkpoint): {', '.join(frozen['keys'])}, fingerprint "
+              f"{frozen['fingerprint']}, " + (f"in {where}" if where else "MISSING (not beside the checkpoint "
+                                                                           "nor in its run folder)"))
+    else:
+        _line("  frozen: in model.safetensors (a checkpoint from before frozen.safetensors)")
 
 
 def _inspect_run(path: Path) -> None:
-    from spec_cli.artifacts.checkpoint import checkpoint_dirs
+    from spec_cli.artifacts import checkpoint as ckpt
 
     options = _read_json(path / "run.json").get("options", {})
-    checkpoints = checkpoint_dirs(path)
+    checkpoints = ckpt.checkpoint_dirs(path)
     _line(f"{path}  kind: run")
     for key in ("target", "cache", "remote", "data", "vocab_map", "ttt_steps", "lr", "loss"):
         if options.get(key) is not None:
             _line(f"  {key}: {options[key]}")
-    _line(f"  checkpoints: {', '.join(c.name for c in checkpoints) or 'none'}")
+    _line(f"  checkpoints: {', '.join(c.name for c in checkpoints) or 'none'}"
+          + (f" ({human_bytes(sum(_folder_bytes(c) for c in checkpoints))})" if checkpoints else ""))
+    frozen = path / ckpt.FROZEN
+    if frozen.is_file():
+        meta = ckpt.frozen_meta(frozen)
+        _line(f"  frozen weights: {frozen.name} ({human_bytes(frozen.stat().st_size)}, "
+              f"{', '.join(meta.get('keys', []))}, fingerprint {meta.get('fingerprint')}), once for all checkpoints")
     evals = []
     if (path / "log.jsonl").is_file():
         for line in (path / "log.jsonl").read_text().splitlines():

@@ -4,31 +4,39 @@
       run.json                      the training options and the inputs' fingerprints
       log.jsonl                     one JSON object per logged train/eval step
       training.png                  loss and per-step accuracy over training (at the end)
+      frozen.safetensors            the frozen weights copied from the target (embed_tokens.weight), once
       checkpoints/step-00000100/
-        model.safetensors           draft weights + d2t/t2d buffers (engine-style key names)
+        model.safetensors           trained weights + d2t/t2d buffers (engine-style key names); the
+                                    frozen ones are in ../../frozen.safetensors, named by fingerprint
         optimizer.safetensors       AdamW state, flattened: state.<param name>.<exp_avg|exp_avg_sq|step>
         rng.safetensors             torch RNG states
         config.json                 DraftConfig
         trainer_state.json          step, epoch, data position, schedule, param groups, metrics
 
 A checkpoint folder is built beside its final name and renamed into place, so one that exists is
-complete; a run killed mid-save keeps its previous checkpoints.
+complete; a run killed mid-save keeps its previous checkpoints. The frozen table never changes during a
+run (Gemma 3's is 262k x 640), so it is written once per run instead of into every checkpoint; a reader
+finds it beside the checkpoint or in the run folder and checks its fingerprint. Checkpoints written
+before that hold it in model.safetensors and still load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_dir
+from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_dir, write_safetensors
 from spec_cli.errors import ArtifactError
 
 CHECKPOINTS = "checkpoints"
+FROZEN = "frozen.safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -80,12 +88,109 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list, names: l
     return {"state": state, "param_groups": param_groups}
 
 
+# ----------------------------------------------------------------------------- frozen weights
+
+def frozen_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 (16 hex) of names, shapes and fp32 values: the same for a bf16 table and its fp32 copy."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu()
+        digest.update(f"{name}:{list(t.shape)};".encode())
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), 1 << 24):  # 64 MB of fp32 at a time
+            digest.update(flat[start:start + (1 << 24)].float().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_frozen(run_dir: Path, tensors: dict[str, torch.Tensor], fingerprint: str, about: dict) -> Path:
+    """RUN_DIR/frozen.safetensors, once per run: the frozen target weights as the target holds them
+    (the draft's fp32 copy is an exact upcast). A file with this fingerprint is left as it is."""
+    path = Path(run_dir) / FROZEN
+    if frozen_meta(path).get("fingerprint") != fingerprint:
+        write_safetensors(path, tensors, {"kind": "frozen_weights", "schema_version": SCHEMA_VERSION,
+                                          "fingerprint": fingerprint, "keys": sorted(tensors), **about})
+    return path
+
+
+def frozen_meta(path: Path) -> dict:
+    """The spec_cli metadata of a frozen-weights file ({} when there is none or it is unreadable)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("spec_cli", "{}"))
+    except (OSError, ValueError, SafetensorError):
+        return {}
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """The spec_cli metadata of a checkpoint's model.safetensors."""
+    try:
+        with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("spec_cli", "{}"))
+    except (OSError, ValueError, SafetensorError):
+        return {}
+
+
+def frozen_candidates(checkpoint: Path) -> list[Path]:
+    """Where a checkpoint's frozen weights may be: beside it, then in its run folder."""
+    checkpoint = Path(checkpoint)
+    found = [checkpoint / FROZEN]
+    if checkpoint.parent.name == CHECKPOINTS:
+        found.append(checkpoint.parent.parent / FROZEN)
+    return found
+
+
+def load_frozen(checkpoint: Path, required: bool = True) -> dict[str, torch.Tensor]:
+    """The frozen weights a checkpoint was saved without ({} for a checkpoint that holds them itself).
+    With required=False a missing file gives {} (the caller takes them from the target instead)."""
+    record = checkpoint_meta(checkpoint).get("frozen")
+    if not record:
+        return {}
+    want = record["fingerprint"]
+    seen = []
+    for path in frozen_candidates(checkpoint):
+        if not path.is_file():
+            continue
+        meta = frozen_meta(path)
+        if meta.get("fingerprint") != want:
+            seen.append(f"{path} (fingerprint {meta.get('fingerprint')})")
+            continue
+        try:
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise ArtifactError(f"cannot read {path}: {exc}", "the run folder is damaged; train again") from exc
+        missing = sorted(set(record["keys"]) - set(tensors))
+        if missing:
+            raise ArtifactError(f"{path} lacks {missing}", "the run folder is damaged; train again")
+        return {k: tensors[k] for k in record["keys"]}
+    if seen:
+        raise ArtifactError(f"the frozen weights of {checkpoint} (fingerprint {want}) are not in "
+                            + ", ".join(seen), "use the checkpoint inside the run folder it was trained in")
+    if not required:
+        return {}
+    places = " or ".join(str(p) for p in frozen_candidates(checkpoint))
+    raise ArtifactError(f"{checkpoint} is saved without its frozen {', '.join(record['keys'])} (once per run, "
+                        f"in {FROZEN}), and {places} does not exist",
+                        f"pass the checkpoint inside its run folder, or copy the run's {FROZEN} into "
+                        "the checkpoint folder")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
 def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
                     optimizer_tensors: dict[str, torch.Tensor], rng: dict[str, torch.Tensor],
-                    draft_config: dict, trainer_state: dict, keep_last: int | None = None) -> Path:
+                    draft_config: dict, trainer_state: dict, keep_last: int | None = None,
+                    frozen: dict | None = None) -> Path:
+    """`frozen`: {"keys": [...], "fingerprint": ...} of the weights model_state leaves out (in the
+    run's frozen.safetensors, written by save_frozen)."""
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
-    meta = {"spec_cli": json.dumps({"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION,
-                                    "step": step})}
+    record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step}
+    if frozen:
+        overlap = sorted(set(frozen["keys"]) & set(model_state))
+        if overlap:
+            raise ValueError(f"frozen weights {overlap} are also in model_state")
+        record["frozen"] = {"keys": sorted(frozen["keys"]), "fingerprint": frozen["fingerprint"],
+                            "file": FROZEN}
+    meta = {"spec_cli": json.dumps(record)}
     with atomic_dir(final) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
                   str(tmp / "model.safetensors"), metadata=meta)
@@ -102,11 +207,13 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
 
 
 def load_checkpoint(path: Path) -> dict:
-    """model / optimizer / rng tensors, config and trainer_state of one checkpoint folder."""
+    """model / optimizer / rng tensors, config and trainer_state of one checkpoint folder; "model" lacks
+    the "frozen_keys" (the trainer copies them from the target again, export reads load_frozen)."""
     path = Path(path)
     try:
         parts = {
             "model": load_file(str(path / "model.safetensors")),
+            "frozen_keys": (checkpoint_meta(path).get("frozen") or {}).get("keys", []),  # not in "model"
             "config": json.loads((path / "config.json").read_text()),
             "trainer_state": json.loads((path / "trainer_state.json").read_text()),
         }

@@ -3,10 +3,14 @@
 Storage is ragged: the tokens of all samples of a shard are concatenated (padding is never stored) and
 `sample_offsets` / `batch_offsets` say where samples and batches start. Per token:
 
-  encoding `hidden` (default): aux_hidden [3H] + final_hidden [H] in the model dtype, argmax (int32),
+  encoding `hidden` (default): aux_hidden [3H] + final_hidden [H] in the storage dtype, argmax (int32),
                                lse (fp32); `head.safetensors` holds the draft-vocab rows of the frozen
                                lm_head once, so the loader rebuilds target_p / position_mask.
-  encoding `probs`:            aux_hidden [3H], target_p [Vd] in the model dtype, argmax, target_mass.
+  encoding `probs`:            aux_hidden [3H], target_p [Vd] in the storage dtype, argmax, target_mass.
+
+The storage dtype (`--storage-dtype`, default the model dtype) is what the float features are kept in;
+the loader upcasts them to the model dtype. argmax, lse and target_mass are computed from the
+full-precision states before they are stored, and the head stays in the model dtype.
 
 Both also store input_ids (int32) and loss_mask (uint8), so training needs nothing but the cache.
 Shard i always holds the same batches whatever the number of ranks, so a resumed or re-split run
@@ -33,33 +37,85 @@ HEAD = "head.safetensors"
 ENCODINGS = ("hidden", "probs")
 # Keys that must match for a cache to be resumed or trained from, in the order they are reported.
 IDENTITY_KEYS = ("target_fingerprint", "chat_template_sha256", "tokenizer_fingerprint", "vocab_map_fingerprint",
-                 "aux_layers", "encoding", "dtype", "data_fingerprint", "max_length", "batch_tokens",
-                 "shard_tokens")
+                 "aux_layers", "encoding", "dtype", "storage_dtype", "data_fingerprint", "max_length",
+                 "batch_tokens", "shard_tokens")
 # Keys a cache written before they existed may lack; the keys after them cover them (the tokenizer
 # fingerprint hashes the chat template), so such a cache stays usable.
 OPTIONAL_IDENTITY_KEYS = ("chat_template_sha256",)
+# Keys a cache written before they existed lacks, and the key that held their value then (a cache
+# without `storage_dtype` stored its features in the model dtype).
+IDENTITY_DEFAULTS = {"storage_dtype": "dtype"}
+# The `spec precompute` option behind an identity key, named when a resume is refused over it.
+IDENTITY_OPTIONS = {"aux_layers": "--aux-layers", "encoding": "--encoding", "dtype": "--dtype",
+                    "storage_dtype": "--storage-dtype", "max_length": "--max-length",
+                    "batch_tokens": "--batch-tokens", "shard_tokens": "--shard-tokens",
+                    "data_fingerprint": "--data / --max-samples"}
 DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Allowances for what is not tensor data: a shard's safetensors header (tensor table + identity) and
+# its sidecar, the head's header, and the manifest (target config + one entry per shard).
+SHARD_OVERHEAD = 1232 + 208
+HEAD_OVERHEAD = 512
+MANIFEST_OVERHEAD, MANIFEST_PER_SHARD = 3072, 232
 
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, dtype: str) -> int:
-    size = DTYPE_SIZE[dtype]
+def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, storage_dtype: str) -> int:
+    """Bytes a stored token takes: the float features in the storage dtype, plus input_ids (int32),
+    loss_mask (uint8), argmax (int32) and lse / target_mass (fp32)."""
+    size = DTYPE_SIZE[storage_dtype]
     ids_and_mask = 4 + 1
     if encoding == "hidden":
         return (3 * hidden_size + hidden_size) * size + 4 + 4 + ids_and_mask
     return (3 * hidden_size + draft_vocab_size) * size + 4 + 4 + ids_and_mask
 
 
+def shard_bytes(tokens: int, samples: int, batches: int, per_token: int) -> int:
+    """A shard's file (tokens, offsets, sample ids, header) and its sidecar."""
+    return tokens * per_token + 8 * (2 * samples + 1) + 8 * (batches + 1) + SHARD_OVERHEAD
+
+
+def head_bytes(vocab_size: int, hidden_size: int, draft_vocab_size: int, dtype: str, bias: bool = False,
+               final_norm: bool = True) -> int:
+    """head.safetensors: embed_tokens [V, H] and lm_head_selected [Vd, H] in the model dtype (bias
+    [Vd] when the head has one), selected_token_ids int64 [Vd], t2d bool [V], final_norm fp32 [H]."""
+    size = DTYPE_SIZE[dtype]
+    return ((vocab_size + draft_vocab_size) * hidden_size * size + (draft_vocab_size * size if bias else 0)
+            + 8 * draft_vocab_size + vocab_size + (4 * hidden_size if final_norm else 0) + HEAD_OVERHEAD)
+
+
+def manifest_bytes(num_shards: int, target_config: dict) -> int:
+    """manifest.json: identity and totals, the target's config (indented), one entry per shard."""
+    return MANIFEST_OVERHEAD + len(json.dumps(target_config, indent=2)) + MANIFEST_PER_SHARD * num_shards
+
+
+def folder_bytes(folder: Path) -> dict[str, int]:
+    """What a cache folder holds on disk: shards (with sidecars), head, manifest, total."""
+    sizes = {"shards": 0, "head": 0, "manifest": 0}
+    for path in Path(folder).iterdir():
+        if not path.is_file():
+            continue
+        if path.name == HEAD:
+            sizes["head"] += path.stat().st_size
+        elif path.name == MANIFEST:
+            sizes["manifest"] += path.stat().st_size
+        elif path.name.startswith("shard-"):
+            sizes["shards"] += path.stat().st_size
+    return {**sizes, "total": sum(sizes.values())}
+
+
 def identity_mismatch(expected: dict, found: dict) -> str | None:
-    """The first identity key whose values differ, phrased for the user, or None."""
+    """The first identity key whose values differ, phrased for the user (with the option behind it),
+    or None."""
     for key in IDENTITY_KEYS:
         if key in OPTIONAL_IDENTITY_KEYS and key not in found:
             continue
-        if expected.get(key) != found.get(key):
-            return f"{key.replace('_', ' ')}: cache has {found.get(key)!r}, this run has {expected.get(key)!r}"
+        value = found.get(key, found.get(IDENTITY_DEFAULTS[key])) if key in IDENTITY_DEFAULTS else found.get(key)
+        if expected.get(key) != value:
+            option = f" ({IDENTITY_OPTIONS[key]})" if key in IDENTITY_OPTIONS else ""
+            return f"{key.replace('_', ' ')}: cache has {value!r}, this run has {expected.get(key)!r}{option}"
     return None
 
 

@@ -47,12 +47,16 @@ def _options(**kw):
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], sharded: bool):
     """(model state dict, optimizer state dict in torch's index-keyed form), full tensors on CPU.
-    Collective when sharded: every rank calls it, and only rank 0 receives the optimizer state."""
+    Frozen parameters (requires_grad False: the embedding copied from the target) are left out; a
+    checkpoint does not repeat them. Collective when sharded: every rank calls it, and only rank 0
+    receives the optimizer state."""
     if not sharded:
-        return model.state_dict(), optimizer.state_dict()
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        return ({k: v for k, v in model.state_dict().items() if k not in frozen},
+                optimizer.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model_sd = get_model_state_dict(model, options=_options(cpu_offload=True))
+    model_sd = get_model_state_dict(model, options=_options(cpu_offload=True, ignore_frozen_params=True))
     osd = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if "state" not in osd:  # with cpu_offload only rank 0 receives the full state
         return model_sd, None
@@ -63,15 +67,23 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[s
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optimizer_sd: dict,
-                    names: list[str], sharded: bool) -> None:
-    """Inverse of full_state: each rank passes the full state dicts (read from the checkpoint)."""
+                    names: list[str], sharded: bool, frozen: list[str] = ()) -> None:
+    """Inverse of full_state: each rank passes the full state dicts (read from the checkpoint).
+    `frozen`: the keys the checkpoint left out (the model already holds them, copied from the target);
+    any other missing or unknown key is an error."""
+    expected = set(model.state_dict())  # the same names with FSDP2 (DTensor values)
+    wrong = sorted((expected - set(model_sd)) ^ set(frozen)) + sorted(set(model_sd) - expected)
+    if wrong:
+        raise RuntimeError(f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}")
     if not sharded:
-        model.load_state_dict(model_sd)
+        model.load_state_dict(model_sd, strict=False)
         optimizer.load_state_dict(optimizer_sd)
         return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, model_sd, options=_options())
+    set_model_state_dict(model, model_sd, options=_options(strict=False))
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     by_name = {"state": {names[i]: s for i, s in optimizer_sd["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                 for g in optimizer_sd["param_groups"]]}

@@ -5,7 +5,8 @@ An export is read the way its engine reads it (`spec_cli.export.engines`, the ta
 self-check uses): the engine's config view, where each file key goes, the engine's draft-to-target id
 map, and which target layers the engine captures, in its concatenation order. So what is evaluated is
 the draft the engine would serve from those very files. Exports carry no embed_tokens (the engines
-share the target's); the target's input embedding is copied in.
+share the target's); the target's input embedding is copied in, as it is for a checkpoint moved out
+of its run folder (whose frozen.safetensors holds the embedding it trained with).
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
                             "`spec export` folder")
     if is_export(path):
         return _from_export(path, target_config)
-    src = load_source(path)
+    # A checkpoint's embedding is in its run's frozen.safetensors; one taken out of its run folder
+    # embeds with the target's own table, as an export does (the same table, copied at training).
+    src = load_source(path, frozen_required=False)
     model = Eagle3Draft(src.config)
-    model.load_state_dict(src.state)
+    model.load_state_dict(src.state, strict=not src.missing_frozen)
     recorded = {"vocab_size": src.config.vocab_size, "target_hidden_size": src.config.target_hidden_size,
                 "target_num_layers": src.config.target_num_layers,
                 "target_fingerprint": src.config.target_fingerprint,
@@ -72,7 +75,8 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
                                    src.config.tokenizer_base_fingerprint)}
     kind = "checkpoint" if src.checkpoint.resolve() == path.resolve() else "run"
     return LoadedDraft(model=model.eval(), kind=kind, path=src.checkpoint, step=src.step,
-                       run_dir=src.run_dir, recorded=recorded)
+                       run_dir=src.run_dir, recorded=recorded,
+                       needs_embeddings="embed_tokens.weight" in src.missing_frozen)
 
 
 # ----------------------------------------------------------------------------- exports
@@ -211,7 +215,7 @@ def check_target(draft: LoadedDraft, target_dir: Path, target_config, tokenizer,
     if bad:
         raise ArtifactError(f"the draft reads target layers {bad}, which {target_dir} does not have", hint)
     if draft.needs_embeddings and c.hidden_size != found["target_hidden_size"]:
-        raise ArtifactError(f"the export has no embed_tokens and its hidden size {c.hidden_size} is not the "
+        raise ArtifactError(f"the draft has no embed_tokens and its hidden size {c.hidden_size} is not the "
                             f"target's {found['target_hidden_size']}, so the target's cannot be shared", hint)
     if not check_fingerprint:
         return

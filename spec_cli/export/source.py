@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from spec_cli.artifacts.checkpoint import CHECKPOINTS, resolve_checkpoint
+from spec_cli.artifacts.checkpoint import CHECKPOINTS, load_frozen, resolve_checkpoint
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError
 
@@ -22,10 +22,11 @@ class DraftSource:
     run_dir: Path | None  # the run folder around it, when there is one
     step: int
     config: DraftConfig  # aux_layer_ids in spec_cli's convention: 0-indexed layer OUTPUTS
-    state: dict[str, torch.Tensor]  # the checkpoint's model.safetensors (Eagle3Draft names)
+    state: dict[str, torch.Tensor]  # model.safetensors + the run's frozen weights (Eagle3Draft names)
     target: str | None  # target path or hub id (README, speculators verifier)
     ttt_steps: int | None
     last_eval: dict | None  # the last log.jsonl eval record at or before `step`
+    missing_frozen: tuple[str, ...] = ()  # frozen keys neither the checkpoint nor its run folder holds
 
     @property
     def selected_token_ids(self) -> torch.Tensor:
@@ -34,8 +35,11 @@ class DraftSource:
         return torch.arange(d2t.numel()) + d2t
 
 
-def load_source(path: Path, target: str | None = None) -> DraftSource:
-    """A run folder (its latest checkpoint) or a checkpoints/step-* folder -> DraftSource."""
+def load_source(path: Path, target: str | None = None, frozen_required: bool = True) -> DraftSource:
+    """A run folder (its latest checkpoint) or a checkpoints/step-* folder -> DraftSource, with the
+    frozen weights (embed_tokens) the checkpoint was saved without read back from the run's
+    frozen.safetensors. frozen_required=False: a checkpoint whose run file is gone loads without them
+    (listed in `missing_frozen`; eval takes the target's own)."""
     checkpoint = resolve_checkpoint(Path(path))
     try:
         raw_config = json.loads((checkpoint / "config.json").read_text())
@@ -50,7 +54,9 @@ def load_source(path: Path, target: str | None = None) -> DraftSource:
     except (TypeError, ConfigError) as exc:
         raise ArtifactError(f"{checkpoint}/config.json is not a draft config ({exc})",
                             "pass a checkpoint written by `spec train`") from exc
-    _check_state(checkpoint, config, state)
+    frozen = load_frozen(checkpoint, required=frozen_required)
+    state.update(frozen)
+    missing = _check_state(checkpoint, config, state, optional=() if frozen_required else _FROZEN)
 
     run_dir = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
     run = _read_json(run_dir / "run.json") if run_dir else {}
@@ -58,16 +64,22 @@ def load_source(path: Path, target: str | None = None) -> DraftSource:
     step = int(trainer_state.get("step", 0))
     return DraftSource(checkpoint=checkpoint, run_dir=run_dir, step=step, config=config, state=state,
                        target=target or _run_target(options), ttt_steps=options.get("ttt_steps"),
-                       last_eval=_last_eval(run_dir, step) if run_dir else None)
+                       last_eval=_last_eval(run_dir, step) if run_dir else None, missing_frozen=missing)
 
 
-def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.Tensor]) -> None:
-    """The checkpoint's tensors are those of an Eagle3Draft with this config, with a valid vocab map."""
+_FROZEN = ("embed_tokens.weight",)  # Eagle3Draft's parameters copied from the target
+
+
+def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.Tensor],
+                 optional: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The checkpoint's tensors are those of an Eagle3Draft with this config, with a valid vocab map;
+    -> the `optional` keys it lacks."""
     from spec_cli.draft.model import Eagle3Draft
 
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
-    missing = sorted(set(expected) - set(state))
+    absent = tuple(k for k in optional if k in expected and k not in state)
+    missing = sorted(set(expected) - set(state) - set(absent))
     unknown = sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != expected[k])
     if missing or unknown or wrong:
@@ -84,6 +96,7 @@ def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.T
         raise ArtifactError(f"{checkpoint} holds no valid vocab map (d2t/t2d are not the offsets and "
                             "mask of ascending target ids)",
                             "the draft was saved before its vocab map was set; retrain it")
+    return absent
 
 
 def _read_json(path: Path) -> dict:

@@ -19,7 +19,7 @@ import torch
 from spec_cli import assets, distributed, threads
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.artifacts.vocab_map import load_vocab_map
-from spec_cli.console import info, progress
+from spec_cli.console import human_bytes, info, progress
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, padding_fraction, plan_batches
 from spec_cli.data.tokenize import tokenize_data
@@ -45,6 +45,7 @@ class PrecomputeConfig:
     num_proc: int = 1
     device: str | None = None
     dtype: str | None = None
+    storage_dtype: str | None = None  # bf16 | fp16 | fp32: the float features on disk; None: the model dtype
     resume: bool = True
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another engine
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
@@ -58,7 +59,7 @@ class PrecomputeResult:
     seconds: float
     computed_shards: int
     reused_shards: int
-    estimated_bytes: int
+    estimated_bytes: int  # everything the cache folder holds when done: shards, head, manifest
     padding: float
     compute_seconds: float = 0.0
     computed_tokens: int = 0
@@ -67,6 +68,7 @@ class PrecomputeResult:
     threads: int = 0
     threads_reason: str = ""
     busy: dict | None = None
+    disk: dict | None = None  # feature_cache.folder_bytes of the finished folder (rank 0)
 
 
 def plan_shards(batches: list[list[int]], lengths: torch.Tensor, shard_tokens: int) -> list[list[int]]:
@@ -83,12 +85,25 @@ def plan_shards(batches: list[list[int]], lengths: torch.Tensor, shard_tokens: i
     return shards
 
 
-def _check_disk(folder: Path, needed: int) -> None:
+def _check_disk(folder: Path, needed: dict[str, int], storage: torch.dtype) -> None:
+    """`needed`: bytes still to write by part (shards, head, manifest)."""
     free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise ArtifactError(f"the cache needs about {needed / 1e9:.2f} GB more but {folder} has "
-                            f"{free / 1e9:.2f} GB free",
-                            "free disk space, use fewer samples (--max-samples) or a smaller --max-length")
+    total = sum(needed.values())
+    if total > free:
+        parts = ", ".join(f"{name} {human_bytes(n)}" for name, n in needed.items() if n)
+        smaller = ", or --storage-dtype bf16 (half the bytes of fp32 features)" if storage == torch.float32 else ""
+        raise ArtifactError(f"the cache needs about {human_bytes(total)} more ({parts}) but {folder} has "
+                            f"{human_bytes(free)} free",
+                            f"free disk space, use fewer samples (--max-samples) or a smaller --max-length{smaller}")
+
+
+def _storage_dtype(option: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    if option in (None, "", "auto"):
+        return model_dtype
+    if option not in loading.DTYPES:
+        raise ConfigError(f"unknown --storage-dtype {option!r}", f"use one of {', '.join(loading.DTYPES)}, or "
+                                                                 "leave it out to store the model dtype")
+    return loading.DTYPES[option]
 
 
 def run(cfg: PrecomputeConfig) -> PrecomputeResult:
@@ -97,6 +112,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         raise ConfigError(f"unknown --encoding {cfg.encoding!r}", f"use one of {', '.join(fc.ENCODINGS)}")
     device = distributed.local_device(loading.choose_device(cfg.device))
     dtype = loading.choose_dtype(cfg.dtype, device)
+    storage = _storage_dtype(cfg.storage_dtype, dtype)
     distributed.init(device)
     rank, world = distributed.rank(), distributed.world_size()
 
@@ -126,6 +142,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     shards = plan_shards(batches, lengths, cfg.shard_tokens)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
     dtype_name = str(dtype).replace("torch.", "")
+    storage_name = str(storage).replace("torch.", "")
     identity = {
         "target_fingerprint": loading.target_fingerprint(target_dir),
         "tokenizer_fingerprint": tok_fp,
@@ -134,6 +151,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         "aux_layers": aux_layers,
         "encoding": cfg.encoding,
         "dtype": dtype_name,
+        "storage_dtype": storage_name,
         "data_fingerprint": f"{tokens.metadata['data_fingerprint']}:{n_samples}",
         "max_length": cfg.max_length,
         "batch_tokens": cfg.batch_tokens,
@@ -155,19 +173,34 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
             raise ArtifactError(f"{out} holds a different feature cache ({mismatch})",
                                 "write to a new --output folder, or pass --no-resume to replace it")
         info(f"feature cache {out} is already complete")
-        return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), 0,
-                                padding_fraction(lengths, batches))
+        on_disk = fc.folder_bytes(out)
+        return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), on_disk["total"],
+                                padding_fraction(lengths, batches), disk=on_disk)
 
     mine = [i for i in range(len(shards)) if i % world == rank]
     done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
     todo = [i for i in mine if i not in done]
-    per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, dtype_name)
+    per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, storage_name)
     todo_tokens = sum(int(lengths[batches[b]].sum()) for i in todo for b in shards[i])
-    estimated = int(lengths.sum()) * per_token
+
+    def shard_size(i: int) -> int:
+        return fc.shard_bytes(sum(int(lengths[batches[b]].sum()) for b in shards[i]),
+                              sum(len(batches[b]) for b in shards[i]), len(shards[i]), per_token)
+
+    # Everything the finished folder holds: the shards, the head (embed_tokens [V, H] is most of it for
+    # a large vocab: 335 MB for Gemma 3 in bf16) and the manifest. Rank 0 writes the head and manifest
+    # (again on a resume: atomically, so the new file needs its room before the old one goes).
+    head = fc.head_bytes(vocab_map.target_vocab_size, hidden_size, vocab_map.draft_vocab_size, dtype_name)
+    estimate = {"shards": sum(shard_size(i) for i in range(len(shards))), "head": head,
+                "manifest": fc.manifest_bytes(len(shards), config.to_dict())}
+    estimated = sum(estimate.values())
     info(f"feature cache: {n_samples} samples, {int(lengths.sum())} tokens, {len(batches)} batches in "
-         f"{len(shards)} shards; estimated size {estimated / 1e9:.2f} GB ({per_token} bytes/token); "
-         f"{len(done)} shard(s) already done")
-    _check_disk(out, todo_tokens * per_token)
+         f"{len(shards)} shards; estimated size {human_bytes(estimated)} (shards "
+         f"{human_bytes(estimate['shards'])} at {per_token} bytes/token in {storage_name}, head "
+         f"{human_bytes(head)}); {len(done)} shard(s) already done")
+    _check_disk(out, {"shards": sum(shard_size(i) for i in todo),
+                      "head": head if rank == 0 else 0, "manifest": estimate["manifest"] if rank == 0 else 0},
+                storage)
 
     backend = None
     choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
@@ -194,7 +227,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         with progress(label, total=todo_tokens, unit="tokens") as bar:
             for shard in todo:
                 tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
-                                         cfg.encoding, bar)
+                                         cfg.encoding, storage, bar)
                 if pending is not None:
                     done[pending[0]] = pending[1].result()
                 pending = (shard, writer.submit(fc.write_shard, out, shard, tensors, identity))
@@ -224,6 +257,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
                 "data": str(data_path),
                 "vocab_map": str(Path(cfg.vocab_map).resolve()),  # provenance: named when a map mismatches
                 "bytes_per_token": per_token,
+                "head_bytes": (out / fc.HEAD).stat().st_size,
                 "target_config": config.to_dict(),
                 "target_engine": cfg.target_engine,  # provenance only: not part of the identity
                 "chat_template_source": chat_templates.source_of(tokenizer, template),
@@ -241,11 +275,23 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     return PrecomputeResult(manifest, out, time.perf_counter() - start, computed,
                             len(shards) - computed if rank == 0 else len(mine) - computed, estimated,
                             padding_fraction(lengths, batches), compute_seconds, todo_tokens, used, reason,
-                            busy)
+                            busy, fc.folder_bytes(out) if rank == 0 else None)
 
 
-def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: str, bar) -> dict:
-    """Run the target on each batch and keep the real tokens only (ragged)."""
+def _stored(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """t in the storage dtype, on the CPU; fp16 refuses values beyond its range (they would be inf)."""
+    out = t.to(storage).cpu()
+    if storage == torch.float16 and t.dtype != torch.float16 and not bool(torch.isfinite(out).all()) \
+            and bool(torch.isfinite(t).all()):
+        raise ArtifactError(f"the target's hidden states reach {float(t.abs().max()):.4g}, beyond fp16's "
+                            "range (65504)", "use --storage-dtype bf16 (fp32's range) or fp32")
+    return out
+
+
+def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: str, storage: torch.dtype,
+                   bar) -> dict:
+    """Run the target on each batch and keep the real tokens only (ragged); float features in the
+    storage dtype."""
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "input_ids", "loss_mask", "aux_hidden", "argmax", "final_hidden", "lse", "target_p",
         "target_mass")}
@@ -262,13 +308,13 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
         real = attention_mask.bool().to(aux.device)  # [B, T]: ragged selection drops padding
         parts["input_ids"].append(input_ids[attention_mask.bool()].to(torch.int32))
         parts["loss_mask"].append(loss_mask[attention_mask.bool()].to(torch.uint8))
-        parts["aux_hidden"].append(aux[real].cpu())
+        parts["aux_hidden"].append(_stored(aux[real], storage))
         parts["argmax"].append(argmax[real].to(torch.int32).cpu())
         if encoding == "hidden":
-            parts["final_hidden"].append(hidden[real].cpu())
+            parts["final_hidden"].append(_stored(hidden[real], storage))
             parts["lse"].append(lse[real].cpu())
         else:
-            parts["target_p"].append(target_p[real].to(aux.dtype).cpu())
+            parts["target_p"].append(_stored(target_p[real], storage))
             parts["target_mass"].append(target_mass[real].cpu())
         sample_lengths.extend(attention_mask.sum(1).tolist())
         batch_sizes.append(len(indices))

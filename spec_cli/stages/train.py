@@ -461,7 +461,12 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         vocab_map_fingerprint=vocab_map.fingerprint)
     info(f"draft rope: {draft_config.rope_source}")
     draft = Eagle3Draft(draft_config)
-    draft.copy_embeddings(source.backend.get_input_embeddings())
+    embed = source.backend.get_input_embeddings()
+    draft.copy_embeddings(embed)
+    # The frozen weights (copied from the target, never trained) are stored once per run, as the target
+    # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
+    frozen = {"embed_tokens.weight": embed}
+    frozen_record = {"keys": sorted(frozen), "fingerprint": ckpt.frozen_fingerprint(frozen)}
     draft.set_vocab_map(vocab_map.selected_token_ids)
     if cfg.init_from_target:  # (a --resume then loads its checkpoint over it)
         head = source.backend.get_output_head()
@@ -486,16 +491,25 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     step = 0
     if cfg.resume and (latest := ckpt.latest_checkpoint(cfg.output)) is not None:
         parts = ckpt.load_checkpoint(latest)
+        saved = (ckpt.checkpoint_meta(latest).get("frozen") or {}).get("fingerprint")
+        if saved is not None and saved != frozen_record["fingerprint"]:
+            raise ArtifactError(f"--resume with a different input embedding than the run trained with "
+                                f"({latest} was saved with embedding {saved}, the target's is now "
+                                f"{frozen_record['fingerprint']})",
+                                "resume with the same target and --dtype, or start a new run folder")
         sharding.load_full_state(draft, optimizer, parts["model"],
                                  ckpt.unflatten_optimizer(parts["optimizer"],
                                                           parts["trainer_state"]["param_groups"], names),
-                                 names, sharded=bool(units))
+                                 names, sharded=bool(units), frozen=parts["frozen_keys"])
         _restore_rng(parts["rng"])
         step = parts["trainer_state"]["step"]
         info(f"resuming from {latest} (step {step})")
     if rank == 0:
         Path(cfg.output).mkdir(parents=True, exist_ok=True)
         write_json(Path(cfg.output) / "run.json", run_json)
+        ckpt.save_frozen(cfg.output, frozen, frozen_record["fingerprint"],
+                         {"target_fingerprint": source.identity["target_fingerprint"]})
+    del frozen, embed  # the draft holds its copy
 
     objective = TTTObjective(draft, cfg)
     model = objective
@@ -515,7 +529,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
              "total_steps": total_steps, "lr": lr_at(max(at_step - 1, 0), total_steps, cfg),
              "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum,
              "parallel": "fsdp" if units else ("ddp" if world > 1 else "single")},
-            keep_last=cfg.keep_last)
+            keep_last=cfg.keep_last, frozen=frozen_record)
 
     # Supervision for this rank's i-th micro-batch (global number i * world + rank). With --stream,
     # producer threads make it ahead of time; else backends that can work asynchronously (remote)

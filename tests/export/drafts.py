@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.artifacts.checkpoint import save_checkpoint
+from spec_cli.artifacts.checkpoint import frozen_fingerprint, save_checkpoint, save_frozen
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
 
@@ -29,17 +29,26 @@ def selected_ids(seed: int = 0) -> torch.Tensor:
     return torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:VD]).values
 
 
-def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, **overrides) -> Path:
-    """A run folder with one checkpoint (step 5), run.json and a log.jsonl with an eval record."""
+def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, frozen_in_run: bool = True, **overrides) -> Path:
+    """A run folder with one checkpoint (step 5), run.json and a log.jsonl with an eval record. As
+    `spec train` writes it, the frozen embedding is in the run's frozen.safetensors (bf16, as a bf16
+    target holds it), not in the checkpoint; frozen_in_run=False: the older layout, all in the checkpoint."""
     config = draft_config(**overrides)
     torch.manual_seed(seed)
     draft = Eagle3Draft(config)
     with torch.no_grad():
         for _, p in draft.named_parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        draft.embed_tokens.weight.copy_(draft.embed_tokens.weight.bfloat16())
     draft.set_vocab_map(selected_ids(seed))
-    save_checkpoint(root, 5, draft.state_dict(), {}, {"torch_cpu": torch.get_rng_state()},
-                    config.to_dict(), {"step": 5})
+    state, frozen = draft.state_dict(), None
+    if frozen_in_run:
+        tensors = {"embed_tokens.weight": state.pop("embed_tokens.weight").bfloat16()}
+        frozen = {"keys": sorted(tensors), "fingerprint": frozen_fingerprint(tensors)}
+        root.mkdir(parents=True, exist_ok=True)
+        save_frozen(root, tensors, frozen["fingerprint"], {})
+    save_checkpoint(root, 5, state, {}, {"torch_cpu": torch.get_rng_state()},
+                    config.to_dict(), {"step": 5}, frozen=frozen)
     (root / "run.json").write_text(json.dumps({"options": {"target": "/models/tiny-llama",
                                                            "ttt_steps": ttt_steps}}))
     records = [{"split": "eval", "step": 3, "acc": [0.4, 0.2], "acceptance_length": 1.48, "loss": 2.0},

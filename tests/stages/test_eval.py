@@ -105,6 +105,30 @@ def test_eval_run_folder_and_its_export_agree(trained, tmp_path):
     assert len(lines) == 8 and {json.loads(line)["turn"] for line in lines} == {0, 1}
 
 
+def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(trained, tmp_path, capsys):
+    """The embedding is stored once per run (frozen.safetensors); a checkpoint copied out of its run
+    takes the target's own table, the one it was copied from: the same draft, the same decoding."""
+    from spec_cli.artifacts import checkpoint as ckpt
+
+    checkpoint = ckpt.latest_checkpoint(trained["run"])
+    assert "embed_tokens.weight" not in ckpt.load_checkpoint(checkpoint)["model"]
+    lone = tmp_path / "lone-step"
+    shutil.copytree(checkpoint, lone)
+    common = ["-t", str(trained["target"]), "--prompts", str(trained["prompts"]), "--num-prompts", "2",
+              "--max-new-tokens", "8", "--depth", "3"]
+    from_run = _eval([*common, "--draft", str(checkpoint), "-o", str(tmp_path / "in-run")])
+    from_lone = _eval([*common, "--draft", str(lone), "-o", str(tmp_path / "lone")])
+    for key in ("accepted", "verified", "tokens_produced", "target_forwards"):
+        assert from_run["overall"][key] == from_lone["overall"][key], key
+    assert main(["inspect", str(checkpoint)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "frozen (not in the checkpoint): embed_tokens.weight" in text and str(trained["run"]) in text
+    assert main(["inspect", str(lone)]) == 0
+    assert "MISSING" in capsys.readouterr().out
+    assert main(["inspect", str(trained["run"])]) == 0
+    assert "frozen weights: frozen.safetensors" in capsys.readouterr().out
+
+
 def test_eval_tree_on_mt_bench_with_default_output(trained, capsys):
     _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "2",
            "--max-new-tokens", "8", "--depth", "2", "--topk", "2", "--num-tokens", "5"])

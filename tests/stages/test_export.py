@@ -52,8 +52,10 @@ def test_export_each_format_through_the_cli(trained, tmp_path, fmt, capsys):
     draft_config = json.loads((source / "config.json").read_text())
     assert source.name == "step-00000004"
     assert torch.equal(tensors["d2t"], trained_state["d2t"])  # offsets, as trained
-    if fmt == "speculators":  # the speculators library needs the table in the file
-        assert torch.equal(tensors["embed_tokens.weight"], trained_state["embed_tokens.weight"].bfloat16())
+    assert "embed_tokens.weight" not in trained_state  # stored once per run, not per checkpoint
+    frozen = load_file(str(trained["run"] / ckpt.FROZEN))
+    if fmt == "speculators":  # the speculators library needs the table in the file: the run's one
+        assert torch.equal(tensors["embed_tokens.weight"], frozen["embed_tokens.weight"].bfloat16())
     else:
         assert "embed_tokens.weight" not in tensors  # vLLM and SGLang use the target's table
     aux = draft_config["aux_layer_ids"]  # spec_cli convention: layer outputs ([1, 3, 4] for 8 layers)
@@ -97,3 +99,25 @@ def test_bad_input_fails_in_one_line_and_writes_nothing(trained, tmp_path, capsy
     assert main(["export", str(trained["run"]), "--format", "tensorrt", "-o", str(out)]) == 1
     assert "--format" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-run"]
+
+
+def test_a_checkpoint_moved_out_of_its_run_exports_with_the_frozen_file_beside_it(trained, tmp_path, capsys):
+    """The embedding is in RUN/frozen.safetensors: a lone checkpoint folder says where it is, and
+    exports once that file is copied beside it (a file of another run is refused by fingerprint)."""
+    import shutil
+
+    lone = tmp_path / "step-4"
+    shutil.copytree(ckpt.latest_checkpoint(trained["run"]), lone)
+    assert main(["export", str(lone), "-f", "speculators", "-o", str(tmp_path / "a"), "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "saved without its frozen embed_tokens.weight" in err and "frozen.safetensors" in err
+    from spec_cli.artifacts.io import write_safetensors
+
+    write_safetensors(lone / ckpt.FROZEN, {"embed_tokens.weight": torch.zeros(3, 3)},
+                      {"kind": "frozen_weights", "fingerprint": "0" * 16, "keys": ["embed_tokens.weight"]})
+    assert main(["export", str(lone), "-f", "speculators", "-o", str(tmp_path / "b"), "-q"]) == 1
+    assert "are not in" in capsys.readouterr().err
+    shutil.copy(trained["run"] / ckpt.FROZEN, lone / ckpt.FROZEN)
+    assert main(["export", str(lone), "-f", "speculators", "-o", str(tmp_path / "c"), "-q"]) == 0
+    assert torch.equal(load_file(str(tmp_path / "c" / "model.safetensors"))["embed_tokens.weight"],
+                       load_file(str(lone / ckpt.FROZEN))["embed_tokens.weight"].bfloat16())

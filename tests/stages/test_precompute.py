@@ -188,7 +188,7 @@ def test_bad_aux_layers_and_full_disk_fail_before_work(tiny_llama_dir, workdir, 
 
     monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
     assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 1
-    assert "GB free" in capsys.readouterr().err
+    assert "1.00 KB free" in " ".join(capsys.readouterr().err.split())
     assert not list((tmp_path / "b").glob("shard-*"))
 
 
@@ -203,3 +203,120 @@ def test_torchrun_two_processes_write_the_same_cache(tiny_llama_dir, workdir, tm
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert digest(double) == digest(single)
+
+
+# ----------------------------------------------------------------------------- size and storage dtype
+
+def _run(target, workdir, out, **kw):
+    from spec_cli.stages import precompute as stage
+
+    return stage.run(stage.PrecomputeConfig(target=str(target), data=str(workdir["data"]), vocab_map=workdir["vm"],
+                                            output=out, batch_tokens=512, shard_tokens=600, **kw))
+
+
+@pytest.mark.parametrize("encoding,storage", [("hidden", None), ("probs", None), ("hidden", "bf16")])
+def test_the_estimate_counts_every_byte_the_cache_holds(tiny_llama_dir, workdir, tmp_path, encoding, storage,
+                                                        capsys):
+    """Shards, sidecars, head.safetensors (embed_tokens [V, H] + the draft-vocab rows of lm_head) and
+    the manifest: the estimate the disk check uses is what lands on disk."""
+    out = tmp_path / "cache"
+    result = _run(tiny_llama_dir, workdir, out, encoding=encoding, storage_dtype=storage)
+    on_disk = sum(p.stat().st_size for p in out.iterdir())
+    assert result.disk["total"] == on_disk
+    head = (out / fc.HEAD).stat().st_size
+    assert result.disk["head"] == head == result.manifest["head_bytes"]
+    assert head > 0.01 * on_disk  # the part the estimate used to leave out
+    assert abs(result.estimated_bytes - on_disk) <= 0.002 * on_disk, (result.estimated_bytes, on_disk)
+    m = result.manifest
+    assert abs(fc.head_bytes(m["vocab_size"], m["hidden_size"], m["draft_vocab_size"], m["dtype"]) - head) < 256
+    from spec_cli.console import human_bytes, set_quiet
+    from spec_cli.ui import print_precompute_summary
+
+    set_quiet(False)  # (an earlier `-q` in this process)
+    print_precompute_summary(result)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"{human_bytes(on_disk)} (shards" in printed and f"head {human_bytes(head)}" in printed
+    assert f"estimated {human_bytes(result.estimated_bytes)}" in printed
+
+
+def test_the_disk_check_counts_the_head_too(tiny_llama_dir, workdir, tmp_path, capsys, monkeypatch):
+    import spec_cli.stages.precompute as stage
+
+    estimated = _run(tiny_llama_dir, workdir, tmp_path / "sized").estimated_bytes
+    head = (tmp_path / "sized" / fc.HEAD).stat().st_size
+    free = {"bytes": estimated - head // 2}  # room for every shard, not for the head as well
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, free["bytes"]))
+    assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the cache needs about" in err and "head" in err and "free" in err and "--storage-dtype bf16" in err
+    assert not list((tmp_path / "b").glob("shard-*")) and not (tmp_path / "b" / fc.HEAD).exists()
+    free["bytes"] = estimated + 1024
+    assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 0
+
+
+def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tiny_llama_dir, workdir, tmp_path,
+                                                                             capsys):
+    from safetensors import safe_open
+
+    from spec_cli.stages import train
+
+    full, half = tmp_path / "fp32", tmp_path / "bf16"
+    assert precompute(tiny_llama_dir, workdir, full) == 0
+    assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "bf16") == 0
+    a, b = fc.read_manifest(full), fc.read_manifest(half)
+    assert (a["dtype"], a["storage_dtype"], b["dtype"], b["storage_dtype"]) == (
+        "float32", "float32", "float32", "bfloat16")
+    H = a["hidden_size"]
+    assert a["bytes_per_token"] - b["bytes_per_token"] == 4 * H * 2  # aux [3H] + final [H]: 4 -> 2 bytes
+
+    def feature_bytes(folder):
+        total = 0
+        for shard in sorted(folder.glob("shard-*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                for name in ("aux_hidden", "final_hidden"):
+                    t = f.get_tensor(name)
+                    assert t.dtype == (torch.bfloat16 if folder == half else torch.float32)
+                    total += t.numel() * t.element_size()
+        return total
+
+    assert feature_bytes(half) * 2 == feature_bytes(full)
+    assert b["bytes"] < 0.55 * a["bytes"]  # the shards on disk: nearly half (ids, argmax, lse stay)
+    # the trainer's backend upcasts: the fp32 features rounded to bf16, nothing else changed
+    cached, rounded = CacheBackend(half), CacheBackend(full)
+    ids, am, lm = collate(cached.tokens(), cached.plan()[0])
+    got, want = cached.generate_batch(ids, am, lm), rounded.generate_batch(ids, am, lm)
+    assert got.aux_hidden.dtype == torch.float32
+    assert torch.equal(got.aux_hidden, want.aux_hidden.bfloat16().float())
+    assert torch.equal(got.target_ids, want.target_ids) and torch.equal(got.position_mask, want.position_mask)
+    torch.testing.assert_close(got.target_p, want.target_p, rtol=0.05, atol=2e-3)
+    assert not torch.equal(got.target_p, want.target_p)
+    # spec inspect shows it; training from it works
+    assert main(["inspect", str(half)]) == 0
+    assert "storage_dtype: bfloat16" in capsys.readouterr().out
+    result = train.run(train.TrainConfig(vocab_map=workdir["vm"], output=tmp_path / "run", cache=half, ttt_steps=2,
+                                         max_steps=3, batch_tokens=512, eval_every=0, log_every=1))
+    assert result.steps == 3 and 0 < result.final_train["loss"] < float("inf")
+    # another storage dtype is another cache: refused on resume, naming the option
+    assert precompute(tiny_llama_dir, workdir, half) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "storage dtype: cache has 'bfloat16', this run has 'float32' (--storage-dtype)" in err
+    (half / fc.MANIFEST).unlink()  # an interrupted cache: each shard is checked
+    assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "fp16") == 1
+    assert "(--storage-dtype)" in capsys.readouterr().err
+    assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "bf16") == 0  # the same: resumes
+    assert precompute(tiny_llama_dir, workdir, tmp_path / "x", "--storage-dtype", "int8") == 1
+    assert "unknown --storage-dtype 'int8'" in capsys.readouterr().err
+
+
+def test_caches_from_before_storage_dtype_keep_their_identity_and_fp16_refuses_overflow():
+    from spec_cli.stages.precompute import _stored
+
+    old = {"dtype": "float32"}  # a manifest written before storage_dtype existed stored the model dtype
+    expected = {k: old.get(k) for k in fc.IDENTITY_KEYS}
+    assert fc.identity_mismatch({**expected, "dtype": "float32", "storage_dtype": "float32"}, old) is None
+    why = fc.identity_mismatch({**expected, "dtype": "float32", "storage_dtype": "bfloat16"}, old)
+    assert why == "storage dtype: cache has 'float32', this run has 'bfloat16' (--storage-dtype)"
+    assert torch.equal(_stored(torch.tensor([3.0, -70000.0]), torch.bfloat16),
+                       torch.tensor([3.0, -70000.0]).bfloat16())
+    with pytest.raises(ArtifactError, match="beyond fp16's range"):
+        _stored(torch.tensor([3.0, -70000.0]), torch.float16)

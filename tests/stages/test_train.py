@@ -89,8 +89,9 @@ def test_checkpoints_logs_and_plot(setup, tmp_path):
     assert state["step"] == 8 and state["total_steps"] == 8
     model = load_file(str(last / "model.safetensors"))
     for key in ["fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
-                "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"]:
+                "norm.weight", "lm_head.weight", "d2t", "t2d"]:
         assert key in model, key
+    assert "embed_tokens.weight" not in model  # frozen: once per run, in frozen.safetensors
     assert model["lm_head.weight"].shape[0] == 96 and model["t2d"].dtype == torch.bool
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
@@ -98,6 +99,73 @@ def test_checkpoints_logs_and_plot(setup, tmp_path):
     assert [r["step"] for r in train] == [2, 4, 6, 8] and [r["step"] for r in evals] == [3, 6, 8]
     assert len(train[0]["acc"]) == 3 and train[0]["tokens_per_s"] > 0
     assert result.plot is not None and result.plot.stat().st_size > 10_000
+
+
+def test_checkpoints_leave_the_frozen_embedding_to_one_file_per_run(setup, tmp_path):
+    """Every checkpoint used to repeat the frozen [V, H] table (671 MB for Gemma 3); now the run keeps
+    it once, in frozen.safetensors as the target holds it, and readers put it back."""
+    from spec_cli.artifacts.feature_cache import FeatureCacheReader
+    from spec_cli.draft.config import DraftConfig
+    from spec_cli.draft.model import Eagle3Draft
+    from spec_cli.export.source import load_source
+
+    out = tmp_path / "run"
+    stage.run(config(setup, out, max_steps=4, save_every=2, eval_every=0))
+    dirs = ckpt.checkpoint_dirs(out)
+    assert [d.name for d in dirs] == ["step-00000002", "step-00000004"]
+    embed = FeatureCacheReader(setup["cache"]).head()[0]["embed_tokens"]  # the target's table
+    frozen = load_file(str(out / ckpt.FROZEN))
+    assert frozen.keys() == {"embed_tokens.weight"} and torch.equal(frozen["embed_tokens.weight"], embed)
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors") == [ckpt.FROZEN]
+    embed_bytes = embed.numel() * 4  # the draft's fp32 copy, which each checkpoint used to hold
+    for d in dirs:
+        model = load_file(str(d / "model.safetensors"))
+        with torch.device("meta"):
+            draft = Eagle3Draft(DraftConfig.from_dict(json.loads((d / "config.json").read_text())))
+        assert set(model) == set(draft.state_dict()) - {"embed_tokens.weight"}
+        tensor_bytes = sum(t.numel() * t.element_size() for t in model.values())
+        size = (d / "model.safetensors").stat().st_size
+        assert tensor_bytes <= size < tensor_bytes + 8192 < tensor_bytes + embed_bytes
+        assert ckpt.checkpoint_meta(d)["frozen"] == {
+            "keys": ["embed_tokens.weight"], "file": ckpt.FROZEN,
+            "fingerprint": ckpt.frozen_meta(out / ckpt.FROZEN)["fingerprint"]}
+    # export and eval read the whole draft back, embedding included
+    src = load_source(out)
+    assert torch.equal(src.state["embed_tokens.weight"].float(), embed.float())
+
+
+def test_resume_refuses_another_embedding_and_continues_old_checkpoints(setup, tmp_path, monkeypatch):
+    """A checkpoint written before frozen.safetensors (the table inside) resumes bit for bit; a resume
+    whose target hands another table than the one the run trained with is refused."""
+    from safetensors.torch import save_file
+
+    from spec_cli.artifacts.feature_cache import FeatureCacheReader
+    from spec_cli.errors import ArtifactError
+    from spec_cli.target.cache_backend import CacheBackend
+
+    straight = stage.run(config(setup, tmp_path / "straight", max_steps=5, eval_every=0))
+    old = tmp_path / "old"
+
+    def interrupt(step):
+        if step == 3:
+            raise KeyboardInterrupt  # saves step 3
+
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(config(setup, old, max_steps=5, eval_every=0), after_step=interrupt)
+    latest = ckpt.latest_checkpoint(old)  # rewrite it as an old checkpoint: embedding in model.safetensors
+    model = load_file(str(latest / "model.safetensors"))
+    model["embed_tokens.weight"] = FeatureCacheReader(setup["cache"]).head()[0]["embed_tokens"].float()
+    meta = {"spec_cli": json.dumps({"kind": "draft_checkpoint", "schema_version": 1, "step": 3})}
+    save_file(model, str(latest / "model.safetensors"), metadata=meta)
+    (old / ckpt.FROZEN).unlink()
+    assert straight.steps == stage.run(config(setup, old, max_steps=5, eval_every=0, resume=True)).steps == 5
+    assert_same(weights(tmp_path / "straight"), weights(old))
+    assert (old / ckpt.FROZEN).is_file() and "embed_tokens.weight" not in weights(old)
+
+    real = CacheBackend.get_input_embeddings
+    monkeypatch.setattr(CacheBackend, "get_input_embeddings", lambda self: real(self) * 2)
+    with pytest.raises(ArtifactError, match="different input embedding"):
+        stage.run(config(setup, tmp_path / "straight", max_steps=6, eval_every=0, resume=True))
 
 
 def test_resume_refuses_changed_options_and_new_runs_refuse_old_folders(setup, tmp_path, capsys):
