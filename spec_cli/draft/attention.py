@@ -20,7 +20,8 @@ the exact gradient of the causal keys (the split-KV identity); the extra keys ge
 No [T, T] score tensor is ever materialised, so memory grows linearly with T. Packed rows pass their
 documents as `Segments`: the causal kernel then runs once per document (block-causal is causal within
 each document), which is exact and costs sum(L_i^2) instead of T^2; a dense [B, 1, T, T] bias
-(`block_causal_bias`) is still accepted for callers that have one. Kernels (chosen by device and dtype at run time):
+(`block_causal_bias`) is still accepted for callers that have one.
+Kernels (chosen by device and dtype at run time):
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (+ its backward), GQA native.
 - "cuda_efficient": aten._scaled_dot_product_efficient_attention (+ its backward). Not run in this
   repo's tests (no GPU); it is checked against the math kernel on a tiny input before first use and
