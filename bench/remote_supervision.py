@@ -53,10 +53,10 @@ from spec_cli import assets  # noqa: E402
 from spec_cli.artifacts.vocab_map import load_vocab_map  # noqa: E402
 from spec_cli.data.batching import collate, plan_batches  # noqa: E402
 from spec_cli.data.tokenize import tokenize_data  # noqa: E402
+from spec_cli.serve.client import RemoteBackend  # noqa: E402
 from spec_cli.stages import build_vocab_map  # noqa: E402
 from spec_cli.target import loading  # noqa: E402
 from spec_cli.target.hf_backend import HFTargetBackend  # noqa: E402
-from spec_cli.target.remote_backend import RemoteBackend  # noqa: E402
 
 DEMO_VOCAB = Path("/work/demo/vocab-8192.safetensors")
 

@@ -51,9 +51,9 @@ SHAPE = dict(vocab_size=49152, target_hidden_size=576, aux_layer_ids=[1, 14, 26]
 
 
 def build(T: int, seed: int = 0, supervised: float = 1.0):
+    from spec_cli.batch import TargetBatch
     from spec_cli.draft.config import DraftConfig
     from spec_cli.draft.model import Eagle3Draft
-    from spec_cli.target.batch import TargetBatch
 
     torch.manual_seed(seed)
     cfg = DraftConfig(**SHAPE)

@@ -599,9 +599,6 @@ def serve_target_cmd(
     exit_on_disconnect: Annotated[bool, typer.Option(
         "--exit-on-disconnect", help="Stop when the last trainer that connected disconnects.",
         rich_help_panel=SERVER)] = False,
-    data_plane: Annotated[bool, typer.Option(
-        "--data-plane", help="Offer the gloo tensor data plane (torch.distributed; trusted networks "
-                             "only).", rich_help_panel=SERVER)] = False,
     chat_template: Annotated[Optional[str], typer.Option(
         "--chat-template", help="The chat template the trainers' data is rendered with (a Jinja file or "
                                 "chatml, llama3, gemma, mistral): sent with the tokenizer, and part of the "
@@ -617,8 +614,7 @@ def serve_target_cmd(
     serve(target, host=host, port=port, token=token, aux_layers=aux_layers, device=device, dtype=dtype,
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
-          exit_on_disconnect=exit_on_disconnect, data_plane=data_plane,
-          target_engine=target_engine, chat_template=chat_template)
+          exit_on_disconnect=exit_on_disconnect, target_engine=target_engine, chat_template=chat_template)
 
 
 @app.command("demo", cls=Command)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from spec_cli.batch import TargetBatch
 from spec_cli.draft.attention import Segments, document_index
 from spec_cli.draft.losses import LOSSES, acceptance_length, step_loss, step_weights, top1_correct
 from spec_cli.draft.model import Eagle3Draft
-from spec_cli.target.batch import TargetBatch
 
 
 @dataclass

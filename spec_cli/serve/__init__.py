@@ -1,8 +1,9 @@
-"""`spec serve-target`: the target model behind HTTP, answering supervision requests.
+"""`spec serve-target` and its client: the wire protocol's one home, both sides.
 
-- `wire`: the message format (safetensors bytes + JSON metadata; never pickle);
+- `wire`: what both sides share: protocol version, token variable, vocab ids, the message format
+  (safetensors bytes + JSON metadata; never pickle);
 - `server`: request handling, independent of the transport (validation, the model lock);
 - `http`: the thin standard-library HTTP layer;
-- `data_plane`: optional tensor transfer over torch.distributed, negotiated over HTTP;
-- `run`: `serve()`, what the CLI command calls.
+- `run`: `serve()`, what the CLI command calls;
+- `client`: `RemoteBackend`, the TargetBackend `spec train --remote` uses.
 """

@@ -1,8 +1,8 @@
 """The HTTP layer of `spec serve-target`: standard-library `ThreadingHTTPServer`, bytes in and out.
 
 It reads the body (bounded by Content-Length and the server's limit), hands it to
-`TargetServer.handle`, writes the answer and then runs the answer's `after` hook (the data plane
-sends its tensors only once the HTTP response is flushed, so the client is ready to receive).
+`TargetServer.handle`, writes the answer and then runs the answer's `after` hook (the last client's
+goodbye stops the server only once its answer is flushed).
 """
 
 from __future__ import annotations
@@ -117,9 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
             return _error(400, f"could not read the body: {exc}")
         if got < length:
             return _error(400, f"truncated body: {got} of {length} bytes")
-        local = self.connection.getsockname()[0]
-        return logic.handle(self.command, self.path, self.headers, body,
-                            peer={"local_address": local, "remote_address": self.client_address[0]})
+        return logic.handle(self.command, self.path, self.headers, body)
 
     def _write(self, response: Response) -> None:
         self._answered = True
@@ -140,8 +138,6 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("could not send the answer to %s: %s", self.client_address[0], exc)
             self.close_connection = True
             response.after = None
-            if response.failed is not None:
-                response.failed()
 
 
 def _error(status: int, message: str) -> Response:

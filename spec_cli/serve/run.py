@@ -19,9 +19,9 @@ from spec_cli.data import chat_templates
 from spec_cli.errors import ConfigError
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.server import Limits, TargetServer
+from spec_cli.serve.wire import TOKEN_ENV
 from spec_cli.target import loading, local
 
-TOKEN_ENV = "SPEC_SERVE_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -36,7 +36,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           aux_layers: str | list[int] | None = None, device: str | None = None, dtype: str | None = None,
           max_batch_tokens: int = 65536, max_batch_size: int = 1024, max_seq_len: int = 32768,
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
-          exit_on_disconnect: bool = False, data_plane: bool = False,
+          exit_on_disconnect: bool = False,
           on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
           chat_template: str | None = None) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
@@ -63,7 +63,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
             backend, target_config=loading.load_config(target_dir).to_dict(),
             tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
-            exit_on_disconnect=exit_on_disconnect, data_plane=data_plane)
+            exit_on_disconnect=exit_on_disconnect)
         try:
             handle = HTTPHandle(logic, host, port, request_timeout)
         except OSError as exc:

@@ -17,8 +17,6 @@ Endpoints (all under /v1; every request carries `Authorization: Bearer TOKEN` wh
 | POST | /output_head      | JSON {"vocab_id"} -> tensors {"lm_head_selected" [Vd, H] [, "final_norm" [H]]} |
 | POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens]} |
 |      |                   | + {"vocab_id"} -> tensors: exactly the TargetBatch (draft-vocab supervision) |
-| POST | /data_plane       | JSON {"backend": "gloo"} -> JSON session (tensors via torch.distributed) |
-| POST | /data_plane/store | JSON store operation (the data plane's rendezvous, behind the token) |
 | POST | /disconnect       | -> JSON {"ok": true}; with exit_on_disconnect the last client's stops it |
 
 One generate runs on the model at a time (a lock); requests wait their turn.
@@ -26,7 +24,6 @@ One generate runs on the model at a time (a lock); requests wait their turn.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import threading
@@ -64,8 +61,7 @@ class Response:
     nbytes: int
     close: bool = False  # close the connection after answering (errors: the stream may be unread)
     headers: dict = field(default_factory=dict)
-    after: Callable[[], None] | None = None  # run once the response is flushed (data-plane send)
-    failed: Callable[[], None] | None = None  # run instead when the response could not be sent
+    after: Callable[[], None] | None = None  # run once the response is flushed (the last goodbye)
 
     @classmethod
     def json(cls, obj: dict, status: int = 200, **kw) -> "Response":
@@ -87,14 +83,8 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.code = code  # names a 409's cause for the client: "vocab" or "data_plane"
+        self.code = code  # names a 409's cause for the client: "vocab"
         self.hint = hint  # what the client can do about it (a 422: what the target refuses)
-
-
-def vocab_id(selected_token_ids: torch.Tensor) -> str:
-    """Names a draft vocab on the wire: the sha256 of its int64 ids."""
-    ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
-    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
 
 
 def _bad(message: str) -> RequestError:
@@ -196,8 +186,7 @@ class TargetServer:
 
     def __init__(self, backend, *, target_config: dict | None = None,
                  tokenizer_files: dict[str, str] | None = None, token: str | None = None,
-                 limits: Limits | None = None, exit_on_disconnect: bool = False,
-                 data_plane: bool = False):
+                 limits: Limits | None = None, exit_on_disconnect: bool = False):
         self.backend = backend
         self.target_config = target_config
         self.tokenizer_files = tokenizer_files
@@ -215,11 +204,6 @@ class TargetServer:
         self._vocab_maps: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._active_vocab: str | None = None
         self._clients: set[str] = set()
-        self.data_planes = None
-        if data_plane:
-            from spec_cli.serve.data_plane import ServerDataPlanes
-
-            self.data_planes = ServerDataPlanes(self)
         self.routes: dict[str, tuple[str, Callable]] = {
             "/v1/health": ("GET", self.health),
             "/v1/info": ("GET", self.model_info),
@@ -228,17 +212,14 @@ class TargetServer:
             "/v1/vocab_mapping": ("POST", self.set_vocab_mapping),
             "/v1/output_head": ("POST", self.output_head),
             "/v1/generate": ("POST", self.generate),
-            "/v1/data_plane": ("POST", self.init_data_plane),
-            "/v1/data_plane/store": ("POST", self.data_plane_store),
             "/v1/disconnect": ("POST", self.disconnect),
         }
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, method: str, path: str, headers, body: bytes | bytearray,
-               peer: dict | None = None) -> Response:
+    def handle(self, method: str, path: str, headers, body: bytes | bytearray) -> Response:
         """One request -> one response. Never raises: errors become 4xx/5xx JSON answers."""
         try:
-            return self._handle(method, path.split("?", 1)[0], headers, body, peer or {})
+            return self._handle(method, path.split("?", 1)[0], headers, body)
         except RequestError as exc:
             log.info("%s %s -> %d %s", method, path, exc.status, exc.message)
             extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
@@ -253,7 +234,7 @@ class TargetServer:
             return Response.json({"error": f"internal error: {type(exc).__name__}: {exc}",
                                   "status": 500}, 500, close=True)
 
-    def _handle(self, method, path, headers, body, peer) -> Response:
+    def _handle(self, method, path, headers, body) -> Response:
         lowered = {str(k).lower(): v for k, v in headers.items()}  # header names ignore case
 
         def get(name: str) -> str | None:
@@ -278,7 +259,7 @@ class TargetServer:
             with self._state_lock:
                 if path != "/v1/disconnect" and len(self._clients) < MAX_CLIENTS:
                     self._clients.add(client)
-        return handler(body, client=client, peer=peer, session=get("X-Spec-Data-Plane"))
+        return handler(body, client=client)
 
     def authorized(self, header: str | None) -> bool:
         """Whether an Authorization header carries the token (always, when none is set)."""
@@ -295,8 +276,7 @@ class TargetServer:
     def info(self) -> dict:
         return {"protocol": wire.PROTOCOL, **self.backend.info, "target_config": self.target_config,
                 "limits": asdict(self.limits), "has_tokenizer": self.tokenizer_files is not None,
-                "vocab_ids": list(self._vocab_maps),
-                "data_plane": self.data_planes.backends() if self.data_planes else []}
+                "vocab_ids": list(self._vocab_maps)}
 
     def model_info(self, body, **_) -> Response:
         return Response.json(self.info())
@@ -313,7 +293,7 @@ class TargetServer:
     def set_vocab_mapping(self, body, **_) -> Response:
         tensors, _meta = wire.decode(bytearray(body))
         ids = validate_vocab_mapping(tensors, self.vocab_size)
-        vid = vocab_id(ids)
+        vid = wire.vocab_id(ids)
         with self.generate_lock:
             self.backend.set_vocab_mapping(ids)
             self._active_vocab = vid
@@ -351,31 +331,15 @@ class TargetServer:
             except SpecError as exc:  # a request this target cannot answer exactly (e.g. packing)
                 raise RequestError(422, exc.message, hint=exc.hint) from None
 
-    def generate(self, body, client=None, session=None, **_) -> Response:
+    def generate(self, body, **_) -> Response:
         tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))
-        if session is not None:  # X-Spec-Data-Plane: the tensors go over torch.distributed
-            return self._data_planes().generate(session, tensors, meta.get("vocab_id"), client)
         out = self.supervise(tensors, meta.get("vocab_id"))
         return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
-
-    def _data_planes(self):
-        if self.data_planes is None:
-            raise RequestError(409, "this server has no tensor data plane (start it with --data-plane)",
-                               code="data_plane")
-        return self.data_planes
-
-    def init_data_plane(self, body, client=None, peer=None, **_) -> Response:
-        return Response.json(self._data_planes().init(wire.loads(body), client, peer or {}))
-
-    def data_plane_store(self, body, client=None, **_) -> Response:
-        return Response.json(self._data_planes().store(wire.loads(body), client))
 
     def disconnect(self, body, client=None, **_) -> Response:
         with self._state_lock:
             self._clients.discard(client)
             last = not self._clients
-        if self.data_planes is not None and client:
-            self.data_planes.close_client(client)
         if self.exit_on_disconnect and last:
             log.info("the last client disconnected: shutting down")
             return Response.json({"ok": True, "shutting_down": True}, close=True,
@@ -384,5 +348,3 @@ class TargetServer:
 
     def close(self) -> None:
         self.shutdown_event.set()
-        if self.data_planes is not None:
-            self.data_planes.close()

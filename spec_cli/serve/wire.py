@@ -1,4 +1,6 @@
-"""The wire format between `spec serve-target` and the remote backend: safetensors bytes + JSON.
+"""The wire protocol of `spec serve-target`, shared by both sides (server.py, client.py): the
+protocol version, the token variable, how a draft vocab is named, and the message format, safetensors
+bytes + JSON.
 
 A tensor message is a standard safetensors file held in memory:
 
@@ -15,6 +17,7 @@ tensors it returns are views of the received buffer (no second copy).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 PROTOCOL = 1  # bumped whenever a message changes meaning
+TOKEN_ENV = "SPEC_SERVE_TOKEN"  # the token both sides read when none is passed
 TENSOR_TYPE = "application/x-safetensors"
 JSON_TYPE = "application/json"
 
@@ -37,6 +41,12 @@ CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 class WireError(ValueError):
     """A message that is not a well-formed tensor message (the server answers 400)."""
+
+
+def vocab_id(selected_token_ids: torch.Tensor) -> str:
+    """Names a draft vocab on the wire: the sha256 of its int64 ids."""
+    ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
 
 
 @dataclass

@@ -199,7 +199,7 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
 
 def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
     from spec_cli.data.tokenize import tokenize_data
-    from spec_cli.target.remote_backend import RemoteBackend
+    from spec_cli.serve.client import RemoteBackend
 
     if cfg.data is None:
         raise ConfigError("--remote needs --data", "pass the chat data to train on")

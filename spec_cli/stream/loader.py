@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.stream.producer import Producer, SampleRef
 from spec_cli.stream.store import FeatureStore, StoreClosedError, StoreError
-from spec_cli.target.batch import TargetBatch
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.stream.store import FeatureStore
 from spec_cli.target.backend import TargetBackend
-from spec_cli.target.batch import TargetBatch
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import torch
 
-from spec_cli.target.batch import TargetBatch
+from spec_cli.batch import TargetBatch
 
 
 class TargetBackend:

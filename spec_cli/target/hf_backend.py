@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
 from spec_cli.target.backend import TargetBackend
-from spec_cli.target.batch import TargetBatch
 from spec_cli.target.masks import Layout, for_model
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.target.batch import TargetBatch
+from spec_cli.batch import TargetBatch
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
-from spec_cli.target.batch import TargetBatch
 
 V, VD = 64, 24
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from spec_cli.serve import wire
-from spec_cli.serve.server import Limits, vocab_id
-from spec_cli.target.remote_backend import RemoteBackend, RemoteError
+from spec_cli.serve.client import RemoteBackend, RemoteError
+from spec_cli.serve.server import Limits
+from spec_cli.serve.wire import vocab_id
 from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
 from tests.serve.test_server import BAD_GENERATE
 
@@ -127,8 +128,8 @@ def malformed_requests(rng: random.Random) -> list[tuple[str, bytes]]:
     zeros = torch.zeros(16, 257, dtype=torch.long)
     cases.append(("too long", request("/v1/generate", wire.encode(
         {"input_ids": zeros, "attention_mask": zeros, "loss_mask": zeros}).tobytes())))
-    for text in (b"{", b"[]", b"nul", b"\xff\xfe", b'{"backend": 3}'):
-        cases.append(("bad json", request("/v1/data_plane", text)))
+    for text in (b"{", b"[]", b"nul", b"\xff\xfe", b'{"vocab_id": 3}'):
+        cases.append(("bad json", request("/v1/output_head", text)))
         cases.append(("json as tensors", request("/v1/vocab_mapping", text)))
     unknown_vocab = wire.encode(dict(zip(("input_ids", "attention_mask", "loss_mask"), random_batch())),
                                 {"vocab_id": "f" * 16})

@@ -5,7 +5,8 @@ import torch
 
 from spec_cli.serve import wire
 from spec_cli.serve.run import tokenizer_files
-from spec_cli.serve.server import Limits, TargetServer, vocab_id
+from spec_cli.serve.server import Limits, TargetServer
+from spec_cli.serve.wire import vocab_id
 from spec_cli.target import loading
 from tests.serve.harness import draft_vocab, load_backend, random_batch
 
@@ -177,7 +178,6 @@ def test_bad_vocab_maps_paths_and_methods(logic):
     assert get(logic, "/v1/generate").status == 405
     assert post(logic, "/v1/info").status == 405
     assert post(logic, "/v1/generate", body=b"not safetensors").status == 400
-    assert post(logic, "/v1/data_plane", body=b"{}").status == 409  # not enabled on this server
     assert post(logic, "/v1/generate", body=b"\0" * ((1 << 20) + 1)).status == 413
     answer = post(logic, "/v1/generate", good_request(), {"vocab_id": "0" * 16})
     assert answer.status == 409 and as_json(answer)["code"] == "vocab"

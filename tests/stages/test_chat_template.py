@@ -146,7 +146,7 @@ def test_train_checks_the_template_and_the_draft_records_it(base, tmp_path):
 
 
 def test_serve_target_ships_its_template_and_a_remote_trainer_checks_it(base, tmp_path):
-    from spec_cli.target.remote_backend import RemoteBackend
+    from spec_cli.serve.client import RemoteBackend
     from tests.serve.harness import ServerProcess
 
     server = ServerProcess(base["target"], chat_template="gemma")

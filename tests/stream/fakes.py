@@ -7,8 +7,8 @@ import time
 
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.target.backend import TargetBackend
-from spec_cli.target.batch import TargetBatch
 
 
 class FakeBackend(TargetBackend):

@@ -62,7 +62,7 @@ def test_streamed_batches_equal_in_process_batches(local, make_store):
 
 
 def test_remote_streamed_batches_equal_in_process_batches(tiny_llama_dir, local, tmp_path):
-    from spec_cli.target.remote_backend import RemoteBackend
+    from spec_cli.serve.client import RemoteBackend
 
     server = start_server(load_backend(tiny_llama_dir), tiny_llama_dir)
     try:

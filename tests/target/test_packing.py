@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from spec_cli.errors import ConfigError
+from spec_cli.serve.client import RemoteBackend, RemoteError
 from spec_cli.target.hf_backend import HFTargetBackend
 from spec_cli.target.masks import Layout, document_ids, for_model
-from spec_cli.target.remote_backend import RemoteBackend, RemoteError
 from tests import windowed
 from tests.serve.harness import start_server
 

@@ -1,4 +1,4 @@
-"""The remote target backend: supervision from `spec serve-target` servers, over HTTP.
+"""The client half of `spec serve-target`: `RemoteBackend`, supervision from servers over HTTP.
 
 It implements the same interface as the in-process target, and the server runs the very same
 `generate_batch`, so a remote run gets the same tensors bit for bit. Only draft-vocab supervision
@@ -29,15 +29,14 @@ from urllib.parse import urlsplit
 
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.errors import TargetError
 from spec_cli.serve import wire
-from spec_cli.serve.server import vocab_id as _vocab_id
+from spec_cli.serve.wire import TOKEN_ENV
 from spec_cli.target.backend import TargetBackend
-from spec_cli.target.batch import TargetBatch
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "SPEC_SERVE_TOKEN"
 # what identifies a target: compared across servers and with `expect`
 IDENTITY_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "aux_layers", "dtype",
                  "target_fingerprint", "tokenizer_fingerprint")
@@ -73,7 +72,6 @@ class _Server:
         self.url = f"{parts.scheme}://{parts.netloc}"
         self.in_flight = 0
         self.info: dict = {}
-        self.data_plane = None  # a ClientDataPlane once negotiated
 
 
 class _Retry(Exception):
@@ -81,8 +79,7 @@ class _Retry(Exception):
 
 
 class _Conflict(RemoteError):
-    """409 from a server: it lacks our vocab mapping (code "vocab": restarted, or never told) or our
-    data-plane session (code "data_plane")."""
+    """409 from a server: it lacks our vocab mapping (code "vocab": restarted, or never told)."""
 
     def __init__(self, message: str, server: _Server, code: str | None):
         super().__init__(message, None)
@@ -99,13 +96,11 @@ class RemoteBackend(TargetBackend):
     retries, backoff: attempts after a connection error, waiting backoff * 2**k seconds before each.
     expect: identity the trainer requires, e.g. {"target_fingerprint": ..., "tokenizer_fingerprint":
         ..., "aux_layers": [...]} (any key of `info`); a difference raises RemoteMismatchError.
-    data_plane: "http" (tensors in the HTTP body) or "gloo" (tensors over torch.distributed, when the
-        server offers it; falls back to HTTP otherwise).
     """
 
     def __init__(self, urls: list[str] | str, token: str | None = None, prefetch: int = 2,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 expect: dict | None = None, data_plane: str = "http", connect_timeout: float = 10.0):
+                 expect: dict | None = None, connect_timeout: float = 10.0):
         if isinstance(urls, str):
             urls = urls.split(",")
         urls = [u for u in (u.strip() for u in urls) if u]
@@ -114,8 +109,6 @@ class RemoteBackend(TargetBackend):
         if prefetch < 0 or retries < 0 or timeout <= 0 or connect_timeout <= 0 or backoff < 0:
             raise RemoteError("prefetch and retries must be >= 0 and the timeouts > 0",
                               "e.g. --prefetch 2")
-        if data_plane not in ("http", "gloo"):
-            raise RemoteError(f"unknown data plane {data_plane!r}", "use http or gloo")
         self.servers = [_Server(u) for u in urls]
         if len({s.url for s in self.servers}) != len(self.servers):
             raise RemoteError("the same server is listed twice in --remote", "list each server once")
@@ -133,11 +126,6 @@ class RemoteBackend(TargetBackend):
         self._vocab: tuple[str, wire.Encoded, int] | None = None  # (vocab_id, message, Vd)
         try:
             self._connect_all(expect or {})
-            if data_plane != "http":
-                from spec_cli.serve.data_plane import ClientDataPlane
-
-                for server in self.servers:
-                    server.data_plane = ClientDataPlane.negotiate(self, server, data_plane)
         except BaseException:
             self._close_connections()
             raise
@@ -166,8 +154,8 @@ class RemoteBackend(TargetBackend):
         if conn is not None:
             conn.close()
 
-    def _exchange(self, server: _Server, method: str, path: str, body, timeout: float,
-                  data_plane: bool = False) -> tuple[int, str, bytearray]:
+    def _exchange(self, server: _Server, method: str, path: str, body,
+                  timeout: float) -> tuple[int, str, bytearray]:
         """One request on this thread's keep-alive connection -> (status, content type, body)."""
         parts, nbytes = (body.parts, body.nbytes) if isinstance(body, wire.Encoded) else \
             ([body], len(body))
@@ -185,8 +173,6 @@ class RemoteBackend(TargetBackend):
                 conn.putheader("X-Spec-Client", self.client_id)
                 if self.token:
                     conn.putheader("Authorization", f"Bearer {self.token}")
-                if data_plane and server.data_plane is not None:
-                    conn.putheader("X-Spec-Data-Plane", server.data_plane.sid)
                 conn.endheaders()
                 for part in parts:
                     conn.send(part)
@@ -224,7 +210,7 @@ class RemoteBackend(TargetBackend):
 
     def _call(self, method: str, path: str, body=b"", server: _Server | None = None,
               what: str = "the request", retries: int | None = None,
-              timeout: float | None = None, data_plane: bool = False) -> tuple[_Server, dict | tuple]:
+              timeout: float | None = None) -> tuple[_Server, dict | tuple]:
         """Send with retries; (server, JSON object) or (server, (tensors, metadata)).
 
         `server` pins the request to one server; otherwise a failed attempt moves to another."""
@@ -238,8 +224,7 @@ class RemoteBackend(TargetBackend):
             with self._lock:
                 srv.in_flight += 1
             try:
-                status, ctype, data = self._exchange(srv, method, path, body, timeout or self.timeout,
-                                                     data_plane)
+                status, ctype, data = self._exchange(srv, method, path, body, timeout or self.timeout)
             except (TimeoutError, socket.timeout):
                 raise RemoteError(f"the target server {srv.url} gave no answer to {what} within "
                                   f"{timeout or self.timeout:g} s",
@@ -385,7 +370,7 @@ class RemoteBackend(TargetBackend):
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
         ids = selected_token_ids.detach().to("cpu", torch.int64).contiguous()
-        vid = _vocab_id(ids)
+        vid = wire.vocab_id(ids)
         self._vocab = (vid, wire.encode({"selected_token_ids": ids}), int(ids.numel()))
         for server in self.servers:
             self._send_vocab(server)
@@ -425,41 +410,23 @@ class RemoteBackend(TargetBackend):
         return message
 
     def _generate(self, message: wire.Encoded, shape: tuple[int, int]) -> TargetBatch:
-        from spec_cli.serve.data_plane import DataPlaneError
-
         resent: set[str] = set()
-        for _ in range(2 * len(self.servers) + 1):
+        for _ in range(len(self.servers) + 1):  # each server may need our vocab mapping once more
             try:
-                server, answer = self._call("POST", "/v1/generate", message, what="a generate request",
-                                            data_plane=True)
+                server, answer = self._call("POST", "/v1/generate", message, what="a generate request")
             except _Conflict as exc:
                 server = exc.server
-                if exc.code == "data_plane":  # the session broke: the HTTP body from now on
-                    self._drop_data_plane(server, str(exc))
-                    continue
                 if exc.code != "vocab" or server.url in resent:
                     raise RemoteError(f"the target server {server.url} refused a generate request: "
                                       f"{exc}", "check the server's log") from None
                 resent.add(server.url)  # the server lost (or never had) our vocab mapping: resend
                 self._send_vocab(server)
                 continue
-            if isinstance(answer, tuple):  # the tensors came in the HTTP body
-                return self._batch(server, answer[0], shape)
-            if server.data_plane is None:
+            if not isinstance(answer, tuple):
                 raise RemoteError(f"the target server {server.url} answered without tensors",
                                   "check that server and trainer run the same spec_cli version")
-            try:
-                return self._batch(server, server.data_plane.receive(answer), shape)
-            except DataPlaneError as exc:
-                self._drop_data_plane(server, str(exc))
+            return self._batch(server, answer[0], shape)
         raise RemoteError("the target servers keep refusing generate requests", "check the servers")
-
-    def _drop_data_plane(self, server: _Server, why: str) -> None:
-        with self._lock:
-            plane, server.data_plane = server.data_plane, None
-        if plane is not None:
-            log.warning("%s: the data plane broke (%s); using the HTTP body", server.url, why)
-            plane.close()
 
     def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
         B, T = shape
@@ -504,8 +471,6 @@ class RemoteBackend(TargetBackend):
                            what="the disconnect", timeout=min(5.0, self.timeout))
             except (RemoteError, OSError):
                 pass
-            if server.data_plane is not None:
-                server.data_plane.close()
         self._closed = True
         self._close_connections()
 

@@ -1,19 +1,18 @@
-"""The remote backend against real servers on 127.0.0.1: the same tensors and the same trained
+"""The client (RemoteBackend) against real servers on 127.0.0.1: the same tensors and the same trained
 weights as the in-process target; clear errors when a server differs, refuses, hangs or dies."""
 
 import random
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from spec_cli.batch import TargetBatch
 from spec_cli.cli import main
+from spec_cli.serve.client import RemoteBackend, RemoteError, RemoteMismatchError
 from spec_cli.serve.server import Limits
 from spec_cli.stages import train as stage
-from spec_cli.target.batch import TargetBatch
-from spec_cli.target.remote_backend import RemoteBackend, RemoteError, RemoteMismatchError
 from tests import tiny
 from tests.conftest import write_jsonl
 from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
@@ -75,33 +74,6 @@ def test_remote_supervision_equals_in_process(servers, local, monkeypatch):
                       local.generate_batch(packed, ones, ones, seq_lens=seq_lens))
     assert all(len(c) >= 3 for c in calls), [len(c) for c in calls]  # both servers did work
     remote.close()
-
-
-def test_gloo_data_plane_gives_the_same_tensors(tiny_llama_dir, local):
-    handle = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, data_plane=True)
-    plain = start_server(load_backend(tiny_llama_dir), tiny_llama_dir)
-    try:
-        remote = RemoteBackend([handle.url], prefetch=3, data_plane="gloo")
-        assert remote.servers[0].data_plane is not None
-        remote.set_vocab_mapping(draft_vocab())
-        requests = [random_batch(seed=s) for s in range(4)]
-        futures = [remote.submit(*r) for r in requests] + [remote.submit(*r) for r in requests]
-        for i, future in enumerate(futures):
-            assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 4]))
-        assert remote.servers[0].data_plane is not None and not remote.servers[0].data_plane.broken
-        handle.logic.data_planes.close()  # the server drops the session: the client falls back
-        assert_same_batch(remote.generate_batch(*requests[1]), local.generate_batch(*requests[1]))
-        assert remote.servers[0].data_plane is None
-        remote.close()
-        fallback = RemoteBackend([plain.url], data_plane="gloo")  # not offered: the HTTP body
-        assert fallback.servers[0].data_plane is None
-        fallback.set_vocab_mapping(draft_vocab())
-        assert_same_batch(fallback.generate_batch(*requests[0]), local.generate_batch(*requests[0]))
-        fallback.close()
-    finally:
-        for h in (handle, plain):
-            h.stop(grace=5)
-            h.logic.backend.close()
 
 
 def test_a_different_target_is_a_clear_error(servers, tiny_llama_dir, local):

@@ -1,5 +1,8 @@
 """What every target backend returns for one batch: the draft's inputs and its supervision.
 
+The one contract every part shares (target backends, the server and its client, streaming, the
+draft's TTT loss), so it sits at the top of the package and imports nothing from spec_cli.
+
 Alignment (DESIGN.md): aux hidden states stay position-aligned; input_ids, loss_mask and everything
 derived from the target's logits are shifted left by one, so at position t the draft sees the target's
 state after token t together with token t+1, and learns the target's distribution for token t+2.
