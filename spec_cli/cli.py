@@ -637,8 +637,9 @@ def demo_cmd(
     """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
     ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
     precompute, train (a fixed number of steps), export for
-    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Rerunning reuses finished
-    stages. Expected on 2 quiet CPU cores: --quick about 7.5 minutes, the default about 35."""
+    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. The target runs in bf16 where
+    that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says. Rerunning reuses
+    finished stages. Expected on 2 quiet CPU cores: --quick about 7.5 minutes, the default about 38."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

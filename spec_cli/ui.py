@@ -273,7 +273,8 @@ def _inspect_eval(path: Path) -> None:
           f"temperature {s.get('temperature')}, {s.get('max_new_tokens')} new tokens")
     rates = " ".join("-" if r is None else f"{r:.2f}" for r in o.get("acceptance_rate", []))
     _line(f"  acceptance length {o.get('acceptance_length', 0):.2f}, rate by position {rates}, speed-up "
-          f"{o.get('speedup', 0):.2f}x, same output as the target {o.get('same_as_target')}/{o.get('turns')}")
+          f"{o.get('speedup', 0):.2f}x, same output as the target {o.get('same_as_target')}/{o.get('turns')}"
+          + (f" (+{o['parted_at_tie']} parted at a rounding tie)" if o.get("parted_at_tie") else ""))
     if s.get("threads"):
         from spec_cli.eval.report import spread_text
 

@@ -11,6 +11,11 @@
                            when it was timed more than once)
     per-turn spread        the same ratio for each turn alone: median, quartiles, min and max; a wide
                            spread means the total rests on a few turns (or on a noisy machine)
+    same as target         greedy: turns whose speculative output equals the target's token for token
+    parted at a tie        greedy: of the others, those whose first differing token was the target's
+                           runner-up with a logit within rounding of its choice (see `parting`): a
+                           verification of several tokens rounds differently from one-token decoding,
+                           which in bf16 flips such ties; fp32 decodes identically
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ class Tally:
     target_tokens: int = 0
     target_seconds: float = 0.0
     same_as_target: int = 0  # greedy: turns whose output equals the target's token for token
+    parted_at_tie: int = 0  # greedy: turns that part from it at a rounding tie of its logits (`parting`)
+    parted_not_tie: int = 0  # ... and where its logits do not tie (not rounding)
+    tie_margins: list[float] = field(default_factory=list)  # the margins at those ties
     ratios: list[float] = field(default_factory=list)  # each turn's speed-up (tokens on both sides)
 
-    def add(self, spec: Generation, base: Generation | None) -> None:
+    def add(self, spec: Generation, base: Generation | None, parted: dict | None = None) -> None:
         self.turns += 1
         self.spec_tokens += len(spec.tokens)
         self.spec_seconds += spec.seconds
@@ -54,6 +62,11 @@ class Tally:
             self.target_tokens += len(base.tokens)
             self.target_seconds += base.seconds
             self.same_as_target += int(base.tokens == spec.tokens)
+            if parted is not None and parted["tie"]:
+                self.parted_at_tie += 1
+                self.tie_margins.append(parted["margin"])
+            elif parted is not None and parted["tie"] is False:
+                self.parted_not_tie += 1
             ratio = turn_speedup(spec, base)
             if ratio is not None:
                 self.ratios.append(ratio)
@@ -77,8 +90,51 @@ class Tally:
             "target_tokens_per_s": target_tps,
             "speedup": spec_tps / target_tps if target_tps else 0.0,
             "same_as_target": self.same_as_target,
+            "parted_at_tie": self.parted_at_tie,
+            "parted_not_tie": self.parted_not_tie,
+            "largest_tie_margin": max(self.tie_margins) if self.tie_margins else None,
             "speedup_spread": spread(self.ratios),
         }
+
+
+TIE_ULPS = 8  # a margin within this many units in the last place of the logit is rounding
+TIE_FLOOR = 1e-3  # ... or within this much (fp32's ulps are tiny; 30 layers add more than 8 of them)
+
+
+def parting(spec: Generation, base: Generation, eps: float) -> dict | None:
+    """Where a greedy speculative output first differs from the target's own; None where they are equal.
+    -> {"at": index, "target": its token, "spec": ours, "margin": its logit minus ours (None: ours was
+    not its runner-up), "tie": ours was its runner-up within rounding, i.e. a margin <= max(TIE_ULPS *
+    eps * |logit|, TIE_FLOOR), eps: the model dtype's machine epsilon; None where the target's decoder
+    kept no logits (vLLM)}."""
+    if spec.tokens == base.tokens:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b),
+              min(len(spec.tokens), len(base.tokens)))
+    ours = spec.tokens[at] if at < len(spec.tokens) else None
+    theirs = base.tokens[at] if at < len(base.tokens) else None
+    margin, tie = None, (False if base.top2 else None)
+    if at < len(base.top2) and ours is not None:
+        (best, best_logit), (second, second_logit) = base.top2[at]
+        if best == theirs and second == ours:
+            margin = best_logit - second_logit
+            tie = margin <= max(TIE_ULPS * eps * abs(best_logit), TIE_FLOOR)
+    return {"at": at, "target": theirs, "spec": ours, "margin": margin, "tie": tie}
+
+
+def identity_text(overall: dict, dtype: str) -> str:
+    """The line on greedy outputs: how many equal the target's, and how the others part from it."""
+    same, turns, ties = overall["same_as_target"], overall["turns"], overall.get("parted_at_tie", 0)
+    text = f"greedy outputs identical to the target's: {same}/{turns} turns"
+    if ties:
+        text += (f"; {ties} more part from it where its top two logits tie within {dtype} rounding (margin "
+                 f"<= {overall['largest_tie_margin']:.3g}): a verification of several tokens rounds "
+                 "differently from one-token decoding (fp32 decodes identically)")
+    other = overall.get("parted_not_tie", 0)
+    if other:
+        text += (f"; WARNING: {other} part from it where its logits do not tie (outputs.jsonl: "
+                 "parted_at): not rounding")
+    return text
 
 
 def turn_speedup(spec: Generation, base: Generation) -> float | None:
@@ -141,7 +197,7 @@ def print_table(result) -> None:
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
     if s["temperature"] == 0:
         o = result.overall
-        console.print(f"greedy outputs identical to the target's: {o['same_as_target']}/{o['turns']} turns")
+        console.print(identity_text(o, s.get("dtype", "its dtype")), markup=False)
     text = spread_text(result.overall.get("speedup_spread"))
     if text:
         console.print(f"per-turn speed-up ('per turn' above: the middle half): {text}", markup=False)

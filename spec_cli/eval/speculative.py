@@ -77,6 +77,9 @@ class Generation:
     # accepted path); the step produced accepted + 1 tokens
     steps: list[tuple[int, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
+    # the target alone, greedy: per new token, its two best (id, logit) pairs; where a speculative output
+    # parts from this one, they tell a rounding tie from a real difference (report.parting)
+    top2: list[tuple[tuple[int, float], tuple[int, float]]] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -300,13 +303,20 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     device = target.model.device
     target.capture = False
     cache = target.new_cache(rollback=False)  # the model's own: nothing is ever taken back
-    logits, _ = prefill(target, cache, torch.tensor(prompt, device=device))
-    new = [next_token(logits, settings.temperature, generator)]
-    while not _finished(new[-1:], len(new), settings):
+    row, _ = prefill(target, cache, torch.tensor(prompt, device=device))  # [V]
+    greedy = settings.temperature == 0
+    new, top2 = [], []
+    while True:
+        if greedy:
+            values, ids = row.topk(2)  # the choice and its runner-up (kept for report.parting)
+            top2.append(tuple(zip(ids.tolist(), values.tolist())))
+        new.append(next_token(row, settings.temperature, generator))
+        if _finished(new[-1:], len(new), settings):
+            break
         position = torch.full((1, 1), len(prompt) + len(new) - 1, device=device)
         logits, _ = target.forward(torch.tensor([[new[-1]]], device=device), position, cache)
-        new.append(next_token(logits[-1], settings.temperature, generator))
+        row = logits[-1]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     target.capture = True
-    return Generation(tokens=_cut(new, settings), seconds=time.perf_counter() - start)
+    return Generation(tokens=_cut(new, settings), seconds=time.perf_counter() - start, top2=top2)

@@ -43,7 +43,7 @@ from spec_cli.console import info, progress
 from spec_cli.data import chat_templates
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
-from spec_cli.eval.report import Tally, plot_acceptance, turn_speedup
+from spec_cli.eval.report import Tally, parting, plot_acceptance, turn_speedup
 from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target
 from spec_cli.eval.target import TREE_ATTENTION, Target
 from spec_cli.target import loading
@@ -153,6 +153,10 @@ def run(cfg: EvalConfig) -> EvalResult:
 
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
+    if cfg.engine == "torch" and (hint := loading.bf16_hint(
+            cfg.dtype, device, "times both decoders in bf16, where verifying several tokens costs about what "
+                               "one decoding step does")):
+        info(hint)
     info(f"loading {target_dir.name} ({str(dtype).replace('torch.', '')} on {device}) and the draft "
          f"{loaded.describe()}" + (" in vLLM" if cfg.engine == "vllm" else ""))
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth
@@ -180,7 +184,8 @@ def run(cfg: EvalConfig) -> EvalResult:
         (output / "eval.json").unlink(missing_ok=True)  # never an old eval.json beside new outputs
         meter = threads.Meter()
         overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,
-                                                  cfg.timing_repeats, outputs=output / "outputs.jsonl")
+                                                  cfg.timing_repeats, outputs=output / "outputs.jsonl",
+                                                  eps=torch.finfo(dtype).eps)
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
@@ -280,7 +285,8 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
-               settings: Settings, seeds: _Seeds | None, repeats: int = 1, outputs: Path | None = None):
+               settings: Settings, seeds: _Seeds | None, repeats: int = 1, outputs: Path | None = None,
+               eps: float = torch.finfo(torch.float32).eps):
     """Every turn of every conversation, speculative then target alone on the same prompt (`repeats`
     times, alternating); turn j is asked after the speculative decoder's answer to turn j-1.
     `outputs` (outputs.jsonl) is rewritten after every turn; a turn that fails raises an error naming
@@ -299,16 +305,18 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
                     kept = outputs and f"the turns before it ({len(records)}) are in {outputs}"
                     raise turn_failed(exc, f"prompt {conv.id!r} ({i + 1} of {len(conversations)}), "
                                            f"turn {turn + 1}", kept) from exc
-                overall.add(s, b)
+                parted = parting(s, b, eps) if settings.temperature == 0 else None
+                overall.add(s, b, parted)
                 if conv.category:
-                    categories.setdefault(conv.category, Tally(settings.depth)).add(s, b)
+                    categories.setdefault(conv.category, Tally(settings.depth)).add(s, b, parted)
                 answer = tokenizer.decode(s.tokens, skip_special_tokens=True).strip()
                 conv.answers.append(answer)
                 records.append({"id": conv.id, "category": conv.category, "turn": turn,
                                 "prompt_tokens": len(ids), "tokens": len(s.tokens),
                                 "acceptance_length": round(s.acceptance_length, 4),
                                 "accepted_per_step": [m for m, _ in s.steps],
-                                "same_as_target": s.tokens == b.tokens, **record, "answer": answer})
+                                "same_as_target": s.tokens == b.tokens,
+                                **({"parted_at": parted} if parted else {}), **record, "answer": answer})
                 if outputs is not None:
                     write_records(outputs, records)
                 bar.advance()

@@ -115,6 +115,8 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     storage = _storage_dtype(cfg.storage_dtype, dtype)
     distributed.init(device)
     rank, world = distributed.rank(), distributed.world_size()
+    if rank == 0 and (hint := loading.bf16_hint(cfg.dtype, device)):
+        info(hint)
 
     # ---- everything that can fail cheaply fails before the model loads
     local.check_engine(cfg.target_engine)

@@ -418,6 +418,8 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         cfg = replace(cfg, max_length=context)
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
+    if hint := loading.bf16_hint(cfg.dtype, device):
+        info(hint)
     eos = eos_ids(tokenizer, loading.generation_config(target_dir)) | chat_templates.end_of_turn_ids(tokenizer,
                                                                                                      template)
     if not eos:

@@ -45,6 +45,29 @@ def choose_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a CUDA GPU that supports bf16, or a CPU with AMX or
+    AVX512-BF16 (oneDNN: SmolLM2's batched forward is 2-3x faster in bf16 than in fp32 there). Elsewhere
+    bf16 on a CPU is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
+BATCHED_GAIN = "runs the target's batched forwards 1.3-2x faster"
+
+
+def bf16_hint(dtype_option: str | None, device: torch.device, gain: str = BATCHED_GAIN) -> str | None:
+    """A line for a stage on a CPU where bf16 is native but fp32 was chosen by default (None otherwise):
+    what --dtype bf16 would gain there."""
+    if dtype_option in (None, "", "auto") and device.type == "cpu" and fast_bf16(device):
+        return f"this CPU runs bf16 natively (AMX / AVX512-BF16): --dtype bf16 {gain} (fp32 stays the default)"
+    return None
+
+
 # ----------------------------------------------------------------------------- locating a target
 
 def resolve_target(target: str | Path) -> Path:

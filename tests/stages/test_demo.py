@@ -131,11 +131,12 @@ def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp
     assert "WARNING training stopped" not in " ".join(capsys.readouterr().out.split())
 
 
-def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(tmp_path, capsys):
+def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(tmp_path, capsys, monkeypatch):
     """From a finished eval.json (reused): the per-turn spread beside the speed-up, and the eval's busy
     warning as a WARNING row, so a headline figure from a crowded machine is not taken at face value."""
     from spec_cli.ui import print_demo_summary
 
+    monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: False)  # the eval below ran in fp32
     export_dir, eval_dir = tmp_path / "export-vllm", tmp_path / "eval"
     export_dir.mkdir()
     eval_dir.mkdir()
@@ -145,7 +146,7 @@ def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(t
     (eval_dir / "eval.json").write_text(json.dumps({
         "draft": {"step": 5},
         "settings": {"depth": TINY.eval_depth, "topk": 1, "max_new_tokens": TINY.eval_max_new_tokens,
-                     "num_prompts": TINY.eval_prompts, "prompts": str(mt_bench)},
+                     "num_prompts": TINY.eval_prompts, "prompts": str(mt_bench), "dtype": "float32"},
         "overall": {"acceptance_length": 1.5, "speedup": 0.31, "speedup_spread": spread},
         "busy": {"too_busy": True, "warning": "the machine was too busy for these speeds to mean much: "
                                               "this process got 40% of the 2 core(s) it used"}}))
@@ -174,3 +175,11 @@ def test_help_states_both_profiles_expected_durations(capsys):
     text = " ".join(capsys.readouterr().out.split())
     quick, full = demo.PROFILES["quick"].expected_minutes, demo.PROFILES["full"].expected_minutes
     assert f"--quick about {quick:g} minutes" in text and f"the default about {full:g}" in text
+
+
+def test_data_stages_run_the_target_in_bf16_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: True)
+    assert demo.target_dtype(demo.DemoConfig()) == "bf16"
+    assert demo.target_dtype(demo.DemoConfig(dtype="fp32")) == "fp32"  # --dtype wins
+    monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: False)
+    assert demo.target_dtype(demo.DemoConfig()) is None  # the stages' default (fp32 on a CPU)

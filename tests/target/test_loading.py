@@ -103,3 +103,25 @@ def test_fingerprints_track_what_matters(tiny_tokenizer_dirs):
     c = loading.load_tokenizer(tiny_tokenizer_dirs["qwen3-think"])  # same vocab, other template
     assert loading.tokenizer_fingerprint(a) == loading.tokenizer_fingerprint(b)
     assert loading.tokenizer_fingerprint(a) != loading.tokenizer_fingerprint(c)
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, native", [(True, False, True), (False, True, True),
+                                                      (False, False, False)])
+def test_bf16_is_suggested_only_where_the_cpu_runs_it_natively(monkeypatch, amx, avx512_bf16, native):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    cpu = torch.device("cpu")
+    assert loading.fast_bf16(cpu) is native
+    hint = loading.bf16_hint(None, cpu)
+    assert (hint is not None) is native
+    if native:
+        assert "--dtype bf16" in hint
+    assert loading.bf16_hint("fp32", cpu) is None  # an explicit choice is never second-guessed
+    assert loading.bf16_hint("bf16", cpu) is None
+    assert loading.choose_dtype(None, cpu) == torch.float32  # the default stays fp32 either way
+
+
+def test_bf16_probe_missing_from_torch_means_not_native(monkeypatch):
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    assert loading.fast_bf16(torch.device("cpu")) is False
