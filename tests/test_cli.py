@@ -23,6 +23,7 @@ def spec(*args, env=None):
                           env=full_env)
 
 
+@pytest.mark.slow
 def test_help_lists_every_stage_and_each_stage_documents_defaults():
     out = spec("--help")
     assert out.returncode == 0
@@ -42,6 +43,7 @@ def data_file(tmp_path):
     return write_jsonl(tmp_path / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(30)])
 
 
+@pytest.mark.slow
 def test_version_and_usage_errors_are_what_a_user_expects():
     out = spec("--version")
     assert out.returncode == 0 and out.stdout.strip().startswith("spec_cli ")
@@ -92,6 +94,7 @@ def test_config_file_supplies_options_and_flags_win(tiny_tokenizer_dirs, data_fi
     assert load_vocab_map(tmp_path / "flag.safetensors").draft_vocab_size == 48
 
 
+@pytest.mark.slow
 def test_unknown_config_key_is_an_error_naming_it(tmp_path, data_file):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("target: x\ndraft_vocab: 12\n")
@@ -102,6 +105,7 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path, data_file):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_with_traceback_only_in_debug(tiny_tokenizer_dirs, data_file, tmp_path):
     args = ["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(data_file),
             "--draft-vocab-size", "100000", "-o", str(tmp_path / "v.safetensors")]
@@ -115,6 +119,7 @@ def test_user_errors_are_one_line_with_traceback_only_in_debug(tiny_tokenizer_di
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+@pytest.mark.slow
 def test_missing_data_and_bad_target_errors(tiny_tokenizer_dirs, tmp_path):
     out = spec("build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(tmp_path / "no.jsonl"), "--draft-vocab-size", "10",
                "-o", str(tmp_path / "v.safetensors"))
@@ -131,6 +136,7 @@ def test_no_supervised_tokens_is_an_error(tiny_tokenizer_dirs, tmp_path, capsys)
     assert "no usable records" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_unreadable_data_is_one_line_with_the_parsers_reason(tiny_tokenizer_dirs, tmp_path):
     """datasets/pyarrow printed their own error line before ours; the cause belongs in ours."""
     bad = tmp_path / "bad.json"

@@ -41,18 +41,6 @@ def test_all_file_shapes_give_the_same_tokens(tmp_path, tokenizer):
         assert torch.equal(got.offsets, ref.offsets), path
 
 
-def test_roles_are_normalised():
-    kind, messages = records.normalise({"conversations": [
-        {"from": "system", "value": "s"}, {"from": "Human", "value": "u"}, {"from": "model", "value": "a"},
-        {"from": "user", "value": "u2"}, {"from": "chatgpt", "value": "a2"}]})
-    assert kind == "chat"
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
-    kind, messages = records.normalise({"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]},
-        {"role": "assistant", "content": "hi"}]})
-    assert messages[0]["content"] == "hello"
-
-
 def test_skips_are_counted_by_reason(tmp_path, tokenizer):
     rng = random.Random(4)
     good = [tiny.random_sharegpt(rng) for _ in range(5)]

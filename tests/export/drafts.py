@@ -1,18 +1,24 @@
 """Synthetic draft checkpoints for the export tests: a tiny Eagle3Draft with random weights (scaled so
-its predictions are decided, not ties), a vocab map, and the run files export reads."""
+its predictions are decided, not ties), a vocab map, and the run files export reads; and the helpers
+that read an export back or damage a copy of it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from spec_cli.artifacts.checkpoint import frozen_fingerprint, save_checkpoint, save_frozen
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
+from spec_cli.export.check import find_problems
+from spec_cli.export.source import load_source
 
 V, VD, H, HT, N = 300, 40, 32, 48, 8  # target vocab, draft vocab, draft hidden, target hidden, target layers
+FORMATS = ["vllm", "sglang", "speculators"]
 
 
 def draft_config(**overrides) -> DraftConfig:
@@ -56,3 +62,28 @@ def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, frozen_in_run: bool 
                {"split": "eval", "step": 9, "acc": [0.9, 0.9], "acceptance_length": 2.71, "loss": 0.1}]
     (root / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
+
+
+# ----------------------------------------------------------------------------- reading an export back
+
+
+def read(folder: Path) -> tuple[dict, dict]:
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+def tampered(folder: Path, tmp_path: Path, tensors_fn=None, config_fn=None) -> Path:
+    copy = tmp_path / "tampered"
+    shutil.copytree(folder, copy)
+    config, tensors = read(copy)
+    if tensors_fn:
+        tensors_fn(tensors)
+        save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    if config_fn:
+        config_fn(config)
+        (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def problems_of(folder, fmt, run_dir):
+    problems, _ = find_problems(folder, fmt, load_source(run_dir), torch.bfloat16)
+    return " | ".join(problems)

@@ -1,4 +1,6 @@
-"""spec export end to end: a tiny draft trained through the real CLI, exported for every engine."""
+"""spec export end to end: a tiny draft trained through the real CLI, exported for every engine; and what
+the stage does around the writers (a failed check, a folder that is not an export, another target),
+on a synthetic run."""
 
 import json
 import random
@@ -9,8 +11,12 @@ from safetensors.torch import load_file
 
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
+from spec_cli.errors import ConfigError
+from spec_cli.export import ExportCheckError
+from spec_cli.stages import export as stage
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.export.drafts import HT, N, V, make_run, read
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,3 +127,57 @@ def test_a_checkpoint_moved_out_of_its_run_exports_with_the_frozen_file_beside_i
     assert main(["export", str(lone), "-f", "speculators", "-o", str(tmp_path / "c"), "-q"]) == 0
     assert torch.equal(load_file(str(tmp_path / "c" / "model.safetensors"))["embed_tokens.weight"],
                        load_file(str(lone / ckpt.FROZEN))["embed_tokens.weight"].bfloat16())
+
+
+# ----------------------------------------------------------------------------- the stage around the writers
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A synthetic run with one checkpoint (tests/export/drafts.py): no training needed."""
+    return make_run(tmp_path_factory.mktemp("run"))
+
+
+def test_a_failed_check_leaves_nothing_and_keeps_the_old_export(run_dir, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=out))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_build = stage.build
+
+    def broken_build(*args, **kwargs):  # a writer bug: arange instead of offsets
+        files = real_build(*args, **kwargs)
+        files.tensors["d2t"] = torch.zeros_like(files.tensors["d2t"])
+        return files
+
+    monkeypatch.setattr(stage, "build", broken_build)
+    with pytest.raises(ExportCheckError, match="wrong target ids"):
+        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=out, overwrite=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left
+    with pytest.raises(ExportCheckError):
+        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=tmp_path / "new" / "deeper"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nor the parents it created
+
+
+def test_never_replaces_a_folder_that_is_not_an_export(run_dir, tmp_path):
+    precious = tmp_path / "models"
+    precious.mkdir()
+    (precious / "weights.bin").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a spec export"):
+        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=precious))
+    assert (precious / "weights.bin").read_text() == "keep me"
+
+
+def test_refuses_a_target_of_another_shape(run_dir, tmp_path):
+    from transformers import LlamaConfig
+
+    other = tmp_path / "other-target"
+    LlamaConfig(num_hidden_layers=N, hidden_size=64, vocab_size=V, num_attention_heads=4).save_pretrained(other)
+    with pytest.raises(ConfigError, match="trained for"):
+        stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=tmp_path / "out", target=str(other)))
+    same = tmp_path / "same-target"
+    LlamaConfig(num_hidden_layers=N, hidden_size=HT, vocab_size=V, num_attention_heads=4).save_pretrained(same)
+    result = stage.run(stage.ExportConfig(source=run_dir, format="speculators", output=tmp_path / "out",
+                                          target=str(same)))
+    config, _ = read(result.output)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(same)

@@ -117,6 +117,7 @@ def test_the_summary_says_on_how_many_threads_the_throughput_was_measured(tiny_l
     assert "threads" not in fc.read_manifest(tmp_path / "cache")  # reruns and torchrun: the same bytes
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_gives_the_identical_cache(tiny_llama_dir, workdir, tmp_path):
     straight = tmp_path / "straight"
     assert precompute(tiny_llama_dir, workdir, straight) == 0
@@ -192,6 +193,7 @@ def test_bad_aux_layers_and_full_disk_fail_before_work(tiny_llama_dir, workdir, 
     assert not list((tmp_path / "b").glob("shard-*"))
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_write_the_same_cache(tiny_llama_dir, workdir, tmp_path):
     single = tmp_path / "single"
     assert precompute(tiny_llama_dir, workdir, single) == 0

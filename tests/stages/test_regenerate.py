@@ -206,6 +206,7 @@ def test_output_is_chat_data_for_the_other_stages_and_the_sidecar_says_how_it_wa
         assert supervised_eots == finished  # a cut answer's end-of-turn token is not supervised
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_gives_the_identical_file(talker, chats, tmp_path):
     straight = tmp_path / "straight.jsonl"
     assert regenerate(talker, chats, straight, "--chunk-size", "4") == 0

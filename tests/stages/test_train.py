@@ -199,6 +199,7 @@ def test_it_learns(setup, tmp_path):
     assert train[-1]["acc"][0] > train[0]["acc"][0]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(setup, tmp_path):
     """2 gloo ranks x 1 micro-batch == 1 process x 2 micro-batches (same global batch)."""
     single = stage.run(config(setup, tmp_path / "single", max_steps=3, grad_accum=2, eval_every=0))
@@ -216,6 +217,7 @@ def test_ddp_two_processes_match_one_process(setup, tmp_path):
     assert state["parallel"] == "ddp"
 
 
+@pytest.mark.slow
 def test_cli_remote_training_equals_live(setup, tmp_path):
     """`spec serve-target` + `spec train --remote` gives the weights of the in-process run."""
     import socket
@@ -301,6 +303,7 @@ def _torchrun(setup, out, *extra):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_match_one_process_through_a_resume(setup, tmp_path):
     """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
     stopped after its first step (checkpoint gathered from the shards) and resumed (scattered back)."""

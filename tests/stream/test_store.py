@@ -231,6 +231,7 @@ print("done", store.health()["put_waits"])
 """
 
 
+@pytest.mark.slow
 def test_the_folder_is_shared_safely_between_processes(tmp_path):
     """A producer process and this consumer process: the bound holds across them, every sample
     arrives whole, and the owner's close leaves nothing behind."""

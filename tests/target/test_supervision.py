@@ -1,11 +1,8 @@
 """The live backend's supervision against an independent computation from the full logits."""
 
-import random
-
 import pytest
 import torch
 
-from spec_cli.data.batching import collate, plan_batches
 from spec_cli.target.hf_backend import HFTargetBackend
 from spec_cli.target.supervision import full_vocab_stats
 
@@ -83,36 +80,3 @@ def test_packed_documents_do_not_leak(backend):
         torch.testing.assert_close(hid_packed[0, start:start + doc.numel()], hid[0], rtol=1e-5, atol=1e-5)
     batch = backend.generate_batch(packed, am, am, seq_lens=seq_lens)
     assert torch.equal(batch.seq_lens, seq_lens)  # carried through unshifted
-
-
-def test_batches_are_length_bucketed():
-    lengths = torch.tensor([5, 100, 7, 98, 50, 52, 6, 99])
-    plan = plan_batches(lengths, batch_tokens=200)
-    assert sorted(i for b in plan for i in b) == list(range(8))
-    for batch in plan:
-        assert len(batch) * int(lengths[batch].max()) <= 200 or len(batch) == 1
-    assert plan[0] == [1, 7]  # longest first, similar lengths together
-
-
-def test_output_head_is_the_targets_lm_head_rows_and_final_norm(backend):
-    head = backend.get_output_head()
-    sel = backend.selected
-    assert torch.equal(head["lm_head_selected"], backend.model.lm_head.weight[sel])
-    # RMSNorm of a ones vector is its per-channel scale: for Llama that is the weight itself
-    torch.testing.assert_close(head["final_norm"], backend.model.model.norm.weight.detach(), rtol=1e-5, atol=1e-6)
-    # and the scale reproduces the norm on any input (independent of how it was read)
-    x = torch.randn(4, head["final_norm"].numel())
-    rms = x.pow(2).mean(-1, keepdim=True).add(backend.model.model.norm.variance_epsilon).rsqrt()
-    torch.testing.assert_close(backend.model.model.norm(x), x * rms * head["final_norm"], rtol=1e-5, atol=1e-5)
-
-
-def test_final_norm_scale_reads_gemmas_one_plus_weight_form():
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-
-    from spec_cli.target.hf_backend import final_norm_scale
-
-    norm = GemmaRMSNorm(16, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.linspace(-0.5, 0.5, 16))
-    torch.testing.assert_close(final_norm_scale(norm, 16), 1.0 + torch.linspace(-0.5, 0.5, 16))
-    assert final_norm_scale(torch.nn.LayerNorm(16), 16) is None  # not an RMSNorm: left alone

@@ -24,7 +24,7 @@ from spec_cli.target.vllm_backend import VLLMTargetBackend, vllm_layer_ids  # no
 from tests import tiny  # noqa: E402
 from tests.conftest import write_jsonl  # noqa: E402
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # starts vLLM in this process (over 10 s)
 
 # Largest |vLLM - transformers| allowed per field (fp32, CPU). Measured on these tests: aux states
 # <= 4.5e-8, final hidden <= 1.2e-6, logsumexp <= 9.5e-6 (values ~50: fp32 rounding), target_p

@@ -1,0 +1,84 @@
+"""Chat records of every accepted shape normalised to messages or plain text, and each skip reason."""
+
+import pytest
+
+from spec_cli.data import records
+from spec_cli.errors import DataError
+
+
+def test_roles_are_normalised():
+    kind, messages = records.normalise({"conversations": [
+        {"from": "system", "value": "s"}, {"from": "Human", "value": "u"}, {"from": "model", "value": "a"},
+        {"from": "user", "value": "u2"}, {"from": "chatgpt", "value": "a2"}]})
+    assert kind == "chat"
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    kind, messages = records.normalise({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]},
+        {"role": "assistant", "content": "hi"}]})
+    assert messages[0]["content"] == "hello"
+
+
+def test_sharegpt_openai_and_plain_text_shapes():
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}]
+    sharegpt = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                                  {"from": "gpt", "value": "hello"}]}
+    assert records.normalise(sharegpt) == ("chat", chat)
+    assert records.normalise({"messages": chat}) == ("chat", chat)
+    # a column another file filled with None (parquet / datasets) does not hide the one that is there
+    assert records.normalise({"conversations": None, "messages": chat, "text": None}) == ("chat", chat)
+    # either key spelling inside either container
+    assert records.normalise({"messages": [{"from": "user", "value": "hi"},
+                                           {"role": "assistant", "value": "hello"}]}) == ("chat", chat[1:])
+    assert records.normalise({"text": "  plain text\n"}) == ("text", "  plain text\n")  # kept as written
+
+
+def test_finish_reason_is_kept_on_assistant_turns_only():
+    kind, messages = records.normalise({"messages": [
+        {"role": "user", "content": "q", "finish_reason": "length"},
+        {"role": "assistant", "content": "cut", "finish_reason": "length"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "done", "finish_reason": "stop"},
+        {"role": "user", "content": "q3"},
+        {"role": "assistant", "content": "odd", "finish_reason": "tool_calls"}]})
+    assert [m.get("finish_reason") for m in messages] == [None, "length", None, "stop", None, None]
+
+
+@pytest.mark.parametrize("record,reason", [
+    ({"text": 3}, records.MALFORMED),
+    ({"text": " \n"}, records.EMPTY),
+    ({"prompt": "no known key"}, records.MALFORMED),
+    ({"conversations": "not a list"}, records.MALFORMED),
+    ({"conversations": []}, records.EMPTY),
+    ({"messages": ["not a dict"]}, records.MALFORMED),
+    ({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}, records.MALFORMED),
+    ({"messages": [{"content": "no role"}, {"role": "assistant", "content": "y"}]}, records.MALFORMED),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                   {"role": "assistant", "content": "y"}]}, records.MALFORMED),
+    ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "y"}]}, records.MALFORMED),
+    ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]}, records.EMPTY),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}, records.NO_ASSISTANT),
+])
+def test_skip_reasons(record, reason):
+    assert records.normalise(record) == ("skip", reason)
+
+
+def test_prompts_without_an_answer_are_kept_for_regenerate():
+    record = {"conversations": [{"from": "human", "value": "tell me"}]}
+    assert records.normalise(record, require_assistant=False) == ("chat", [{"role": "user", "content": "tell me"}])
+    assert records.normalise(record) == ("skip", records.NO_ASSISTANT)
+
+
+def test_a_saved_dataset_dict_reads_its_train_split(tmp_path):
+    import datasets
+
+    rows = {"train": [{"text": "a"}, {"text": "b"}], "test": [{"text": "c"}]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in rows.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    assert records.load_records(tmp_path / "saved")["text"] == ["a", "b"]
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows["test"])}).save_to_disk(
+        str(tmp_path / "one_split"))
+    assert records.load_records(tmp_path / "one_split")["text"] == ["c"]  # no train split: the first one
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="unsupported data file notes.txt"):
+        records.load_records(tmp_path / "notes.txt")
