@@ -3,7 +3,8 @@
 Semantics (DESIGN.md): the `Vd` most frequent target ids at supervised positions, ties broken by the
 lower id, padded with the lowest unused ids when fewer than `Vd` occur, sorted ascending.
 `d2t[i] = selected[i] - i` is an offset (target_id = draft_id + d2t[draft_id]); `t2d` is a bool mask
-over the target vocab.
+over the target vocab. These are the buffers vLLM and SGLang read; the functions under "d2t / t2d" are
+the only place spec_cli converts between them and the selected ids.
 """
 
 from __future__ import annotations
@@ -53,6 +54,41 @@ def coverage_by_size(counts: torch.Tensor, sizes: list[int]) -> dict[int, float]
             for s in sizes}
 
 
+# ----------------------------------------------------------------------------- d2t / t2d
+
+def d2t_from_ids(selected: torch.Tensor) -> torch.Tensor:
+    """Offsets: target_id = draft_id + d2t[draft_id] (vLLM's draft_id_to_target_id). [Vd] int64."""
+    selected = selected.long()
+    return selected - torch.arange(selected.numel(), device=selected.device)
+
+
+def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id: arange(Vd) + d2t (vLLM's compute_logits, SGLang's
+    hot_token_id). [Vd] int64."""
+    d2t = d2t.long()
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def t2d_from_ids(selected: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """True for every target id in the draft vocab. [V] bool."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=selected.device)
+    mask[selected.long()] = True
+    return mask
+
+
+def ids_from_t2d(t2d: torch.Tensor) -> torch.Tensor:
+    """The target ids a t2d mask marks, ascending. [Vd] int64."""
+    return t2d.bool().nonzero().flatten()
+
+
+def valid_ids(selected: torch.Tensor, vocab_size: int) -> bool:
+    """Ascending, distinct and inside the target vocab [0, vocab_size): what d2t/t2d can encode."""
+    selected = selected.long()
+    if selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= vocab_size):
+        return False
+    return bool((selected[1:] > selected[:-1]).all())
+
+
 @dataclass
 class VocabMap:
     selected_token_ids: torch.Tensor  # [Vd] int64, ascending target ids
@@ -70,14 +106,12 @@ class VocabMap:
     @property
     def d2t(self) -> torch.Tensor:
         """Offsets: target_id = draft_id + d2t[draft_id]. [Vd] int64."""
-        return self.selected_token_ids - torch.arange(self.draft_vocab_size)
+        return d2t_from_ids(self.selected_token_ids)
 
     @property
     def t2d(self) -> torch.Tensor:
         """True for every target id in the draft vocab. [V] bool."""
-        mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
-        mask[self.selected_token_ids] = True
-        return mask
+        return t2d_from_ids(self.selected_token_ids, self.target_vocab_size)
 
     @property
     def fingerprint(self) -> str:

@@ -194,6 +194,20 @@ def source_of(tokenizer, template: ChatTemplate | None) -> str:
     return "the target's tokenizer" if getattr(tokenizer, "chat_template", None) else "none"
 
 
+_OWN = object()
+
+
+def tokenizer_fingerprint(tokenizer, chat_template=_OWN) -> str:
+    """Changes whenever tokenisation or the chat template could change. `chat_template=None` gives the
+    fingerprint of the tokenizer alone (recorded to tell a different template from a different tokenizer)."""
+    template = getattr(tokenizer, "chat_template", None) if chat_template is _OWN else chat_template
+    digest = hashlib.sha256()
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(str(template).encode())
+    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
 def require(tokenizer, target: Path | str, purpose: str = "chat data") -> None:
     """One error for a target without a chat template, where conversations must be rendered."""
     if not getattr(tokenizer, "chat_template", None):
@@ -206,8 +220,6 @@ def require(tokenizer, target: Path | str, purpose: str = "chat data") -> None:
 def identity(tokenizer, template: ChatTemplate | None) -> dict:
     """What artifacts record about the template in use (and the tokenizer's fingerprint without it, so a
     later mismatch can be put down to the template or to the tokenizer)."""
-    from spec_cli.target.loading import tokenizer_fingerprint
-
     return {"chat_template_sha256": template_sha256(getattr(tokenizer, "chat_template", None)),
             "chat_template_source": source_of(tokenizer, template),
             "tokenizer_base_fingerprint": tokenizer_fingerprint(tokenizer, chat_template=None)}
@@ -217,8 +229,6 @@ def mismatch(recorded: dict, tokenizer, template: ChatTemplate | None, what: str
     """(message, hint) when `recorded` (an artifact's metadata) was made with the same tokenizer but another
     chat template than the one in use; None when the templates agree, the tokenizers themselves differ,
     or the artifact did not record them."""
-    from spec_cli.target.loading import tokenizer_fingerprint
-
     if "chat_template_sha256" not in recorded or not recorded.get("tokenizer_base_fingerprint"):
         return None
     if recorded["tokenizer_base_fingerprint"] != tokenizer_fingerprint(tokenizer, chat_template=None):

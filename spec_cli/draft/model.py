@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from spec_cli.artifacts import vocab_map
 from spec_cli.draft.attention import ttt_attention
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ConfigError
@@ -253,12 +254,11 @@ class Eagle3Draft(nn.Module):
         if ids.shape != (Vd,):
             raise ConfigError(f"vocab map has {ids.numel()} ids, the draft vocab is {Vd}",
                               "rebuild the vocab map or the draft with the same --draft-vocab-size")
-        if ids.min() < 0 or ids.max() >= V or (Vd > 1 and bool((ids[1:] <= ids[:-1]).any())):
+        if not vocab_map.valid_ids(ids, V):
             raise ConfigError("selected token ids must be ascending, distinct and inside the target "
                               f"vocab (0..{V - 1})", "rebuild the vocab map for this target")
-        self.d2t.copy_(ids - torch.arange(Vd, device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        self.d2t.copy_(vocab_map.d2t_from_ids(ids))
+        self.t2d.copy_(vocab_map.t2d_from_ids(ids, V))
 
     @property
     def has_vocab_map(self) -> bool:

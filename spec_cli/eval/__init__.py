@@ -3,6 +3,7 @@
     target.py       the target with its KV cache and forward hooks on the three aux layers
     speculative.py  prefill, draft_chain, draft_tree, verify, accept, and the one decode loop
     drafts.py       a draft from a run folder, a checkpoint or an export folder (read as the engine does)
+    engine_check.py `spec export`'s engine check: vLLM serving the folder vs this decoder on the checkpoint
     prompts.py      MT-bench or a chat file -> conversations of user turns
     report.py       acceptance / speed tallies, the table, eval.json and acceptance.png
 """

@@ -1,29 +1,23 @@
 """The draft to evaluate, from what the user has: a `spec train` run folder (its latest checkpoint), a
 checkpoint folder, or an export folder of any format (vllm, sglang, speculators).
 
-An export is read the way its engine reads it (`spec_cli.export.engines`, the tables the export
-self-check uses): the engine's config view, where each file key goes, the engine's draft-to-target id
-map, and which target layers the engine captures, in its concatenation order. So what is evaluated is
-the draft the engine would serve from those very files. Exports carry no embed_tokens (the engines
-share the target's); the target's input embedding is copied in, as it is for a checkpoint moved out
-of its run folder (whose frozen.safetensors holds the embedding it trained with).
+An export is read the way its engine reads it (`spec_cli.export.reader`, the export self-check's
+reader, with the engines' tables): the engine's config view, where each file key goes, the engine's
+draft-to-target id map, and which target layers the engine captures, in its concatenation order. So
+what is evaluated is the draft the engine would serve from those very files. Exports carry no
+embed_tokens (the engines share the target's); the target's input embedding is copied in, as it is for
+a checkpoint moved out of its run folder (whose frozen.safetensors holds the embedding it trained with).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from spec_cli.data import chat_templates
-from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft
 from spec_cli.errors import ArtifactError, ConfigError, listing
-from spec_cli.export import engines
+from spec_cli.export import engines, reader
 from spec_cli.export.source import load_source
 from spec_cli.target import loading
 
@@ -81,53 +75,21 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
 
 # ----------------------------------------------------------------------------- exports
 
-def export_format(raw: dict) -> str:
-    """The format a config.json was written for: spec_cli's own record, else what the config looks like
-    (a folder exported by another tool)."""
-    block = raw.get("spec_cli") if isinstance(raw.get("spec_cli"), dict) else {}
-    if block.get("format") in engines.ENGINES:
-        return block["format"]
-    if raw.get("speculators_model_type") or raw.get("model_type") == "speculators":
-        return "speculators"
-    arch = (raw.get("architectures") or [None])[0]
-    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    if eagle_config.get("eagle_aux_hidden_state_layer_ids"):
-        return "sglang"
-    if arch in engines.VLLM_ARCHITECTURES:
-        return "vllm"
-    raise ArtifactError(f"cannot tell which engine the config.json of this folder is for (architecture "
-                        f"{arch!r})", "pass a folder written by `spec export`, or a vLLM/SGLang/speculators "
-                                      "EAGLE-3 draft")
-
-
 def _from_export(folder: Path, target_config) -> LoadedDraft:
     try:
-        raw = json.loads((folder / "config.json").read_text())
-        tensors = load_file(str(folder / "model.safetensors"))
-    except (OSError, ValueError, SafetensorError) as exc:
+        engine = reader.read(folder)
+    except reader.Unreadable as exc:
         raise ArtifactError(f"cannot read the export in {folder}: {exc}",
                             "pass a complete folder written by `spec export`") from exc
-    fmt = export_format(raw)
-    read, params_of, optional_of, route = engines.ENGINES[fmt]
-    view = read(raw)
+    fmt, view, raw = engine.format, engine.view, engine.raw
     problems = list(view.problems)
     if view.norm_before_residual or view.norm_before_fc or not view.use_aux_hidden_state:
         problems.append("the engine would run a draft variant spec_cli does not model (norm_before_residual, "
                         "norm_before_fc or no aux states)")
-    loaded: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        r = route(key, view)
-        if r.kind == "rejected":
-            problems.append(f"'{key}': {r.why}")
-        elif r.kind == "param":
-            loaded[r.name] = engines.hot_token_id(tensor.long()) if r.name == "hot_token_id" else tensor
-    expected, optional = params_of(view), optional_of(view)
+    problems += engine.rejected  # keys the engine skips are fine: a folder from another tool may have some
     problems += [f"the engine's {name} is not in the file (it would serve a random weight there)"
-                 for name in sorted(set(expected) - set(loaded))]
-    for name, tensor in loaded.items():
-        shape = expected.get(name) or optional.get(name)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            problems.append(f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}")
+                 for name in engine.missing]
+    problems += engine.misshapen
     n_layers = loading.num_layers(target_config)
     arch = (getattr(target_config, "architectures", None) or [""])[0]
     block = raw.get("spec_cli") if isinstance(raw.get("spec_cli"), dict) else {}
@@ -150,26 +112,14 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
                             + listing(problems),
                             "re-export the checkpoint with `spec export` (its self-check catches these)")
 
-    vocab_name = "hot_token_id" if "hot_token_id" in loaded else "draft_id_to_target_id"
-    targets = engines.draft_to_target(vocab_name, loaded[vocab_name])  # [Vd] target id per draft id
-    state = {key: t for name, t in loaded.items()
-             if (key := engines.to_draft_key(name)) is not None and key not in ("d2t", "t2d")}
+    state = reader.draft_state(engine.loaded)
     try:
-        config = DraftConfig(
-            vocab_size=view.vocab_size, target_hidden_size=view.target_hidden_size, aux_layer_ids=outputs,
-            target_num_layers=n_layers, hidden_size=view.hidden_size,
-            intermediate_size=view.intermediate_size,
-            num_attention_heads=view.num_attention_heads, num_key_value_heads=view.num_key_value_heads,
-            head_dim=view.head_dim, draft_vocab_size=view.draft_vocab_size,
-            num_hidden_layers=view.num_hidden_layers, rms_norm_eps=view.rms_norm_eps,
-            rope_theta=view.rope_theta, rope_scaling=view.rope_scaling,
-            max_position_embeddings=view.max_position_embeddings, hidden_act=view.hidden_act,
-            fc_norm=view.fc_norm, norm_output=view.norm_output, target_architecture=arch,
-            target_fingerprint=block.get("target_fingerprint") or "",
-            tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "")
+        config = reader.draft_config(view, outputs, n_layers, target_architecture=arch,
+                                     target_fingerprint=block.get("target_fingerprint") or "",
+                                     tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "")
         model = Eagle3Draft(config)
-        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        model.set_vocab_map(targets)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        model.set_vocab_map(engine.targets)  # [Vd] the target id the engine emits per draft id
     except ConfigError as exc:
         raise ArtifactError(f"the draft in {folder} cannot be built: {exc.message}",
                             "re-export the checkpoint with `spec export`") from exc

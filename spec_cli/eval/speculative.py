@@ -29,12 +29,13 @@ Verification rules (each emitted token is distributed as the target's next-token
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from spec_cli.draft.model import Eagle3Draft, KVCache
 from spec_cli.eval.target import Target, tree_attention
+from spec_cli.generation import Generation
 
 
 @dataclass
@@ -67,23 +68,6 @@ class Proposal:
     depths: torch.Tensor  # [N] 1 = a child of the root
     q: torch.Tensor | None = None  # [N, V] the draft distribution each token was sampled from (chain)
     chain: bool = True
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # new tokens, cut at the first eos (kept) and at max_new_tokens
-    seconds: float
-    # per target forward of the speculative loop: (drafts accepted, deepest position verified on the
-    # accepted path); the step produced accepted + 1 tokens
-    steps: list[tuple[int, int]] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
-    # the target alone, greedy: per new token, its two best (id, logit) pairs; where a speculative output
-    # parts from this one, they tell a rounding tie from a real difference (report.parting)
-    top2: list[tuple[tuple[int, float], tuple[int, float]]] = field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        return sum(m + 1 for m, _ in self.steps) / len(self.steps) if self.steps else 0.0
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -1,5 +1,6 @@
 """The target during speculative decoding: a transformers causal LM, batch size 1, with a KV cache
-(`DynamicCache`) and forward hooks that capture the outputs of the three aux decoder layers.
+(`DynamicCache`) and forward hooks that capture the outputs of the three aux decoder layers
+(target/capture.py, the hooks training's target uses).
 
 Rolling back. A verification appends the root and every drafted token; the rejected ones then leave the
 cache. transformers' sliding-window cache layer keeps only its last window - 1 positions, so once a turn
@@ -22,7 +23,7 @@ import inspect
 import torch
 from torch import nn
 
-from spec_cli.target import loading
+from spec_cli.target.capture import AuxCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 
 TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a custom 4D mask as is
@@ -32,25 +33,23 @@ class Target:
     def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
-        self.capture = True  # off for the target-alone baseline (its aux states are not needed)
-        self._captured: dict[int, torch.Tensor] = {}
-        layers = loading.decoder_layers(model)
-        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in set(self.aux_layer_ids)]
+        self.aux_capture = AuxCapture(model, self.aux_layer_ids)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.layout = Layout.from_config(model.config)
 
-    def _hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            if self.capture:
-                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
+    @property
+    def capture(self) -> bool:
+        """Off for the target-alone baseline (its aux states are not needed)."""
+        return self.aux_capture.enabled
+
+    @capture.setter
+    def capture(self, on: bool) -> None:
+        self.aux_capture.enabled = on
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.aux_capture.close()
 
     # -- cache -----------------------------------------------------------------------------------
 
@@ -96,14 +95,11 @@ class Target:
         if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
             mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
                              self.model.dtype, "tree verification (--topk 2 or more)")
-        self._captured.clear()
+        self.aux_capture.clear()
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache})
         logits = out.logits[0].float()
-        aux = None
-        if self.capture:
-            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)[0]  # [n, 3*H_t]
-            self._captured.clear()
+        aux = self.aux_capture.take()[0] if self.capture else None  # [n, 3*H_t]
         return logits, aux
 
 

@@ -2,7 +2,8 @@
 
     writers.py   the files each engine loads (config.json, model.safetensors), with the rule sources
     engines.py   how each engine reads such a folder, as tables written from its loader (the self-check)
-    check.py     reads an export back with engines.py and compares it with the checkpoint
+    reader.py    reads a folder with those tables (the self-check's and `spec eval`'s one reader)
+    check.py     reads an export back with reader.py and compares it with the checkpoint
     readme.py    the folder's README.md (serving command, target, measured quality)
     source.py    the checkpoint and what its run knows about it
 """

@@ -1,5 +1,5 @@
-"""The export self-check: read a written folder back the way the engine will, and compare with the
-training checkpoint.
+"""The export self-check: read a written folder back the way the engine will (reader.py, the reader
+`spec eval` uses too), and compare with the training checkpoint.
 
     1. files        exactly config.json, model.safetensors (format "pt") and README.md
     2. config       what the engine builds from config.json (engines.read_*) matches the checkpoint:
@@ -18,17 +18,16 @@ training checkpoint.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from spec_cli.artifacts import vocab_map
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.model import Eagle3Draft, rope_inv_freq
 from spec_cli.errors import ConfigError, listing
-from spec_cli.export import engines
+from spec_cli.export import engines, reader
 from spec_cli.export.errors import ExportCheckError
 from spec_cli.export.source import DraftSource
 
@@ -66,42 +65,24 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     if not {"config.json", "model.safetensors"} <= present:
         return problems, None
     try:
-        raw = json.loads((folder / "config.json").read_text())
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError, SafetensorError) as exc:
+        engine = reader.read(folder, fmt)
+    except reader.Unreadable as exc:
         return problems + [f"the files cannot be read ({exc})"], None
-    if meta.get("format") != "pt":
+    if engine.meta.get("format") != "pt":
         problems.append("model.safetensors lacks the metadata format 'pt' transformers loaders require")
 
-    read, params_of, optional_of, route = engines.ENGINES[fmt]
-    view = read(raw)
+    view = engine.view
     problems += view.problems
     problems += _config_problems(view, src.config)
     if view.hidden_size == 0:
         return problems, None
 
-    # -- weights: route every file key like the engine's loader --------------------------------
-    expected, optional = params_of(view), optional_of(view)
-    loaded: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        r = route(key, view)
-        if r.kind != "param":
-            problems.append(f"'{key}': {r.why}")
-            continue
-        if r.name == "hot_token_id":
-            tensor = engines.hot_token_id(tensor.long())
-        loaded[r.name] = tensor
-    for name in sorted(set(expected) - set(loaded)):
-        problems.append(f"the engine's {name} is not in the file (it keeps its initial value: random "
-                        "weights, or an identity vocab map)")
-    V = view.vocab_size
-    for name, tensor in loaded.items():
-        shape = expected.get(name) or optional.get(name) or ((V,) if name == "t2d" else None)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            problems.append(f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}")
-    for key, tensor in tensors.items():
+    # -- weights: every file key loaded by the engine's loader, none skipped -----------------------
+    problems += [f"'{key}': {r.why}" for key, r in engine.unloaded.items()]
+    problems += [f"the engine's {name} is not in the file (it keeps its initial value: random "
+                 "weights, or an identity vocab map)" for name in engine.missing]
+    problems += engine.misshapen
+    for key, tensor in engine.tensors.items():
         if key == "d2t" and tensor.dtype != torch.int64:
             problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
         elif key == "t2d" and tensor.dtype != torch.bool:
@@ -116,16 +97,15 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     selected = _checkpoint_selected_ids(src)
     if selected is None:
         problems.append("the checkpoint's d2t and t2d disagree")
-    vocab_name = next((n for n in ("draft_id_to_target_id", "hot_token_id") if n in loaded), None)
-    targets = None
-    if vocab_name is not None and tuple(loaded[vocab_name].shape) == (view.draft_vocab_size,):
-        targets = engines.draft_to_target(vocab_name, loaded[vocab_name])
-        if selected is not None and (targets.shape != selected.shape or not torch.equal(targets, selected)):
-            wrong = int((targets != selected).sum()) if targets.shape == selected.shape else targets.numel()
-            problems.append(f"draft ids map to the wrong target ids ({wrong} of {targets.numel()} differ; "
-                            "arange instead of offsets, or a zeroed/damaged d2t)")
+    loaded, V = engine.loaded, view.vocab_size
+    targets = engine.targets
+    if targets is not None and selected is not None and (targets.shape != selected.shape
+                                                         or not torch.equal(targets, selected)):
+        wrong = int((targets != selected).sum()) if targets.shape == selected.shape else targets.numel()
+        problems.append(f"draft ids map to the wrong target ids ({wrong} of {targets.numel()} differ; "
+                        "arange instead of offsets, or a zeroed/damaged d2t)")
     if "t2d" in loaded and selected is not None and loaded["t2d"].shape == (V,):
-        if not torch.equal(loaded["t2d"].bool().nonzero().flatten(), selected):
+        if not torch.equal(vocab_map.ids_from_t2d(loaded["t2d"]), selected):
             problems.append("t2d does not mark exactly the draft vocabulary's target ids")
 
     # -- aux layers ------------------------------------------------------------------------------
@@ -141,29 +121,15 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
         return problems, None
 
     # -- predictions -----------------------------------------------------------------------------
-    state = {}
-    for name, tensor in loaded.items():
-        key = engines.to_draft_key(name)
-        if key is not None and key not in ("d2t", "t2d"):
-            state[key] = tensor.float()
+    state = reader.draft_state(loaded)
     # the engine embeds with the draft's table when it loaded one, else with the target's (the
     # checkpoint's frozen copy), which it holds in the serving dtype too
     embed = src.state["embed_tokens.weight"].to(dtype).float()
     state.setdefault("embed_tokens.weight", embed)
-    state["d2t"] = targets - torch.arange(targets.numel())
-    state["t2d"] = torch.zeros(V, dtype=torch.bool)
-    state["t2d"][targets] = True
+    state["d2t"] = vocab_map.d2t_from_ids(targets)
+    state["t2d"] = vocab_map.t2d_from_ids(targets, V)
     try:
-        engine_config = DraftConfig(
-            vocab_size=V, target_hidden_size=view.target_hidden_size, aux_layer_ids=outputs,
-            target_num_layers=c.target_num_layers, hidden_size=view.hidden_size,
-            intermediate_size=view.intermediate_size, num_attention_heads=view.num_attention_heads,
-            num_key_value_heads=view.num_key_value_heads, head_dim=view.head_dim,
-            draft_vocab_size=view.draft_vocab_size, num_hidden_layers=view.num_hidden_layers,
-            rms_norm_eps=view.rms_norm_eps, rope_theta=view.rope_theta, rope_scaling=view.rope_scaling,
-            max_position_embeddings=view.max_position_embeddings, hidden_act=view.hidden_act,
-            fc_norm=view.fc_norm, norm_output=view.norm_output)
-        exported = _materialise(engine_config, state)
+        exported = _materialise(reader.draft_config(view, outputs, c.target_num_layers), state)
     except (ConfigError, RuntimeError, KeyError) as exc:
         return problems + [f"the engine's draft cannot be built from the export ({exc})"], None
 
@@ -245,9 +211,8 @@ def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
 
 def _checkpoint_selected_ids(src: DraftSource) -> torch.Tensor | None:
     """arange(Vd) + d2t, cross-checked against the checkpoint's t2d mask."""
-    selected = torch.arange(src.state["d2t"].numel()) + src.state["d2t"].long()
-    from_mask = src.state["t2d"].bool().nonzero().flatten()
-    return selected if torch.equal(selected, from_mask) else None
+    selected = src.selected_token_ids
+    return selected if torch.equal(selected, vocab_map.ids_from_t2d(src.state["t2d"])) else None
 
 
 def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]) -> Eagle3Draft:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec_cli.artifacts import vocab_map
+
 # vllm/model_executor/models/registry.py: both names load llama_eagle3.Eagle3LlamaForCausalLM
 # (vllm/transformers_utils/configs/eagle.py EAGLEConfig keeps a name that starts or ends with "Eagle3").
 VLLM_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
@@ -264,6 +266,11 @@ def vllm_optional(v: EngineView) -> dict[str, tuple[int, ...]]:
     return p
 
 
+def speculators_optional(v: EngineView) -> dict[str, tuple[int, ...]]:
+    """vLLM's optional parameters, and the t2d mask the speculators library reads (route_speculators)."""
+    return {**vllm_optional(v), "t2d": (v.vocab_size,)}
+
+
 def sglang_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     """LlamaForCausalLMEagle3's parameters (newer module names: model.layers.0 = the older model.midlayer)
     plus hot_token_id, which load_weights builds from d2t."""
@@ -334,12 +341,12 @@ def draft_to_target(engine_name: str, tensor: torch.Tensor) -> torch.Tensor:
     if engine_name == "hot_token_id":
         return tensor.long()  # SGLang: hot_token_id = d2t + arange, indexed by draft id
     # vLLM compute_logits: targets = arange(draft_vocab_size) + draft_id_to_target_id
-    return torch.arange(tensor.numel()) + tensor.long()
+    return vocab_map.ids_from_d2t(tensor)
 
 
 def hot_token_id(d2t: torch.Tensor) -> torch.Tensor:
     """SGLang load_weights: `hot_token_id = loaded_weight + torch.arange(loaded_weight.shape[0])`."""
-    return d2t + torch.arange(d2t.shape[0])
+    return vocab_map.ids_from_d2t(d2t)
 
 
 def captured_layer_outputs(v: EngineView, num_layers: int,
@@ -386,5 +393,5 @@ def to_draft_key(engine_name: str) -> str | None:
 ENGINES = {
     "vllm": (read_vllm, vllm_params, vllm_optional, route_vllm),
     "sglang": (read_sglang, sglang_params, lambda v: {}, route_sglang),
-    "speculators": (read_speculators, vllm_params, vllm_optional, route_speculators),
+    "speculators": (read_speculators, vllm_params, speculators_optional, route_speculators),
 }

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from spec_cli.artifacts import vocab_map
 from spec_cli.artifacts.checkpoint import CHECKPOINTS, load_frozen, resolve_checkpoint
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError
@@ -31,8 +32,7 @@ class DraftSource:
     @property
     def selected_token_ids(self) -> torch.Tensor:
         """[Vd] target ids of the draft vocab: arange(Vd) + d2t."""
-        d2t = self.state["d2t"].long()
-        return torch.arange(d2t.numel()) + d2t
+        return vocab_map.ids_from_d2t(self.state["d2t"])
 
 
 def load_source(path: Path, target: str | None = None, frozen_required: bool = True) -> DraftSource:
@@ -86,12 +86,9 @@ def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.T
         raise ArtifactError(f"{checkpoint}/model.safetensors does not match its config.json "
                             f"(missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {wrong[:3]})",
                             "the checkpoint is corrupt; export another checkpoint of the run")
-    Vd, V = config.draft_vocab_size, config.vocab_size
-    selected = torch.arange(Vd) + state["d2t"].long()
-    t2d = state["t2d"].bool()
-    ok = (int(selected.min()) >= 0 and int(selected.max()) < V
-          and (Vd < 2 or bool((selected[1:] > selected[:-1]).all()))
-          and int(t2d.sum()) == Vd and bool(t2d[selected].all()))
+    selected = vocab_map.ids_from_d2t(state["d2t"])
+    ok = (vocab_map.valid_ids(selected, config.vocab_size)
+          and torch.equal(state["t2d"].bool(), vocab_map.t2d_from_ids(selected, config.vocab_size)))
     if not ok:
         raise ArtifactError(f"{checkpoint} holds no valid vocab map (d2t/t2d are not the offsets and "
                             "mask of ascending target ids)",

@@ -19,8 +19,8 @@ from spec_cli import assets
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
 from spec_cli.errors import ConfigError, SpecError
+from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, FORMATS
-from spec_cli.export import engine_check as engine
 from spec_cli.export import support as engine_support
 from spec_cli.export.errors import ExportError
 from spec_cli.export.check import CheckReport, check_export

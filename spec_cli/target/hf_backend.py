@@ -1,11 +1,11 @@
 """The in-process Hugging Face target backend, and the head math every in-process target shares.
 
-The three aux layers are captured with forward hooks on those decoder layers (the model is never
-asked for every layer's hidden states), and full-vocab logits are scanned a chunk of tokens at a
-time (never a full fp32 [B*T, V] tensor). `LocalTargetBackend` holds what does not depend on the
-engine that runs the decoder (lm_head statistics, the draft-vocab distribution, batch assembly), so
-the transformers and vLLM backends (spec_cli/target/vllm_backend.py) turn hidden states into
-supervision with the same code.
+The three aux layers are captured with forward hooks on those decoder layers (target/capture.py; the
+model is never asked for every layer's hidden states), and full-vocab logits are scanned a chunk of
+tokens at a time (never a full fp32 [B*T, V] tensor). `LocalTargetBackend` holds what does not depend
+on the engine that runs the decoder (lm_head statistics, the draft-vocab distribution, batch
+assembly), so the transformers and vLLM backends (spec_cli/target/vllm_backend.py) turn hidden states
+into supervision with the same code.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
 from spec_cli.target.backend import TargetBackend
+from spec_cli.target.capture import AuxCapture
 from spec_cli.target.masks import Layout, for_model
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
@@ -86,8 +88,7 @@ class LocalTargetBackend(TargetBackend):
             raise ConfigError("the vocab map has ids beyond this target's vocab",
                               "build the vocab map with this target's tokenizer")
         self.selected = selected
-        self.t2d = torch.zeros(self.info["vocab_size"], dtype=torch.bool, device=self.device)
-        self.t2d[selected] = True
+        self.t2d = vocab_map.t2d_from_ids(selected, self.info["vocab_size"])
         self.lm_head_selected = self.lm_head_weight[selected].contiguous()  # [Vd, H]
         self.bias_selected = None if self.lm_head_bias is None else self.lm_head_bias[selected]
 
@@ -136,19 +137,12 @@ class HFTargetBackend(LocalTargetBackend):
         self.lm_head_bias = getattr(head, "bias", None)
         text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
         self.softcap = getattr(text, "final_logit_softcapping", None)
-        self._captured: dict[int, torch.Tensor] = {}
-        layers = loading.decoder_layers(self.model)
-        self._hooks = [layers[i].register_forward_hook(self._capture(i)) for i in self.aux_layers]
+        self.aux_capture = AuxCapture(self.model, self.aux_layers)
         self.selected = None
         self.layout = Layout.from_config(self.model.config)  # the attention each layer runs (--pack)
         self.info = describe_target(target_dir, config,
                                     (config.architectures or [type(self.model).__name__])[0],
                                     self.lm_head_weight, self.aux_layers, self.dtype)
-
-    def _capture(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     # ------------------------------------------------------------------ interface
     def get_input_embeddings(self) -> torch.Tensor:
@@ -168,15 +162,11 @@ class HFTargetBackend(LocalTargetBackend):
             position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
         elif position_ids is not None:
             position_ids = position_ids.to(self.device)
-        self._captured.clear()
+        self.aux_capture.clear()
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            use_cache=False)
-        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
-        self._captured.clear()
-        return aux, out.last_hidden_state
+        return self.aux_capture.take(), out.last_hidden_state
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self.aux_capture.close()
         self.model = None

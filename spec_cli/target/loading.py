@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from spec_cli.data import chat_templates
+from spec_cli.data.chat_templates import tokenizer_fingerprint  # with the target's fingerprints below
 from spec_cli.errors import ArtifactError, ConfigError, TargetError
 from spec_cli.paths import spec_home
 
@@ -132,8 +134,6 @@ def load_tokenizer(path: Path, chat_template=None):
     """The target's fast tokenizer; `chat_template` (a data.chat_templates.ChatTemplate, from
     --chat-template) replaces its own template, and so enters its fingerprint."""
     from transformers import AutoTokenizer
-
-    from spec_cli.data import chat_templates
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -277,25 +277,9 @@ def validate_aux_layers(ids: list[int], n: int) -> None:
 
 # ----------------------------------------------------------------------------- fingerprints
 
-_OWN = object()
-
-
-def tokenizer_fingerprint(tokenizer, chat_template=_OWN) -> str:
-    """Changes whenever tokenisation or the chat template could change. `chat_template=None` gives the
-    fingerprint of the tokenizer alone (recorded to tell a different template from a different tokenizer)."""
-    template = getattr(tokenizer, "chat_template", None) if chat_template is _OWN else chat_template
-    digest = hashlib.sha256()
-    digest.update(tokenizer.backend_tokenizer.to_str().encode())
-    digest.update(str(template).encode())
-    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
-    return digest.hexdigest()[:16]
-
-
 def check_tokenizer(recorded: dict, tokenizer, chat_template, what: str, rebuild: str) -> str:
     """The tokenizer fingerprint, after checking it is the one `recorded` (an artifact's metadata) was
     made with; a different chat template is named as such."""
-    from spec_cli.data import chat_templates
-
     fingerprint = tokenizer_fingerprint(tokenizer)
     if recorded.get("tokenizer_fingerprint") == fingerprint:
         return fingerprint

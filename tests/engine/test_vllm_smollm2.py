@@ -59,7 +59,7 @@ def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance(smol, tmp_
 
 def test_smollm2_export_with_aux_ids_off_by_one_is_caught(smol, tmp_path):
     from spec_cli.export import ExportCheckError
-    from spec_cli.export.engine_check import engine_check
+    from spec_cli.eval.engine_check import engine_check
     from spec_cli.export.source import load_source
 
     good = tmp_path / "good"

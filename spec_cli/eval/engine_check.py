@@ -1,6 +1,8 @@
 """The export checked by the engine itself: vLLM loads the written folder, decodes a few short greedy
 prompts with it, and its acceptance counts are compared with spec_cli's PyTorch evaluator running the
 CHECKPOINT (its weights rounded to the export dtype, i.e. what the files should hold) on the same prompts.
+It runs eval's decoder, so it lives here and `spec export` (stages/export.py) calls it: export/ imports
+nothing from eval/.
 
 Why the checkpoint and not the files: a zeroed d2t or shifted aux ids in the folder would make both
 readers of the folder agree, and serve badly. vLLM's load itself is checked too (`LoadReport`): a draft

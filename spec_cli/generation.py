@@ -1,0 +1,25 @@
+"""What every decoder returns for one answer: spec_cli's PyTorch loop (eval/speculative.py) and vLLM
+(engine/vllm.py). Shared by eval, the engine and the export's engine check, so it sits at the top of
+the package and imports nothing from spec_cli.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens, cut at the first eos (kept) and at max_new_tokens
+    seconds: float
+    # per target forward of the speculative loop: (drafts accepted, deepest position verified on the
+    # accepted path); the step produced accepted + 1 tokens
+    steps: list[tuple[int, int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
+    # the target alone, greedy: per new token, its two best (id, logit) pairs; where a speculative output
+    # parts from this one, they tell a rounding tie from a real difference (report.parting)
+    top2: list[tuple[tuple[int, float], tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return sum(m + 1 for m, _ in self.steps) / len(self.steps) if self.steps else 0.0

@@ -1,0 +1,46 @@
+"""The aux states EAGLE-3 reads, captured with forward hooks on the chosen decoder layers of a
+transformers model (the model is never asked for every layer's hidden states).
+
+Every in-process target uses this one hook: training supervision (`HFTargetBackend`) and decoding
+(`eval.target.Target`). Ids are spec_cli's: 0-indexed decoder layer OUTPUTS.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spec_cli.target import loading
+
+
+class AuxCapture:
+    """Hooks on the decoder layers `layer_ids` of `model`; `take()` after a forward gives their outputs
+    concatenated in the order of `layer_ids`."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.enabled = True  # off: the hooks keep nothing (a forward whose aux states are not needed)
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = loading.decoder_layers(model)
+        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            if self.enabled:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def clear(self) -> None:
+        self._captured.clear()
+
+    def take(self) -> torch.Tensor:
+        """The last forward's aux states, [..., len(layer_ids) * H] in the model's dtype; then forgets
+        them."""
+        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return aux
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
