@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+TOP_LOGITS = 8  # logits the target-alone decoder keeps per token (ties can be three-way or more)
+
+
 @dataclass
 class Generation:
     tokens: list[int]  # new tokens, cut at the first eos (kept) and at max_new_tokens
@@ -16,9 +19,9 @@ class Generation:
     # accepted path); the step produced accepted + 1 tokens
     steps: list[tuple[int, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
-    # the target alone, greedy: per new token, its two best (id, logit) pairs; where a speculative output
+    # the target alone, greedy: per new token, its TOP_LOGITS best {id: logit}; where a speculative output
     # parts from this one, they tell a rounding tie from a real difference (report.parting)
-    top2: list[tuple[tuple[int, float], tuple[int, float]]] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:

@@ -12,8 +12,8 @@
     per-turn spread        the same ratio for each turn alone: median, quartiles, min and max; a wide
                            spread means the total rests on a few turns (or on a noisy machine)
     same as target         greedy: turns whose speculative output equals the target's token for token
-    parted at a tie        greedy: of the others, those whose first differing token was the target's
-                           runner-up with a logit within rounding of its choice (see `parting`): a
+    parted at a tie        greedy: of the others, those whose first differing token had a logit
+                           within rounding of the target's choice there (see `parting`): a
                            verification of several tokens rounds differently from one-token decoding,
                            which in bf16 flips such ties; fp32 decodes identically
 """
@@ -103,22 +103,21 @@ TIE_FLOOR = 1e-3  # ... or within this much (fp32's ulps are tiny; 30 layers add
 
 def parting(spec: Generation, base: Generation, eps: float) -> dict | None:
     """Where a greedy speculative output first differs from the target's own; None where they are equal.
-    -> {"at": index, "target": its token, "spec": ours, "margin": its logit minus ours (None: ours was
-    not its runner-up), "tie": ours was its runner-up within rounding, i.e. a margin <= max(TIE_ULPS *
-    eps * |logit|, TIE_FLOOR), eps: the model dtype's machine epsilon; None where the target's decoder
-    kept no logits (vLLM)}."""
+    -> {"at": index, "target": its token, "spec": ours, "margin": its logit minus ours there (None: ours
+    was not among its TOP_LOGITS best), "tie": the margin is within rounding, i.e. <= max(TIE_ULPS * eps
+    * |logit|, TIE_FLOOR), eps: the model dtype's machine epsilon; None where the target's decoder kept
+    no logits (vLLM)}. Equal logits count as a tie whichever of them argmax took."""
     if spec.tokens == base.tokens:
         return None
     at = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b),
               min(len(spec.tokens), len(base.tokens)))
     ours = spec.tokens[at] if at < len(spec.tokens) else None
     theirs = base.tokens[at] if at < len(base.tokens) else None
-    margin, tie = None, (False if base.top2 else None)
-    if at < len(base.top2) and ours is not None:
-        (best, best_logit), (second, second_logit) = base.top2[at]
-        if best == theirs and second == ours:
-            margin = best_logit - second_logit
-            tie = margin <= max(TIE_ULPS * eps * abs(best_logit), TIE_FLOOR)
+    margin, tie = None, (False if base.top else None)
+    logits = base.top[at] if at < len(base.top) else {}
+    if ours in logits and theirs in logits:
+        margin = logits[theirs] - logits[ours]
+        tie = margin <= max(TIE_ULPS * eps * abs(logits[theirs]), TIE_FLOOR)
     return {"at": at, "target": theirs, "spec": ours, "margin": margin, "tie": tie}
 
 

@@ -35,7 +35,7 @@ import torch
 
 from spec_cli.draft.model import Eagle3Draft, KVCache
 from spec_cli.eval.target import Target, tree_attention
-from spec_cli.generation import Generation
+from spec_cli.generation import TOP_LOGITS, Generation
 
 
 @dataclass
@@ -289,11 +289,11 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     cache = target.new_cache(rollback=False)  # the model's own: nothing is ever taken back
     row, _ = prefill(target, cache, torch.tensor(prompt, device=device))  # [V]
     greedy = settings.temperature == 0
-    new, top2 = [], []
+    new, top = [], []
     while True:
-        if greedy:
-            values, ids = row.topk(2)  # the choice and its runner-up (kept for report.parting)
-            top2.append(tuple(zip(ids.tolist(), values.tolist())))
+        if greedy:  # the choice and the logits nearest it (for report.parting)
+            values, ids = row.topk(min(TOP_LOGITS, row.numel()))
+            top.append(dict(zip(ids.tolist(), values.tolist())))
         new.append(next_token(row, settings.temperature, generator))
         if _finished(new[-1:], len(new), settings):
             break
@@ -303,4 +303,4 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     target.capture = True
-    return Generation(tokens=_cut(new, settings), seconds=time.perf_counter() - start, top2=top2)
+    return Generation(tokens=_cut(new, settings), seconds=time.perf_counter() - start, top=top)

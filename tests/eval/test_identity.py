@@ -10,24 +10,24 @@ from spec_cli.eval.speculative import Generation
 BF16, FP32 = torch.finfo(torch.bfloat16).eps, torch.finfo(torch.float32).eps
 
 
-def target(tokens, top2):
-    return Generation(tokens=tokens, seconds=1.0, top2=top2)
+def target(tokens, top):
+    return Generation(tokens=tokens, seconds=1.0, top=top)
 
 
 def ours(tokens):
     return Generation(tokens=tokens, seconds=1.0, steps=[(0, 1)] * len(tokens))
 
 
-# the target wrote 5, 7, 9; at index 1 its best was 7 (logit 20.0) and its runner-up 8
-def top2(runner_up_logit, runner_up=8):
-    return [((5, 30.0), (1, 10.0)), ((7, 20.0), (runner_up, runner_up_logit)), ((9, 25.0), (2, 3.0))]
+# the target wrote 5, 7, 9; at index 1 it chose 7 (logit 20.0); 8 and 3 came next
+def top(logit_of_8, logit_of_3=15.0):
+    return [{5: 30.0, 1: 10.0}, {7: 20.0, 8: logit_of_8, 3: logit_of_3}, {9: 25.0, 2: 3.0}]
 
 
 def test_identical_outputs_have_no_parting():
-    assert parting(ours([5, 7, 9]), target([5, 7, 9], top2(19.0)), BF16) is None
+    assert parting(ours([5, 7, 9]), target([5, 7, 9], top(19.0)), BF16) is None
 
 
-@pytest.mark.parametrize("runner_up_logit, eps, tie", [
+@pytest.mark.parametrize("logit_of_8, eps, tie", [
     (20.0, BF16, True),  # an exact tie
     (19.875, BF16, True),  # one bf16 ulp at 20 (0.125)
     (18.8, BF16, True),  # 1.2 <= 8 ulps * 20 = 1.25
@@ -35,15 +35,24 @@ def test_identical_outputs_have_no_parting():
     (19.9995, FP32, True),  # within fp32's floor (1e-3)
     (19.99, FP32, False),  # 0.01 is no fp32 rounding
 ])
-def test_a_flip_to_the_runner_up_is_a_tie_only_within_rounding(runner_up_logit, eps, tie):
-    got = parting(ours([5, 8, 1]), target([5, 7, 9], top2(runner_up_logit)), eps)
+def test_a_flip_is_a_tie_only_within_rounding(logit_of_8, eps, tie):
+    got = parting(ours([5, 8, 1]), target([5, 7, 9], top(logit_of_8)), eps)
     assert got["at"] == 1 and got["target"] == 7 and got["spec"] == 8
-    assert got["margin"] == pytest.approx(20.0 - runner_up_logit)
+    assert got["margin"] == pytest.approx(20.0 - logit_of_8)
     assert got["tie"] is tie
 
 
-def test_a_token_that_was_not_the_runner_up_is_never_a_tie():
-    got = parting(ours([5, 4, 1]), target([5, 7, 9], top2(20.0)), BF16)
+def test_a_three_way_tie_counts_and_so_do_equal_logits_in_any_order():
+    # ours was the target's third best, 0.125 below its choice (seen on SmolLM2 in bf16)
+    got = parting(ours([5, 3]), target([5, 7], top(19.9, logit_of_3=19.875)), BF16)
+    assert got["tie"] is True and got["margin"] == pytest.approx(0.125)
+    # equal logits: argmax took 7 though the dict lists 8 first
+    got = parting(ours([5, 8]), target([5, 7], [{5: 30.0}, {8: 19.25, 7: 19.25}]), BF16)
+    assert got["tie"] is True and got["margin"] == 0.0
+
+
+def test_a_token_outside_the_targets_best_logits_is_never_a_tie():
+    got = parting(ours([5, 4, 1]), target([5, 7, 9], top(20.0)), BF16)
     assert got["at"] == 1 and got["margin"] is None and got["tie"] is False
 
 
@@ -54,7 +63,7 @@ def test_without_the_targets_logits_the_cause_is_unknown():
 
 def test_the_line_counts_ties_and_warns_about_the_rest():
     tally = Tally(3)
-    base = target([5, 7, 9], top2(19.875))
+    base = target([5, 7, 9], top(19.875))
     for spec_tokens in ([5, 7, 9], [5, 8, 1], [5, 4, 1]):  # identical, a bf16 tie, not a tie
         spec = ours(spec_tokens)
         tally.add(spec, base, parting(spec, base, BF16))
