@@ -620,7 +620,7 @@ def serve_target_cmd(
 @app.command("demo", cls=Command)
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run (about 7.5 minutes on 2 CPU cores) that exercises every stage.")] = False,
+        "--quick", help="A smaller run (about 8 minutes on 2 CPU cores) that exercises every stage.")] = False,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
@@ -637,9 +637,10 @@ def demo_cmd(
     """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
     ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
     precompute, train (a fixed number of steps), export for
-    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. The target runs in bf16 where
-    that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says. Rerunning reuses
-    finished stages. Expected on 2 quiet CPU cores: --quick about 7.5 minutes, the default about 38."""
+    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Regenerate and precompute run
+    the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
+    Rerunning reuses finished stages. Expected on 2 quiet CPU cores: --quick about 8 minutes, the
+    default about 40."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

@@ -62,10 +62,10 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=7.5),
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8),
     "full": Profile("full", samples=320, original_samples=400, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=38),
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40),
 }
 
 
@@ -166,13 +166,14 @@ def run(cfg: DemoConfig) -> DemoResult:
 
 # ----------------------------------------------------------------------------- stages
 
-def target_dtype(cfg: DemoConfig) -> str | None:
-    """The target's dtype in every stage that runs it (regenerate, precompute, eval): --dtype when given,
-    else bf16 where it is native (a GPU, or a CPU with AMX / AVX512-BF16), else the stages' default
-    (fp32 on a CPU). On SmolLM2 and 2 such cores, bf16 makes precompute 2.1x and regenerate 1.35x
-    faster, and a verification of 4 tokens costs what one decoding step does (fp32: 1.5x), which is
-    what speculation needs; both of eval's decoders run in it. Greedy outputs may then part from the
-    target's at rounding ties, which eval tells apart (eval/report.py `parting`)."""
+def data_dtype(cfg: DemoConfig) -> str | None:
+    """The target's dtype in regenerate and precompute: --dtype when given, else bf16 where it is native
+    (a GPU, or a CPU with AMX / AVX512-BF16), else the stages' default (fp32 on a CPU). On SmolLM2 and 2
+    such cores bf16 makes precompute 2.1x and regenerate 1.3x faster.
+    Eval keeps --dtype (fp32 on a CPU): there, bf16 verifies 4 tokens in what one step costs, but its
+    one-token step is 1.5x slower than fp32's (transformers' linears repack the weights each call), so
+    a bf16 speed-up would be over a slower target than the user can have (measured: 1.18x in bf16 at
+    14.5 target tokens/s, while fp32 decodes 22 tokens/s alone)."""
     if cfg.dtype:
         return cfg.dtype
     return "bf16" if loading.fast_bf16(loading.choose_device(cfg.device)) else None
@@ -190,7 +191,7 @@ def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> s
     outcome = regenerate.run(regenerate.RegenerateConfig(
         target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path, temperature=0.0,
         max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
-        max_samples=profile.samples, device=cfg.device, dtype=target_dtype(cfg)))
+        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg)))
     if outcome.already_complete:
         return "reused"
     print_regenerate_summary(outcome)
@@ -288,7 +289,7 @@ def _precompute(cfg: DemoConfig, profile: Profile, found: dict, data: Path, voca
     result = precompute.run(precompute.PrecomputeConfig(
         target=str(found["smollm2"]), data=str(data), vocab_map=vocab_map, output=cache,
         max_length=profile.max_length, batch_tokens=8192, num_proc=2,
-        device=cfg.device, dtype=target_dtype(cfg), resume=True))
+        device=cfg.device, dtype=data_dtype(cfg), resume=True))
     if result.computed_shards == 0 and (cache / fc.MANIFEST).is_file() and partial:
         return "reused"
     print_precompute_summary(result)
@@ -346,10 +347,9 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
 
     prompts = str(heldout) if heldout is not None else str(found["mt-bench"])
     count = profile.heldout_prompts if heldout is not None else profile.eval_prompts
-    dtype = target_dtype(cfg)
     settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
                 "num_prompts": count, "prompts": prompts,
-                "dtype": str(loading.choose_dtype(dtype, loading.choose_device(cfg.device))).replace("torch.", "")}
+                "dtype": str(loading.choose_dtype(cfg.dtype, loading.choose_device(cfg.device))).replace("torch.", "")}
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
 
@@ -375,7 +375,7 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
     outcome = evaluate.run(evaluate.EvalConfig(
         target=str(found["smollm2"]), draft=export_dir, prompts=prompts, output=eval_dir,
         depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
-        num_prompts=count, device=cfg.device, dtype=dtype))
+        num_prompts=count, device=cfg.device, dtype=cfg.dtype))
     print_table(outcome)
     keep(outcome.overall, outcome.busy)
     return "ran"

@@ -153,10 +153,6 @@ def run(cfg: EvalConfig) -> EvalResult:
 
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
-    if cfg.engine == "torch" and (hint := loading.bf16_hint(
-            cfg.dtype, device, "times both decoders in bf16, where verifying several tokens costs about what "
-                               "one decoding step does")):
-        info(hint)
     info(f"loading {target_dir.name} ({str(dtype).replace('torch.', '')} on {device}) and the draft "
          f"{loaded.describe()}" + (" in vLLM" if cfg.engine == "vllm" else ""))
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth

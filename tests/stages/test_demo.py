@@ -177,9 +177,9 @@ def test_help_states_both_profiles_expected_durations(capsys):
     assert f"--quick about {quick:g} minutes" in text and f"the default about {full:g}" in text
 
 
-def test_data_stages_run_the_target_in_bf16_only_where_it_is_native(monkeypatch):
+def test_regenerate_and_precompute_run_the_target_in_bf16_only_where_it_is_native(monkeypatch):
     monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: True)
-    assert demo.target_dtype(demo.DemoConfig()) == "bf16"
-    assert demo.target_dtype(demo.DemoConfig(dtype="fp32")) == "fp32"  # --dtype wins
+    assert demo.data_dtype(demo.DemoConfig()) == "bf16"
+    assert demo.data_dtype(demo.DemoConfig(dtype="fp32")) == "fp32"  # --dtype wins
     monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: False)
-    assert demo.target_dtype(demo.DemoConfig()) is None  # the stages' default (fp32 on a CPU)
+    assert demo.data_dtype(demo.DemoConfig()) is None  # the stages' default (fp32 on a CPU)
