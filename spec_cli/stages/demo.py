@@ -399,7 +399,7 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
     record = folder / DEMO_JSON
     if record.is_file():
         before = json.loads(record.read_text()).get("profile", {})
-        if before.get("name") != profile.name or before != asdict(profile):
+        if before.get("name") != profile.name or _shaping(before) != _shaping(asdict(profile)):
             raise ConfigError(f"{folder} holds a demo with other settings ({before.get('name')})",
                               "use another --output folder, or delete that one to start over")
     elif folder.is_dir() and any(folder.iterdir()):
@@ -407,6 +407,12 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
                           "give `spec demo --output` a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     write_json(record, {"kind": "demo", "profile": asdict(profile), "stages": []})
+
+
+def _shaping(profile: dict) -> dict:
+    """A profile's fields that shape its artifacts: all but the stated duration, so that a new estimate
+    in a release does not disown a folder whose stages it would make the same."""
+    return {k: v for k, v in profile.items() if k != "expected_minutes"}
 
 
 def _produced(folder: Path) -> dict[str, dict]:

@@ -160,6 +160,18 @@ def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(t
            "got 40% of the 2 core(s) it used" in printed
 
 
+def test_a_new_duration_estimate_keeps_the_folder_but_other_settings_do_not(tmp_path):
+    from dataclasses import asdict, replace
+
+    folder = tmp_path / "demo"
+    demo._claim_folder(folder, TINY)
+    demo._claim_folder(folder, replace(TINY, expected_minutes=TINY.expected_minutes + 3))  # same artifacts
+    record = json.loads((folder / demo.DEMO_JSON).read_text())
+    assert record["profile"] == asdict(replace(TINY, expected_minutes=TINY.expected_minutes + 3))
+    with pytest.raises(demo.ConfigError, match="holds a demo with other settings"):
+        demo._claim_folder(folder, replace(TINY, steps=TINY.steps + 1))
+
+
 def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
     out = tmp_path / "busy"
     out.mkdir()
