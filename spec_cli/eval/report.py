@@ -126,9 +126,9 @@ def identity_text(overall: dict, dtype: str) -> str:
     same, turns, ties = overall["same_as_target"], overall["turns"], overall.get("parted_at_tie", 0)
     text = f"greedy outputs identical to the target's: {same}/{turns} turns"
     if ties:
-        text += (f"; {ties} more part from it where its top two logits tie within {dtype} rounding (margin "
-                 f"<= {overall['largest_tie_margin']:.3g}): a verification of several tokens rounds "
-                 "differently from one-token decoding (fp32 decodes identically)")
+        text += (f"; {ties} more part from it where its logit for our token ties its choice within {dtype} "
+                 f"rounding (margin <= {overall['largest_tie_margin']:.3g}): a verification of several tokens "
+                 "rounds differently from one-token decoding (fp32 decodes identically)")
     other = overall.get("parted_not_tie", 0)
     if other:
         text += (f"; WARNING: {other} part from it where its logits do not tie (outputs.jsonl: "
