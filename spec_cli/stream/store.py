@@ -9,25 +9,17 @@ Bytes are what the store really holds: the distinct tensor storages of a sample 
 one buffer count once), the file size in a folder. Space is reserved before a sample is written, so
 the bound holds while writes are in flight too.
 
-MemoryStore   tensors kept as given (same device, no copy); one process.
-FolderStore   one safetensors file per sample (metadata in the file's header), for a producer and a
-              consumer in different processes on one machine. Across processes:
-              - safe: put (the bound is checked and space reserved under an flock on `.lock`, so two
-                processes cannot both pass the check), get (a sample appears whole, by an atomic
-                rename), release/evict (unlink);
-              - not shared: the statistics (each process counts its own puts and waits; peaks are
-                measured from the folder, so they include every process's samples at this process's
-                puts), and wake-ups (a put waiting for another process's release polls every
-                `poll_s`);
-              - the owner's close() deletes every sample in the folder, other processes' too;
-              - sample ids must be unique across the processes (prefix them with a run id);
-              - local disks only: flock over network file systems is not reliable.
-              Files are not fsynced: the store is a queue for a live run, not an artifact.
+MemoryStore   tensors kept as given (same device, no copy).
+FolderStore   one safetensors file per sample (metadata in the file's header), in a folder that
+              belongs to this store alone: a trainer's producer threads and its consumer, in one
+              process. A sample file appears whole (written aside, then renamed); close() deletes
+              the folder. Files are not fsynced: the store is a queue for a live run, not an artifact.
+
+Both are safe between the threads of one process; neither is shared between processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -41,13 +33,7 @@ import torch
 
 from spec_cli.errors import ConfigError, SpecError
 
-try:  # POSIX; without it a FolderStore is safe between the threads of one process only
-    import fcntl
-except ImportError:  # pragma: no cover (Windows)
-    fcntl = None
-
 SUFFIX = ".safetensors"
-LOCK_NAME = ".lock"
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _TMP = re.compile(r"\.(?P<id>.+)\.(?P<nbytes>\d+)\.tmp")
 
@@ -91,7 +77,6 @@ class FeatureStore:
     """The bounds, the waiting and the statistics; subclasses hold the samples."""
 
     kind = "base"
-    poll_s: float | None = None  # wait this long between re-checks (None: only wake-ups)
 
     def __init__(self, max_samples: int | None = None, max_bytes: int | None = None):
         for name, value in (("max_samples", max_samples), ("max_bytes", max_bytes)):
@@ -137,11 +122,6 @@ class FeatureStore:
     def get(self, sample_id: str) -> Sample:
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Held with the lock around reservations and commits (a FolderStore adds an flock)."""
-        yield
-
     # ------------------------------------------------------------------ the interface
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None,
             block: bool = True, timeout: float | None = None) -> int:
@@ -161,8 +141,7 @@ class FeatureStore:
                 while True:
                     if self._closed:
                         raise StoreClosedError("the stream store is closed", "the run is shutting down")
-                    with self._exclusive():
-                        held = self._reserve(sample_id, payload, nbytes)
+                    held = self._reserve(sample_id, payload, nbytes)
                     if held is not None:
                         break
                     if not block or (deadline is not None and time.monotonic() >= deadline):
@@ -174,9 +153,7 @@ class FeatureStore:
                     if waited_from is None:
                         waited_from = time.monotonic()
                         self._stats["put_waits"] += 1
-                    waits = [w for w in (self.poll_s, None if deadline is None
-                                         else deadline - time.monotonic()) if w is not None]
-                    self._cond.wait(max(0.0, min(waits)) if waits else None)
+                    self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             finally:
                 if waited_from is not None:
                     self._stats["put_wait_s"] += time.monotonic() - waited_from
@@ -190,15 +167,13 @@ class FeatureStore:
                 if self._closed:
                     raise StoreClosedError("the stream store was closed during a put",
                                            "the run is shutting down")
-                with self._exclusive():
-                    self._commit(sample_id)
+                self._commit(sample_id)
                 committed = True
                 self._stats["puts"] += 1
         finally:
             with self._cond:
                 if not committed:
-                    with self._exclusive():
-                        self._abandon(sample_id)
+                    self._abandon(sample_id)
                 self._writing -= 1
                 self._cond.notify_all()
         return nbytes
@@ -251,7 +226,7 @@ class FeatureStore:
             return self._usage()[1]
 
     def health(self) -> dict:
-        """Size, bounds, peaks and waits (this process's view)."""
+        """Size, bounds, peaks and waits."""
         with self._cond:
             samples, used = self._usage()
             return {"backend": self.kind, "samples": samples, "bytes": used,
@@ -311,38 +286,23 @@ class MemoryStore(FeatureStore):
 
 
 class FolderStore(FeatureStore):
-    """One `<id>.safetensors` file per sample in `folder`; see the module notes for processes.
+    """One `<id>.safetensors` file per sample in `folder`, which belongs to this store (one process).
 
     A put reserves its room as `.<id>.<nbytes>.tmp` (its size is in the name, so a reservation counts
     in full before it is written), writes it, and renames it to `<id>.safetensors`.
-    owner: close() deletes every sample, the lock file and the folder (when empty); a process that
-    only shares someone else's folder passes owner=False.
+    close() deletes every sample and the folder (when empty).
     """
 
     kind = "folder"
-    poll_s = 0.05
 
-    def __init__(self, folder: Path, max_samples: int | None = None, max_bytes: int | None = None,
-                 owner: bool = True):
+    def __init__(self, folder: Path, max_samples: int | None = None, max_bytes: int | None = None):
         super().__init__(max_samples, max_bytes)
-        self.folder, self.owner = Path(folder), owner
+        self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-        self._mine: dict[str, Path] = {}  # this process's reservations, not yet committed
+        self._mine: dict[str, Path] = {}  # reservations not yet committed
 
     def _path(self, sample_id: str) -> Path:
         return self.folder / f"{sample_id}{SUFFIX}"
-
-    @contextlib.contextmanager
-    def _exclusive(self):
-        if fcntl is None or self._lock_fd is None:
-            yield
-            return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _entries(self) -> Iterator[tuple[str, int, Path | None]]:
         """(sample id, bytes, reservation file or None) for everything the folder holds."""
@@ -387,8 +347,8 @@ class FolderStore(FeatureStore):
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileNotFoundError:
-            raise StoreClosedError(f"the stream folder {self.folder} is gone",
-                                   "its owner closed the store") from None
+            raise StoreError(f"the stream folder {self.folder} is gone",
+                             "something deleted it during the run; keep it for this trainer alone") from None
         self._mine[sample_id] = tmp
         return samples + 1, used + nbytes
 
@@ -400,8 +360,8 @@ class FolderStore(FeatureStore):
         try:
             os.replace(self._mine.pop(sample_id), self._path(sample_id))
         except FileNotFoundError:
-            raise StoreClosedError(f"the stream folder {self.folder} is gone",
-                                   "its owner closed the store") from None
+            raise StoreError(f"the stream folder {self.folder} is gone",
+                             "something deleted it during the run; keep it for this trainer alone") from None
 
     def _abandon(self, sample_id):
         tmp = self._mine.pop(sample_id, None)
@@ -419,24 +379,16 @@ class FolderStore(FeatureStore):
         for sample_id in list(self._mine):  # reservations of puts that never finished
             self._abandon(sample_id)
         n = 0
-        if self.owner:
-            with self._exclusive():
-                for sample_id, _, tmp in list(self._entries()):
-                    if tmp is None:
-                        n += self._remove(sample_id)
-                    else:  # another process's put: its commit will find the folder gone
-                        tmp.unlink(missing_ok=True)
-        self._close_lock()
-        if self.owner:
-            (self.folder / LOCK_NAME).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # not empty: files that are not ours; leave them
-                self.folder.rmdir()
+        for sample_id, _, tmp in list(self._entries()):
+            if tmp is None:
+                n += self._remove(sample_id)
+            else:  # a stray reservation file
+                tmp.unlink(missing_ok=True)
+        try:
+            self.folder.rmdir()
+        except OSError:  # not empty: files that are not the store's; leave them
+            pass
         return n
-
-    def _close_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     def get(self, sample_id):
         from safetensors import SafetensorError, safe_open

@@ -1,9 +1,7 @@
 """The feature store: round trips, bounds that block and wake, close, and the byte bound under a slow
-consumer, in memory and in a shared folder (across processes too)."""
+consumer, in memory and in a folder."""
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,8 +12,6 @@ import torch
 from spec_cli.errors import ConfigError
 from spec_cli.stream.store import (FolderStore, MemoryStore, SampleTooLargeError, StoreClosedError,
                                    StoreError, StoreFullError)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["memory", "folder"])
@@ -219,43 +215,3 @@ def test_a_slow_consumer_never_lets_the_store_exceed_max_bytes(make_store):
     store.close()
     assert left_in(make_store.folder) == []
 
-
-PRODUCER = """
-import sys, torch
-from spec_cli.stream.store import FolderStore
-store = FolderStore(sys.argv[1], max_samples=2, owner=False)
-for i in range(6):
-    store.put(f"child-{i}", {"x": torch.full((256,), float(i))}, {"i": i})
-store.close()
-print("done", store.health()["put_waits"])
-"""
-
-
-@pytest.mark.slow
-def test_the_folder_is_shared_safely_between_processes(tmp_path):
-    """A producer process and this consumer process: the bound holds across them, every sample
-    arrives whole, and the owner's close leaves nothing behind."""
-    folder = tmp_path / "shared"
-    store = FolderStore(folder, max_samples=2)
-    child = subprocess.Popen([sys.executable, "-c", PRODUCER, str(folder)], cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    got, most = [], 0
-    deadline = time.monotonic() + 60
-    while len(got) < 6 and time.monotonic() < deadline:
-        most = max(most, len(store))
-        i = len(got)
-        if _has(store, f"child-{i}"):
-            time.sleep(0.05)  # slower than the producer
-            sample = store.take(f"child-{i}")
-            assert sample.metadata == {"i": i}
-            assert torch.equal(sample.tensors["x"], torch.full((256,), float(i)))
-            got.append(i)
-        else:
-            time.sleep(0.005)
-    out, err = child.communicate(timeout=60)
-    assert child.returncode == 0, err[-2000:]
-    assert got == list(range(6)) and most <= 2
-    assert int(out.split()[-1]) > 0  # the child did wait on the bound
-    store.close()
-    assert not folder.exists()
