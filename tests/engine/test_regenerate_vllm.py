@@ -14,7 +14,7 @@ from tests.engine.test_vllm import save_vllm_sized_target
 from tests.stages.test_regenerate import add_end_tokens, multi_turn
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # two regenerations, one in vLLM (over 10 s)
 
 
 def test_vllm_answers_as_transformers_does_at_temperature_0(tmp_path, capsys):

@@ -73,6 +73,7 @@ def _eval(trained, draft, out: Path, *extra: str) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
+@pytest.mark.slow
 def test_vllm_eval_counts_equal_the_pytorch_evaluator(trained, tmp_path):
     torch_report = _eval(trained, trained["run"], tmp_path / "torch")
     vllm_report = _eval(trained, trained["run"], tmp_path / "vllm", "--engine", "vllm")
@@ -92,6 +93,7 @@ def test_vllm_eval_counts_equal_the_pytorch_evaluator(trained, tmp_path):
     assert (tmp_path / "vllm" / "acceptance.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_vllm_eval_reads_a_speculators_export_and_refuses_sglang(trained, tmp_path, capsys):
     assert main(["export", str(trained["run"]), "--format", "speculators", "--dtype", "fp32", "--engine-check",
                  "none", "-o", str(tmp_path / "spec"), "-q"]) == 0
@@ -165,6 +167,7 @@ def _children() -> set[int]:
     return out
 
 
+@pytest.mark.slow
 def test_engines_are_released_on_ctrl_c_and_on_error(trained, tmp_path, monkeypatch, capsys):
     from spec_cli.engine import vllm
 

@@ -140,6 +140,7 @@ def test_unreachable_and_silent_servers_fail_fast():
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local):
     proc = ServerProcess(tiny_llama_dir)
     try:

@@ -185,6 +185,7 @@ def test_serve_runs_until_the_last_client_disconnects(tiny_llama_dir):
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_cleanly(tiny_llama_dir):
     proc = ServerProcess(tiny_llama_dir, token=TOKEN)
     try:

@@ -59,6 +59,7 @@ def base(tmp_path_factory):
             "vm": {n: root / f"vm-{n}.safetensors" for n in ("gemma", "file")}, "cache": root / "cache"}
 
 
+@pytest.mark.slow
 def test_a_base_target_without_the_option_is_one_error_naming_it(base, tmp_path):
     out = subprocess.run([sys.executable, "-m", "spec_cli.cli", "build-vocab-map", "-t", str(base["target"]),
                           "-d", str(base["data"]), "--draft-vocab-size", "64", "-o", str(tmp_path / "v")],
@@ -145,6 +146,7 @@ def test_train_checks_the_template_and_the_draft_records_it(base, tmp_path):
     assert provenance["chat_template_source"] == "family gemma"
 
 
+@pytest.mark.slow
 def test_serve_target_ships_its_template_and_a_remote_trainer_checks_it(base, tmp_path):
     from spec_cli.serve.client import RemoteBackend
     from tests.serve.harness import ServerProcess
