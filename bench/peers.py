@@ -224,7 +224,7 @@ def spec_cli_peer_positions(draft, batch, ttt_steps: int = 7):
     """spec_cli's own pieces (`Eagle3Draft.ttt_step`, the soft-CE head of `ttt_forward`) unrolled
     with step k's queries and keys rotated at position t + k, the peers' convention. Returns ([K]
     soft-CE per step with grad, [K] top-1 accuracy over loss_mask)."""
-    from spec_cli.draft.ttt import _head, shift_left
+    from spec_cli.draft.eagle3.ttt import _head, shift_left
 
     B, T = batch.input_ids.shape
     positions = torch.arange(T).expand(B, T)
@@ -274,7 +274,7 @@ def check(name: str, build, T: int = 64, ttt_steps: int = 7, step_weight: float 
                total loss against the same combination of spec_cli's per-step losses;
     step0_err: |peer soft-CE_0 - ttt_forward's|, spec_cli as shipped;
     shipped_gap: max_{k>=1} |peer soft-CE_k - ttt_forward's|: the rope-position convention."""
-    from spec_cli.draft.ttt import ttt_forward
+    from spec_cli.draft.eagle3.ttt import ttt_forward
 
     draft, batch = check_batch(build, T)
     shipped = ttt_forward(draft, batch, ttt_steps=ttt_steps, step_weight=step_weight)

@@ -76,7 +76,7 @@ def step_zero_positions():
     """The TTT unroll as it was before positions advanced with the step (for the A/B row only)."""
     import inspect
 
-    from spec_cli.draft import ttt
+    from spec_cli.draft.eagle3 import ttt
 
     source = inspect.getsource(ttt.ttt_forward)
     assert "draft.rope(position_ids + k)" in source

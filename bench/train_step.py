@@ -53,7 +53,7 @@ SHAPE = dict(vocab_size=49152, target_hidden_size=576, aux_layer_ids=[1, 14, 26]
 def build(T: int, seed: int = 0, supervised: float = 1.0):
     from spec_cli.batch import TargetBatch
     from spec_cli.draft.config import DraftConfig
-    from spec_cli.draft.model import Eagle3Draft
+    from spec_cli.draft.eagle3.model import Eagle3Draft
 
     torch.manual_seed(seed)
     cfg = DraftConfig(**SHAPE)
@@ -151,7 +151,7 @@ def peak_rss_mb() -> float:
 
 
 def worker(impl: str, T: int, iters: int, checkpoint: bool, supervised: float, args) -> dict:
-    from spec_cli.draft.ttt import ttt_forward
+    from spec_cli.draft.eagle3.ttt import ttt_forward
 
     draft, batch = build(T, supervised=supervised)
     model, loss_fn = draft, None
@@ -193,7 +193,7 @@ def worker(impl: str, T: int, iters: int, checkpoint: bool, supervised: float, a
 
 def check_agreement() -> float:
     """spec_cli's TTT loss and gradients equal the reference's on a short input."""
-    from spec_cli.draft.ttt import ttt_forward
+    from spec_cli.draft.eagle3.ttt import ttt_forward
 
     draft, batch = build(64)
     draft = draft.double()

@@ -50,9 +50,13 @@ NumProc = Annotated[int, typer.Option(
 VocabMap = Annotated[Path, typer.Option(
     "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.", rich_help_panel=INPUTS)]
 AuxLayers = Annotated[Optional[str], typer.Option(
-    "--aux-layers", help="Three target layers the draft reads, as 0-indexed layer OUTPUTS "
-                         "(e.g. 1,14,26). Default: 1, N//2-1, N-4 for an N-layer target.",
+    "--aux-layers", help="The target layers the draft reads (EAGLE-3: three), as 0-indexed layer OUTPUTS "
+                         "(e.g. 1,14,26). Default: the algorithm's; EAGLE-3: 1, N//2-1, N-4 for an "
+                         "N-layer target.",
     rich_help_panel=INPUTS)]
+DraftAlgorithm = Annotated[str, typer.Option(
+    "--algorithm", help="The draft algorithm: eagle3 (EAGLE-3). It decides how many target layers are "
+                        "captured and which by default (--aux-layers).", rich_help_panel=INPUTS)]
 Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option(
@@ -81,6 +85,7 @@ def in_panel(panel: str, option):
 
 
 DraftAuxLayers = in_panel(DRAFT, AuxLayers)  # train: the layers are part of the draft's design
+TrainAlgorithm = in_panel(DRAFT, DraftAlgorithm)
 
 
 def parse_duration(text: str | None, option: str) -> float | None:
@@ -243,6 +248,7 @@ def precompute_cmd(
                            "probs: aux states + target probabilities over the draft vocab.",
         rich_help_panel=INPUTS)] = "hidden",
     aux_layers: AuxLayers = None,
+    algorithm: DraftAlgorithm = "eagle3",
     batch_tokens: Annotated[int, typer.Option(
         "--batch-tokens", help="Bound on B x padded length per target batch (length-bucketed).",
         min=1, rich_help_panel=RUNTIME)] = 8192,
@@ -278,7 +284,7 @@ def precompute_cmd(
     set_quiet(quiet)
     result = stage.run(stage.PrecomputeConfig(
         target=target, data=data, vocab_map=vocab_map, output=output, encoding=encoding,
-        aux_layers=aux_layers, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
+        aux_layers=aux_layers, algorithm=algorithm, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
         dtype=dtype, storage_dtype=storage_dtype, resume=resume, target_engine=target_engine, threads=threads,
         chat_template=chat_template))
@@ -391,6 +397,7 @@ def train_cmd(
                                    "(taken from the target by default, scaling included; needed only for a "
                                    "scaling type the draft does not compute).", min=1.0,
         rich_help_panel=DRAFT)] = None,
+    algorithm: TrainAlgorithm = "eagle3",
     aux_layers: DraftAuxLayers = None,
     chat_template: Annotated[Optional[str], typer.Option(
         "--chat-template", help="Live --target / --remote: render conversations with this chat template (a "
@@ -432,7 +439,7 @@ def train_cmd(
         stream_max_bytes=parse_size(stream_max_bytes, "--stream-max-bytes"),
         stream_dir=stream_dir,
         max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
-        eval_fraction=eval_fraction, num_proc=num_proc, aux_layers=aux_layers,
+        eval_fraction=eval_fraction, num_proc=num_proc, algorithm=algorithm, aux_layers=aux_layers,
         draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
         draft_intermediate_size=draft_intermediate_size, draft_heads=draft_heads,
         draft_kv_heads=draft_kv_heads, fc_norm=fc_norm, norm_output=norm_output,
@@ -579,6 +586,7 @@ def serve_target_cmd(
                                                   "request. Default: $SPEC_SERVE_TOKEN; unset: no check.",
         rich_help_panel=SERVER)] = None,
     aux_layers: AuxLayers = None,
+    algorithm: DraftAlgorithm = "eagle3",
     device: Device = None,
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
@@ -614,7 +622,8 @@ def serve_target_cmd(
     serve(target, host=host, port=port, token=token, aux_layers=aux_layers, device=device, dtype=dtype,
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
-          exit_on_disconnect=exit_on_disconnect, target_engine=target_engine, chat_template=chat_template)
+          exit_on_disconnect=exit_on_disconnect, target_engine=target_engine, chat_template=chat_template,
+          algorithm=algorithm)
 
 
 @app.command("demo", cls=Command)

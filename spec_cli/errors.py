@@ -37,6 +37,14 @@ class AssetError(SpecError):
     """A built-in asset that cannot be found or installed."""
 
 
+class ExportError(ArtifactError):
+    """The draft cannot be exported for this engine without serving differently than it was trained."""
+
+
+class ExportCheckError(ExportError):
+    """The written folder, read back with the engine's loading rules, does not reproduce the checkpoint."""
+
+
 def listing(problems: list[str], shown: int = 3) -> str:
     """The first problems, joined for a one-line error, and how many more there are."""
     more = f" (+{len(problems) - shown} more)" if len(problems) > shown else ""

@@ -135,6 +135,7 @@ class DraftConfig:
     chat_template_source: str = ""
     tokenizer_base_fingerprint: str = ""  # the tokenizer without its template (tells the two apart)
     vocab_map_fingerprint: str = ""
+    algorithm: str = "eagle3"  # the draft algorithm (spec_cli/draft/algorithms.py); older checkpoints: eagle3
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -143,8 +144,12 @@ class DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft heads {self.num_attention_heads} not divisible by kv heads "
                               f"{self.num_key_value_heads}", "choose kv heads that divide the heads")
-        if len(self.aux_layer_ids) != 3:
-            raise ConfigError("EAGLE-3 drafts read exactly three aux layers", "pass three --aux-layers")
+        from spec_cli.draft.algorithms import get
+
+        count = get(self.algorithm).aux_layers
+        if len(self.aux_layer_ids) != count:
+            raise ConfigError(f"{self.algorithm} drafts read exactly {count} aux layers, this config has "
+                              f"{len(self.aux_layer_ids)}", f"pass {count} --aux-layers")
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],

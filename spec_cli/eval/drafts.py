@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_cli.data import chat_templates
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft import algorithms
 from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines, reader
 from spec_cli.export.source import load_source
@@ -24,7 +24,7 @@ from spec_cli.target import loading
 
 @dataclass
 class LoadedDraft:
-    model: Eagle3Draft  # on the CPU, fp32; aux_layer_ids in the order the draft concatenates them
+    model: object  # the algorithm's draft module, on the CPU, fp32; aux_layer_ids in the order the draft concatenates them
     kind: str  # "run" | "checkpoint" | "export"
     path: Path  # the folder read (the checkpoint folder for a run)
     format: str | None = None  # export format
@@ -59,7 +59,7 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
     # A checkpoint's embedding is in its run's frozen.safetensors; one taken out of its run folder
     # embeds with the target's own table, as an export does (the same table, copied at training).
     src = load_source(path, frozen_required=False)
-    model = Eagle3Draft(src.config)
+    model = algorithms.get(src.config.algorithm).build(src.config)
     model.load_state_dict(src.state, strict=not src.missing_frozen)
     recorded = {"vocab_size": src.config.vocab_size, "target_hidden_size": src.config.target_hidden_size,
                 "target_num_layers": src.config.target_num_layers,
@@ -117,7 +117,7 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
         config = reader.draft_config(view, outputs, n_layers, target_architecture=arch,
                                      target_fingerprint=block.get("target_fingerprint") or "",
                                      tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "")
-        model = Eagle3Draft(config)
+        model = algorithms.get(config.algorithm).build(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         model.set_vocab_map(engine.targets)  # [Vd] the target id the engine emits per draft id
     except ConfigError as exc:

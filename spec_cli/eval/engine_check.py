@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.draft.model import Eagle3Draft
-from spec_cli.errors import ArtifactError, ConfigError, listing
+from spec_cli.draft import algorithms
+from spec_cli.errors import ArtifactError, ConfigError, ExportCheckError, listing
 from spec_cli.eval import prompts
 from spec_cli.eval.report import Tally
 from spec_cli.eval.speculative import Settings, eos_ids, generate
 from spec_cli.eval.target import Target
-from spec_cli.export.errors import ExportCheckError
 from spec_cli.export.source import DraftSource
 from spec_cli.target import loading
 
@@ -95,9 +94,9 @@ def refuse_unservable(target_config) -> None:
                             "anyway")
 
 
-def reference_draft(src: DraftSource, dtype: torch.dtype) -> Eagle3Draft:
+def reference_draft(src: DraftSource, dtype: torch.dtype):
     """The checkpoint's draft with its float weights rounded to the export dtype (what the files hold)."""
-    draft = Eagle3Draft(src.config)
+    draft = algorithms.get(src.config.algorithm).build(src.config)
     state = {k: (v.to(dtype).float() if v.is_floating_point() else v) for k, v in src.state.items()}
     draft.load_state_dict(state)
     return draft.eval()

@@ -1,4 +1,4 @@
-"""EAGLE-3 speculative decoding, batch size 1, in short functions (after gpt-fast's `speculative_decode`).
+"""Speculative decoding with an EAGLE-style draft, batch size 1, in short functions (after gpt-fast's `speculative_decode`).
 
 Indexing. x[0..n-1] are the tokens so far (prompt, then output). The target's cache holds x[0..n-2]:
 the newest token x[n-1] goes into the next verification. a[i] [3*H_t] are the target's aux states at
@@ -10,6 +10,7 @@ x[n]; a deeper draft step at slot n-2+j reads its own proposal with the state th
 One step of the loop (`generate`):
     catch_up   run the draft on the slots the target just produced aux states for (its TRUE states)
     draft      chain: `depth` proposals, each fed back for the next; tree: EAGLE-2 top-k expansion
+               (both are the draft algorithm's: `Algorithm.catch_up` / `.propose`, spec_cli/draft/decoding.py)
     verify     ONE target forward over [x[n-1], proposals] (tree: ancestor mask, position = n-1+depth)
     accept     the longest path the target agrees with, then one token of the target's own (bonus)
     commit     the target cache keeps the accepted path, the draft cache drops everything it drafted
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.draft.model import Eagle3Draft, KVCache
+from spec_cli.draft import algorithms
+from spec_cli.draft.decoding import Proposal, probs
 from spec_cli.eval.target import Target, tree_attention
 from spec_cli.generation import TOP_LOGITS, Generation
 
@@ -60,22 +62,7 @@ def eos_ids(tokenizer, generation_config) -> frozenset[int]:
     return frozenset(int(i) for i in ids if i is not None)
 
 
-@dataclass
-class Proposal:
-    """Drafted tokens as a tree over the root (the newest committed token); a chain is a path."""
-    tokens: torch.Tensor  # [N] target ids, parents before children
-    parents: torch.Tensor  # [N] parent node index, -1 = the root
-    depths: torch.Tensor  # [N] 1 = a child of the root
-    q: torch.Tensor | None = None  # [N, V] the draft distribution each token was sampled from (chain)
-    chain: bool = True
-
-
 # ----------------------------------------------------------------------------- sampling
-
-def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[..., V] logits -> probabilities (fp32) at this temperature (> 0)."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index drawn from the probabilities p [V]."""
@@ -87,90 +74,6 @@ def next_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
     if temperature == 0:
         return int(logits.argmax())
     return sample(probs(logits, temperature), generator)
-
-
-# ----------------------------------------------------------------------------- the draft
-
-def catch_up(draft: Eagle3Draft, cache: KVCache, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    """Draft slots len(cache) .. len(cache)+m-1 read (ids [m], project(aux [m, 3*H_t])), the target's
-    true aux states. Returns the last slot's state [1, 1, H]: its logits propose the next token."""
-    start, m = len(cache), ids.numel()
-    positions = torch.arange(start, start + m, device=ids.device)[None]  # [1, m]
-    state = draft.forward_step(ids[None], draft.project(aux[None]), positions, cache)  # [1, m, H]
-    return state[:, -1:]
-
-
-def draft_chain(draft: Eagle3Draft, cache: KVCache, state: torch.Tensor, depth: int,
-                temperature: float, generator: torch.Generator | None) -> Proposal:
-    """`depth` tokens, each from the state of the previous draft step (greedy, or sampled from q at
-    the temperature). state [1, 1, H]: the state of slot len(cache) - 1, which read the newest token."""
-    pos = len(cache)  # slot of the first proposal when it is fed back
-    selected = draft.to_target_ids(torch.arange(draft.config.draft_vocab_size, device=state.device))
-    tokens, qs = [], []
-    for j in range(depth):
-        if j:  # feed the previous proposal, with the state that proposed it, one position on
-            positions = torch.full((1, 1), pos + j - 1, device=state.device)
-            state = draft.forward_step(tokens[-1].view(1, 1), state, positions, cache)  # [1, 1, H]
-        logits = draft.logits(state[0, -1]).float()  # [Vd]
-        if temperature == 0:
-            d = logits.argmax()
-        else:
-            q = probs(logits, temperature)  # [Vd]
-            d = torch.multinomial(q, 1, generator=generator)[0]
-            qs.append(torch.zeros(draft.config.vocab_size, device=q.device).index_copy_(0, selected, q))
-        tokens.append(draft.to_target_ids(d))
-    k = len(tokens)
-    return Proposal(tokens=torch.stack(tokens), parents=torch.arange(k, device=state.device) - 1,
-                    depths=torch.arange(1, k + 1, device=state.device),
-                    q=torch.stack(qs) if qs else None, chain=True)
-
-
-def draft_tree(draft: Eagle3Draft, cache: KVCache, state: torch.Tensor, depth: int, topk: int,
-               num_tokens: int) -> Proposal:
-    """EAGLE-2 dynamic tree. Score of a node = cumulative draft log-prob of its path. Depth 1: the root's
-    top-k. Then per depth: feed the k best nodes of the last depth (the frontier) in one draft forward
-    (each attends the committed slots, its ancestors' slots and itself), take the top-k children of
-    each (k*k candidates) and keep the k best as the next frontier. Finally keep the `num_tokens` best
-    nodes of all (a child never scores above its parent, so the set contains every kept node's path)."""
-    device = state.device
-    k, L0 = topk, len(cache)  # slot L0 - 1 read the newest token: it is the root's
-    logp = torch.log_softmax(draft.logits(state[0, -1]).float(), dim=-1)  # [Vd]
-    score, ids = logp.topk(k)  # [k]
-    scores, tokens, parents = [score], [ids], [torch.full((k,), -1, device=device)]
-    frontier = torch.arange(k, device=device)  # node indices of the last depth's k best
-    hidden = state.expand(1, k, -1)  # [1, k, H] the state that proposed each frontier node
-    seen = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, fed]: drafted slots each frontier node sees
-    for d in range(2, depth + 1):
-        eye = torch.eye(k, dtype=torch.bool, device=device)
-        mask = torch.cat([torch.ones(k, L0, dtype=torch.bool, device=device), seen, eye], dim=1)
-        positions = torch.full((1, k), L0 - 1 + d - 1, device=device)  # depth d-1 nodes, fed at depth d
-        node_ids = draft.to_target_ids(torch.cat(tokens)[frontier])[None]  # [1, k]
-        states = draft.forward_step(node_ids, hidden, positions, cache, mask[None, None])  # [1, k, H]
-        logp = torch.log_softmax(draft.logits(states[0]).float(), dim=-1)  # [k, Vd]
-        child_score, child_ids = (torch.cat(scores)[frontier][:, None] + logp).topk(k, dim=-1)  # [k, k]
-        first = sum(s.numel() for s in scores)  # index of the first new node
-        scores.append(child_score.flatten())
-        tokens.append(child_ids.flatten())
-        parents.append(frontier.repeat_interleave(k))
-        best = child_score.flatten().topk(k).indices  # [k] of the k*k candidates
-        frontier = first + best
-        hidden = states[:, best // k]  # [1, k, H]
-        seen = torch.cat([seen, eye], dim=1)[best // k]  # a child sees what its parent saw, and the parent
-    scores, tokens, parents = torch.cat(scores), torch.cat(tokens), torch.cat(parents)
-    depths = torch.cat([torch.full((k,), 1, device=device)]
-                       + [torch.full((k * k,), d, device=device) for d in range(2, depth + 1)])
-    # best first; ties go to the shallower node, so a parent always precedes its children
-    order = torch.sort(depths, stable=True).indices
-    order = order[torch.sort(scores[order], descending=True, stable=True).indices]
-    keep = order[:num_tokens or None].sort().values  # kept nodes in creation order: parents before children
-    new_index = torch.full_like(scores, -1, dtype=torch.long)
-    new_index[keep] = torch.arange(keep.numel(), device=device)
-    kept_parents = parents[keep]
-    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
-    if bool((kept_parents[depths[keep] > 1] < 0).any()):
-        raise RuntimeError("draft tree: a kept node lost its parent")  # cannot happen: see the docstring
-    return Proposal(tokens=draft.to_target_ids(tokens[keep]), parents=kept_parents, depths=depths[keep],
-                    chain=False)
 
 
 # ----------------------------------------------------------------------------- the target
@@ -242,25 +145,25 @@ def _cut(new: list[int], settings: Settings) -> list[int]:
 
 
 @torch.no_grad()
-def generate(target: Target, draft: Eagle3Draft, prompt: list[int], settings: Settings,
-             generator: torch.Generator | None = None) -> Generation:
-    """Speculative decoding of one prompt; the output is distributed as the target's own decoding
-    (token for token the same under greedy)."""
+def generate(target: Target, draft, prompt: list[int], settings: Settings,
+             generator: torch.Generator | None = None, algorithm=None) -> Generation:
+    """Speculative decoding of one prompt with `draft` (a module of its algorithm, default: the one its
+    config names); the output is distributed as the target's own decoding (token for token the same
+    under greedy)."""
     start = time.perf_counter()
-    device = draft.fc.weight.device
+    algorithm = algorithm or algorithms.get(draft.config.algorithm)
+    device = next(draft.parameters()).device
     target.capture = True
-    t_cache, d_cache = target.new_cache(), KVCache(len(draft.decoder_layers))
+    t_cache, d_cache = target.new_cache(), draft.new_cache()
     logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device))  # pending [P, 3*H_t]
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
     steps, drafts, appended = [], [], tokens[-1:]
     while not _finished(appended, len(tokens) - len(prompt), settings):
         n = len(tokens)  # target cache: x[0..n-2]; draft cache: slots 0..n-2-len(pending)
         new_ids = torch.tensor(tokens[n - len(pending):], device=device)  # x[i+1] for the pending slots i
-        state = catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
-        if settings.tree:
-            proposal = draft_tree(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens)
-        else:
-            proposal = draft_chain(draft, d_cache, state, settings.depth, settings.temperature, generator)
+        state = algorithm.catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
+        proposal = algorithm.propose(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens,
+                                     settings.temperature, generator)
         d_cache.crop(n - 1)  # drafted slots go; the accepted ones are re-run with the target's aux states
         logits, aux = verify(target, t_cache, new_ids[-1], proposal)  # [N + 1, V], [N + 1, 3*H_t]
         path, bonus = accept(proposal, logits, settings.temperature, generator)

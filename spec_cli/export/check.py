@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from spec_cli.artifacts import vocab_map
+from spec_cli.draft import algorithms
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.model import Eagle3Draft, rope_inv_freq
-from spec_cli.errors import ConfigError, listing
+from spec_cli.draft.layers import rope_inv_freq
+from spec_cli.errors import ConfigError, ExportCheckError, listing
 from spec_cli.export import engines, reader
-from spec_cli.export.errors import ExportCheckError
 from spec_cli.export.source import DraftSource
 
 EXPECTED_FILES = {"config.json", "model.safetensors", "README.md"}
@@ -215,10 +215,10 @@ def _checkpoint_selected_ids(src: DraftSource) -> torch.Tensor | None:
     return selected if torch.equal(selected, vocab_map.ids_from_t2d(src.state["t2d"])) else None
 
 
-def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]) -> Eagle3Draft:
-    """An Eagle3Draft holding `state` (no second copy of the weights: built on the meta device)."""
+def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]):
+    """The algorithm's draft holding `state` (no second copy of the weights: built on the meta device)."""
     with torch.device("meta"):
-        draft = Eagle3Draft(config)
+        draft = algorithms.get(config.algorithm).build(config)
     draft.load_state_dict(state, strict=True, assign=True)
     draft.inv_freq = rope_inv_freq(config)  # non-persistent buffer: rebuild it off the meta device
     draft.attn_impl = "math"
@@ -226,7 +226,7 @@ def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]) -> Eagle3D
 
 
 @torch.no_grad()
-def _predict(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, steps: int):
+def _predict(draft, ids: torch.Tensor, aux: torch.Tensor, steps: int):
     """[(logits [B, T, Vd] fp32, predicted target ids [B, T])] for draft steps 0..steps-1. Step k reads
     the ids rolled left by k and the draft's own state of step k-1 (where norm_output matters)."""
     B, T = ids.shape

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from spec_cli.export.source import DraftSource
-from spec_cli.export.writers import ExportFiles
+from spec_cli.draft.algorithm import ExportFiles
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
 

@@ -74,10 +74,10 @@ def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.T
                  optional: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The checkpoint's tensors are those of an Eagle3Draft with this config, with a valid vocab map;
     -> the `optional` keys it lacks."""
-    from spec_cli.draft.model import Eagle3Draft
+    from spec_cli.draft import algorithms
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in algorithms.get(config.algorithm).build(config).state_dict().items()}
     absent = tuple(k for k in optional if k in expected and k not in state)
     missing = sorted(set(expected) - set(state) - set(absent))
     unknown = sorted(set(state) - set(expected))

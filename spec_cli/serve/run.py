@@ -38,13 +38,14 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
           exit_on_disconnect: bool = False,
           on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
-          chat_template: str | None = None) -> None:
+          chat_template: str | None = None, algorithm: str | None = None) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
     `token` (default: $SPEC_SERVE_TOKEN) is then required on every request. `port` 0 picks a free
     port; `on_ready(url)` is called once the server listens. `target_engine` runs the target in
     transformers or vLLM (the same supervision and target identity either way). `chat_template`
     (--chat-template) replaces the target's own in the tokenizer sent to trainers and in its fingerprint.
+    `algorithm` (--algorithm) is the draft algorithm trained from it: it decides the aux layers.
     """
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
@@ -57,6 +58,9 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     local.check_engine(target_engine)
     template = chat_templates.resolve(chat_template)
     target_dir = loading.resolve_target(assets.resolve_target_arg(str(target)))
+    if not isinstance(aux_layers, list):
+        aux_layers = loading.parse_aux_layers(aux_layers, loading.num_layers(loading.load_config(target_dir)),
+                                              algorithm)
     backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template)
     try:
         logic = TargetServer(

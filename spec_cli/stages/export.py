@@ -18,15 +18,15 @@ from safetensors.torch import save_file
 from spec_cli import assets
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
-from spec_cli.errors import ConfigError, SpecError
+from spec_cli.draft import algorithms
+from spec_cli.draft.algorithm import DTYPE_NAMES
+from spec_cli.errors import ConfigError, ExportError, SpecError
 from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, FORMATS
 from spec_cli.export import support as engine_support
-from spec_cli.export.errors import ExportError
 from spec_cli.export.check import CheckReport, check_export
 from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
 from spec_cli.export.source import load_source
-from spec_cli.export.writers import DTYPE_NAMES, build
 from spec_cli.target import loading
 
 
@@ -100,9 +100,13 @@ def run(cfg: ExportConfig) -> ExportResult:
                           "use bf16 (the default)")
     dtype = DTYPES[cfg.dtype]
     src = load_source(cfg.source, target=cfg.target)
+    algorithm = algorithms.get(src.config.algorithm)
+    if fmt not in algorithm.formats:
+        raise ConfigError(f"{algorithm.name} drafts are not written as --format {fmt}",
+                          f"use one of {', '.join(algorithm.formats)}")
     _check_target(src)
     support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
-    files = build(src, fmt, dtype)  # refuses drafts the engine cannot serve as trained, before any write
+    files = algorithm.export(src, fmt, dtype)  # refuses what the engine cannot serve as trained, before any write
     files.config["spec_cli"]["engine_support"] = {"engine": support.engine, "served": support.served,
                                                   "reason": support.reason, "source": support.source}
     output = Path(cfg.output).resolve()

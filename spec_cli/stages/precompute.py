@@ -37,6 +37,7 @@ class PrecomputeConfig:
     vocab_map: Path
     output: Path
     encoding: str = "hidden"
+    algorithm: str = "eagle3"  # the draft algorithm the cache is for: it decides the aux layers
     aux_layers: str | None = None
     batch_tokens: int = 8192
     shard_tokens: int = 65536
@@ -123,7 +124,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     config = loading.load_config(target_dir)
     n_layers = loading.num_layers(config)
-    aux_layers = loading.parse_aux_layers(cfg.aux_layers, n_layers)
+    aux_layers = loading.parse_aux_layers(cfg.aux_layers, n_layers, cfg.algorithm)
     template = chat_templates.resolve(cfg.chat_template)
     tokenizer = loading.load_tokenizer(target_dir, template)
     vocab_map = load_vocab_map(cfg.vocab_map)

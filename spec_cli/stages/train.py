@@ -27,10 +27,8 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
-from spec_cli.draft import sharding
-from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.model import Eagle3Draft
-from spec_cli.draft.ttt import ttt_forward
+from spec_cli.draft import algorithms, sharding
+from spec_cli.draft.algorithm import ObjectiveOptions
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
 from spec_cli.target import loading, local
@@ -66,6 +64,7 @@ class TrainConfig:
     eval_fraction: float = 0.02
     num_proc: int = 1
     # draft
+    algorithm: str = "eagle3"  # spec_cli/draft/algorithms.py
     aux_layers: str | None = None
     draft_layers: int = 1
     draft_hidden_size: int | None = None
@@ -159,7 +158,7 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
                                 f"{m['vocab_map_fingerprint']}",
                                 "pass the --vocab-map used for `spec precompute`")
         if cfg.aux_layers not in (None, "", "auto") and \
-                loading.parse_aux_layers(cfg.aux_layers, m["num_layers"]) != m["aux_layers"]:
+                loading.parse_aux_layers(cfg.aux_layers, m["num_layers"], cfg.algorithm) != m["aux_layers"]:
             raise ArtifactError(f"--aux-layers {cfg.aux_layers} differs from the cache's {m['aux_layers']}",
                                 "drop --aux-layers (the cache decides) or precompute again")
         target_config = m.get("target_config") or loading.load_config(m["target"]).to_dict()
@@ -176,7 +175,7 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         raise ConfigError("--target needs --data", "pass the chat data to train on")
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     config = loading.load_config(target_dir)
-    aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config))
+    aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config), cfg.algorithm)
     template = chat_templates.resolve(cfg.chat_template)
     tokenizer = loading.load_tokenizer(target_dir, template)
     tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map {cfg.vocab_map}",
@@ -211,7 +210,7 @@ def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
     try:
         aux_layers = backend.info["aux_layers"]
         if cfg.aux_layers not in (None, "", "auto") and \
-                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"]) != aux_layers:
+                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"], cfg.algorithm) != aux_layers:
             raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
                               "drop --aux-layers (the server decides) or restart it with them")
         tokenizer = chat_templates.apply(backend.load_tokenizer(), template)
@@ -308,20 +307,6 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class TTTObjective(nn.Module):
-    """The draft + its TTT loss behind one forward(), so DDP can wrap it."""
-
-    def __init__(self, draft: Eagle3Draft, cfg: TrainConfig):
-        super().__init__()
-        self.draft = draft
-        self.kw = dict(ttt_steps=cfg.ttt_steps, step_weight=cfg.step_weight, loss=cfg.loss,
-                       lk_kl_scale=cfg.lk_kl_scale, lk_kl_decay=cfg.lk_kl_decay,
-                       checkpoint=cfg.activation_checkpointing)
-
-    def forward(self, batch):
-        return ttt_forward(self.draft, batch, **self.kw)
-
-
 class Metrics:
     """Sums over micro-batches (and ranks) of the TTT metrics."""
 
@@ -360,7 +345,7 @@ class Metrics:
                 "acceptance_length": accept, "tokens": int(self.tokens)}
 
 
-def evaluate(objective: TTTObjective, source: Source, eval_batches: list, cfg: TrainConfig,
+def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: TrainConfig,
              device: torch.device) -> dict | None:
     if not eval_batches:
         return None
@@ -411,10 +396,12 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
                           "pass --resume to continue that run, or choose a new --output folder")
     if cfg.resume and path.is_file():
         before = json.loads(path.read_text())
+        # an option newer than the run's spec_cli had its default value there
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for key in sorted(set(before["options"]) | set(run_json["options"])):
             if key in RESUMABLE_CHANGES:
                 continue
-            if before["options"].get(key) != run_json["options"].get(key):
+            if before["options"].get(key, defaults.get(key)) != run_json["options"].get(key):
                 raise ConfigError(f"--resume with a different {key.replace('_', '-')}: the run used "
                                   f"{before['options'].get(key)!r}, now {run_json['options'].get(key)!r}",
                                   "resume with the run's options, or start a new run folder")
@@ -446,8 +433,15 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     per_step = cfg.grad_accum * world
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(train_batches)) // per_step)
 
+    algorithm = algorithms.get(cfg.algorithm)
+    if len(source.aux_layers) != algorithm.aux_layers:
+        made = "the feature cache holds" if cfg.cache is not None else "the target serves"
+        raise ConfigError(f"{made} {len(source.aux_layers)} aux layers {source.aux_layers}; {algorithm.name} "
+                          f"reads {algorithm.aux_layers}",
+                          f"make the supervision with --algorithm {algorithm.name} (`spec precompute` / "
+                          "`spec serve-target`), or train the algorithm it was made for")
     target_config = loading.config_from_dict(source.target_config)
-    draft_config = DraftConfig.from_target(
+    draft_config = algorithm.config(
         target_config, vocab_map.draft_vocab_size, source.aux_layers,
         num_hidden_layers=cfg.draft_layers, hidden_size=cfg.draft_hidden_size,
         intermediate_size=cfg.draft_intermediate_size, num_attention_heads=cfg.draft_heads,
@@ -458,9 +452,9 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         chat_template_sha256=source.chat_template.get("chat_template_sha256"),
         chat_template_source=source.chat_template.get("chat_template_source", ""),
         tokenizer_base_fingerprint=source.chat_template.get("tokenizer_base_fingerprint", ""),
-        vocab_map_fingerprint=vocab_map.fingerprint)
+        vocab_map_fingerprint=vocab_map.fingerprint, algorithm=algorithm.name)
     info(f"draft rope: {draft_config.rope_source}")
-    draft = Eagle3Draft(draft_config)
+    draft = algorithm.build(draft_config)
     embed = source.backend.get_input_embeddings()
     draft.copy_embeddings(embed)
     # The frozen weights (copied from the target, never trained) are stored once per run, as the target
@@ -511,7 +505,9 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
                          {"target_fingerprint": source.identity["target_fingerprint"]})
     del frozen, embed  # the draft holds its copy
 
-    objective = TTTObjective(draft, cfg)
+    objective = algorithm.objective(draft, ObjectiveOptions(
+        ttt_steps=cfg.ttt_steps, step_weight=cfg.step_weight, loss=cfg.loss, lk_kl_scale=cfg.lk_kl_scale,
+        lk_kl_decay=cfg.lk_kl_decay), activation_checkpointing=cfg.activation_checkpointing)
     model = objective
     if world > 1 and not units:
         model = nn.parallel.DistributedDataParallel(

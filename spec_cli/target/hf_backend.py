@@ -56,9 +56,12 @@ def describe_target(target_dir: Path, config, architecture: str, lm_head_weight:
 
 
 def resolve_aux_layers(aux_layers: list[int] | str | None, n: int) -> list[int]:
-    """--aux-layers text or a list of ids, validated against an n-layer target."""
-    if isinstance(aux_layers, list):
-        loading.validate_aux_layers(aux_layers, n)
+    """A list of ids (the stage chose them with its draft algorithm), or --aux-layers text read with
+    the default algorithm's count and defaults; validated against an n-layer target."""
+    if isinstance(aux_layers, (list, tuple)):
+        if not aux_layers:
+            raise ConfigError("no aux layers to capture", "pass --aux-layers")
+        loading.check_layer_ids(list(aux_layers), n)
         return list(aux_layers)
     return loading.parse_aux_layers(aux_layers, n)
 

@@ -239,38 +239,56 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return min(candidates, key=lambda c: c[:3])[3]
 
 
-def default_aux_layers(n: int) -> list[int]:
-    """Outputs of 0-indexed layers 1, N//2-1, N-4 (= inputs of layers 2, N//2, N-3)."""
-    return [1, n // 2 - 1, n - 4]
+def _algorithm(algorithm):
+    """A draft algorithm from its name (None: the default) or itself: it owns the aux-layer count."""
+    from spec_cli.draft.algorithms import get
+
+    return algorithm if hasattr(algorithm, "aux_layers") else get(algorithm)
 
 
-def parse_aux_layers(text: str | None, n: int) -> list[int]:
-    """`--aux-layers "1,14,26"` (0-indexed layer OUTPUTS), or the default; validated against N."""
+def default_aux_layers(n: int, algorithm=None) -> list[int]:
+    """The layers the draft algorithm reads by default on an n-layer target (EAGLE-3: outputs of
+    0-indexed layers 1, N//2-1, N-4 = inputs of layers 2, N//2, N-3)."""
+    return _algorithm(algorithm).default_aux_layers(n)
+
+
+def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
+    """`--aux-layers "1,14,26"` (0-indexed layer OUTPUTS), or the algorithm's default; validated
+    against N and the number of layers the algorithm reads."""
     if text in (None, "", "auto"):
-        ids = default_aux_layers(n)
+        ids = default_aux_layers(n, algorithm)
     else:
         try:
             ids = [int(part) for part in str(text).split(",")]
         except ValueError as exc:
             raise ConfigError(f"--aux-layers {text!r} is not a comma-separated list of integers",
                               "write e.g. --aux-layers 1,14,26") from exc
-    validate_aux_layers(ids, n)
+    validate_aux_layers(ids, n, algorithm)
     return ids
 
 
-def validate_aux_layers(ids: list[int], n: int) -> None:
-    if len(ids) != 3:
-        raise ConfigError(f"--aux-layers needs exactly 3 layer ids (EAGLE-3 reads three), got {len(ids)}",
-                          f"e.g. the default {','.join(map(str, default_aux_layers(n)))}")
+def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
+    """As many ids as the algorithm reads, distinct and capturable (check_layer_ids)."""
+    algo = _algorithm(algorithm)
+    count = algo.aux_layers
+    if n < count + 1:  # distinct outputs of layers 0..n-2
+        raise TargetError(f"the target has only {n} decoder layers", f"{algo.name} needs at least {count + 1}")
+    if len(ids) != count:
+        raise ConfigError(f"--aux-layers needs exactly {count} layer ids ({algo.name} reads {count}), got "
+                          f"{len(ids)}", f"e.g. the default {','.join(map(str, default_aux_layers(n, algo)))}")
+    check_layer_ids(ids, n)
+
+
+def check_layer_ids(ids: list[int], n: int) -> None:
+    """Aux layer ids of any algorithm: distinct outputs of layers 0..n-2 (the engines capture a layer's
+    input, so the last layer's output is never available to a draft)."""
     if len(set(ids)) != len(ids):
-        raise ConfigError(f"--aux-layers {ids} repeats a layer", "give three distinct layer ids")
+        raise ConfigError(f"--aux-layers {ids} repeats a layer", "give distinct layer ids")
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",
                           f"use ids in 0..{n - 2} (0-indexed layer outputs; vLLM and SGLang capture "
                           "a layer's input, so the last layer's output cannot be served)")
-    if n < 4:
-        raise TargetError(f"the target has only {n} decoder layers", "EAGLE-3 needs at least 4")
 
 
 # ----------------------------------------------------------------------------- fingerprints

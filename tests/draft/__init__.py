@@ -8,7 +8,7 @@ import torch
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.eagle3.model import Eagle3Draft
 
 V, VD = 64, 24
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from spec_cli.draft.model import Eagle3Draft, KVCache, rope_inv_freq
+from spec_cli.draft.eagle3.model import Eagle3Draft
+from spec_cli.draft.layers import KVCache, rope_inv_freq
 from spec_cli.errors import ConfigError
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft import V, VD, random_batch, selected_ids, tiny_config, tiny_draft

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.eagle3.model import Eagle3Draft
 
 AUX = [1, 3, 4]  # outputs of layers 1, N//2-1, N-4 of the 8-layer tiny target
 

@@ -3,11 +3,14 @@ and trees, random / fitted / oracle drafts), exact acceptance accounting, the dr
 training feeds it, and tree drafting that matches running the draft along each path."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from spec_cli.draft.model import KVCache
+from spec_cli.draft import decoding
+from spec_cli.draft.eagle3 import EAGLE3
+from spec_cli.draft.layers import KVCache
 from spec_cli.eval import speculative as spec
 from spec_cli.eval.report import Tally
 from spec_cli.eval.target import Target
@@ -108,21 +111,19 @@ def test_acceptance_accounting_on_a_constructed_case(world):
     assert metrics["same_as_target"] == 1 and metrics["speedup"] == pytest.approx(1.0, rel=1e-3)
 
 
-def test_draft_reads_what_training_feeds_it(world, monkeypatch):
+def test_draft_reads_what_training_feeds_it(world):
     """Over a whole generation the draft catches up on (x[i+1], a[i]) for i = 0, 1, ... in order, with the
     target's TRUE aux states a[i] (as a full forward gives them), and its states equal the training
     forward's (Eagle3Draft.forward, step 0 of TTT)."""
     target, draft, prompt = world["target"], world["drafts"]["fitted"], world["prompts"][0]
     calls = []
-    original = spec.catch_up
-
     def recording(draft_, cache, ids, aux):
         calls.append((len(cache), ids.clone(), aux.clone()))
-        return original(draft_, cache, ids, aux)
+        return decoding.catch_up(draft_, cache, ids, aux)
 
-    monkeypatch.setattr(spec, "catch_up", recording)
     out = spec.generate(target, draft, prompt, spec.Settings(depth=3, topk=2, num_tokens=5,
-                                                             max_new_tokens=N_NEW))
+                                                             max_new_tokens=N_NEW),
+                        algorithm=dataclasses.replace(EAGLE3, catch_up=recording))
     seq = torch.tensor(prompt + out.tokens)
     starts = [c[0] for c in calls]
     sizes = [c[1].numel() for c in calls]
@@ -135,13 +136,13 @@ def test_draft_reads_what_training_feeds_it(world, monkeypatch):
     torch.testing.assert_close(aux, true_aux, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         trained = draft(seq[None, 1:T + 1], true_aux[None])[0, -1]  # [H] training forward, last slot
-        decoded = original(draft, _cache_after(draft, ids[:T // 2], aux[:T // 2]), ids[T // 2:], aux[T // 2:])
+        decoded = decoding.catch_up(draft, _cache_after(draft, ids[:T // 2], aux[:T // 2]), ids[T // 2:], aux[T // 2:])
     torch.testing.assert_close(decoded[0, 0], trained, rtol=1e-4, atol=1e-4)
 
 
 def _cache_after(draft, ids, aux) -> KVCache:
     cache = KVCache(len(draft.decoder_layers))
-    spec.catch_up(draft, cache, ids, aux)
+    decoding.catch_up(draft, cache, ids, aux)
     return cache
 
 
@@ -159,7 +160,7 @@ def test_tree_nodes_are_top_k_of_the_draft_run_along_their_path(world):
     cache = _cache_after(draft, seq[1:], aux[:-1])
     state = _last_state(draft, seq[1:], aux[:-1])
     depth, k = 4, 3
-    tree = spec.draft_tree(draft, cache, state, depth, k, num_tokens=0)
+    tree = decoding.draft_tree(draft, cache, state, depth, k, num_tokens=0)
     assert tree.tokens.numel() == k + (depth - 1) * k * k
     assert len(cache) == len(prompt) - 1 + (depth - 1) * k  # the frontier's slots were appended
     for i in range(tree.tokens.numel()):
@@ -175,13 +176,13 @@ def test_tree_nodes_are_top_k_of_the_draft_run_along_their_path(world):
                                    torch.tensor([[len(prompt) - 1 + j]]), c)
         top = draft.to_target_ids(draft.logits(s[0, -1]).topk(k).indices)
         assert int(tree.tokens[i]) in top.tolist(), i
-    chain = spec.draft_chain(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 0.0, None)
-    line = spec.draft_tree(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 1, num_tokens=0)
+    chain = decoding.draft_chain(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 0.0, None)
+    line = decoding.draft_tree(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 1, num_tokens=0)
     assert torch.equal(chain.tokens, line.tokens) and torch.equal(chain.parents, line.parents)
 
 
 def _last_state(draft, ids, aux):
-    return spec.catch_up(draft, KVCache(len(draft.decoder_layers)), ids, aux)
+    return decoding.catch_up(draft, KVCache(len(draft.decoder_layers)), ids, aux)
 
 
 def test_target_alone_keeps_its_best_logits_per_token(world):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_cli.artifacts.checkpoint import frozen_fingerprint, save_checkpoint, save_frozen
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.export.check import find_problems
 from spec_cli.export.source import load_source
 

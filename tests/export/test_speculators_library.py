@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.export.source import load_source
 from tests.export.drafts import H, N, V, VD, make_run
 

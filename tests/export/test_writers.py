@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from spec_cli.errors import ConfigError
 from spec_cli.export import ExportError
 from spec_cli.export.source import load_source
-from spec_cli.export.writers import sglang_aux_ids, vllm_aux_ids
+from spec_cli.draft.eagle3.export import sglang_aux_ids, vllm_aux_ids
 from spec_cli.stages import export as stage
 from tests.export.drafts import FORMATS, H, HT, N, V, VD, make_run, problems_of, read, selected_ids, tampered
 

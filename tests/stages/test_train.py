@@ -106,7 +106,7 @@ def test_checkpoints_leave_the_frozen_embedding_to_one_file_per_run(setup, tmp_p
     it once, in frozen.safetensors as the target holds it, and readers put it back."""
     from spec_cli.artifacts.feature_cache import FeatureCacheReader
     from spec_cli.draft.config import DraftConfig
-    from spec_cli.draft.model import Eagle3Draft
+    from spec_cli.draft.eagle3.model import Eagle3Draft
     from spec_cli.export.source import load_source
 
     out = tmp_path / "run"

@@ -1,8 +1,8 @@
-"""The writer: a draft checkpoint -> the config.json and model.safetensors each engine loads as is.
+"""EAGLE-3's writer: a draft checkpoint -> the config.json and model.safetensors each engine loads as is.
 
 Every rule below comes from the engine's current loader (file and function named at the rule). The
-self-check (`check.py`) does not use this module: it reads the folder back with its own tables of
-what each engine expects (`engines.py`), so a mistake here cannot hide itself.
+self-check (`spec_cli/export/check.py`) does not use this module: it reads the folder back with its
+own tables of what each engine expects (`spec_cli/export/engines.py`), so a mistake here cannot hide itself.
 
 spec_cli's own convention for the aux layers (DraftConfig.aux_layer_ids) is "0-indexed decoder layer
 OUTPUT". The engines count differently:
@@ -14,18 +14,14 @@ OUTPUT". The engines count differently:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from spec_cli import __version__
 from spec_cli.artifacts.io import SCHEMA_VERSION
-from spec_cli.export.errors import ExportError
-from spec_cli.export.source import DraftSource
+from spec_cli.draft.algorithm import DTYPE_NAMES, Checkpoint, ExportFiles
+from spec_cli.errors import ExportError
 
 FORMATS = ("vllm", "sglang", "speculators")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 # SGLang target models whose set_eagle3_layers_to_capture adds 1 to EVERY explicit id:
 # python/sglang/srt/models/llama.py and qwen3.py (`layers_to_capture = [val + 1 for val in layer_ids]`).
@@ -39,17 +35,7 @@ SGLANG_BOUNDARY_IDS = frozenset({"GptOssForCausalLM"})
 SERVING_STEPS = 3
 
 
-@dataclass
-class ExportFiles:
-    format: str
-    config: dict  # config.json
-    tensors: dict[str, torch.Tensor]  # model.safetensors
-    engine_aux_ids: list[int]  # as written, in the engine's convention (and its concatenation order)
-    aux_layer_outputs: list[int]  # the same layers in spec_cli's convention, in that order
-    num_speculative_tokens: int
-
-
-def build(src: DraftSource, fmt: str, dtype: torch.dtype) -> ExportFiles:
+def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     """The files of `fmt` for this checkpoint. Raises ExportError where the engine cannot serve the
     draft as it was trained."""
     refuse_unservable(src, fmt)
@@ -95,7 +81,7 @@ def sglang_aux_ids(layer_outputs: list[int]) -> list[int]:
 
 # ----------------------------------------------------------------------------- what cannot be served
 
-def refuse_unservable(src: DraftSource, fmt: str) -> None:
+def refuse_unservable(src: Checkpoint, fmt: str) -> None:
     """Raise ExportError for options the engine cannot represent (it would load and serve wrongly)."""
     c = src.config
     if fmt not in FORMATS:
@@ -136,7 +122,7 @@ def refuse_unservable(src: DraftSource, fmt: str) -> None:
 
 # ----------------------------------------------------------------------------- tensors
 
-def _engine_tensors(src: DraftSource, fmt: str, order: list[int], dtype: torch.dtype) -> dict:
+def _engine_tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dtype) -> dict:
     """Checkpoint tensors -> the engine's file keys: float weights cast to `dtype`, d2t int64, t2d bool."""
     state = dict(src.state)
     # The engines concatenate the aux states in ascending layer order (the capture loops run over the
@@ -190,7 +176,7 @@ def _rope(c) -> dict:
     return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
-def _llama_layer(src: DraftSource, dtype: torch.dtype) -> dict:
+def _llama_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
     """The Llama decoder-layer config every engine builds the draft layer from (LlamaConfig fields)."""
     c = src.config
     return {
@@ -213,7 +199,7 @@ def _llama_layer(src: DraftSource, dtype: torch.dtype) -> dict:
     }
 
 
-def _vllm_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype) -> dict:
+def _vllm_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dict:
     """vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM, LlamaModel)."""
     c = src.config
     return {
@@ -235,7 +221,7 @@ def _vllm_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype) -> di
     }
 
 
-def _sglang_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype) -> dict:
+def _sglang_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dict:
     """python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3) and model_runner.py."""
     c = src.config
     return {
@@ -254,7 +240,7 @@ def _sglang_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype) -> 
     }
 
 
-def _speculators_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype, steps: int) -> dict:
+def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype, steps: int) -> dict:
     """vllm-project/speculators Eagle3SpeculatorConfig, as vLLM reads it:
     vllm/transformers_utils/configs/speculators/base.py SpeculatorsConfig (validate_speculators_config,
     extract_transformers_pre_trained_config) + algos.py update_eagle3."""
@@ -290,7 +276,7 @@ def _speculators_config(src: DraftSource, aux_ids: list[int], dtype: torch.dtype
     }
 
 
-def _provenance(src: DraftSource, fmt: str, dtype: torch.dtype) -> dict:
+def _provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
     """What spec_cli knows about the export (the engines ignore this key)."""
     c = src.config
     return {

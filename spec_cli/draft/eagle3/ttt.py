@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.attention import Segments, document_index
 from spec_cli.draft.losses import LOSSES, acceptance_length, step_loss, step_weights, top1_correct
-from spec_cli.draft.model import Eagle3Draft
+from spec_cli.draft.eagle3.model import Eagle3Draft
 
 
 @dataclass

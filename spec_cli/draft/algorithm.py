@@ -1,0 +1,79 @@
+"""What a draft algorithm gives the rest of spec_cli: the one seam between the trainer, `spec eval`,
+`spec export` and the algorithms (EAGLE-3 today, in `spec_cli/draft/eagle3/`).
+
+An algorithm is a package that builds one `Algorithm` value from its own functions; `ALGORITHMS` in
+`spec_cli/draft/algorithms.py` maps each name to it. The callers use nothing else of the package:
+
+    config(target_config, draft_vocab_size, aux_layer_ids, **options) -> DraftConfig
+                   the draft shaped from the target's config (the `--draft-*` options override)
+    build(config) -> the draft module (an nn.Module with the decoding methods below)
+    objective(draft, options: ObjectiveOptions, activation_checkpointing=False) -> nn.Module
+                   forward(TargetBatch) -> an output with `loss` (scalar), and per unroll step
+                   `step_loss`, `correct`, `total` [ttt_steps] (sums, so they add over batches and ranks)
+    catch_up(draft, cache, ids, aux) -> state      eval: read the target's true aux states
+    propose(draft, cache, state, depth, topk, num_tokens, temperature, generator) -> Proposal
+                   eval: the drafted tokens (a chain or a tree) from that state
+    formats        the engine formats `spec export` writes for it
+    export(checkpoint, fmt, dtype) -> ExportFiles  config.json + model.safetensors of one format
+
+`aux_layers` is how many target layers the draft reads and `default_aux_layers(n)` which ones for a
+target of n decoder layers (spec_cli's convention: 0-indexed layer OUTPUTS); every stage that picks or
+checks aux layers (precompute, serve-target, train, eval) asks the algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from spec_cli.draft.config import DraftConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """`spec train`'s objective group: how the draft's predictions are unrolled and scored."""
+    ttt_steps: int = 7  # draft steps unrolled per position (training-time test)
+    step_weight: float = 0.8  # step k's loss weighs step_weight**k (normalised)
+    loss: str = "soft-ce"
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 1.0
+
+
+class Checkpoint(Protocol):
+    """What an algorithm's exporter reads of a trained draft (export/source.py's DraftSource)."""
+    checkpoint: Path
+    step: int
+    config: DraftConfig
+    state: dict[str, torch.Tensor]
+    target: str | None
+    ttt_steps: int | None
+
+
+@dataclass
+class ExportFiles:
+    format: str
+    config: dict  # config.json
+    tensors: dict[str, torch.Tensor]  # model.safetensors
+    engine_aux_ids: list[int]  # as written, in the engine's convention (and its concatenation order)
+    aux_layer_outputs: list[int]  # the same layers in spec_cli's convention, in that order
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str  # what `spec train --algorithm` takes and config.json records
+    aux_layers: int
+    default_aux_layers: Callable[[int], list[int]]
+    config: Callable[..., DraftConfig]
+    build: Callable[[DraftConfig], torch.nn.Module]
+    objective: Callable[..., torch.nn.Module]
+    catch_up: Callable
+    propose: Callable
+    formats: tuple[str, ...]
+    export: Callable[[Checkpoint, str, torch.dtype], ExportFiles]
