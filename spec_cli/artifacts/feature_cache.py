@@ -3,10 +3,10 @@
 Storage is ragged: the tokens of all samples of a shard are concatenated (padding is never stored) and
 `sample_offsets` / `batch_offsets` say where samples and batches start. Per token:
 
-  encoding `hidden` (default): aux_hidden [3H] + final_hidden [H] in the storage dtype, argmax (int32),
+  encoding `hidden` (default): aux_hidden [n*H] + final_hidden [H] in the storage dtype, argmax (int32),
                                lse (fp32); `head.safetensors` holds the draft-vocab rows of the frozen
                                lm_head once, so the loader rebuilds target_p / position_mask.
-  encoding `probs`:            aux_hidden [3H], target_p [Vd] in the storage dtype, argmax, target_mass.
+  encoding `probs`:            aux_hidden [n*H], target_p [Vd] in the storage dtype, argmax, target_mass.
 
 The storage dtype (`--storage-dtype`, default the model dtype) is what the float features are kept in;
 the loader upcasts them to the model dtype. argmax, lse and target_mass are computed from the
@@ -62,14 +62,16 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, storage_dtype: str) -> int:
-    """Bytes a stored token takes: the float features in the storage dtype, plus input_ids (int32),
-    loss_mask (uint8), argmax (int32) and lse / target_mass (fp32)."""
+def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, storage_dtype: str,
+                    num_aux: int) -> int:
+    """Bytes a stored token takes: the float features (num_aux aux states, then the final hidden state
+    or the draft-vocab probabilities) in the storage dtype, plus input_ids (int32), loss_mask (uint8),
+    argmax (int32) and lse / target_mass (fp32)."""
     size = DTYPE_SIZE[storage_dtype]
     ids_and_mask = 4 + 1
     if encoding == "hidden":
-        return (3 * hidden_size + hidden_size) * size + 4 + 4 + ids_and_mask
-    return (3 * hidden_size + draft_vocab_size) * size + 4 + 4 + ids_and_mask
+        return (num_aux * hidden_size + hidden_size) * size + 4 + 4 + ids_and_mask
+    return (num_aux * hidden_size + draft_vocab_size) * size + 4 + 4 + ids_and_mask
 
 
 def shard_bytes(tokens: int, samples: int, batches: int, per_token: int) -> int:

@@ -69,6 +69,11 @@ def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
+def to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab ids (any shape) -> target-vocab ids through the d2t offsets."""
+    return draft_ids + d2t[draft_ids]
+
+
 def t2d_from_ids(selected: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """True for every target id in the draft vocab. [V] bool."""
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=selected.device)

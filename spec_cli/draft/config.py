@@ -107,7 +107,7 @@ def _fields(scaling: dict) -> str:
 class DraftConfig:
     # target side
     vocab_size: int  # target vocab V (rows of the target lm_head / embed_tokens)
-    target_hidden_size: int  # H_t: each aux state has this width; fc reads 3 * H_t
+    target_hidden_size: int  # H_t: each aux state has this width; fc reads len(aux_layer_ids) * H_t
     aux_layer_ids: list[int]  # spec_cli convention: 0-indexed decoder layer OUTPUTS
     target_num_layers: int
     # draft layer (Llama-style)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from spec_cli.artifacts import vocab_map
+
 LOSSES = ("soft-ce", "lk-alpha", "lk-lambda")
 
 
@@ -86,8 +88,7 @@ def step_loss(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.T
 def top1_correct(logits: torch.Tensor, d2t: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Number of positions where the draft's argmax, mapped to a target id through d2t (offsets),
     equals the target's argmax. logits [N, Vd], target_ids [N] target-vocab ids."""
-    draft_ids = logits.argmax(-1)
-    return (draft_ids + d2t[draft_ids] == target_ids).sum()
+    return (vocab_map.to_target_ids(logits.argmax(-1), d2t) == target_ids).sum()
 
 
 def step_weights(ttt_steps: int, step_weight: float) -> list[float]:

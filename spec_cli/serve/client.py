@@ -430,8 +430,8 @@ class RemoteBackend(TargetBackend):
 
     def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
         B, T = shape
-        Vd, H3 = self._vocab[2], 3 * self.info["hidden_size"]
-        expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, H3],
+        Vd, Ha = self._vocab[2], len(self.info["aux_layers"]) * self.info["hidden_size"]
+        expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, Ha],
                                                             "target_p": [B, T, Vd]}
         problems = [n for n in BATCH_FIELDS if n not in tensors or list(tensors[n].shape) != expected[n]]
         if problems or set(tensors) - set(BATCH_FIELDS) - {"position_ids", "seq_lens"}:

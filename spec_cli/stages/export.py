@@ -103,7 +103,9 @@ def run(cfg: ExportConfig) -> ExportResult:
     algorithm = algorithms.get(src.config.algorithm)
     if fmt not in algorithm.formats:
         raise ConfigError(f"{algorithm.name} drafts are not written as --format {fmt}",
-                          f"use one of {', '.join(algorithm.formats)}")
+                          f"use one of {', '.join(algorithm.formats)}" if algorithm.formats else
+                          f"spec export writes no engine format for {algorithm.name} yet; evaluate the "
+                          "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
     support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
     files = algorithm.export(src, fmt, dtype)  # refuses what the engine cannot serve as trained, before any write

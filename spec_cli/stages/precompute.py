@@ -183,7 +183,8 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     mine = [i for i in range(len(shards)) if i % world == rank]
     done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
     todo = [i for i in mine if i not in done]
-    per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, storage_name)
+    per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, storage_name,
+                                   len(aux_layers))
     todo_tokens = sum(int(lengths[batches[b]].sum()) for i in todo for b in shards[i])
 
     def shard_size(i: int) -> int:

@@ -103,7 +103,7 @@ class CacheBackend(TargetBackend):
                        seq_lens=None) -> TargetBatch:
         B, T = input_ids.shape
         H, dev = self.info["hidden_size"], self.device
-        aux = torch.zeros(B, T, 3 * H, dtype=self.dtype, device=dev)
+        aux = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype, device=dev)
         argmax = torch.zeros(B, T, dtype=torch.long, device=dev)
         if self.encoding == "hidden":
             final = torch.zeros(B, T, H, dtype=self.dtype, device=dev)

@@ -194,7 +194,7 @@ class VLLMTargetBackend(LocalTargetBackend):
         if position_ids is not None:
             _check_positions(position_ids, prompts)
         H = self.info["hidden_size"]
-        aux = torch.zeros(B, T, 3 * H, dtype=self.dtype, device=self.device)
+        aux = torch.zeros(B, T, len(self.aux_layers) * H, dtype=self.dtype, device=self.device)
         hidden = torch.zeros(B, T, H, dtype=self.dtype, device=self.device)
         ids = input_ids.long().cpu()
         llm_engine = self.engine.llm.llm_engine

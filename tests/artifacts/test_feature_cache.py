@@ -118,8 +118,8 @@ def test_bytes_per_token_is_what_a_shard_stores_per_token(tmp_path, encoding):
     tokens = stored["input_ids"].numel()
     per_token = {k: v for k, v in stored.items() if v.shape[0] == tokens}  # not the offsets / sample ids
     measured = sum(v.numel() * v.element_size() for v in per_token.values()) / tokens
-    assert fc.bytes_per_token(encoding, H, VD, "float32") == measured
-    assert fc.bytes_per_token(encoding, H, VD, "bfloat16") < measured  # the float features halve
+    assert fc.bytes_per_token(encoding, H, VD, "float32", 3) == measured
+    assert fc.bytes_per_token(encoding, H, VD, "bfloat16", 3) < measured  # the float features halve
 
 
 def test_folder_bytes_counts_each_kind_of_file(cache):

@@ -75,8 +75,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps) for _ in range(3))
-        self.fc = nn.Linear(3 * Ht, H, bias=False)
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps) for _ in config.aux_layer_ids)
+        self.fc = nn.Linear(len(config.aux_layer_ids) * Ht, H, bias=False)  # EAGLE-3: 3 aux states
         self.midlayer = DecoderLayer(config, first=True)
         if config.num_hidden_layers > 1:
             self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
@@ -110,7 +110,7 @@ class Eagle3Draft(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (d2t holds offsets)."""
-        return draft_ids + self.d2t[draft_ids]
+        return vocab_map.to_target_ids(draft_ids, self.d2t)
 
     @torch.no_grad()
     def copy_embeddings(self, weight: torch.Tensor) -> None:
@@ -150,7 +150,7 @@ class Eagle3Draft(nn.Module):
         """[B, T, 3*H_t] target aux states -> [B, T, H]: fc_norm (EAGLE-3.1) then fc."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
         if self.config.fc_norm:
-            chunks = aux_hidden.chunk(3, dim=-1)
+            chunks = aux_hidden.chunk(len(self.config.aux_layer_ids), dim=-1)
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
 
