@@ -10,8 +10,8 @@
                     (arange(Vd) + d2t), which must also be exactly the checkpoint's t2d
     5. aux layers   the layers the engine captures, decoded to spec_cli's convention, are the
                     checkpoint's (in the engine's concatenation order)
-    6. predictions  an Eagle3Draft built from what the engine loaded, and the checkpoint's, run on the
-                    same random aux states / ids for two draft steps: same target-id predictions and
+    6. predictions  the algorithm's draft built from what the engine loaded, and the checkpoint's,
+                    run on the same random aux states / ids for two draft steps: same target-id predictions and
                     logits as the checkpoint cast to the export dtype; and the same argmax as the fp32
                     checkpoint wherever its top-1 margin is not tiny
 """
