@@ -95,7 +95,7 @@ def train_variant(out: Path, name: str, vmap: Path, cache: Path, steps: int, bat
         if settings.pop("_old_positions", False):
             train.ttt_forward = step_zero_positions()
         try:
-            outcome = train.run(train.TrainConfig(
+            outcome = train.run(train.TrainConfig.from_options(
                 vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=batch_tokens,
                 max_steps=steps, eval_fraction=0.03, log_every=10, eval_every=10 ** 9, save_every=10 ** 9,
                 resume=latest is not None, **settings))

@@ -66,7 +66,7 @@ def supervision_diff(full: Path, half: Path) -> dict:
 
 
 def train_losses(cache: Path, vocab_map: Path, out: Path, steps: int, batch_tokens: int, ttt: int) -> dict:
-    result = train.run(train.TrainConfig(
+    result = train.run(train.TrainConfig.from_options(
         vocab_map=vocab_map, output=out, cache=cache, ttt_steps=ttt, max_steps=steps, log_every=1,
         eval_every=steps, save_every=steps, batch_tokens=batch_tokens, eval_fraction=0.1, lr=3e-4, seed=0))
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

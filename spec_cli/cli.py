@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Annotated, Optional, get_args
 
@@ -15,9 +17,10 @@ from rich.markup import escape
 from spec_cli import __version__
 from spec_cli.config import apply_config_file
 from spec_cli.console import err_console, set_quiet
-from spec_cli.errors import ConfigError, SpecError
-from spec_cli.help import (CHECKPOINTS, CHECKS, DATA, DECODING, DRAFT, GENERATION, INPUTS, LIMITS, OBJECTIVE,
-                           OPTIMISATION, RUNTIME, SERVER, TARGET, Command, Group)
+from spec_cli.errors import SpecError
+from spec_cli.help import CHECKS, DATA, DECODING, DRAFT, GENERATION, INPUTS, LIMITS, RUNTIME, SERVER, Command, Group
+from spec_cli.stages.train_options import OPTIONS as TRAIN_OPTIONS
+from spec_cli.stages.train_options import TrainConfig, parse_duration
 
 app = typer.Typer(
     name="spec",
@@ -86,38 +89,6 @@ def in_panel(panel: str, option):
 
 DraftAuxLayers = in_panel(DRAFT, AuxLayers)  # train: the layers are part of the draft's design
 TrainAlgorithm = in_panel(DRAFT, DraftAlgorithm)
-
-
-def parse_duration(text: str | None, option: str) -> float | None:
-    """'90s', '45m', '1.5h' or a bare number of minutes -> seconds."""
-    if text is None:
-        return None
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
-    raw = text.strip().lower()
-    scale = units.get(raw[-1:], None)
-    number = raw[:-1] if scale is not None else raw
-    try:
-        value = float(number) * (scale or 60.0)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{option} {text!r} is not a duration", "write e.g. 90s, 45m or 2h (a bare number "
-                                                                   "is minutes)")
-    return value
-
-
-def parse_size(text: str, option: str) -> int:
-    """'512M', '4G', '1.5g', '65536' -> bytes (K/M/G/T are powers of 1024)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(raw[-1:], None)
-    try:
-        value = float(raw[:-1] if scale else raw) * (scale or 1)
-    except ValueError:
-        value = 0.0
-    if not value >= 1:
-        raise ConfigError(f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes")
-    return int(value)
 
 
 def _print_version(value: bool) -> None:
@@ -291,173 +262,49 @@ def precompute_cmd(
     print_precompute_summary(result)
 
 
-@app.command("train", cls=Command)
-def train_cmd(
-    vocab_map: VocabMap,
-    output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Run folder (checkpoints, logs, plot).", rich_help_panel=INPUTS)],
-    cache: Annotated[Optional[Path], typer.Option(
-        "--cache", help="Feature cache from `spec precompute` (no target needed).", rich_help_panel=INPUTS)] = None,
-    target: Annotated[Optional[str], typer.Option(
-        "--target", "-t", help="Live target instead of a cache: a transformers folder, a .gguf "
-                               "file, or `smollm2`. Needs --data.", rich_help_panel=TARGET)] = None,
-    data: Annotated[Optional[str], typer.Option(
-        "--data", "-d", help="Chat data for a live --target or --remote (as in build-vocab-map).",
-        rich_help_panel=TARGET)] = None,
-    remote: Annotated[Optional[str], typer.Option(
-        "--remote", help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.",
-        rich_help_panel=TARGET)] = None,
-    token: Annotated[Optional[str], typer.Option(
-        "--token", envvar="SPEC_SERVE_TOKEN", help="--remote: the servers' token. Default: "
-                                                  "$SPEC_SERVE_TOKEN.", rich_help_panel=TARGET)] = None,
-    prefetch: Annotated[int, typer.Option(
-        "--prefetch", help="--remote: requests in flight per client; --stream: batches the target "
-                           "runs ahead of the trainer.", min=0, rich_help_panel=TARGET)] = 2,
-    stream: Annotated[bool, typer.Option(
-        "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
-                         "trainer through a bounded store (same results as without).",
-        rich_help_panel=TARGET)] = False,
-    stream_max_bytes: Annotated[str, typer.Option(
-        "--stream-max-bytes", help="--stream: supervision the store may hold (e.g. 512M, 4G, or bytes); "
-                                   "producers wait beyond it.", rich_help_panel=TARGET)] = "4G",
-    stream_dir: Annotated[Optional[Path], typer.Option(
-        "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
-                             "end) instead of in memory.", file_okay=False, rich_help_panel=TARGET)] = None,
-    ttt_steps: Annotated[int, typer.Option(
-        "--ttt-steps", help="TTT unroll depth.", min=1, rich_help_panel=OBJECTIVE)] = 7,
-    step_weight: Annotated[float, typer.Option(
-        "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).",
-        rich_help_panel=OBJECTIVE)] = 0.8,
-    loss: Annotated[str, typer.Option(
-        "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
-        rich_help_panel=OBJECTIVE)] = "soft-ce",
-    lk_kl_scale: Annotated[float, typer.Option(
-        "--lk-kl-scale", help="lk-lambda: KL weight scale.", rich_help_panel=OBJECTIVE)] = 1.0,
-    lk_kl_decay: Annotated[float, typer.Option(
-        "--lk-kl-decay", help="lk-lambda: KL weight decay.", rich_help_panel=OBJECTIVE)] = 1.0,
-    lr: Annotated[float, typer.Option(
-        "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", rich_help_panel=OPTIMISATION)] = 2e-4,
-    min_lr_ratio: Annotated[float, typer.Option(
-        "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.", rich_help_panel=OPTIMISATION)] = 0.0,
-    warmup_ratio: Annotated[float, typer.Option(
-        "--warmup-ratio", help="Linear warmup as a fraction of the steps.", rich_help_panel=OPTIMISATION)] = 0.03,
-    weight_decay: Annotated[float, typer.Option(
-        "--weight-decay", help="AdamW weight decay.", rich_help_panel=OPTIMISATION)] = 0.0,
-    grad_clip: Annotated[float, typer.Option(
-        "--grad-clip", help="Clip the gradient norm to this (0: off).", rich_help_panel=OPTIMISATION)] = 0.5,
-    grad_accum: Annotated[int, typer.Option(
-        "--grad-accum", help="Micro-batches per optimizer step (per process).", min=1,
-        rich_help_panel=OPTIMISATION)] = 1,
-    batch_tokens: Annotated[int, typer.Option(
-        "--batch-tokens", help="Bound on B x padded length per micro-batch (a cache keeps its own "
-                               "batches unless --pack).", min=1, rich_help_panel=DATA)] = 8192,
-    max_steps: Annotated[Optional[int], typer.Option(
-        "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.", min=1,
-        rich_help_panel=OPTIMISATION)] = None,
-    epochs: Annotated[float, typer.Option(
-        "--epochs", help="Passes over the training batches.", rich_help_panel=OPTIMISATION)] = 1.0,
-    max_time: Annotated[Optional[str], typer.Option(
-        "--max-time", help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
-                           "number is minutes); --resume continues the schedule.",
-        rich_help_panel=OPTIMISATION)] = None,
-    pack: Annotated[bool, typer.Option(
-        "--pack", help="Pack several conversations per row (block-causal per document).",
-        rich_help_panel=DATA)] = False,
-    eval_fraction: Annotated[float, typer.Option(
-        "--eval-fraction", help="Share of batches held out for evaluation.", rich_help_panel=DATA)] = 0.02,
-    draft_layers: Annotated[int, typer.Option(
-        "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", min=1, rich_help_panel=DRAFT)] = 1,
-    draft_hidden_size: Annotated[Optional[int], typer.Option(
-        "--draft-hidden-size", help="Default: the target's hidden size.", rich_help_panel=DRAFT)] = None,
-    draft_intermediate_size: Annotated[Optional[int], typer.Option(
-        "--draft-intermediate-size", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
-    draft_heads: Annotated[Optional[int], typer.Option(
-        "--draft-heads", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
-    draft_kv_heads: Annotated[Optional[int], typer.Option(
-        "--draft-kv-heads", help="Default: the target's.", rich_help_panel=DRAFT)] = None,
-    fc_norm: Annotated[bool, typer.Option(
-        "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.", rich_help_panel=DRAFT)] = False,
-    norm_output: Annotated[bool, typer.Option(
-        "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.",
-        rich_help_panel=DRAFT)] = False,
-    fsdp: Annotated[bool, typer.Option(
-        "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state across "
-                       "processes (FSDP2) instead of replicating them (DDP); for large drafts.",
-        rich_help_panel=RUNTIME)] = False,
-    init_from_target: Annotated[bool, typer.Option(
-        "--init-from-target/--random-init", help="Start the draft's lm_head and final norm from the target's "
-                                                  "(its lm_head rows of the draft vocab) instead of random. "
-                                                  "Measured slower to learn on SmolLM2 (see CHANGELOG).",
-        rich_help_panel=DRAFT)] = False,
-    activation_checkpointing: Annotated[bool, typer.Option(
-        "--activation-checkpointing", help="Recompute activations in backward (long sequences).",
-        rich_help_panel=RUNTIME)] = False,
-    draft_rope_theta: Annotated[Optional[float], typer.Option(
-        "--draft-rope-theta", help="Train the draft with plain rope at this theta instead of the target's rope "
-                                   "(taken from the target by default, scaling included; needed only for a "
-                                   "scaling type the draft does not compute).", min=1.0,
-        rich_help_panel=DRAFT)] = None,
-    algorithm: TrainAlgorithm = "eagle3",
-    aux_layers: DraftAuxLayers = None,
-    chat_template: Annotated[Optional[str], typer.Option(
-        "--chat-template", help="Live --target / --remote: render conversations with this chat template (a "
-                                "Jinja file or chatml, llama3, gemma, mistral) instead of the target's own; "
-                                "as for build-vocab-map.", rich_help_panel=TARGET)] = None,
-    max_length: MaxLength = 2048,
-    max_samples: Annotated[Optional[int], typer.Option(
-        "--max-samples", help="Live target: use only the first N samples.", min=1, rich_help_panel=DATA)] = None,
-    num_proc: NumProc = 1,
-    seed: Annotated[int, typer.Option(
-        "--seed", help="Seed for init, data order and eval split.", rich_help_panel=OPTIMISATION)] = 0,
-    log_every: Annotated[int, typer.Option(
-        "--log-every", help="Steps per log record.", min=1, rich_help_panel=CHECKPOINTS)] = 10,
-    eval_every: Annotated[int, typer.Option(
-        "--eval-every", help="Steps between evaluations (0: only at the end).", min=0,
-        rich_help_panel=CHECKPOINTS)] = 200,
-    save_every: Annotated[int, typer.Option(
-        "--save-every", help="Steps between checkpoints (and at the end).", min=1,
-        rich_help_panel=CHECKPOINTS)] = 500,
-    keep_last: Annotated[int, typer.Option(
-        "--keep-last", help="Checkpoints to keep.", min=1, rich_help_panel=CHECKPOINTS)] = 3,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue the run in --output from its latest checkpoint.",
-        rich_help_panel=CHECKPOINTS)] = False,
-    device: Device = None,
-    dtype: Dtype = None,
-    target_engine: TargetEngine = "transformers",
-    config: Config = None,
-    quiet: Quiet = False,
-):
+def train_cmd(config=None, quiet=False, **options):
     """Train an EAGLE-3 draft with the TTT unroll (multi-process: `torchrun --nproc-per-node N`)."""
     from spec_cli.stages import train as stage
     from spec_cli.ui import print_train_summary
 
     set_quiet(quiet)
-    result = stage.run(stage.TrainConfig(
-        vocab_map=vocab_map, output=output, cache=cache, target=target, data=data, remote=remote,
-        token=token, prefetch=prefetch, stream=stream,
-        stream_max_bytes=parse_size(stream_max_bytes, "--stream-max-bytes"),
-        stream_dir=stream_dir,
-        max_length=max_length, max_samples=max_samples, batch_tokens=batch_tokens, pack=pack,
-        eval_fraction=eval_fraction, num_proc=num_proc, algorithm=algorithm, aux_layers=aux_layers,
-        draft_layers=draft_layers, draft_hidden_size=draft_hidden_size,
-        draft_intermediate_size=draft_intermediate_size, draft_heads=draft_heads,
-        draft_kv_heads=draft_kv_heads, fc_norm=fc_norm, norm_output=norm_output,
-        init_from_target=init_from_target, fsdp=fsdp, ttt_steps=ttt_steps, step_weight=step_weight, loss=loss,
-        lk_kl_scale=lk_kl_scale,
-        lk_kl_decay=lk_kl_decay, lr=lr, min_lr_ratio=min_lr_ratio, warmup_ratio=warmup_ratio,
-        weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum, max_steps=max_steps,
-        epochs=epochs, max_time=parse_duration(max_time, "--max-time"), seed=seed,
-        activation_checkpointing=activation_checkpointing,
-        log_every=log_every, eval_every=eval_every, save_every=save_every, keep_last=keep_last,
-        resume=resume, device=device, dtype=dtype, target_engine=target_engine, chat_template=chat_template,
-        draft_rope_theta=draft_rope_theta))
+    for name, value in options.items():  # text such as `4G` or `45m` -> the field's value
+        flag = TRAIN_OPTIONS[name].flag
+        if flag is not None and flag.parse is not None:
+            options[name] = flag.parse(value, flag.names[0])
+    result = stage.run(TrainConfig.from_options(**options))
     print_train_summary(result)
     if result.stream:
         from spec_cli.console import summary
         from spec_cli.stream import report_rows
 
         summary("stream", report_rows(result.stream))
+
+
+def _train_parameters() -> list[inspect.Parameter]:
+    """`spec train`'s parameters: one per TrainConfig option, declared on its field
+    (spec_cli/stages/train_options.py) or, for an option other stages share, above; then --config, -q."""
+    shared = {"vocab_map": VocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
+              "max_length": MaxLength, "num_proc": NumProc, "device": Device, "dtype": Dtype,
+              "target_engine": TargetEngine}
+    params = []
+    for option in TRAIN_OPTIONS.values():
+        flag, default = option.flag, option.default
+        if flag is None:
+            annotation = shared[option.name]
+        else:
+            kind = option.type if flag.parse is None else (str if flag.text is not None else Optional[str])
+            annotation = Annotated[kind, typer.Option(*flag.names, help=flag.help, rich_help_panel=flag.panel,
+                                                      **flag.checks)]
+            default = default if flag.parse is None else flag.text
+        params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                        default=inspect.Parameter.empty if default is MISSING else default))
+    return params + [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Config),
+                     inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Quiet)]
+
+
+train_cmd.__signature__ = inspect.Signature(_train_parameters())
+app.command("train", cls=Command)(train_cmd)
 
 
 @app.command("export", cls=Command)

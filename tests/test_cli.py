@@ -61,14 +61,6 @@ def test_version_and_usage_errors_are_what_a_user_expects():
         assert out.returncode == (1 if "is not a" in message else 2)
 
 
-def test_sizes_and_durations_parse_as_a_user_writes_them():
-    from spec_cli.cli import parse_duration, parse_size
-
-    assert [parse_size(t, "-x") for t in ("512M", "4G", "4GiB", "1.5k", "65536")] == [
-        512 << 20, 4 << 30, 4 << 30, 1536, 65536]
-    assert [parse_duration(t, "-x") for t in ("90s", "45m", "2h", "1.5")] == [90.0, 2700.0, 7200.0, 90.0]
-
-
 def test_build_vocab_map_cli(tiny_tokenizer_dirs, data_file, tmp_path, capsys):
     out = tmp_path / "vm.safetensors"
     code = main(["build-vocab-map", "--target", str(tiny_tokenizer_dirs["llama3"]), "--data",

@@ -307,7 +307,7 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
         if state["step"] >= state["total_steps"]:
             result.train_steps = f"{state['step']} of {state['total_steps']}"
             return "reused"
-    outcome = train.run(train.TrainConfig(
+    outcome = train.run(train.TrainConfig.from_options(
         vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
         ttt_steps=profile.ttt_steps, lr=profile.lr, max_steps=profile.steps, fc_norm=True,
         eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,

@@ -28,80 +28,11 @@ from spec_cli.console import info
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
 from spec_cli.draft import algorithms, sharding
-from spec_cli.draft.algorithm import ObjectiveOptions
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
+from spec_cli.stages.train_options import OPTIONS, RESUMABLE, OptimOptions, TrainConfig
 from spec_cli.target import loading, local
 from spec_cli.target.backend import TargetBackend
-
-# Options that may change between a run and its --resume (they do not change the math).
-RESUMABLE_CHANGES = {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every",
-                     "resume", "device", "num_proc", "activation_checkpointing", "remote", "prefetch",
-                     "token", "max_time", "stream", "stream_max_bytes", "stream_dir",
-                     "init_from_target", "fsdp", "target_engine"}
-
-
-@dataclass
-class TrainConfig:
-    vocab_map: Path
-    output: Path
-    cache: Path | None = None
-    target: str | None = None
-    data: str | None = None
-    remote: str | None = None  # URL[,URL...] of `spec serve-target` servers
-    token: str | None = None  # never written to run.json
-    prefetch: int = 2
-    stream: bool = False  # live target: producer threads run `prefetch` batches ahead, bounded
-    stream_max_bytes: int = 4 << 30  # bound on the supervision the stream store holds
-    stream_dir: Path | None = None  # keep streamed samples as files in a folder here (else memory)
-    target_engine: str = "transformers"  # live --target: the engine that runs it (transformers, vllm)
-    chat_template: str | None = None  # live --target / --remote: a Jinja file or family name (tokenising)
-    # data
-    max_length: int = 2048
-    max_samples: int | None = None
-    batch_tokens: int = 8192
-    pack: bool = False
-    eval_fraction: float = 0.02
-    num_proc: int = 1
-    # draft
-    algorithm: str = "eagle3"  # spec_cli/draft/algorithms.py
-    aux_layers: str | None = None
-    draft_layers: int = 1
-    draft_hidden_size: int | None = None
-    draft_intermediate_size: int | None = None
-    draft_heads: int | None = None
-    draft_kv_heads: int | None = None
-    draft_rope_theta: float | None = None  # plain rope at this theta instead of the target's (explicit)
-    fc_norm: bool = False
-    norm_output: bool = False
-    fsdp: bool = False  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
-    init_from_target: bool = False  # lm_head (draft-vocab rows) and final norm copied from the target
-    # objective
-    ttt_steps: int = 7
-    step_weight: float = 0.8
-    loss: str = "soft-ce"
-    lk_kl_scale: float = 1.0
-    lk_kl_decay: float = 1.0
-    # optimisation
-    lr: float = 2e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    grad_accum: int = 1
-    max_steps: int | None = None
-    epochs: float = 1.0
-    max_time: float | None = None  # seconds of training loop; stop cleanly (checkpoint) when reached
-    seed: int = 0
-    activation_checkpointing: bool = False
-    # bookkeeping
-    log_every: int = 10
-    eval_every: int = 200
-    save_every: int = 500
-    keep_last: int = 3
-    resume: bool = False
-    device: str | None = None
-    dtype: str | None = None
 
 
 @dataclass
@@ -131,39 +62,41 @@ class Source:
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
-    if sum(x is not None for x in (cfg.cache, cfg.target, cfg.remote)) != 1:
+    if sum(x is not None for x in (cfg.data.cache, cfg.data.target, cfg.data.remote)) != 1:
         raise ConfigError("pass exactly one of --cache (a feature cache), --target (a live target) or "
                           "--remote (served targets)",
                           "e.g. spec train --cache cache/ --vocab-map vocab.safetensors -o runs/x")
-    if cfg.stream and cfg.cache is not None:
+    if cfg.runtime.stream and cfg.data.cache is not None:
         raise ConfigError("--stream runs a live target ahead of the trainer; a feature cache is already "
                           "on disk", "drop --stream, or train from --target / --remote")
-    if cfg.stream_dir is not None and not cfg.stream:
+    if cfg.runtime.stream_dir is not None and not cfg.runtime.stream:
         raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
                           "--stream-dir")
-    if cfg.chat_template is not None and cfg.cache is not None:
+    if cfg.data.chat_template is not None and cfg.data.cache is not None:
         raise ConfigError("--chat-template is for a live --target or --remote: a feature cache was tokenised "
                           "when it was made", "drop --chat-template (pass it to `spec precompute` instead)")
-    if cfg.remote is not None:
+    if cfg.data.remote is not None:
         return _remote_source(cfg, vocab_map)
-    if cfg.cache is not None:
+    if cfg.data.cache is not None:
         from spec_cli.target.cache_backend import CacheBackend
 
-        backend = CacheBackend(cfg.cache, device=device)
+        backend = CacheBackend(cfg.data.cache, device=device)
         m = backend.reader.manifest
         if m["vocab_map_fingerprint"] != vocab_map.fingerprint:
             made_with = f" ({m['vocab_map']})" if m.get("vocab_map") else ""
-            raise ArtifactError(f"the vocab map {cfg.vocab_map} (fingerprint {vocab_map.fingerprint}) differs "
-                                f"from the one the feature cache was made with{made_with}, fingerprint "
+            raise ArtifactError(f"the vocab map {cfg.data.vocab_map} (fingerprint {vocab_map.fingerprint}) "
+                                f"differs from the one the feature cache was made with{made_with}, fingerprint "
                                 f"{m['vocab_map_fingerprint']}",
                                 "pass the --vocab-map used for `spec precompute`")
-        if cfg.aux_layers not in (None, "", "auto") and \
-                loading.parse_aux_layers(cfg.aux_layers, m["num_layers"], cfg.algorithm) != m["aux_layers"]:
-            raise ArtifactError(f"--aux-layers {cfg.aux_layers} differs from the cache's {m['aux_layers']}",
+        if cfg.draft.aux_layers not in (None, "", "auto") and \
+                loading.parse_aux_layers(cfg.draft.aux_layers, m["num_layers"], cfg.draft.algorithm) \
+                != m["aux_layers"]:
+            raise ArtifactError(f"--aux-layers {cfg.draft.aux_layers} differs from the cache's "
+                                f"{m['aux_layers']}",
                                 "drop --aux-layers (the cache decides) or precompute again")
         target_config = m.get("target_config") or loading.load_config(m["target"]).to_dict()
         tokens = backend.tokens()
-        plan = backend.plan() if not cfg.pack else plan_packed(tokens.lengths, cfg.batch_tokens)
+        plan = backend.plan() if not cfg.data.pack else plan_packed(tokens.lengths, cfg.data.batch_tokens)
         identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
         template = {k: m[k] for k in ("chat_template_sha256", "chat_template_source",
                                       "tokenizer_base_fingerprint") if k in m}
@@ -171,26 +104,27 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
 
     from spec_cli.data.tokenize import tokenize_data
 
-    if cfg.data is None:
+    if cfg.data.data is None:
         raise ConfigError("--target needs --data", "pass the chat data to train on")
-    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
+    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.data.target))
     config = loading.load_config(target_dir)
-    aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config), cfg.algorithm)
-    template = chat_templates.resolve(cfg.chat_template)
+    aux_layers = loading.parse_aux_layers(cfg.draft.aux_layers, loading.num_layers(config), cfg.draft.algorithm)
+    template = chat_templates.resolve(cfg.data.chat_template)
     tokenizer = loading.load_tokenizer(target_dir, template)
-    tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map {cfg.vocab_map}",
+    tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template,
+                                     f"the vocab map {cfg.data.vocab_map}",
                                      "rebuild it with `spec build-vocab-map` for this target")
-    data_path = Path(assets.resolve_data_arg(cfg.data))
+    data_path = Path(assets.resolve_data_arg(cfg.data.data))
     if distributed.is_main():
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.data.max_length, cfg.data.num_proc)
     distributed.barrier()
     if not distributed.is_main():
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
-    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.data.max_length, 1)
+    n = len(tokens) if cfg.data.max_samples is None else min(cfg.data.max_samples, len(tokens))
     lengths = tokens.lengths[:n]
-    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
-    dtype = loading.choose_dtype(cfg.dtype, device)
-    backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype, template)
+    plan = (plan_packed if cfg.data.pack else plan_batches)(lengths, cfg.data.batch_tokens)
+    dtype = loading.choose_dtype(cfg.runtime.dtype, device)
+    backend = local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template)
     identity = {k: backend.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
     return Source(backend, tokens, plan, config.to_dict(), aux_layers, identity,
                   chat_templates.identity(tokenizer, template))
@@ -200,37 +134,38 @@ def _remote_source(cfg: TrainConfig, vocab_map) -> Source:
     from spec_cli.data.tokenize import tokenize_data
     from spec_cli.serve.client import RemoteBackend
 
-    if cfg.data is None:
+    if cfg.data.data is None:
         raise ConfigError("--remote needs --data", "pass the chat data to train on")
-    template = chat_templates.resolve(cfg.chat_template)
+    template = chat_templates.resolve(cfg.data.chat_template)
     # With --chat-template the trainer's own template replaces the server's, so the tokenizer is checked
     # once it is here (below), not against what the server reports.
     expect = {} if template else {"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")}
-    backend = RemoteBackend(cfg.remote, token=cfg.token, prefetch=cfg.prefetch, expect=expect)
+    backend = RemoteBackend(cfg.data.remote, token=cfg.data.token, prefetch=cfg.runtime.prefetch, expect=expect)
     try:
         aux_layers = backend.info["aux_layers"]
-        if cfg.aux_layers not in (None, "", "auto") and \
-                loading.parse_aux_layers(cfg.aux_layers, backend.info["num_layers"], cfg.algorithm) != aux_layers:
-            raise ConfigError(f"--aux-layers {cfg.aux_layers} differs from the server's {aux_layers}",
+        if cfg.draft.aux_layers not in (None, "", "auto") and \
+                loading.parse_aux_layers(cfg.draft.aux_layers, backend.info["num_layers"], cfg.draft.algorithm) \
+                != aux_layers:
+            raise ConfigError(f"--aux-layers {cfg.draft.aux_layers} differs from the server's {aux_layers}",
                               "drop --aux-layers (the server decides) or restart it with them")
         tokenizer = chat_templates.apply(backend.load_tokenizer(), template)
         tok_fp = backend.info["tokenizer_fingerprint"]
         if template is not None:
             tok_fp = loading.check_tokenizer(vocab_map.metadata, tokenizer, template, f"the vocab map "
-                                             f"{cfg.vocab_map}", "rebuild it with `spec build-vocab-map` "
+                                             f"{cfg.data.vocab_map}", "rebuild it with `spec build-vocab-map` "
                                              "for this target and --chat-template")
-        data_path = Path(assets.resolve_data_arg(cfg.data))
+        data_path = Path(assets.resolve_data_arg(cfg.data.data))
         if distributed.is_main():
-            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
+            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.data.max_length, cfg.data.num_proc)
         distributed.barrier()
         if not distributed.is_main():
-            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
+            tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.data.max_length, 1)
     except BaseException:
         backend.close()
         raise
-    n = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
+    n = len(tokens) if cfg.data.max_samples is None else min(cfg.data.max_samples, len(tokens))
     lengths = tokens.lengths[:n]
-    plan = plan_packed(lengths, cfg.batch_tokens) if cfg.pack else plan_batches(lengths, cfg.batch_tokens)
+    plan = (plan_packed if cfg.data.pack else plan_batches)(lengths, cfg.data.batch_tokens)
     identity = {"target_fingerprint": backend.info["target_fingerprint"], "tokenizer_fingerprint": tok_fp,
                 "aux_layers": backend.info["aux_layers"]}
     template_record = chat_templates.identity(tokenizer, template)
@@ -283,28 +218,28 @@ def open_stream(cfg: TrainConfig, source: Source, indices_of, start: int, stop: 
                                  new_run_id)
 
     run_id = new_run_id()
-    bounds = dict(max_samples=cfg.prefetch + 1, max_bytes=cfg.stream_max_bytes)
-    if cfg.stream_dir is not None:
-        store = FolderStore(Path(cfg.stream_dir) / f"spec-stream-{run_id}", **bounds)
+    bounds = dict(max_samples=cfg.runtime.prefetch + 1, max_bytes=cfg.runtime.stream_max_bytes)
+    if cfg.runtime.stream_dir is not None:
+        store = FolderStore(Path(cfg.runtime.stream_dir) / f"spec-stream-{run_id}", **bounds)
     else:
         store = MemoryStore(**bounds)
-    if cfg.remote is None:
+    if cfg.data.remote is None:
         source.backend = SerializedBackend(source.backend)
     producer = Producer(source.backend, store, run_id, target_version=source.identity["target_fingerprint"])
-    workers = max(1, cfg.prefetch) if cfg.remote is not None else 1
-    return StreamLoader(producer, lambda i: inputs_for(source, indices_of(i), cfg.pack), start, stop,
-                        prefetch=cfg.prefetch, workers=workers, device=device)
+    workers = max(1, cfg.runtime.prefetch) if cfg.data.remote is not None else 1
+    return StreamLoader(producer, lambda i: inputs_for(source, indices_of(i), cfg.data.pack), start, stop,
+                        prefetch=cfg.runtime.prefetch, workers=workers, device=device)
 
 
 # ----------------------------------------------------------------------------- schedule / model
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, total: int, optim: OptimOptions) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr."""
-    warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
+    warmup = max(1, math.ceil(optim.warmup_ratio * total)) if optim.warmup_ratio > 0 else 0
     if step < warmup:
-        return cfg.lr * (step + 1) / warmup
+        return optim.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Metrics:
@@ -349,7 +284,7 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
              device: torch.device) -> dict | None:
     if not eval_batches:
         return None
-    metrics = Metrics(cfg.ttt_steps)
+    metrics = Metrics(cfg.objective.ttt_steps)
     objective.eval()
     rank, world = distributed.rank(), distributed.world_size()
     # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank
@@ -358,7 +293,7 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
     with torch.no_grad(), _autocast(device):
         for r in range(rounds):
             i = r * world + rank
-            batch = supervise(source, eval_batches[min(i, len(eval_batches) - 1)], cfg.pack, device)
+            batch = supervise(source, eval_batches[min(i, len(eval_batches) - 1)], cfg.data.pack, device)
             out = objective(batch)
             if i < len(eval_batches):
                 metrics.add(out, batch.num_tokens)
@@ -389,17 +324,17 @@ def _restore_rng(state: dict[str, torch.Tensor]) -> None:
 
 
 def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
-    path = Path(cfg.output) / "run.json"
-    latest = ckpt.latest_checkpoint(cfg.output)
-    if latest is not None and not cfg.resume:
-        raise ConfigError(f"{cfg.output} already holds checkpoints (latest {latest.name})",
+    path = Path(cfg.runtime.output) / "run.json"
+    latest = ckpt.latest_checkpoint(cfg.runtime.output)
+    if latest is not None and not cfg.runtime.resume:
+        raise ConfigError(f"{cfg.runtime.output} already holds checkpoints (latest {latest.name})",
                           "pass --resume to continue that run, or choose a new --output folder")
-    if cfg.resume and path.is_file():
+    if cfg.runtime.resume and path.is_file():
         before = json.loads(path.read_text())
         # an option newer than the run's spec_cli had its default value there
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        defaults = {name: o.default for name, o in OPTIONS.items()}
         for key in sorted(set(before["options"]) | set(run_json["options"])):
-            if key in RESUMABLE_CHANGES:
+            if key in RESUMABLE:
                 continue
             if before["options"].get(key, defaults.get(key)) != run_json["options"].get(key):
                 raise ConfigError(f"--resume with a different {key.replace('_', '-')}: the run used "
@@ -415,27 +350,27 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
 
 def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     start_time = time.perf_counter()
-    device = distributed.local_device(loading.choose_device(cfg.device))
+    device = distributed.local_device(loading.choose_device(cfg.runtime.device))
     distributed.init(device)
     rank, world = distributed.rank(), distributed.world_size()
-    torch.manual_seed(cfg.seed)
-    local.check_engine(cfg.target_engine)
-    if cfg.target_engine != "transformers" and cfg.target is None:
-        raise ConfigError(f"--target-engine {cfg.target_engine} runs a live --target in this process",
+    torch.manual_seed(cfg.optim.seed)
+    local.check_engine(cfg.runtime.target_engine)
+    if cfg.runtime.target_engine != "transformers" and cfg.data.target is None:
+        raise ConfigError(f"--target-engine {cfg.runtime.target_engine} runs a live --target in this process",
                           "drop --target-engine (a cache or a server decides), or train from --target")
 
-    vocab_map = load_vocab_map(cfg.vocab_map)
+    vocab_map = load_vocab_map(cfg.data.vocab_map)
     source = open_source(cfg, device, vocab_map)
     source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
-    train_batches, eval_batches = split_eval(source.plan, cfg.eval_fraction, cfg.seed)
+    train_batches, eval_batches = split_eval(source.plan, cfg.data.eval_fraction, cfg.optim.seed)
     if not train_batches:
         raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
-    per_step = cfg.grad_accum * world
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(train_batches)) // per_step)
+    per_step = cfg.optim.grad_accum * world
+    total_steps = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train_batches)) // per_step)
 
-    algorithm = algorithms.get(cfg.algorithm)
+    algorithm = algorithms.get(cfg.draft.algorithm)
     if len(source.aux_layers) != algorithm.aux_layers:
-        made = "the feature cache holds" if cfg.cache is not None else "the target serves"
+        made = "the feature cache holds" if cfg.data.cache is not None else "the target serves"
         raise ConfigError(f"{made} {len(source.aux_layers)} aux layers {source.aux_layers}; {algorithm.name} "
                           f"reads {algorithm.aux_layers}",
                           f"make the supervision with --algorithm {algorithm.name} (`spec precompute` / "
@@ -443,10 +378,11 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     target_config = loading.config_from_dict(source.target_config)
     draft_config = algorithm.config(
         target_config, vocab_map.draft_vocab_size, source.aux_layers,
-        num_hidden_layers=cfg.draft_layers, hidden_size=cfg.draft_hidden_size,
-        intermediate_size=cfg.draft_intermediate_size, num_attention_heads=cfg.draft_heads,
-        num_key_value_heads=cfg.draft_kv_heads, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-        rope_theta=cfg.draft_rope_theta,
+        num_hidden_layers=cfg.draft.draft_layers, hidden_size=cfg.draft.draft_hidden_size,
+        intermediate_size=cfg.draft.draft_intermediate_size, num_attention_heads=cfg.draft.draft_heads,
+        num_key_value_heads=cfg.draft.draft_kv_heads, fc_norm=cfg.draft.fc_norm,
+        norm_output=cfg.draft.norm_output,
+        rope_theta=cfg.draft.draft_rope_theta,
         target_fingerprint=source.identity["target_fingerprint"],
         tokenizer_fingerprint=source.identity["tokenizer_fingerprint"],
         chat_template_sha256=source.chat_template.get("chat_template_sha256"),
@@ -462,28 +398,29 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     frozen = {"embed_tokens.weight": embed}
     frozen_record = {"keys": sorted(frozen), "fingerprint": ckpt.frozen_fingerprint(frozen)}
     draft.set_vocab_map(vocab_map.selected_token_ids)
-    if cfg.init_from_target:  # (a --resume then loads its checkpoint over it)
+    if cfg.draft.init_from_target:  # (a --resume then loads its checkpoint over it)
         head = source.backend.get_output_head()
         if head is None or not draft.init_from_target(head["lm_head_selected"], head.get("final_norm")):
             info("the draft's lm_head starts random: the target's output head is not available here "
                  "or does not fit the draft's hidden size")
     draft.to(device)
     units = []  # FSDP2 units (--fsdp under torchrun); else DDP replicates the draft
-    if cfg.fsdp and world > 1:
+    if cfg.runtime.fsdp and world > 1:
         units = sharding.shard(draft)
-    elif cfg.fsdp:
+    elif cfg.runtime.fsdp:
         info("--fsdp shards across torchrun processes; with one process it trains as usual")
     names = [n for n, p in draft.named_parameters() if p.requires_grad]
     params = [p for n, p in draft.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.optim.weight_decay)
 
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.options().items()
                if k != "token"}  # a secret never goes to disk
     run_json = {"options": options, "identity": {**source.identity, "vocab_map_fingerprint":
                                                  vocab_map.fingerprint}}
     _check_run_dir(cfg, run_json)
     step = 0
-    if cfg.resume and (latest := ckpt.latest_checkpoint(cfg.output)) is not None:
+    if cfg.runtime.resume and (latest := ckpt.latest_checkpoint(cfg.runtime.output)) is not None:
         parts = ckpt.load_checkpoint(latest)
         saved = (ckpt.checkpoint_meta(latest).get("frozen") or {}).get("fingerprint")
         if saved is not None and saved != frozen_record["fingerprint"]:
@@ -499,15 +436,14 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         step = parts["trainer_state"]["step"]
         info(f"resuming from {latest} (step {step})")
     if rank == 0:
-        Path(cfg.output).mkdir(parents=True, exist_ok=True)
-        write_json(Path(cfg.output) / "run.json", run_json)
-        ckpt.save_frozen(cfg.output, frozen, frozen_record["fingerprint"],
+        Path(cfg.runtime.output).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.runtime.output) / "run.json", run_json)
+        ckpt.save_frozen(cfg.runtime.output, frozen, frozen_record["fingerprint"],
                          {"target_fingerprint": source.identity["target_fingerprint"]})
     del frozen, embed  # the draft holds its copy
 
-    objective = algorithm.objective(draft, ObjectiveOptions(
-        ttt_steps=cfg.ttt_steps, step_weight=cfg.step_weight, loss=cfg.loss, lk_kl_scale=cfg.lk_kl_scale,
-        lk_kl_decay=cfg.lk_kl_decay), activation_checkpointing=cfg.activation_checkpointing)
+    objective = algorithm.objective(draft, cfg.objective,
+                                    activation_checkpointing=cfg.runtime.activation_checkpointing)
     model = objective
     if world > 1 and not units:
         model = nn.parallel.DistributedDataParallel(
@@ -520,12 +456,12 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, names)
         epoch, _ = divmod(at_step * per_step, len(train_batches))
         return ckpt.save_checkpoint(
-            cfg.output, at_step, model_state, opt_tensors, _rng_state(), draft_config.to_dict(),
+            cfg.runtime.output, at_step, model_state, opt_tensors, _rng_state(), draft_config.to_dict(),
             {"step": at_step, "epoch": epoch, "micro_batches_done": at_step * per_step,
-             "total_steps": total_steps, "lr": lr_at(max(at_step - 1, 0), total_steps, cfg),
-             "param_groups": groups, "world_size": world, "grad_accum": cfg.grad_accum,
+             "total_steps": total_steps, "lr": lr_at(max(at_step - 1, 0), total_steps, cfg.optim),
+             "param_groups": groups, "world_size": world, "grad_accum": cfg.optim.grad_accum,
              "parallel": "fsdp" if units else ("ddp" if world > 1 else "single")},
-            keep_last=cfg.keep_last, frozen=frozen_record)
+            keep_last=cfg.runtime.keep_last, frozen=frozen_record)
 
     # Supervision for this rank's i-th micro-batch (global number i * world + rank). With --stream,
     # producer threads make it ahead of time; else backends that can work asynchronously (remote)
@@ -535,49 +471,50 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
     stream = None
 
     def indices_of(i: int) -> list[int]:
-        return batch_at(train_batches, i * world + rank, cfg.seed)[1]
+        return batch_at(train_batches, i * world + rank, cfg.optim.seed)[1]
 
     def next_batch(i: int):
         if stream is not None:
             return stream.get(i)
-        if can_submit and cfg.prefetch > 0:
-            for j in range(i, min(i + 1 + cfg.prefetch, total_steps * cfg.grad_accum)):
+        if can_submit and cfg.runtime.prefetch > 0:
+            for j in range(i, min(i + 1 + cfg.runtime.prefetch, total_steps * cfg.optim.grad_accum)):
                 if j not in pending:
-                    future = submit(source, indices_of(j), cfg.pack)
+                    future = submit(source, indices_of(j), cfg.data.pack)
                     if future is None:
                         break
                     pending[j] = future
         future = pending.pop(i, None)
         if future is not None:
             return future.result().to(device)
-        return supervise(source, indices_of(i), cfg.pack, device)
+        return supervise(source, indices_of(i), cfg.data.pack, device)
 
-    logger = TrainLogger(cfg.output, total_steps, enabled=rank == 0, start_step=step, world=world)
+    logger = TrainLogger(cfg.runtime.output, total_steps, enabled=rank == 0, start_step=step, world=world)
     info(f"training: {len(train_batches)} train / {len(eval_batches)} eval batches, {total_steps} steps "
-         f"of {per_step} micro-batch(es), TTT {cfg.ttt_steps}, loss {cfg.loss}, device {device}"
+         f"of {per_step} micro-batch(es), TTT {cfg.objective.ttt_steps}, loss {cfg.objective.loss}, "
+         f"device {device}"
          + (f", {'FSDP2' if units else 'DDP'} over {world} processes" if world > 1 else ""))
-    window, window_start, last_saved = Metrics(cfg.ttt_steps), time.perf_counter(), step
+    window, window_start, last_saved = Metrics(cfg.objective.ttt_steps), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = stream_report = None
     try:
-        if cfg.stream:
-            stream = open_stream(cfg, source, indices_of, step * cfg.grad_accum,
-                                 total_steps * cfg.grad_accum, device)
+        if cfg.runtime.stream:
+            stream = open_stream(cfg, source, indices_of, step * cfg.optim.grad_accum,
+                                 total_steps * cfg.optim.grad_accum, device)
         while step < total_steps and not out_of_time:
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, cfg)
+                group["lr"] = lr_at(step, total_steps, cfg.optim)
             step_tokens = 0
-            for micro in range(cfg.grad_accum):
-                batch = next_batch(step * cfg.grad_accum + micro)
-                sync = micro == cfg.grad_accum - 1 or world == 1
+            for micro in range(cfg.optim.grad_accum):
+                batch = next_batch(step * cfg.optim.grad_accum + micro)
+                sync = micro == cfg.optim.grad_accum - 1 or world == 1
                 ctx = _null() if sync else (sharding.no_gradient_sync(units) if units else model.no_sync())
                 with ctx, _autocast(device):
                     out = model(batch)
-                    (out.loss / cfg.grad_accum).backward()  # each backward adds: average the micro-batches
+                    (out.loss / cfg.optim.grad_accum).backward()  # each backward adds: average them
                 window.add(out, batch.num_tokens)
                 step_tokens += batch.num_tokens
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -585,26 +522,26 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
             if after_step is not None:
                 after_step(step)
 
-            if cfg.max_time is not None and not out_of_time and step < total_steps:
+            if cfg.optim.max_time is not None and not out_of_time and step < total_steps:
                 out_of_time = distributed.any_rank(
-                    time.perf_counter() - loop_start >= cfg.max_time, device)
+                    time.perf_counter() - loop_start >= cfg.optim.max_time, device)
                 if out_of_time:
-                    info(f"--max-time {cfg.max_time:g}s reached after step {step} of {total_steps}; "
+                    info(f"--max-time {cfg.optim.max_time:g}s reached after step {step} of {total_steps}; "
                          f"saving (rerun with --resume to continue the schedule)")
             last = step == total_steps or out_of_time
-            if step % cfg.log_every == 0 or last:
+            if step % cfg.runtime.log_every == 0 or last:
                 window.all_reduce()
                 elapsed = time.perf_counter() - window_start
                 final_train = {"split": "train", "step": step, "lr": optimizer.param_groups[0]["lr"],
                                **window.record(), "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
                                "steps_in_record": int(float(window.batches) / per_step) or 1}
                 logger.log(final_train)
-                window, window_start = Metrics(cfg.ttt_steps), time.perf_counter()
-            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                window, window_start = Metrics(cfg.objective.ttt_steps), time.perf_counter()
+            if (cfg.runtime.eval_every and step % cfg.runtime.eval_every == 0) or last:
                 final_eval = evaluate(objective, source, eval_batches, cfg, device)
                 if final_eval is not None:
                     logger.log({"split": "eval", "step": step, **final_eval})
-            if step % cfg.save_every == 0 or last:
+            if step % cfg.runtime.save_every == 0 or last:
                 save(step)
                 last_saved = step
     except KeyboardInterrupt:
@@ -621,10 +558,10 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         logger.close()
         source.backend.close()
     distributed.barrier()
-    plot = plot_curves(cfg.output) if rank == 0 else None
-    checkpoint_dir = ckpt.latest_checkpoint(cfg.output)
+    plot = plot_curves(cfg.runtime.output) if rank == 0 else None
+    checkpoint_dir = ckpt.latest_checkpoint(cfg.runtime.output)
     distributed.shutdown()
-    return TrainResult(Path(cfg.output), checkpoint_dir, step, time.perf_counter() - start_time,
+    return TrainResult(Path(cfg.runtime.output), checkpoint_dir, step, time.perf_counter() - start_time,
                        final_train, final_eval, plot, total_steps, stream_report)
 
 
@@ -635,7 +572,7 @@ def _save_stream_report(cfg: TrainConfig, rank: int, report: dict) -> None:
          f"{report['trainer_wait_s']:.1f} s, producers {report['put_wait_s']:.1f} s on the bound")
     if rank == 0:
         try:
-            write_json(Path(cfg.output) / "stream.json", report)
+            write_json(Path(cfg.runtime.output) / "stream.json", report)
         except OSError as exc:  # never hide the error that ended the run
             info(f"could not write stream.json: {exc}")
 

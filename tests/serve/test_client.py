@@ -186,11 +186,11 @@ def test_training_against_a_server_equals_training_in_process(train_setup, tmp_p
     kw = dict(vocab_map=train_setup["vm"], target=str(train_setup["target"]), data=str(train_setup["data"]),
               dtype="fp32", ttt_steps=3, lr=3e-3, max_steps=3, log_every=1, eval_every=2, save_every=3,
               eval_fraction=0.2, batch_tokens=256, pack=pack)
-    live = stage.run(stage.TrainConfig(output=tmp_path / "live", **kw))
+    live = stage.run(stage.TrainConfig.from_options(output=tmp_path / "live", **kw))
     handle = start_server(load_backend(train_setup["target"]), train_setup["target"])
     calls = count_calls(monkeypatch, handle)
     try:
-        remote = stage.run(stage.TrainConfig(output=tmp_path / "remote",
+        remote = stage.run(stage.TrainConfig.from_options(output=tmp_path / "remote",
                                              **{**kw, "target": None, "remote": handle.url}))
     finally:
         handle.stop(grace=5)

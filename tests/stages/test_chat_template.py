@@ -109,7 +109,7 @@ def train_config(base, out, **kw):
     values = dict(vocab_map=base["vm"]["gemma"], output=out, ttt_steps=2, max_steps=1, eval_fraction=0.0,
                   batch_tokens=512, save_every=1, log_every=1)
     values.update(kw)
-    return train_stage.TrainConfig(**values)
+    return train_stage.TrainConfig.from_options(**values)
 
 
 def test_train_checks_the_template_and_the_draft_records_it(base, tmp_path):

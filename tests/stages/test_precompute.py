@@ -295,7 +295,7 @@ def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tin
     # spec inspect shows it; training from it works
     assert main(["inspect", str(half)]) == 0
     assert "storage_dtype: bfloat16" in capsys.readouterr().out
-    result = train.run(train.TrainConfig(vocab_map=workdir["vm"], output=tmp_path / "run", cache=half, ttt_steps=2,
+    result = train.run(train.TrainConfig.from_options(vocab_map=workdir["vm"], output=tmp_path / "run", cache=half, ttt_steps=2,
                                          max_steps=3, batch_tokens=512, eval_every=0, log_every=1))
     assert result.steps == 3 and 0 < result.final_train["loss"] < float("inf")
     # another storage dtype is another cache: refused on resume, naming the option

@@ -45,7 +45,7 @@ def config(setup, out, **kw) -> stage.TrainConfig:
                 max_steps=6, log_every=2, eval_every=3, save_every=3, eval_fraction=0.2,
                 batch_tokens=512)
     base.update(kw)
-    return stage.TrainConfig(**base)
+    return stage.TrainConfig.from_options(**base)
 
 
 def weights(run_dir: Path) -> dict:

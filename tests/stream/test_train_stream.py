@@ -44,7 +44,7 @@ def config(setup, out, **kw) -> stage.TrainConfig:
                 dtype="fp32", ttt_steps=2, lr=3e-3, max_steps=4, log_every=2, eval_every=2, save_every=2,
                 eval_fraction=0.2, batch_tokens=256)
     base.update(kw)
-    return stage.TrainConfig(**base)
+    return stage.TrainConfig.from_options(**base)
 
 
 def weights(run_dir) -> dict:
