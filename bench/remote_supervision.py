@@ -6,9 +6,10 @@
 
 Real SmolLM2-135M target (CPU, fp32), real ShareGPT conversations, a real 8192-token vocab map
 (/work/demo/vocab-8192.safetensors when it matches the target, else one built here). The same
-batches go through HFTargetBackend.generate_batch in this process and through RemoteBackend
-(prefetch N) to a server subprocess on 127.0.0.1 in the same run; every remote batch is checked to
-be bit-identical to the in-process one. Each repeat times one in-process pass and one remote pass
+batches go through HFTargetBackend.generate_batch in this process and through RemoteBackend to a
+server subprocess on 127.0.0.1 in the same run, fetched as `spec train --remote --prefetch N` fetches
+them (N producer threads of spec_cli/stream ahead of the consumer, a memory store); every remote batch
+is checked to be bit-identical to the in-process one. Each repeat times one in-process pass and one remote pass
 back to back (order alternating: in/remote, remote/in, ...) and the figure is the median over
 repeats of
     remote tokens/s (prefetch N) / in-process tokens/s      (goal: >= 0.9)
@@ -41,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -55,6 +55,7 @@ from spec_cli.data.batching import collate, plan_batches  # noqa: E402
 from spec_cli.data.tokenize import tokenize_data  # noqa: E402
 from spec_cli.serve.client import RemoteBackend  # noqa: E402
 from spec_cli.stages import build_vocab_map  # noqa: E402
+from spec_cli.stream import MemoryStore, Producer, StreamLoader, new_run_id  # noqa: E402
 from spec_cli.target import loading  # noqa: E402
 from spec_cli.target.hf_backend import HFTargetBackend  # noqa: E402
 
@@ -108,15 +109,17 @@ def run_remote(remote: RemoteBackend, requests, prefetch: int) -> tuple[float, l
     start = time.perf_counter()
     if prefetch == 0:
         out = [remote.generate_batch(*r) for r in requests]
-    else:  # as a trainer would: keep `prefetch` batches in flight, take them in order
-        out, pending = [], deque()
-        for r in requests:
-            pending.append(remote.submit(*r))
-            if len(pending) >= prefetch:
-                out.append(pending.popleft().result())
-        out += [f.result() for f in pending]
+    else:  # as `spec train --remote --prefetch N` does: N producer threads ahead, a memory store
+        out = list(stream(remote, requests, prefetch))
     seconds = time.perf_counter() - start
     return seconds, [digest(b) for b in out]
+
+
+def stream(remote: RemoteBackend, requests, prefetch: int) -> StreamLoader:
+    keys = ("input_ids", "attention_mask", "loss_mask")
+    producer = Producer(remote, MemoryStore(max_samples=prefetch + 1), new_run_id())
+    return StreamLoader(producer, lambda i: dict(zip(keys, requests[i])), 0, len(requests),
+                        prefetch=prefetch, workers=prefetch)
 
 
 def on_a_thread(fn):
@@ -170,7 +173,7 @@ def main() -> None:
     try:
         local = HFTargetBackend(target, None, "cpu", "fp32")
         local.set_vocab_mapping(selected)
-        remote = RemoteBackend([url], token=token, prefetch=args.prefetch)
+        remote = RemoteBackend([url], token=token)
         remote.set_vocab_mapping(selected)
         local.generate_batch(*requests[-1])  # warm-up, both sides
         remote.generate_batch(*requests[-1])

@@ -6,8 +6,9 @@ crosses the wire (the TargetBatch tensors), never full-vocab logits.
 
 - Several URLs: each batch goes to the server with the fewest requests in flight (round robin on
   ties); a server that cannot be reached is skipped for the retry.
-- `submit` starts a batch in the background (a concurrent.futures.Future): with `prefetch` N, up to N
-  requests are in flight, so target inference overlaps draft training.
+- `generate_batch` may be called from several threads at once (each has its own connections): the
+  trainer's producer threads (spec_cli/stream) keep `--prefetch` N requests in flight, so target
+  inference overlaps draft training.
 - Timeouts on every socket operation, bounded retries with exponential backoff on connection errors,
   and a RemoteError (message + hint) when a server is gone, refuses a request, or serves a different
   target than the trainer expects (RemoteMismatchError).
@@ -23,7 +24,6 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -91,36 +91,33 @@ class RemoteBackend(TargetBackend):
 
     urls: server addresses ("http://host:port"; "host:port" works too).
     token: sent as `Authorization: Bearer`; default $SPEC_SERVE_TOKEN.
-    prefetch: requests `submit` keeps in flight (0: submit is unsupported, generate_batch only).
     timeout: seconds any one socket operation may wait (a generate's answer included).
     retries, backoff: attempts after a connection error, waiting backoff * 2**k seconds before each.
     expect: identity the trainer requires, e.g. {"target_fingerprint": ..., "tokenizer_fingerprint":
         ..., "aux_layers": [...]} (any key of `info`); a difference raises RemoteMismatchError.
     """
 
-    def __init__(self, urls: list[str] | str, token: str | None = None, prefetch: int = 2,
-                 timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 expect: dict | None = None, connect_timeout: float = 10.0):
+    def __init__(self, urls: list[str] | str, token: str | None = None, timeout: float = 600.0,
+                 retries: int = 3, backoff: float = 0.5, expect: dict | None = None,
+                 connect_timeout: float = 10.0):
         if isinstance(urls, str):
             urls = urls.split(",")
         urls = [u for u in (u.strip() for u in urls) if u]
         if not urls:
             raise RemoteError("no --remote server address given", "e.g. --remote http://10.0.0.5:8000")
-        if prefetch < 0 or retries < 0 or timeout <= 0 or connect_timeout <= 0 or backoff < 0:
-            raise RemoteError("prefetch and retries must be >= 0 and the timeouts > 0",
-                              "e.g. --prefetch 2")
+        if retries < 0 or timeout <= 0 or connect_timeout <= 0 or backoff < 0:
+            raise RemoteError("retries must be >= 0 and the timeouts > 0", "e.g. retries=3, timeout=600")
         self.servers = [_Server(u) for u in urls]
         if len({s.url for s in self.servers}) != len(self.servers):
             raise RemoteError("the same server is listed twice in --remote", "list each server once")
         self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
-        self.prefetch, self.timeout, self.retries, self.backoff = prefetch, timeout, retries, backoff
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.connect_timeout = connect_timeout
         self.client_id = uuid.uuid4().hex
         self._local = threading.local()
         self._conns: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._turn = 0
-        self._pool: ThreadPoolExecutor | None = None
         self._closing = self._closed = False
         self._embeddings: torch.Tensor | None = None
         self._vocab: tuple[str, wire.Encoded, int] | None = None  # (vocab_id, message, Vd)
@@ -392,8 +389,7 @@ class RemoteBackend(TargetBackend):
             raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
                    "position_ids": position_ids, "seq_lens": seq_lens}
-        # int64 on the wire; an owned copy, so the caller may reuse its tensors after submit()
-        message = wire.encode({k: v.detach().to("cpu", torch.int64).clone()
+        message = wire.encode({k: v.detach().to("cpu", torch.int64)  # int64 on the wire
                                for k, v in tensors.items() if v is not None},
                               {"vocab_id": self._vocab[0]})
         B, T = input_ids.shape if input_ids.dim() == 2 else (1, input_ids.numel())
@@ -445,26 +441,12 @@ class RemoteBackend(TargetBackend):
         message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
         return self._generate(message, tuple(input_ids.shape))
 
-    def submit(self, input_ids, attention_mask, loss_mask, position_ids=None,
-               seq_lens=None) -> Future | None:
-        if self.prefetch <= 0:
-            return None
-        message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
-        with self._lock:
-            if self._closing:
-                raise RemoteError("the remote backend is closed", "this is a bug in the caller")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="spec-remote")
-        return self._pool.submit(self._generate, message, tuple(input_ids.shape))
-
     def close(self) -> None:
-        """Stop prefetching, say goodbye to each server (best effort, 5 s), close connections."""
+        """Say goodbye to each server (best effort, 5 s), close connections."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             try:
                 self._call("POST", "/v1/disconnect", b"{}", server=server, retries=0,

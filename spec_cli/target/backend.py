@@ -5,8 +5,6 @@ The trainer only ever calls these methods, so it cannot tell where its supervisi
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 from spec_cli.batch import TargetBatch
@@ -35,13 +33,6 @@ class TargetBackend:
         """After set_vocab_mapping: {"lm_head_selected": [Vd, H]} plus, when the target's final norm is
         an RMSNorm, {"final_norm": [H]} (its effective per-channel scale). They seed the draft's lm_head
         and final norm. None: not available."""
-        return None
-
-    def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-               position_ids: torch.Tensor | None = None,
-               seq_lens: torch.Tensor | None = None) -> Future | None:
-        """Start generate_batch asynchronously for prefetching. None: not supported (call
-        generate_batch instead)."""
         return None
 
     def close(self) -> None:

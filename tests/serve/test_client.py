@@ -3,7 +3,9 @@ weights as the in-process target; clear errors when a server differs, refuses, h
 
 import random
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -57,16 +59,17 @@ def count_calls(monkeypatch, handle) -> list:
 
 def test_remote_supervision_equals_in_process(servers, local, monkeypatch):
     calls = [count_calls(monkeypatch, h) for h in servers]
-    remote = RemoteBackend([h.url for h in servers], token="tok", prefetch=3)
+    remote = RemoteBackend([h.url for h in servers], token="tok")
     assert remote.info == {k: local.info[k] for k in remote.info}
     assert torch.equal(remote.get_input_embeddings(), local.get_input_embeddings())
     remote.set_vocab_mapping(draft_vocab())
     requests = [random_batch(B, T, seed) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33), (2, 2)])]
     for ids, am, lm in requests:  # synchronous
         assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
-    futures = [remote.submit(*requests[i % 4]) for i in range(12)]  # prefetch: 3 in flight
-    for i, future in enumerate(futures):
-        assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 4]))
+    with ThreadPoolExecutor(3) as pool:  # as the trainer's producer threads: 3 requests in flight
+        futures = [pool.submit(remote.generate_batch, *requests[i % 4]) for i in range(12)]
+        for i, future in enumerate(futures):
+            assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 4]))
     packed = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(9))
     seq_lens = torch.tensor([[11, 12, 7]])
     ones = torch.ones_like(packed)
@@ -144,21 +147,22 @@ def test_unreachable_and_silent_servers_fail_fast():
 def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local):
     proc = ServerProcess(tiny_llama_dir)
     try:
-        remote = RemoteBackend(proc.url, prefetch=2, retries=1, backoff=0.1, timeout=30)
+        remote = RemoteBackend(proc.url, retries=1, backoff=0.1, timeout=30)
         remote.set_vocab_mapping(draft_vocab())
         requests = [random_batch(4, 64, seed=s) for s in range(3)]
-        futures = [remote.submit(*requests[i % 3]) for i in range(12)]
-        futures[0].result(timeout=60)
-        proc.proc.kill()  # SIGKILL: no goodbye
-        start = time.monotonic()
-        outcomes = []
-        for i, future in enumerate(futures):
-            try:
-                assert_same_batch(future.result(timeout=30), local.generate_batch(*requests[i % 3]))
-                outcomes.append("ok")
-            except RemoteError as exc:
-                assert "cannot be reached" in str(exc) and "--resume" in exc.hint
-                outcomes.append("error")
+        with ThreadPoolExecutor(2) as pool:  # two requests in flight
+            futures = [pool.submit(remote.generate_batch, *requests[i % 3]) for i in range(12)]
+            futures[0].result(timeout=60)
+            proc.proc.kill()  # SIGKILL: no goodbye
+            start = time.monotonic()
+            outcomes = []
+            for i, future in enumerate(futures):
+                try:
+                    assert_same_batch(future.result(timeout=30), local.generate_batch(*requests[i % 3]))
+                    outcomes.append("ok")
+                except RemoteError as exc:
+                    assert "cannot be reached" in str(exc) and "--resume" in exc.hint
+                    outcomes.append("error")
         assert "error" in outcomes and time.monotonic() - start < 30
         with pytest.raises(RemoteError, match="cannot be reached"):
             remote.generate_batch(*requests[0])
@@ -181,22 +185,31 @@ def train_setup(tmp_path_factory, tiny_llama_dir):
     return {"target": target, "data": data, "vm": root / "vm.safetensors"}
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_training_against_a_server_equals_training_in_process(train_setup, tmp_path, monkeypatch, pack):
+@pytest.mark.parametrize("pack, prefetch", [(False, 2), (True, 0)])
+def test_training_against_a_server_equals_training_in_process(train_setup, tmp_path, monkeypatch, pack, prefetch):
+    """With --prefetch N the batches come from N producer threads ahead of the loop (spec_cli/stream,
+    a memory store, no stream.json); with 0 each is asked for when the loop needs it."""
     kw = dict(vocab_map=train_setup["vm"], target=str(train_setup["target"]), data=str(train_setup["data"]),
               dtype="fp32", ttt_steps=3, lr=3e-3, max_steps=3, log_every=1, eval_every=2, save_every=3,
               eval_fraction=0.2, batch_tokens=256, pack=pack)
     live = stage.run(stage.TrainConfig.from_options(output=tmp_path / "live", **kw))
     handle = start_server(load_backend(train_setup["target"]), train_setup["target"])
     calls = count_calls(monkeypatch, handle)
+    threads = []  # the client threads that asked for supervision
+    real = RemoteBackend.generate_batch
+    monkeypatch.setattr(RemoteBackend, "generate_batch",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
     try:
-        remote = stage.run(stage.TrainConfig.from_options(output=tmp_path / "remote",
-                                             **{**kw, "target": None, "remote": handle.url}))
+        remote = stage.run(stage.TrainConfig.from_options(output=tmp_path / "remote", prefetch=prefetch,
+                                                          **{**kw, "target": None, "remote": handle.url}))
     finally:
         handle.stop(grace=5)
         handle.logic.backend.close()
     assert live.steps == remote.steps == 3
     assert len(calls) >= 3  # every batch came from the server
+    assert ("spec-stream-0" in threads) == (prefetch > 0)  # (evaluation asks from the main thread)
+    assert set(threads) <= {"MainThread", *(f"spec-stream-{k}" for k in range(prefetch))}
+    assert remote.stream is None and not (tmp_path / "remote" / "stream.json").exists()  # that is --stream's
     from safetensors.torch import load_file
 
     from spec_cli.artifacts import checkpoint as ckpt

@@ -153,7 +153,7 @@ def test_serve_target_ships_its_template_and_a_remote_trainer_checks_it(base, tm
 
     server = ServerProcess(base["target"], chat_template="gemma")
     try:
-        remote = RemoteBackend(server.url, prefetch=0)
+        remote = RemoteBackend(server.url)
         try:
             expected = load_vocab_map(base["vm"]["gemma"]).metadata["tokenizer_fingerprint"]
             assert remote.info["tokenizer_fingerprint"] == expected  # the template is in the fingerprint

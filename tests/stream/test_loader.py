@@ -66,7 +66,7 @@ def test_remote_streamed_batches_equal_in_process_batches(tiny_llama_dir, local,
 
     server = start_server(load_backend(tiny_llama_dir), tiny_llama_dir)
     try:
-        remote = RemoteBackend(server.url, prefetch=0)
+        remote = RemoteBackend(server.url)
         remote.set_vocab_mapping(draft_vocab())
         producer = Producer(remote, FolderStore(tmp_path / "s", max_samples=4), "remote")
         with StreamLoader(producer, hf_inputs, 0, 6, prefetch=3, workers=3) as loader:

@@ -1,0 +1,283 @@
+"""Where `spec train`'s supervision comes from, and how the loop gets it, batch by batch.
+
+open_source   one factory for a feature cache (--cache), a live target (--target) and served targets
+              (--remote): it opens what is particular to each; for a live or served target it then
+              tokenises the data (rank 0 first, the others read its cache) and plans the batches, the
+              same steps for both.
+Schedule      the planned batches split into train and held-out eval batches, and which one each
+              micro-batch trains on: epoch e visits the train batches in the order of a permutation
+              seeded by (seed, e), so the data position is a function of the step alone.
+open_batches  micro-batch number -> TargetBatch: made when the loop asks, or ahead of it by producer
+              threads through a bounded store (spec_cli/stream) with --stream, and for --remote with
+              --prefetch N. The batches are the same bit for bit either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from spec_cli import assets, distributed
+from spec_cli.data import chat_templates
+from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
+from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.stages.train_options import TrainConfig
+from spec_cli.target import loading, local
+from spec_cli.target.backend import TargetBackend
+
+
+@dataclass
+class Source:
+    backend: TargetBackend
+    tokens: object  # TokenizedData
+    plan: list[list[int]]  # batches of sample indices
+    target_config: dict
+    aux_layers: list[int]
+    identity: dict  # target and tokenizer fingerprints, aux layers: what a --resume must match
+    chat_template: dict = dataclasses.field(default_factory=dict)  # sha256 + source of the template used
+
+
+def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
+    """The backend a run trains from, the data's tokens and their batch plan, and what identifies them."""
+    _check_options(cfg)
+    d = cfg.data
+    if d.cache is not None:
+        return _cache_source(cfg, device, vocab_map)
+    if d.data is None:
+        raise ConfigError(f"{'--remote' if d.remote is not None else '--target'} needs --data",
+                          "pass the chat data to train on")
+    template = chat_templates.resolve(d.chat_template)
+    target = (_served if d.remote is not None else _live)(cfg, vocab_map, template, device)
+    try:
+        data_path = Path(assets.resolve_data_arg(d.data))
+        tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc)
+        backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
+    except BaseException:
+        if target.backend is not None:
+            target.backend.close()
+        raise
+    n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
+    plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
+    identity = {"target_fingerprint": backend.info["target_fingerprint"],
+                "tokenizer_fingerprint": target.tokenizer_fingerprint, "aux_layers": backend.info["aux_layers"]}
+    return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template)
+
+
+def _check_options(cfg: TrainConfig) -> None:
+    d, rt = cfg.data, cfg.runtime
+    if sum(x is not None for x in (d.cache, d.target, d.remote)) != 1:
+        raise ConfigError("pass exactly one of --cache (a feature cache), --target (a live target) or "
+                          "--remote (served targets)",
+                          "e.g. spec train --cache cache/ --vocab-map vocab.safetensors -o runs/x")
+    if rt.stream and d.cache is not None:
+        raise ConfigError("--stream runs a live target ahead of the trainer; a feature cache is already "
+                          "on disk", "drop --stream, or train from --target / --remote")
+    if rt.stream_dir is not None and not rt.stream:
+        raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
+                          "--stream-dir")
+    if d.chat_template is not None and d.cache is not None:
+        raise ConfigError("--chat-template is for a live --target or --remote: a feature cache was tokenised "
+                          "when it was made", "drop --chat-template (pass it to `spec precompute` instead)")
+
+
+def _cache_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
+    from spec_cli.target.cache_backend import CacheBackend
+
+    backend = CacheBackend(cfg.data.cache, device=device)
+    m = backend.reader.manifest
+    if m["vocab_map_fingerprint"] != vocab_map.fingerprint:
+        made_with = f" ({m['vocab_map']})" if m.get("vocab_map") else ""
+        raise ArtifactError(f"the vocab map {cfg.data.vocab_map} (fingerprint {vocab_map.fingerprint}) differs "
+                            f"from the one the feature cache was made with{made_with}, fingerprint "
+                            f"{m['vocab_map_fingerprint']}", "pass the --vocab-map used for `spec precompute`")
+    if _other_aux_layers(cfg, m["num_layers"], m["aux_layers"]):
+        raise ArtifactError(f"--aux-layers {cfg.draft.aux_layers} differs from the cache's {m['aux_layers']}",
+                            "drop --aux-layers (the cache decides) or precompute again")
+    target_config = m.get("target_config") or loading.load_config(m["target"]).to_dict()
+    tokens = backend.tokens()
+    plan = plan_packed(tokens.lengths, cfg.data.batch_tokens) if cfg.data.pack else backend.plan()
+    identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    template = {k: m[k] for k in ("chat_template_sha256", "chat_template_source", "tokenizer_base_fingerprint")
+                if k in m}
+    return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template)
+
+
+def _other_aux_layers(cfg: TrainConfig, num_layers: int, given: list[int]) -> bool:
+    """Whether --aux-layers asks for other layers than the supervision was made with."""
+    asked = cfg.draft.aux_layers
+    return asked not in (None, "", "auto") and \
+        loading.parse_aux_layers(asked, num_layers, cfg.draft.algorithm) != given
+
+
+@dataclass
+class _Target:
+    """A live or served target, as far as the data needs it before it is tokenised."""
+    tokenizer: object
+    tokenizer_fingerprint: str
+    aux_layers: list[int]
+    config: dict  # the target's config.json
+    template: dict  # what artifacts record about the chat template
+    backend: TargetBackend | None = None  # served: connected already
+    load: Callable[[], TargetBackend] | None = None  # live: loads the model
+
+
+def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
+    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.data.target))
+    config = loading.load_config(target_dir)
+    aux_layers = loading.parse_aux_layers(cfg.draft.aux_layers, loading.num_layers(config), cfg.draft.algorithm)
+    tokenizer = loading.load_tokenizer(target_dir, template)
+    fingerprint = loading.check_tokenizer(vocab_map.metadata, tokenizer, template,
+                                          f"the vocab map {cfg.data.vocab_map}",
+                                          "rebuild it with `spec build-vocab-map` for this target")
+    dtype = loading.choose_dtype(cfg.runtime.dtype, device)
+
+    def load() -> TargetBackend:
+        return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template)
+
+    record = chat_templates.identity(tokenizer, template)
+    return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, load=load)
+
+
+def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
+    from spec_cli.serve.client import RemoteBackend
+
+    # With --chat-template the trainer's own template replaces the server's, so the tokenizer is checked
+    # once it is here (below), not against what the server reports.
+    expect = {} if template else {"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")}
+    backend = RemoteBackend(cfg.data.remote, token=cfg.data.token, expect=expect)
+    try:
+        aux_layers = backend.info["aux_layers"]
+        if _other_aux_layers(cfg, backend.info["num_layers"], aux_layers):
+            raise ConfigError(f"--aux-layers {cfg.draft.aux_layers} differs from the server's {aux_layers}",
+                              "drop --aux-layers (the server decides) or restart it with them")
+        tokenizer = chat_templates.apply(backend.load_tokenizer(), template)
+        fingerprint = backend.info["tokenizer_fingerprint"]
+        if template is not None:
+            fingerprint = loading.check_tokenizer(vocab_map.metadata, tokenizer, template,
+                                                  f"the vocab map {cfg.data.vocab_map}",
+                                                  "rebuild it with `spec build-vocab-map` for this target and "
+                                                  "--chat-template")
+    except BaseException:
+        backend.close()
+        raise
+    record = chat_templates.identity(tokenizer, template)
+    if template is None and backend.servers[0].info.get("chat_template_source"):  # serve-target --chat-template
+        record["chat_template_source"] = backend.servers[0].info["chat_template_source"]
+    return _Target(tokenizer, fingerprint, aux_layers, backend.target_config, record, backend=backend)
+
+
+def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc: int):
+    """The data's tokens: rank 0 tokenises (and caches) them, the other ranks then read its cache."""
+    from spec_cli.data.tokenize import tokenize_data
+
+    if distributed.is_main():
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc)
+    distributed.barrier()
+    if not distributed.is_main():
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1)
+    return tokens
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+def split_eval(plan: list[list[int]], fraction: float, seed: int) -> tuple[list, list]:
+    """(train batches, held-out eval batches): a seeded choice of whole batches."""
+    n_eval = 0 if fraction <= 0 or len(plan) < 2 else max(1, round(len(plan) * fraction))
+    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    held = set(order[:n_eval])
+    return [b for i, b in enumerate(plan) if i not in held], [b for i, b in enumerate(plan) if i in held]
+
+
+@dataclass
+class Schedule:
+    """What each optimizer step trains on: this rank's micro-batch i of step s is number s * grad_accum + i."""
+    train: list[list[int]]  # batches of sample indices
+    eval: list[list[int]]
+    total_steps: int  # optimizer steps
+    grad_accum: int  # micro-batches per step on each rank
+    seed: int
+    rank: int
+    world: int
+
+    @classmethod
+    def plan(cls, source: Source, cfg: TrainConfig) -> Schedule:
+        train, held = split_eval(source.plan, cfg.data.eval_fraction, cfg.optim.seed)
+        if not train:
+            raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
+        world = distributed.world_size()
+        per_step = cfg.optim.grad_accum * world
+        total = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train)) // per_step)
+        return cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world)
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per optimizer step, all ranks together."""
+        return self.grad_accum * self.world
+
+    def epoch(self, step: int) -> int:
+        """The epoch the run is in after `step` optimizer steps."""
+        return step * self.per_step // len(self.train)
+
+    def indices(self, i: int) -> list[int]:
+        """The samples of this rank's i-th micro-batch (global micro-batch i * world + rank)."""
+        epoch, pos = divmod(i * self.world + self.rank, len(self.train))
+        order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return self.train[int(order[pos])]
+
+
+# ----------------------------------------------------------------------------- batches
+
+def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
+    """The keyword arguments of generate_batch for one batch of samples."""
+    if pack:
+        ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
+        return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "seq_lens": seq_lens}
+    ids, am, lm = collate(source.tokens, indices)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+
+
+def supervise(source: Source, indices: list[int], pack: bool, device: torch.device):
+    return source.backend.generate_batch(**inputs_for(source, indices, pack)).to(device)
+
+
+class _WhenAsked:
+    """Micro-batches made when the loop asks for them."""
+
+    def __init__(self, source: Source, schedule: Schedule, pack: bool, device: torch.device):
+        self.source, self.schedule, self.pack, self.device = source, schedule, pack, device
+
+    def get(self, i: int):
+        return supervise(self.source, self.schedule.indices(i), self.pack, self.device)
+
+    def close(self) -> None:
+        pass
+
+
+def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: int, device: torch.device):
+    """This rank's micro-batches start, start + 1, ...: `.get(i)` -> TargetBatch on `device`; `.close()`.
+
+    With --stream, and for --remote with --prefetch N > 0, producer threads make them ahead of the loop
+    (spec_cli/stream): an in-process target one batch at a time (its backend is wrapped so that
+    evaluation can share it), remote servers N requests at once. The store holds at most N + 1 batches
+    and, with --stream, --stream-max-bytes bytes. Otherwise each is made when asked."""
+    rt, remote = cfg.runtime, cfg.data.remote is not None
+    if not (rt.stream or (remote and rt.prefetch > 0)):
+        return _WhenAsked(source, schedule, cfg.data.pack, device)
+    from spec_cli.stream import FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader, new_run_id
+
+    run_id = new_run_id()
+    bounds = dict(max_samples=rt.prefetch + 1, max_bytes=rt.stream_max_bytes if rt.stream else None)
+    if rt.stream_dir is not None:
+        store = FolderStore(Path(rt.stream_dir) / f"spec-stream-{run_id}", **bounds)
+    else:
+        store = MemoryStore(**bounds)
+    if not remote:
+        source.backend = SerializedBackend(source.backend)
+    producer = Producer(source.backend, store, run_id, target_version=source.identity["target_fingerprint"])
+    return StreamLoader(producer, lambda i: inputs_for(source, schedule.indices(i), cfg.data.pack), start,
+                        schedule.total_steps * schedule.grad_accum, prefetch=rt.prefetch,
+                        workers=max(1, rt.prefetch) if remote else 1, device=device)
