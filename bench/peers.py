@@ -224,7 +224,8 @@ def spec_cli_peer_positions(draft, batch, ttt_steps: int = 7):
     """spec_cli's own pieces (`Eagle3Draft.ttt_step`, the soft-CE head of `ttt_forward`) unrolled
     with step k's queries and keys rotated at position t + k, the peers' convention. Returns ([K]
     soft-CE per step with grad, [K] top-1 accuracy over loss_mask)."""
-    from spec_cli.draft.eagle3.ttt import _head, shift_left
+    from spec_cli.draft.eagle3.ttt import _head
+    from spec_cli.draft.unroll import shift_left
 
     B, T = batch.input_ids.shape
     positions = torch.arange(T).expand(B, T)

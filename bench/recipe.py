@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from spec_cli import assets  # noqa: E402
 from spec_cli.artifacts import checkpoint as ckpt  # noqa: E402
 from spec_cli.console import set_quiet  # noqa: E402
+from spec_cli.draft.eagle3 import ttt  # noqa: E402
 from spec_cli.eval import drafts, prompts  # noqa: E402
 from spec_cli.eval.speculative import Settings, eos_ids, generate  # noqa: E402
 from spec_cli.eval.target import Target  # noqa: E402
@@ -76,13 +77,13 @@ def step_zero_positions():
     """The TTT unroll as it was before positions advanced with the step (for the A/B row only)."""
     import inspect
 
-    from spec_cli.draft.eagle3 import ttt
+    from spec_cli.draft import unroll
 
-    source = inspect.getsource(ttt.ttt_forward)
+    source = inspect.getsource(unroll.unroll)
     assert "draft.rope(position_ids + k)" in source
-    namespace = dict(vars(ttt))
+    namespace = dict(vars(unroll))
     exec(source.replace("draft.rope(position_ids + k)", "draft.rope(position_ids)"), namespace)
-    return namespace["ttt_forward"]
+    return namespace["unroll"]
 
 
 def train_variant(out: Path, name: str, vmap: Path, cache: Path, steps: int, batch_tokens: int,
@@ -91,16 +92,16 @@ def train_variant(out: Path, name: str, vmap: Path, cache: Path, steps: int, bat
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None or json.loads((latest / "trainer_state.json").read_text())["step"] < steps:
         settings = {**BASE, **overrides}
-        current = train.ttt_forward
+        current = ttt.unroll  # what EAGLE-3's objective unrolls with
         if settings.pop("_old_positions", False):
-            train.ttt_forward = step_zero_positions()
+            ttt.unroll = step_zero_positions()
         try:
             outcome = train.run(train.TrainConfig.from_options(
                 vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=batch_tokens,
                 max_steps=steps, eval_fraction=0.03, log_every=10, eval_every=10 ** 9, save_every=10 ** 9,
                 resume=latest is not None, **settings))
         finally:
-            train.ttt_forward = current
+            ttt.unroll = current
         latest = outcome.checkpoint
     last_eval = {}
     for line in (run_dir / "log.jsonl").read_text().splitlines():

@@ -1,14 +1,7 @@
-"""The training-time-test (TTT) unroll of an EAGLE-3 draft: one forward, its loss and its metrics.
+"""EAGLE-3's TTT objective: the shared unroll (spec_cli/draft/unroll.py) scored on the target's
+distribution over the draft vocab.
 
-Teacher-forced rolling (DESIGN.md "TTT unroll"): at step k slot t reads token input_ids[t + k] (the
-ids rolled left by k) with the draft's own state of step k - 1 at slot t, and is supervised by the
-target at t + k: loss_mask, position_mask, target_p, target_ids and target_mass roll with the ids.
-The attention mask stays that of step 0; positions advance with the step (slot t sits at position
-t + k at step k), as at serving, where the k-th drafted token is decoded at position t + k (vLLM,
-SGLang and `spec eval` alike), and as SpecForge trains. Slot t takes part at step k only while its
-target stays in its own document: k < doc_remaining[t] (right padding and packing alike).
-
-Metrics per step, as sums so they add up across batches and ranks:
+Metrics per step:
 - supervised: positions with a loss (position_mask: target top-1 in the draft vocab);
 - correct / total: top-1 hits over the loss_mask positions (SpecForge's definition). A position whose
   target top-1 is outside the draft vocab counts as a miss: the draft can never propose it, so this
@@ -17,64 +10,12 @@ Metrics per step, as sums so they add up across batches and ranks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-from torch.utils.checkpoint import checkpoint as activation_checkpoint
+from functools import partial
 
 from spec_cli.batch import TargetBatch
-from spec_cli.draft.attention import Segments, document_index
-from spec_cli.draft.losses import LOSSES, acceptance_length, step_loss, step_weights, top1_correct
 from spec_cli.draft.eagle3.model import Eagle3Draft
-
-
-@dataclass
-class TTTOutput:
-    loss: torch.Tensor  # [] sum_k w_k * loss_k, for backward
-    step_loss: torch.Tensor  # [K] each step's loss (mean over its supervised positions), detached
-    correct: torch.Tensor  # [K] top-1 hits
-    total: torch.Tensor  # [K] loss_mask positions (accuracy denominator)
-    supervised: torch.Tensor  # [K] position_mask positions (loss denominator)
-
-    @property
-    def accuracy(self) -> torch.Tensor:
-        """[K] top-1 accuracy per step (0 where a step has no positions)."""
-        return self.correct.double() / self.total.double().clamp_min(1)
-
-    @property
-    def acceptance_length(self) -> torch.Tensor:
-        return acceptance_length(self.accuracy)
-
-
-def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x[:, t] <- x[:, t + k], zero-filled at the end. [B, T, ...]."""
-    if k == 0:
-        return x
-    return torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], dim=1)
-
-
-def doc_remaining(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] slots left in each slot's document, itself included (0 on padding).
-
-    Unpacked rows are right-padded: one document of attention_mask.sum() tokens.
-    Packed rows: documents of seq_lens [B, D] tokens, back to back."""
-    B, T = attention_mask.shape
-    t = torch.arange(T, device=attention_mask.device)
-    if seq_lens is None:
-        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("attention_mask must be right-padded (ones, then zeros)")
-        return (attention_mask.long().sum(1, keepdim=True) - t).clamp_min(0)
-    ends = seq_lens.long().cumsum(1)  # [B, D]
-    doc = document_index(seq_lens, T)  # [B, T], D on trailing padding
-    end = ends.gather(1, doc.clamp_max(ends.shape[1] - 1))
-    return torch.where(doc < ends.shape[1], end - t, 0)
-
-
-def packed_positions(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[B, D] document lengths -> [B, T] positions restarting at 0 in each document."""
-    starts = seq_lens.long().cumsum(1) - seq_lens.long()  # [B, D]
-    doc = document_index(seq_lens, seq_len).clamp_max(seq_lens.shape[1] - 1)
-    return torch.arange(seq_len, device=seq_lens.device) - starts.gather(1, doc)
+from spec_cli.draft.losses import LOSSES, step_loss, top1_correct
+from spec_cli.draft.unroll import TTTOutput, unroll
 
 
 def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl_scale, kl_decay):
@@ -96,35 +37,6 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(LOSSES)}")
-    B, T = batch.input_ids.shape
-    device = batch.input_ids.device
-    position_ids = batch.position_ids
-    if position_ids is None:
-        position_ids = packed_positions(batch.seq_lens, T) if batch.seq_lens is not None else \
-            torch.arange(T, device=device).expand(B, T)
-    bias = None  # causal: right-padded keys come after every real query
-    if batch.seq_lens is not None:  # packing: causal within each document, one kernel call each
-        bias = Segments.from_seq_lens(batch.seq_lens, T)
-    remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
-    weights = step_weights(ttt_steps, step_weight)
-    head = (lambda *a: activation_checkpoint(_head, *a, use_reentrant=False)) if checkpoint else _head
-
-    hidden = draft.project(batch.aux_hidden)  # [B, T, H]
-    caches = [[] for _ in draft.decoder_layers]
-    total_loss = hidden.new_zeros((), dtype=torch.float32)
-    losses, correct, total, supervised = [], [], [], []
-    for k in range(ttt_steps):
-        ids = shift_left(batch.input_ids, k)  # slot t reads token t + k
-        cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
-        hidden = draft.ttt_step(ids, hidden, cos, sin, caches, bias, checkpoint)  # [B, T, H]
-        valid = remaining > k  # the target at t + k is still in t's document
-        scored = valid & shift_left(batch.loss_mask, k).bool()  # [B, T] accuracy denominator
-        sup_b, sup_t = (valid & shift_left(batch.position_mask, k).bool()).nonzero(as_tuple=True)
-        value, hits = head(draft, hidden, batch, sup_b, sup_t, k, loss, lk_kl_scale, lk_kl_decay)
-        total_loss = total_loss + weights[k] * value
-        losses.append(value.detach())
-        correct.append(hits)
-        total.append(scored.sum())
-        supervised.append(sup_b.new_tensor(sup_b.numel()))
-    return TTTOutput(loss=total_loss, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                     total=torch.stack(total), supervised=torch.stack(supervised))
+    head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay)
+    return unroll(draft, batch, draft.project(batch.aux_hidden), head, batch.position_mask, ttt_steps,
+                  step_weight, checkpoint)
