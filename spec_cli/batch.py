@@ -19,7 +19,7 @@ import torch
 
 @dataclass
 class TargetBatch:
-    aux_hidden: torch.Tensor  # [B, T, 3*H] target dtype, position-aligned
+    aux_hidden: torch.Tensor  # [B, T, n*H] target dtype, position-aligned (n aux layers: the algorithm's)
     input_ids: torch.Tensor  # [B, T] long, shifted: input_ids[:, t] = x[t+1]
     attention_mask: torch.Tensor  # [B, T] long, unshifted (1 = real token)
     loss_mask: torch.Tensor  # [B, T] long, shifted like input_ids
@@ -29,6 +29,9 @@ class TargetBatch:
     target_mass: torch.Tensor  # [B, T] fp32: draft-vocab mass under the full-vocab normaliser
     position_ids: torch.Tensor | None = None  # [B, T] long, unshifted (packing: restart per document)
     seq_lens: torch.Tensor | None = None  # [B, max_docs] long, unshifted (packing)
+    # [B, T, H] target dtype, position-aligned: the target's last hidden state after its final norm
+    # (what lm_head reads; EAGLE-1/2's feature). Only when the backend was asked (`want_final_hidden`).
+    final_hidden: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "TargetBatch":
         return replace(self, **{f.name: (getattr(self, f.name).to(device)

@@ -18,7 +18,9 @@ An algorithm is a package that builds one `Algorithm` value from its own functio
 
 `aux_layers` is how many target layers the draft reads and `default_aux_layers(n)` which ones for a
 target of n decoder layers (spec_cli's convention: 0-indexed layer OUTPUTS); every stage that picks or
-checks aux layers (precompute, serve-target, train, eval) asks the algorithm.
+checks aux layers (precompute, serve-target, train, eval) asks the algorithm. `final_hidden`: the
+draft also reads the target's last hidden state after its final norm (EAGLE-1/2's feature), which
+backends then return in TargetBatch.final_hidden.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ObjectiveOptions:
     loss: str = "soft-ce"
     lk_kl_scale: float = 1.0
     lk_kl_decay: float = 1.0
+    feature_weight: float = 1.0  # EAGLE-1/2: SmoothL1 on the predicted feature
+    token_weight: float = 0.1  # EAGLE-1/2: soft-CE of lm_head(predicted feature) vs the target's
 
 
 class Checkpoint(Protocol):
@@ -76,4 +80,5 @@ class Algorithm:
     catch_up: Callable
     propose: Callable
     formats: tuple[str, ...]
-    export: Callable[[Checkpoint, str, torch.dtype], ExportFiles]
+    export: Callable[[Checkpoint, str, torch.dtype], ExportFiles] | None
+    final_hidden: bool = False  # reads the target's final hidden state (TargetBatch.final_hidden)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from spec_cli.draft.algorithm import Algorithm
+from spec_cli.draft.eagle import EAGLE
 from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.errors import ConfigError
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (EAGLE3,)}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (EAGLE3, EAGLE)}
 DEFAULT = "eagle3"
 
 

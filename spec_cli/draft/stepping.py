@@ -18,6 +18,8 @@ from spec_cli.draft.layers import KVCache, rope_attention_scale, rope_inv_freq
 
 
 class SteppedDraft(nn.Module):
+    attn_impl = "auto"  # TTT attention kernel: auto | fused | math
+
     def new_cache(self) -> KVCache:
         """An empty decoding cache for this draft's layers."""
         return KVCache(self.config.num_hidden_layers)

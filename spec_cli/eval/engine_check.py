@@ -124,7 +124,8 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
     draft = reference_draft(src, dtype)
     draft.copy_embeddings(model.get_input_embeddings().weight.float())
-    target = Target(model, src.config.aux_layer_ids)
+    target = Target(model, src.config.aux_layer_ids,
+                    final_hidden=algorithms.get(src.config.algorithm).final_hidden)
     try:
         reference = [generate(target, draft, p, settings) for p in ids]
     finally:

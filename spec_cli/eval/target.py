@@ -1,6 +1,7 @@
 """The target during speculative decoding: a transformers causal LM, batch size 1, with a KV cache
-(`DynamicCache`) and forward hooks that capture the outputs of the three aux decoder layers
-(target/capture.py, the hooks training's target uses).
+(`DynamicCache`) and forward hooks that capture what the draft reads: the outputs of its aux decoder
+layers (target/capture.py, the hooks training's target uses; EAGLE-3: three), and for EAGLE-1/2 the
+last hidden state after the final norm (a hook on that norm: what lm_head reads, at every position).
 
 Rolling back. A verification appends the root and every drafted token; the rejected ones then leave the
 cache. transformers' sliding-window cache layer keeps only its last window - 1 positions, so once a turn
@@ -30,10 +31,18 @@ TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a 
 
 
 class Target:
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int], final_hidden: bool = False):
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
         self.aux_capture = AuxCapture(model, self.aux_layer_ids)
+        self._final: list[torch.Tensor] = []
+        self._final_hook = None
+        if final_hidden:  # the draft reads the target's post-norm last hidden state (EAGLE-1/2)
+            norm = getattr(model.get_decoder(), "norm", None)
+            if norm is None:
+                raise ValueError(f"{type(model).__name__} has no final norm to read the draft's feature from")
+            self._final_hook = norm.register_forward_hook(
+                lambda _m, _i, out: self._final.append(out) if self.capture else None)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -50,6 +59,8 @@ class Target:
 
     def close(self) -> None:
         self.aux_capture.close()
+        if self._final_hook is not None:
+            self._final_hook.remove()
 
     # -- cache -----------------------------------------------------------------------------------
 
@@ -90,16 +101,23 @@ class Target:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache,
                 tree_mask: torch.Tensor | None = None, last_only: bool = False):
         """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal).
-        Returns (logits fp32 [n, V] ([1, V] with last_only), aux [n, 3*H_t] or None)."""
+        Returns (logits fp32 [n, V] ([1, V] with last_only), what the draft reads [n, ...] or None: the
+        aux layers' outputs, then the final hidden state when asked)."""
         mask = None
         if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
             mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
                              self.model.dtype, "tree verification (--topk 2 or more)")
         self.aux_capture.clear()
+        self._final.clear()
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache})
         logits = out.logits[0].float()
-        aux = self.aux_capture.take()[0] if self.capture else None  # [n, 3*H_t]
+        if not self.capture:
+            return logits, None
+        final = self._final[-1] if self._final_hook is not None else None
+        aux = self.aux_capture.take(final if final is not None else out.logits)[0]  # [n, n_aux * H_t]
+        if final is not None:
+            aux = torch.cat([aux, final[0].to(aux.dtype)], dim=-1)
         return logits, aux
 
 

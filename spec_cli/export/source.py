@@ -67,13 +67,13 @@ def load_source(path: Path, target: str | None = None, frozen_required: bool = T
                        last_eval=_last_eval(run_dir, step) if run_dir else None, missing_frozen=missing)
 
 
-_FROZEN = ("embed_tokens.weight",)  # Eagle3Draft's parameters copied from the target
+_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # what drafts may copy from the target (EAGLE-1/2: both)
 
 
 def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.Tensor],
                  optional: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The checkpoint's tensors are those of an Eagle3Draft with this config, with a valid vocab map;
-    -> the `optional` keys it lacks."""
+    """The checkpoint's tensors are those of its algorithm's draft with this config, with a valid vocab
+    map where the draft has one (d2t/t2d); -> the `optional` keys it lacks."""
     from spec_cli.draft import algorithms
 
     with torch.device("meta"):
@@ -86,6 +86,8 @@ def _check_state(checkpoint: Path, config: DraftConfig, state: dict[str, torch.T
         raise ArtifactError(f"{checkpoint}/model.safetensors does not match its config.json "
                             f"(missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {wrong[:3]})",
                             "the checkpoint is corrupt; export another checkpoint of the run")
+    if "d2t" not in expected:  # the draft's vocabulary is the target's (EAGLE-1/2)
+        return absent
     selected = vocab_map.ids_from_d2t(state["d2t"])
     ok = (vocab_map.valid_ids(selected, config.vocab_size)
           and torch.equal(state["t2d"].bool(), vocab_map.t2d_from_ids(selected, config.vocab_size)))

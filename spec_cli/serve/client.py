@@ -391,7 +391,7 @@ class RemoteBackend(TargetBackend):
                    "position_ids": position_ids, "seq_lens": seq_lens}
         message = wire.encode({k: v.detach().to("cpu", torch.int64)  # int64 on the wire
                                for k, v in tensors.items() if v is not None},
-                              {"vocab_id": self._vocab[0]})
+                              {"vocab_id": self._vocab[0], "final_hidden": self.keep_final_hidden})
         B, T = input_ids.shape if input_ids.dim() == 2 else (1, input_ids.numel())
         limits = self.limits
         for what, value, limit, option in (
@@ -427,10 +427,11 @@ class RemoteBackend(TargetBackend):
     def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
         B, T = shape
         Vd, Ha = self._vocab[2], len(self.info["aux_layers"]) * self.info["hidden_size"]
-        expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, Ha],
-                                                            "target_p": [B, T, Vd]}
-        problems = [n for n in BATCH_FIELDS if n not in tensors or list(tensors[n].shape) != expected[n]]
-        if problems or set(tensors) - set(BATCH_FIELDS) - {"position_ids", "seq_lens"}:
+        fields = BATCH_FIELDS + (("final_hidden",) if self.keep_final_hidden else ())
+        expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, Ha], "target_p": [B, T, Vd],
+                                                            "final_hidden": [B, T, self.info["hidden_size"]]}
+        problems = [n for n in fields if n not in tensors or list(tensors[n].shape) != expected[n]]
+        if problems or set(tensors) - set(fields) - {"position_ids", "seq_lens"}:
             raise RemoteError(f"the target server {server.url} sent a malformed batch "
                               f"(fields {sorted(tensors)}; wrong: {problems})",
                               "check that server and trainer run the same spec_cli version")

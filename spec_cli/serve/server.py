@@ -321,11 +321,13 @@ class TargetServer:
             raise RequestError(404, "this target has no output head to share")
         return Response.tensors(wire.encode({k: v.detach().cpu().contiguous() for k, v in head.items()}))
 
-    def supervise(self, tensors: dict[str, torch.Tensor], vid) -> dict[str, torch.Tensor]:
-        """Validate one generate request and run the target on it (under the model lock)."""
+    def supervise(self, tensors: dict[str, torch.Tensor], vid, final_hidden: bool = False) -> dict[str, torch.Tensor]:
+        """Validate one generate request and run the target on it (under the model lock); with
+        final_hidden the answer carries the target's final hidden states too (EAGLE-1/2 trainers)."""
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
         with self.generate_lock:
             self._use_vocab(vid)
+            self.backend.keep_final_hidden = bool(final_hidden)
             try:
                 return self.backend.generate_batch(**kwargs).tensors()
             except SpecError as exc:  # a request this target cannot answer exactly (e.g. packing)
@@ -333,7 +335,7 @@ class TargetServer:
 
     def generate(self, body, **_) -> Response:
         tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))
-        out = self.supervise(tensors, meta.get("vocab_id"))
+        out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True)
         return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
 
     def disconnect(self, body, client=None, **_) -> Response:

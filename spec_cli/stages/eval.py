@@ -41,6 +41,7 @@ from typing import Callable
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates
+from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, parting, plot_acceptance, turn_speedup
@@ -223,7 +224,7 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
     if loaded.needs_embeddings:  # engines share the target's table with the draft
         draft.copy_embeddings(model.get_input_embeddings().weight.float().cpu())
     draft.to(device=device, dtype=dtype).eval()
-    target = Target(model, draft.config.aux_layer_ids)
+    target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithms.get(draft.config.algorithm).final_hidden)
     if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
         raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
                           f"{target.attn_implementation}", "use a chain (--topk 1)")

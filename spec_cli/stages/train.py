@@ -63,6 +63,7 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
         schedule = Schedule.plan(source, cfg)
         algorithm = _algorithm(cfg, source)
+        source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
         trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device)
         run_json = _run_json(cfg, source, vocab_map)
         _check_run_dir(cfg, run_json)
@@ -199,14 +200,22 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     embed = source.backend.get_input_embeddings()
     draft.copy_embeddings(embed)
     draft.set_vocab_map(vocab_map.selected_token_ids)
-    if d.init_from_target:  # (a --resume then loads its checkpoint over it)
+    # The frozen weights (copied from the target, never trained) are stored once per run, as the target
+    # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
+    frozen = {"embed_tokens.weight": embed}
+    if hasattr(draft, "copy_head"):  # EAGLE-1/2 proposes through the target's own lm_head
+        head = source.backend.get_output_head()
+        if head is None:
+            raise ConfigError("this supervision does not give the target's lm_head, which an EAGLE-1/2 draft "
+                              "proposes through", "train from a feature cache, a live --target or a server")
+        draft.copy_head(head["lm_head_selected"])  # the whole vocabulary: the vocab map selects every id
+        frozen["lm_head.weight"] = head["lm_head_selected"]
+    elif d.init_from_target:  # (a --resume then loads its checkpoint over it)
         head = source.backend.get_output_head()
         if head is None or not draft.init_from_target(head["lm_head_selected"], head.get("final_norm")):
             info("the draft's lm_head starts random: the target's output head is not available here "
                  "or does not fit the draft's hidden size")
-    # The frozen weights (copied from the target, never trained) are stored once per run, as the target
-    # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
-    return draft, draft_config, {"embed_tokens.weight": embed}
+    return draft, draft_config, frozen
 
 
 class Trainer:

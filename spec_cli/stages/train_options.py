@@ -160,6 +160,13 @@ class ObjectiveFlags:
         panel=OBJECTIVE)
     lk_kl_scale: float = option(1.0, "--lk-kl-scale", help="lk-lambda: KL weight scale.", panel=OBJECTIVE)
     lk_kl_decay: float = option(1.0, "--lk-kl-decay", help="lk-lambda: KL weight decay.", panel=OBJECTIVE)
+    feature_weight: float = option(
+        1.0, "--feature-weight", help="--algorithm eagle: weight of SmoothL1 on the predicted next feature.",
+        panel=OBJECTIVE, min=0.0)
+    token_weight: float = option(
+        0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
+                                    "distribution and the draft's (through the target's lm_head).",
+        panel=OBJECTIVE, min=0.0)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ class TargetBackend:
 
     #: target facts the trainer checks against the vocab map / cache (set by subclasses)
     info: dict
+    #: also return the target's last hidden state after its final norm (TargetBatch.final_hidden), for
+    #: drafts that read it (EAGLE-1/2); set by the trainer before the first batch
+    keep_final_hidden: bool = False
 
     def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,

@@ -103,6 +103,10 @@ class CacheBackend(TargetBackend):
                        seq_lens=None) -> TargetBatch:
         B, T = input_ids.shape
         H, dev = self.info["hidden_size"], self.device
+        if self.keep_final_hidden and self.encoding != "hidden":
+            raise ArtifactError(f"the feature cache was made with --encoding {self.encoding}, which keeps no "
+                                "final hidden states (EAGLE-1/2 trains on them)",
+                                "precompute it again with --encoding hidden (the default)")
         aux = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype, device=dev)
         argmax = torch.zeros(B, T, dtype=torch.long, device=dev)
         if self.encoding == "hidden":
@@ -129,7 +133,8 @@ class CacheBackend(TargetBackend):
             sel = selected_logits(final, self.lm_head_selected, self.bias_selected, self.softcap)
             target_p, target_mass = draft_distribution(sel, lse)
         return assemble_batch(aux, input_ids.to(dev), attention_mask.to(dev), loss_mask.to(dev),
-                              target_p, target_mass, argmax, self.t2d, position_ids, seq_lens)
+                              target_p, target_mass, argmax, self.t2d, position_ids, seq_lens,
+                              final if self.keep_final_hidden else None)
 
     def close(self) -> None:
         self.reader.close()

@@ -33,9 +33,13 @@ class AuxCapture:
     def clear(self) -> None:
         self._captured.clear()
 
-    def take(self) -> torch.Tensor:
-        """The last forward's aux states, [..., len(layer_ids) * H] in the model's dtype; then forgets
-        them."""
+    def take(self, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The last forward's aux states, [..., len(layer_ids) * H] in the model's dtype, then forgets
+        them; `like` (a hidden state of that forward, [..., H]) shapes the empty result of no layers."""
+        if not self.layer_ids:  # a draft that reads no intermediate layer (EAGLE-1/2)
+            if like is None:
+                raise ValueError("AuxCapture of no layers: pass `like` to shape the empty result")
+            return like.new_zeros(*like.shape[:-1], 0)
         aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return aux

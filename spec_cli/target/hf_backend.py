@@ -59,8 +59,6 @@ def resolve_aux_layers(aux_layers: list[int] | str | None, n: int) -> list[int]:
     """A list of ids (the stage chose them with its draft algorithm), or --aux-layers text read with
     the default algorithm's count and defaults; validated against an n-layer target."""
     if isinstance(aux_layers, (list, tuple)):
-        if not aux_layers:
-            raise ConfigError("no aux layers to capture", "pass --aux-layers")
         loading.check_layer_ids(list(aux_layers), n)
         return list(aux_layers)
     return loading.parse_aux_layers(aux_layers, n)
@@ -121,7 +119,7 @@ class LocalTargetBackend(TargetBackend):
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
             return assemble_batch(aux, input_ids.to(self.device), attention_mask.to(self.device),
                                   loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
-                                  position_ids, seq_lens)
+                                  position_ids, seq_lens, hidden if self.keep_final_hidden else None)
 
 
 class HFTargetBackend(LocalTargetBackend):
@@ -168,7 +166,7 @@ class HFTargetBackend(LocalTargetBackend):
         self.aux_capture.clear()
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            use_cache=False)
-        return self.aux_capture.take(), out.last_hidden_state
+        return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
 
     def close(self) -> None:
         self.aux_capture.close()

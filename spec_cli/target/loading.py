@@ -273,6 +273,9 @@ def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
     count = algo.aux_layers
     if n < count + 1:  # distinct outputs of layers 0..n-2
         raise TargetError(f"the target has only {n} decoder layers", f"{algo.name} needs at least {count + 1}")
+    if count == 0 and ids:
+        raise ConfigError(f"{algo.name} reads no intermediate layer (its input is the target's final hidden "
+                          "state)", "drop --aux-layers")
     if len(ids) != count:
         raise ConfigError(f"--aux-layers needs exactly {count} layer ids ({algo.name} reads {count}), got "
                           f"{len(ids)}", f"e.g. the default {','.join(map(str, default_aux_layers(n, algo)))}")

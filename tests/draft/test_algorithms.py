@@ -27,7 +27,7 @@ def test_every_algorithm_names_itself_and_reads_its_own_count_of_layers():
     for name, algorithm in algorithms.ALGORITHMS.items():
         assert algorithm.name == name
         assert len(algorithm.default_aux_layers(30)) == algorithm.aux_layers
-        assert algorithm.formats
+        assert (algorithm.export is None) == (algorithm.formats == ())
     assert EAGLE3.default_aux_layers(30) == [1, 14, 26]  # SmolLM2: what vLLM and SGLang capture
     with pytest.raises(ConfigError, match="unknown draft algorithm 'medusa'") as err:
         algorithms.get("medusa")

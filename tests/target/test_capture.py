@@ -29,6 +29,19 @@ def test_takes_the_chosen_layer_outputs_in_the_order_asked(model):
         torch.testing.assert_close(aux[..., k * H:(k + 1) * H], out.hidden_states[layer + 1], rtol=0, atol=0)
 
 
+def test_no_layers_give_an_empty_state_per_position(model):
+    """EAGLE-1/2 reads no intermediate layer: [B, T, 0], shaped like the forward's hidden state."""
+    ids = torch.randint(5, 400, (2, 5), generator=torch.Generator().manual_seed(2))
+    capture = AuxCapture(model, [])
+    try:
+        with torch.no_grad():
+            out = model.get_decoder()(input_ids=ids)
+        aux = capture.take(out.last_hidden_state)
+    finally:
+        capture.close()
+    assert aux.shape == (2, 5, 0) and aux.dtype == out.last_hidden_state.dtype
+
+
 def test_disabled_keeps_nothing_and_close_removes_the_hooks(model):
     ids = torch.randint(5, 400, (1, 4), generator=torch.Generator().manual_seed(1))
     layers = loading.decoder_layers(model)
