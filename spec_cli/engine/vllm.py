@@ -136,12 +136,17 @@ def _holes(params: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _tracking(report: LoadReport):
-    """Wrap vLLM's Eagle3LlamaForCausalLM.load_weights (the class every EAGLE-3 llama draft uses) while
-    an engine is built in this process."""
-    from vllm.model_executor.models import llama_eagle3
+def _tracking(report: LoadReport, method: str = "eagle3"):
+    """Wrap the load_weights of vLLM's draft class for `method` (Eagle3LlamaForCausalLM, which every
+    EAGLE-3 llama draft uses; EagleLlamaForCausalLM for EAGLE-1/2) while an engine is built here."""
+    if method == "eagle":
+        from vllm.model_executor.models import llama_eagle
 
-    cls = llama_eagle3.Eagle3LlamaForCausalLM
+        cls = llama_eagle.EagleLlamaForCausalLM
+    else:
+        from vllm.model_executor.models import llama_eagle3
+
+        cls = llama_eagle3.Eagle3LlamaForCausalLM
     original = cls.load_weights
 
     def load_weights(model, weights):
@@ -203,7 +208,8 @@ class Engine:
         what = f"the draft {draft}" if draft is not None else f"the target {target}"
         self.what = what
         try:
-            with (_tracking(self.load_report) if self.load_report is not None else contextlib.nullcontext()):
+            with (_tracking(self.load_report, method) if self.load_report is not None
+                  else contextlib.nullcontext()):
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):
             raise

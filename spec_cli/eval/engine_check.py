@@ -114,7 +114,8 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
 
     vllm.require("the export's engine check (--engine-check vllm)")
     config = loading.load_config(target_dir)
-    refuse_unservable(config)
+    if src.config.algorithm == "eagle3":  # EAGLE-1/2 reads no aux state: any target serves it
+        refuse_unservable(config)
     tokenizer = loading.load_tokenizer(target_dir)
     ids = check_prompts(tokenizer)
     settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
@@ -133,7 +134,9 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     del model, target
 
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
-    with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True) as engine:
+    method = {"eagle3": "eagle3", "eagle": "eagle"}[src.config.algorithm]  # vLLM's speculative method
+    with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
+                     method=method) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
         load = engine.load_report
 

@@ -25,9 +25,14 @@ from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, FORMATS
 from spec_cli.export import support as engine_support
 from spec_cli.export.check import CheckReport, check_export
+from spec_cli.export.eagle import check_eagle_export
 from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
 from spec_cli.export.source import load_source
 from spec_cli.target import loading
+
+
+# each algorithm's self-check: its folder read back with the engines' own rules (never the writer's code)
+SELF_CHECKS = {"eagle3": check_export, "eagle": check_eagle_export}
 
 
 @dataclass
@@ -66,14 +71,17 @@ class ExportResult:
                 ("engine support", _support_row(self.support)),
                 ("written", f"{self.output} ({self.bytes / 1e6:.1f} MB, {self.dtype})"),
                 ("aux layer ids", f"{self.engine_aux_ids} as the engine counts them (layer outputs "
-                                  f"{self.aux_layer_outputs})")]
+                                  f"{self.aux_layer_outputs})" if self.aux_layer_outputs else
+                 "none: the draft reads the target's final hidden state")]
         if self.check is None:
             rows.append(("self-check", "skipped (--no-check)"))
         else:
             c = self.check
-            rows.append(("self-check", f"passed: {c.params_loaded} tensors load, vocab map and aux layers "
-                                       f"{c.aux_layer_outputs} as trained, predictions match on "
-                                       f"{c.positions} positions ({c.agreement_fp32:.0%} vs fp32)"))
+            what = (f"vocab map and aux layers {c.aux_layer_outputs}" if self.aux_layer_outputs
+                    else "exactly the engine's keys and shapes, config")
+            rows.append(("self-check", f"passed: {c.params_loaded} tensors load, {what} as trained, "
+                                       f"predictions match on {c.positions} positions "
+                                       f"({c.agreement_fp32:.0%} vs fp32)"))
         e = self.engine_check
         if e is None:
             rows.append(("engine check", self.engine_check_note or "skipped"))
@@ -107,7 +115,10 @@ def run(cfg: ExportConfig) -> ExportResult:
                           f"spec export writes no engine format for {algorithm.name} yet; evaluate the "
                           "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
-    support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
+    if algorithm.name == "eagle3":  # the support tables are of the engines' EAGLE-3 target classes
+        support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
+    else:  # an EAGLE-1/2 draft reads only the target's final hidden state: any target of its shape
+        support = engine_support.Support(ENGINE_NAMES[fmt], True, "", "EAGLE-1/2 needs no aux-state capture")
     files = algorithm.export(src, fmt, dtype)  # refuses what the engine cannot serve as trained, before any write
     files.config["spec_cli"]["engine_support"] = {"engine": support.engine, "served": support.served,
                                                   "reason": support.reason, "source": support.source}
@@ -117,7 +128,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
     if target_dir is not None and support.served is not True and cfg.allow_unsupported_target:
         target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
-    if target_dir is not None:  # before writing anything: vLLM's own verdict on the target
+    if target_dir is not None and algorithm.name == "eagle3":  # before writing: vLLM's own verdict
         engine.refuse_unservable(loading.load_config(target_dir))
     info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
 
@@ -127,7 +138,7 @@ def run(cfg: ExportConfig) -> ExportResult:
         (tmp / "config.json").write_text(json.dumps(files.config, indent=2) + "\n")
         (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype], support))
         if cfg.check:
-            report = check_export(tmp, fmt, src, dtype)
+            report = SELF_CHECKS[algorithm.name](tmp, fmt, src, dtype)
         if target_dir is not None:
             info(f"engine check: loading the export in vLLM with {target_dir}")
             engine_report = engine.engine_check(tmp, fmt, src, dtype, target_dir,
@@ -136,7 +147,8 @@ def run(cfg: ExportConfig) -> ExportResult:
     return ExportResult(output=output, format=fmt, checkpoint=src.checkpoint, step=src.step, dtype=cfg.dtype,
                         bytes=size, engine_aux_ids=files.engine_aux_ids,
                         aux_layer_outputs=files.aux_layer_outputs,
-                        serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens),
+                        serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens,
+                                                    algorithm.name),
                         check=report, seconds=time.perf_counter() - start, engine_check=engine_report,
                         engine_check_note=note, support=support)
 
@@ -164,6 +176,8 @@ def check_support(fmt: str, architecture: str, allow: bool) -> engine_support.Su
 def _support_row(verdict: engine_support.Support | None) -> str:
     if verdict is None:
         return "-"
+    if verdict.served and verdict.source.startswith("EAGLE-1/2"):
+        return f"{verdict.engine} serves EAGLE-1/2 drafts beside any target ({verdict.source})"
     if verdict.served:
         return f"{verdict.engine} serves EAGLE-3 drafts for this target ({verdict.source})"
     return f"WARNING: {verdict.reason} ({verdict.source})"

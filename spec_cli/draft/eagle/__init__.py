@@ -7,6 +7,7 @@ spec_cli needs of it is the `EAGLE` value below."""
 from __future__ import annotations
 
 from spec_cli.draft import decoding
+from spec_cli.draft.eagle import export
 from spec_cli.draft.algorithm import Algorithm
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.eagle.model import EagleDraft
@@ -22,7 +23,7 @@ EAGLE = Algorithm(
     objective=EagleObjective,
     catch_up=decoding.catch_up,
     propose=decoding.propose,
-    formats=(),
-    export=None,
+    formats=export.FORMATS,
+    export=export.build,
     final_hidden=True,
 )

@@ -52,7 +52,7 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     else:
         ids = vllm_aux_ids(outputs)
         config = _speculators_config(src, ids, dtype, steps)
-    config["spec_cli"] = _provenance(src, fmt, dtype)
+    config["spec_cli"] = provenance(src, fmt, dtype)
     return ExportFiles(format=fmt, config=config, tensors=tensors, engine_aux_ids=ids,
                        aux_layer_outputs=outputs, num_speculative_tokens=steps)
 
@@ -176,7 +176,7 @@ def _rope(c) -> dict:
     return {"rope_theta": c.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
-def _llama_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
+def llama_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
     """The Llama decoder-layer config every engine builds the draft layer from (LlamaConfig fields)."""
     c = src.config
     return {
@@ -206,7 +206,7 @@ def _vllm_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dic
         # registered in vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS; SGLang does
         # not know this name, so pointing SGLang at this folder fails loudly instead of serving wrongly.
         "architectures": ["Eagle3LlamaForCausalLM"],
-        **_llama_layer(src, dtype),
+        **llama_layer(src, dtype),
         "draft_vocab_size": c.draft_vocab_size,  # absent -> vLLM uses vocab_size for lm_head
         "target_hidden_size": c.target_hidden_size,  # fc input = 3 * target_hidden_size
         # read by get_eagle3_aux_layers_from_config (top level only), used as is
@@ -226,7 +226,7 @@ def _sglang_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> d
     c = src.config
     return {
         "architectures": ["LlamaForCausalLMEagle3"],  # llama_eagle3.py EntryClass
-        **_llama_layer(src, dtype),
+        **llama_layer(src, dtype),
         # None would set load_lm_head_from_target and serve the target's full lm_head instead
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
@@ -245,7 +245,7 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
     vllm/transformers_utils/configs/speculators/base.py SpeculatorsConfig (validate_speculators_config,
     extract_transformers_pre_trained_config) + algos.py update_eagle3."""
     c = src.config
-    layer = _llama_layer(src, dtype)
+    layer = llama_layer(src, dtype)
     # update_eagle3 builds vLLM's config from transformer_layer_config and copies only draft_vocab_size,
     # target_hidden_size, norm_before_residual and the aux ids; the EAGLE-3.1 flags are read from the
     # layer config (LlamaModel getattr), so they go there too, not only at the top level.
@@ -276,11 +276,11 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
     }
 
 
-def _provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
+def provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
     """What spec_cli knows about the export (the engines ignore this key)."""
     c = src.config
     return {
-        "kind": "draft_export", "format": fmt, "schema_version": SCHEMA_VERSION, "version": __version__,
+        "kind": "draft_export", "format": fmt, "algorithm": src.config.algorithm, "schema_version": SCHEMA_VERSION, "version": __version__,
         "checkpoint": str(src.checkpoint), "step": src.step, "dtype": DTYPE_NAMES[dtype],
         "aux_layer_outputs": list(c.aux_layer_ids), "target_num_layers": c.target_num_layers,
         "target": src.target, "target_architecture": c.target_architecture,
