@@ -11,11 +11,13 @@ a checkpoint moved out of its run folder (whose frozen.safetensors holds the emb
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
+from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines, reader
 from spec_cli.export.source import load_source
@@ -32,6 +34,7 @@ class LoadedDraft:
     run_dir: Path | None = None
     recorded: dict = field(default_factory=dict)  # what the draft says it was made for (may be empty)
     needs_embeddings: bool = False  # the target's input embedding must be copied in
+    needs_head: bool = False  # the target's lm_head must be copied in (an EAGLE-1/2 export)
 
     def describe(self) -> str:
         if self.kind == "export":
@@ -55,6 +58,8 @@ def load_draft(path: Path, target_config) -> LoadedDraft:
                             "pass a `spec train` run folder, one of its checkpoints/step-* folders, or a "
                             "`spec export` folder")
     if is_export(path):
+        if _eagle_export_format(path) is not None:
+            return _from_eagle_export(path, target_config)
         return _from_export(path, target_config)
     # A checkpoint's embedding is in its run's frozen.safetensors; one taken out of its run folder
     # embeds with the target's own table, as an export does (the same table, copied at training).
@@ -135,6 +140,66 @@ def _from_export(folder: Path, target_config) -> LoadedDraft:
                                    block.get("tokenizer_base_fingerprint"))}
     return LoadedDraft(model=model.eval(), kind="export", path=folder, format=fmt, step=block.get("step"),
                        recorded=recorded, needs_embeddings="embed_tokens.weight" in missing)
+
+
+def _eagle_export_format(folder: Path) -> str | None:
+    """vllm / sglang for an EAGLE-1/2 export (the class its engine builds), else None."""
+    from spec_cli.export.eagle import CLASSES
+
+    try:
+        arch = (json.loads((folder / "config.json").read_text()).get("architectures") or [""])[0]
+    except (OSError, ValueError):
+        return None
+    return next((fmt for fmt, names in CLASSES.items() if arch in names[:1]), None)
+
+
+def _from_eagle_export(folder: Path, target_config) -> LoadedDraft:
+    """An EAGLE-1/2 export, read as its engine reads it: the config's shapes (the ones the self-check
+    proves), the file's weights, the target's embedding and lm_head."""
+    from safetensors.torch import load_file
+
+    from spec_cli.export.eagle import engine_shapes
+
+    fmt = _eagle_export_format(folder)
+    c = json.loads((folder / "config.json").read_text())
+    block = c.get("spec_cli") if isinstance(c.get("spec_cli"), dict) else {}
+    tensors = load_file(str(folder / "model.safetensors"))
+    shapes = engine_shapes(fmt, c)
+    bad = sorted(set(shapes) ^ set(tensors)) + sorted(k for k in shapes if k in tensors
+                                                      and tuple(tensors[k].shape) != shapes[k])
+    if bad:
+        raise ArtifactError(f"the {fmt} engine would not load {folder} as a working draft (keys {bad[:3]})",
+                            "re-export the checkpoint with `spec export` (its self-check catches these)")
+    text = target_config if getattr(target_config, "num_hidden_layers", None) else \
+        getattr(target_config, "text_config", target_config)
+    parameters = c.get("rope_parameters") or {}
+    scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    config = DraftConfig(
+        vocab_size=c["vocab_size"], target_hidden_size=c["hidden_size"], aux_layer_ids=[],
+        target_num_layers=block.get("target_num_layers") or loading.num_layers(target_config),
+        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"], draft_vocab_size=c["vocab_size"], num_hidden_layers=c["num_hidden_layers"],
+        rms_norm_eps=c["rms_norm_eps"], rope_theta=parameters.get("rope_theta", c.get("rope_theta", 10000.0)),
+        rope_scaling=None if scaling.get("rope_type", "default") == "default" else scaling,
+        max_position_embeddings=c["max_position_embeddings"],
+        target_architecture=(getattr(target_config, "architectures", None) or [""])[0],
+        target_fingerprint=block.get("target_fingerprint") or "",
+        tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "", algorithm="eagle")
+    if c["hidden_size"] != getattr(text, "hidden_size", None) or c["vocab_size"] != loading.vocab_size(target_config):
+        raise ArtifactError(f"the export {folder} was made for a target with hidden size {c['hidden_size']} and "
+                            f"vocab size {c['vocab_size']}", "pass --target the model the draft was trained for")
+    model = algorithms.get("eagle").build(config)
+    # the keys are the engine's (checked above); embed_tokens and lm_head come from the target
+    model.load_state_dict({k: v.float() for k, v in tensors.items() if k != "fc.bias"}, strict=False)
+    recorded = {"vocab_size": c["vocab_size"], "target_hidden_size": c["hidden_size"],
+                "target_num_layers": block.get("target_num_layers"),
+                "target_fingerprint": block.get("target_fingerprint") or "",
+                "tokenizer_fingerprint": block.get("tokenizer_fingerprint") or "",
+                **_template_record(block.get("chat_template_sha256"), block.get("chat_template_source"),
+                                   block.get("tokenizer_base_fingerprint"))}
+    return LoadedDraft(model=model.eval(), kind="export", path=folder, format=fmt, step=block.get("step"),
+                       recorded=recorded, needs_embeddings=True, needs_head=True)
 
 
 # ----------------------------------------------------------------------------- the target it is for

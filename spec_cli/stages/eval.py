@@ -223,6 +223,8 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
     draft = loaded.model
     if loaded.needs_embeddings:  # engines share the target's table with the draft
         draft.copy_embeddings(model.get_input_embeddings().weight.float().cpu())
+    if loaded.needs_head:  # EAGLE-1/2 proposes through the target's lm_head (the engines share it)
+        draft.copy_head(model.get_output_embeddings().weight.float().cpu())
     draft.to(device=device, dtype=dtype).eval()
     target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithms.get(draft.config.algorithm).final_hidden)
     if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:

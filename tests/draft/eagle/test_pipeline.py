@@ -163,6 +163,19 @@ def test_the_self_check_catches_what_the_engines_would_load_in_silence(exports, 
         check_eagle_export(folder, fmt, src, torch.float32)
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_spec_eval_reads_an_export_as_its_engine_does(exports, pipeline, tmp_path, fmt, monkeypatch):
+    """The export (fp32) decodes exactly as its checkpoint: same drafts accepted, same text."""
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    results = []
+    for name, draft in (("run", pipeline["root"] / "run"), ("export", exports / fmt)):
+        assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(draft), "--prompts",
+                     str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "8", "-o",
+                     str(tmp_path / name), "-q"]) == 0
+        results.append(json.loads((tmp_path / name / "eval.json").read_text())["overall"])
+    assert results[0]["accepted"] == results[1]["accepted"] and results[0]["verified"] == results[1]["verified"]
+
+
 def test_an_eagle_draft_is_not_written_in_the_speculators_format(pipeline, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     assert main(["export", str(pipeline["root"] / "run"), "--format", "speculators", "-o", str(tmp_path / "x"),
