@@ -4,8 +4,11 @@ exact key sets the engines load (tables written from vLLM's llama_eagle.py and S
 the writer), and the self-check catching the silent failures users would hit."""
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -92,6 +95,44 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
     served = [r["loss"] for r in _log(tmp_path / "served") if r["split"] == "train"]
     assert live == pytest.approx(cached, rel=1e-4)
     assert served == pytest.approx(live, rel=1e-5)
+
+
+def _train_args(pipeline, out, *extra) -> list[str]:
+    return ["train", "--cache", str(pipeline["root"] / "cache"), "-v", pipeline["vm"], "--algorithm", "eagle",
+            "--ttt-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction",
+            "0.2", "--eval-every", "0", "--save-every", "3", "-o", str(out), "-q", *extra]
+
+
+def _weights(run) -> dict:
+    return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_path, monkeypatch):
+    """torchrun x2 with FSDP2, stopped after its first step and resumed == one process with the same
+    global batch; a single-process run stopped and resumed == its straight run, bit for bit. (DDP
+    wraps the objective the same way for every algorithm: tests/stages/test_train.py; measured for
+    EAGLE-1/2 too, bit-equal to --grad-accum 2, in the CHANGELOG.)"""
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    assert main(_train_args(pipeline, tmp_path / "single", "--grad-accum", "2")) == 0
+    assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--max-time", "0.001s",
+                            "--save-every", "1")) == 0
+    assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
+    single = _weights(tmp_path / "single")
+    assert all(torch.equal(single[k], v) for k, v in _weights(tmp_path / "stopped").items())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, extra in (("fsdp", ["--fsdp", "--max-time", "0.001s"]), ("fsdp", ["--fsdp", "--resume"])):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", "29547", "-m", "spec_cli.cli",
+                               *_train_args(pipeline, tmp_path / name, *extra)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("fsdp",):
+        state = json.loads((sorted((tmp_path / name / "checkpoints").iterdir())[-1] / "trainer_state.json")
+                           .read_text())
+        assert state["parallel"] == name and state["step"] == 3
+        for key, value in _weights(tmp_path / name).items():
+            torch.testing.assert_close(value, single[key], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("topk", [1, 3])
