@@ -71,8 +71,9 @@ def test_the_checkpoint_holds_the_draft_and_the_run_the_targets_embedding_and_he
 
 @pytest.mark.slow
 def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
-    """A live target, a server (`spec serve-target --algorithm eagle`: final hidden states on request)
-    and the cache give the same supervision (fp32): the same logged losses."""
+    """A live target (also streamed: the same weights bit for bit), a server (`spec serve-target
+    --algorithm eagle`: final hidden states on request) and the cache give the same supervision
+    (fp32): the same logged losses."""
     from spec_cli.target.hf_backend import HFTargetBackend
     from tests.serve.harness import start_server
 
@@ -82,6 +83,9 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
               "2", "--dtype", "fp32", "-q"]
     assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]),
                  "-o", str(tmp_path / "live"), *common]) == 0
+    assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--stream",
+                 "-o", str(tmp_path / "streamed"), *common]) == 0
+    assert all(torch.equal(v, _weights(tmp_path / "live")[k]) for k, v in _weights(tmp_path / "streamed").items())
     backend = HFTargetBackend(pipeline["target"], [], device="cpu", dtype="fp32")  # EAGLE-1/2: no aux layer
     handle = start_server(backend, pipeline["target"])
     try:
