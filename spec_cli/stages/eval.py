@@ -249,7 +249,7 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
 @contextlib.contextmanager
 def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path, device, dtype,
                    settings: Settings):
-    """Two vLLM engines in this process: the target with the draft (EAGLE-3, a chain of --depth) and the
+    """Two vLLM engines in this process: the target with the draft (a chain of --depth) and the
     target alone. A run or checkpoint is exported for vLLM into a temporary folder first."""
     from spec_cli.engine import vllm
 
@@ -265,8 +265,9 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
                                                     dtype="fp32", engine_check="none",
                                                     target=str(target_dir))).output
         length = loading.max_positions(loading.load_config(target_dir))
+        method = "eagle" if loaded.model.config.algorithm == "eagle" else "eagle3"  # vLLM's method name
         spec_engine = stack.enter_context(vllm.Engine(target_dir, folder, cfg.depth, dtype, length,
-                                                      cfg.seed, track_loading=True))
+                                                      cfg.seed, track_loading=True, method=method))
         problems = spec_engine.load_report.problems()
         if problems:
             info("warning: " + "; ".join(problems))
