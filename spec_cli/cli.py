@@ -263,7 +263,8 @@ def precompute_cmd(
 
 
 def train_cmd(config=None, quiet=False, **options):
-    """Train an EAGLE-3 draft with the TTT unroll (multi-process: `torchrun --nproc-per-node N`)."""
+    """Train a draft (EAGLE-3, or EAGLE-1/2 with --algorithm eagle) with the TTT unroll (multi-process:
+    `torchrun --nproc-per-node N`)."""
     from spec_cli.stages import train as stage
     from spec_cli.ui import print_train_summary
 

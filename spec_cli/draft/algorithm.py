@@ -82,3 +82,6 @@ class Algorithm:
     formats: tuple[str, ...]
     export: Callable[[Checkpoint, str, torch.dtype], ExportFiles] | None
     final_hidden: bool = False  # reads the target's final hidden state (TargetBatch.final_hidden)
+    title: str = ""  # how people write its name ("EAGLE-3")
+    engine_methods: tuple[tuple[str, str], ...] = ()  # (engine, what it calls these drafts): vLLM's
+    #                       speculative_config method, SGLang's --speculative-algorithm

@@ -114,7 +114,8 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
 
     vllm.require("the export's engine check (--engine-check vllm)")
     config = loading.load_config(target_dir)
-    if src.config.algorithm == "eagle3":  # EAGLE-1/2 reads no aux state: any target serves it
+    algorithm = algorithms.get(src.config.algorithm)
+    if algorithm.aux_layers:  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
         refuse_unservable(config)
     tokenizer = loading.load_tokenizer(target_dir)
     ids = check_prompts(tokenizer)
@@ -125,8 +126,7 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
     draft = reference_draft(src, dtype)
     draft.copy_embeddings(model.get_input_embeddings().weight.float())
-    target = Target(model, src.config.aux_layer_ids,
-                    final_hidden=algorithms.get(src.config.algorithm).final_hidden)
+    target = Target(model, src.config.aux_layer_ids, final_hidden=algorithm.final_hidden)
     try:
         reference = [generate(target, draft, p, settings) for p in ids]
     finally:
@@ -134,7 +134,7 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     del model, target
 
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
-    method = {"eagle3": "eagle3", "eagle": "eagle"}[src.config.algorithm]  # vLLM's speculative method
+    method = dict(algorithm.engine_methods)["vllm"]  # vLLM's speculative method
     with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
                      method=method) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]

@@ -6,35 +6,32 @@ import json
 import shlex
 from pathlib import Path
 
+from spec_cli.draft import algorithms
 from spec_cli.export.source import DraftSource
 from spec_cli.draft.algorithm import ExportFiles
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
 
 
-# what each engine calls an algorithm's drafts (vLLM speculative_config method, SGLang --speculative-algorithm)
-METHODS = {"eagle3": ("eagle3", "EAGLE3", "EAGLE-3"), "eagle": ("eagle", "EAGLE", "EAGLE-1/2")}
-
-
 def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3") -> str:
     """The serving command for this export (flag names from the engines' docs / server args)."""
     target = target or "TARGET"
     folder = str(folder)
-    vllm_method, sglang_algorithm, _ = METHODS[algorithm]
+    methods = dict(algorithms.get(algorithm).engine_methods)
     if fmt == "sglang":
         # python/sglang/srt/server_args.py; with top-k 1 the draft tree is a chain of num_steps + 1 tokens
         return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-                f"--speculative-algorithm {sglang_algorithm} --speculative-draft-model-path {shlex.quote(folder)} "
+                f"--speculative-algorithm {methods['sglang']} --speculative-draft-model-path {shlex.quote(folder)} "
                 f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {steps + 1}")
-    spec = json.dumps({"method": vllm_method, "model": folder, "num_speculative_tokens": steps})
+    spec = json.dumps({"method": methods["vllm"], "model": folder, "num_speculative_tokens": steps})
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
 def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, support=None) -> str:
     c = src.config
     fmt, steps = files.format, files.num_speculative_tokens
-    lines = [f"# {METHODS[c.algorithm][2]} draft for {c.target_architecture or 'the target'} ({ENGINE_NAMES[fmt]})", "",
+    lines = [f"# {algorithms.get(c.algorithm).title} draft for {c.target_architecture or 'the target'} ({ENGINE_NAMES[fmt]})", "",
              f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
              f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
              serve_command(fmt, folder, src.target, steps, c.algorithm), "```", ""]

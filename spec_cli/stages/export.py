@@ -115,9 +115,9 @@ def run(cfg: ExportConfig) -> ExportResult:
                           f"spec export writes no engine format for {algorithm.name} yet; evaluate the "
                           "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
-    if algorithm.name == "eagle3":  # the support tables are of the engines' EAGLE-3 target classes
+    if algorithm.aux_layers:  # the support tables: which target classes capture aux states per engine
         support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
-    else:  # an EAGLE-1/2 draft reads only the target's final hidden state: any target of its shape
+    else:  # a draft that reads only the target's final hidden state: any target of its shape
         support = engine_support.Support(ENGINE_NAMES[fmt], True, "", "EAGLE-1/2 needs no aux-state capture")
     files = algorithm.export(src, fmt, dtype)  # refuses what the engine cannot serve as trained, before any write
     files.config["spec_cli"]["engine_support"] = {"engine": support.engine, "served": support.served,
@@ -128,7 +128,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
     if target_dir is not None and support.served is not True and cfg.allow_unsupported_target:
         target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
-    if target_dir is not None and algorithm.name == "eagle3":  # before writing: vLLM's own verdict
+    if target_dir is not None and algorithm.aux_layers:  # before writing: can vLLM capture aux states
         engine.refuse_unservable(loading.load_config(target_dir))
     info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
 

@@ -1,4 +1,4 @@
-"""`spec train`: train a draft (EAGLE-3) with the TTT unroll.
+"""`spec train`: train a draft (EAGLE-3; EAGLE-1/2 with --algorithm eagle) with the TTT unroll.
 
 Supervision comes from a feature cache (`--cache`), a live target (`--target`) or served targets
 (`--remote`), all through the TargetBackend interface (train_sources.py). The batch plan is fixed up

@@ -26,4 +26,6 @@ EAGLE = Algorithm(
     formats=export.FORMATS,
     export=export.build,
     final_hidden=True,
+    title="EAGLE-1/2",
+    engine_methods=(("vllm", "eagle"), ("sglang", "EAGLE")),
 )

@@ -45,4 +45,6 @@ EAGLE3 = Algorithm(
     propose=decoding.propose,
     formats=export.FORMATS,
     export=export.build,
+    title="EAGLE-3",
+    engine_methods=(("vllm", "eagle3"), ("sglang", "EAGLE3")),
 )

@@ -84,7 +84,6 @@ class Eagle3Draft(SteppedDraft):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         rope_inv_freq(config)  # fail early on an unsupported rope type
-        self.attn_impl = "auto"  # TTT attention kernel: auto | fused | math
 
     # -- vocabulary and weights ------------------------------------------------------------------
 
