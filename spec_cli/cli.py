@@ -58,8 +58,9 @@ AuxLayers = Annotated[Optional[str], typer.Option(
                          "N-layer target.",
     rich_help_panel=INPUTS)]
 DraftAlgorithm = Annotated[str, typer.Option(
-    "--algorithm", help="The draft algorithm: eagle3 (EAGLE-3). It decides how many target layers are "
-                        "captured and which by default (--aux-layers).", rich_help_panel=INPUTS)]
+    "--algorithm", help="The draft algorithm: eagle3 (EAGLE-3), eagle (EAGLE-1/2) or peagle (P-EAGLE, all "
+                        "draft tokens in one forward). It decides how many target layers are captured and "
+                        "which by default (--aux-layers).", rich_help_panel=INPUTS)]
 Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option(

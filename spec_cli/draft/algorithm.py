@@ -7,9 +7,10 @@ An algorithm is a package that builds one `Algorithm` value from its own functio
     config(target_config, draft_vocab_size, aux_layer_ids, **options) -> DraftConfig
                    the draft shaped from the target's config (the `--draft-*` options override)
     build(config) -> the draft module (an nn.Module with the decoding methods below)
-    objective(draft, options: ObjectiveOptions, activation_checkpointing=False) -> nn.Module
-                   forward(TargetBatch) -> an output with `loss` (scalar), and per unroll step
-                   `step_loss`, `correct`, `total` [ttt_steps] (sums, so they add over batches and ranks)
+    objective(draft, options: ObjectiveOptions, activation_checkpointing=False) -> Objective
+                   forward(TargetBatch, unit=None) -> an output with `loss` (scalar), and per unroll step
+                   `step_loss`, `correct`, `total` [ttt_steps] (sums, so they add over batches and ranks);
+                   plan(batch) -> the units a training batch runs as (P-EAGLE's segments)
     catch_up(draft, cache, ids, aux) -> state      eval: read the target's true aux states
     propose(draft, cache, state, depth, topk, num_tokens, temperature, generator) -> Proposal
                    eval: the drafted tokens (a chain or a tree) from that state
@@ -47,6 +48,20 @@ class ObjectiveOptions:
     lk_kl_decay: float = 1.0
     feature_weight: float = 1.0  # EAGLE-1/2: SmoothL1 on the predicted feature
     token_weight: float = 0.1  # EAGLE-1/2: soft-CE of lm_head(predicted feature) vs the target's
+    cod_ratio: float = 0.7  # P-EAGLE: depth d keeps max(cod_ratio**d, cod_min) of its valid positions
+    cod_min: float = 0.2
+    segments: int = 1  # P-EAGLE: forwards (each with its backward) a batch's rows are split into
+
+
+class Objective(torch.nn.Module):
+    """An algorithm's objective: forward(batch, unit=None) -> an output with `loss` and per-step sums.
+
+    `plan(batch)` lists the units one training batch runs as, each with its own forward and backward
+    (the trainer calls forward(batch, unit) once per unit, through DDP, and back-propagates each); the
+    units' losses add up to the batch's loss. Most objectives run a batch as one unit ([None])."""
+
+    def plan(self, batch) -> list:
+        return [None]
 
 
 class Checkpoint(Protocol):
@@ -85,3 +100,4 @@ class Algorithm:
     title: str = ""  # how people write its name ("EAGLE-3")
     engine_methods: tuple[tuple[str, str], ...] = ()  # (engine, what it calls these drafts): vLLM's
     #                       speculative_config method, SGLang's --speculative-algorithm
+    vllm_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config

@@ -135,6 +135,7 @@ class DraftConfig:
     chat_template_source: str = ""
     tokenizer_base_fingerprint: str = ""  # the tokenizer without its template (tells the two apart)
     vocab_map_fingerprint: str = ""
+    mask_token_id: int | None = None  # P-EAGLE: the token of the mask slots (parallel drafting)
     algorithm: str = "eagle3"  # the draft algorithm (spec_cli/draft/algorithms.py); older checkpoints: eagle3
     extra: dict = field(default_factory=dict)
 

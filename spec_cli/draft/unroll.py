@@ -44,6 +44,12 @@ class TTTOutput:
     def acceptance_length(self) -> torch.Tensor:
         return acceptance_length(self.accuracy)
 
+    def merge(self, outs: list["TTTOutput"]) -> "TTTOutput":
+        """The outputs of one batch's units (each a share of its loss and sums) as one (detached)."""
+        def total(name):
+            return torch.stack([getattr(o, name).detach() for o in outs]).sum(0)
+        return TTTOutput(**{name: total(name) for name in ("loss", "step_loss", "correct", "total", "supervised")})
+
 
 def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     """x[:, t] <- x[:, t + k], zero-filled at the end. [B, T, ...]."""

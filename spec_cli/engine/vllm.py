@@ -188,7 +188,8 @@ class Engine:
 
     def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
-                 track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None):
+                 track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
+                 speculative_options: dict | None = None):
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
@@ -201,7 +202,8 @@ class Engine:
             kwargs["max_num_seqs"] = int(max_num_seqs)
         if draft is not None:
             kwargs["speculative_config"] = {"method": method, "model": str(draft),
-                                            "num_speculative_tokens": int(num_speculative_tokens)}
+                                            "num_speculative_tokens": int(num_speculative_tokens),
+                                            **(speculative_options or {})}  # P-EAGLE: parallel_drafting
             kwargs["per_request_spec_decode_metrics"] = "detailed"
         # Note: vLLM lowers this process's torch threads and then refuses torch.set_num_threads; run
         # any PyTorch measurement that must not share that setting before building an engine.

@@ -136,7 +136,7 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
     method = dict(algorithm.engine_methods)["vllm"]  # vLLM's speculative method
     with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
-                     method=method) as engine:
+                     method=method, speculative_options=dict(algorithm.vllm_options)) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
         load = engine.load_report
 

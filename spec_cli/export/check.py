@@ -196,6 +196,8 @@ def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
         ("fc_norm", view.fc_norm, c.fc_norm),
         ("norm_output", view.norm_output, c.norm_output),
     ]
+    if c.algorithm == "peagle" or view.parallel_drafting:
+        fields.append(("mask_token_id (parallel drafting)", view.mask_token_id, c.mask_token_id))
     problems = [f"{name} is {got} for the engine, {want} in training"
                 for name, got, want in fields if got != want]
     if view.norm_before_residual:
@@ -228,8 +230,15 @@ def _materialise(config: DraftConfig, state: dict[str, torch.Tensor]):
 @torch.no_grad()
 def _predict(draft, ids: torch.Tensor, aux: torch.Tensor, steps: int):
     """[(logits [B, T, Vd] fp32, predicted target ids [B, T])] for draft steps 0..steps-1. Step k reads
-    the ids rolled left by k and the draft's own state of step k-1 (where norm_output matters)."""
+    the ids rolled left by k and the draft's own state of step k-1 (where norm_output matters); a
+    parallel-drafting draft's step k >= 1 is its depth-k mask slot after every position instead."""
     B, T = ids.shape
+    if hasattr(draft, "parallel_forward"):
+        rows, anchors = torch.ones(B, T, dtype=torch.bool).nonzero(as_tuple=True)
+        state0, deep = draft.parallel_forward(ids, aux, torch.arange(T).expand(B, T), None,
+                                              [(rows, anchors)] * (steps - 1))
+        states = [state0] + [s.view(B, T, -1) for s in deep]
+        return [(draft.logits(s).float(), draft.to_target_ids(draft.logits(s).float().argmax(-1))) for s in states]
     cos, sin = draft.rope(torch.arange(T).expand(B, T))
     caches = [[] for _ in draft.decoder_layers]
     hidden = draft.project(aux)

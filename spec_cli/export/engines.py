@@ -62,6 +62,8 @@ class EngineView:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states
     use_aux_hidden_state: bool = True
     aux_ids: list[int] | None = None  # as written; None: the engine's default
+    parallel_drafting: bool = False  # a P-EAGLE draft: mask_hidden + mask_token_id, all depths in one forward
+    mask_token_id: int | None = None
     problems: list[str] = field(default_factory=list)
 
 
@@ -148,6 +150,12 @@ def read_vllm(d: dict, engine: str = "vllm") -> EngineView:
     # get_eagle3_aux_layers_from_config: the top-level list, when non-empty.
     ids = d.get("eagle_aux_hidden_state_layer_ids")
     view.aux_ids = [int(i) for i in ids] if isinstance(ids, (list, tuple)) and ids else None
+    # parallel drafting (served with "parallel_drafting": true): llm_base_proposer.py
+    # _init_parallel_drafting_params reads the mask slots' token from mask_token_id, else pard_token
+    # (what update_peagle writes for a speculators folder), else ptd_token_id
+    token = next((d[k] for k in ("mask_token_id", "pard_token", "ptd_token_id") if d.get(k) is not None), None)
+    view.parallel_drafting = token is not None
+    view.mask_token_id = int(token) if token is not None else None
     return view
 
 
@@ -192,8 +200,9 @@ def read_speculators(d: dict) -> EngineView:
     """A speculators-format config as vLLM reads it: SpeculatorsConfig.validate_speculators_config,
     extract_transformers_pre_trained_config (transformer_layer_config + update_eagle3)."""
     problems = []
-    if d.get("speculators_model_type") != "eagle3":
-        problems.append(f"speculators_model_type {d.get('speculators_model_type')!r} is not 'eagle3'")
+    kind = d.get("speculators_model_type")
+    if kind not in ("eagle3", "peagle"):
+        problems.append(f"speculators_model_type {kind!r} is not 'eagle3' or 'peagle'")
     if d.get("model_type") != "speculators" and d.get("speculators_config") is None:
         problems.append("neither model_type 'speculators' nor speculators_config: vLLM would not read "
                         "this as a speculators model")
@@ -213,8 +222,14 @@ def read_speculators(d: dict) -> EngineView:
     merged["draft_vocab_size"] = d.get("draft_vocab_size")
     if d.get("target_hidden_size") is not None:
         merged["target_hidden_size"] = d["target_hidden_size"]
-    merged["norm_before_residual"] = d.get("norm_before_residual", True)  # NB: defaults to True
-    merged["architectures"] = ["Eagle3LlamaForCausalLM"]
+    # NB: update_eagle3 defaults it to True, update_peagle to False
+    merged["norm_before_residual"] = d.get("norm_before_residual", kind != "peagle")
+    merged["architectures"] = ["Eagle3LlamaForCausalLM"]  # PeagleLlamaForCausalLM is registered as it too
+    if kind == "peagle":  # update_peagle: mask_token_id (required) -> pard_token; method eagle3 + parallel
+        if d.get("mask_token_id") is None:
+            problems.append("a peagle speculators config without mask_token_id (vLLM: KeyError in update_peagle)")
+        else:
+            merged["pard_token"] = d["mask_token_id"]
     if d.get("eagle_aux_hidden_state_layer_ids"):
         merged["eagle_aux_hidden_state_layer_ids"] = d["eagle_aux_hidden_state_layer_ids"]
     # The model reads fc_norm / norm_output with getattr on this merged config; update_eagle3 copies
@@ -244,6 +259,8 @@ def vllm_params(v: EngineView) -> dict[str, tuple[int, ...]]:
         p.update({f"model.fc_norm.{j}.weight": (Ht,) for j in range(3)})
     if v.norm_before_fc:
         p["model.input_norm.weight"] = (3 * Ht,)
+    if v.parallel_drafting:  # load_weights: "mask_hidden not found in weights" is a load error
+        p["mask_hidden"] = (1, 1, 3 * Ht)
     for i in range(v.num_hidden_layers):
         d_in = 2 * H if i == 0 else H  # the first layer reads cat(embeds, hidden)
         pre = f"model.layers.{i}."
@@ -300,6 +317,8 @@ def route_vllm(key: str, v: EngineView) -> Route:
     if "d2t" in key:
         return Route("param", "draft_id_to_target_id")
     if "mask_hidden" in key:
+        if v.parallel_drafting:  # copied into the mask_hidden buffer
+            return Route("param", "mask_hidden")
         return Route("skipped", why="mask_hidden is only read for parallel drafting")
     name = key if "lm_head" in key else "model." + key
     name = name.replace("midlayer.", "layers.0.")
@@ -382,6 +401,8 @@ def to_draft_key(engine_name: str) -> str | None:
         return "d2t"
     if engine_name in ("lm_head.weight", "t2d"):
         return engine_name
+    if engine_name == "mask_hidden":
+        return "mask_hidden.weight"
     name = engine_name.removeprefix("model.")
     if name.startswith("layers.0."):
         return "midlayer." + name[len("layers.0."):]

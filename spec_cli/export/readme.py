@@ -24,7 +24,8 @@ def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algori
                 f"--speculative-algorithm {methods['sglang']} --speculative-draft-model-path {shlex.quote(folder)} "
                 f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {steps + 1}")
-    spec = json.dumps({"method": methods["vllm"], "model": folder, "num_speculative_tokens": steps})
+    spec = json.dumps({"method": methods["vllm"], "model": folder, "num_speculative_tokens": steps,
+                       **dict(algorithms.get(algorithm).vllm_options)})
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 

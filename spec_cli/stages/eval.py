@@ -265,9 +265,10 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
                                                     dtype="fp32", engine_check="none",
                                                     target=str(target_dir))).output
         length = loading.max_positions(loading.load_config(target_dir))
-        method = dict(algorithms.get(loaded.model.config.algorithm).engine_methods)["vllm"]
-        spec_engine = stack.enter_context(vllm.Engine(target_dir, folder, cfg.depth, dtype, length,
-                                                      cfg.seed, track_loading=True, method=method))
+        algorithm = algorithms.get(loaded.model.config.algorithm)
+        spec_engine = stack.enter_context(vllm.Engine(
+            target_dir, folder, cfg.depth, dtype, length, cfg.seed, track_loading=True,
+            method=dict(algorithm.engine_methods)["vllm"], speculative_options=dict(algorithm.vllm_options)))
         problems = spec_engine.load_report.problems()
         if problems:
             info("warning: " + "; ".join(problems))

@@ -32,7 +32,7 @@ from spec_cli.target import loading
 
 
 # each algorithm's self-check: its folder read back with the engines' own rules (never the writer's code)
-SELF_CHECKS = {"eagle3": check_export, "eagle": check_eagle_export}
+SELF_CHECKS = {"eagle3": check_export, "peagle": check_export, "eagle": check_eagle_export}
 
 
 @dataclass

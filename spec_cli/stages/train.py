@@ -287,14 +287,18 @@ class Trainer:
 
     def forward_backward(self, batch, sync: bool):
         """One micro-batch's loss and gradients; `sync`: the step's last, whose gradients the ranks share."""
-        if sync or self.schedule.world == 1:
-            ctx = _null()
-        else:
-            ctx = sharding.no_gradient_sync(self.units) if self.units else self.model.no_sync()
-        with ctx, _autocast(self.device):
-            out = self.model(batch)
-            (out.loss / self.cfg.optim.grad_accum).backward()  # each backward adds: average them
-        return out
+        units = self.objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
+        outs = []
+        for i, unit in enumerate(units):
+            if (sync and i == len(units) - 1) or self.schedule.world == 1:
+                ctx = _null()
+            else:
+                ctx = sharding.no_gradient_sync(self.units) if self.units else self.model.no_sync()
+            with ctx, _autocast(self.device):
+                out = self.model(batch, unit)
+                (out.loss / self.cfg.optim.grad_accum).backward()  # each backward adds: average them
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else outs[0].merge(outs)
 
     def optimizer_step(self) -> None:
         if self.cfg.optim.grad_clip > 0:

@@ -167,6 +167,17 @@ class ObjectiveFlags:
         0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
                                     "distribution and the draft's (through the target's lm_head).",
         panel=OBJECTIVE, min=0.0)
+    cod_ratio: float = option(
+        0.7, "--cod-ratio", help="--algorithm peagle: depth d trains on max(r**d, --cod-min) of its valid "
+                                 "positions (COD sampling); --ttt-steps is the number of depths K.",
+        panel=OBJECTIVE, min=0.0, max=1.0)
+    cod_min: float = option(0.2, "--cod-min", help="--algorithm peagle: the floor of the COD share.",
+                            panel=OBJECTIVE, min=0.0, max=1.0)
+    segments: int = option(
+        1, "--peagle-segments", help="--algorithm peagle: split each batch's rows into this many segments, "
+                                     "each with its own forward and backward (less activation memory at long "
+                                     "rows; the same loss and gradients).", panel=OBJECTIVE, min=1,
+        resumable=True)
 
 
 @dataclass(frozen=True)

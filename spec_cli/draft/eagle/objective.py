@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from spec_cli.draft.algorithm import Objective
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.losses import soft_cross_entropy
@@ -50,7 +50,7 @@ def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: fl
                   step_weight, checkpoint)
 
 
-class EagleObjective(nn.Module):
+class EagleObjective(Objective):
     """The draft and its loss behind one forward(batch), so DDP can wrap it."""
 
     def __init__(self, draft, options, activation_checkpointing: bool = False):
@@ -63,5 +63,5 @@ class EagleObjective(nn.Module):
                        feature_weight=options.feature_weight, token_weight=options.token_weight,
                        checkpoint=activation_checkpointing)
 
-    def forward(self, batch):
+    def forward(self, batch, unit=None):
         return eagle_forward(self.draft, batch, **self.kw)

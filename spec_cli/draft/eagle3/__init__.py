@@ -4,10 +4,9 @@ speculators format. Everything spec_cli needs of it is the `EAGLE3` value below.
 
 from __future__ import annotations
 
-from torch import nn
 
 from spec_cli.draft import decoding
-from spec_cli.draft.algorithm import Algorithm, ObjectiveOptions
+from spec_cli.draft.algorithm import Algorithm, Objective, ObjectiveOptions
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.eagle3 import export
 from spec_cli.draft.eagle3.model import Eagle3Draft
@@ -20,7 +19,7 @@ def default_aux_layers(n: int) -> list[int]:
     return [1, n // 2 - 1, n - 4]
 
 
-class TTTObjective(nn.Module):
+class TTTObjective(Objective):
     """The draft and its TTT loss behind one forward(batch), so DDP can wrap it."""
 
     def __init__(self, draft: Eagle3Draft, options: ObjectiveOptions, activation_checkpointing: bool = False):
@@ -30,7 +29,7 @@ class TTTObjective(nn.Module):
                        lk_kl_scale=options.lk_kl_scale, lk_kl_decay=options.lk_kl_decay,
                        checkpoint=activation_checkpointing)
 
-    def forward(self, batch):
+    def forward(self, batch, unit=None):
         return ttt_forward(self.draft, batch, **self.kw)
 
 

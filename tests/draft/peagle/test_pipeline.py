@@ -1,0 +1,256 @@
+"""P-EAGLE through the CLI on a tiny target: precompute -> `spec train --algorithm peagle` (segments) ->
+`spec eval` (greedy output = the target's) -> `spec export` for vLLM and speculators with the keys and
+config fields vLLM's parallel drafting reads (written from llama_eagle3.py / llm_base_proposer.py /
+algos.py update_peagle, independent of the writer), the self-check catching what vLLM would load
+wrongly, the other supervision sources, DDP and resume, and vLLM itself serving the export."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spec_cli.cli import main
+from spec_cli.errors import ExportCheckError
+from spec_cli.export.check import check_export
+from spec_cli.export.source import load_source
+from tests import tiny
+from tests.conftest import write_jsonl
+
+LAYER0 = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+          "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+def _train_args(root, vm, out, *extra) -> list[str]:
+    return ["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "peagle", "--ttt-steps", "4",
+            "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512", "--eval-fraction", "0.2",
+            "--save-every", "4", "-o", str(out), "-q", *extra]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("peagle")
+    V = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(5)
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
+    prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
+    t, vm = str(tiny_llama_dir), str(root / "vm.safetensors")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", t, "-d", str(data), "--draft-vocab-size", "96", "-o", vm,
+                     "-q"]) == 0
+        assert main(["precompute", "-t", t, "-d", str(data), "-v", vm, "-o", str(root / "cache"),
+                     "--algorithm", "peagle", "--batch-tokens", "512", "-q"]) == 0
+        assert main(_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "target": tiny_llama_dir, "data": data, "prompts": prompts, "vm": vm, "V": V}
+
+
+def _log(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def _weights(run) -> dict:
+    return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors"))
+
+
+def test_the_checkpoint_is_a_peagle_draft_with_its_mask_state(pipeline):
+    run = pipeline["root"] / "run"
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    config = json.loads((checkpoint / "config.json").read_text())
+    target = json.loads((pipeline["target"] / "config.json").read_text())
+    assert config["algorithm"] == "peagle" and len(config["aux_layer_ids"]) == 3
+    # the target's pad token, else its eos token, stands in the mask slots
+    want = target.get("pad_token_id")
+    want = want if want is not None else target["eos_token_id"]
+    assert config["mask_token_id"] == (want[0] if isinstance(want, list) else want)
+    weights = _weights(run)
+    assert weights["mask_hidden.weight"].shape == (1, 1, 3 * target["hidden_size"])
+    records = [r for r in _log(run) if r["split"] == "train"]
+    assert len(records[-1]["acc"]) == 4 and all(r["loss"] > 0 for r in records)
+    assert json.loads((run / "run.json").read_text())["options"]["segments"] == 2
+
+
+def test_segments_do_not_change_the_training_numbers(pipeline, tmp_path, monkeypatch):
+    """The same run with one segment per batch: the same losses (COD draws once per batch either way)."""
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    assert main(_train_args(pipeline["root"], pipeline["vm"], tmp_path / "one")) == 0
+    two = [r["loss"] for r in _log(pipeline["root"] / "run") if r["split"] == "train"]
+    one = [r["loss"] for r in _log(tmp_path / "one") if r["split"] == "train"]
+    assert one == pytest.approx(two, rel=1e-5)
+    for key, value in _weights(tmp_path / "one").items():
+        torch.testing.assert_close(value, _weights(pipeline["root"] / "run")[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
+    from spec_cli.target.hf_backend import HFTargetBackend
+    from tests.serve.harness import start_server
+
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    common = ["-v", pipeline["vm"], "--algorithm", "peagle", "--ttt-steps", "4", "--max-steps", "4", "--lr",
+              "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--save-every", "4", "--dtype", "fp32",
+              "--peagle-segments", "2", "-q"]
+    assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]),
+                 "-o", str(tmp_path / "live"), *common]) == 0
+    assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--stream",
+                 "-o", str(tmp_path / "streamed"), *common]) == 0
+    assert all(torch.equal(v, _weights(tmp_path / "live")[k]) for k, v in _weights(tmp_path / "streamed").items())
+    aux = json.loads((sorted((pipeline["root"] / "run" / "checkpoints").iterdir())[-1] / "config.json")
+                     .read_text())["aux_layer_ids"]
+    backend = HFTargetBackend(pipeline["target"], aux, device="cpu", dtype="fp32")
+    handle = start_server(backend, pipeline["target"])
+    try:
+        assert main(["train", "--remote", handle.url, "--data", str(pipeline["data"]),
+                     "-o", str(tmp_path / "served"), *common]) == 0
+    finally:
+        handle.stop(grace=5)
+        backend.close()
+    cached = [r["loss"] for r in _log(pipeline["root"] / "run") if r["split"] == "train"]
+    live = [r["loss"] for r in _log(tmp_path / "live") if r["split"] == "train"]
+    served = [r["loss"] for r in _log(tmp_path / "served") if r["split"] == "train"]
+    assert live == pytest.approx(cached, rel=1e-4)
+    assert served == pytest.approx(live, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_path, monkeypatch):
+    """A run stopped after its first step and resumed == the straight run, bit for bit (COD draws from
+    the RNG the checkpoint restores); torchrun x2 (DDP, then FSDP2), each segment its own backward ==
+    one process with the same global batch."""
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    root, vm = pipeline["root"], pipeline["vm"]
+    args = ("--grad-accum", "2", "--peagle-segments", "2", "--eval-every", "0", "--max-steps", "3",
+            "--save-every", "3")
+    assert main(_train_args(root, vm, tmp_path / "single", *args)) == 0
+    assert main(_train_args(root, vm, tmp_path / "stopped", *args, "--max-time", "0.001s", "--save-every", "1")) == 0
+    assert main(_train_args(root, vm, tmp_path / "stopped", *args, "--resume")) == 0
+    single = _weights(tmp_path / "single")
+    assert all(torch.equal(single[k], v) for k, v in _weights(tmp_path / "stopped").items())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, extra in (("ddp", []), ("fsdp", ["--fsdp"])):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", "29549", "-m", "spec_cli.cli",
+                               *_train_args(root, vm, tmp_path / name, "--peagle-segments", "2", "--eval-every",
+                                            "0", "--max-steps", "3", "--save-every", "3", *extra)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        state = json.loads((sorted((tmp_path / name / "checkpoints").iterdir())[-1] / "trainer_state.json")
+                           .read_text())
+        assert state["parallel"] == name and state["step"] == 3
+        weights = _weights(tmp_path / name)
+        # two ranks draw their own COD samples, so the runs differ from one process's; both train
+        assert set(weights) == set(single)
+        assert all(bool(torch.isfinite(v.float()).all()) for v in weights.values())
+    ddp, fsdp = _weights(tmp_path / "ddp"), _weights(tmp_path / "fsdp")
+    for key, value in ddp.items():  # the same ranks, batches and draws: DDP and FSDP2 agree
+        torch.testing.assert_close(value, fsdp[key], rtol=1e-4, atol=1e-6)
+
+
+def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    out = tmp_path / "eval"
+    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
+                 str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "8", "--depth", "4",
+                 "-o", str(out), "-q"]) == 0
+    overall = json.loads((out / "eval.json").read_text())["overall"]
+    assert overall["same_as_target"] == overall["turns"] > 0 and sum(overall["verified"]) > 0
+    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
+                 str(pipeline["prompts"]), "--num-prompts", "1", "--topk", "3", "-o", str(tmp_path / "t"),
+                 "-q"]) == 1
+    assert "--topk 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def exports(pipeline, tmp_path_factory):
+    root = tmp_path_factory.mktemp("peagle-exports")
+    for fmt in ("vllm", "speculators"):
+        assert main(["export", str(pipeline["root"] / "run"), "--format", fmt, "--dtype", "fp32",
+                     "--engine-check", "none", "-o", str(root / fmt), "-q"]) == 0
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
+    tensors = load_file(str(exports / fmt / "model.safetensors"))
+    first = "midlayer." if fmt == "vllm" else "layers.0."
+    want = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "mask_hidden", *(first + k for k in LAYER0)}
+    if fmt == "speculators":
+        want |= {"t2d", "embed_tokens.weight"}
+    assert set(tensors) == want
+    target = json.loads((pipeline["target"] / "config.json").read_text())
+    assert tensors["mask_hidden"].shape == (1, 1, 3 * target["hidden_size"])  # vLLM: view(1, -1)
+    src = load_source(pipeline["root"] / "run")
+    config = json.loads((exports / fmt / "config.json").read_text())
+    assert config["mask_token_id"] == src.config.mask_token_id
+    readme = (exports / fmt / "README.md").read_text()
+    if fmt == "vllm":
+        assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
+        assert '"method": "eagle3"' in readme and '"parallel_drafting": true' in readme
+    else:  # vLLM's update_peagle: method eagle3 + parallel_drafting, mask_token_id -> pard_token
+        assert config["speculators_model_type"] == "peagle"
+        assert config["speculators_config"]["algorithm"] == "peagle"
+
+
+def test_sglang_is_refused_with_the_reason(pipeline, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    assert main(["export", str(pipeline["root"] / "run"), "--format", "sglang", "-o", str(tmp_path / "x"),
+                 "-q"]) == 1
+    assert "peagle drafts are not written as --format sglang; use one of vllm, speculators" in \
+        " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "x").exists()
+
+
+def _tampered(exports, tmp_path, fmt, edit_tensors=None, edit_config=None):
+    folder = tmp_path / fmt
+    shutil.copytree(exports / fmt, folder)
+    if edit_tensors:
+        tensors = load_file(str(folder / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if edit_config:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _swap_mask_chunks(t):
+    m = t["mask_hidden"].reshape(3, -1)
+    t["mask_hidden"] = torch.cat([m[1], m[0], m[2]]).view(1, 1, -1)
+
+
+@pytest.mark.parametrize("fmt, edit_tensors, edit_config, message", [
+    ("vllm", lambda t: t.pop("mask_hidden"), None, "mask_hidden is not in the file"),
+    ("vllm", _swap_mask_chunks, None, "predictions differ"),
+    ("vllm", lambda t: t.update({"mask_hidden": t["mask_hidden"] * 1.5}), None, "predictions differ"),
+    ("vllm", None, lambda c: c.update({"mask_token_id": c["mask_token_id"] + 1}), "mask_token_id"),
+    ("speculators", None, lambda c: c.pop("mask_token_id"), "without mask_token_id"),
+])
+def test_the_self_check_catches_what_vllm_would_load_wrongly(exports, pipeline, tmp_path, fmt, edit_tensors,
+                                                            edit_config, message):
+    src = load_source(pipeline["root"] / "run")
+    check_export(exports / fmt, fmt, src, torch.float32)  # the untouched export passes
+    folder = _tampered(exports, tmp_path, fmt, edit_tensors, edit_config)
+    with pytest.raises(ExportCheckError, match=message):
+        check_export(folder, fmt, src, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_spec_eval_reads_an_export_as_its_engine_does(exports, pipeline, tmp_path, fmt, monkeypatch):
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    results = []
+    for name, draft in (("run", pipeline["root"] / "run"), ("export", exports / fmt)):
+        assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(draft), "--prompts",
+                     str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "8", "--depth", "3",
+                     "-o", str(tmp_path / name), "-q"]) == 0
+        results.append(json.loads((tmp_path / name / "eval.json").read_text())["overall"])
+    assert results[0]["accepted"] == results[1]["accepted"] and results[0]["verified"] == results[1]["verified"]
