@@ -19,6 +19,7 @@ class Generation:
     # accepted path); the step produced accepted + 1 tokens
     steps: list[tuple[int, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
+    draft_seconds: float = 0.0  # of `seconds`, the draft's (catch-up + proposal; the PyTorch loop only)
     # the target alone, greedy: per new token, its TOP_LOGITS best {id: logit}; where a speculative output
     # parts from this one, they tell a rounding tie from a real difference (report.parting)
     top: list[dict[int, float]] = field(default_factory=list)

@@ -37,6 +37,7 @@ class Tally:
     verified: list[int] = field(default_factory=list)  # [j-1]: forwards that verified position j on the path
     spec_tokens: int = 0
     spec_seconds: float = 0.0
+    draft_seconds: float = 0.0  # of spec_seconds, the draft's (PyTorch loop; 0 from vLLM)
     target_tokens: int = 0
     target_seconds: float = 0.0
     same_as_target: int = 0  # greedy: turns whose output equals the target's token for token
@@ -49,6 +50,7 @@ class Tally:
         self.turns += 1
         self.spec_tokens += len(spec.tokens)
         self.spec_seconds += spec.seconds
+        self.draft_seconds += spec.draft_seconds
         for m, v in spec.steps:
             self.steps += 1
             self.produced += m + 1
@@ -85,6 +87,11 @@ class Tally:
             "spec_tokens": self.spec_tokens,
             "spec_seconds": round(self.spec_seconds, 4),
             "spec_tokens_per_s": spec_tps,
+            # drafting time per draft-verify cycle (catch-up on the verified tokens + the proposal)
+            "draft_ms_per_cycle": 1000 * self.draft_seconds / self.steps if self.draft_seconds and self.steps
+            else None,
+            "draft_share": self.draft_seconds / self.spec_seconds if self.draft_seconds and self.spec_seconds
+            else None,
             "target_tokens": self.target_tokens,
             "target_seconds": round(self.target_seconds, 4),
             "target_tokens_per_s": target_tps,
@@ -194,8 +201,11 @@ def print_table(result) -> None:
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
+    o = result.overall
+    if o.get("draft_ms_per_cycle") is not None:
+        console.print(f"drafting: {o['draft_ms_per_cycle']:.1f} ms per draft-verify cycle (catch-up + proposal), "
+                      f"{o['draft_share']:.0%} of the speculative decoding time", markup=False)
     if s["temperature"] == 0:
-        o = result.overall
         console.print(identity_text(o, s.get("dtype", "its dtype")), markup=False)
     text = spread_text(result.overall.get("speedup_spread"))
     if text:

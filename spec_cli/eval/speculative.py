@@ -158,12 +158,15 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
     logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device))  # pending [P, 3*H_t]
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
     steps, drafts, appended = [], [], tokens[-1:]
+    draft_seconds = 0.0
     while not _finished(appended, len(tokens) - len(prompt), settings):
         n = len(tokens)  # target cache: x[0..n-2]; draft cache: slots 0..n-2-len(pending)
         new_ids = torch.tensor(tokens[n - len(pending):], device=device)  # x[i+1] for the pending slots i
+        t0 = _clock(device)
         state = algorithm.catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
         proposal = algorithm.propose(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens,
                                      settings.temperature, generator)
+        draft_seconds += _clock(device) - t0
         d_cache.crop(n - 1)  # drafted slots go; the accepted ones are re-run with the target's aux states
         logits, aux = verify(target, t_cache, new_ids[-1], proposal)  # [N + 1, V], [N + 1, 3*H_t]
         path, bonus = accept(proposal, logits, settings.temperature, generator)
@@ -179,7 +182,14 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens=_cut(tokens[len(prompt):], settings), seconds=time.perf_counter() - start,
-                      steps=steps, drafts=drafts)
+                      steps=steps, drafts=drafts, draft_seconds=draft_seconds)
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @torch.no_grad()

@@ -163,6 +163,9 @@ def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_pa
                  "-o", str(out), "-q"]) == 0
     overall = json.loads((out / "eval.json").read_text())["overall"]
     assert overall["same_as_target"] == overall["turns"] > 0 and sum(overall["verified"]) > 0
+    assert overall["draft_ms_per_cycle"] > 0 and 0 < overall["draft_share"] < 1
+    records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert all(0 < r["draft_seconds"] < r["spec_seconds"] for r in records)
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
                  str(pipeline["prompts"]), "--num-prompts", "1", "--topk", "3", "-o", str(tmp_path / "t"),
                  "-q"]) == 1
