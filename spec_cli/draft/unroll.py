@@ -82,17 +82,23 @@ def packed_positions(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.arange(seq_len, device=seq_lens.device) - starts.gather(1, doc)
 
 
+def positions(batch: TargetBatch) -> torch.Tensor:
+    """[B, T] each slot's position: the batch's own, per document when packed, else 0..T-1."""
+    if batch.position_ids is not None:
+        return batch.position_ids
+    B, T = batch.input_ids.shape
+    if batch.seq_lens is not None:
+        return packed_positions(batch.seq_lens, T)
+    return torch.arange(T, device=batch.input_ids.device).expand(B, T)
+
+
 def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, supervised: torch.Tensor,
            ttt_steps: int, step_weight: float, checkpoint: bool = False) -> TTTOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
     with the step). checkpoint: recompute each step's decoder layers and head in backward."""
     B, T = batch.input_ids.shape
-    device = batch.input_ids.device
-    position_ids = batch.position_ids
-    if position_ids is None:
-        position_ids = packed_positions(batch.seq_lens, T) if batch.seq_lens is not None else \
-            torch.arange(T, device=device).expand(B, T)
+    position_ids = positions(batch)
     bias = None  # causal: right-padded keys come after every real query
     if batch.seq_lens is not None:  # packing: causal within each document, one kernel call each
         bias = Segments.from_seq_lens(batch.seq_lens, T)

@@ -39,7 +39,7 @@ from spec_cli.draft.algorithm import Objective, ObjectiveOptions
 from spec_cli.draft.attention import Segments
 from spec_cli.draft.losses import step_loss, top1_correct
 from spec_cli.draft.peagle.model import PEagleDraft
-from spec_cli.draft.unroll import TTTOutput, doc_remaining, packed_positions, shift_left
+from spec_cli.draft.unroll import TTTOutput, doc_remaining, positions, shift_left
 from spec_cli.errors import ConfigError
 
 LOSSES = ("soft-ce", "lk-alpha")  # per-element losses: they add up over elements (lk-lambda does not)
@@ -164,16 +164,11 @@ class PEagleObjective(Objective):
 
     def _run(self, batch: TargetBatch, unit: Unit) -> TTTOutput:
         draft, K, end = self.draft, self.depths, unit.end
-        B, T = batch.input_ids.shape
-        device = batch.input_ids.device
-        positions = batch.position_ids
-        if positions is None:
-            positions = packed_positions(batch.seq_lens, T) if batch.seq_lens is not None else \
-                torch.arange(T, device=device).expand(B, T)
+        position_ids = positions(batch)
         bias = Segments.from_seq_lens(clip_seq_lens(batch.seq_lens, end), end) if batch.seq_lens is not None \
             else None
         state0, deep = draft.parallel_forward(batch.input_ids[:, :end], batch.aux_hidden[:, :end],
-                                              positions[:, :end], bias, unit.rollouts)
+                                              position_ids[:, :end], bias, unit.rollouts)
         valid0 = valid_depths(batch, 1)[0][:, :end]
         valid0[:, :unit.start] = False  # the slots before the segment are context only
         rows0, anchors0 = valid0.nonzero(as_tuple=True)

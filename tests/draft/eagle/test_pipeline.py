@@ -6,13 +6,12 @@ the writer), and the self-check catching the silent failures users would hit."""
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from spec_cli.cli import main
 from spec_cli.errors import ExportCheckError
@@ -20,6 +19,7 @@ from spec_cli.export.eagle import check_eagle_export
 from spec_cli.export.source import load_source
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.draft.runs import log, tampered, weights
 
 LAYER0 = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -49,9 +49,6 @@ def pipeline(tmp_path_factory, tiny_llama_dir):
     return {"root": root, "target": tiny_llama_dir, "data": data, "prompts": prompts, "vm": vm, "V": V}
 
 
-def _log(run) -> list[dict]:
-    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-
 
 def test_the_checkpoint_holds_the_draft_and_the_run_the_targets_embedding_and_head(pipeline):
     root = pipeline["root"]
@@ -65,7 +62,7 @@ def test_the_checkpoint_holds_the_draft_and_the_run_the_targets_embedding_and_he
 
     model = AutoModelForCausalLM.from_pretrained(str(pipeline["target"]))
     torch.testing.assert_close(frozen["lm_head.weight"].float(), model.get_output_embeddings().weight.float())
-    records = [r for r in _log(root / "run") if r["split"] == "train"]
+    records = [r for r in log(root / "run") if r["split"] == "train"]
     assert len(records[-1]["acc"]) == 2 and records[-1]["loss"] < records[0]["loss"] + 1.0
 
 
@@ -85,7 +82,7 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
                  "-o", str(tmp_path / "live"), *common]) == 0
     assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--stream",
                  "-o", str(tmp_path / "streamed"), *common]) == 0
-    assert all(torch.equal(v, _weights(tmp_path / "live")[k]) for k, v in _weights(tmp_path / "streamed").items())
+    assert all(torch.equal(v, weights(tmp_path / "live")[k]) for k, v in weights(tmp_path / "streamed").items())
     backend = HFTargetBackend(pipeline["target"], [], device="cpu", dtype="fp32")  # EAGLE-1/2: no aux layer
     handle = start_server(backend, pipeline["target"])
     try:
@@ -94,9 +91,9 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
     finally:
         handle.stop(grace=5)
         backend.close()
-    cached = [r["loss"] for r in _log(pipeline["root"] / "run") if r["split"] == "train"]
-    live = [r["loss"] for r in _log(tmp_path / "live") if r["split"] == "train"]
-    served = [r["loss"] for r in _log(tmp_path / "served") if r["split"] == "train"]
+    cached = [r["loss"] for r in log(pipeline["root"] / "run") if r["split"] == "train"]
+    live = [r["loss"] for r in log(tmp_path / "live") if r["split"] == "train"]
+    served = [r["loss"] for r in log(tmp_path / "served") if r["split"] == "train"]
     assert live == pytest.approx(cached, rel=1e-4)
     assert served == pytest.approx(live, rel=1e-5)
 
@@ -106,9 +103,6 @@ def _train_args(pipeline, out, *extra) -> list[str]:
             "--ttt-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction",
             "0.2", "--eval-every", "0", "--save-every", "3", "-o", str(out), "-q", *extra]
 
-
-def _weights(run) -> dict:
-    return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -122,8 +116,8 @@ def test_fsdp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_p
     assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--max-time", "0.001s",
                             "--save-every", "1")) == 0
     assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
-    single = _weights(tmp_path / "single")
-    assert all(torch.equal(single[k], v) for k, v in _weights(tmp_path / "stopped").items())
+    single = weights(tmp_path / "single")
+    assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, extra in (("fsdp", ["--fsdp", "--max-time", "0.001s"]), ("fsdp", ["--fsdp", "--resume"])):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -135,7 +129,7 @@ def test_fsdp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_p
         state = json.loads((sorted((tmp_path / name / "checkpoints").iterdir())[-1] / "trainer_state.json")
                            .read_text())
         assert state["parallel"] == name and state["step"] == 3
-        for key, value in _weights(tmp_path / name).items():
+        for key, value in weights(tmp_path / name).items():
             torch.testing.assert_close(value, single[key], rtol=1e-5, atol=1e-6)
 
 
@@ -174,19 +168,6 @@ def test_each_engine_gets_exactly_the_keys_its_loader_has(exports, fmt):
     assert ('"method": "eagle"' in readme) if fmt == "vllm" else ("--speculative-algorithm EAGLE " in readme)
 
 
-def _tampered(exports, tmp_path, fmt, edit_tensors=None, edit_config=None):
-    folder = tmp_path / fmt
-    shutil.copytree(exports / fmt, folder)
-    if edit_tensors:
-        tensors = load_file(str(folder / "model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if edit_config:
-        config = json.loads((folder / "config.json").read_text())
-        edit_config(config)
-        (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
 
 @pytest.mark.parametrize("fmt, edit_tensors, edit_config, message", [
     ("vllm", lambda t: t.pop("layers.0.mlp.down_proj.weight"), None, "down_proj.weight is not in the file"),
@@ -203,7 +184,7 @@ def test_the_self_check_catches_what_the_engines_would_load_in_silence(exports, 
                                                                      edit_tensors, edit_config, message):
     src = load_source(pipeline["root"] / "run")
     check_eagle_export(exports / fmt, fmt, src, torch.float32)  # the untouched export passes
-    folder = _tampered(exports, tmp_path, fmt, edit_tensors, edit_config)
+    folder = tampered(exports, tmp_path, fmt, edit_tensors, edit_config)
     with pytest.raises(ExportCheckError, match=message):
         check_eagle_export(folder, fmt, src, torch.float32)
 

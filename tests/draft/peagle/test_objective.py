@@ -177,7 +177,7 @@ def test_segments_add_up_to_the_single_forward_in_value_and_gradient(segments):
     torch.manual_seed(11)
     units = objective.plan(batch)
     assert len(units) == segments
-    outs, grads = [], {}
+    outs = []
     for unit in units:
         out = objective(batch, unit)
         out.loss.backward()

@@ -1,0 +1,33 @@
+"""What the algorithms' CLI pipeline tests read of a run and do to an export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from safetensors.torch import load_file, save_file
+
+
+def log(run) -> list[dict]:
+    """The run's log.jsonl records."""
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def weights(run) -> dict:
+    """The latest checkpoint's model.safetensors."""
+    return load_file(str(sorted((run / "checkpoints").iterdir())[-1] / "model.safetensors"))
+
+
+def tampered(exports, tmp_path, fmt, edit_tensors=None, edit_config=None):
+    """A copy of the `fmt` export with its tensors and/or config.json edited in place."""
+    folder = tmp_path / fmt
+    shutil.copytree(exports / fmt, folder)
+    if edit_tensors:
+        tensors = load_file(str(folder / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if edit_config:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
