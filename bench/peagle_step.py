@@ -56,7 +56,7 @@ def one(kind: str, T: int, depths: int, steps: int, segments: int) -> dict:
     draft = algorithm.build(config)
     options = ObjectiveOptions(ttt_steps=depths, cod_ratio=1.0 if kind == "peagle-all" else 0.7,
                                cod_min=1.0 if kind == "peagle-all" else 0.2,
-                               segments=segments if kind == "peagle-seg" else 1)
+                               peagle_segments=segments if kind == "peagle-seg" else 1)
     objective = algorithm.objective(draft, options).train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)

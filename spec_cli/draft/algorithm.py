@@ -50,7 +50,7 @@ class ObjectiveOptions:
     token_weight: float = 0.1  # EAGLE-1/2: soft-CE of lm_head(predicted feature) vs the target's
     cod_ratio: float = 0.7  # P-EAGLE: depth d keeps max(cod_ratio**d, cod_min) of its valid positions
     cod_min: float = 0.2
-    segments: int = 1  # P-EAGLE: forwards (each with its backward) a batch's rows are split into
+    peagle_segments: int = 1  # P-EAGLE: forwards (each with its backward) a batch's rows are split into
 
 
 class Objective(torch.nn.Module):

@@ -173,7 +173,7 @@ class ObjectiveFlags:
         panel=OBJECTIVE, min=0.0, max=1.0)
     cod_min: float = option(0.2, "--cod-min", help="--algorithm peagle: the floor of the COD share.",
                             panel=OBJECTIVE, min=0.0, max=1.0)
-    segments: int = option(
+    peagle_segments: int = option(
         1, "--peagle-segments", help="--algorithm peagle: split each batch's rows into this many segments, "
                                      "each with its own forward and backward (less activation memory at long "
                                      "rows; the same loss and gradients).", panel=OBJECTIVE, min=1,

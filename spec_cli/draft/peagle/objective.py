@@ -141,7 +141,7 @@ class PEagleObjective(Objective):
         if not 0 < options.cod_ratio <= 1 or not 0 <= options.cod_min <= 1:
             raise ConfigError(f"--cod-ratio {options.cod_ratio} / --cod-min {options.cod_min} must be fractions "
                               "(ratio in (0, 1], floor in [0, 1])", "e.g. --cod-ratio 0.7 --cod-min 0.2")
-        if options.segments < 1:
+        if options.peagle_segments < 1:
             raise ConfigError("--peagle-segments must be at least 1", "1 runs each batch as one forward")
         self.draft = draft
         self.options = options
@@ -154,7 +154,7 @@ class PEagleObjective(Objective):
         valid = valid_depths(batch, self.depths)
         rollouts = sample_rollouts(valid, self.options.cod_ratio, self.options.cod_min, sample)
         supervised = valid & torch.stack([shift_left(batch.position_mask, d).bool() for d in range(self.depths)])
-        return split(rollouts, valid, supervised, self.options.segments if sample else 1)
+        return split(rollouts, valid, supervised, self.options.peagle_segments if sample else 1)
 
     def forward(self, batch: TargetBatch, unit: Unit | None = None) -> TTTOutput:
         if unit is None:  # one forward over the whole batch (evaluation, direct calls)

@@ -172,7 +172,7 @@ def test_the_loss_is_the_count_normalised_sum_over_supervised_elements():
 def test_segments_add_up_to_the_single_forward_in_value_and_gradient(segments):
     draft = peagle_draft(num_hidden_layers=2)
     batch = packed_batch(draft.config, seed=4)
-    options = ObjectiveOptions(ttt_steps=4, segments=segments)
+    options = ObjectiveOptions(ttt_steps=4, peagle_segments=segments)
     objective = PEagleObjective(draft, options)
     torch.manual_seed(11)
     units = objective.plan(batch)

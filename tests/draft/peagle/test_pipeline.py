@@ -70,7 +70,7 @@ def test_the_checkpoint_is_a_peagle_draft_with_its_mask_state(pipeline):
     assert state["mask_hidden.weight"].shape == (1, 1, 3 * target["hidden_size"])
     records = [r for r in log(run) if r["split"] == "train"]
     assert len(records[-1]["acc"]) == 4 and all(r["loss"] > 0 for r in records)
-    assert json.loads((run / "run.json").read_text())["options"]["segments"] == 2
+    assert json.loads((run / "run.json").read_text())["options"]["peagle_segments"] == 2
 
 
 def test_segments_do_not_change_the_training_numbers(pipeline, tmp_path, monkeypatch):
