@@ -280,6 +280,10 @@ def test_one_timing_run_keeps_outputs_jsonl_as_it_was():
                                        lambda ids, seed: Generation([1, 2], 1.0), [3], None, None, 1)
     assert record == {"spec_seconds": 0.5, "target_seconds": 1.0, "speedup": 2.0}
     assert (s.seconds, b.seconds) == (0.5, 1.0)
+    runs = iter([0.1, 0.3, 0.2])  # the PyTorch loop's draft time: the median over the repeats
+    s, _, record = evaluate.timed_turn(lambda ids, seed: Generation([1, 2], 0.5, draft_seconds=next(runs)),
+                                       lambda ids, seed: Generation([1, 2], 1.0), [3], None, None, 3)
+    assert record["draft_seconds"] == s.draft_seconds == 0.2
 
 
 def test_eval_records_threads_repeats_and_per_turn_timings(trained, tmp_path, capsys):
