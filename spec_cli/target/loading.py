@@ -16,6 +16,7 @@ from torch import nn
 
 from spec_cli.data import chat_templates
 from spec_cli.data.chat_templates import tokenizer_fingerprint  # with the target's fingerprints below
+from spec_cli.console import warn
 from spec_cli.errors import ArtifactError, ConfigError, TargetError
 from spec_cli.paths import spec_home
 
@@ -256,7 +257,7 @@ def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
     """`--aux-layers "1,14,26"` (0-indexed layer OUTPUTS), or the algorithm's default; validated
     against N and the number of layers the algorithm reads."""
     if text in (None, "", "auto"):
-        ids = default_aux_layers(n, algorithm)
+        ids = default_aux_layers(n, algorithm)  # may repeat a layer on a shallow target (vLLM serves it)
     else:
         try:
             ids = [int(part) for part in str(text).split(",")]
@@ -264,11 +265,14 @@ def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
             raise ConfigError(f"--aux-layers {text!r} is not a comma-separated list of integers",
                               "write e.g. --aux-layers 1,14,26") from exc
     validate_aux_layers(ids, n, algorithm)
+    if text not in (None, "", "auto") and len(set(ids)) != len(ids):
+        warn(f"--aux-layers {ids} repeats a layer: the draft reads the same hidden state twice "
+             "(vLLM serves it; distinct layers usually train a better draft)")
     return ids
 
 
 def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
-    """As many ids as the algorithm reads, distinct and capturable (check_layer_ids)."""
+    """As many ids as the algorithm reads, capturable (check_layer_ids)."""
     algo = _algorithm(algorithm)
     count = algo.aux_layers
     if n < count + 1:  # distinct outputs of layers 0..n-2
@@ -283,10 +287,9 @@ def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
 
 
 def check_layer_ids(ids: list[int], n: int) -> None:
-    """Aux layer ids of any algorithm: distinct outputs of layers 0..n-2 (the engines capture a layer's
-    input, so the last layer's output is never available to a draft)."""
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"--aux-layers {ids} repeats a layer", "give distinct layer ids")
+    """Aux layer ids of any algorithm: outputs of layers 0..n-2 (the engines capture a layer's input, so
+    the last layer's output is never available to a draft). A layer may repeat: EAGLE-3's own default
+    does on a 6-layer target ([1, 2, 2]), and vLLM serves it; parse_aux_layers warns when a user typed one."""
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",

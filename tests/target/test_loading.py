@@ -65,8 +65,9 @@ def test_aux_layer_defaults_and_validation():
     assert loading.parse_aux_layers("0,14,28", 30) == [0, 14, 28]
     with pytest.raises(ConfigError, match="out of range"):
         loading.parse_aux_layers("-1,14,20", 30)
-    with pytest.raises(ConfigError, match="repeats"):
-        loading.parse_aux_layers("1,14,14", 30)
+    assert loading.parse_aux_layers("1,14,14", 30) == [1, 14, 14]  # vLLM serves a repeat: a warning only
+    assert loading.default_aux_layers(6) == [1, 2, 2]  # EAGLE-3's rule on a 6-layer target repeats one
+    assert loading.parse_aux_layers(None, 6) == [1, 2, 2]
     with pytest.raises(ConfigError, match="exactly 3"):
         loading.parse_aux_layers("1,14", 30)
     with pytest.raises(ConfigError, match="comma-separated"):
