@@ -16,6 +16,7 @@ This module imports no model code: the CLI reads it to build its command.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ def parse_duration(text: str | None, option: str) -> float | None:
         value = float(number) * (scale or 60.0)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{option} {text!r} is not a duration", "write e.g. 90s, 45m or 2h (a bare number "
                                                                    "is minutes)")
     return value
@@ -55,9 +56,52 @@ def parse_size(text: str, option: str) -> int:
         value = float(raw[:-1] if scale else raw) * (scale or 1)
     except ValueError:
         value = 0.0
-    if not value >= 1:
+    if not (value >= 1 and math.isfinite(value)):
         raise ConfigError(f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes")
     return int(value)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number option allows: finite, and within lo..hi (`open`: the bound itself excluded)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def allows(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    @property
+    def text(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return ""
+
+
+POSITIVE = Range(0, lo_open=True)  # > 0
+NON_NEGATIVE = Range(0)  # >= 0
+FRACTION = Range(0, 1)  # [0, 1]
+
+
+def check_range(name: str, value, allowed: Range | None) -> None:
+    """Refuse (ConfigError naming the option and its range: one line, exit 1) a number option's value
+    outside `allowed`; any float option must be finite (inf and nan are never a setting)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    allowed = allowed or Range()
+    if not allowed.allows(float(value)):
+        flag = "--" + name.replace("_", "-")
+        must = f"a finite number {allowed.text}".rstrip()
+        raise ConfigError(f"{flag} {value:g} is out of range", f"{flag} must be {must}")
 
 
 @dataclass(frozen=True)
@@ -72,16 +116,20 @@ class Flag:
 
 
 def option(default, *names: str, help: str, panel: str, parse=None, text: str | None = None,
-           resumable: bool = False, **checks):
+           resumable: bool = False, allowed: Range | None = None, **checks):
     """A config field that is a `spec train` option. resumable: it may differ on --resume (it does not
-    change the math: how long, how often, where from, on what)."""
+    change the math: how long, how often, where from, on what). allowed: a number option's range, checked
+    by TrainConfig.from_options (a ConfigError naming the option: exit 1) and shown in --help; any float
+    option must be finite."""
+    if allowed is not None:
+        help = f"{help} Allowed: {allowed.text}."
     return field(default=default, metadata={"flag": Flag(names, help, panel, parse, text, checks),
-                                           "resumable": resumable})
+                                           "resumable": resumable, "allowed": allowed})
 
 
 def shared(default, resumable: bool = False):
     """A field whose option every stage that takes it shares: declared once, in cli.py."""
-    return field(default=default, metadata={"flag": None, "resumable": resumable})
+    return field(default=default, metadata={"flag": None, "resumable": resumable, "allowed": None})
 
 
 @dataclass(frozen=True)
@@ -112,7 +160,8 @@ class DataOptions:
     pack: bool = option(
         False, "--pack", help="Pack several conversations per row (block-causal per document).", panel=DATA)
     eval_fraction: float = option(
-        0.02, "--eval-fraction", help="Share of batches held out for evaluation.", panel=DATA)
+        0.02, "--eval-fraction", help="Share of batches held out for evaluation.", panel=DATA,
+        allowed=Range(0, 1, hi_open=True))
     max_length: int = shared(2048)
     max_samples: int | None = option(
         None, "--max-samples", help="Live target: use only the first N samples.", panel=DATA, min=1)
@@ -142,7 +191,8 @@ class DraftOptions:
     draft_rope_theta: float | None = option(
         None, "--draft-rope-theta", help="Train the draft with plain rope at this theta instead of the target's "
                                          "rope (taken from the target by default, scaling included; needed only "
-                                         "for a scaling type the draft does not compute).", panel=DRAFT, min=1.0)
+                                         "for a scaling type the draft does not compute).", panel=DRAFT,
+        allowed=Range(1))
     algorithm: str = shared("eagle3")  # spec_cli/draft/algorithms.py
     aux_layers: str | None = shared(None)
 
@@ -154,25 +204,28 @@ class ObjectiveFlags:
     are declared here, with the same names and defaults (tests/stages/test_train_options.py)."""
     ttt_steps: int = option(7, "--ttt-steps", help="TTT unroll depth.", panel=OBJECTIVE, min=1)
     step_weight: float = option(
-        0.8, "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).", panel=OBJECTIVE)
+        0.8, "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).", panel=OBJECTIVE,
+        allowed=POSITIVE)
     loss: str = option(
         "soft-ce", "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
         panel=OBJECTIVE)
-    lk_kl_scale: float = option(1.0, "--lk-kl-scale", help="lk-lambda: KL weight scale.", panel=OBJECTIVE)
-    lk_kl_decay: float = option(1.0, "--lk-kl-decay", help="lk-lambda: KL weight decay.", panel=OBJECTIVE)
+    lk_kl_scale: float = option(1.0, "--lk-kl-scale", help="lk-lambda: KL weight scale.", panel=OBJECTIVE,
+                                allowed=NON_NEGATIVE)
+    lk_kl_decay: float = option(1.0, "--lk-kl-decay", help="lk-lambda: KL weight decay.", panel=OBJECTIVE,
+                                allowed=NON_NEGATIVE)
     feature_weight: float = option(
         1.0, "--feature-weight", help="--algorithm eagle: weight of SmoothL1 on the predicted next feature.",
-        panel=OBJECTIVE, min=0.0)
+        panel=OBJECTIVE, allowed=NON_NEGATIVE)
     token_weight: float = option(
         0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
                                     "distribution and the draft's (through the target's lm_head).",
-        panel=OBJECTIVE, min=0.0)
+        panel=OBJECTIVE, allowed=NON_NEGATIVE)
     cod_ratio: float = option(
         0.7, "--cod-ratio", help="--algorithm peagle: depth d trains on max(r**d, --cod-min) of its valid "
                                  "positions (COD sampling); --ttt-steps is the number of depths K.",
-        panel=OBJECTIVE, min=0.0, max=1.0)
+        panel=OBJECTIVE, allowed=FRACTION)
     cod_min: float = option(0.2, "--cod-min", help="--algorithm peagle: the floor of the COD share.",
-                            panel=OBJECTIVE, min=0.0, max=1.0)
+                            panel=OBJECTIVE, allowed=FRACTION)
     peagle_segments: int = option(
         1, "--peagle-segments", help="--algorithm peagle: split each batch's rows into this many segments, "
                                      "each with its own forward and backward (less activation memory at long "
@@ -183,21 +236,27 @@ class ObjectiveFlags:
 @dataclass(frozen=True)
 class OptimOptions:
     """How the weights are updated, and for how long."""
-    lr: float = option(2e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", panel=OPTIMISATION)
+    lr: float = option(2e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", panel=OPTIMISATION,
+                       allowed=POSITIVE)
     min_lr_ratio: float = option(
-        0.0, "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.", panel=OPTIMISATION)
+        0.0, "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.", panel=OPTIMISATION,
+        allowed=FRACTION)
     warmup_ratio: float = option(
-        0.03, "--warmup-ratio", help="Linear warmup as a fraction of the steps.", panel=OPTIMISATION)
-    weight_decay: float = option(0.0, "--weight-decay", help="AdamW weight decay.", panel=OPTIMISATION)
+        0.03, "--warmup-ratio", help="Linear warmup as a fraction of the steps.", panel=OPTIMISATION,
+        allowed=FRACTION)
+    weight_decay: float = option(0.0, "--weight-decay", help="AdamW weight decay.", panel=OPTIMISATION,
+                                 allowed=NON_NEGATIVE)
     grad_clip: float = option(
-        0.5, "--grad-clip", help="Clip the gradient norm to this (0: off).", panel=OPTIMISATION)
+        0.5, "--grad-clip", help="Clip the gradient norm to this (0: off).", panel=OPTIMISATION,
+        allowed=NON_NEGATIVE)
     grad_accum: int = option(
         1, "--grad-accum", help="Micro-batches per optimizer step (per process).", panel=OPTIMISATION, min=1)
     max_steps: int | None = option(
         None, "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.",
         panel=OPTIMISATION, min=1, resumable=True)
     epochs: float = option(
-        1.0, "--epochs", help="Passes over the training batches.", panel=OPTIMISATION, resumable=True)
+        1.0, "--epochs", help="Passes over the training batches.", panel=OPTIMISATION, resumable=True,
+        allowed=POSITIVE)
     max_time: float | None = option(  # seconds of the training loop; stop cleanly (checkpoint) when reached
         None, "--max-time", help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
                                  "number is minutes); --resume continues the schedule.", panel=OPTIMISATION,
@@ -268,6 +327,7 @@ class TrainConfig:
             raise TypeError(f"TrainConfig has no option {', '.join(unknown)}")
         values: dict[str, dict] = {group: {} for group in GROUPS}
         for name, value in options.items():
+            check_range(name, value, OPTIONS[name].allowed)
             values[OPTIONS[name].group][name] = value
         kinds = {**GROUPS, "objective": ObjectiveOptions}
         return cls(**{group: kinds[group](**values[group]) for group in GROUPS})
@@ -286,6 +346,7 @@ class Option:
     default: object  # MISSING: required
     flag: Flag | None  # None: shared with other stages, declared in cli.py
     resumable: bool
+    allowed: Range | None  # a number option's range (any float option must be finite)
 
 
 # TrainConfig's groups, by field; each is a dataclass of options (the objective's declared as ObjectiveFlags)
@@ -301,7 +362,7 @@ def _options() -> dict[str, Option]:
             if f.name in out:
                 raise TypeError(f"option {f.name} is declared twice (in {out[f.name].group} and {group})")
             out[f.name] = Option(f.name, group, hints[f.name], f.default, f.metadata["flag"],
-                                 f.metadata["resumable"])
+                                 f.metadata["resumable"], f.metadata["allowed"])
     return out
 
 
