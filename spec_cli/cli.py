@@ -194,6 +194,9 @@ def build_vocab_map_cmd(
     num_proc: NumProc = 1,
     chat_template: ChatTemplate = None,
     config: Config = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing -o whatever it holds (without it, only a vocab map made from "
+                        "the same inputs and settings is rewritten).", rich_help_panel=INPUTS)] = False,
     quiet: Quiet = False,
 ):
     """Count supervised target tokens in the data and write the draft vocab map (d2t, t2d)."""
@@ -204,7 +207,7 @@ def build_vocab_map_cmd(
     result = stage.run(stage.BuildVocabMapConfig(target=target, data=data, output=output,
                                                  draft_vocab_size=draft_vocab_size,
                                                  max_length=max_length, num_proc=num_proc,
-                                                 chat_template=chat_template))
+                                                 chat_template=chat_template, force=force))
     print_vocab_map_summary(result)
 
 
@@ -512,10 +515,13 @@ def demo_cmd(
 @app.command("inspect", cls=Command)
 def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
                 config: Config = None):
+                verify: Annotated[bool, typer.Option(
+                    "--verify", help="Feature cache: hash every shard against the manifest's checksums and "
+                                     "name the damaged ones (exit 1 if any).")] = False,
     """Print what an artifact holds (vocab map, tokenised data, feature cache)."""
     from spec_cli.ui import inspect_artifact
 
-    inspect_artifact(path)
+    inspect_artifact(path, verify=verify)
 
 
 # ----------------------------------------------------------------------------- entry point
