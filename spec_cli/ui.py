@@ -247,9 +247,51 @@ def _inspect_run(path: Path) -> None:
               f"length {last.get('acceptance_length', 0):.2f}")
 
 
+def _check_cache(path: Path, manifest: dict, verify: bool) -> None:
+    """Sizes and shapes always (cheap); with --verify every shard's sha256 (exit 1 naming the damaged)."""
+    from spec_cli.artifacts import feature_cache as fc
+
+    try:
+        fc.check_files(path, manifest)
+    except ArtifactError:
+        if not verify:
+            raise
+        damaged = fc.verify_shards(path, manifest)
+        raise ArtifactError(f"the feature cache {path} is damaged: sizes or shapes differ from its manifest"
+                            + (f"; failing their checksums: {', '.join(damaged)}" if damaged else ""),
+                            fc.rebuild_hint(path, manifest)) from None
+    if verify:
+        damaged = fc.verify_shards(path, manifest)
+        if damaged:
+            raise ArtifactError(f"the feature cache {path} is damaged: {', '.join(damaged)} "
+                                f"{'fails its checksum' if len(damaged) == 1 else 'fail their checksums'} "
+                                f"({len(damaged)} of {len(manifest.get('shards', []))} shards)",
+                                fc.rebuild_hint(path, manifest))
+        _line(f"{path}: all {len(manifest.get('shards', []))} shards match their checksums")
+
+
+def _check_export_aux(path: Path, config: dict, shapes: dict) -> None:
+    """A hand-edited aux layer list: fc.weight's input width must be n_aux x target_hidden_size."""
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    fc_shape = (shapes.get("fc.weight") or (None,))[0]
+    if not aux or not fc_shape or len(fc_shape) != 2:
+        return
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if not isinstance(aux, list) or not isinstance(hidden, int):
+        raise ArtifactError(f"{path / 'config.json'}: eagle_aux_hidden_state_layer_ids {aux!r} or hidden size "
+                            f"{hidden!r} is malformed", "export the checkpoint again with `spec export`")
+    if fc_shape[1] != len(aux) * hidden:
+        raise ArtifactError(f"{path / 'config.json'} lists {len(aux)} aux layers ({aux}), but fc.weight takes "
+                            f"{fc_shape[1]} inputs, not {len(aux)} x {hidden} = {len(aux) * hidden} (was the "
+                            "config edited?)", "export the checkpoint again with `spec export`")
+
+
 def _inspect_export(path: Path, config: dict) -> None:
     block = config.get("spec_cli") if isinstance(config.get("spec_cli"), dict) else {}
     _, shapes = _tensors(path / "model.safetensors")
+    _check_export_aux(path, config, shapes)
     arch = (config.get("architectures") or ["?"])[0]
     _line(f"{path}  kind: draft_export  format: {block.get('format', 'unknown (not written by spec_cli)')}  "
           f"architecture: {arch}")
@@ -287,13 +329,15 @@ def _inspect_eval(path: Path) -> None:
         _line(f"  {name:12s} acceptance length {m.get('acceptance_length', 0):.2f}  speed-up {m.get('speedup', 0):.2f}x")
 
 
-def inspect_artifact(path: Path) -> None:
+def inspect_artifact(path: Path, verify: bool = False) -> None:
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path} does not exist", "check the path")
     if path.is_dir():
         if (path / "manifest.json").is_file():
             manifest = _read_json(path / "manifest.json")
+            if manifest.get("kind") == "feature_cache":
+                _check_cache(path, manifest, verify)
             _line(f"{path}  kind: {manifest.get('kind')}  schema: {manifest.get('schema_version')}")
             for key, value in sorted(manifest.items()):
                 if key != "shards":

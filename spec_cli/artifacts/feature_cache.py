@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,25 @@ def folder_bytes(folder: Path) -> dict[str, int]:
         elif path.name.startswith("shard-"):
             sizes["shards"] += path.stat().st_size
     return {**sizes, "total": sum(sizes.values())}
+
+
+_OWN = re.compile(r"shard-\d{5}\.(safetensors|json)$")
+
+
+def own_files(folder: Path) -> list[str]:
+    """The names in `folder` a cache writes (head, shards, sidecars; the manifest is the marker)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return [p.name for p in folder.iterdir() if p.name == HEAD or _OWN.match(p.name)]
+
+
+def rebuild_hint(folder: Path, manifest: dict | None = None) -> str:
+    """The command that rebuilds the cache in `folder` from scratch."""
+    m = manifest or {}
+    args = " ".join(f"{flag} {m[key]}" for flag, key in (("-t", "target"), ("-d", "data"), ("-v", "vocab_map"))
+                    if m.get(key)) or "..."
+    return f"rebuild it: `spec precompute {args} ... --no-resume -o {folder}` (the options it was made with)"
 
 
 def identity_mismatch(expected: dict, found: dict) -> str | None:
@@ -219,6 +239,78 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+ENCODING_KEYS = {"hidden": ("final_hidden", "lse"), "probs": ("target_p", "target_mass")}
+COMMON_KEYS = ("input_ids", "loss_mask", "aux_hidden", "argmax", "sample_offsets", "batch_offsets", "sample_index")
+
+
+def _shapes(path: Path) -> dict[str, list[int]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def check_files(folder: Path, manifest: dict) -> None:
+    """The cheap check on every read: each shard (and the head) is there with the size the manifest
+    records (a manifest without sizes: the safetensors header's own size check), and the tensors have
+    the keys and widths the manifest's encoding, aux_layers and sizes say. ArtifactError otherwise,
+    naming the file and the command that rebuilds the cache."""
+    folder = Path(folder)
+    hint = rebuild_hint(folder, manifest)
+    wrong = []
+    for entry in manifest.get("shards", []):
+        path = folder / entry["file"]
+        if not path.is_file():
+            wrong.append(f"{entry['file']} is missing")
+        elif entry.get("bytes") is not None and path.stat().st_size != entry["bytes"]:
+            wrong.append(f"{entry['file']} has {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
+                         "(truncated or damaged)")
+    head = folder / HEAD
+    if not head.is_file():
+        wrong.append(f"{HEAD} is missing")
+    elif manifest.get("head_bytes") is not None and head.stat().st_size != manifest["head_bytes"]:
+        wrong.append(f"{HEAD} has {head.stat().st_size} bytes, the manifest says {manifest['head_bytes']} "
+                     "(truncated or damaged)")
+    if wrong:
+        raise ArtifactError(f"the feature cache {folder} is damaged: {'; '.join(wrong[:3])}"
+                            f"{f' (+{len(wrong) - 3} more)' if len(wrong) > 3 else ''}", hint)
+    encoding = manifest.get("encoding")
+    if encoding not in ENCODINGS:
+        raise ArtifactError(f"{folder / MANIFEST} names encoding {encoding!r}, not one of {', '.join(ENCODINGS)}",
+                            hint)
+    n_aux, hidden = len(manifest.get("aux_layers") or []), manifest.get("hidden_size")
+    for entry in manifest.get("shards", []):
+        path = folder / entry["file"]
+        try:
+            shapes = _shapes(path)
+        except Exception as exc:  # a header that does not match the file (truncated, overwritten)
+            raise ArtifactError(f"{path} is not a readable safetensors file ({exc}); the cache is damaged",
+                                hint) from None
+        missing = [k for k in (*COMMON_KEYS, *ENCODING_KEYS[encoding]) if k not in shapes]
+        if missing:
+            raise ArtifactError(f"{path} lacks {', '.join(missing)}, which encoding {encoding!r} in "
+                                f"{MANIFEST} needs (was the manifest edited?)", hint)
+        width = shapes["aux_hidden"][-1]
+        if hidden and width != n_aux * hidden:
+            raise ArtifactError(f"{path} stores aux states {width} wide, but {MANIFEST} says {n_aux} aux layers "
+                                f"x hidden_size {hidden} = {n_aux * hidden} (was the manifest edited?)", hint)
+        if encoding == "hidden" and hidden and shapes["final_hidden"][-1] != hidden:
+            raise ArtifactError(f"{path} stores final states {shapes['final_hidden'][-1]} wide, {MANIFEST} says "
+                                f"hidden_size {hidden}", hint)
+        vd = manifest.get("draft_vocab_size")
+        if encoding == "probs" and vd and shapes["target_p"][-1] != vd:
+            raise ArtifactError(f"{path} stores {shapes['target_p'][-1]} draft-vocab probabilities, {MANIFEST} "
+                                f"says draft_vocab_size {vd}", hint)
+
+
+def verify_shards(folder: Path, manifest: dict) -> list[str]:
+    """The shard files whose sha256 differs from the manifest's (or that are missing)."""
+    damaged = []
+    for entry in manifest.get("shards", []):
+        path = Path(folder) / entry["file"]
+        if not path.is_file() or sha256_file(path) != entry.get("sha256"):
+            damaged.append(entry["file"])
+    return damaged
+
+
 @dataclass
 class ShardIndex:
     path: Path
@@ -235,12 +327,15 @@ class FeatureCacheReader:
         self.manifest = read_manifest(self.folder)
         self.shards: list[ShardIndex] = []
         self._handles: dict[int, object] = {}
+        check_files(self.folder, self.manifest)
+        if verify:
+            damaged = verify_shards(self.folder, self.manifest)
+            if damaged:
+                raise ArtifactError(f"{self.folder}: {', '.join(damaged)} "
+                                    f"{'fails its checksum' if len(damaged) == 1 else 'fail their checksums'}",
+                                    rebuild_hint(self.folder, self.manifest))
         for entry in self.manifest["shards"]:
             path = self.folder / entry["file"]
-            if not path.is_file():
-                raise ArtifactError(f"{path} is missing from the cache", "rerun `spec precompute` to repair it")
-            if verify and sha256_file(path) != entry["sha256"]:
-                raise ArtifactError(f"{path} fails its checksum", "rerun `spec precompute` to repair it")
             with safe_open(str(path), framework="pt") as f:
                 self.shards.append(ShardIndex(path, f.get_tensor("sample_offsets"),
                                               f.get_tensor("batch_offsets"), f.get_tensor("sample_index")))

@@ -51,7 +51,7 @@ def check_replaceable(folder: Path, marker: str, kind: str, inputs: Iterable[Pat
         if path is not None and _inside(Path(path), folder):
             raise ArtifactError(f"refusing to replace {folder}: it holds this command's input {path}",
                                 "write to a new --output folder")
-    entries = [p.name for p in folder.iterdir()]
+    entries = [p.name for p in folder.iterdir() if p.name != LOCK]  # a lock file alone: an empty folder
     if not entries:
         return
     if marker not in entries:

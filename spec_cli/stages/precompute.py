@@ -7,6 +7,7 @@ ranks under torchrun take shards i % world_size == rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import assets, distributed, threads
-from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts import feature_cache as fc, guard
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import human_bytes, info, progress
 from spec_cli.data import chat_templates
@@ -162,8 +163,24 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
     }
 
     out = Path(cfg.output)
-    if not cfg.resume and rank == 0 and out.exists():
-        shutil.rmtree(out)
+    inputs = [data_path, Path(cfg.vocab_map), target_dir]
+    lock = contextlib.ExitStack()
+    if rank == 0:  # the ranks write one folder: rank 0 holds its lock for all of them
+        if not cfg.resume:  # refuse before creating anything
+            guard.check_replaceable(out, fc.MANIFEST, "feature cache", inputs, fc.own_files(out))
+        lock.enter_context(guard.FolderLock(out, "spec precompute"))
+        if not cfg.resume:
+            guard.replace_folder(out, fc.MANIFEST, "feature cache", inputs, fc.own_files(out))
+    with lock:
+        return _fill(cfg, out, start, rank, world, identity, tokens, lengths, batches, shards, config,
+                     vocab_map, tokenizer, template, target_dir, data_path, aux_layers, device, dtype, storage,
+                     storage_name, dtype_name, hidden_size, n_layers, n_samples)
+
+
+def _fill(cfg, out, start, rank, world, identity, tokens, lengths, batches, shards, config, vocab_map, tokenizer,
+          template, target_dir, data_path, aux_layers, device, dtype, storage, storage_name, dtype_name,
+          hidden_size, n_layers, n_samples) -> PrecomputeResult:
+    """Compute the missing shards of `out` and write its manifest (rank 0 holds the folder's lock)."""
     distributed.barrier()
     out.mkdir(parents=True, exist_ok=True)
     if (out / fc.MANIFEST).is_file():
@@ -175,6 +192,7 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
         if mismatch:
             raise ArtifactError(f"{out} holds a different feature cache ({mismatch})",
                                 "write to a new --output folder, or pass --no-resume to replace it")
+        fc.check_files(out, existing)  # a complete cache is reused only when its files are all there
         info(f"feature cache {out} is already complete")
         on_disk = fc.folder_bytes(out)
         return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), on_disk["total"],
