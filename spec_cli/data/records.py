@@ -34,6 +34,16 @@ NO_TEMPLATE = "no chat template"  # never in a summary: tokenize_data stops with
 TRUNCATED = "no supervised token after truncation"
 
 
+def _blank(path: Path) -> bool:
+    """A file of no bytes, or (JSON) only whitespace."""
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    if path.suffix in (".jsonl", ".json") and size <= 1 << 16:
+        return not path.read_bytes().strip()
+    return False
+
+
 def load_records(path: str | Path):
     """A `datasets.Dataset` of the records in a .jsonl/.json/.parquet file or a saved dataset folder."""
     import datasets
@@ -56,6 +66,10 @@ def load_records(path: str | Path):
         if builder is None:
             raise DataError(f"unsupported data file {path.name}",
                             "use .jsonl, .json, .parquet or a folder saved with datasets' save_to_disk")
+        if _blank(path):  # datasets fails on it with an empty message
+            raise DataError(f"{path} is empty: it holds no records",
+                            "pass a data file with one record per line (ShareGPT `conversations`, OpenAI "
+                            "`messages` or `text`)")
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except DataError:
         raise

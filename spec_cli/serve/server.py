@@ -305,6 +305,9 @@ class TargetServer:
 
     def _use_vocab(self, vid) -> None:
         """Under generate_lock: make `vid` the backend's active vocab mapping."""
+        if not isinstance(vid, str):  # a list or number would fail as a dict key: the request's fault
+            raise _bad(f"vocab_id must be a string (the id /v1/vocab_mapping answered), got "
+                       f"{type(vid).__name__}")
         if vid not in self._vocab_maps:
             raise RequestError(409, f"unknown vocab_id {vid!r}: send the vocab mapping first "
                                     "(POST /v1/vocab_mapping)", code="vocab")
@@ -335,6 +338,10 @@ class TargetServer:
 
     def generate(self, body, **_) -> Response:
         tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))
+        if not isinstance(meta, dict):
+            raise _bad(f"the request's metadata must be a JSON object, got {type(meta).__name__}")
+        if "final_hidden" in meta and not isinstance(meta["final_hidden"], bool):
+            raise _bad(f"final_hidden must be true or false, got {type(meta['final_hidden']).__name__}")
         out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True)
         return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
 

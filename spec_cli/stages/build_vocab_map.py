@@ -10,11 +10,11 @@ import torch
 
 from spec_cli import assets
 from spec_cli.artifacts.tokens import TokenizedData
-from spec_cli.artifacts.vocab_map import VocabMap, build_vocab_map, save_vocab_map
+from spec_cli.artifacts.vocab_map import VocabMap, build_vocab_map, load_vocab_map, save_vocab_map
 from spec_cli.console import progress
 from spec_cli.data import chat_templates
 from spec_cli.data.tokenize import tokenize_data
-from spec_cli.errors import ConfigError
+from spec_cli.errors import ArtifactError, ConfigError, SpecError
 from spec_cli.target.loading import (load_config, load_tokenizer, resolve_target,
                                       tokenizer_fingerprint, vocab_size)
 
@@ -30,6 +30,7 @@ class BuildVocabMapConfig:
     max_length: int = 2048
     num_proc: int = 1
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
+    force: bool = False  # replace an existing -o whatever it holds
 
 
 @dataclass
@@ -53,8 +54,35 @@ def count_supervised(tokens: TokenizedData, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+# What must be equal for an existing vocab map at -o to be rewritten without --force.
+SAME_INPUTS = ("tokenizer_fingerprint", "data_fingerprint", "max_length", "draft_vocab_size")
+
+
+def _existing(output: Path, force: bool) -> dict | None:
+    """The metadata of the vocab map at -o (rewritten only when made from the same inputs), None when -o
+    is free or --force; refuses a folder, or a file that is not a vocab map, up front."""
+    output = Path(output)
+    if output.is_dir():
+        raise ConfigError(f"-o {output} is a folder", "pass -o a .safetensors file path")
+    if force or not output.exists():
+        return None
+    try:
+        return dict(load_vocab_map(output).metadata)
+    except SpecError:
+        raise ArtifactError(f"{output} already exists and is not a vocab map", "pass another -o, or --force to "
+                            "replace it") from None
+
+
+def _check_same(output: Path, old: dict, new: dict) -> None:
+    differs = [k for k in SAME_INPUTS if old.get(k) != new.get(k)]
+    if differs:
+        raise ArtifactError(f"{output} already holds a vocab map made from other inputs ({', '.join(differs)} "
+                            "differ)", "pass another -o, or --force to replace it")
+
+
 def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     start = time.perf_counter()
+    old = _existing(cfg.output, cfg.force)
     target_dir = resolve_target(assets.resolve_target_arg(cfg.target))
     data_path = Path(assets.resolve_data_arg(cfg.data))
     template = chat_templates.resolve(cfg.chat_template)
@@ -75,5 +103,7 @@ def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
         "max_length": cfg.max_length,
         "num_samples": len(tokens),
     })
+    if old is not None:
+        _check_same(cfg.output, old, {**vocab_map.metadata, "draft_vocab_size": cfg.draft_vocab_size})
     save_vocab_map(vocab_map, cfg.output)
     return BuildVocabMapResult(vocab_map, tokens, cfg.output, time.perf_counter() - start)

@@ -275,7 +275,8 @@ def _vocab_map(profile: Profile, found: dict, data: Path, path: Path) -> str:
             pass  # unreadable or stale: build it again (written atomically over it)
     result = build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
         target=str(found["smollm2"]), data=str(data), output=path,
-        draft_vocab_size=profile.draft_vocab_size, max_length=profile.max_length, num_proc=2))
+        draft_vocab_size=profile.draft_vocab_size, max_length=profile.max_length, num_proc=2,
+        force=True))  # the demo's own file under its folder
     print_vocab_map_summary(result)
     return "ran"
 

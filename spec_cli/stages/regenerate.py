@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import __version__, assets, threads
+from spec_cli.artifacts import guard
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates, records
@@ -351,7 +352,7 @@ def finished_part(folder: Path, k: int, chunk: list[Conversation]) -> dict | Non
 def _open_parts(folder: Path, identity: dict, overwrite: bool) -> None:
     """The work folder for this identity: kept when it is this run's, refused when it is another's."""
     if folder.exists() and (overwrite or not any(folder.iterdir())):
-        shutil.rmtree(folder)
+        _remove_parts(folder)
     if folder.exists():
         state = _read_json(folder / "state.json")
         if state is None or state.get("identity") != identity:
@@ -393,6 +394,30 @@ def _check(cfg: RegenerateConfig) -> None:
     for name, value in positive.items():
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} is not positive", f"pass {name} 1 or more")
+    _check_output(Path(cfg.output))
+
+
+def _check_output(output: Path) -> None:
+    """-o is the chat file to write: refuse a folder, a parent that is a file, or one not writable, up front."""
+    hint = "pass -o a .jsonl file path (e.g. -o regenerated.jsonl)"
+    if output.is_dir():
+        raise ConfigError(f"-o {output} is a folder; regenerate writes one chat data file", hint)
+    parent = output.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"-o {output}: {parent} is a file, not a folder", hint)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"-o {output}: {parent} is not writable", f"{hint} in a folder you may write")
+
+
+def _remove_parts(folder: Path) -> None:
+    """Remove a work folder this stage made (state.json, part files, hidden temp files), nothing else."""
+    own = [p.name for p in folder.iterdir() if re.fullmatch(r"part-\d{5}\.json", p.name)] if folder.is_dir() else []
+    guard.replace_folder(folder, "state.json", "regenerate work folder", own=own)
+    for leftover in folder.iterdir():  # replace_folder keeps a lock file
+        leftover.unlink()
+    folder.rmdir()
 
 
 def run(cfg: RegenerateConfig) -> RegenerateResult:
@@ -495,7 +520,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
     meta.update(parts=len(chunks), parts_reused=len(chunks) - len(todo), seconds=time.perf_counter() - start,
                 **timing)
     write_json(sidecar, meta)
-    shutil.rmtree(folder)
+    _remove_parts(folder)
     return RegenerateResult(output, meta, meta["seconds"], len(todo), len(chunks) - len(todo))
 
 
