@@ -49,3 +49,7 @@ def listing(problems: list[str], shown: int = 3) -> str:
     """The first problems, joined for a one-line error, and how many more there are."""
     more = f" (+{len(problems) - shown} more)" if len(problems) > shown else ""
     return "; ".join(problems[:shown]) + more
+
+
+class TrainingError(SpecError):
+    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""

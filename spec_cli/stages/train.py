@@ -15,24 +15,29 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+
+import typing
 
 import torch
 from torch import nn
 
 from spec_cli import distributed
 from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info
 from spec_cli.draft import algorithms, sharding
 from spec_cli.draft.algorithm import Algorithm
 from spec_cli.draft.losses import acceptance_length
-from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.errors import ArtifactError, ConfigError, TrainingError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
-from spec_cli.stages.train_options import OPTIONS, RESUMABLE, OptimOptions, TrainConfig
+from spec_cli.stages.train_options import OPTIONS, RESUMABLE, OptimOptions, TrainConfig, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
 from spec_cli.target import loading, local
 
@@ -52,10 +57,20 @@ class TrainResult:
 
 # ----------------------------------------------------------------------------- the stage
 
-def run(cfg: TrainConfig, after_step=None) -> TrainResult:
-    """Train as `cfg` says; `after_step(step)` is called after each optimizer step (tests use it)."""
+def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> TrainResult:
+    """Train as `cfg` says; `after_step(step)` is called after each optimizer step (tests use it).
+
+    `given`: the options the user gave (command line or --config); with --resume the others come from
+    the run's run.json. None: from the `spec train` command being run, if any (else every option counts
+    as given, as the config says). The run folder is locked (rank 0) while it is written."""
     start_time = time.perf_counter()
+    cfg = resumed_config(cfg, typed_options() if given is None else given)
     device = _start(cfg)
+    with ExitStack() as lock:  # taken (rank 0) once the inputs are checked, before the folder is touched
+        return _run(cfg, device, start_time, after_step, lock)
+
+
+def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     source = open_source(cfg, device, vocab_map)
     batches = logger = stream_report = None
@@ -66,6 +81,8 @@ def run(cfg: TrainConfig, after_step=None) -> TrainResult:
         source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
         trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device)
         run_json = _run_json(cfg, source, vocab_map)
+        if distributed.is_main():  # the run folder is one, shared by the ranks
+            lock.enter_context(FolderLock(cfg.runtime.output, "spec train"))
         _check_run_dir(cfg, run_json)
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = trainer.restore(latest) if latest is not None else 0
@@ -113,7 +130,10 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             for micro in range(o.grad_accum):
                 batch = batches.get(step * o.grad_accum + micro)
                 out = trainer.forward_backward(batch, sync=micro == o.grad_accum - 1)
-                window.add(out, batch.num_tokens)
+                loss = float(out.loss.detach())  # the host reads every micro-batch's loss for the log anyway
+                if not math.isfinite(loss):  # before the optimizer step: the weights stay the last good ones
+                    raise _bad_loss(trainer, step + 1, step * o.grad_accum + micro, loss)
+                window.add(out, batch.num_tokens, loss)
                 step_tokens += batch.num_tokens
             trainer.optimizer_step()
             step += 1
@@ -143,6 +163,8 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             if step % rt.save_every == 0 or last:
                 trainer.save(step)
                 last_saved = step
+    except TrainingError:
+        raise  # nothing saved: the state after a non-finite loss is not worth keeping
     except KeyboardInterrupt:
         if step > last_saved:  # keep the finished steps; `--resume` continues from here
             saved = trainer.save(step)
@@ -348,8 +370,8 @@ class Metrics:
         self.tokens = torch.zeros(1, dtype=torch.float64)
         self.batches = torch.zeros(1, dtype=torch.float64)
 
-    def add(self, out, tokens: int) -> None:
-        self.loss += float(out.loss.detach())
+    def add(self, out, tokens: int, loss: float | None = None) -> None:
+        self.loss += float(out.loss.detach()) if loss is None else loss
         self.step_loss += out.step_loss.detach().double().cpu()
         self.correct += out.correct.double().cpu()
         self.total += out.total.double().cpu()
@@ -422,6 +444,76 @@ def _run_json(cfg: TrainConfig, source: Source, vocab_map) -> dict:
     return {"options": options, "identity": {**source.identity, "vocab_map_fingerprint": vocab_map.fingerprint}}
 
 
+def _bad_loss(trainer: Trainer, step: int, micro_batch: int, loss: float) -> TrainingError:
+    """The error for a non-finite loss at optimizer `step`: which supervision it came from, and the way out."""
+    cfg = trainer.cfg
+    kept = ckpt.latest_checkpoint(cfg.runtime.output)
+    keep = f"; the last good checkpoint {kept} is kept" if kept is not None else "; no checkpoint was written"
+    if cfg.data.cache is not None:
+        shards = _shards_of(trainer.source, trainer.schedule.indices(micro_batch))
+        where = (f"from {', '.join(str(Path(cfg.data.cache) / name) for name in shards)}" if shards
+                 else f"from the feature cache {cfg.data.cache}")
+        return TrainingError(f"step {step}: the loss is {loss} on a batch {where}{keep}",
+                             f"check it with `spec inspect {cfg.data.cache} --verify` and rebuild the cache "
+                             f"with `spec precompute ... -o {cfg.data.cache} --no-resume`, then rerun "
+                             "(--resume continues from the checkpoint)")
+    return TrainingError(f"step {step}: the loss is {loss}{keep}",
+                         "lower --lr or check the target's outputs (--dtype), then rerun "
+                         "(--resume continues from the checkpoint)")
+
+
+def _shards_of(source: Source, indices: list[int]) -> list[str]:
+    """The cache shard files that hold samples `indices` (in the cache's order); [] if not a cache."""
+    from spec_cli.artifacts.feature_cache import shard_name
+
+    reader = getattr(source.backend, "reader", None)
+    if reader is None:
+        return []
+    ends, total = [], 0
+    for index in reader.shards:
+        total += len(index.sample_offsets) - 1
+        ends.append(total)
+    import bisect
+
+    return [shard_name(s) for s in sorted({bisect.bisect_right(ends, int(i)) for i in indices})]
+
+
+# Options whose recorded value is a path, compared on --resume by what matters: the run folder may move
+# (it is where the run is); a vocab map, cache or target may too (run.json's identity checks their
+# content); the others must be the same file (however the path is written).
+_LOCATION = frozenset({"output"})
+_BY_CONTENT = frozenset({"vocab_map", "cache", "target"})
+_PATHS = frozenset({"data", "chat_template"})
+
+
+def _same_path(a, b) -> bool:
+    if a is None or b is None:
+        return a == b
+    return a == b or os.path.realpath(str(a)) == os.path.realpath(str(b))
+
+
+def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
+    """With --resume of a run that has run.json: the options the user did not give (`given`) taken from
+    it, so `spec train --resume -o RUN -v VM` needs nothing retyped; the given ones are checked against
+    it later (_check_run_dir). `given` None: every option counts as given (the config as it is)."""
+    path = Path(cfg.runtime.output) / "run.json"
+    if not cfg.runtime.resume or given is None or not path.is_file():
+        return cfg
+    try:
+        recorded = json.loads(path.read_text())["options"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc})",
+                            "resume needs the run.json spec train wrote; start a new run folder") from None
+    options = cfg.options()
+    for name, value in recorded.items():
+        if name in given or name not in OPTIONS or name in _LOCATION or name in ("resume", "token"):
+            continue
+        if value is not None and (OPTIONS[name].type is Path or Path in typing.get_args(OPTIONS[name].type)):
+            value = Path(value)
+        options[name] = value
+    return TrainConfig.from_options(**options)
+
+
 def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
     path = Path(cfg.runtime.output) / "run.json"
     latest = ckpt.latest_checkpoint(cfg.runtime.output)
@@ -433,9 +525,12 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
         # an option newer than the run's spec_cli had its default value there
         defaults = {name: o.default for name, o in OPTIONS.items()}
         for key in sorted(set(before["options"]) | set(run_json["options"])):
-            if key in RESUMABLE:
+            if key in RESUMABLE or key in _LOCATION or key in _BY_CONTENT:  # a moved run folder resumes
                 continue
-            if before["options"].get(key, defaults.get(key)) != run_json["options"].get(key):
+            was, now = before["options"].get(key, defaults.get(key)), run_json["options"].get(key)
+            if key in _PATHS and _same_path(was, now):
+                continue
+            if was != now:
                 raise ConfigError(f"--resume with a different {key.replace('_', '-')}: the run used "
                                   f"{before['options'].get(key)!r}, now {run_json['options'].get(key)!r}",
                                   "resume with the run's options, or start a new run folder")

@@ -368,3 +368,16 @@ def _options() -> dict[str, Option]:
 
 OPTIONS: dict[str, Option] = _options()  # name -> Option, in declaration order
 RESUMABLE = frozenset(o.name for o in OPTIONS.values() if o.resumable)
+
+
+def typed_options(ctx=None) -> set[str] | None:
+    """The `spec train` options the user gave (on the command line, in the environment or in a --config
+    file) rather than left at their defaults, from click's context (default: the current one); None when
+    no `spec train` command is being run (then every option counts as given)."""
+    import click
+    from click.core import ParameterSource
+
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None or set(OPTIONS) - {p.name for p in ctx.command.params}:
+        return None
+    return {name for name in OPTIONS if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}

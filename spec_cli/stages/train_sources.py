@@ -100,7 +100,8 @@ def _cache_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     target_config = m.get("target_config") or loading.load_config(m["target"]).to_dict()
     tokens = backend.tokens()
     plan = plan_packed(tokens.lengths, cfg.data.batch_tokens) if cfg.data.pack else backend.plan()
-    identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
+    identity = {k: m[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers", "data_fingerprint")
+                if k in m}  # the data too: a cache may move, a --resume checks it is the same one
     template = {k: m[k] for k in ("chat_template_sha256", "chat_template_source", "tokenizer_base_fingerprint")
                 if k in m}
     return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template)
