@@ -374,10 +374,16 @@ def typed_options(ctx=None) -> set[str] | None:
     """The `spec train` options the user gave (on the command line, in the environment or in a --config
     file) rather than left at their defaults, from click's context (default: the current one); None when
     no `spec train` command is being run (then every option counts as given)."""
-    import click
-    from click.core import ParameterSource
-
-    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        for package in ("typer._click.globals", "click.globals"):  # typer >= 0.2x runs its own click
+            try:
+                module = __import__(package, fromlist=["get_current_context"])
+            except ImportError:
+                continue
+            ctx = module.get_current_context(silent=True)
+            if ctx is not None:
+                break
     if ctx is None or set(OPTIONS) - {p.name for p in ctx.command.params}:
         return None
-    return {name for name in OPTIONS if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
+    return {name for name in OPTIONS
+            if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"}

@@ -1,0 +1,205 @@
+"""spec train and bad input (issue 27): a locked run folder, option ranges, a non-finite loss, EAGLE-3's
+default aux layers on a shallow target, and --resume of a moved run from its own run.json."""
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.artifacts.guard import LOCK
+from spec_cli.cli import main
+from tests import tiny
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_llama_dir):
+    """Chat data, a vocab map and a feature cache of several shards (one small cache for the module)."""
+    root = tmp_path_factory.mktemp("mistakes")
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(random.Random(i)) for i in range(24)])
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "96",
+                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
+        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
+                     "-o", str(root / "cache"), "--batch-tokens", "512", "--shard-tokens", "600", "-q"]) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "data": data, "vm": root / "vm.safetensors", "cache": root / "cache",
+            "target": tiny_llama_dir}
+
+
+def train_args(setup, out, *extra, cache=None):
+    return ["train", "-v", str(setup["vm"]), "--cache", str(cache or setup["cache"]), "-o", str(out),
+            "--ttt-steps", "2", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0",
+            "--log-every", "1", "-q", *extra]
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` but the lock, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK}
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- 1. the run folder's lock
+
+def test_a_second_train_into_a_locked_run_folder_exits_1_naming_the_first(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--max-steps", "1", "--lr", "3e-3")) == 0
+    assert (run / LOCK).is_file()  # left behind, harmless: the kernel held the lock, not the file
+    before = files(run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from spec_cli.artifacts.guard import FolderLock\n"
+         f"with FolderLock({str(run)!r}, 'spec train'):\n print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert main(train_args(setup, run, "--max-steps", "2", "--lr", "3e-3", "--resume")) == 1
+        assert error_line(capsys) == (f"error: {run} is in use by `spec train` (pid {holder.pid}); wait for it "
+                                      "to finish or stop it, or write to another folder")
+    finally:
+        holder.communicate("")
+    assert files(run) == before  # nothing of the first run touched
+    # once the other process is gone, the lock file in the folder disturbs nothing that lists it
+    assert main(train_args(setup, run, "--max-steps", "2", "--lr", "3e-3", "--resume")) == 0
+    assert ckpt.latest_checkpoint(run).name == "step-00000002"
+    capsys.readouterr()
+    assert main(["inspect", str(run)]) == 0
+
+
+# ----------------------------------------------------------------------------- 2. option ranges
+
+@pytest.mark.parametrize("option, value, allowed", [
+    ("--lr", "0", "> 0"), ("--lr", "-1e-4", "> 0"), ("--lr", "nan", "> 0"), ("--lr", "inf", "> 0"),
+    ("--step-weight", "0", "> 0"), ("--step-weight", "inf", "> 0"),
+    ("--eval-fraction", "1", "in [0, 1)"), ("--eval-fraction", "-0.1", "in [0, 1)"),
+    ("--warmup-ratio", "1.5", "in [0, 1]"), ("--min-lr-ratio", "nan", "in [0, 1]"),
+    ("--cod-ratio", "1.1", "in [0, 1]"), ("--weight-decay", "-1", ">= 0"), ("--grad-clip", "-0.5", ">= 0"),
+    ("--epochs", "0", "> 0"), ("--feature-weight", "-1", ">= 0"), ("--lk-kl-scale", "inf", ">= 0"),
+    ("--draft-rope-theta", "inf", ">= 1"),
+])
+def test_an_option_out_of_range_is_refused_by_name(setup, tmp_path, capsys, option, value, allowed):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, option, value)) == 1
+    shown = f"{float(value):g}"
+    assert error_line(capsys) == f"error: {option} {shown} is out of range; {option} must be a finite number {allowed}"
+    assert not run.exists()  # refused before anything is written
+
+
+def test_a_duration_or_size_of_inf_is_refused(setup, tmp_path, capsys):
+    assert main(train_args(setup, tmp_path / "run", "--max-time", "inf")) == 1
+    assert error_line(capsys).startswith("error: --max-time 'inf' is not a duration")
+    assert main(train_args(setup, tmp_path / "run", "--stream-max-bytes", "infG")) == 1
+    assert error_line(capsys).startswith("error: --stream-max-bytes 'infG' is not a size")
+
+
+def test_help_shows_the_ranges(capsys):
+    assert main(["train", "--help"]) == 0
+    out = re.sub(r"[\s│]+", " ", capsys.readouterr().out)
+    assert "Peak learning rate (AdamW, betas 0.9/0.95). Allowed: > 0." in out
+    assert "Share of batches held out for evaluation. Allowed: in [0, 1)." in out
+
+
+# ----------------------------------------------------------------------------- 3. a non-finite loss
+
+def test_a_nan_in_the_cache_stops_training_naming_the_step_and_shard(setup, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    shards = sorted(cache.glob("shard-*.safetensors"))
+    assert len(shards) >= 3
+    bad = shards[1]
+    tensors = load_file(str(bad))
+    tensors["aux_hidden"] = torch.full_like(tensors["aux_hidden"], float("nan"))
+    from safetensors import safe_open
+    with safe_open(str(bad), "pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(bad), metadata=meta)
+    run = tmp_path / "run"
+    code = main(train_args(setup, run, "--lr", "3e-3", "--save-every", "1", "--max-steps", "40", cache=cache))
+    assert code == 1
+    line = error_line(capsys)
+    m = re.fullmatch(rf"error: step (\d+): the loss is nan on a batch from {re.escape(str(bad))}; the last good "
+                     rf"checkpoint (\S+) is kept; check it with `spec inspect {re.escape(str(cache))} --verify` "
+                     rf"and rebuild the cache with `spec precompute \.\.\. -o {re.escape(str(cache))} --no-resume`, "
+                     r"then rerun \(--resume continues from the checkpoint\)", line)
+    assert m, line
+    step = int(m.group(1))
+    latest = ckpt.latest_checkpoint(run)
+    assert str(latest) == m.group(2) and latest.name == f"step-{step - 1:08d}"  # the bad state is not saved
+    assert all(torch.isfinite(t).all() for t in load_file(str(latest / "model.safetensors")).values())
+    assert [r["step"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+            if r.get("split") == "train"][-1] == step - 1
+
+
+# ----------------------------------------------------------------------------- 4. aux layers on 6 layers
+
+def test_eagle3_default_aux_layers_on_a_six_layer_target_train_silently(setup, tmp_path, capsys):
+    six = tmp_path / "six"
+    shutil.copytree(setup["target"], six)
+    config = json.loads((six / "config.json").read_text())
+    config["num_hidden_layers"] = 6
+    (six / "config.json").write_text(json.dumps(config))
+    common = ["train", "-t", str(six), "-d", str(setup["data"]), "-v", str(setup["vm"]), "--max-steps", "1",
+              "--ttt-steps", "2", "--batch-tokens", "512", "--max-samples", "4", "--eval-fraction", "0", "-q"]
+    capsys.readouterr()
+    assert main([*common, "-o", str(tmp_path / "run")]) == 0
+    assert "repeats" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["identity"]["aux_layers"] == [1, 2, 2]
+    assert main([*common, "-o", str(tmp_path / "typed"), "--aux-layers", "1,3,3"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --aux-layers [1, 3, 3] repeats a layer" in err
+    assert json.loads((tmp_path / "typed" / "run.json").read_text())["identity"]["aux_layers"] == [1, 3, 3]
+
+
+# ----------------------------------------------------------------------------- 5. --resume of a moved run
+
+def test_a_moved_run_resumes_with_its_own_options(setup, tmp_path, capsys):
+    options = ["--lr", "3e-3", "--warmup-ratio", "0.25", "--step-weight", "0.6", "--seed", "3", "--save-every", "2"]
+    straight = tmp_path / "straight"
+    assert main(train_args(setup, straight, *options, "--max-steps", "4")) == 0
+    first = tmp_path / "first"
+    assert main(train_args(setup, first, *options, "--max-steps", "2")) == 0
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    shutil.move(str(first), str(moved))
+    # only what differs is typed again: the rest (lr, warmup, step weight, seed, TTT steps...) is the run's
+    assert main(["train", "--resume", "-o", str(moved), "-v", str(setup["vm"]), "--max-steps", "4", "-q"]) == 0
+    a, b = (load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in (straight, moved))
+    assert ckpt.latest_checkpoint(moved).name == "step-00000004" and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same run as one without a stop
+    recorded = json.loads((moved / "run.json").read_text())["options"]
+    assert (recorded["lr"], recorded["ttt_steps"], recorded["output"]) == (3e-3, 2, str(moved))
+
+
+def test_resume_refuses_a_different_option_by_name_and_keeps_the_run(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--lr", "3e-3", "--max-steps", "1")) == 0
+    before = files(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--lr", "1e-3",
+                 "--max-steps", "2", "-q"]) == 1
+    assert error_line(capsys) == ("error: --resume with a different lr: the run used 0.003, now 0.001; resume "
+                                  "with the run's options, or start a new run folder")
+    assert files(run) == before
+    # the same value typed again is fine
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--lr", "3e-3",
+                 "--max-steps", "2", "-q"]) == 0
+    assert ckpt.latest_checkpoint(run).name == "step-00000002"
