@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import inspect
 import os
 import sys
@@ -193,10 +194,10 @@ def build_vocab_map_cmd(
     max_length: MaxLength = 2048,
     num_proc: NumProc = 1,
     chat_template: ChatTemplate = None,
-    config: Config = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace an existing -o whatever it holds (without it, only a vocab map made from "
                         "the same inputs and settings is rewritten).", rich_help_panel=INPUTS)] = False,
+    config: Config = None,
     quiet: Quiet = False,
 ):
     """Count supervised target tokens in the data and write the draft vocab map (d2t, t2d)."""
@@ -514,10 +515,10 @@ def demo_cmd(
 
 @app.command("inspect", cls=Command)
 def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
-                config: Config = None):
                 verify: Annotated[bool, typer.Option(
                     "--verify", help="Feature cache: hash every shard against the manifest's checksums and "
                                      "name the damaged ones (exit 1 if any).")] = False,
+                config: Config = None):
     """Print what an artifact holds (vocab map, tokenised data, feature cache)."""
     from spec_cli.ui import inspect_artifact
 
@@ -535,12 +536,42 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+STOPPED = ("stopped (Ctrl-C); finished work is kept: rerun the same command to continue (regenerate and "
+           "precompute go on where they stopped, train with --resume)")
+
+_PATH_MISTAKES = {
+    FileExistsError: "already exists; pass a path that does not exist yet, or remove it",
+    IsADirectoryError: "is a folder where a file is expected; pass a file path",
+    NotADirectoryError: "is a file where a folder is expected (or one of its parents is a file); pass a folder path",
+    PermissionError: "is not writable (or readable) by you; pass a path you may write, or fix its permissions",
+    FileNotFoundError: "does not exist; check the path (a folder above it may be missing)",
+}
+
+
+def _is_path_mistake(exc: OSError) -> bool:
+    """A filesystem error about a named path: the user's path, not a bug (ENOSPC and EROFS count too)."""
+    return bool(exc.filename) and (type(exc) in _PATH_MISTAKES or exc.errno in (errno.ENOSPC, errno.EROFS))
+
+
+def _path_mistake(exc: OSError) -> str:
+    """One line naming the path and what to do about it."""
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device holding {exc.filename}; free space or write elsewhere"
+    if exc.errno == errno.EROFS:
+        return f"{exc.filename} is on a read-only file system; write elsewhere"
+    if isinstance(exc, FileExistsError) and Path(exc.filename).is_file():  # mkdir over a file
+        return f"{exc.filename} {_PATH_MISTAKES[NotADirectoryError]}"
+    return f"{exc.filename} {_PATH_MISTAKES[type(exc)]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: one line per user error (traceback only with SPEC_DEBUG=1)."""
     debug = os.environ.get("SPEC_DEBUG", "") not in ("", "0")
     _quiet_libraries()
     try:
         result = app(args=argv, prog_name="spec", standalone_mode=False)
+        if result == 130:  # typer answers Ctrl-C with a bare exit code 130 (commands return None)
+            err_console.print(STOPPED, soft_wrap=True)
         return result if isinstance(result, int) else 0
     except SpecError as exc:
         if debug:
@@ -553,14 +584,25 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
-        err_console.print("interrupted")
+        err_console.print(STOPPED, soft_wrap=True)
         return 130
+    except OSError as exc:  # a path the user gave that cannot be used as asked is theirs to fix
+        if debug:
+            raise
+        if _is_path_mistake(exc):
+            err_console.print(f"[bold red]error:[/] {escape(_path_mistake(exc))}", soft_wrap=True)
+            return 1
+        return _internal_error(exc)
     except Exception as exc:  # a bug: say so in one line unless debugging
         if debug:
             raise
-        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
-                          "(rerun with SPEC_DEBUG=1 for the traceback and report it)", soft_wrap=True)
-        return 2
+        return _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
+                      "(rerun with SPEC_DEBUG=1 for the traceback and report it)", soft_wrap=True)
+    return 2
 
 
 def entry() -> None:

@@ -206,10 +206,18 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
     return final
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, resume: bool = False) -> dict:
     """model / optimizer / rng tensors, config and trainer_state of one checkpoint folder; "model" lacks
-    the "frozen_keys" (the trainer copies them from the target again, export reads load_frozen)."""
+    the "frozen_keys" (the trainer copies them from the target again, export reads load_frozen).
+    `resume`: the optimizer and RNG states are required too (a checkpoint without them exports but
+    cannot continue bit for bit)."""
     path = Path(path)
+    if resume:
+        missing = [name for name in ("optimizer.safetensors", "rng.safetensors") if not (path / name).is_file()]
+        if missing:
+            raise ArtifactError(f"the checkpoint {path} lacks {' and '.join(missing)}, so training cannot "
+                                "resume from it", "restore the file, or move that checkpoint folder out of "
+                                "checkpoints/ to resume from the one before it (export still reads it)")
     try:
         parts = {
             "model": load_file(str(path / "model.safetensors")),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +41,8 @@ def _fsync_dir(path: Path) -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it into place."""
     path = Path(path)
+    if path.is_dir():  # say so before any work, naming the user's path (not the temporary one)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -60,6 +63,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
 def atomic_dir(path: Path) -> Iterator[Path]:
     """Yield a temporary folder beside `path`; on success rename it to `path` (replacing it)."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:

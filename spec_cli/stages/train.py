@@ -263,7 +263,7 @@ class Trainer:
 
     def restore(self, checkpoint: Path) -> int:
         """Load a checkpoint of this run (weights, optimizer, RNG); the step it was saved at."""
-        parts = ckpt.load_checkpoint(checkpoint)
+        parts = ckpt.load_checkpoint(checkpoint, resume=True)
         saved = (ckpt.checkpoint_meta(checkpoint).get("frozen") or {}).get("fingerprint")
         if saved is not None and saved != self.frozen_record["fingerprint"]:
             raise ArtifactError(f"--resume with a different input embedding than the run trained with "
