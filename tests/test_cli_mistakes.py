@@ -146,3 +146,28 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_resumes(setup, tmp_path)
     assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", str(step + 1),
                  "-q"]) == 0
     assert ckpt.latest_checkpoint(run).name == f"step-{step + 1:08d}"
+
+
+def test_a_hand_edited_draft_config_is_refused_by_export_and_resume(setup, tmp_path, capsys):
+    """The aux layers (same count, other layers) decide what the draft reads at serving time: an edit
+    after training would export a draft that serves badly, so it is caught."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["run"], run)
+    config = ckpt.latest_checkpoint(run) / "config.json"
+    edited = json.loads(config.read_text())
+    edited["aux_layer_ids"] = [layer + 1 for layer in edited["aux_layer_ids"][:-1]] + edited["aux_layer_ids"][-1:]
+    config.write_text(json.dumps(edited))
+    expected = (f"error: {config} was changed after the checkpoint was saved (its content no longer matches the "
+                "digest recorded in model.safetensors); restore the file as `spec train` wrote it; options such "
+                "as the aux layers are part of what the draft learned and cannot be edited afterwards")
+    assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 1
+    assert one_line(capsys) == expected
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "-q"]) == 1
+    assert one_line(capsys) == expected
+    # the same content re-spaced is not an edit
+    config.write_text(json.dumps(json.loads(json.dumps(edited)) | {"aux_layer_ids": json.loads(
+        (setup["run"] / "checkpoints" / config.parent.name / "config.json").read_text())["aux_layer_ids"]}, indent=4))
+    assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 0

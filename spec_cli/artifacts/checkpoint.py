@@ -183,7 +183,8 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
     """`frozen`: {"keys": [...], "fingerprint": ...} of the weights model_state leaves out (in the
     run's frozen.safetensors, written by save_frozen)."""
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
-    record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step}
+    record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step,
+              "config_sha256": config_digest(draft_config)}  # config.json edited later is caught on read
     if frozen:
         overlap = sorted(set(frozen["keys"]) & set(model_state))
         if overlap:
@@ -204,6 +205,23 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def config_digest(config: dict) -> str:
+    """The sha256 of a draft config's content (key order and spacing do not count)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def check_config(checkpoint: Path, config: dict) -> None:
+    """Refuse a config.json changed after its checkpoint was saved (aux layers, sizes, vocab): the
+    weights were trained for the recorded one, and an edited one would export a draft that serves badly.
+    Checkpoints written before the digest was recorded pass."""
+    want = checkpoint_meta(checkpoint).get("config_sha256")
+    if want and want != config_digest(config):
+        raise ArtifactError(f"{Path(checkpoint) / 'config.json'} was changed after the checkpoint was saved "
+                            "(its content no longer matches the digest recorded in model.safetensors)",
+                            "restore the file as `spec train` wrote it; options such as the aux layers "
+                            "are part of what the draft learned and cannot be edited afterwards")
 
 
 def load_checkpoint(path: Path, resume: bool = False) -> dict:
@@ -231,4 +249,5 @@ def load_checkpoint(path: Path, resume: bool = False) -> dict:
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot read the checkpoint in {path}: {exc}",
                             "pass a complete checkpoint written by `spec train`") from exc
+    check_config(path, parts["config"])
     return parts

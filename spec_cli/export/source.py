@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from spec_cli.artifacts import vocab_map
-from spec_cli.artifacts.checkpoint import CHECKPOINTS, load_frozen, resolve_checkpoint
+from spec_cli.artifacts.checkpoint import CHECKPOINTS, check_config, load_frozen, resolve_checkpoint
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError
 
@@ -49,6 +49,7 @@ def load_source(path: Path, target: str | None = None, frozen_required: bool = T
         raise ArtifactError(f"{checkpoint} is not a readable spec_cli draft checkpoint ({exc})",
                             "pass a run folder written by `spec train` or one of its checkpoints/step-* "
                             "folders (not an export folder)") from exc
+    check_config(checkpoint, raw_config)
     try:
         config = DraftConfig.from_dict(raw_config)
     except (TypeError, ConfigError) as exc:
