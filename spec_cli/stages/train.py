@@ -492,6 +492,11 @@ def _same_path(a, b) -> bool:
     return a == b or os.path.realpath(str(a)) == os.path.realpath(str(b))
 
 
+# Options that belong to one invocation, not to the run: a resumed run that inherited --max-time would
+# stop again at once.
+_PER_INVOCATION = ("resume", "token", "max_time")
+
+
 def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
     """With --resume of a run that has run.json: the options the user did not give (`given`) taken from
     it, so `spec train --resume -o RUN -v VM` needs nothing retyped; the given ones are checked against
@@ -506,7 +511,7 @@ def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
                             "resume needs the run.json spec train wrote; start a new run folder") from None
     options = cfg.options()
     for name, value in recorded.items():
-        if name in given or name not in OPTIONS or name in _LOCATION or name in ("resume", "token"):
+        if name in given or name not in OPTIONS or name in _LOCATION or name in _PER_INVOCATION:
             continue
         if value is not None and (OPTIONS[name].type is Path or Path in typing.get_args(OPTIONS[name].type)):
             value = Path(value)
