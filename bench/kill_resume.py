@@ -1,0 +1,348 @@
+"""SIGKILL at random moments never loses or corrupts work (issue 27).
+
+    python bench/kill_resume.py [--kills 20] [--seed 0] [--keep DIR]
+
+Builds a tiny random Llama target, chat data, a vocab map and a feature cache, then for each scenario
+(a) `spec train --cache`, (b) `spec train --remote` against a `spec serve-target` on 127.0.0.1, (c) `spec
+precompute` (several shards), does one straight run as the reference and then, N times: starts the
+command, SIGKILLs it at a moment drawn uniformly in [0, the straight run's duration], checks that the run
+folder's `.spec.lock` can be taken, and reruns (train: `--resume`; precompute resumes by default) until
+it completes. Each resumed result must equal the straight one (train: the final checkpoint's
+model.safetensors bit for bit; precompute: every file of the cache byte for byte), the rerun must succeed
+as is (no --no-resume, so no half-written file was trusted or refused) and leave no temporary files.
+Prints a table; exits 1 on any failure.
+
+tests/stages/test_kills.py imports this file (two fixed kills per scenario).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOKEN = "kill-resume"
+TRAIN_OPTS = ["--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "12", "--save-every", "2", "--keep-last", "2",
+              "--log-every", "2", "--eval-every", "4", "--batch-tokens", "512", "--eval-fraction", "0.2", "-q"]
+PRECOMPUTE_OPTS = ["--batch-tokens", "512", "--shard-tokens", "600", "-q"]
+
+
+def env_for(home: Path) -> dict:
+    env = {**os.environ, "SPEC_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "SPEC_ENGINE_CHECK": "none", "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("SPEC_SERVE_TOKEN", None)
+    env.pop("SPEC_TEST_SHARD_DELAY", None)
+    return env
+
+
+def spec(*args: str) -> list[str]:
+    return [sys.executable, "-m", "spec_cli.cli", *map(str, args)]
+
+
+def run_ok(cmd: list[str], env: dict) -> None:
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+
+
+def make_setup(root: Path, samples: int = 48) -> dict:
+    """Tiny target, data, vocab map and a feature cache under `root` (made through the CLI)."""
+    from tests import tiny
+
+    root.mkdir(parents=True, exist_ok=True)
+    target = tiny.peaked_copy(tiny.save_tiny_target(root / "tiny-llama", "llama3", with_model=True),
+                              root / "peaky-llama")
+    rng = random.Random(11)
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(samples)))
+    env = env_for(root / "home")
+    vm, cache = root / "vm.safetensors", root / "cache"
+    run_ok(spec("build-vocab-map", "-t", target, "-d", data, "--draft-vocab-size", "96", "-o", vm, "-q"), env)
+    run_ok(spec("precompute", "-t", target, "-d", data, "-v", vm, "-o", cache, *PRECOMPUTE_OPTS), env)
+    return {"root": root, "target": target, "data": data, "vm": vm, "cache": cache, "env": env}
+
+
+class Server:
+    """`spec serve-target` on 127.0.0.1 (any free port) in a subprocess; its URL read from its output."""
+
+    def __init__(self, setup: dict, startup_s: float = 120.0):
+        self.proc = subprocess.Popen(spec("serve-target", "-t", setup["target"], "--host", "127.0.0.1",
+                                          "--port", "0", "--token", TOKEN, "--dtype", "fp32", "--device", "cpu"),
+                                     env=setup["env"], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        found = threading.Event()
+        self.url: str | None = None
+
+        def read():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if self.url is None and (m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)):
+                    self.url = m.group(1)
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(startup_s) or self.url is None:
+            self.close()
+            raise RuntimeError("spec serve-target did not start:\n" + "".join(self.output))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ----------------------------------------------------------------------------- comparing results
+
+def train_result(run: Path) -> dict:
+    """The final checkpoint's name and model tensors."""
+    from safetensors.torch import load_file
+
+    from spec_cli.artifacts import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(run)
+    return {"checkpoint": None if latest is None else latest.name,
+            "tensors": {} if latest is None else load_file(str(latest / "model.safetensors"))}
+
+
+def same_train(a: Path, b: Path) -> str | None:
+    import torch
+
+    ra, rb = train_result(a), train_result(b)
+    if ra["checkpoint"] != rb["checkpoint"]:
+        return f"final checkpoint {rb['checkpoint']} != {ra['checkpoint']}"
+    if ra["tensors"].keys() != rb["tensors"].keys():
+        return "different tensor names"
+    for k in ra["tensors"]:
+        if not torch.equal(ra["tensors"][k], rb["tensors"][k]):
+            return f"tensor {k} differs"
+    return None
+
+
+def digest(folder: Path) -> dict:
+    """Every file of the folder by content (not the lock file: it names the process that held it)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".spec.lock"}
+
+
+def same_cache(a: Path, b: Path) -> str | None:
+    da, db = digest(a), digest(b)
+    if da == db:
+        return None
+    extra, missing = sorted(set(db) - set(da)), sorted(set(da) - set(db))
+    changed = sorted(k for k in set(da) & set(db) if da[k] != db[k])
+    return f"files extra {extra[:3]} missing {missing[:3]} changed {changed[:3]}"
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary files a finished command left behind (a half-written file not cleaned up)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and ("tmp" in p.name.lower() or p.name.endswith(".partial")))
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+@dataclass
+class Scenario:
+    name: str
+    command: Callable[[Path, bool], list[str]]  # (output folder, resume) -> argv
+    compare: Callable[[Path, Path], str | None]  # (straight, resumed) -> None when equal, else why not
+    env: dict
+
+
+def scenarios(setup: dict, server_url: str | None) -> list[Scenario]:
+    s = setup
+    out = [Scenario("train --cache",
+                    lambda o, resume: spec("train", "--cache", s["cache"], "-v", s["vm"], "-o", o, *TRAIN_OPTS,
+                                           *(["--resume"] if resume else [])),
+                    same_train, s["env"])]
+    if server_url is not None:
+        out.append(Scenario("train --remote",
+                            lambda o, resume: spec("train", "--remote", server_url, "--token", TOKEN, "--data",
+                                                   s["data"], "-v", s["vm"], "-o", o, *TRAIN_OPTS,
+                                                   *(["--resume"] if resume else [])),
+                            same_train, s["env"]))
+    out.append(Scenario("precompute",
+                        lambda o, resume: spec("precompute", "-t", s["target"], "-d", s["data"], "-v", s["vm"],
+                                               "-o", o, *PRECOMPUTE_OPTS),
+                        same_cache, s["env"]))
+    return out
+
+
+@dataclass
+class Trial:
+    kill_at: float
+    killed: bool = False  # False: the command finished before the kill moment
+    lock_ok: bool = True
+    resumed_ok: bool = True
+    equal: bool = True
+    reruns: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def straight_run(sc: Scenario, out: Path) -> float:
+    """The reference run; its duration in seconds (start of the process to its exit)."""
+    t0 = time.perf_counter()
+    run_ok(sc.command(out, False), sc.env)
+    return time.perf_counter() - t0
+
+
+def lock_free(folder: Path) -> str | None:
+    """None when `folder`'s lock can be taken now (the killed process left it unlocked)."""
+    from spec_cli.artifacts.guard import FolderLock
+
+    if not folder.exists():
+        return None
+    try:
+        with FolderLock(folder, "kill_resume check"):
+            return None
+    except Exception as exc:  # noqa: BLE001 - any failure to take it is the finding
+        return f"lock not free after the kill: {exc}"
+
+
+def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reruns: int = 3,
+               timeout: float = 300.0) -> Trial:
+    """Start the command in `out`, SIGKILL it `kill_at` s later, rerun (resuming) until it completes;
+    check the lock, the reruns and the result against `straight`."""
+    trial = Trial(kill_at)
+    proc = subprocess.Popen(sc.command(out, False), env=sc.env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.wait(timeout=kill_at)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        trial.killed = True
+    _, err = proc.communicate()
+    if not trial.killed and proc.returncode != 0:
+        trial.problems.append(f"the unkilled first run failed ({proc.returncode}): {err.strip()[-500:]}")
+    if (why := lock_free(out)):
+        trial.lock_ok = False
+        trial.problems.append(why)
+    done = not trial.killed and proc.returncode == 0
+    while not done and trial.reruns < max_reruns:
+        trial.reruns += 1
+        rerun = subprocess.run(sc.command(out, True), env=sc.env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=timeout)
+        done = rerun.returncode == 0
+        if not done:
+            trial.resumed_ok = False
+            trial.problems.append(f"rerun {trial.reruns} exited {rerun.returncode}: "
+                                  f"{(rerun.stdout + rerun.stderr).strip()[-800:]}")
+    if not done:
+        trial.equal = False
+        return trial
+    if (why := sc.compare(straight, out)):
+        trial.equal = False
+        trial.problems.append(f"not equal to the straight run: {why}")
+    if (left := leftovers(out)):
+        trial.problems.append(f"temporary files left: {left[:5]}")
+    return trial
+
+
+@dataclass
+class ScenarioReport:
+    name: str
+    straight_s: float
+    trials: list[Trial]
+
+    @property
+    def ok(self) -> bool:
+        return all(t.ok for t in self.trials)
+
+
+def run_scenario(sc: Scenario, workdir: Path, kill_moments: Callable[[float], list[float]],
+                 keep: bool = False) -> ScenarioReport:
+    """The straight run, then one kill trial per moment (`kill_moments(straight duration)`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    straight = workdir / "straight"
+    duration = straight_run(sc, straight)
+    trials = []
+    for i, at in enumerate(kill_moments(duration)):
+        out = workdir / f"kill-{i:03d}"
+        trials.append(kill_trial(sc, straight, out, at))
+        if not keep and trials[-1].ok:
+            shutil.rmtree(out, ignore_errors=True)
+    return ScenarioReport(sc.name, duration, trials)
+
+
+def table(reports: list[ScenarioReport]) -> str:
+    rows = [("scenario", "straight s", "kills", "killed", "lock free", "resumed OK", "equal", "kills landed at (s)")]
+    for r in reports:
+        t = r.trials
+        landed = sorted(x.kill_at for x in t if x.killed)
+        rows.append((r.name, f"{r.straight_s:.2f}", str(len(t)), str(len(landed)),
+                     f"{sum(x.lock_ok for x in t)}/{len(t)}", f"{sum(x.resumed_ok for x in t)}/{len(t)}",
+                     f"{sum(x.equal for x in t)}/{len(t)}",
+                     (f"min {landed[0]:.2f} med {landed[len(landed) // 2]:.2f} max {landed[-1]:.2f}: "
+                      + " ".join(f"{x:.2f}" for x in landed)) if landed else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+    lines.insert(1, "-" * max(map(len, lines)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=20, help="kills per scenario (default 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    root = args.keep or Path(tempfile.mkdtemp(prefix="kill_resume-"))
+    t0 = time.perf_counter()
+    try:
+        setup = make_setup(root / "setup")
+        print(f"setup in {time.perf_counter() - t0:.1f} s ({root})", flush=True)
+        server = Server(setup)
+        reports = []
+        try:
+            for i, sc in enumerate(scenarios(setup, server.url)):
+                report = run_scenario(sc, root / f"scenario-{i}",
+                                      lambda d: [rng.uniform(0, d) for _ in range(args.kills)],
+                                      keep=args.keep is not None)
+                reports.append(report)
+                print(f"{sc.name}: straight {report.straight_s:.2f} s, {len(report.trials)} kills, "
+                      f"{'ok' if report.ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+        finally:
+            server.close()
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(table(reports))
+    failed = [(r.name, t) for r in reports for t in r.trials if not t.ok]
+    for name, t in failed:
+        print(f"\nFAILED {name}, kill at {t.kill_at:.2f} s:\n  " + "\n  ".join(t.problems))
+    print(f"\n{'all ok' if not failed else f'{len(failed)} failed trial(s)'} in {time.perf_counter() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
