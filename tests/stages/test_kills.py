@@ -1,0 +1,38 @@
+"""SIGKILL never loses or corrupts work: train (--cache, --remote) and precompute, killed twice each
+(mid-run and late, as fractions of the straight run's duration) and resumed, equal the straight run bit
+for bit, leave the folder's lock free and resume without --no-resume. The logic is bench/kill_resume.py's
+(its 20-random-kill version: `python bench/kill_resume.py`)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "kill_resume.py"
+_spec = importlib.util.spec_from_file_location("kill_resume", _PATH)
+kr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kr)
+
+# Fractions of the straight run's duration (process start to exit; interpreter start-up included):
+# one in the middle of the work, one near the end (checkpoints / last shards being written).
+MOMENTS = (0.5, 0.8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kills")
+    setup = kr.make_setup(root / "setup")
+    server = kr.Server(setup)
+    yield {**setup, "url": server.url}
+    server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["train --cache", "train --remote", "precompute"])
+def test_sigkill_then_resume_equals_the_straight_run(setup, tmp_path, which):
+    scenario = {s.name: s for s in kr.scenarios(setup, setup["url"])}[which]
+    report = kr.run_scenario(scenario, tmp_path, lambda d: [f * d for f in MOMENTS])
+    assert [t.killed for t in report.trials] == [True, True], report.trials  # both kills landed mid-command
+    for t in report.trials:
+        assert t.ok, (which, t.kill_at, t.problems)
+        assert t.lock_ok and t.resumed_ok and t.equal and t.reruns == 1
