@@ -4,6 +4,7 @@ for bit, leave the folder's lock free and resume without --no-resume. The logic 
 (its 20-random-kill version: `python bench/kill_resume.py`)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "kill_resume.py"
 _spec = importlib.util.spec_from_file_location("kill_resume", _PATH)
 kr = importlib.util.module_from_spec(_spec)
+sys.modules["kill_resume"] = kr  # its dataclasses look their module up there
 _spec.loader.exec_module(kr)
 
 # Fractions of the straight run's duration (process start to exit; interpreter start-up included):
