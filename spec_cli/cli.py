@@ -53,6 +53,9 @@ NumProc = Annotated[int, typer.Option(
     "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1, rich_help_panel=DATA)]
 VocabMap = Annotated[Path, typer.Option(
     "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.", rich_help_panel=INPUTS)]
+TrainVocabMap = Annotated[Optional[Path], typer.Option(
+    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`. Required, except with --resume "
+                              "(then the run's own, from its run.json).", rich_help_panel=INPUTS)]
 AuxLayers = Annotated[Optional[str], typer.Option(
     "--aux-layers", help="The target layers the draft reads (EAGLE-3: three), as 0-indexed layer OUTPUTS "
                          "(e.g. 1,14,26). Default: the algorithm's; EAGLE-3: 1, N//2-1, N-4 for an "
@@ -290,7 +293,7 @@ def train_cmd(config=None, quiet=False, **options):
 def _train_parameters() -> list[inspect.Parameter]:
     """`spec train`'s parameters: one per TrainConfig option, declared on its field
     (spec_cli/stages/train_options.py) or, for an option other stages share, above; then --config, -q."""
-    shared = {"vocab_map": VocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
+    shared = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
               "max_length": MaxLength, "num_proc": NumProc, "device": Device, "dtype": Dtype,
               "target_engine": TargetEngine}
     params = []

@@ -499,23 +499,42 @@ _PER_INVOCATION = ("resume", "token", "max_time")
 
 def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
     """With --resume of a run that has run.json: the options the user did not give (`given`) taken from
-    it, so `spec train --resume -o RUN -v VM` needs nothing retyped; the given ones are checked against
-    it later (_check_run_dir). `given` None: every option counts as given (the config as it is)."""
+    it, so `spec train --resume -o RUN` needs nothing retyped; the given ones are checked against it later
+    (_check_run_dir). `given` None: every option counts as given (the config as it is). Refuses a config
+    without a vocab map (required but on --resume), or a resume whose recorded one has gone."""
     path = Path(cfg.runtime.output) / "run.json"
-    if not cfg.runtime.resume or given is None or not path.is_file():
-        return cfg
+    if cfg.runtime.resume and given is not None and path.is_file():
+        cfg = _from_run_json(cfg, given, path)
+    if cfg.data.vocab_map is None:
+        raise ConfigError("--vocab-map is required (with --resume, the run's own is used)",
+                          "pass the vocab map written by `spec build-vocab-map`")
+    return cfg
+
+
+# Where the supervision comes from: exactly one of them. One typed on --resume replaces the run's (a run
+# trained from --target may resume from --remote), so none of the others is taken from run.json.
+_SOURCES = ("cache", "target", "remote")
+
+
+def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig:
     try:
         recorded = json.loads(path.read_text())["options"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{path} cannot be read ({exc})",
                             "resume needs the run.json spec train wrote; start a new run folder") from None
+    source_typed = any(name in given for name in _SOURCES)
     options = cfg.options()
     for name, value in recorded.items():
         if name in given or name not in OPTIONS or name in _LOCATION or name in _PER_INVOCATION:
             continue
+        if source_typed and name in _SOURCES:
+            continue
         if value is not None and (OPTIONS[name].type is Path or Path in typing.get_args(OPTIONS[name].type)):
             value = Path(value)
         options[name] = value
+    if "vocab_map" not in given and options["vocab_map"] is not None and not Path(options["vocab_map"]).exists():
+        raise ConfigError(f"the run's vocab map {options['vocab_map']} (recorded in {path}) no longer exists",
+                          "pass -v/--vocab-map with where it is now")
     return TrainConfig.from_options(**options)
 
 

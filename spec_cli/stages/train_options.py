@@ -135,7 +135,7 @@ def shared(default, resumable: bool = False):
 @dataclass(frozen=True)
 class DataOptions:
     """Where the supervision comes from, and how the data is cut into batches."""
-    vocab_map: Path = shared(MISSING)
+    vocab_map: Path | None = shared(None)  # required but on --resume (the run's own): train.resumed_config
     cache: Path | None = option(
         None, "--cache", help="Feature cache from `spec precompute` (no target needed).", panel=INPUTS)
     target: str | None = option(

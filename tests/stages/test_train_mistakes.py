@@ -1,5 +1,6 @@
 """spec train and bad input (issue 27): a locked run folder, option ranges, a non-finite loss, EAGLE-3's
-default aux layers on a shallow target, and --resume of a moved run from its own run.json."""
+default aux layers on a shallow target, --resume of a moved run from its own run.json, and --resume -o RUN
+with nothing else (the vocab map and the source from run.json too)."""
 
 import json
 import random
@@ -203,3 +204,75 @@ def test_resume_refuses_a_different_option_by_name_and_keeps_the_run(setup, tmp_
     assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--lr", "3e-3",
                  "--max-steps", "2", "-q"]) == 0
     assert ckpt.latest_checkpoint(run).name == "step-00000002"
+
+
+# ----------------------------------------------------------------------------- 6. --resume -o RUN alone
+
+def test_resume_with_only_the_run_folder_equals_the_straight_run(setup, tmp_path, capsys, monkeypatch):
+    options = ["--lr", "3e-3", "--warmup-ratio", "0.25", "--seed", "3", "--save-every", "3", "--max-steps", "4"]
+    straight = tmp_path / "straight"
+    assert main(train_args(setup, straight, *options)) == 0
+    from spec_cli.stages import train as stage
+
+    def stop_after_step_2(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    loop = stage.train_loop
+    monkeypatch.setattr(stage, "train_loop", lambda *a: loop(*a[:4], stop_after_step_2))
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, *options)) == 130  # Ctrl-C after step 2: saved, --resume continues
+    monkeypatch.setattr(stage, "train_loop", loop)
+    assert ckpt.latest_checkpoint(run).name == "step-00000002"
+    # no -v, no --cache, no option: every one is the run's own (run.json)
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 0
+    a, b = (load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in (straight, run))
+    assert ckpt.latest_checkpoint(run).name == "step-00000004" and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    recorded = json.loads((run / "run.json").read_text())["options"]
+    assert (recorded["vocab_map"], recorded["cache"]) == (str(setup["vm"]), str(setup["cache"]))
+
+
+def test_a_missing_vocab_map_is_one_line_unless_resuming(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--cache", str(setup["cache"]), "-o", str(run), "--max-steps", "1", "-q"]) == 1
+    assert error_line(capsys) == ("error: --vocab-map is required (with --resume, the run's own is used); pass "
+                                  "the vocab map written by `spec build-vocab-map`")
+    assert not run.exists()
+    assert main(["train", "--resume", "--cache", str(setup["cache"]), "-o", str(run), "-q"]) == 1  # no run yet
+    assert error_line(capsys).startswith("error: --vocab-map is required")
+    assert not run.exists()
+
+
+def test_resume_names_a_recorded_vocab_map_that_has_gone(setup, tmp_path, capsys):
+    vm = tmp_path / "inputs" / "vm.safetensors"
+    vm.parent.mkdir()
+    shutil.copy(setup["vm"], vm)
+    run = tmp_path / "run"
+    assert main(["train", "-v", str(vm), "--cache", str(setup["cache"]), "-o", str(run), "--ttt-steps", "2",
+                 "--batch-tokens", "512", "--eval-every", "0", "--max-steps", "2", "--save-every", "1", "-q"]) == 0
+    shutil.rmtree(vm.parent)  # the inputs moved elsewhere
+    capsys.readouterr()
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 1
+    assert error_line(capsys) == (f"error: the run's vocab map {vm} (recorded in {run / 'run.json'}) no longer "
+                                  "exists; pass -v/--vocab-map with where it is now")
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "-q"]) == 0
+    assert ckpt.latest_checkpoint(run).name == "step-00000003"  # typed again where it is now: resumed
+
+
+def test_a_source_typed_on_resume_replaces_the_runs(setup, tmp_path):
+    from spec_cli.stages.train import resumed_config
+    from spec_cli.stages.train_options import TrainConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    live = TrainConfig.from_options(vocab_map=setup["vm"], output=run, target=str(setup["target"]),
+                                    data=str(setup["data"]))
+    (run / "run.json").write_text(json.dumps({"options": live.options()}, default=str))
+    given = {"output", "resume", "remote"}
+    cfg = resumed_config(TrainConfig.from_options(output=run, resume=True, remote="http://h:1"), given)
+    assert (cfg.data.remote, cfg.data.target, cfg.data.cache) == ("http://h:1", None, None)
+    assert (cfg.data.data, cfg.data.vocab_map) == (str(setup["data"]), setup["vm"])  # the rest: the run's
+    cfg = resumed_config(TrainConfig.from_options(output=run, resume=True), {"output", "resume"})
+    assert (cfg.data.target, cfg.data.remote) == (str(setup["target"]), None)  # none typed: the run's

@@ -36,8 +36,8 @@ def test_flat_options_build_the_groups_and_come_back_flat():
     assert flat["epochs"] == 1.0 and flat["stream_max_bytes"] == 4 << 30  # the rest keep their defaults
     with pytest.raises(TypeError, match="no option learning_rate"):
         TrainConfig.from_options(vocab_map="vm", output="run", learning_rate=1)
-    with pytest.raises(TypeError):  # the two without a default
-        TrainConfig.from_options(vocab_map="vm")
+    with pytest.raises(TypeError):  # the one without a default (--vocab-map is checked by the stage:
+        TrainConfig.from_options(vocab_map="vm")  # a --resume takes the run's own)
 
 
 def test_the_train_command_has_one_option_per_field():
@@ -46,7 +46,8 @@ def test_the_train_command_has_one_option_per_field():
     by_name = {p.name: p for p in command.params}
     assert by_name["stream_max_bytes"].default == "4G"  # parsed to bytes (parse_size) by the command
     assert by_name["init_from_target"].secondary_opts == ["--random-init"]
-    assert by_name["vocab_map"].required and by_name["output"].required
+    assert by_name["output"].required  # and --vocab-map, but for --resume: the stage checks it
+    assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None
     assert RESUMABLE == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
                          "device", "num_proc", "activation_checkpointing", "remote", "prefetch", "token",
                          "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp",
