@@ -35,6 +35,17 @@ def _isolated_home(tmp_path_factory, monkeypatch, request):
         monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")
 
 
+@pytest.fixture(autouse=True)
+def _loud_console():
+    """`-q` sets a process-wide switch (spec_cli.console); a test that ran the CLI quietly must not
+    silence the next test's output."""
+    from spec_cli.console import set_quiet
+
+    set_quiet(False)
+    yield
+    set_quiet(False)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matrices: one intra-op thread is faster than two (and immune to a busy machine).
