@@ -50,7 +50,7 @@ def test_version_and_usage_errors_are_what_a_user_expects():
     # a value of the wrong type, a missing option, an unknown command: click's usage message and exit 2,
     # never an "internal error"
     cases = [(("train", "-v", "x", "-o", "y", "--ttt-steps", "many"), "Invalid value for '--ttt-steps'"),
-             (("train",), "Missing option '--vocab-map'"),
+             (("train",), "Missing option '--output'"),
              (("nosuch",), "No such command 'nosuch'"),
              (("train", "-v", "x", "-o", "y", "--max-time", "soon"), "--max-time 'soon' is not a duration"),
              (("train", "-v", "x", "-o", "y", "--stream-max-bytes", "lots"), "--stream-max-bytes 'lots' is not a size")]
