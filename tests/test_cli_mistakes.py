@@ -15,6 +15,7 @@ import pytest
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from tests import tiny
+from tests.draft.runs import vocab_and_cache
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,13 +26,10 @@ def setup(tmp_path_factory, tiny_llama_dir):
     """A vocab map, a small feature cache and a trained run of two checkpoints (one set for the module)."""
     root = tmp_path_factory.mktemp("cli_mistakes")
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(random.Random(i)) for i in range(16)])
+    vocab_and_cache(root, tiny_llama_dir, data)
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "64",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "-q"]) == 0
         assert main(train(root, root / "run", "--max-steps", "2", "--save-every", "1")) == 0
     finally:
         mp.undo()

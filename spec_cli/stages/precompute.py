@@ -109,6 +109,18 @@ def _storage_dtype(option: str | None, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def run(cfg: PrecomputeConfig) -> PrecomputeResult:
+    with contextlib.ExitStack() as lock:  # the output folder's lock (rank 0), taken once the inputs are checked
+        return _run(cfg, lock)
+
+
+def _marker(out: Path) -> tuple[str]:
+    """What marks `out` as a cache: its manifest, or for an interrupted run (no manifest yet) a shard or
+    head it wrote (the guard then still refuses any file a cache does not write)."""
+    own = sorted(fc.own_files(out))
+    return (fc.MANIFEST if (out / fc.MANIFEST).exists() or not own else own[0],)
+
+
+def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     start = time.perf_counter()
     if cfg.encoding not in fc.ENCODINGS:
         raise ConfigError(f"unknown --encoding {cfg.encoding!r}", f"use one of {', '.join(fc.ENCODINGS)}")
@@ -164,30 +176,12 @@ def run(cfg: PrecomputeConfig) -> PrecomputeResult:
 
     out = Path(cfg.output)
     inputs = [data_path, Path(cfg.vocab_map), target_dir]
-    lock = contextlib.ExitStack()
     if rank == 0:  # the ranks write one folder: rank 0 holds its lock for all of them
         if not cfg.resume:  # refuse before creating anything
             guard.check_replaceable(out, *_marker(out), "feature cache", inputs, fc.own_files(out))
         lock.enter_context(guard.FolderLock(out, "spec precompute"))
         if not cfg.resume:
             guard.replace_folder(out, *_marker(out), "feature cache", inputs, fc.own_files(out))
-    with lock:
-        return _fill(cfg, out, start, rank, world, identity, tokens, lengths, batches, shards, config,
-                     vocab_map, tokenizer, template, target_dir, data_path, aux_layers, device, dtype, storage,
-                     storage_name, dtype_name, hidden_size, n_layers, n_samples)
-
-
-def _marker(out: Path) -> tuple[str]:
-    """What marks `out` as a cache: its manifest, or for an interrupted run (no manifest yet) a shard or
-    head it wrote (the guard then still refuses any file a cache does not write)."""
-    own = sorted(fc.own_files(out))
-    return (fc.MANIFEST if (out / fc.MANIFEST).exists() or not own else own[0],)
-
-
-def _fill(cfg, out, start, rank, world, identity, tokens, lengths, batches, shards, config, vocab_map, tokenizer,
-          template, target_dir, data_path, aux_layers, device, dtype, storage, storage_name, dtype_name,
-          hidden_size, n_layers, n_samples) -> PrecomputeResult:
-    """Compute the missing shards of `out` and write its manifest (rank 0 holds the folder's lock)."""
     distributed.barrier()
     out.mkdir(parents=True, exist_ok=True)
     if (out / fc.MANIFEST).is_file():

@@ -13,15 +13,15 @@ resume, then `train_loop`; the pieces it calls follow it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
 import time
+import typing
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-
-import typing
 
 import torch
 from torch import nn
@@ -473,8 +473,6 @@ def _shards_of(source: Source, indices: list[int]) -> list[str]:
     for index in reader.shards:
         total += len(index.sample_offsets) - 1
         ends.append(total)
-    import bisect
-
     return [shard_name(s) for s in sorted({bisect.bisect_right(ends, int(i)) for i in indices})]
 
 

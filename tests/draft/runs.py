@@ -31,3 +31,23 @@ def tampered(exports, tmp_path, fmt, edit_tensors=None, edit_config=None):
         edit_config(config)
         (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def vocab_and_cache(root, target, data, vocab_size: int = 64, *precompute_extra: str) -> tuple:
+    """`spec build-vocab-map` + `spec precompute` of `data` for `target` into root/vm.safetensors and
+    root/cache (SPEC_HOME root/home): the inputs most CLI tests start from. -> (vocab map, cache)."""
+    import pytest
+
+    from spec_cli.cli import main
+
+    vm, cache = root / "vm.safetensors", root / "cache"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(vocab_size),
+                     "-o", str(vm), "-q"]) == 0
+        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache), "-q",
+                     *precompute_extra]) == 0
+    finally:
+        mp.undo()
+    return vm, cache

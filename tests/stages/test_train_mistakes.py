@@ -18,6 +18,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.guard import LOCK
 from spec_cli.cli import main
 from tests import tiny
+from tests.draft.runs import vocab_and_cache
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,15 +29,7 @@ def setup(tmp_path_factory, tiny_llama_dir):
     """Chat data, a vocab map and a feature cache of several shards (one small cache for the module)."""
     root = tmp_path_factory.mktemp("mistakes")
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(random.Random(i)) for i in range(24)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "96",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "--batch-tokens", "512", "--shard-tokens", "600", "-q"]) == 0
-    finally:
-        mp.undo()
+    vocab_and_cache(root, tiny_llama_dir, data, 96, "--batch-tokens", "512", "--shard-tokens", "600")
     return {"root": root, "data": data, "vm": root / "vm.safetensors", "cache": root / "cache",
             "target": tiny_llama_dir}
 
