@@ -1,7 +1,8 @@
 """The vocab map: which target token ids make up the draft vocabulary.
 
-Semantics (DESIGN.md): the `Vd` most frequent target ids at supervised positions, ties broken by the
-lower id, padded with the lowest unused ids when fewer than `Vd` occur, sorted ascending.
+Semantics (docs/eagle.md "Vocab map"): the `Vd` most frequent target ids at supervised positions,
+ties broken by the lower id, padded with the lowest unused ids when fewer than `Vd` occur, sorted
+ascending.
 `d2t[i] = selected[i] - i` is an offset (target_id = draft_id + d2t[draft_id]); `t2d` is a bool mask
 over the target vocab. These are the buffers vLLM and SGLang read; the functions under "d2t / t2d" are
 the only place spec_cli converts between them and the selected ids.

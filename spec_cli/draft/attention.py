@@ -1,6 +1,6 @@
 """TTT attention: step-0 causal attention plus each position's own keys from later TTT steps.
 
-At TTT step k (SpecForge's `cache_hidden` recurrence, DESIGN.md "TTT unroll"), query t attends to
+At TTT step k (SpecForge's `cache_hidden` recurrence, docs/eagle.md "TTT unroll"), query t attends to
 
     keys = [k0[s] for s <= t in t's document]  +  [k1[t], k2[t], ..., kk[t]]
 

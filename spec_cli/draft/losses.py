@@ -1,4 +1,4 @@
-"""Losses and metrics of one TTT step (DESIGN.md "TTT unroll").
+"""Losses and metrics of one TTT step (docs/eagle.md "Losses and metrics").
 
 Every function takes the N supervised positions of a step, already gathered: draft logits [N, Vd],
 target_p [N, Vd] (the target's softmax over the draft vocab), target_mass [N] (the draft-vocab mass

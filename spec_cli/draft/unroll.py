@@ -1,7 +1,7 @@
 """The training-time-test (TTT) unroll shared by the drafts that step one slot at a time (EAGLE-3,
 EAGLE-1/2): one forward over whole rows per step, the draft's own state fed to the next step.
 
-Teacher-forced rolling (DESIGN.md "TTT unroll"): at step k slot t reads token input_ids[t + k] (the
+Teacher-forced rolling (docs/eagle.md "TTT unroll"): at step k slot t reads token input_ids[t + k] (the
 ids rolled left by k) with the draft's own state of step k - 1 at slot t, and is supervised by the
 target at t + k: loss_mask, position_mask, target_p, target_ids and target_mass roll with the ids.
 The attention mask stays that of step 0; positions advance with the step (slot t sits at position

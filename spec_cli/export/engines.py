@@ -1,10 +1,10 @@
-"""How each engine reads an export folder, as explicit tables written from the engines' loaders.
+"""How each serving engine reads an export folder, as explicit tables written from the engines' loaders.
 
-This is the self-check's half of export and deliberately shares nothing with the writer
-(`writers.py`): it starts from the folder's config.json and model.safetensors and asks, as the
-engine's code does, which parameters the model has (names, shapes), where each file key goes (loaded,
-renamed, skipped, rejected), how the aux layer ids and the EAGLE-3.1 flags are interpreted, and how
-draft ids become target ids. Sources, read for these tables:
+This is the self-check's half of export and deliberately shares nothing with the writers
+(`spec_cli/draft/*/export.py`): it starts from the folder's config.json and model.safetensors and
+asks, as the engine's code does, which parameters the model has (names, shapes), where each file key
+goes (loaded, renamed, skipped, rejected), how the aux layer ids and the EAGLE-3.1 flags are
+interpreted, and how draft ids become target ids. Sources, read for these tables:
 
 vLLM   vllm/model_executor/models/llama_eagle3.py   Eagle3LlamaForCausalLM (__init__, load_weights,
                                                      compute_logits, combine_hidden_states),

@@ -1,5 +1,5 @@
-"""Supervision math (DESIGN.md), shared by the live backends and the feature-cache reader so they
-produce the same batches bit for bit.
+"""Supervision math (docs/eagle.md "Supervision: what the draft is trained to match"), shared by the
+live backends and the feature-cache reader so they produce the same batches bit for bit.
 
 Per token t (unshifted; the batch is shifted at the end):
 - argmax_t, lse_t : over the FULL target vocab (chunked, never a full fp32 [N, V] tensor at once)

@@ -10,13 +10,13 @@ is available on this system.`), and it copies a request only at the engine step 
 finished it, so a prompt-only `generate` leaves a lock file that `load_hidden_states` waits on forever.
 It also yields only the aux states, not the final normed state the lm_head reads.
 
-So the engine runs in-process (the uni executor, spec_cli.engine.vllm) and its model is asked for
+So vLLM's engine runs in-process (the uni executor, spec_cli.engine.vllm) and its model is asked for
 what vLLM itself gives an EAGLE-3 draft: `set_aux_hidden_state_layers` makes the model's forward
 return (final normed hidden, [aux states]) and this backend's wrapper of that forward keeps them,
 placing each token by (request, position) from the model runner's batch. vLLM counts an aux id as the
-INPUT of layer i (hidden + residual before it); spec_cli's ids are layer OUTPUTS (DESIGN.md), so
-spec_cli layer j is vLLM id j + 1. Each row (each document of a packed row: block-causal with
-positions restarting per document is the same as separate prompts) is one prompt-only request
+INPUT of layer i (hidden + residual before it); spec_cli's ids are layer OUTPUTS (docs/eagle.md "Aux
+layers"), so spec_cli layer j is vLLM id j + 1. Each row (each document of a packed row: block-causal
+with positions restarting per document is the same as separate prompts) is one prompt-only request
 (max_tokens=1), so vLLM runs one prefill over it, in chunks when it is long. The lm_head, its final
 norm and the input embeddings are read from the engine's own embedding modules (vLLM keeps those
 weights; its CPU linears are repacked), and the supervision is computed by the same code as the

@@ -1,6 +1,7 @@
 """The EAGLE-3 draft: a Llama-style decoder layer over [token embedding, target aux hidden states].
 
-Parameter and buffer names are the ones the engines load (DESIGN.md), so export is a rename at most:
+Parameter and buffer names are the ones the serving engines load (docs/eagle.md "The EAGLE-3 draft's
+parameters"), so export is a rename at most:
 
     embed_tokens.weight            [V, H]      copied from the target, frozen
     fc_norm.{0,1,2}.weight         [H_t]       EAGLE-3.1 only: one RMSNorm per aux chunk
