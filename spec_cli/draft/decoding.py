@@ -1,5 +1,5 @@
 """Drafting during speculative decoding, for a draft that decodes one slot at a time over the
-target's aux states (EAGLE-3; EAGLE-1/2 the same way): catch up on the target's true states, then
+target's states (EAGLE-3's aux states, EAGLE-1/2's final hidden state): catch up on them, then
 propose a chain or an EAGLE-2 tree. `spec_cli/eval/speculative.py` verifies and accepts.
 
 The draft is any module with `project(aux)`, `forward_step(ids, state, positions, cache, mask=None)`,

@@ -1,6 +1,6 @@
-"""`spec eval`: real EAGLE-3 speculative decoding in PyTorch, measured against the target alone.
+"""`spec eval`: real speculative decoding with the draft in PyTorch, measured against the target alone.
 
-    target.py       the target with its KV cache and forward hooks on the three aux layers
+    target.py       the target with its KV cache and forward hooks on what the draft reads
     speculative.py  prefill, verify, accept, and the one decode loop (drafting: the algorithm's)
     drafts.py       a draft from a run folder, a checkpoint or an export folder (read as the engine does)
     engine_check.py `spec export`'s engine check: vLLM serving the folder vs this decoder on the checkpoint

@@ -1,6 +1,7 @@
-"""Which target architectures each engine serves EAGLE-3 drafts for, by engine and version.
+"""Which target architectures each serving engine serves aux-reading drafts for (EAGLE-3, and P-EAGLE
+through the same interface), by engine and version; stages/export.py asks only for such drafts.
 
-An EAGLE-3 draft reads three hidden states of the target, so the ENGINE's model class for the target
+Such a draft reads three hidden states of the target, so the ENGINE's model class for the target
 must capture them. An engine whose class cannot serves the draft not at all (vLLM raises "Model does
 not support EAGLE3 interface" at load) or, worse, with the target's default capture; either way an
 export for it is refused here, with the reason, unless `spec export --allow-unsupported-target`.
@@ -165,7 +166,7 @@ def sglang_support(architecture: str) -> Support:
 
 
 def support(fmt: str, architecture: str) -> Support:
-    """Does the engine that reads `fmt` serve an EAGLE-3 draft for `architecture`?"""
+    """Does the serving engine that reads `fmt` serve an aux-reading draft for `architecture`?"""
     if not architecture:
         return Support(ENGINE_OF_FORMAT[fmt], None, "the checkpoint does not record the target's architecture",
                        "the checkpoint")

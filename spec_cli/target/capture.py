@@ -1,5 +1,6 @@
-"""The aux states EAGLE-3 reads, captured with forward hooks on the chosen decoder layers of a
-transformers model (the model is never asked for every layer's hidden states).
+"""The aux states a draft reads (EAGLE-3 and P-EAGLE: three), captured with forward hooks on the
+chosen decoder layers of a transformers model (the model is never asked for every layer's hidden
+states).
 
 Every in-process target uses this one hook: training supervision (`HFTargetBackend`) and decoding
 (`eval.target.Target`). Ids are spec_cli's: 0-indexed decoder layer OUTPUTS.
