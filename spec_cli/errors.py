@@ -38,11 +38,13 @@ class AssetError(SpecError):
 
 
 class ExportError(ArtifactError):
-    """The draft cannot be exported for this engine without serving differently than it was trained."""
+    """The draft cannot be exported for this format's serving engine without serving differently than it
+    was trained."""
 
 
 class ExportCheckError(ExportError):
-    """The written folder, read back with the engine's loading rules, does not reproduce the checkpoint."""
+    """The written folder, read back with its serving engine's loading rules, does not reproduce the
+    checkpoint."""
 
 
 def listing(problems: list[str], shown: int = 3) -> str:

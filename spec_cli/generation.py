@@ -1,6 +1,6 @@
 """What every decoder returns for one answer: spec_cli's PyTorch loop (eval/speculative.py) and vLLM
-(engine/vllm.py). Shared by eval, the engine and the export's engine check, so it sits at the top of
-the package and imports nothing from spec_cli.
+(engine/vllm.py). Shared by eval, that vLLM serving engine and the export's engine check, so it sits
+at the top of the package and imports nothing from spec_cli.
 """
 
 from __future__ import annotations

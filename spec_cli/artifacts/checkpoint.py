@@ -6,7 +6,7 @@
       training.png                  loss and per-step accuracy over training (at the end)
       frozen.safetensors            the frozen weights copied from the target (embed_tokens.weight), once
       checkpoints/step-00000100/
-        model.safetensors           trained weights + d2t/t2d buffers (engine-style key names); the
+        model.safetensors           trained weights + d2t/t2d buffers (serving engines' key names); the
                                     frozen ones are in ../../frozen.safetensors, named by fingerprint
         optimizer.safetensors       AdamW state, flattened: state.<param name>.<exp_avg|exp_avg_sq|step>
         rng.safetensors             torch RNG states

@@ -175,7 +175,7 @@ def load_vocab_map(path: Path) -> VocabMap:
     if missing:
         raise ArtifactError(f"{path} lacks {sorted(missing)}", "rebuild it with `spec build-vocab-map`")
     vocab_map = VocabMap(tensors["selected_token_ids"].long(), tensors["counts"].long(), meta)
-    # The stored d2t/t2d must agree with the ids: these buffers are what engines read.
+    # The stored d2t/t2d must agree with the ids: these buffers are what serving engines read.
     if not (torch.equal(tensors["d2t"].long(), vocab_map.d2t)
             and torch.equal(tensors["t2d"].bool(), vocab_map.t2d)):
         raise ArtifactError(f"{path} is inconsistent: d2t/t2d do not match selected_token_ids",

@@ -1,5 +1,5 @@
 """Llama-style building blocks every draft uses: rotary embeddings (default, linear, llama3, YaRN, as
-the engines compute them), RMSNorm, the attention projections, the MLP and a KV cache for decoding."""
+the serving engines compute them), RMSNorm, the attention projections, the MLP and a KV cache for decoding."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The export self-check: read a written folder back the way the engine will (reader.py, the reader
-`spec eval` uses too), and compare with the training checkpoint.
+"""The export self-check: read a written folder back the way its serving engine will (reader.py, the
+reader `spec eval` uses too), and compare with the training checkpoint.
 
     1. files        exactly config.json, model.safetensors (format "pt") and README.md
     2. config       what the engine builds from config.json (engines.read_*) matches the checkpoint:

@@ -17,8 +17,8 @@ prompt does not fit is skipped. (Tokenised, a conversation can be a token or two
 
 Sampling (--temperature > 0) draws answer i of record r from its own generator seeded by
 (--seed, r, i): the same record gets the same answer whatever it is batched with, the chunk it falls in
-or a resume (vLLM: the same seed per request, through vLLM's per-request generator; the two engines'
-samples differ).
+or a resume (vLLM: the same seed per request, through vLLM's per-request generator; the two target
+engines' samples differ).
 
 Resume. Records go in chunks of --chunk-size; each finished chunk is one part file, written atomically
 in OUT.parts/ beside state.json (the run's identity: inputs and settings). A rerun with the same
@@ -158,7 +158,7 @@ def read_conversations(data_path: Path, tokenizer, max_length: int,
                            "leading_assistant_dropped": leading}
 
 
-# ----------------------------------------------------------------------------- transformers engine
+# ----------------------------------------------------------------------------- transformers target engine
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One id from logits [V]: softmax at the temperature, cut to the smallest set of most probable

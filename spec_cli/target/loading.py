@@ -287,8 +287,8 @@ def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
 
 
 def check_layer_ids(ids: list[int], n: int) -> None:
-    """Aux layer ids of any algorithm: outputs of layers 0..n-2 (the engines capture a layer's input, so
-    the last layer's output is never available to a draft). A layer may repeat: EAGLE-3's own default
+    """Aux layer ids of any algorithm: outputs of layers 0..n-2 (the serving engines capture a layer's
+    input, so the last layer's output is never available to a draft). A layer may repeat: EAGLE-3's own default
     does on a 6-layer target ([1, 2, 2]), and vLLM serves it; parse_aux_layers warns when a user typed one."""
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:

@@ -1,7 +1,9 @@
-"""The engine that runs an in-process target (`--target-engine transformers|vllm`).
+"""The target engine: what runs an in-process target (`--target-engine transformers|vllm`;
+docs/glossary.md).
 
 Both give the same supervision (tests/target/test_vllm_backend.py measures how close), so nothing an
-artifact is identified by (target, tokenizer, vocab map, aux layers, dtype) depends on the engine.
+artifact is identified by (target, tokenizer, vocab map, aux layers, dtype) depends on the target
+engine.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def check_engine(name: str) -> str:
 
 def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
                  device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None):
-    """The target loaded by engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
+    """The target loaded by target engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
     data.chat_templates.ChatTemplate) is the template its data is tokenised with: it enters the
     tokenizer fingerprint the backend reports."""
     check_engine(name)
