@@ -5,11 +5,11 @@ import re
 import pytest
 import typer.main
 
-from spec_cli.cli import app, main
+from spec_cli.cli import build_app, main
 
 
 def _commands():
-    group = typer.main.get_command(app)
+    group = typer.main.get_command(build_app())
     return group, sorted(group.commands)
 
 

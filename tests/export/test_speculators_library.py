@@ -73,10 +73,11 @@ def save_target(folder: Path, embed: torch.Tensor) -> Path:
 
 def spec_export(run: Path, target: Path, out: Path) -> Path:
     from spec_cli import cli
+    from spec_cli.commands.export import export_cmd
 
     argv = ["export", str(run), "--format", "speculators", "--dtype", "fp32", "-o", str(out),
             "--target", str(target), "-q"]
-    if "engine_check" in inspect.signature(cli.export_cmd).parameters:
+    if "engine_check" in inspect.signature(export_cmd).parameters:
         argv += ["--engine-check", "none"]  # vLLM's own load is another test's business
     assert cli.main(argv) == 0
     return out

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from spec_cli.cli import app
+from spec_cli.cli import build_app
 from spec_cli.draft.algorithm import ObjectiveOptions
 from spec_cli.stages.train_options import (OPTIONS, RESUMABLE, ObjectiveFlags, TrainConfig, parse_duration,
                                            parse_size)
@@ -41,7 +41,7 @@ def test_flat_options_build_the_groups_and_come_back_flat():
 
 
 def test_the_train_command_has_one_option_per_field():
-    command = typer.main.get_command(app).commands["train"]
+    command = typer.main.get_command(build_app()).commands["train"]
     assert [p.name for p in command.params] == [*OPTIONS, "config", "quiet"]
     by_name = {p.name: p for p in command.params}
     assert by_name["stream_max_bytes"].default == "4G"  # parsed to bytes (parse_size) by the command

@@ -1,0 +1,45 @@
+"""`spec demo`: the whole pipeline on the built-in SmolLM2 target (spec_cli.stages.demo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from spec_cli.commands.options import Device, Dtype, Quiet
+from spec_cli.console import set_quiet
+from spec_cli.stages.train_options import parse_duration
+
+
+def demo_cmd(
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="A smaller run (about 8 minutes on 2 CPU cores) that exercises every stage.")] = False,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
+    no_install: Annotated[bool, typer.Option(
+        "--no-install", help="Only find the built-in assets; fail instead of pip-installing.")] = False,
+    max_time: Annotated[Optional[str], typer.Option(
+        "--max-time", help="Stop training after this long (90s, 10m, 1h; a number is minutes). The draft "
+                           "is then weaker, and the final table says so; a rerun finishes the schedule. "
+                           "Default: no cap (the schedule is fixed in steps, so the result does not depend "
+                           "on the machine's speed).")] = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    quiet: Quiet = False,
+):
+    """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
+    ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
+    precompute, train (a fixed number of steps), export for
+    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Regenerate and precompute run
+    the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
+    Rerunning reuses finished stages. Expected on 2 quiet CPU cores: --quick about 8 minutes, the
+    default about 40."""
+    from spec_cli.stages import demo as stage
+    from spec_cli.ui import print_demo_summary
+
+    set_quiet(quiet)
+    result = stage.run(stage.DemoConfig(quick=quick, output=output, install=not no_install,
+                                        device=device, dtype=dtype,
+                                        max_time=parse_duration(max_time, "--max-time")))
+    print_demo_summary(result)

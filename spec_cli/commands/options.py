@@ -1,0 +1,67 @@
+"""The options several commands share, each declared once as an `Annotated` type.
+
+Each sits in the --help panel it belongs to (spec_cli.help); `in_panel` shows one in another.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Annotated, Optional, get_args
+
+import typer
+
+from spec_cli.config import apply_config_file
+from spec_cli.help import DATA, INPUTS, RUNTIME
+
+Config = Annotated[Optional[Path], typer.Option(
+    "--config", help="YAML file of option values (keys are option names); flags win over it.",
+    is_eager=True, callback=apply_config_file, exists=False, dir_okay=False)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
+Target = Annotated[str, typer.Option(
+    "--target", "-t", help="Target model: a transformers folder, a .gguf file, or `smollm2` (built-in).",
+    rich_help_panel=INPUTS)]
+Data = Annotated[str, typer.Option(
+    "--data", "-d", help="Chat data: .jsonl/.json/.parquet, a saved `datasets` folder, or `sharegpt` "
+                         "(built-in). ShareGPT `conversations`, OpenAI `messages`, or plain `text`.",
+    rich_help_panel=INPUTS)]
+MaxLength = Annotated[int, typer.Option(
+    "--max-length", help="Truncate each conversation to this many tokens.", min=2, rich_help_panel=DATA)]
+NumProc = Annotated[int, typer.Option(
+    "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1, rich_help_panel=DATA)]
+VocabMap = Annotated[Path, typer.Option(
+    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.", rich_help_panel=INPUTS)]
+AuxLayers = Annotated[Optional[str], typer.Option(
+    "--aux-layers", help="The target layers the draft reads (EAGLE-3: three), as 0-indexed layer OUTPUTS "
+                         "(e.g. 1,14,26). Default: the algorithm's; EAGLE-3: 1, N//2-1, N-4 for an "
+                         "N-layer target.",
+    rich_help_panel=INPUTS)]
+DraftAlgorithm = Annotated[str, typer.Option(
+    "--algorithm", help="The draft algorithm: eagle3 (EAGLE-3), eagle (EAGLE-1/2) or peagle (P-EAGLE, all "
+                        "draft tokens in one forward). It decides how many target layers are captured and "
+                        "which by default (--aux-layers).", rich_help_panel=INPUTS)]
+Device = Annotated[Optional[str], typer.Option(
+    "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.", rich_help_panel=RUNTIME)]
+Threads = Annotated[Optional[int], typer.Option(
+    "--threads", help="Intra-op CPU threads. Default: auto, the cores this process may use less those "
+                      "other processes keep busy (OMP_NUM_THREADS if set); recorded with the result.",
+    min=1, rich_help_panel=RUNTIME)]
+ChatTemplate = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Render conversations with this chat template instead of the target's own: a "
+                            "Jinja file (or a tokenizer_config.json holding one), or a family: chatml, "
+                            "llama3, gemma, mistral. Needed for a base model without one; recorded in "
+                            "every artifact made from it.", rich_help_panel=DATA)]
+TargetEngine = Annotated[str, typer.Option(
+    "--target-engine", help="transformers or vllm (the `vllm` extra): what runs a live target. The "
+                            "supervision is the same either way (fp32 rounding), and so is the identity "
+                            "of what it makes.", rich_help_panel=RUNTIME)]
+
+
+def in_panel(panel: str, option):
+    """One of the shared options above, shown in another --help panel than its own."""
+    kind, info = get_args(option)
+    info = copy.copy(info)
+    info.rich_help_panel = panel
+    return Annotated[kind, info]
