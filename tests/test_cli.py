@@ -37,6 +37,34 @@ def test_help_lists_every_stage_and_each_stage_documents_defaults():
     assert "default: 32000" in out.stdout and "default: 2048" in out.stdout
 
 
+
+def test_the_cli_imports_no_torch():
+    """`spec --help` stays fast: the commands import their stage (and torch) only when they run."""
+    code = ("import sys, typer.main; from spec_cli.cli import build_app; typer.main.get_command(build_app()); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_main_builds_train_from_the_options_declared_when_it_runs(monkeypatch, capsys):
+    """An option declared after import (a draft algorithm registered later) is a flag of the next main()."""
+    import inspect
+    from typing import Annotated
+
+    import typer
+
+    from spec_cli.commands import train
+
+    declared = train.parameters
+    knob = inspect.Parameter("knob", inspect.Parameter.KEYWORD_ONLY, default=3,
+                             annotation=Annotated[int, typer.Option("--knob", help="A late option.")])
+    monkeypatch.setattr(train, "parameters", lambda: [*declared(), knob])
+    assert main(["train", "--help"]) == 0
+    assert "--knob" in capsys.readouterr().out
+    monkeypatch.setattr(train, "parameters", declared)
+    assert main(["train", "--help"]) == 0
+    assert "--knob" not in capsys.readouterr().out
+
 @pytest.fixture
 def data_file(tmp_path):
     rng = random.Random(0)
