@@ -12,9 +12,12 @@ Packing metadata (position_ids, seq_lens) is carried through unshifted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+
+EXTRA = "extra."  # the prefix of an extra field's name in a flat dict of tensors
 
 
 @dataclass
@@ -30,16 +33,28 @@ class TargetBatch:
     position_ids: torch.Tensor | None = None  # [B, T] long, unshifted (packing: restart per document)
     seq_lens: torch.Tensor | None = None  # [B, max_docs] long, unshifted (packing)
     # [B, T, H] target dtype, position-aligned: the target's last hidden state after its final norm
-    # (what lm_head reads; EAGLE-1/2's feature). Only when the backend was asked (`want_final_hidden`).
+    # (what lm_head reads; EAGLE-1/2's feature). Only when the backend was asked (`keep_final_hidden`).
     final_hidden: torch.Tensor | None = None
+    # name -> [B, T, W], position-aligned: the per-token fields of the target an algorithm asked for
+    # (Algorithm.needs, computed by its TargetField); only those the backend was asked for
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> "TargetBatch":
-        return replace(self, **{f.name: (getattr(self, f.name).to(device)
-                                         if getattr(self, f.name) is not None else None)
-                                for f in fields(self)})
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """Every tensor by name, flat (the extras as `extra.NAME`): what the wire and the stream carry."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        return out | {EXTRA + name: t for name, t in self.extras.items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TargetBatch":
+        """The batch `tensors()` flattened."""
+        extras = {k[len(EXTRA):]: v for k, v in tensors.items() if k.startswith(EXTRA)}
+        return cls(**{k: v for k, v in tensors.items() if not k.startswith(EXTRA)}, extras=extras)
 
     @property
     def num_tokens(self) -> int:

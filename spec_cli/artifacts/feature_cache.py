@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, sha256_file, write_json
+from spec_cli.batch import EXTRA
 from spec_cli.errors import ArtifactError
 
 KIND = "feature_cache"
@@ -39,7 +40,10 @@ ENCODINGS = ("hidden", "probs")
 # Keys that must match for a cache to be resumed or trained from, in the order they are reported.
 IDENTITY_KEYS = ("target_fingerprint", "chat_template_sha256", "tokenizer_fingerprint", "vocab_map_fingerprint",
                  "aux_layers", "encoding", "dtype", "storage_dtype", "data_fingerprint", "max_length",
-                 "batch_tokens", "shard_tokens")
+                 "batch_tokens", "shard_tokens", "extra_fields")
+# Keys recorded only when they hold something, and their value when absent: the per-token fields a draft
+# algorithm asked for beyond the built-in supervision (name -> width; stored as `extra.NAME`).
+IDENTITY_ABSENT = {"extra_fields": {}}
 # Keys a cache written before they existed may lack; the keys after them cover them (the tokenizer
 # fingerprint hashes the chat template), so such a cache stays usable.
 OPTIONAL_IDENTITY_KEYS = ("chat_template_sha256",)
@@ -50,7 +54,7 @@ IDENTITY_DEFAULTS = {"storage_dtype": "dtype"}
 IDENTITY_OPTIONS = {"aux_layers": "--aux-layers", "encoding": "--encoding", "dtype": "--dtype",
                     "storage_dtype": "--storage-dtype", "max_length": "--max-length",
                     "batch_tokens": "--batch-tokens", "shard_tokens": "--shard-tokens",
-                    "data_fingerprint": "--data / --max-samples"}
+                    "data_fingerprint": "--data / --max-samples", "extra_fields": "--algorithm"}
 DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Allowances for what is not tensor data: a shard's safetensors header (tensor table + identity) and
 # its sidecar, the head's header, and the manifest (target config + one entry per shard).
@@ -64,12 +68,12 @@ def shard_name(index: int) -> str:
 
 
 def bytes_per_token(encoding: str, hidden_size: int, draft_vocab_size: int, storage_dtype: str,
-                    num_aux: int) -> int:
+                    num_aux: int, extra_width: int = 0) -> int:
     """Bytes a stored token takes: the float features (num_aux aux states, then the final hidden state
-    or the draft-vocab probabilities) in the storage dtype, plus input_ids (int32), loss_mask (uint8),
-    argmax (int32) and lse / target_mass (fp32)."""
+    or the draft-vocab probabilities, then the extra fields' extra_width values) in the storage dtype,
+    plus input_ids (int32), loss_mask (uint8), argmax (int32) and lse / target_mass (fp32)."""
     size = DTYPE_SIZE[storage_dtype]
-    ids_and_mask = 4 + 1
+    ids_and_mask = 4 + 1 + extra_width * size
     if encoding == "hidden":
         return (num_aux * hidden_size + hidden_size) * size + 4 + 4 + ids_and_mask
     return (num_aux * hidden_size + draft_vocab_size) * size + 4 + 4 + ids_and_mask
@@ -135,7 +139,9 @@ def identity_mismatch(expected: dict, found: dict) -> str | None:
         if key in OPTIONAL_IDENTITY_KEYS and key not in found:
             continue
         value = found.get(key, found.get(IDENTITY_DEFAULTS[key])) if key in IDENTITY_DEFAULTS else found.get(key)
-        if expected.get(key) != value:
+        if key in IDENTITY_ABSENT:
+            value = found.get(key, IDENTITY_ABSENT[key])
+        if expected.get(key, IDENTITY_ABSENT.get(key)) != value:
             option = f" ({IDENTITY_OPTIONS[key]})" if key in IDENTITY_OPTIONS else ""
             return f"{key.replace('_', ' ')}: cache has {value!r}, this run has {expected.get(key)!r}{option}"
     return None
@@ -295,6 +301,12 @@ def check_files(folder: Path, manifest: dict) -> None:
         if encoding == "hidden" and hidden and shapes["final_hidden"][-1] != hidden:
             raise ArtifactError(f"{path} stores final states {shapes['final_hidden'][-1]} wide, {MANIFEST} says "
                                 f"hidden_size {hidden}", hint)
+        for name, field_width in (manifest.get("extra_fields") or {}).items():
+            key = EXTRA + name
+            if key not in shapes or shapes[key][-1] != field_width:
+                found = f"{shapes[key][-1]} wide" if key in shapes else "nothing"
+                raise ArtifactError(f"{path} stores {found} for the field {name!r}, {MANIFEST} says "
+                                    f"{field_width} wide (was the manifest edited?)", hint)
         vd = manifest.get("draft_vocab_size")
         if encoding == "probs" and vd and shapes["target_p"][-1] != vd:
             raise ArtifactError(f"{path} stores {shapes['target_p'][-1]} draft-vocab probabilities, {MANIFEST} "

@@ -1,103 +1,142 @@
-"""What a draft algorithm gives the rest of spec_cli: the one seam between the trainer, `spec eval`,
-`spec export` and the algorithms (EAGLE-3 today, in `spec_cli/draft/eagle3/`).
+"""What a draft algorithm declares: the one seam between the algorithms and the trainer, `spec eval`,
+`spec export`, the target backends and the CLI (docs/architecture.md, "Draft algorithms").
 
-An algorithm is a package that builds one `Algorithm` value from its own functions; `ALGORITHMS` in
-`spec_cli/draft/algorithms.py` maps each name to it. The callers use nothing else of the package:
+An algorithm is a package (spec_cli/draft/eagle3/ is one) whose `__init__` builds one `Algorithm`
+value; `ALGORITHMS` in spec_cli/draft/algorithms.py maps each name to it, and that line is the only
+edit outside the package that a new algorithm needs. Everything the rest of spec_cli asks of an
+algorithm is declared here, so no caller tells algorithms apart by name:
 
-    config(target_config, draft_vocab_size, aux_layer_ids, **options) -> DraftConfig
-                   the draft shaped from the target's config (the `--draft-*` options override)
-    build(config) -> the draft module (an nn.Module with the decoding methods below)
-    objective(draft, options: ObjectiveOptions, activation_checkpointing=False) -> Objective
-                   forward(TargetBatch, unit=None) -> an output with `loss` (scalar), and per unroll step
-                   `step_loss`, `correct`, `total` [ttt_steps] (sums, so they add over batches and ranks);
-                   plan(batch) -> the units a training batch runs as (P-EAGLE's segments)
-    catch_up(draft, cache, ids, aux) -> state      eval: read the target's true aux states
-    propose(draft, cache, state, depth, topk, num_tokens, temperature, generator) -> Proposal
-                   eval: the drafted tokens (a chain or a tree) from that state
-    formats        the engine formats `spec export` writes for it
-    export(checkpoint, fmt, dtype) -> ExportFiles  config.json + model.safetensors of one format
+    name, title, summary     `--algorithm NAME`, how people write it ("EAGLE-3"), --help's phrase
+    aux_layers, default_aux_layers(n)
+                             how many target layers the draft reads and which by default, for a target
+                             of n decoder layers (0-indexed layer OUTPUTS); precompute, serve-target,
+                             train and eval ask these
+    options                  a dataclass of its own `spec train` options (fields made with
+                             spec_cli.stages.train_options.option); the CLI, run.json and the objective
+                             read them by name
+    needs                    what it reads of the target besides its input embedding and the aux states:
+                             "final_hidden" (the last hidden state after the final norm), "lm_head" (the
+                             target's output head, copied into the draft), or a per-token field of its
+                             own (`target_fields` of its implementation); every backend fills
+                             TargetBatch.extras with what was asked
+    formats                  the engine formats `spec export` writes for it (ExportFormat: which engine
+                             reads it, what that engine calls such drafts)
+    implementation           the module (torch) holding the code, loaded on first use:
+        config(target_config, draft_vocab_size, aux_layer_ids, **overrides) -> DraftConfig
+        build(config) -> the draft module
+        objective(draft, options, activation_checkpointing=False) -> Objective (spec_cli/draft/contract.py)
+        catch_up(draft, cache, ids, aux) -> state,  propose(draft, cache, state, depth, topk, ...)
+        export(checkpoint, fmt, dtype) -> ExportFiles     (when it has formats)
+        target_fields            {name: TargetField} for needs of its own (optional)
+    export_rules             the module that reads its exports back the engine's way, independently of
+                             the writer: check(folder, fmt, src, dtype) -> CheckReport (the export
+                             self-check), recognise(config_json) -> format or None, and
+                             read(folder, fmt, target_config) -> ReadExport (`spec eval --draft EXPORT`)
+    vllm_draft_class         "module:Class" of the draft model vLLM builds for it (the engine check
+                             watches its load_weights)
 
-`aux_layers` is how many target layers the draft reads and `default_aux_layers(n)` which ones for a
-target of n decoder layers (spec_cli's convention: 0-indexed layer OUTPUTS); every stage that picks or
-checks aux layers (precompute, serve-target, train, eval) asks the algorithm. `final_hidden`: the
-draft also reads the target's last hidden state after its final norm (EAGLE-1/2's feature), which
-backends then return in TargetBatch.final_hidden.
+This module imports no torch: `spec --help` and the CLI read the declarations without loading models.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Protocol
-
-import torch
-
-from spec_cli.draft.config import DraftConfig
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable
 
 
 @dataclass(frozen=True)
-class ObjectiveOptions:
-    """`spec train`'s objective group: how the draft's predictions are unrolled and scored."""
-    ttt_steps: int = 7  # draft steps unrolled per position (training-time test)
-    step_weight: float = 0.8  # step k's loss weighs step_weight**k (normalised)
-    loss: str = "soft-ce"
-    lk_kl_scale: float = 1.0
-    lk_kl_decay: float = 1.0
-    feature_weight: float = 1.0  # EAGLE-1/2: SmoothL1 on the predicted feature
-    token_weight: float = 0.1  # EAGLE-1/2: soft-CE of lm_head(predicted feature) vs the target's
-    cod_ratio: float = 0.7  # P-EAGLE: depth d keeps max(cod_ratio**d, cod_min) of its valid positions
-    cod_min: float = 0.2
-    peagle_segments: int = 1  # P-EAGLE: forwards (each with its backward) a batch's rows are split into
+class ExportFormat:
+    """One `spec export --format`: a folder layout a serving engine reads."""
+    name: str  # what --format takes
+    title: str  # how the README and the summary name it ("vLLM (speculators format)")
+    engine: str | None  # the serving engine that reads it: "vllm", "sglang" (None: no engine)
+    method: str = ""  # what that engine calls such drafts: vLLM's speculative_config "method",
+    #                   SGLang's --speculative-algorithm
+    engine_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config
 
 
-class Objective(torch.nn.Module):
-    """An algorithm's objective: forward(batch, unit=None) -> an output with `loss` and per-step sums.
-
-    `plan(batch)` lists the units one training batch runs as, each with its own forward and backward
-    (the trainer calls forward(batch, unit) once per unit, through DDP, and back-propagates each); the
-    units' losses add up to the batch's loss. Most objectives run a batch as one unit ([None])."""
-
-    def plan(self, batch) -> list:
-        return [None]
-
-
-class Checkpoint(Protocol):
-    """What an algorithm's exporter reads of a trained draft (export/source.py's DraftSource)."""
-    checkpoint: Path
-    step: int
-    config: DraftConfig
-    state: dict[str, torch.Tensor]
-    target: str | None
-    ttt_steps: int | None
-
-
-@dataclass
-class ExportFiles:
-    format: str
-    config: dict  # config.json
-    tensors: dict[str, torch.Tensor]  # model.safetensors
-    engine_aux_ids: list[int]  # as written, in the engine's convention (and its concatenation order)
-    aux_layer_outputs: list[int]  # the same layers in spec_cli's convention, in that order
-    num_speculative_tokens: int
+FINAL_HIDDEN = "final_hidden"  # a need: the target's last hidden state after its final norm
+LM_HEAD = "lm_head"  # a need: the target's output head (the draft proposes through it)
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    name: str  # what `spec train --algorithm` takes and config.json records
+    name: str
+    title: str
     aux_layers: int
     default_aux_layers: Callable[[int], list[int]]
-    config: Callable[..., DraftConfig]
-    build: Callable[[DraftConfig], torch.nn.Module]
-    objective: Callable[..., torch.nn.Module]
-    catch_up: Callable
-    propose: Callable
-    formats: tuple[str, ...]
-    export: Callable[[Checkpoint, str, torch.dtype], ExportFiles] | None
-    final_hidden: bool = False  # reads the target's final hidden state (TargetBatch.final_hidden)
-    title: str = ""  # how people write its name ("EAGLE-3")
-    engine_methods: tuple[tuple[str, str], ...] = ()  # (engine, what it calls these drafts): vLLM's
-    #                       speculative_config method, SGLang's --speculative-algorithm
-    vllm_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config
+    implementation: str  # module path, loaded on first use
+    formats: tuple[ExportFormat, ...] = ()
+    export_rules: str | None = None  # module path (see above); None: no export formats
+    options: type | None = None  # a dataclass of train_options.option(...) fields
+    needs: frozenset[str] = frozenset()
+    summary: str = ""  # a phrase for --algorithm's help ("all draft tokens in one forward")
+    vllm_draft_class: str = ""
+    extra: dict = field(default_factory=dict, compare=False)  # free for an algorithm's own declarations
+
+    # -- the implementation, loaded when first asked (torch and the model code)
+    @property
+    def code(self) -> ModuleType:
+        return importlib.import_module(self.implementation)
+
+    @property
+    def rules(self) -> ModuleType:
+        if self.export_rules is None:
+            raise AttributeError(f"{self.name} has no export formats")
+        return importlib.import_module(self.export_rules)
+
+    @property
+    def config(self) -> Callable:
+        return self.code.config
+
+    def build(self, config):
+        """The draft module for `config`, which must read as many aux layers as the algorithm does."""
+        if len(config.aux_layer_ids) != self.aux_layers:
+            from spec_cli.errors import ConfigError  # (no torch)
+
+            raise ConfigError(f"{self.name} drafts read exactly {self.aux_layers} aux layers, this config has "
+                              f"{len(config.aux_layer_ids)}", f"pass {self.aux_layers} --aux-layers")
+        return self.code.build(config)
+
+    @property
+    def objective(self) -> Callable:
+        return self.code.objective
+
+    @property
+    def catch_up(self) -> Callable:
+        return self.code.catch_up
+
+    @property
+    def propose(self) -> Callable:
+        return self.code.propose
+
+    @property
+    def export(self) -> Callable | None:
+        return self.code.export if self.formats else None
+
+    @property
+    def target_fields(self) -> dict:
+        """{name: TargetField} of the needs the algorithm computes itself (spec_cli/draft/contract.py)."""
+        return dict(getattr(self.code, "target_fields", {}))
+
+    # -- the declarations, as the callers use them
+    @property
+    def final_hidden(self) -> bool:
+        return FINAL_HIDDEN in self.needs
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.formats)
+
+    def format(self, name: str) -> ExportFormat:
+        return next(f for f in self.formats if f.name == name)
+
+    def engine_format(self, engine: str) -> ExportFormat | None:
+        """The first of its formats that `engine` reads (vLLM's for the engine check and eval)."""
+        return next((f for f in self.formats if f.engine == engine), None)
+
+    def field_needs(self) -> tuple[str, ...]:
+        """Its needs that are per-token fields of TargetBatch.extras (not the lm_head), in a fixed order."""
+        return tuple(sorted(n for n in self.needs if n != LM_HEAD))

@@ -145,12 +145,6 @@ class DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft heads {self.num_attention_heads} not divisible by kv heads "
                               f"{self.num_key_value_heads}", "choose kv heads that divide the heads")
-        from spec_cli.draft.algorithms import get
-
-        count = get(self.algorithm).aux_layers
-        if len(self.aux_layer_ids) != count:
-            raise ConfigError(f"{self.algorithm} drafts read exactly {count} aux layers, this config has "
-                              f"{len(self.aux_layer_ids)}", f"pass {count} --aux-layers")
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],

@@ -135,18 +135,15 @@ def _holes(params: dict[str, torch.Tensor]) -> dict[str, int]:
             for name, p in params.items()}
 
 
+EAGLE3_DRAFT_CLASS = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+
+
 @contextlib.contextmanager
-def _tracking(report: LoadReport, method: str = "eagle3"):
-    """Wrap the load_weights of vLLM's draft class for `method` (Eagle3LlamaForCausalLM, which every
-    EAGLE-3 llama draft uses; EagleLlamaForCausalLM for EAGLE-1/2) while an engine is built here."""
-    if method == "eagle":
-        from vllm.model_executor.models import llama_eagle
-
-        cls = llama_eagle.EagleLlamaForCausalLM
-    else:
-        from vllm.model_executor.models import llama_eagle3
-
-        cls = llama_eagle3.Eagle3LlamaForCausalLM
+def _tracking(report: LoadReport, draft_class: str = EAGLE3_DRAFT_CLASS):
+    """Wrap the load_weights of vLLM's draft model class ("module:Class", the algorithm's
+    `vllm_draft_class`) while an engine is built here."""
+    module, _, name = draft_class.partition(":")
+    cls = getattr(importlib.import_module(module), name)
     original = cls.load_weights
 
     def load_weights(model, weights):
@@ -184,12 +181,12 @@ def _tracking(report: LoadReport, method: str = "eagle3"):
 # ----------------------------------------------------------------------------- the engine
 
 class Engine:
-    """A vLLM `LLM` for the target, with an EAGLE-3 draft folder when `draft` is given."""
+    """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 
     def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
                  track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
-                 speculative_options: dict | None = None):
+                 speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS):
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
@@ -210,7 +207,7 @@ class Engine:
         what = f"the draft {draft}" if draft is not None else f"the target {target}"
         self.what = what
         try:
-            with (_tracking(self.load_report, method) if self.load_report is not None
+            with (_tracking(self.load_report, draft_class) if self.load_report is not None
                   else contextlib.nullcontext()):
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):

@@ -38,7 +38,6 @@ from spec_cli.export.source import DraftSource
 from spec_cli.target import loading
 
 MODES = ("auto", "vllm", "none")
-ENGINE_FORMATS = ("vllm", "speculators")  # formats vLLM reads
 PROMPTS = ("Write a short poem about the sea.",
            "Explain what a hash table is, in two sentences.",
            "Give three tips for someone learning to cook.",
@@ -65,8 +64,8 @@ class EngineCheckReport:
     shared: list[str] = field(default_factory=list)  # draft weights vLLM takes from the target
 
 
-def resolve_mode(mode: str | None, fmt: str) -> str:
-    """auto -> vllm when vLLM is installed and reads this format, else none."""
+def resolve_mode(mode: str | None, fmt) -> str:
+    """auto -> vllm when vLLM is installed and reads this format (an ExportFormat), else none."""
     import os
 
     from spec_cli.engine import vllm
@@ -74,11 +73,11 @@ def resolve_mode(mode: str | None, fmt: str) -> str:
     mode = (mode or os.environ.get("SPEC_ENGINE_CHECK") or "auto").lower()
     if mode not in MODES:
         raise ConfigError(f"--engine-check {mode!r} is not one of {', '.join(MODES)}", "e.g. --engine-check vllm")
-    if mode == "vllm" and fmt not in ENGINE_FORMATS:
-        raise ConfigError(f"vLLM does not read the {fmt} format, so it cannot check this export",
-                          "use --engine-check none for sglang exports")
+    if mode == "vllm" and fmt.engine != "vllm":
+        raise ConfigError(f"vLLM does not read the {fmt.name} format, so it cannot check this export",
+                          f"use --engine-check none for {fmt.name} exports")
     if mode == "auto":
-        return "vllm" if fmt in ENGINE_FORMATS and vllm.available() else "none"
+        return "vllm" if fmt.engine == "vllm" and vllm.available() else "none"
     return mode
 
 
@@ -134,9 +133,10 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     del model, target
 
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
-    method = dict(algorithm.engine_methods)["vllm"]  # vLLM's speculative method
+    served_as = algorithm.format(fmt)  # vLLM's speculative method and options for this format
     with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
-                     method=method, speculative_options=dict(algorithm.vllm_options)) as engine:
+                     method=served_as.method, speculative_options=dict(served_as.engine_options),
+                     draft_class=algorithm.vllm_draft_class) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
         load = engine.load_report
 

@@ -1,7 +1,10 @@
 """Engine formats: a draft checkpoint -> a folder vLLM or SGLang serves as is.
 
-Each draft algorithm writes its own formats (`Algorithm.export`, e.g. spec_cli/draft/eagle3/export.py);
-this package reads what was written the way the engines do, independently of the writer:
+Each draft algorithm writes its own formats (`Algorithm.export`, e.g. spec_cli/draft/eagle3/export.py)
+and names the module that reads them back (`Algorithm.export_rules`: eagle3.py for EAGLE-3 and P-EAGLE,
+eagle.py for EAGLE-1/2); this package holds those readers, independent of the writers:
+
+    eagle3.py    EAGLE-3 / P-EAGLE exports: the self-check, the format of a folder, the draft it serves
 
     engines.py   how each engine reads such a folder, as tables written from its loader (the self-check)
     reader.py    reads a folder with those tables (the self-check's and `spec eval`'s one reader)
@@ -10,10 +13,14 @@ this package reads what was written the way the engines do, independently of the
     source.py    the checkpoint and what its run knows about it
 """
 
-from spec_cli.draft.algorithm import DTYPES
-from spec_cli.draft.algorithms import ALGORITHMS
+from spec_cli.draft import algorithms
+from spec_cli.draft.contract import DTYPES
 from spec_cli.errors import ExportCheckError, ExportError
 
-FORMATS = tuple(dict.fromkeys(f for algorithm in ALGORITHMS.values() for f in algorithm.formats))
 
-__all__ = ["DTYPES", "FORMATS", "ExportCheckError", "ExportError"]
+def formats() -> tuple[str, ...]:
+    """Every --format some registered algorithm writes, in the order they declare them."""
+    return tuple(dict.fromkeys(f.name for a in algorithms.ALGORITHMS.values() for f in a.formats))
+
+
+__all__ = ["DTYPES", "ExportCheckError", "ExportError", "formats"]

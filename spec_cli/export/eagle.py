@@ -29,8 +29,10 @@ from safetensors.torch import load_file
 
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.eagle.model import EagleDraft
-from spec_cli.errors import ConfigError, ExportCheckError, listing
+from spec_cli.errors import ArtifactError, ConfigError, ExportCheckError, listing
 from spec_cli.export.check import CheckReport
+from spec_cli.export.reader import ReadExport, template_record
+from spec_cli.target import loading
 
 # the class each engine builds (vLLM EAGLEConfig prefixes "Eagle" to LlamaForCausalLM; SGLang's EntryClass)
 CLASSES = {"vllm": ("EagleLlamaForCausalLM", "LlamaForCausalLM"), "sglang": ("LlamaForCausalLMEagle",)}
@@ -172,3 +174,56 @@ def _predict(draft: EagleDraft) -> list[torch.Tensor]:
         state = draft(torch.roll(ids, -k, dims=1), state)
         out.append(draft.logits(state).float())
     return out
+
+
+check = check_eagle_export  # Algorithm.export_rules: check, recognise, read
+
+
+def recognise(raw: dict) -> str | None:
+    """vllm / sglang for the config.json of an EAGLE-1/2 export (the class its engine builds), else None."""
+    arch = (raw.get("architectures") or [""])[0]
+    return next((fmt for fmt, names in CLASSES.items() if arch in names[:1]), None)
+
+
+def read(folder: Path, fmt: str, target_config) -> ReadExport:
+    """An EAGLE-1/2 export, read as its engine reads it: the config's shapes (the ones the self-check
+    proves), the file's weights, the target's embedding and lm_head (`spec eval --draft EXPORT`)."""
+    c = json.loads((folder / "config.json").read_text())
+    block = c.get("spec_cli") if isinstance(c.get("spec_cli"), dict) else {}
+    tensors = load_file(str(folder / "model.safetensors"))
+    shapes = engine_shapes(fmt, c)
+    bad = sorted(set(shapes) ^ set(tensors)) + sorted(k for k in shapes if k in tensors
+                                                      and tuple(tensors[k].shape) != shapes[k])
+    if bad:
+        raise ArtifactError(f"the {fmt} engine would not load {folder} as a working draft (keys {bad[:3]})",
+                            "re-export the checkpoint with `spec export` (its self-check catches these)")
+    text = target_config if getattr(target_config, "num_hidden_layers", None) else \
+        getattr(target_config, "text_config", target_config)
+    parameters = c.get("rope_parameters") or {}
+    scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    config = DraftConfig(
+        vocab_size=c["vocab_size"], target_hidden_size=c["hidden_size"], aux_layer_ids=[],
+        target_num_layers=block.get("target_num_layers") or loading.num_layers(target_config),
+        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"], draft_vocab_size=c["vocab_size"], num_hidden_layers=c["num_hidden_layers"],
+        rms_norm_eps=c["rms_norm_eps"], rope_theta=parameters.get("rope_theta", c.get("rope_theta", 10000.0)),
+        rope_scaling=None if scaling.get("rope_type", "default") == "default" else scaling,
+        max_position_embeddings=c["max_position_embeddings"],
+        target_architecture=(getattr(target_config, "architectures", None) or [""])[0],
+        target_fingerprint=block.get("target_fingerprint") or "",
+        tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "", algorithm="eagle")
+    if c["hidden_size"] != getattr(text, "hidden_size", None) or c["vocab_size"] != loading.vocab_size(target_config):
+        raise ArtifactError(f"the export {folder} was made for a target with hidden size {c['hidden_size']} and "
+                            f"vocab size {c['vocab_size']}", "pass --target the model the draft was trained for")
+    model = EagleDraft(config)
+    # the keys are the engine's (checked above); embed_tokens and lm_head come from the target
+    model.load_state_dict({k: v.float() for k, v in tensors.items() if k != "fc.bias"}, strict=False)
+    recorded = {"vocab_size": c["vocab_size"], "target_hidden_size": c["hidden_size"],
+                "target_num_layers": block.get("target_num_layers"),
+                "target_fingerprint": block.get("target_fingerprint") or "",
+                "tokenizer_fingerprint": block.get("tokenizer_fingerprint") or "",
+                **template_record(block.get("chat_template_sha256"), block.get("chat_template_source"),
+                                   block.get("tokenizer_base_fingerprint"))}
+    return ReadExport(model=model.eval(), format=fmt, step=block.get("step"), recorded=recorded,
+                      needs_embeddings=True, needs_head=True)

@@ -133,3 +133,20 @@ def draft_state(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             state[key] = tensor.float()
     return state
 
+
+@dataclass
+class ReadExport:
+    """An export folder read as its engine reads it: the draft that engine would serve (`spec eval`)."""
+    model: object  # the algorithm's draft module, CPU, fp32; aux_layer_ids in the engine's concatenation order
+    format: str
+    step: int | None  # the training step the folder records
+    recorded: dict  # what the folder says the draft was made for (target shapes, fingerprints, template)
+    needs_embeddings: bool  # the target's input embedding must be copied in (engines share it)
+    needs_head: bool = False  # the target's lm_head must be copied in (the draft proposes through it)
+
+
+def template_record(sha256: str | None, source: str | None, base_fingerprint: str | None) -> dict:
+    """The chat template a draft's data was rendered with (and its tokenizer without it), when recorded."""
+    return {"chat_template_sha256": sha256, "chat_template_source": source,
+            "tokenizer_base_fingerprint": base_fingerprint} if base_fingerprint else {}
+

@@ -7,32 +7,37 @@ import shlex
 from pathlib import Path
 
 from spec_cli.draft import algorithms
+from spec_cli.draft.contract import ExportFiles
 from spec_cli.export.source import DraftSource
-from spec_cli.draft.algorithm import ExportFiles
 
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}
+
+def format_title(fmt: str) -> str:
+    """How people name the engine a format is for ("vLLM (speculators format)"), as its algorithms declare."""
+    return next((f.title for a in algorithms.ALGORITHMS.values() for f in a.formats if f.name == fmt), fmt)
 
 
 def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3") -> str:
     """The serving command for this export (flag names from the engines' docs / server args)."""
     target = target or "TARGET"
     folder = str(folder)
-    methods = dict(algorithms.get(algorithm).engine_methods)
-    if fmt == "sglang":
+    served_as = algorithms.get(algorithm).format(fmt)
+    if served_as.engine == "sglang":
         # python/sglang/srt/server_args.py; with top-k 1 the draft tree is a chain of num_steps + 1 tokens
         return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-                f"--speculative-algorithm {methods['sglang']} --speculative-draft-model-path {shlex.quote(folder)} "
+                f"--speculative-algorithm {served_as.method} --speculative-draft-model-path {shlex.quote(folder)} "
                 f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "
                 f"--speculative-num-draft-tokens {steps + 1}")
-    spec = json.dumps({"method": methods["vllm"], "model": folder, "num_speculative_tokens": steps,
-                       **dict(algorithms.get(algorithm).vllm_options)})
+    if served_as.engine != "vllm":
+        return f"(no serving engine reads the {fmt} format; load {folder} with the code that defines it)"
+    spec = json.dumps({"method": served_as.method, "model": folder, "num_speculative_tokens": steps,
+                       **dict(served_as.engine_options)})
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
 def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, support=None) -> str:
     c = src.config
     fmt, steps = files.format, files.num_speculative_tokens
-    lines = [f"# {algorithms.get(c.algorithm).title} draft for {c.target_architecture or 'the target'} ({ENGINE_NAMES[fmt]})", "",
+    lines = [f"# {algorithms.get(c.algorithm).title} draft for {c.target_architecture or 'the target'} ({format_title(fmt)})", "",
              f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
              f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
              serve_command(fmt, folder, src.target, steps, c.algorithm), "```", ""]
@@ -53,7 +58,7 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
               f"- fingerprint: `{c.target_fingerprint or unknown}` "
               f"(tokenizer `{c.tokenizer_fingerprint or unknown}`)",
               f"- aux layers (outputs of 0-indexed decoder layers): {files.aux_layer_outputs}; written for "
-              f"{ENGINE_NAMES[fmt]} as `{files.engine_aux_ids}`",
+              f"{format_title(fmt)} as `{files.engine_aux_ids}`",
               f"- draft vocab: {c.draft_vocab_size} target ids "
               f"(vocab map `{c.vocab_map_fingerprint or unknown}`)",
               f"- chat template the training data was rendered with: "

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from spec_cli.batch import TargetBatch
+from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.errors import TargetError
 from spec_cli.serve import wire
 from spec_cli.serve.wire import TOKEN_ENV
@@ -391,7 +391,8 @@ class RemoteBackend(TargetBackend):
                    "position_ids": position_ids, "seq_lens": seq_lens}
         message = wire.encode({k: v.detach().to("cpu", torch.int64)  # int64 on the wire
                                for k, v in tensors.items() if v is not None},
-                              {"vocab_id": self._vocab[0], "final_hidden": self.keep_final_hidden})
+                              {"vocab_id": self._vocab[0], "final_hidden": self.keep_final_hidden,
+                               **({"extras": sorted(self.extra_fields)} if self.extra_fields else {})})
         B, T = input_ids.shape if input_ids.dim() == 2 else (1, input_ids.numel())
         limits = self.limits
         for what, value, limit, option in (
@@ -427,15 +428,17 @@ class RemoteBackend(TargetBackend):
     def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
         B, T = shape
         Vd, Ha = self._vocab[2], len(self.info["aux_layers"]) * self.info["hidden_size"]
-        fields = BATCH_FIELDS + (("final_hidden",) if self.keep_final_hidden else ())
+        H = self.info["hidden_size"]
+        extras = {EXTRA + name: [B, T, f.width(H)] for name, f in self.extra_fields.items()}
+        fields = BATCH_FIELDS + (("final_hidden",) if self.keep_final_hidden else ()) + tuple(extras)
         expected = {name: [B, T] for name in BATCH_FIELDS} | {"aux_hidden": [B, T, Ha], "target_p": [B, T, Vd],
-                                                            "final_hidden": [B, T, self.info["hidden_size"]]}
+                                                            "final_hidden": [B, T, H]} | extras
         problems = [n for n in fields if n not in tensors or list(tensors[n].shape) != expected[n]]
         if problems or set(tensors) - set(fields) - {"position_ids", "seq_lens"}:
             raise RemoteError(f"the target server {server.url} sent a malformed batch "
                               f"(fields {sorted(tensors)}; wrong: {problems})",
                               "check that server and trainer run the same spec_cli version")
-        return TargetBatch(**tensors)
+        return TargetBatch.from_tensors(tensors)
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
                        seq_lens=None) -> TargetBatch:

@@ -16,6 +16,7 @@ from typing import Callable
 from spec_cli import assets
 from spec_cli.console import info
 from spec_cli.data import chat_templates
+from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.server import Limits, TargetServer
@@ -45,7 +46,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     port; `on_ready(url)` is called once the server listens. `target_engine` runs the target in
     transformers or vLLM (the same supervision and target identity either way). `chat_template`
     (--chat-template) replaces the target's own in the tokenizer sent to trainers and in its fingerprint.
-    `algorithm` (--algorithm) is the draft algorithm trained from it: it decides the aux layers.
+    `algorithm` (--algorithm) is the draft algorithm trained from it: it decides the aux layers and the
+    per-token fields trainers may ask for (its TargetFields).
     """
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
@@ -67,7 +69,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
             backend, target_config=loading.load_config(target_dir).to_dict(),
             tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
-            exit_on_disconnect=exit_on_disconnect)
+            exit_on_disconnect=exit_on_disconnect, fields=algorithms.get(algorithm).target_fields)
         try:
             handle = HTTPHandle(logic, host, port, request_timeout)
         except OSError as exc:

@@ -186,8 +186,9 @@ class TargetServer:
 
     def __init__(self, backend, *, target_config: dict | None = None,
                  tokenizer_files: dict[str, str] | None = None, token: str | None = None,
-                 limits: Limits | None = None, exit_on_disconnect: bool = False):
+                 limits: Limits | None = None, exit_on_disconnect: bool = False, fields: dict | None = None):
         self.backend = backend
+        self.fields = dict(fields or {})  # name -> TargetField: the per-token fields a trainer may ask for
         self.target_config = target_config
         self.tokenizer_files = tokenizer_files
         self.token = token or None
@@ -324,13 +325,20 @@ class TargetServer:
             raise RequestError(404, "this target has no output head to share")
         return Response.tensors(wire.encode({k: v.detach().cpu().contiguous() for k, v in head.items()}))
 
-    def supervise(self, tensors: dict[str, torch.Tensor], vid, final_hidden: bool = False) -> dict[str, torch.Tensor]:
+    def supervise(self, tensors: dict[str, torch.Tensor], vid, final_hidden: bool = False,
+                  extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         """Validate one generate request and run the target on it (under the model lock); with
-        final_hidden the answer carries the target's final hidden states too (EAGLE-1/2 trainers)."""
+        final_hidden the answer carries the target's final hidden states too (EAGLE-1/2 trainers), and
+        each of `extras` as `extra.NAME` (the per-token fields of the draft algorithm served)."""
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
+        unknown = [name for name in extras if name not in self.fields]
+        if unknown:
+            raise RequestError(422, f"this server computes no per-token field {', '.join(unknown)}",
+                               hint="start `spec serve-target` with the --algorithm the trainer trains")
         with self.generate_lock:
             self._use_vocab(vid)
             self.backend.keep_final_hidden = bool(final_hidden)
+            self.backend.extra_fields = {name: self.fields[name] for name in extras}
             try:
                 return self.backend.generate_batch(**kwargs).tensors()
             except SpecError as exc:  # a request this target cannot answer exactly (e.g. packing)
@@ -342,7 +350,11 @@ class TargetServer:
             raise _bad(f"the request's metadata must be a JSON object, got {type(meta).__name__}")
         if "final_hidden" in meta and not isinstance(meta["final_hidden"], bool):
             raise _bad(f"final_hidden must be true or false, got {type(meta['final_hidden']).__name__}")
-        out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True)
+        extras = meta.get("extras", [])
+        if not isinstance(extras, list) or not all(isinstance(name, str) for name in extras):
+            raise _bad("extras must be a list of field names")
+        out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True,
+                             extras=tuple(extras))
         return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
 
     def disconnect(self, body, client=None, **_) -> Response:

@@ -51,7 +51,6 @@ from spec_cli.target import loading
 
 WARMUP_TOKENS = 8  # one untimed generation of each decoder first (allocator, kernels, lazy init)
 ENGINES = ("torch", "vllm")
-VLLM_FORMATS = ("vllm", "speculators")  # export formats vLLM reads
 
 # (prompt ids, seed or None[, settings]) -> Generation; one for the speculative decoder, one for the
 # target alone (settings default to the run's; the warm-up passes shorter ones)
@@ -145,9 +144,10 @@ def run(cfg: EvalConfig) -> EvalResult:
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")
-    if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in VLLM_FORMATS:
+    vllm_formats = [f.name for f in algorithms.get(c.algorithm).formats if f.engine == "vllm"]
+    if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in vllm_formats:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
-                          "pass a vllm or speculators export, or the run / checkpoint (exported for vLLM "
+                          f"pass a {' or '.join(vllm_formats) or 'vLLM'} export, or the run / checkpoint (exported for vLLM "
                           "on the fly)")
     conversations = prompts.load_conversations(cfg.prompts, cfg.num_prompts)
     output = Path(cfg.output) if cfg.output else default_output(loaded)
@@ -268,7 +268,8 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
         algorithm = algorithms.get(loaded.model.config.algorithm)
         spec_engine = stack.enter_context(vllm.Engine(
             target_dir, folder, cfg.depth, dtype, length, cfg.seed, track_loading=True,
-            method=dict(algorithm.engine_methods)["vllm"], speculative_options=dict(algorithm.vllm_options)))
+            method=algorithm.engine_format("vllm").method, draft_class=algorithm.vllm_draft_class,
+            speculative_options=dict(algorithm.engine_format("vllm").engine_options)))
         problems = spec_engine.load_report.problems()
         if problems:
             info("warning: " + "; ".join(problems))

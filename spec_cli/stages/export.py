@@ -19,20 +19,15 @@ from spec_cli import assets
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms
-from spec_cli.draft.algorithm import DTYPE_NAMES
+from spec_cli.draft.contract import DTYPE_NAMES
 from spec_cli.errors import ConfigError, ExportError, SpecError
 from spec_cli.eval import engine_check as engine
-from spec_cli.export import DTYPES, FORMATS
+from spec_cli.export import DTYPES, formats
 from spec_cli.export import support as engine_support
-from spec_cli.export.check import CheckReport, check_export
-from spec_cli.export.eagle import check_eagle_export
-from spec_cli.export.readme import ENGINE_NAMES, render, serve_command
+from spec_cli.export.check import CheckReport
+from spec_cli.export.readme import format_title, render, serve_command
 from spec_cli.export.source import load_source
 from spec_cli.target import loading
-
-
-# each algorithm's self-check: its folder read back with the engines' own rules (never the writer's code)
-SELF_CHECKS = {"eagle3": check_export, "peagle": check_export, "eagle": check_eagle_export}
 
 
 @dataclass
@@ -66,7 +61,7 @@ class ExportResult:
     support: engine_support.Support | None = None  # does the engine serve EAGLE-3 for this target
 
     def summary_rows(self) -> list[tuple[str, object]]:
-        rows = [("format", ENGINE_NAMES[self.format]),
+        rows = [("format", format_title(self.format)),
                 ("checkpoint", f"{self.checkpoint} (step {self.step})"),
                 ("engine support", _support_row(self.support)),
                 ("written", f"{self.output} ({self.bytes / 1e6:.1f} MB, {self.dtype})"),
@@ -100,8 +95,8 @@ class ExportResult:
 def run(cfg: ExportConfig) -> ExportResult:
     start = time.perf_counter()
     fmt = cfg.format.lower()
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format {cfg.format!r} is not one of {', '.join(FORMATS)}",
+    if fmt not in formats():
+        raise ConfigError(f"--format {cfg.format!r} is not one of {', '.join(formats())}",
                           "e.g. spec export runs/x --format vllm -o exports/x-vllm")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}",
@@ -109,28 +104,29 @@ def run(cfg: ExportConfig) -> ExportResult:
     dtype = DTYPES[cfg.dtype]
     src = load_source(cfg.source, target=cfg.target)
     algorithm = algorithms.get(src.config.algorithm)
-    if fmt not in algorithm.formats:
+    if fmt not in algorithm.format_names:
         raise ConfigError(f"{algorithm.name} drafts are not written as --format {fmt}",
-                          f"use one of {', '.join(algorithm.formats)}" if algorithm.formats else
+                          f"use one of {', '.join(algorithm.format_names)}" if algorithm.formats else
                           f"spec export writes no engine format for {algorithm.name} yet; evaluate the "
                           "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
     if algorithm.aux_layers:  # the support tables: which target classes capture aux states per engine
         support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
     else:  # a draft that reads only the target's final hidden state: any target of its shape
-        support = engine_support.Support(ENGINE_NAMES[fmt], True, "", "EAGLE-1/2 needs no aux-state capture")
+        support = engine_support.Support(format_title(fmt), True, "",
+                                         f"{algorithm.title} needs no aux-state capture")
     files = algorithm.export(src, fmt, dtype)  # refuses what the engine cannot serve as trained, before any write
     files.config["spec_cli"]["engine_support"] = {"engine": support.engine, "served": support.served,
                                                   "reason": support.reason, "source": support.source}
     output = Path(cfg.output).resolve()
     _check_output(output, src.checkpoint, cfg.overwrite)
-    mode = engine.resolve_mode(cfg.engine_check, fmt)
-    target_dir, note = _engine_target(src, fmt, mode, asked=(cfg.engine_check or "auto").lower())
+    mode = engine.resolve_mode(cfg.engine_check, algorithm.format(fmt))
+    target_dir, note = _engine_target(src, algorithm.format(fmt), mode, asked=(cfg.engine_check or "auto").lower())
     if target_dir is not None and support.served is not True and cfg.allow_unsupported_target:
         target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
     if target_dir is not None and algorithm.aux_layers:  # before writing: can vLLM capture aux states
         engine.refuse_unservable(loading.load_config(target_dir))
-    info(f"exporting {src.checkpoint} (step {src.step}) for {ENGINE_NAMES[fmt]} -> {output}")
+    info(f"exporting {src.checkpoint} (step {src.step}) for {format_title(fmt)} -> {output}")
 
     report = engine_report = None
     with _created_parents(output), atomic_dir(output) as tmp:
@@ -138,7 +134,7 @@ def run(cfg: ExportConfig) -> ExportResult:
         (tmp / "config.json").write_text(json.dumps(files.config, indent=2) + "\n")
         (tmp / "README.md").write_text(render(src, files, output, DTYPE_NAMES[dtype], support))
         if cfg.check:
-            report = SELF_CHECKS[algorithm.name](tmp, fmt, src, dtype)
+            report = algorithm.rules.check(tmp, fmt, src, dtype)  # the engines' reading rules, not the writer's
         if target_dir is not None:
             info(f"engine check: loading the export in vLLM with {target_dir}")
             engine_report = engine.engine_check(tmp, fmt, src, dtype, target_dir,
@@ -176,21 +172,21 @@ def check_support(fmt: str, architecture: str, allow: bool) -> engine_support.Su
 def _support_row(verdict: engine_support.Support | None) -> str:
     if verdict is None:
         return "-"
-    if verdict.served and verdict.source.startswith("EAGLE-1/2"):
-        return f"{verdict.engine} serves EAGLE-1/2 drafts beside any target ({verdict.source})"
+    if verdict.served and verdict.source.endswith("needs no aux-state capture"):
+        return f"{verdict.engine} serves {verdict.source.split(' needs')[0]} drafts beside any target ({verdict.source})"
     if verdict.served:
         return f"{verdict.engine} serves EAGLE-3 drafts for this target ({verdict.source})"
     return f"WARNING: {verdict.reason} ({verdict.source})"
 
 
-def _engine_target(src, fmt: str, mode: str, asked: str) -> tuple[Path | None, str]:
+def _engine_target(src, fmt, mode: str, asked: str) -> tuple[Path | None, str]:
     """The local target folder the engine check runs with (None: no check), and why not."""
     explicit = asked == "vllm"
     if mode == "none":
         if asked == "none":
             return None, "skipped (--engine-check none)"
-        if fmt not in engine.ENGINE_FORMATS:
-            return None, f"skipped (vLLM does not read {fmt} exports)"
+        if fmt.engine != "vllm":
+            return None, f"skipped (vLLM does not read {fmt.name} exports)"
         return None, "skipped (vLLM is not installed; pip install -e '.[vllm]' adds this check)"
     try:
         return loading.resolve_target(assets.resolve_target_arg(src.target or "")), ""

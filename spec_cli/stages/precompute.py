@@ -20,10 +20,13 @@ import torch
 from spec_cli import assets, distributed, threads
 from spec_cli.artifacts import feature_cache as fc, guard
 from spec_cli.artifacts.vocab_map import load_vocab_map
+from spec_cli.batch import EXTRA
 from spec_cli.console import human_bytes, info, progress
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, padding_fraction, plan_batches
 from spec_cli.data.tokenize import tokenize_data
+from spec_cli.draft import algorithms
+from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.target import loading, local
 
@@ -157,6 +160,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     batches = plan_batches(lengths, cfg.batch_tokens)
     shards = plan_shards(batches, lengths, cfg.shard_tokens)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
+    fields = stored_fields(cfg.algorithm)
     dtype_name = str(dtype).replace("torch.", "")
     storage_name = str(storage).replace("torch.", "")
     identity = {
@@ -172,6 +176,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         "max_length": cfg.max_length,
         "batch_tokens": cfg.batch_tokens,
         "shard_tokens": cfg.shard_tokens,
+        **({"extra_fields": {name: f.width(hidden_size) for name, f in fields.items()}} if fields else {}),
     }
 
     out = Path(cfg.output)
@@ -203,7 +208,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
     todo = [i for i in mine if i not in done]
     per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, storage_name,
-                                   len(aux_layers))
+                                   len(aux_layers), sum(f.width(hidden_size) for f in fields.values()))
     todo_tokens = sum(int(lengths[batches[b]].sum()) for i in todo for b in shards[i])
 
     def shard_size(i: int) -> int:
@@ -250,7 +255,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         with progress(label, total=todo_tokens, unit="tokens") as bar:
             for shard in todo:
                 tensors = _compute_shard(backend, tokens, [batches[b] for b in shards[shard]],
-                                         cfg.encoding, storage, bar)
+                                         cfg.encoding, storage, bar, fields)
                 if pending is not None:
                     done[pending[0]] = pending[1].result()
                 pending = (shard, writer.submit(fc.write_shard, out, shard, tensors, identity))
@@ -311,13 +316,22 @@ def _stored(t: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     return out
 
 
+def stored_fields(algorithm: str) -> dict:
+    """The per-token fields the cache stores for `algorithm` beyond the built-in supervision (its own
+    TargetFields; the final hidden state is stored anyway with --encoding hidden)."""
+    chosen = algorithms.get(algorithm)
+    own = chosen.target_fields
+    return {name: own[name] for name in chosen.field_needs() if name != FINAL_HIDDEN}
+
+
 def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: str, storage: torch.dtype,
-                   bar) -> dict:
+                   bar, fields: dict | None = None) -> dict:
     """Run the target on each batch and keep the real tokens only (ragged); float features in the
-    storage dtype."""
+    storage dtype; `fields` (name -> TargetField) stored as `extra.NAME`."""
+    fields = fields or {}
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "input_ids", "loss_mask", "aux_hidden", "argmax", "final_hidden", "lse", "target_p",
-        "target_mass")}
+        "target_mass", *(EXTRA + name for name in fields))}
     sample_lengths, batch_sizes, sample_index = [], [], []
     for indices in shard_batches:
         input_ids, attention_mask, loss_mask = collate(tokens, indices)
@@ -339,6 +353,9 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
         else:
             parts["target_p"].append(_stored(target_p[real], storage))
             parts["target_mass"].append(target_mass[real].cpu())
+        for name, f in fields.items():
+            value = f.compute(hidden, aux, input_ids.to(aux.device))[real]
+            parts[EXTRA + name].append(_stored(value, storage) if value.is_floating_point() else value.cpu())
         sample_lengths.extend(attention_mask.sum(1).tolist())
         batch_sizes.append(len(indices))
         sample_index.extend(indices)

@@ -33,11 +33,11 @@ from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info
 from spec_cli.draft import algorithms, sharding
-from spec_cli.draft.algorithm import Algorithm
+from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
 from spec_cli.stages.train_log import TrainLogger, plot_curves
-from spec_cli.stages.train_options import OPTIONS, RESUMABLE, OptimOptions, TrainConfig, typed_options
+from spec_cli.stages.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
 from spec_cli.target import loading, local
 
@@ -79,6 +79,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         schedule = Schedule.plan(source, cfg)
         algorithm = _algorithm(cfg, source)
         source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
+        source.backend.extra_fields = algorithm_fields(algorithm)  # the algorithm's own per-token fields
         trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device)
         run_json = _run_json(cfg, source, vocab_map)
         if distributed.is_main():  # the run folder is one, shared by the ranks
@@ -200,6 +201,17 @@ def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
     return algorithm
 
 
+def algorithm_fields(algorithm: Algorithm) -> dict:
+    """name -> TargetField: what the algorithm asks the backend for in TargetBatch.extras (its needs
+    beyond the built-in final hidden state and lm_head)."""
+    own = algorithm.target_fields
+    missing = sorted(n for n in algorithm.field_needs() if n != FINAL_HIDDEN and n not in own)
+    if missing:
+        raise ConfigError(f"{algorithm.name} needs {', '.join(missing)} of the target but its implementation "
+                          "defines no such target_fields", "declare them in its implementation module")
+    return {name: own[name] for name in algorithm.field_needs() if name != FINAL_HIDDEN}
+
+
 def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_map):
     """(draft, its config, the frozen weights it copied from the target): shaped from the target's
     config (the --draft-* options override), embeddings from the target, lm_head too with
@@ -225,11 +237,11 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     # The frozen weights (copied from the target, never trained) are stored once per run, as the target
     # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
     frozen = {"embed_tokens.weight": embed}
-    if hasattr(draft, "copy_head"):  # EAGLE-1/2 proposes through the target's own lm_head
+    if LM_HEAD in algorithm.needs:  # the draft proposes through the target's own lm_head (EAGLE-1/2)
         head = source.backend.get_output_head()
         if head is None:
-            raise ConfigError("this supervision does not give the target's lm_head, which an EAGLE-1/2 draft "
-                              "proposes through", "train from a feature cache, a live --target or a server")
+            raise ConfigError(f"this supervision does not give the target's lm_head, which a {algorithm.title} "
+                              "draft proposes through", "train from a feature cache, a live --target or a server")
         draft.copy_head(head["lm_head_selected"])  # the whole vocabulary: the vocab map selects every id
         frozen["lm_head.weight"] = head["lm_head_selected"]
     elif d.init_from_target:  # (a --resume then loads its checkpoint over it)
@@ -521,13 +533,13 @@ def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig
         raise ArtifactError(f"{path} cannot be read ({exc})",
                             "resume needs the run.json spec train wrote; start a new run folder") from None
     source_typed = any(name in given for name in _SOURCES)
-    options = cfg.options()
+    options, declared = cfg.options(), all_options()
     for name, value in recorded.items():
-        if name in given or name not in OPTIONS or name in _LOCATION or name in _PER_INVOCATION:
+        if name in given or name not in declared or name in _LOCATION or name in _PER_INVOCATION:
             continue
         if source_typed and name in _SOURCES:
             continue
-        if value is not None and (OPTIONS[name].type is Path or Path in typing.get_args(OPTIONS[name].type)):
+        if value is not None and (declared[name].type is Path or Path in typing.get_args(declared[name].type)):
             value = Path(value)
         options[name] = value
     if "vocab_map" not in given and options["vocab_map"] is not None and not Path(options["vocab_map"]).exists():
@@ -545,9 +557,10 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
     if cfg.runtime.resume and path.is_file():
         before = json.loads(path.read_text())
         # an option newer than the run's spec_cli had its default value there
-        defaults = {name: o.default for name, o in OPTIONS.items()}
+        defaults = {name: o.default for name, o in all_options().items()}
+        resumable = resumable_options()
         for key in sorted(set(before["options"]) | set(run_json["options"])):
-            if key in RESUMABLE or key in _LOCATION or key in _BY_CONTENT:  # a moved run folder resumes
+            if key in resumable or key in _LOCATION or key in _BY_CONTENT:  # a moved run folder resumes
                 continue
             was, now = before["options"].get(key, defaults.get(key)), run_json["options"].get(key)
             if key in _PATHS and _same_path(was, now):

@@ -1,11 +1,14 @@
 """`spec train`'s options: five small groups, each option declared once, on its field.
 
 A field's metadata holds its command-line declaration (names, help, --help panel, click's checks such
-as min=, and a parser for text like `4G` or `45m`); `spec_cli/cli.py` makes the `train` command's
-parameters from these fields, in this order. Adding an option is one field here plus its use. The
-options other stages share (--vocab-map, --device, ...) are declared once in cli.py; their fields say
-`shared(...)`. The objective's options are ObjectiveOptions' (spec_cli/draft/algorithm.py), declared
-here as ObjectiveFlags.
+as min=, and a parser for text like `4G` or `45m`: spec_cli/options.py); spec_cli/commands/train.py
+makes the `train` command's parameters from these fields, in this order. Adding an option is one field
+here plus its use. The options other stages share (--vocab-map, --device, ...) are declared once in
+spec_cli/commands/options.py; their fields say `shared(...)`.
+
+The objective group is the options every algorithm's objective reads (ObjectiveFlags) followed by each
+registered algorithm's own (`Algorithm.options`, declared in its package): ObjectiveOptions holds them
+all by name, so an algorithm added to spec_cli/draft/algorithms.py brings its options with it.
 
 run.json records the options flat (`TrainConfig.options()`: option name -> value), as every version
 has, and `TrainConfig.from_options(lr=3e-3, ...)` builds a config from such names.
@@ -16,120 +19,13 @@ This module imports no model code: the CLI reads it to build its command.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
-from spec_cli.errors import ConfigError
 from spec_cli.help import CHECKPOINTS, DATA, DRAFT, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
-
-if TYPE_CHECKING:
-    from spec_cli.draft.algorithm import ObjectiveOptions
-
-
-def parse_duration(text: str | None, option: str) -> float | None:
-    """'90s', '45m', '1.5h' or a bare number of minutes -> seconds."""
-    if text is None:
-        return None
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
-    raw = text.strip().lower()
-    scale = units.get(raw[-1:], None)
-    number = raw[:-1] if scale is not None else raw
-    try:
-        value = float(number) * (scale or 60.0)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{option} {text!r} is not a duration", "write e.g. 90s, 45m or 2h (a bare number "
-                                                                   "is minutes)")
-    return value
-
-
-def parse_size(text: str, option: str) -> int:
-    """'512M', '4G', '1.5g', '65536' -> bytes (K/M/G/T are powers of 1024)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(raw[-1:], None)
-    try:
-        value = float(raw[:-1] if scale else raw) * (scale or 1)
-    except ValueError:
-        value = 0.0
-    if not (value >= 1 and math.isfinite(value)):
-        raise ConfigError(f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a number option allows: finite, and within lo..hi (`open`: the bound itself excluded)."""
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def allows(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
-        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
-            return False
-        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
-
-    @property
-    def text(self) -> str:
-        if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        if self.hi is not None:
-            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
-        return ""
-
-
-POSITIVE = Range(0, lo_open=True)  # > 0
-NON_NEGATIVE = Range(0)  # >= 0
-FRACTION = Range(0, 1)  # [0, 1]
-
-
-def check_range(name: str, value, allowed: Range | None) -> None:
-    """Refuse (ConfigError naming the option and its range: one line, exit 1) a number option's value
-    outside `allowed`; any float option must be finite (inf and nan are never a setting)."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    allowed = allowed or Range()
-    if not allowed.allows(float(value)):
-        flag = "--" + name.replace("_", "-")
-        must = f"a finite number {allowed.text}".rstrip()
-        raise ConfigError(f"{flag} {value:g} is out of range", f"{flag} must be {must}")
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How one option is written on the command line."""
-    names: tuple[str, ...]  # "--output", "-o"; a pair of flags as "--on/--off"
-    help: str
-    panel: str  # its --help panel (spec_cli.help)
-    parse: Callable[[str | None, str], object] | None = None  # (text, option name) -> the field's value
-    text: str | None = None  # with `parse`: the default as a user writes it ("4G")
-    checks: dict = field(default_factory=dict)  # typer.Option's own: min=, max=, envvar=, file_okay=
-
-
-def option(default, *names: str, help: str, panel: str, parse=None, text: str | None = None,
-           resumable: bool = False, allowed: Range | None = None, **checks):
-    """A config field that is a `spec train` option. resumable: it may differ on --resume (it does not
-    change the math: how long, how often, where from, on what). allowed: a number option's range, checked
-    by TrainConfig.from_options (a ConfigError naming the option: exit 1) and shown in --help; any float
-    option must be finite."""
-    if allowed is not None:
-        help = f"{help} Allowed: {allowed.text}."
-    return field(default=default, metadata={"flag": Flag(names, help, panel, parse, text, checks),
-                                           "resumable": resumable, "allowed": allowed})
-
-
-def shared(default, resumable: bool = False):
-    """A field whose option every stage that takes it shares: declared once, in cli.py."""
-    return field(default=default, metadata={"flag": None, "resumable": resumable, "allowed": None})
+from spec_cli.options import (FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, check_range, option,  # noqa: F401
+                              parse_duration, parse_size, shared)
 
 
 @dataclass(frozen=True)
@@ -199,9 +95,7 @@ class DraftOptions:
 
 @dataclass(frozen=True)
 class ObjectiveFlags:
-    """The options of ObjectiveOptions (spec_cli/draft/algorithm.py): the algorithms' own class, which
-    TrainConfig.objective is; importing it would load torch into every `spec` command, so its options
-    are declared here, with the same names and defaults (tests/stages/test_train_options.py)."""
+    """The objective options every algorithm reads (each algorithm's own follow: Algorithm.options)."""
     ttt_steps: int = option(7, "--ttt-steps", help="TTT unroll depth.", panel=OBJECTIVE, min=1)
     step_weight: float = option(
         0.8, "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).", panel=OBJECTIVE,
@@ -213,24 +107,6 @@ class ObjectiveFlags:
                                 allowed=NON_NEGATIVE)
     lk_kl_decay: float = option(1.0, "--lk-kl-decay", help="lk-lambda: KL weight decay.", panel=OBJECTIVE,
                                 allowed=NON_NEGATIVE)
-    feature_weight: float = option(
-        1.0, "--feature-weight", help="--algorithm eagle: weight of SmoothL1 on the predicted next feature.",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
-    token_weight: float = option(
-        0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
-                                    "distribution and the draft's (through the target's lm_head).",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
-    cod_ratio: float = option(
-        0.7, "--cod-ratio", help="--algorithm peagle: depth d trains on max(r**d, --cod-min) of its valid "
-                                 "positions (COD sampling); --ttt-steps is the number of depths K.",
-        panel=OBJECTIVE, allowed=FRACTION)
-    cod_min: float = option(0.2, "--cod-min", help="--algorithm peagle: the floor of the COD share.",
-                            panel=OBJECTIVE, allowed=FRACTION)
-    peagle_segments: int = option(
-        1, "--peagle-segments", help="--algorithm peagle: split each batch's rows into this many segments, "
-                                     "each with its own forward and backward (less activation memory at long "
-                                     "rows; the same loss and gradients).", panel=OBJECTIVE, min=1,
-        resumable=True)
 
 
 @dataclass(frozen=True)
@@ -308,6 +184,31 @@ class RuntimeOptions:
         resumable=True)
 
 
+class ObjectiveOptions:
+    """TrainConfig.objective: ObjectiveFlags' options, then each registered algorithm's own
+    (Algorithm.options), by name (options.ttt_steps, options.cod_ratio); what an algorithm's objective
+    is built with. Frozen, compared by value."""
+
+    def __init__(self, **values):
+        declared = {name: o.default for name, o in all_options().items() if o.group == "objective"}
+        unknown = sorted(set(values) - set(declared))
+        if unknown:
+            raise TypeError(f"ObjectiveOptions has no option {', '.join(unknown)}")
+        self.__dict__.update({name: values.get(name, default) for name, default in declared.items()})
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ObjectiveOptions) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(vars(self).items())))
+
+    def __repr__(self) -> str:
+        return f"ObjectiveOptions({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What `spec train` runs with: cfg.data.cache, cfg.objective.ttt_steps, cfg.optim.lr, ..."""
@@ -320,21 +221,19 @@ class TrainConfig:
     @classmethod
     def from_options(cls, **options) -> TrainConfig:
         """A config from flat option values (vocab_map=..., output=..., lr=3e-3); the rest default."""
-        from spec_cli.draft.algorithm import ObjectiveOptions
-
-        unknown = sorted(set(options) - set(OPTIONS))
+        declared = all_options()
+        unknown = sorted(set(options) - set(declared))
         if unknown:
             raise TypeError(f"TrainConfig has no option {', '.join(unknown)}")
         values: dict[str, dict] = {group: {} for group in GROUPS}
         for name, value in options.items():
-            check_range(name, value, OPTIONS[name].allowed)
-            values[OPTIONS[name].group][name] = value
-        kinds = {**GROUPS, "objective": ObjectiveOptions}
-        return cls(**{group: kinds[group](**values[group]) for group in GROUPS})
+            check_range(name, value, declared[name].allowed)
+            values[declared[name].group][name] = value
+        return cls(**{group: kind(**values[group]) for group, kind in GROUPS.items()})
 
     def options(self) -> dict:
         """Every option by name, flat: what run.json records."""
-        return {o.name: getattr(getattr(self, o.group), o.name) for o in OPTIONS.values()}
+        return {o.name: getattr(getattr(self, o.group), o.name) for o in all_options().values()}
 
 
 @dataclass(frozen=True)
@@ -344,30 +243,43 @@ class Option:
     group: str  # the TrainConfig field that holds it
     type: object  # the field's type
     default: object  # MISSING: required
-    flag: Flag | None  # None: shared with other stages, declared in cli.py
+    flag: Flag | None  # None: shared with other stages, declared in spec_cli/commands/options.py
     resumable: bool
     allowed: Range | None  # a number option's range (any float option must be finite)
 
 
-# TrainConfig's groups, by field; each is a dataclass of options (the objective's declared as ObjectiveFlags)
-GROUPS: dict[str, type] = {"data": DataOptions, "draft": DraftOptions, "objective": ObjectiveFlags,
+# TrainConfig's groups, by field
+GROUPS: dict[str, type] = {"data": DataOptions, "draft": DraftOptions, "objective": ObjectiveOptions,
                            "optim": OptimOptions, "runtime": RuntimeOptions}
 
 
-def _options() -> dict[str, Option]:
+def _declared(group: str) -> list[type]:
+    """The dataclasses declaring a group's options: the objective's are ObjectiveFlags and then each
+    registered algorithm's own options, in the order of spec_cli/draft/algorithms.py."""
+    if group != "objective":
+        return [GROUPS[group]]
+    from spec_cli.draft.algorithms import ALGORITHMS
+
+    return [ObjectiveFlags, *(a.options for a in ALGORITHMS.values() if a.options is not None)]
+
+
+def all_options() -> dict[str, Option]:
+    """name -> Option, in declaration order, for the algorithms registered now."""
     out: dict[str, Option] = {}
-    for group, kind in GROUPS.items():
-        hints = typing.get_type_hints(kind)
-        for f in dataclasses.fields(kind):
-            if f.name in out:
-                raise TypeError(f"option {f.name} is declared twice (in {out[f.name].group} and {group})")
-            out[f.name] = Option(f.name, group, hints[f.name], f.default, f.metadata["flag"],
-                                 f.metadata["resumable"], f.metadata["allowed"])
+    for group in GROUPS:
+        for kind in _declared(group):
+            hints = typing.get_type_hints(kind)
+            for f in dataclasses.fields(kind):
+                if f.name in out:
+                    raise TypeError(f"option {f.name} is declared twice (in {out[f.name].group} and {group})")
+                out[f.name] = Option(f.name, group, hints[f.name], f.default, f.metadata["flag"],
+                                     f.metadata["resumable"], f.metadata["allowed"])
     return out
 
 
-OPTIONS: dict[str, Option] = _options()  # name -> Option, in declaration order
-RESUMABLE = frozenset(o.name for o in OPTIONS.values() if o.resumable)
+def resumable_options() -> frozenset[str]:
+    """The options that may differ on --resume (they do not change the math)."""
+    return frozenset(o.name for o in all_options().values() if o.resumable)
 
 
 def typed_options(ctx=None) -> set[str] | None:
@@ -383,7 +295,17 @@ def typed_options(ctx=None) -> set[str] | None:
             ctx = module.get_current_context(silent=True)
             if ctx is not None:
                 break
-    if ctx is None or set(OPTIONS) - {p.name for p in ctx.command.params}:
+    declared = all_options()
+    if ctx is None or set(declared) - {p.name for p in ctx.command.params}:
         return None
-    return {name for name in OPTIONS
+    return {name for name in declared
             if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"}
+
+
+def __getattr__(name: str):
+    """OPTIONS / RESUMABLE as module attributes (computed when read: prefer all_options())."""
+    if name == "OPTIONS":
+        return all_options()
+    if name == "RESUMABLE":
+        return resumable_options()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from spec_cli.batch import TargetBatch
+from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.stream.producer import Producer, SampleRef
 from spec_cli.stream.store import FeatureStore, StoreClosedError, StoreError
 
@@ -40,12 +40,12 @@ def load(store: FeatureStore, ref: SampleRef, device: torch.device | str) -> Tar
     meta, tensors = sample.metadata, sample.tensors
     shapes = {k: list(t.shape) for k, t in tensors.items()}
     if meta.get("run_id") != ref.run_id or meta.get("index") != ref.index or shapes != ref.shapes \
-            or set(tensors) - set(BATCH_FIELDS):
+            or {k for k in tensors if not k.startswith(EXTRA)} - set(BATCH_FIELDS):
         raise StoreError(f"the stream sample {ref.sample_id!r} does not match its reference "
                          f"(stored {meta.get('run_id')}/{meta.get('index')} {shapes}, ref "
                          f"{ref.run_id}/{ref.index} {ref.shapes})",
                          "give each producing run its own store (or run id)")
-    batch = TargetBatch(**{name: tensors.get(name) for name in BATCH_FIELDS}).to(device)
+    batch = TargetBatch.from_tensors(dict(tensors)).to(device)
     store.release(ref.sample_id)
     return batch
 

@@ -18,6 +18,10 @@ class TargetBackend:
     #: also return the target's last hidden state after its final norm (TargetBatch.final_hidden), for
     #: drafts that read it (EAGLE-1/2); set by the trainer before the first batch
     keep_final_hidden: bool = False
+    #: the per-token fields to return in TargetBatch.extras, name -> TargetField (spec_cli/draft/contract.py):
+    #: what the draft algorithm asks for beyond the built-in supervision; set by the trainer (and the
+    #: server) before the first batch. A backend that cannot give one raises a ConfigError naming it.
+    extra_fields: dict = {}
 
     def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,

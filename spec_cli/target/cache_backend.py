@@ -14,7 +14,7 @@ import torch
 
 from spec_cli.artifacts.feature_cache import FeatureCacheReader
 from spec_cli.artifacts.tokens import TokenizedData
-from spec_cli.batch import TargetBatch
+from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.errors import ArtifactError
 from spec_cli.target.backend import TargetBackend
 from spec_cli.target.supervision import assemble_batch, draft_distribution, selected_logits
@@ -107,6 +107,12 @@ class CacheBackend(TargetBackend):
             raise ArtifactError(f"the feature cache was made with --encoding {self.encoding}, which keeps no "
                                 "final hidden states (EAGLE-1/2 trains on them)",
                                 "precompute it again with --encoding hidden (the default)")
+        stored = self.reader.manifest.get("extra_fields") or {}
+        lacking = sorted(set(self.extra_fields) - set(stored))
+        if lacking:
+            raise ArtifactError(f"the feature cache holds no {', '.join(lacking)} (per-token field(s) the draft "
+                                "algorithm reads)", "precompute it again with this --algorithm")
+        extras = {name: torch.zeros(B, T, stored[name], dtype=self.dtype, device=dev) for name in self.extra_fields}
         aux = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype, device=dev)
         argmax = torch.zeros(B, T, dtype=torch.long, device=dev)
         if self.encoding == "hidden":
@@ -123,6 +129,8 @@ class CacheBackend(TargetBackend):
             shard, s, t = where
             aux[b, a:e] = self.reader.read(shard, "aux_hidden", s, t).to(dev)
             argmax[b, a:e] = self.reader.read(shard, "argmax", s, t).to(dev).long()
+            for name, value in extras.items():
+                value[b, a:e] = self.reader.read(shard, EXTRA + name, s, t).to(dev)
             if self.encoding == "hidden":
                 final[b, a:e] = self.reader.read(shard, "final_hidden", s, t).to(dev)
                 lse[b, a:e] = self.reader.read(shard, "lse", s, t).to(dev)
@@ -134,7 +142,7 @@ class CacheBackend(TargetBackend):
             target_p, target_mass = draft_distribution(sel, lse)
         return assemble_batch(aux, input_ids.to(dev), attention_mask.to(dev), loss_mask.to(dev),
                               target_p, target_mass, argmax, self.t2d, position_ids, seq_lens,
-                              final if self.keep_final_hidden else None)
+                              final if self.keep_final_hidden else None, extras)
 
     def close(self) -> None:
         self.reader.close()

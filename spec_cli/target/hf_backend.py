@@ -117,9 +117,11 @@ class LocalTargetBackend(TargetBackend):
         with torch.no_grad():
             argmax, lse = self.full_vocab_stats(hidden)
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
-            return assemble_batch(aux, input_ids.to(self.device), attention_mask.to(self.device),
+            ids = input_ids.to(self.device)
+            extras = {name: f.compute(hidden, aux, ids) for name, f in self.extra_fields.items()}
+            return assemble_batch(aux, ids, attention_mask.to(self.device),
                                   loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
-                                  position_ids, seq_lens, hidden if self.keep_final_hidden else None)
+                                  position_ids, seq_lens, hidden if self.keep_final_hidden else None, extras)
 
 
 class HFTargetBackend(LocalTargetBackend):

@@ -68,11 +68,12 @@ def shift_left(x: torch.Tensor) -> torch.Tensor:
 def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
                    argmax: torch.Tensor, t2d: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   seq_lens: torch.Tensor | None = None, final_hidden: torch.Tensor | None = None) -> TargetBatch:
+                   seq_lens: torch.Tensor | None = None, final_hidden: torch.Tensor | None = None,
+                   extras: dict[str, torch.Tensor] | None = None) -> TargetBatch:
     """Shift the per-token supervision left by one and zero everything at invalid positions.
 
     All inputs are unshifted and position-aligned: [B, T] (+ [n*H] / [Vd] / [H] trailing dims); the
-    hidden states (aux, final) stay position-aligned.
+    hidden states (aux, final) and the extra fields ([B, T, W]) stay position-aligned.
     """
     real = attention_mask.bool()  # [B, T]
     valid = shift_left(real) & real  # position t has a next token t+1
@@ -92,4 +93,6 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
         position_ids=position_ids,
         seq_lens=seq_lens,
         final_hidden=None if final_hidden is None else torch.where(real.unsqueeze(-1), final_hidden, zero),
+        extras={name: torch.where(real.unsqueeze(-1), value, torch.zeros((), dtype=value.dtype, device=value.device))
+                for name, value in (extras or {}).items()},
     )

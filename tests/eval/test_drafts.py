@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_cli.errors import ArtifactError
 from spec_cli.eval import drafts
-from spec_cli.export import FORMATS
+from spec_cli.export import formats
 from spec_cli.stages import export as export_stage
 from tests.export.drafts import HT, N, V, make_run
 
@@ -40,7 +40,7 @@ def predictions(draft, states: dict, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([logits.flatten(), draft.to_target_ids(logits.argmax(-1)).flatten().float()])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", formats())
 def test_an_export_reads_back_as_the_trained_draft(run, tmp_path, fmt):
     if fmt == "sglang":  # SGLang has no EAGLE-3.1 fc_norm in older versions: export a plain draft for it
         source = make_run(tmp_path / "plain", aux_layer_ids=[4, 1, 3])

@@ -1,4 +1,5 @@
-"""`spec train`'s option groups: each option declared once, flat names both ways, the CLI made from them."""
+"""`spec train`'s option groups: each option declared once (the objective's by ObjectiveFlags and by each
+algorithm's package), flat names both ways, the CLI made from them."""
 
 import dataclasses
 import typing
@@ -8,9 +9,11 @@ import pytest
 import typer.main
 
 from spec_cli.cli import build_app
-from spec_cli.draft.algorithm import ObjectiveOptions
-from spec_cli.stages.train_options import (OPTIONS, RESUMABLE, ObjectiveFlags, TrainConfig, parse_duration,
-                                           parse_size)
+from spec_cli.draft import algorithms
+from spec_cli.draft.eagle import EagleOptions
+from spec_cli.draft.peagle import PEagleOptions
+from spec_cli.stages.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
+                                           parse_size, resumable_options)
 
 
 def test_sizes_and_durations_parse_as_a_user_writes_them():
@@ -19,10 +22,33 @@ def test_sizes_and_durations_parse_as_a_user_writes_them():
     assert [parse_duration(t, "-x") for t in ("90s", "45m", "2h", "1.5")] == [90.0, 2700.0, 7200.0, 90.0]
 
 
-def test_the_objective_flags_are_the_algorithms_options():
-    flags, options = dataclasses.fields(ObjectiveFlags), dataclasses.fields(ObjectiveOptions)
-    assert [(f.name, f.default) for f in flags] == [(f.name, f.default) for f in options]
-    assert typing.get_type_hints(ObjectiveFlags) == typing.get_type_hints(ObjectiveOptions)
+def test_the_objective_group_is_the_shared_flags_then_each_algorithms_own():
+    declared = [f.name for kind in (ObjectiveFlags, EagleOptions, PEagleOptions) for f in dataclasses.fields(kind)]
+    assert [o.name for o in all_options().values() if o.group == "objective"] == declared
+    assert declared == ["ttt_steps", "step_weight", "loss", "lk_kl_scale", "lk_kl_decay", "feature_weight",
+                        "token_weight", "cod_ratio", "cod_min", "peagle_segments"]
+    assert [a.options for a in algorithms.ALGORITHMS.values()] == [None, EagleOptions, PEagleOptions]
+    assert typing.get_type_hints(PEagleOptions)["peagle_segments"] is int
+    defaults = ObjectiveOptions()
+    assert (defaults.ttt_steps, defaults.token_weight, defaults.cod_ratio) == (7, 0.1, 0.7)
+    assert ObjectiveOptions(cod_ratio=0.5) != defaults and ObjectiveOptions(cod_ratio=0.7) == defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        defaults.ttt_steps = 3
+    with pytest.raises(TypeError, match="no option medusa_heads"):
+        ObjectiveOptions(medusa_heads=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Own:
+    own_weight: float = dataclasses.field(default=0.5, metadata={"flag": None, "resumable": False, "allowed": None})
+
+
+def test_an_algorithm_registered_later_brings_its_options(monkeypatch):
+    plus = dataclasses.replace(algorithms.ALGORITHMS["eagle3"], name="plus", options=_Own)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "plus", plus)
+    assert list(all_options())[list(all_options()).index("peagle_segments") + 1] == "own_weight"
+    cfg = TrainConfig.from_options(vocab_map="vm", output="run", own_weight=0.25)
+    assert cfg.objective.own_weight == 0.25 and cfg.options()["own_weight"] == 0.25
 
 
 def test_flat_options_build_the_groups_and_come_back_flat():
@@ -32,7 +58,7 @@ def test_flat_options_build_the_groups_and_come_back_flat():
         (3e-3, 3, True, True, True)
     assert isinstance(cfg.objective, ObjectiveOptions)  # what algorithm.objective takes
     flat = cfg.options()
-    assert list(flat) == list(OPTIONS) and TrainConfig.from_options(**flat) == cfg
+    assert list(flat) == list(all_options()) and TrainConfig.from_options(**flat) == cfg
     assert flat["epochs"] == 1.0 and flat["stream_max_bytes"] == 4 << 30  # the rest keep their defaults
     with pytest.raises(TypeError, match="no option learning_rate"):
         TrainConfig.from_options(vocab_map="vm", output="run", learning_rate=1)
@@ -42,13 +68,13 @@ def test_flat_options_build_the_groups_and_come_back_flat():
 
 def test_the_train_command_has_one_option_per_field():
     command = typer.main.get_command(build_app()).commands["train"]
-    assert [p.name for p in command.params] == [*OPTIONS, "config", "quiet"]
+    assert [p.name for p in command.params] == [*all_options(), "config", "quiet"]
     by_name = {p.name: p for p in command.params}
     assert by_name["stream_max_bytes"].default == "4G"  # parsed to bytes (parse_size) by the command
     assert by_name["init_from_target"].secondary_opts == ["--random-init"]
     assert by_name["output"].required  # and --vocab-map, but for --resume: the stage checks it
     assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None
-    assert RESUMABLE == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
+    assert resumable_options() == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
                          "device", "num_proc", "activation_checkpointing", "remote", "prefetch", "token",
                          "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp",
                          "target_engine", "peagle_segments"}

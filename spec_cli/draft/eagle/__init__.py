@@ -2,30 +2,43 @@
 regresses the target's next feature and proposes through the target's own lm_head. EAGLE-2 is the same
 draft decoded with a confidence-ranked dynamic tree (`spec eval --topk`). It reads no intermediate
 layer: its supervision is the target's final hidden state (TargetBatch.final_hidden). Everything
-spec_cli needs of it is the `EAGLE` value below."""
+spec_cli needs of it is the `EAGLE` value below (its code: implementation.py, loaded on first use)."""
 
 from __future__ import annotations
 
-from spec_cli.draft import decoding
-from spec_cli.draft.eagle import export
-from spec_cli.draft.algorithm import Algorithm
-from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.eagle.model import EagleDraft
-from spec_cli.draft.eagle.objective import EagleObjective
+from dataclasses import dataclass
+
+from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm, ExportFormat
+from spec_cli.help import OBJECTIVE
+from spec_cli.options import NON_NEGATIVE, option
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """`spec train --algorithm eagle`'s own options (its objective: spec_cli/draft/eagle/objective.py)."""
+    feature_weight: float = option(
+        1.0, "--feature-weight", help="--algorithm eagle: weight of SmoothL1 on the predicted next feature.",
+        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+    token_weight: float = option(
+        0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
+                                    "distribution and the draft's (through the target's lm_head).",
+        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+
+
+def no_aux_layers(n: int) -> list[int]:
+    return []
 
 
 EAGLE = Algorithm(
     name="eagle",
-    aux_layers=0,
-    default_aux_layers=lambda n: [],
-    config=DraftConfig.from_target,  # the target's shapes (EagleDraft refuses another hidden size)
-    build=EagleDraft,
-    objective=EagleObjective,
-    catch_up=decoding.catch_up,
-    propose=decoding.propose,
-    formats=export.FORMATS,
-    export=export.build,
-    final_hidden=True,
     title="EAGLE-1/2",
-    engine_methods=(("vllm", "eagle"), ("sglang", "EAGLE")),
+    aux_layers=0,
+    default_aux_layers=no_aux_layers,
+    implementation="spec_cli.draft.eagle.implementation",
+    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle"),
+             ExportFormat("sglang", "SGLang", "sglang", "EAGLE")),
+    export_rules="spec_cli.export.eagle",
+    options=EagleOptions,
+    needs=frozenset({FINAL_HIDDEN, LM_HEAD}),
+    vllm_draft_class="vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM",
 )

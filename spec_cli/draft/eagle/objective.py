@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from spec_cli.draft.algorithm import Objective
+from spec_cli.draft.contract import Objective
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.losses import soft_cross_entropy

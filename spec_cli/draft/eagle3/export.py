@@ -18,7 +18,7 @@ import torch
 
 from spec_cli import __version__
 from spec_cli.artifacts.io import SCHEMA_VERSION
-from spec_cli.draft.algorithm import DTYPE_NAMES, Checkpoint, ExportFiles
+from spec_cli.draft.contract import DTYPE_NAMES, Checkpoint, ExportFiles
 from spec_cli.errors import ExportError
 
 FORMATS = ("vllm", "sglang", "speculators")

@@ -1,50 +1,48 @@
 """P-EAGLE (arXiv 2602.01469): an EAGLE-3 draft trained to propose all K tokens in one forward, with a
 learned mask aux state and a mask token standing in for the future; vLLM serves it with
 `"parallel_drafting": true` on an eagle3 speculative config (the speculators format: `peagle`).
-Everything spec_cli needs of it is the `PEAGLE` value below; `--ttt-steps` is its number of depths K."""
+Everything spec_cli needs of it is the `PEAGLE` value below (its code: implementation.py, loaded on
+first use); `--ttt-steps` is its number of depths K (it has no unroll: all depths run in one forward)."""
 
 from __future__ import annotations
 
-from spec_cli.draft.algorithm import Algorithm
-from spec_cli.draft.config import DraftConfig
+from dataclasses import dataclass
+
+from spec_cli.draft.algorithm import Algorithm, ExportFormat
 from spec_cli.draft.eagle3 import default_aux_layers
-from spec_cli.draft.peagle import decoding, export
-from spec_cli.draft.peagle.model import PEagleDraft
-from spec_cli.draft.peagle.objective import PEagleObjective
+from spec_cli.help import OBJECTIVE
+from spec_cli.options import FRACTION, option
+
+PARALLEL = (("parallel_drafting", True),)  # vLLM's speculative_config key for all depths in one forward
 
 
-def mask_token_id(target_config) -> int:
-    """The mask slots' token: the target's pad token, else its (first) eos token, else its last id.
-    Its embedding is the target's (frozen); what the draft learns for the mask slots is mask_hidden."""
-    text = getattr(target_config, "text_config", None) or target_config
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(text, name, None)
-        if value is None:
-            value = getattr(target_config, name, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None and 0 <= int(value) < text.vocab_size:
-            return int(value)
-    return int(text.vocab_size) - 1
-
-
-def config(target_config, draft_vocab_size: int, aux_layer_ids: list[int], **options) -> DraftConfig:
-    options.setdefault("mask_token_id", mask_token_id(target_config))
-    return DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, **options)
+@dataclass(frozen=True)
+class PEagleOptions:
+    """`spec train --algorithm peagle`'s own options (its objective: spec_cli/draft/peagle/objective.py)."""
+    cod_ratio: float = option(
+        0.7, "--cod-ratio", help="--algorithm peagle: depth d trains on max(r**d, --cod-min) of its valid "
+                                 "positions (COD sampling); --ttt-steps is the number of depths K.",
+        panel=OBJECTIVE, allowed=FRACTION)
+    cod_min: float = option(0.2, "--cod-min", help="--algorithm peagle: the floor of the COD share.",
+                            panel=OBJECTIVE, allowed=FRACTION)
+    peagle_segments: int = option(
+        1, "--peagle-segments", help="--algorithm peagle: split each batch's rows into this many segments, "
+                                     "each with its own forward and backward (less activation memory at long "
+                                     "rows; the same loss and gradients).", panel=OBJECTIVE, min=1,
+        resumable=True)
 
 
 PEAGLE = Algorithm(
     name="peagle",
+    title="P-EAGLE",
+    summary="all draft tokens in one forward",
     aux_layers=3,
     default_aux_layers=default_aux_layers,
-    config=config,
-    build=PEagleDraft,
-    objective=PEagleObjective,
-    catch_up=decoding.catch_up,
-    propose=decoding.propose,
-    formats=export.FORMATS,
-    export=export.build,
-    title="P-EAGLE",
-    engine_methods=(("vllm", "eagle3"),),
-    vllm_options=(("parallel_drafting", True),),
+    implementation="spec_cli.draft.peagle.implementation",
+    # SGLang has no parallel drafting: it would serve the draft as an EAGLE-3 chain
+    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle3", PARALLEL),
+             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3", PARALLEL)),
+    export_rules="spec_cli.export.eagle3",
+    options=PEagleOptions,
+    vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
 )

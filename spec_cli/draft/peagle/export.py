@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.draft.algorithm import Checkpoint, ExportFiles
+from spec_cli.draft.contract import Checkpoint, ExportFiles
 from spec_cli.draft.eagle3 import export as eagle3_export
 from spec_cli.errors import ExportError
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.batch import TargetBatch
-from spec_cli.draft.algorithm import Objective, ObjectiveOptions
+from spec_cli.draft.contract import Objective
 from spec_cli.draft.attention import Segments
 from spec_cli.draft.losses import step_loss, top1_correct
 from spec_cli.draft.peagle.model import PEagleDraft
@@ -132,7 +132,7 @@ def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int,
 class PEagleObjective(Objective):
     """The draft and its P-EAGLE loss behind one forward(batch, unit), so DDP can wrap it."""
 
-    def __init__(self, draft: PEagleDraft, options: ObjectiveOptions, activation_checkpointing: bool = False):
+    def __init__(self, draft: PEagleDraft, options, activation_checkpointing: bool = False):
         super().__init__()
         if options.loss not in LOSSES:
             raise ConfigError(f"--loss {options.loss} is not a per-element loss, and P-EAGLE's loss is a sum over "
