@@ -46,7 +46,8 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         name="spec",
         cls=Group,
-        help="Train EAGLE-3 speculative-decoding drafts for a target LLM and export them for vLLM/SGLang.",
+        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE) for a target LLM and export "
+             "them for vLLM/SGLang.",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,

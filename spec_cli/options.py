@@ -114,5 +114,5 @@ def option(default, *names: str, help: str, panel: str, parse=None, text: str | 
 
 
 def shared(default, resumable: bool = False):
-    """A field whose option every stage that takes it shares: declared once, in cli.py."""
+    """A field whose option every stage that takes it shares: declared once, in spec_cli/commands/options.py."""
     return field(default=default, metadata={"flag": None, "resumable": resumable, "allowed": None})

@@ -36,10 +36,17 @@ AuxLayers = Annotated[Optional[str], typer.Option(
                          "(e.g. 1,14,26). Default: the algorithm's; EAGLE-3: 1, N//2-1, N-4 for an "
                          "N-layer target.",
     rich_help_panel=INPUTS)]
-DraftAlgorithm = Annotated[str, typer.Option(
-    "--algorithm", help="The draft algorithm: eagle3 (EAGLE-3), eagle (EAGLE-1/2) or peagle (P-EAGLE, all "
-                        "draft tokens in one forward). It decides how many target layers are captured and "
-                        "which by default (--aux-layers).", rich_help_panel=INPUTS)]
+def algorithm_help() -> str:
+    """--algorithm's help: each registered algorithm by name, title and summary (spec_cli/draft/algorithms.py)."""
+    from spec_cli.draft.algorithms import ALGORITHMS  # (declarations only: no torch)
+
+    names = [f"{a.name} ({a.title}{', ' + a.summary if a.summary else ''})" for a in ALGORITHMS.values()]
+    listed = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    return (f"The draft algorithm: {listed}. It decides how many target layers are captured and which by "
+            "default (--aux-layers).")
+
+
+DraftAlgorithm = Annotated[str, typer.Option("--algorithm", help=algorithm_help(), rich_help_panel=INPUTS)]
 Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option(

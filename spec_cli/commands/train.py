@@ -1,14 +1,17 @@
 """`spec train`: train a draft (spec_cli.stages.train).
 
 Its flags are not declared in this file. Each is a field of one of the option dataclasses in
-spec_cli/stages/train_options.py (the groups of TrainConfig; `OPTIONS` there lists them in --help
-order): the field's metadata holds the flag's names, help, --help panel, checks and text parser.
+spec_cli/stages/train_options.py (the groups of TrainConfig) or of a draft algorithm's own options
+class (`Algorithm.options`, in the algorithm's package, e.g. spec_cli/draft/peagle/__init__.py);
+`train_options.all_options()` lists them in --help order. The field's metadata holds the flag's names,
+help, --help panel, checks and text parser (spec_cli/options.py).
 A field made with `shared(...)` is an option other commands take too; it is declared once, in
 spec_cli/commands/options.py, and `SHARED` below says which of those types train shows for it.
 Then come --config and -q, as on every command.
 
 `command()` turns these declarations into the command's parameters when spec_cli.cli.build_app()
-builds the app, so the flags are those declared at that moment, not when this module was imported.
+builds the app, so the flags are those declared at that moment (an algorithm registered in
+spec_cli/draft/algorithms.py brings its own), not when this module was imported.
 """
 
 from __future__ import annotations
@@ -39,14 +42,15 @@ SHARED = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers":
 
 
 def train_cmd(config=None, quiet=False, **options):
-    """Train a draft (EAGLE-3, or EAGLE-1/2 with --algorithm eagle) with the TTT unroll (multi-process:
+    """Train a draft: EAGLE-3, or another --algorithm (EAGLE-1/2, P-EAGLE) (multi-process:
     `torchrun --nproc-per-node N`)."""
     from spec_cli.stages import train as stage
     from spec_cli.ui import print_train_summary
 
     set_quiet(quiet)
+    declared = train_options.all_options()
     for name, value in options.items():  # text such as `4G` or `45m` -> the field's value
-        flag = train_options.OPTIONS[name].flag
+        flag = declared[name].flag
         if flag is not None and flag.parse is not None:
             options[name] = flag.parse(value, flag.names[0])
     result = stage.run(train_options.TrainConfig.from_options(**options))
@@ -62,7 +66,7 @@ def parameters() -> list[inspect.Parameter]:
     """`spec train`'s parameters: one per TrainConfig option, declared on its field
     (spec_cli/stages/train_options.py) or, for an option other stages share, in SHARED; then --config, -q."""
     params = []
-    for option in train_options.OPTIONS.values():
+    for option in train_options.all_options().values():
         flag, default = option.flag, option.default
         if flag is None:
             annotation = SHARED[option.name]

@@ -28,7 +28,7 @@ from spec_cli.draft.losses import acceptance_length, step_weights
 
 
 @dataclass
-class TTTOutput:
+class ObjectiveOutput:
     loss: torch.Tensor  # [] sum_k w_k * loss_k, for backward
     step_loss: torch.Tensor  # [K] each step's loss (mean over its supervised positions), detached
     correct: torch.Tensor  # [K] top-1 hits
@@ -44,11 +44,11 @@ class TTTOutput:
     def acceptance_length(self) -> torch.Tensor:
         return acceptance_length(self.accuracy)
 
-    def merge(self, outs: list["TTTOutput"]) -> "TTTOutput":
+    def merge(self, outs: list["ObjectiveOutput"]) -> "ObjectiveOutput":
         """The outputs of one batch's units (each a share of its loss and sums) as one (detached)."""
         def total(name):
             return torch.stack([getattr(o, name).detach() for o in outs]).sum(0)
-        return TTTOutput(**{name: total(name) for name in ("loss", "step_loss", "correct", "total", "supervised")})
+        return ObjectiveOutput(**{name: total(name) for name in ("loss", "step_loss", "correct", "total", "supervised")})
 
 
 def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ def positions(batch: TargetBatch) -> torch.Tensor:
 
 
 def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, supervised: torch.Tensor,
-           ttt_steps: int, step_weight: float, checkpoint: bool = False) -> TTTOutput:
+           ttt_steps: int, step_weight: float, checkpoint: bool = False) -> ObjectiveOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
     with the step). checkpoint: recompute each step's decoder layers and head in backward."""
@@ -122,5 +122,5 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
         correct.append(hits)
         total.append(scored.sum())
         counted.append(sup_b.new_tensor(sup_b.numel()))
-    return TTTOutput(loss=total_loss, step_loss=torch.stack(losses), correct=torch.stack(correct),
+    return ObjectiveOutput(loss=total_loss, step_loss=torch.stack(losses), correct=torch.stack(correct),
                      total=torch.stack(total), supervised=torch.stack(counted))

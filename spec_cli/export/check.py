@@ -196,7 +196,7 @@ def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
         ("fc_norm", view.fc_norm, c.fc_norm),
         ("norm_output", view.norm_output, c.norm_output),
     ]
-    if c.algorithm == "peagle" or view.parallel_drafting:
+    if c.mask_token_id is not None or view.parallel_drafting:  # a parallel-drafting (P-EAGLE) draft
         fields.append(("mask_token_id (parallel drafting)", view.mask_token_id, c.mask_token_id))
     problems = [f"{name} is {got} for the engine, {want} in training"
                 for name, got, want in fields if got != want]

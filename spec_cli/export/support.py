@@ -121,9 +121,6 @@ SGLANG_SERVED = frozenset({
 })
 SGLANG_NOT_SERVED = frozenset({"Gemma2ForCausalLM"})  # gemma2.py: no set_eagle3_layers_to_capture
 
-ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang"}
-
-
 @dataclass(frozen=True)
 class Support:
     engine: str  # "vLLM 0.32.0", "SGLang"
@@ -165,15 +162,15 @@ def sglang_support(architecture: str) -> Support:
                                    "python/sglang/srt/models", source)
 
 
-def support(fmt: str, architecture: str) -> Support:
-    """Does the serving engine that reads `fmt` serve an aux-reading draft for `architecture`?"""
+def support(engine: str, architecture: str) -> Support:
+    """Does `engine` (the serving engine a format is for: "vllm" or "sglang") serve an aux-reading draft
+    for `architecture`?"""
     if not architecture:
-        return Support(ENGINE_OF_FORMAT[fmt], None, "the checkpoint does not record the target's architecture",
-                       "the checkpoint")
-    return vllm_support(architecture) if ENGINE_OF_FORMAT[fmt] == "vllm" else sglang_support(architecture)
+        return Support(engine, None, "the checkpoint does not record the target's architecture", "the checkpoint")
+    return vllm_support(architecture) if engine == "vllm" else sglang_support(architecture)
 
 
-def alternatives(fmt: str, architecture: str) -> list[str]:
-    """Other formats whose engine is known to serve `architecture`."""
-    return [f for f in ENGINE_OF_FORMAT if ENGINE_OF_FORMAT[f] != ENGINE_OF_FORMAT[fmt]
-            and support(f, architecture).served]
+def alternatives(fmt, formats, architecture: str) -> list[str]:
+    """The names of the other `formats` (an algorithm's ExportFormats) whose serving engine is not
+    `fmt`'s and is known to serve `architecture`."""
+    return [f.name for f in formats if f.engine not in (None, fmt.engine) and support(f.engine, architecture).served]

@@ -110,8 +110,12 @@ def run(cfg: ExportConfig) -> ExportResult:
                           f"spec export writes no engine format for {algorithm.name} yet; evaluate the "
                           "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
-    if algorithm.aux_layers:  # the support tables: which target classes capture aux states per engine
-        support = check_support(fmt, src.config.target_architecture, cfg.allow_unsupported_target)
+    served_as = algorithm.format(fmt)
+    if served_as.engine is None:  # a format no serving engine reads: nothing to check against
+        support = engine_support.Support(format_title(fmt), True, "", f"no serving engine reads {fmt} folders")
+    elif algorithm.aux_layers:  # the support tables: which target classes capture aux states per engine
+        support = check_support(served_as, algorithm, src.config.target_architecture,
+                                cfg.allow_unsupported_target)
     else:  # a draft that reads only the target's final hidden state: any target of its shape
         support = engine_support.Support(format_title(fmt), True, "",
                                          f"{algorithm.title} needs no aux-state capture")
@@ -149,18 +153,22 @@ def run(cfg: ExportConfig) -> ExportResult:
                         engine_check_note=note, support=support)
 
 
-def check_support(fmt: str, architecture: str, allow: bool) -> engine_support.Support:
-    """Refuse (or, with --allow-unsupported-target, warn about) an export for an engine known not to
-    serve EAGLE-3 drafts for this target; warn where it is not known."""
-    verdict = engine_support.support(fmt, architecture)
+def check_support(fmt, algorithm, architecture: str, allow: bool) -> engine_support.Support:
+    """Refuse (or, with --allow-unsupported-target, warn about) an export for a serving engine known not
+    to serve aux-reading drafts for this target; warn where it is not known. `fmt` is the ExportFormat
+    asked for, of `algorithm`'s."""
+    formats = algorithm.formats
+    verdict = engine_support.support(fmt.engine, architecture)
     if verdict.served is True:
         return verdict
-    others = engine_support.alternatives(fmt, architecture)
-    instead = f"export --format {others[0]} ({engine_support.support(others[0], architecture).engine} serves " \
-              f"{architecture})" if others else ""
+    others = engine_support.alternatives(fmt, formats, architecture)
+    other = next((f for f in formats if others and f.name == others[0]), None)
+    instead = f"export --format {other.name} ({engine_support.support(other.engine, architecture).engine} serves " \
+              f"{architecture})" if other else ""
     if verdict.served is False and not allow:
-        raise ExportError(f"{verdict.engine} cannot serve an EAGLE-3 draft for this target: {verdict.reason} "
-                          f"(from {verdict.source})",
+        article = "an" if algorithm.title[:1] in "AEIOU" else "a"
+        raise ExportError(f"{verdict.engine} cannot serve {article} {algorithm.title} draft for this target: "
+                          f"{verdict.reason} (from {verdict.source})",
                           (f"{instead}, or " if instead else "") + "pass --allow-unsupported-target to write "
                           "it anyway (e.g. for vLLM's --model-impl transformers, or an engine release that "
                           "added support)")

@@ -300,12 +300,3 @@ def typed_options(ctx=None) -> set[str] | None:
         return None
     return {name for name in declared
             if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"}
-
-
-def __getattr__(name: str):
-    """OPTIONS / RESUMABLE as module attributes (computed when read: prefer all_options())."""
-    if name == "OPTIONS":
-        return all_options()
-    if name == "RESUMABLE":
-        return resumable_options()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.cli import main
 from spec_cli.console import set_quiet
 from spec_cli.engine import vllm
@@ -35,9 +36,10 @@ def test_support_answers_by_engine(monkeypatch):
     monkeypatch.setattr(vllm, "version", lambda: None)  # no vLLM installed: the table answers
     gemma = engine_support.support("vllm", "Gemma3ForCausalLM")
     assert gemma.served is False and "SupportsEagle3" in gemma.reason and "0.32.0" in gemma.engine
-    assert engine_support.support("speculators", "Gemma3ForCausalLM").served is False  # vLLM reads it
+    assert EAGLE3.format("speculators").engine == "vllm"  # vLLM reads it: the same answer
     assert engine_support.support("sglang", "Gemma3ForCausalLM").served is True
-    assert engine_support.alternatives("vllm", "Gemma3ForCausalLM") == ["sglang"]
+    assert engine_support.alternatives(EAGLE3.format("vllm"), EAGLE3.formats, "Gemma3ForCausalLM") == ["sglang"]
+    assert engine_support.alternatives(EAGLE3.format("sglang"), EAGLE3.formats, "Gemma3ForCausalLM") == []
     assert engine_support.support("vllm", "NoSuchForCausalLM").served is None
     assert engine_support.support("sglang", "NoSuchForCausalLM").served is None
 

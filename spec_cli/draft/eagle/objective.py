@@ -21,7 +21,7 @@ from spec_cli.draft.contract import Objective
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.losses import soft_cross_entropy
-from spec_cli.draft.unroll import TTTOutput, unroll
+from spec_cli.draft.unroll import ObjectiveOutput, unroll
 from spec_cli.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ def _head(draft, state, batch: TargetBatch, b, t, k: int, feature_weight: float,
 
 
 def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: float = 0.8,
-                  feature_weight: float = 1.0, token_weight: float = 0.1, checkpoint: bool = False) -> TTTOutput:
+                  feature_weight: float = 1.0, token_weight: float = 0.1, checkpoint: bool = False) -> ObjectiveOutput:
     if batch.final_hidden is None:
         raise ConfigError("EAGLE-1/2 trains on the target's final hidden states and this supervision has "
                           "none", "train from a `spec precompute --algorithm eagle` cache, a live --target "

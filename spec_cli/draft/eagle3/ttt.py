@@ -15,7 +15,7 @@ from functools import partial
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.draft.losses import LOSSES, step_loss, top1_correct
-from spec_cli.draft.unroll import TTTOutput, unroll
+from spec_cli.draft.unroll import ObjectiveOutput, unroll
 
 
 def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl_scale, kl_decay):
@@ -29,7 +29,7 @@ def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl
 
 def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step_weight: float = 0.8,
                 loss: str = "soft-ce", lk_kl_scale: float = 1.0, lk_kl_decay: float = 1.0,
-                checkpoint: bool = False) -> TTTOutput:
+                checkpoint: bool = False) -> ObjectiveOutput:
     """Unroll the draft for `ttt_steps` steps on one batch; returns the weighted loss and metrics.
 
     checkpoint: recompute each step's decoder layers and its head/loss in backward (for long rows);

@@ -16,7 +16,7 @@ its whole rollout below it. Evaluation keeps every valid element (exact metrics,
 Loss. Every supervised element (position_mask) contributes its per-element loss (soft-CE, i.e. KL
 up to the target's entropy, or lk-alpha's -log alpha); the batch loss is their sum over
 `total_den`, the batch's supervised element count over all depths. Per depth, `step_loss` is that
-depth's mean, `correct` / `total` the top-1 hits over its loss_mask elements (sums, as TTTOutput).
+depth's mean, `correct` / `total` the top-1 hits over its loss_mask elements (sums, as ObjectiveOutput).
 
 Segments (--peagle-segments P > 1). The row's slots are cut into P equal ranges; a depth-0 element
 and a depth-1 element belong to the range holding their position (anchor + depth), a deeper element
@@ -39,7 +39,7 @@ from spec_cli.draft.contract import Objective
 from spec_cli.draft.attention import Segments
 from spec_cli.draft.losses import step_loss, top1_correct
 from spec_cli.draft.peagle.model import PEagleDraft
-from spec_cli.draft.unroll import TTTOutput, doc_remaining, positions, shift_left
+from spec_cli.draft.unroll import ObjectiveOutput, doc_remaining, positions, shift_left
 from spec_cli.errors import ConfigError
 
 LOSSES = ("soft-ce", "lk-alpha")  # per-element losses: they add up over elements (lk-lambda does not)
@@ -156,13 +156,13 @@ class PEagleObjective(Objective):
         supervised = valid & torch.stack([shift_left(batch.position_mask, d).bool() for d in range(self.depths)])
         return split(rollouts, valid, supervised, self.options.peagle_segments if sample else 1)
 
-    def forward(self, batch: TargetBatch, unit: Unit | None = None) -> TTTOutput:
+    def forward(self, batch: TargetBatch, unit: Unit | None = None) -> ObjectiveOutput:
         if unit is None:  # one forward over the whole batch (evaluation, direct calls)
             unit = self.plan(batch)
             unit = unit[0] if len(unit) == 1 else split_back(unit)
         return self._run(batch, unit)
 
-    def _run(self, batch: TargetBatch, unit: Unit) -> TTTOutput:
+    def _run(self, batch: TargetBatch, unit: Unit) -> ObjectiveOutput:
         draft, K, end = self.draft, self.depths, unit.end
         position_ids = positions(batch)
         bias = Segments.from_seq_lens(clip_seq_lens(batch.seq_lens, end), end) if batch.seq_lens is not None \
@@ -190,7 +190,7 @@ class PEagleObjective(Objective):
             correct.append(hits)
             scored.append(rows.new_tensor(rows.numel()))
             counted.append(rows.new_tensor(int(supervised.sum())))
-        return TTTOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
+        return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
                          total=torch.stack(scored), supervised=torch.stack(counted))
 
 
