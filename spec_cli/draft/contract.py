@@ -10,6 +10,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from spec_cli import __version__
+from spec_cli.artifacts.io import SCHEMA_VERSION
 from spec_cli.draft.config import DraftConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,6 +48,23 @@ class ExportFiles:
     engine_aux_ids: list[int]  # as written, in the engine's convention (and its concatenation order)
     aux_layer_outputs: list[int]  # the same layers in spec_cli's convention, in that order
     num_speculative_tokens: int
+
+
+def provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
+    """config.json's `spec_cli` block: what spec_cli knows about an export (serving engines ignore this
+    key; `spec export --overwrite`, `spec inspect` and `spec eval` read it). Every writer puts it there."""
+    c = src.config
+    return {
+        "kind": "draft_export", "format": fmt, "algorithm": src.config.algorithm, "schema_version": SCHEMA_VERSION, "version": __version__,
+        "checkpoint": str(src.checkpoint), "step": src.step, "dtype": DTYPE_NAMES[dtype],
+        "aux_layer_outputs": list(c.aux_layer_ids), "target_num_layers": c.target_num_layers,
+        "target": src.target, "target_architecture": c.target_architecture,
+        "target_fingerprint": c.target_fingerprint, "tokenizer_fingerprint": c.tokenizer_fingerprint,
+        "chat_template_sha256": c.chat_template_sha256, "chat_template_source": c.chat_template_source,
+        "tokenizer_base_fingerprint": c.tokenizer_base_fingerprint,
+        "rope_source": c.rope_source,
+        "vocab_map_fingerprint": c.vocab_map_fingerprint,
+    }
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.draft.contract import Checkpoint, ExportFiles
-from spec_cli.draft.eagle3.export import SERVING_STEPS, llama_layer, provenance
+from spec_cli.draft.contract import Checkpoint, ExportFiles, provenance
+from spec_cli.draft.eagle3.export import SERVING_STEPS, llama_layer
 from spec_cli.errors import ExportError
 
 FORMATS = ("vllm", "sglang")

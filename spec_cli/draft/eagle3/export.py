@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli import __version__
-from spec_cli.artifacts.io import SCHEMA_VERSION
-from spec_cli.draft.contract import DTYPE_NAMES, Checkpoint, ExportFiles
+from spec_cli.draft.contract import DTYPE_NAMES, Checkpoint, ExportFiles, provenance
 from spec_cli.errors import ExportError
 
 FORMATS = ("vllm", "sglang", "speculators")
@@ -273,20 +271,4 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
             "verifier": {"name_or_path": src.target or "TARGET",
                          "architectures": [c.target_architecture] if c.target_architecture else []},
         },
-    }
-
-
-def provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
-    """What spec_cli knows about the export (the engines ignore this key)."""
-    c = src.config
-    return {
-        "kind": "draft_export", "format": fmt, "algorithm": src.config.algorithm, "schema_version": SCHEMA_VERSION, "version": __version__,
-        "checkpoint": str(src.checkpoint), "step": src.step, "dtype": DTYPE_NAMES[dtype],
-        "aux_layer_outputs": list(c.aux_layer_ids), "target_num_layers": c.target_num_layers,
-        "target": src.target, "target_architecture": c.target_architecture,
-        "target_fingerprint": c.target_fingerprint, "tokenizer_fingerprint": c.tokenizer_fingerprint,
-        "chat_template_sha256": c.chat_template_sha256, "chat_template_source": c.chat_template_source,
-        "tokenizer_base_fingerprint": c.tokenizer_base_fingerprint,
-        "rope_source": c.rope_source,
-        "vocab_map_fingerprint": c.vocab_map_fingerprint,
     }
