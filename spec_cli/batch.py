@@ -3,7 +3,7 @@
 The one contract every part shares (target backends, the server and its client, streaming, the
 draft's TTT loss), so it sits at the top of the package and imports nothing from spec_cli.
 
-Alignment (DESIGN.md): aux hidden states stay position-aligned; input_ids, loss_mask and everything
+Alignment (docs/eagle.md, "Supervision: alignment"): aux hidden states stay position-aligned; input_ids, loss_mask and everything
 derived from the target's logits are shifted left by one, so at position t the draft sees the target's
 state after token t together with token t+1, and learns the target's distribution for token t+2.
 The last position of each row, which has nothing to shift in, is padding (loss_mask 0).

@@ -16,7 +16,7 @@ def eval_cmd(
     target: Target,
     draft: Annotated[Path, typer.Option(
         "--draft", help="A `spec train` run folder (its latest checkpoint), a checkpoints/step-* folder, or "
-                        "a `spec export` folder of any format (read as the engine reads it).",
+                        "a `spec export` folder of any format (read as its serving engine reads it).",
         rich_help_panel=INPUTS)],
     prompts: Annotated[str, typer.Option(
         "--prompts", "-p", help="`mt-bench` (built-in, 2 turns each) or a chat data file (the user turns of "

@@ -1,4 +1,4 @@
-"""`spec export`: a draft checkpoint as a folder an engine serves (spec_cli.stages.export)."""
+"""`spec export`: a draft checkpoint as a folder a serving engine reads as is (spec_cli.stages.export)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              target's output head, copied into the draft), or a per-token field of its
                              own (`target_fields` of its implementation); every backend fills
                              TargetBatch.extras with what was asked
-    formats                  the engine formats `spec export` writes for it (ExportFormat: which engine
+    formats                  the export formats `spec export` writes for it (ExportFormat: which engine
                              reads it, what that engine calls such drafts)
     implementation           the module (torch) holding the code, loaded on first use:
         config(target_config, draft_vocab_size, aux_layer_ids, **overrides) -> DraftConfig

@@ -43,7 +43,7 @@ class LoadedDraft:
 
 
 def is_export(path: Path) -> bool:
-    """An engine folder: config.json + model.safetensors, and no spec_cli checkpoint files."""
+    """An export folder: config.json + model.safetensors, and no spec_cli checkpoint files."""
     path = Path(path)
     return ((path / "config.json").is_file() and (path / "model.safetensors").is_file()
             and not (path / "trainer_state.json").is_file())

@@ -82,13 +82,13 @@ def resolve_mode(mode: str | None, fmt) -> str:
 
 
 def refuse_unservable(target_config) -> None:
-    """Refuse, in vLLM's words, a target whose vLLM model class cannot feed an EAGLE-3 draft."""
+    """Refuse, in vLLM's words, a target whose vLLM model class cannot feed a draft that reads aux states (EAGLE-3, P-EAGLE)."""
     from spec_cli.engine import vllm
 
     arch = (getattr(target_config, "architectures", None) or [""])[0]
     ok, why = vllm.target_supports_eagle3(arch)
     if not ok:
-        raise ArtifactError(f"vLLM cannot serve an EAGLE-3 draft for this target: {why}",
+        raise ArtifactError(f"vLLM cannot serve a draft that reads aux states (EAGLE-3, P-EAGLE) for this target: {why}",
                             "export for another engine (--format sglang), or --engine-check none to write it "
                             "anyway")
 

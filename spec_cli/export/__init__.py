@@ -1,4 +1,4 @@
-"""Engine formats: a draft checkpoint -> a folder vLLM or SGLang serves as is.
+"""Export formats: a draft checkpoint -> a folder a serving engine (vLLM, SGLang) serves as is.
 
 Each draft algorithm writes its own formats (`Algorithm.export`, e.g. spec_cli/draft/eagle3/export.py)
 and names the module that reads them back (`Algorithm.export_rules`: eagle3.py for EAGLE-3 and P-EAGLE,

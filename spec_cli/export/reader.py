@@ -1,4 +1,4 @@
-"""An export folder read the way its engine reads it, with the tables of engines.py: the one reader of
+"""An export folder read the way its serving engine reads it, with the tables of engines.py: the one reader of
 the export's self-check (check.py) and of `spec eval --draft EXPORT` (eval/drafts.py).
 
     read          config.json -> the engine's view of the draft; every file key routed as the engine's

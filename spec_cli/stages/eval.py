@@ -127,7 +127,7 @@ def _validate(cfg: EvalConfig) -> None:
     if cfg.engine not in ENGINES:
         raise ConfigError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}", "e.g. --engine vllm")
     if cfg.engine == "vllm" and cfg.topk > 1:
-        raise ConfigError("vLLM serves EAGLE-3 drafts as a chain of num_speculative_tokens here, not an "
+        raise ConfigError("vLLM serves drafts as a chain of num_speculative_tokens here, not an "
                           "EAGLE-2 tree", "use --topk 1 with --engine vllm (or --engine torch for trees)")
 
 

@@ -1,6 +1,6 @@
 """`spec export`: write a draft checkpoint as a folder vLLM or SGLang serves as is, and prove it.
 
-The folder is built beside -o, read back with the engine's loading rules and compared with the
+The folder is built beside -o, read back with its serving engine's loading rules and compared with the
 checkpoint (the self-check, on by default), checked by vLLM itself when it is installed (the engine
 check: vLLM loads the folder and its acceptance counts must match the checkpoint's), and only then
 renamed to -o. A failure leaves -o as it was and nothing else behind.
@@ -58,7 +58,7 @@ class ExportResult:
     seconds: float
     engine_check: engine.EngineCheckReport | None = None
     engine_check_note: str = ""  # why the engine check did not run
-    support: engine_support.Support | None = None  # does the engine serve EAGLE-3 for this target
+    support: engine_support.Support | None = None  # does the serving engine serve this draft for this target
 
     def summary_rows(self) -> list[tuple[str, object]]:
         rows = [("format", format_title(self.format)),
@@ -183,7 +183,7 @@ def _support_row(verdict: engine_support.Support | None) -> str:
     if verdict.served and verdict.source.endswith("needs no aux-state capture"):
         return f"{verdict.engine} serves {verdict.source.split(' needs')[0]} drafts beside any target ({verdict.source})"
     if verdict.served:
-        return f"{verdict.engine} serves EAGLE-3 drafts for this target ({verdict.source})"
+        return f"{verdict.engine} serves aux-reading drafts for this target ({verdict.source})"
     return f"WARNING: {verdict.reason} ({verdict.source})"
 
 

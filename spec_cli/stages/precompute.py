@@ -52,7 +52,7 @@ class PrecomputeConfig:
     dtype: str | None = None
     storage_dtype: str | None = None  # bf16 | fp16 | fp32: the float features on disk; None: the model dtype
     resume: bool = True
-    target_engine: str = "transformers"  # or vllm: the same cache (identity), another engine
+    target_engine: str = "transformers"  # or vllm: the same cache (identity), another target engine
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
@@ -292,7 +292,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
                 "tokenizer_base_fingerprint": loading.tokenizer_fingerprint(tokenizer, chat_template=None),
             }, entries)
         distributed.barrier()
-    finally:  # also on an error or Ctrl-C: the engine holds the model (vLLM also its KV cache)
+    finally:  # also on an error or Ctrl-C: the target engine holds the model (vLLM also its KV cache)
         if backend is not None:
             backend.close()
         if cfg.target_engine == "transformers":  # vLLM replaces torch.set_num_threads once loaded

@@ -1,4 +1,4 @@
-"""`spec train`: train a draft (EAGLE-3; EAGLE-1/2 with --algorithm eagle) with the TTT unroll.
+"""`spec train`: train a draft of any registered --algorithm (EAGLE-3 by default, EAGLE-1/2, P-EAGLE).
 
 Supervision comes from a feature cache (`--cache`), a live target (`--target`) or served targets
 (`--remote`), all through the TargetBackend interface (train_sources.py). The batch plan is fixed up
@@ -178,7 +178,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
 # ----------------------------------------------------------------------------- setup
 
 def _start(cfg: TrainConfig) -> torch.device:
-    """This process's device (torchrun: its rank's), the process group, the seed; an engine check."""
+    """This process's device (torchrun: its rank's), the process group, the seed; a --target-engine check."""
     device = distributed.local_device(loading.choose_device(cfg.runtime.device))
     distributed.init(device)
     torch.manual_seed(cfg.optim.seed)

@@ -1,4 +1,4 @@
-"""The TTT unroll against an independent, slow reference written from DESIGN.md.
+"""The TTT unroll against an independent, slow reference written from docs/eagle.md ("TTT unroll").
 
 The reference reads the draft's weights by their engine names and recomputes everything plainly:
 full [B, h, T, T + k] scores per step (SpecForge's `cache_hidden` recurrence, positions t + k at
