@@ -48,10 +48,10 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
     if src.target is None:
         lines += ["Replace `TARGET` with the target model the draft was trained for (see below).", ""]
     unknown = "unknown"
-    lines += [f"`{steps}` draft tokens per step; the draft was trained with a "
-              f"{src.ttt_steps or unknown}-step TTT unroll, so deeper settings see states it never "
-              "trained on.",
-              "", "## Target", "",
+    lines += [f"`{steps}` draft tokens per step; the draft was trained with --ttt-steps "
+              f"{src.ttt_steps or unknown}, so deeper settings see states it never trained on.", ""]
+    lines += getattr(algorithms.get(c.algorithm).code, "readme_lines", lambda src, files: [])(src, files)
+    lines += ["## Target", "",
               f"- architecture: `{c.target_architecture or unknown}`, {c.target_num_layers} decoder layers, "
               f"hidden size {c.target_hidden_size}, vocab {c.vocab_size}",
               f"- path: `{src.target or unknown}`",

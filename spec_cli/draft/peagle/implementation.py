@@ -34,3 +34,12 @@ objective = PEagleObjective
 catch_up = decoding.catch_up
 propose = decoding.propose
 export = writer.build
+
+
+def readme_lines(src, files) -> list[str]:
+    """The export README's words on serving a P-EAGLE draft (spec_cli/export/readme.py asks)."""
+    return ["## Parallel drafting", "",
+            f"vLLM proposes all {files.num_speculative_tokens} draft tokens in one forward of this draft "
+            "(`\"parallel_drafting\": true` in the speculative config above), the target's token "
+            f"{src.config.mask_token_id} standing in for the ones not yet drafted. SGLang has no parallel "
+            "drafting, so no SGLang format is written.", ""]

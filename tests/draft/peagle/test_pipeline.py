@@ -195,6 +195,7 @@ def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
     config = json.loads((exports / fmt / "config.json").read_text())
     assert config["mask_token_id"] == src.config.mask_token_id
     readme = (exports / fmt / "README.md").read_text()
+    assert "## Parallel drafting" in readme and f"token {src.config.mask_token_id} standing in" in readme
     if fmt == "vllm":
         assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
         assert '"method": "eagle3"' in readme and '"parallel_drafting": true' in readme
