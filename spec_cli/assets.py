@@ -184,6 +184,19 @@ def ensure_all(install: bool = True) -> dict[str, Path]:
             "mt-bench": ensure_mtbench(install)}
 
 
+def installed(home: Path | None = None) -> dict[str, Path]:
+    """The assets `ensure_all` put under `home` (default SPEC_HOME), by path: found, never installed,
+    converted or written (a reader that must leave that home as it is)."""
+    folder = (home if home is not None else spec_home()) / "assets"
+    found = {"smollm2": folder / TARGETS["smollm2"], "sharegpt": folder / DATASETS["sharegpt"],
+             "mt-bench": folder / DATASETS["mt-bench"]}
+    missing = [name for name, path in found.items()
+               if not (path / "config.json" if name == "smollm2" else path).is_file()]
+    if missing:
+        raise AssetError(f"{', '.join(missing)} not installed in {folder}", "run `spec assets`")
+    return found
+
+
 def resolve_target_arg(target: str) -> str:
     """`smollm2` / `gemma3-270m` name the built-in targets; anything else is a path."""
     key = target.lower()

@@ -12,25 +12,27 @@ import pytest
 from tests import tiny
 
 
+# The user's SPEC_HOME (where `spec assets` installed the built-in assets), read before any test sets its own.
+USER_HOME = Path(os.environ.get("SPEC_HOME") or Path.home() / ".cache" / "spec_cli").expanduser()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _no_engine_check():
-    """Exports skip vLLM's engine check (auto when vLLM is installed: seconds per export, and the tiny
-    targets' head_dim 8 is not one vLLM's CPU kernels run), module fixtures included; the engine tests
-    turn it back on."""
-    previous = os.environ.get("SPEC_ENGINE_CHECK")
-    os.environ["SPEC_ENGINE_CHECK"] = "none"
+def _session_env(tmp_path_factory):
+    """For the whole run, module fixtures included: a SPEC_HOME of the tests' own (never the user's), no
+    model hub, and exports skip vLLM's engine check (auto when vLLM is installed: seconds per export,
+    and the tiny targets' head_dim 8 is not one vLLM's CPU kernels run); the engine tests turn it back on."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("session_home")))
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("SPEC_ENGINE_CHECK", "none")
     yield
-    if previous is None:
-        os.environ.pop("SPEC_ENGINE_CHECK", None)
-    else:
-        os.environ["SPEC_ENGINE_CHECK"] = previous
+    mp.undo()
 
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch, request):
     """Every test gets its own SPEC_HOME (the tokenisation cache lives there)."""
     monkeypatch.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("spec_home")))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     if request.node.get_closest_marker("engine") is not None:
         monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")
 
@@ -90,39 +92,41 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
 
 
-REAL_HOME = Path(os.environ.get("SPEC_HOME") or Path.home() / ".cache" / "spec_cli")
+def _stats(paths) -> dict[str, tuple[int, int]]:
+    """Every file under `paths` -> (size, mtime)."""
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in files}
 
 
 @pytest.fixture(scope="session")
 def real_assets() -> dict[str, Path]:
-    """The built-in SmolLM2 / ShareGPT / MT-bench, installed by `spec assets` into the user's SPEC_HOME
-    (the install step; read only from then on). Tests pass these paths explicitly and write everything
-    else (tokenisation caches, conversions, runs) into their own temporary SPEC_HOME."""
-    from spec_cli.cli import main
+    """The built-in SmolLM2 / ShareGPT / MT-bench that `spec assets` (the install step, before the tests)
+    put in the user's SPEC_HOME, by path: resolved once, without writing, and only read from then on (the
+    run fails if a test changed them). Tests pass these paths; what they write goes to their own home.
+    {"target", "sharegpt", "mt-bench"} -> path."""
+    from spec_cli import assets
+    from spec_cli.errors import AssetError
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(REAL_HOME))
     try:
-        assert main(["assets", "-q"]) == 0
-    finally:
-        mp.undo()
-    folder = REAL_HOME / "assets"
-    return {"home": REAL_HOME, "target": folder / "SmolLM2-135M-Instruct", "sharegpt": folder / "sharegpt.jsonl",
-            "mt-bench": folder / "mt_bench.jsonl"}
+        found = assets.installed(USER_HOME)
+    except AssetError as exc:
+        pytest.fail(f"the real-model tests read the installed assets: {exc}; run `spec assets` first")
+    before = _stats(found.values())
+    yield {"target": found["smollm2"], "sharegpt": found["sharegpt"], "mt-bench": found["mt-bench"]}
+    assert _stats(found.values()) == before, "a test changed the installed assets"
 
 
-def home_snapshot() -> dict[str, int]:
-    """Every file under the user's SPEC_HOME with its mtime (the real-model tests must leave it as is)."""
-    if not REAL_HOME.is_dir():
-        return {}
-    return {str(p.relative_to(REAL_HOME)): p.stat().st_mtime_ns for p in REAL_HOME.rglob("*") if p.is_file()}
+@pytest.fixture
+def real_home(real_assets) -> Path:
+    """This test's own SPEC_HOME with the installed assets linked in (read only), so the built-in names
+    (`-t smollm2`, `mt-bench`) resolve to them without installing or writing anything."""
+    from spec_cli import assets
+    from spec_cli.paths import spec_home
 
-
-@pytest.fixture(scope="module")
-def untouched_real_home(real_assets):
-    """Module fixture: fails the module's last test if anything under the user's SPEC_HOME changed."""
-    before = home_snapshot()
-    yield
-    after = home_snapshot()
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    assert not changed, f"tests wrote into the user's SPEC_HOME: {changed[:5]}"
+    home = spec_home()
+    assert home.resolve() != USER_HOME.resolve()
+    (home / "assets").mkdir(parents=True, exist_ok=True)
+    for name, key in ((assets.TARGETS["smollm2"], "target"), (assets.DATASETS["sharegpt"], "sharegpt"),
+                      (assets.DATASETS["mt-bench"], "mt-bench")):
+        (home / "assets" / name).symlink_to(real_assets[key])
+    return home

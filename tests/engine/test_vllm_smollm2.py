@@ -13,8 +13,8 @@ import torch
 from spec_cli.cli import main
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.engine, pytest.mark.real, pytest.mark.slow,  # trains and serves SmolLM2 (minutes)
-              pytest.mark.usefixtures("untouched_real_home")]
+pytestmark = [pytest.mark.engine, pytest.mark.real, pytest.mark.slow]  # trains and serves SmolLM2 (minutes)
+
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, real_assets):

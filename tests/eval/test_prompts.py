@@ -7,7 +7,8 @@ from spec_cli.eval import prompts
 from tests.conftest import write_jsonl
 
 
-def test_mt_bench_is_80_two_turn_questions_in_8_categories():
+@pytest.mark.real
+def test_mt_bench_is_80_two_turn_questions_in_8_categories(real_home):
     convs = prompts.load_conversations("mt-bench")
     assert len(convs) == 80 and all(len(c.turns) == 2 for c in convs)
     assert len({c.category for c in convs}) == 8

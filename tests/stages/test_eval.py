@@ -129,7 +129,8 @@ def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(train
     assert "frozen weights: frozen.safetensors" in capsys.readouterr().out
 
 
-def test_eval_tree_on_mt_bench_with_default_output(trained, capsys):
+@pytest.mark.real  # the installed MT-bench
+def test_eval_tree_on_mt_bench_with_default_output(trained, real_home, capsys):
     _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "2",
            "--max-new-tokens", "8", "--depth", "2", "--topk", "2", "--num-tokens", "5"])
     out = trained["root"] / "export-eval"  # beside the export, which stays exactly what engines load
@@ -181,7 +182,8 @@ def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     assert "was made for a target with layers 8 (the target has 6)" in err and "re-export" not in err
 
 
-def test_inspect_describes_every_folder_the_pipeline_writes(trained, tmp_path, capsys):
+@pytest.mark.real  # the installed MT-bench
+def test_inspect_describes_every_folder_the_pipeline_writes(trained, real_home, tmp_path, capsys):
     """Run, checkpoint, export (and its model.safetensors) and eval folders, as the README promises."""
     _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "1",
            "--max-new-tokens", "4", "-o", str(tmp_path / "ev")])
