@@ -1,7 +1,8 @@
-"""Pinned numbers of a short `spec train` run (torchtune-style recipe test): a tiny peaked Llama
-target, a feature cache, fixed seed, CPU fp32, one thread. Every logged loss, per-step loss and
-accuracy of 8 optimizer steps is compared with values recorded from this code, so a refactor or an
-"equivalent" kernel that moves any training number fails here, whichever path it shifts.
+"""Pinned numbers of short `spec train` runs (torchtune-style recipe test), one per algorithm (EAGLE-3 on
+rows and packed, EAGLE-1/2, P-EAGLE): a tiny peaked Llama target, a feature cache made for the
+algorithm, fixed seed, CPU fp32, one thread. Every logged loss, per-step loss and accuracy of 8
+optimizer steps is compared with values recorded from this code, so a refactor or an "equivalent"
+kernel that moves any training number fails here, whichever path and algorithm it shifts.
 
 The values come from torch 2.13.0+cpu. If a deliberate change moves them (a new loss, a fixed bug),
 rerun with SPEC_PRINT_RECIPE=1, check the new numbers are what the change should give, paste them
@@ -21,13 +22,26 @@ from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RUNS = {  # name -> extra CLI options
-    "rows": [],
-    "packed": ["--pack", "--batch-tokens", "256"],
+RUNS = {  # name -> (algorithm, extra CLI options)
+    "rows": ("eagle3", ["--fc-norm"]),
+    "packed": ("eagle3", ["--fc-norm", "--pack", "--batch-tokens", "256"]),
+    "eagle": ("eagle", ["--algorithm", "eagle"]),
+    "peagle": ("peagle", ["--algorithm", "peagle"]),
 }
+DRAFT_VOCAB = {"eagle3": 96, "eagle": 400, "peagle": 96}  # EAGLE-1/2 drafts from the target's whole vocabulary
 
-# name -> per logged step: (step, loss, step_loss[0..2], acc[0..2])
+# name -> per logged step: (step, loss, step_loss[0..2], acc[0..2]) (P-EAGLE: per draft position)
 PINNED = {
+    'eagle': [
+        (1, 1.0930949, 1.1435821, 1.0661098, 1.0479403, 0.0, 0.0116279, 0.0),
+        (2, 1.017095, 1.0429542, 1.0131462, 0.9816262, 0.040404, 0.010101, 0.0),
+        (3, 1.0099792, 1.0919137, 0.9525468, 0.9537472, 0.0508475, 0.0508475, 0.0),
+        (4, 1.0083238, 1.1061151, 0.9420611, 0.9383532, 0.010989, 0.021978, 0.0),
+        (5, 0.864008, 0.9345679, 0.8067552, 0.8253242, 0.0576923, 0.1346154, 0.1538462),
+        (6, 0.9121346, 1.0068377, 0.8473845, 0.845099, 0.0724638, 0.1304348, 0.1884058),
+        (7, 0.7788401, 0.8312981, 0.7373321, 0.7487593, 0.1230769, 0.2153846, 0.2153846),
+        (8, 0.8577029, 0.9393097, 0.7968585, 0.8062476, 0.0526316, 0.0526316, 0.0526316),
+    ],
     'packed': [
         (1, 4.4717636, 4.6670361, 4.3896313, 4.2693167, 0.0, 0.0, 0.0),
         (2, 4.1937151, 4.1868358, 4.1549587, 4.2529097, 0.0106383, 0.0212766, 0.0),
@@ -37,6 +51,16 @@ PINNED = {
         (6, 3.4969552, 3.6951625, 3.3777192, 3.3363016, 0.0540541, 0.0810811, 0.0810811),
         (7, 3.7576694, 3.7980106, 3.7520764, 3.7016273, 0.0657895, 0.0657895, 0.0657895),
         (8, 3.6457655, 3.7917783, 3.5834906, 3.4954646, 0.04, 0.04, 0.04),
+    ],
+    'peagle': [
+        (1, 4.7356958, 4.6620026, 4.772438, 4.8325891, 0.0, 0.0, 0.0),
+        (2, 3.7635143, 3.5173118, 4.0262761, 4.0641847, 0.0606061, 0.0, 0.0),
+        (3, 3.7611308, 3.9502861, 3.8815727, 2.9871371, 0.0508475, 0.0731707, 0.0714286),
+        (4, 4.4765139, 4.5490975, 4.4153066, 4.4364963, 0.010989, 0.015873, 0.0227273),
+        (5, 3.9767604, 3.9962366, 3.6919053, 4.2987461, 0.0384615, 0.0555556, 0.0),
+        (6, 3.9976623, 4.1912413, 3.9694796, 2.7553384, 0.0144928, 0.0212766, 0.030303),
+        (7, 3.5597916, 3.6809688, 3.141993, 4.8005447, 0.0461538, 0.0666667, 0.0),
+        (8, 4.2245412, 4.0699015, 4.1575985, 5.2655101, 0.0526316, 0.0384615, 0.0),
     ],
     'rows': [
         (1, 4.4058199, 4.351243, 4.3634233, 4.5440936, 0.0, 0.0, 0.0),
@@ -62,27 +86,31 @@ def recipe_cache(tmp_path_factory, tiny_llama_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "96",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "--batch-tokens", "256", "-q"]) == 0
+        for size in sorted(set(DRAFT_VOCAB.values())):
+            assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(size),
+                         "-o", str(root / f"vm-{size}.safetensors"), "-q"]) == 0
+        for algorithm, size in DRAFT_VOCAB.items():
+            assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(root / f"vm-{size}.safetensors"),
+                         "-o", str(root / f"cache-{algorithm}"), "--algorithm", algorithm, "--batch-tokens", "256",
+                         "-q"]) == 0
     finally:
         mp.undo()
     return root
 
 
-def _train(root, out, extra) -> list[tuple]:
-    assert main(["train", "--cache", str(root / "cache"), "-v", str(root / "vm.safetensors"), "-o", str(out),
-                 "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "8", "--log-every", "1",
+def _train(root, out, algorithm, extra) -> list[tuple]:
+    assert main(["train", "--cache", str(root / f"cache-{algorithm}"), "-v",
+                 str(root / f"vm-{DRAFT_VOCAB[algorithm]}.safetensors"),
+                 "-o", str(out), "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "8", "--log-every", "1",
                  "--eval-every", "0", "--save-every", "100", "--eval-fraction", "0", "--seed", "0",
-                 "--fc-norm", "--device", "cpu", "--dtype", "fp32", "-q", *extra]) == 0
+                 "--device", "cpu", "--dtype", "fp32", "-q", *extra]) == 0
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"], *r["step_loss"], *r["acc"]) for r in records if r.get("split") == "train"]
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_training_numbers_are_pinned(recipe_cache, tmp_path, name):
-    got = _train(recipe_cache, tmp_path / name, RUNS[name])
+    got = _train(recipe_cache, tmp_path / name, *RUNS[name])
     if os.environ.get("SPEC_PRINT_RECIPE"):
         print(f"\n    {name!r}: [\n" + "".join(f"        {tuple(round(x, 7) for x in row)!r},\n" for row in got)
               + "    ],")
