@@ -40,9 +40,9 @@ ENCODINGS = ("hidden", "probs")
 # Keys that must match for a cache to be resumed or trained from, in the order they are reported.
 IDENTITY_KEYS = ("target_fingerprint", "chat_template_sha256", "tokenizer_fingerprint", "vocab_map_fingerprint",
                  "aux_layers", "encoding", "dtype", "storage_dtype", "data_fingerprint", "max_length",
-                 "batch_tokens", "shard_tokens", "extra_fields")
-# Keys recorded only when they hold something, and their value when absent: the per-token fields a draft
-# algorithm asked for beyond the built-in supervision (name -> width; stored as `extra.NAME`).
+                 "batch_tokens", "shard_tokens")
+# Identity keys recorded only when they hold something, and their value when absent: the per-token
+# fields a draft algorithm asked for beyond the built-in supervision (name -> width; `extra.NAME`).
 IDENTITY_ABSENT = {"extra_fields": {}}
 # Keys a cache written before they existed may lack; the keys after them cover them (the tokenizer
 # fingerprint hashes the chat template), so such a cache stays usable.
@@ -139,11 +139,13 @@ def identity_mismatch(expected: dict, found: dict) -> str | None:
         if key in OPTIONAL_IDENTITY_KEYS and key not in found:
             continue
         value = found.get(key, found.get(IDENTITY_DEFAULTS[key])) if key in IDENTITY_DEFAULTS else found.get(key)
-        if key in IDENTITY_ABSENT:
-            value = found.get(key, IDENTITY_ABSENT[key])
-        if expected.get(key, IDENTITY_ABSENT.get(key)) != value:
+        if expected.get(key) != value:
             option = f" ({IDENTITY_OPTIONS[key]})" if key in IDENTITY_OPTIONS else ""
             return f"{key.replace('_', ' ')}: cache has {value!r}, this run has {expected.get(key)!r}{option}"
+    for key, absent in IDENTITY_ABSENT.items():
+        value, wanted = found.get(key) or absent, expected.get(key) or absent
+        if wanted != value:
+            return f"{key.replace('_', ' ')}: cache has {value!r}, this run has {wanted!r} ({IDENTITY_OPTIONS[key]})"
     return None
 
 

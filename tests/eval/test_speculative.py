@@ -3,13 +3,13 @@ and trees, random / fitted / oracle drafts), exact acceptance accounting, the dr
 training feeds it, and tree drafting that matches running the draft along each path."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 from spec_cli.draft import decoding
 from spec_cli.draft.eagle3 import EAGLE3
+from spec_cli.draft.eagle3 import implementation as eagle3_code
 from spec_cli.draft.layers import KVCache
 from spec_cli.eval import speculative as spec
 from spec_cli.eval.report import Tally
@@ -111,7 +111,7 @@ def test_acceptance_accounting_on_a_constructed_case(world):
     assert metrics["same_as_target"] == 1 and metrics["speedup"] == pytest.approx(1.0, rel=1e-3)
 
 
-def test_draft_reads_what_training_feeds_it(world):
+def test_draft_reads_what_training_feeds_it(world, monkeypatch):
     """Over a whole generation the draft catches up on (x[i+1], a[i]) for i = 0, 1, ... in order, with the
     target's TRUE aux states a[i] (as a full forward gives them), and its states equal the training
     forward's (Eagle3Draft.forward, step 0 of TTT)."""
@@ -121,9 +121,9 @@ def test_draft_reads_what_training_feeds_it(world):
         calls.append((len(cache), ids.clone(), aux.clone()))
         return decoding.catch_up(draft_, cache, ids, aux)
 
+    monkeypatch.setattr(eagle3_code, "catch_up", recording)  # what EAGLE3.catch_up loads
     out = spec.generate(target, draft, prompt, spec.Settings(depth=3, topk=2, num_tokens=5,
-                                                             max_new_tokens=N_NEW),
-                        algorithm=dataclasses.replace(EAGLE3, catch_up=recording))
+                                                             max_new_tokens=N_NEW), algorithm=EAGLE3)
     seq = torch.tensor(prompt + out.tokens)
     starts = [c[0] for c in calls]
     sizes = [c[1].numel() for c in calls]

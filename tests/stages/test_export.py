@@ -2,7 +2,6 @@
 the stage does around the writers (a failed check, a folder that is not an export, another target),
 on a synthetic run."""
 
-import dataclasses
 import json
 import random
 
@@ -12,8 +11,8 @@ from safetensors.torch import load_file
 
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
-from spec_cli.draft import algorithms
 from spec_cli.draft.eagle3 import EAGLE3
+from spec_cli.draft.eagle3 import implementation as eagle3_code
 from spec_cli.errors import ConfigError
 from spec_cli.export import ExportCheckError
 from spec_cli.stages import export as stage
@@ -152,7 +151,7 @@ def test_a_failed_check_leaves_nothing_and_keeps_the_old_export(run_dir, tmp_pat
         files.tensors["d2t"] = torch.zeros_like(files.tensors["d2t"])
         return files
 
-    monkeypatch.setitem(algorithms.ALGORITHMS, "eagle3", dataclasses.replace(EAGLE3, export=broken_build))
+    monkeypatch.setattr(eagle3_code, "export", broken_build)  # what EAGLE3.export loads
     with pytest.raises(ExportCheckError, match="wrong target ids"):
         stage.run(stage.ExportConfig(source=run_dir, format="vllm", output=out, overwrite=True))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
