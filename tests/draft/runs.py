@@ -51,3 +51,46 @@ def vocab_and_cache(root, target, data, vocab_size: int = 64, *precompute_extra:
     finally:
         mp.undo()
     return vm, cache
+
+
+def peagle_train_args(root, vm, out, *extra) -> list[str]:
+    """`spec train --algorithm peagle` from root/cache: the P-EAGLE pipeline's run, 4 steps."""
+    return ["train", "--cache", str(root / "cache"), "-v", str(vm), "--algorithm", "peagle", "--ttt-steps", "4",
+            "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512", "--eval-fraction", "0.2",
+            "--save-every", "4", "-o", str(out), "-q", *extra]
+
+
+def pipeline(root, target, algorithm: str) -> dict:
+    """build-vocab-map -> precompute --algorithm A -> a short `spec train --algorithm A` (root/run) on 12
+    chats, through the CLI, for EAGLE-1/2 (`eagle`: two draft layers) or P-EAGLE (`peagle`: two
+    segments); 2 more chats as eval prompts. (SPEC_HOME root/home.)"""
+    import json
+    import random
+
+    import pytest
+
+    from spec_cli.cli import main
+    from tests import tiny
+    from tests.conftest import write_jsonl
+
+    V = json.loads((target / "config.json").read_text())["vocab_size"]
+    rng = random.Random({"eagle": 3, "peagle": 5}[algorithm])
+    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
+    prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
+    t, vm = str(target), str(root / "vm.safetensors")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
+        assert main(["build-vocab-map", "-t", t, "-d", str(data), "--draft-vocab-size",
+                     str(V if algorithm == "eagle" else 96), "-o", vm, "-q"]) == 0
+        assert main(["precompute", "-t", t, "-d", str(data), "-v", vm, "-o", str(root / "cache"),
+                     "--algorithm", algorithm, "--batch-tokens", "512", "-q"]) == 0
+        if algorithm == "eagle":
+            assert main(["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "eagle", "--ttt-steps",
+                         "2", "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2",
+                         "--save-every", "4", "--draft-layers", "2", "-o", str(root / "run"), "-q"]) == 0
+        else:
+            assert main(peagle_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}

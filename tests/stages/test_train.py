@@ -1,8 +1,8 @@
-"""spec train: exact resume, DDP == single process, cache == live, checkpoints and logs."""
+"""spec train: exact resume, cache == live, checkpoints and logs. (DDP and FSDP2 == one process:
+tests/test_distributed.py.)"""
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,30 +14,12 @@ from safetensors.torch import load_file
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from spec_cli.stages import train as stage
-from tests import tiny
-from tests.conftest import write_jsonl
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_llama_dir):
-    """A peaked tiny Llama target (tiny.peaked_copy), chat data, vocab map and a feature cache, all made
-    through the CLI."""
-    root = tmp_path_factory.mktemp("train")
-    tiny_llama_dir = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
-    rng = random.Random(11)
-    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(48)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data),
-                     "--draft-vocab-size", "96", "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v",
-                     str(root / "vm.safetensors"), "-o", str(root / "cache"), "--batch-tokens", "512",
-                     "-q"]) == 0
-    finally:
-        mp.undo()
-    return {"root": root, "data": data, "vm": root / "vm.safetensors", "cache": root / "cache",
-            "target": tiny_llama_dir}
+def setup(train_setup):
+    """A peaked tiny Llama target, chat data, vocab map and a feature cache (tests/conftest.py)."""
+    return train_setup
 
 
 def config(setup, out, **kw) -> stage.TrainConfig:
@@ -207,24 +189,6 @@ def test_it_learns(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(setup, tmp_path):
-    """2 gloo ranks x 1 micro-batch == 1 process x 2 micro-batches (same global batch)."""
-    single = stage.run(config(setup, tmp_path / "single", max_steps=3, grad_accum=2, eval_every=0))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-           "-m", "spec_cli.cli", "train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]),
-           "-o", str(tmp_path / "ddp"), "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "3",
-           "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0", "--log-every", "2",
-           "--save-every", "3", "-q"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert single.steps == 3
-    assert_same(weights(tmp_path / "single"), weights(tmp_path / "ddp"), exact=False)
-    state = json.loads((ckpt.latest_checkpoint(tmp_path / "ddp") / "trainer_state.json").read_text())
-    assert state["parallel"] == "ddp"
-
-
-@pytest.mark.slow
 def test_cli_remote_training_equals_live(setup, tmp_path):
     """`spec serve-target` + `spec train --remote` gives the weights of the in-process run."""
     import socket
@@ -297,40 +261,6 @@ def test_init_from_target_copies_the_targets_head_and_random_init_does_not(setup
     w = weights(tmp_path / "random")
     assert not torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())
     assert torch.equal(w["norm.weight"], torch.ones_like(w["norm.weight"]))
-
-
-def _torchrun(setup, out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29541",
-           "-m", "spec_cli.cli", "train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]),
-           "-o", str(out), "--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512",
-           "--eval-fraction", "0.2", "--eval-every", "0", "--log-every", "2", "--save-every", "3", "-q",
-           *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_fsdp_two_processes_match_one_process_through_a_resume(setup, tmp_path):
-    """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
-    stopped after its first step (checkpoint gathered from the shards) and resumed (scattered back)."""
-    single = tmp_path / "single"
-    stage.run(config(setup, single, max_steps=3, grad_accum=2, eval_every=0))
-    _torchrun(setup, tmp_path / "fsdp", "--fsdp", "--max-time", "0.001s")
-    assert ckpt.latest_checkpoint(tmp_path / "fsdp").name == "step-00000001"
-    _torchrun(setup, tmp_path / "fsdp", "--fsdp", "--resume")
-    assert ckpt.latest_checkpoint(tmp_path / "fsdp").name == "step-00000003"
-    state = json.loads((ckpt.latest_checkpoint(tmp_path / "fsdp") / "trainer_state.json").read_text())
-    assert state["parallel"] == "fsdp" and state["world_size"] == 2
-    assert_same(weights(single), weights(tmp_path / "fsdp"), exact=False)
-    opt_single = load_file(str(ckpt.latest_checkpoint(single) / "optimizer.safetensors"))
-    opt_fsdp = load_file(str(ckpt.latest_checkpoint(tmp_path / "fsdp") / "optimizer.safetensors"))
-    assert_same(opt_single, opt_fsdp, exact=False)
-
-    # gradient accumulation under FSDP: 2 ranks x 2 micro-batches == 1 process x 4
-    stage.run(config(setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
-    _torchrun(setup, tmp_path / "fsdp-accum", "--fsdp", "--grad-accum", "2", "--eval-every", "2")
-    assert_same(weights(tmp_path / "single4"), weights(tmp_path / "fsdp-accum"), exact=False)
 
 
 def test_a_cache_made_with_another_vocab_map_names_that_map(setup, tmp_path, capsys):

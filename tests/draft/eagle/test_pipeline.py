@@ -1,13 +1,10 @@
 """EAGLE-1/2 through the CLI on a tiny target: precompute / live / served supervision -> train ->
 `spec eval` (chain and tree, greedy output = the target's) -> `spec export` for vLLM and SGLang with the
 exact key sets the engines load (tables written from vLLM's llama_eagle.py and SGLang's, independent of
-the writer), and the self-check catching the silent failures users would hit."""
+the writer), and the self-check catching the silent failures users would hit. (FSDP over two processes,
+and a stopped run resumed: tests/test_distributed.py.)"""
 
 import json
-import os
-import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,8 +14,6 @@ from spec_cli.cli import main
 from spec_cli.errors import ExportCheckError
 from spec_cli.export.eagle import check_eagle_export
 from spec_cli.export.source import load_source
-from tests import tiny
-from tests.conftest import write_jsonl
 from tests.draft.runs import log, tampered, weights
 
 LAYER0 = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -27,27 +22,9 @@ LAYER0 = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_pro
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_llama_dir):
-    root = tmp_path_factory.mktemp("eagle")
-    V = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    rng = random.Random(3)
-    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
-    prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
-    t, vm = str(tiny_llama_dir), str(root / "vm.safetensors")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", t, "-d", str(data), "--draft-vocab-size", str(V), "-o", vm,
-                     "-q"]) == 0
-        assert main(["precompute", "-t", t, "-d", str(data), "-v", vm, "-o", str(root / "cache"),
-                     "--algorithm", "eagle", "--batch-tokens", "512", "-q"]) == 0
-        assert main(["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "eagle", "--ttt-steps",
-                     "2", "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2",
-                     "--save-every", "4", "--draft-layers", "2", "-o", str(root / "run"), "-q"]) == 0
-    finally:
-        mp.undo()
-    return {"root": root, "target": tiny_llama_dir, "data": data, "prompts": prompts, "vm": vm, "V": V}
-
+def pipeline(eagle_pipeline):
+    """Vocab map, cache and a 4-step run of two draft layers (tests/conftest.py: one per test session)."""
+    return eagle_pipeline
 
 
 def test_the_checkpoint_holds_the_draft_and_the_run_the_targets_embedding_and_head(pipeline):
@@ -96,41 +73,6 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
     served = [r["loss"] for r in log(tmp_path / "served") if r["split"] == "train"]
     assert live == pytest.approx(cached, rel=1e-4)
     assert served == pytest.approx(live, rel=1e-5)
-
-
-def _train_args(pipeline, out, *extra) -> list[str]:
-    return ["train", "--cache", str(pipeline["root"] / "cache"), "-v", pipeline["vm"], "--algorithm", "eagle",
-            "--ttt-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction",
-            "0.2", "--eval-every", "0", "--save-every", "3", "-o", str(out), "-q", *extra]
-
-
-
-@pytest.mark.slow
-def test_fsdp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_path, monkeypatch):
-    """torchrun x2 with FSDP2, stopped after its first step and resumed == one process with the same
-    global batch; a single-process run stopped and resumed == its straight run, bit for bit. (DDP
-    wraps the objective the same way for every algorithm: tests/stages/test_train.py; measured for
-    EAGLE-1/2 too, bit-equal to --grad-accum 2, in the CHANGELOG.)"""
-    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
-    assert main(_train_args(pipeline, tmp_path / "single", "--grad-accum", "2")) == 0
-    assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--max-time", "0.001s",
-                            "--save-every", "1")) == 0
-    assert main(_train_args(pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
-    single = weights(tmp_path / "single")
-    assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, extra in (("fsdp", ["--fsdp", "--max-time", "0.001s"]), ("fsdp", ["--fsdp", "--resume"])):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", "29547", "-m", "spec_cli.cli",
-                               *_train_args(pipeline, tmp_path / name, *extra)],
-                              capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("fsdp",):
-        state = json.loads((sorted((tmp_path / name / "checkpoints").iterdir())[-1] / "trainer_state.json")
-                           .read_text())
-        assert state["parallel"] == name and state["step"] == 3
-        for key, value in weights(tmp_path / name).items():
-            torch.testing.assert_close(value, single[key], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("topk", [1, 3])

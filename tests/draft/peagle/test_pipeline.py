@@ -2,13 +2,10 @@
 `spec eval` (greedy output = the target's) -> `spec export` for vLLM and speculators with the keys and
 config fields vLLM's parallel drafting reads (written from llama_eagle3.py / llm_base_proposer.py /
 algos.py update_peagle, independent of the writer), the self-check catching what vLLM would load
-wrongly, the other supervision sources, DDP and resume, and vLLM itself serving the export."""
+wrongly, the other supervision sources, and vLLM itself serving the export (tests/engine). DDP, FSDP2
+and a stopped run resumed: tests/test_distributed.py."""
 
 import json
-import os
-import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,42 +15,17 @@ from spec_cli.cli import main
 from spec_cli.errors import ExportCheckError
 from spec_cli.export.check import check_export
 from spec_cli.export.source import load_source
-from tests import tiny
-from tests.conftest import write_jsonl
-from tests.draft.runs import log, tampered, weights
+from tests.draft.runs import log, peagle_train_args as _train_args, tampered, weights
 
 LAYER0 = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
-def _train_args(root, vm, out, *extra) -> list[str]:
-    return ["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "peagle", "--ttt-steps", "4",
-            "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512", "--eval-fraction", "0.2",
-            "--save-every", "4", "-o", str(out), "-q", *extra]
-
-
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_llama_dir):
-    root = tmp_path_factory.mktemp("peagle")
-    V = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    rng = random.Random(5)
-    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
-    prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
-    t, vm = str(tiny_llama_dir), str(root / "vm.safetensors")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", t, "-d", str(data), "--draft-vocab-size", "96", "-o", vm,
-                     "-q"]) == 0
-        assert main(["precompute", "-t", t, "-d", str(data), "-v", vm, "-o", str(root / "cache"),
-                     "--algorithm", "peagle", "--batch-tokens", "512", "-q"]) == 0
-        assert main(_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
-    finally:
-        mp.undo()
-    return {"root": root, "target": tiny_llama_dir, "data": data, "prompts": prompts, "vm": vm, "V": V}
-
-
+def pipeline(peagle_pipeline):
+    """Vocab map, cache and a 4-step run of two segments (tests/conftest.py: one per test session)."""
+    return peagle_pipeline
 
 
 def test_the_checkpoint_is_a_peagle_draft_with_its_mask_state(pipeline):
@@ -113,46 +85,6 @@ def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cach
     served = [r["loss"] for r in log(tmp_path / "served") if r["split"] == "train"]
     assert live == pytest.approx(cached, rel=1e-4)
     assert served == pytest.approx(live, rel=1e-5)
-
-
-@pytest.mark.slow
-def test_ddp_over_two_processes_matches_one_and_resumes_exactly(pipeline, tmp_path, monkeypatch):
-    """A run stopped after its first step and resumed == the straight run, bit for bit (COD draws from
-    the RNG the checkpoint restores); under torchrun x2, segments with a backward each (DDP, FSDP2) ==
-    one forward per batch."""
-    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
-    root, vm = pipeline["root"], pipeline["vm"]
-    args = ("--grad-accum", "2", "--peagle-segments", "2", "--eval-every", "0", "--max-steps", "3",
-            "--save-every", "3")
-    assert main(_train_args(root, vm, tmp_path / "single", *args)) == 0
-    assert main(_train_args(root, vm, tmp_path / "stopped", *args, "--max-time", "0.001s", "--save-every", "1")) == 0
-    assert main(_train_args(root, vm, tmp_path / "stopped", *args, "--resume")) == 0
-    single = weights(tmp_path / "single")
-    assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = {"ddp-1": ["--peagle-segments", "1"], "ddp-2": ["--peagle-segments", "2"],
-            "fsdp-2": ["--peagle-segments", "2", "--fsdp"]}
-    for name, extra in runs.items():
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", "29549", "-m", "spec_cli.cli",
-                               *_train_args(root, vm, tmp_path / name, "--eval-every", "0", "--max-steps", "3",
-                                            "--save-every", "3", *extra)],
-                              capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        state = json.loads((sorted((tmp_path / name / "checkpoints").iterdir())[-1] / "trainer_state.json")
-                           .read_text())
-        assert state["parallel"] == name.split("-")[0] and state["step"] == 3
-    # Each rank draws its own COD samples (so two ranks are not one process); with the same ranks,
-    # batches and draws, two segments per batch (a backward each, the gradients synced on the last)
-    # train the weights one forward per batch does, under DDP and under FSDP2.
-    # (Adam turns rounding-level gradient differences into weight differences of up to ~1e-4 x lr.)
-    reference = weights(tmp_path / "ddp-1")
-    losses = [r["loss"] for r in log(tmp_path / "ddp-1") if r["split"] == "train"]
-    for name in ("ddp-2", "fsdp-2"):
-        assert [r["loss"] for r in log(tmp_path / name) if r["split"] == "train"] == pytest.approx(losses, rel=1e-5)
-        for key, value in weights(tmp_path / name).items():
-            torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4, msg=f"{name}: {key}")
-    assert any(not torch.equal(v, single[k]) for k, v in reference.items())
 
 
 def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_path, monkeypatch, capsys):

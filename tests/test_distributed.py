@@ -1,0 +1,175 @@
+"""torchrun x2 (gloo) for every stage and algorithm, in ONE launch (tests/launch.py: the two processes run
+the commands in turn, each joining and leaving the process group itself): DDP and FSDP2 == one process
+with the same global batch, also through a stop after the first step and a resume, for EAGLE-3, EAGLE-1/2
+and P-EAGLE; precompute over two processes writes the one-process cache byte for byte."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.cli import main
+from spec_cli.stages import train as stage
+from tests.draft.runs import log, peagle_train_args
+from tests.launch import torchrun
+from tests.stages.test_precompute import digest
+from tests.stages.test_train import assert_same, config, weights
+
+pytestmark = pytest.mark.slow
+
+
+def strs(*args) -> list[str]:
+    return [str(a) for a in args]
+
+
+def eagle3_args(setup, out, *extra) -> list[str]:
+    return strs("train", "--cache", setup["cache"], "-v", setup["vm"], "-o", out, "--ttt-steps", "3", "--lr", "3e-3",
+            "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0",
+            "--log-every", "2", "--save-every", "3", "-q", *extra)
+
+
+def eagle_args(pipeline, out, *extra) -> list[str]:
+    return strs("train", "--cache", pipeline["root"] / "cache", "-v", pipeline["vm"], "--algorithm", "eagle",
+            "--ttt-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction",
+            "0.2", "--eval-every", "0", "--save-every", "3", "-o", out, "-q", *extra)
+
+
+def peagle_args(pipeline, out, *extra) -> list[str]:
+    return peagle_train_args(pipeline["root"], pipeline["vm"], out, "--eval-every", "0", "--max-steps", "3",
+                             "--save-every", "3", *extra)
+
+
+PEAGLE = {"ddp-1": ["--peagle-segments", "1"], "ddp-2": ["--peagle-segments", "2"],
+          "fsdp-2": ["--peagle-segments", "2", "--fsdp"]}
+
+
+def precompute_args(setup, out) -> list[str]:
+    return strs("precompute", "-t", setup["target"], "-d", setup["data"], "-v", setup["vm"], "-o", out,
+                "--batch-tokens", "512", "--shard-tokens", "600", "-q")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict:
+    """Every two-process command of this module, in one torchrun launch. A resume never directly follows
+    its own stopped run, so nothing the processes still hold from that run can stand in for what the
+    checkpoint must restore."""
+    root = tmp_path_factory.mktemp("torchrun")
+    out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-accum", "eagle-fsdp",
+                                           *(f"peagle-{k}" for k in PEAGLE), "precompute")}
+    torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
+              eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
+              eagle3_args(train_setup, out["eagle3-ddp"]),
+              peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
+              eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
+              eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
+              eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
+              peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
+              peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
+              precompute_args(train_setup, out["precompute"])], root / "launch")
+    return out
+
+
+def trainer_state(run) -> dict:
+    return json.loads((ckpt.latest_checkpoint(run) / "trainer_state.json").read_text())
+
+
+def stopped_then_resumed(run) -> None:
+    """The run stopped after its first step (--max-time: checkpoint 1) and its resume finished the schedule
+    (checkpoint 3); --keep-last 3 keeps both."""
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000001", "step-00000003"]
+    first = json.loads((ckpt.checkpoint_dirs(run)[0] / "trainer_state.json").read_text())
+    assert first["step"] == 1 and first["total_steps"] == 3
+
+
+@pytest.fixture(scope="module")
+def eagle3_single(train_setup, tmp_path_factory):
+    """One process, two micro-batches per step: the global batch of two ranks of one."""
+    out = tmp_path_factory.mktemp("eagle3-single") / "single"
+    assert stage.run(config(train_setup, out, max_steps=3, grad_accum=2, eval_every=0)).steps == 3
+    return out
+
+
+def test_eagle3_ddp_two_processes_match_one_process(runs, eagle3_single):
+    """2 gloo ranks x 1 micro-batch == 1 process x 2 micro-batches (same global batch)."""
+    assert_same(weights(eagle3_single), weights(runs["eagle3-ddp"]), exact=False)
+    assert trainer_state(runs["eagle3-ddp"])["parallel"] == "ddp"
+
+
+def test_eagle3_fsdp_two_processes_match_one_process_through_a_resume(runs, eagle3_single, train_setup, tmp_path):
+    """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
+    stopped after its first step (checkpoint gathered from the shards) and resumed (scattered back)."""
+    fsdp = runs["eagle3-fsdp"]
+    stopped_then_resumed(fsdp)
+    state = trainer_state(fsdp)
+    assert state["parallel"] == "fsdp" and state["world_size"] == 2
+    assert_same(weights(eagle3_single), weights(fsdp), exact=False)
+    opt_single = load_file(str(ckpt.latest_checkpoint(eagle3_single) / "optimizer.safetensors"))
+    opt_fsdp = load_file(str(ckpt.latest_checkpoint(fsdp) / "optimizer.safetensors"))
+    assert_same(opt_single, opt_fsdp, exact=False)
+
+    # gradient accumulation under FSDP: 2 ranks x 2 micro-batches == 1 process x 4
+    stage.run(config(train_setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
+    assert_same(weights(tmp_path / "single4"), weights(runs["eagle3-fsdp-accum"]), exact=False)
+
+
+def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(runs, eagle_pipeline, tmp_path,
+                                                                             monkeypatch):
+    """EAGLE-1/2: torchrun x2 with FSDP2, stopped after its first step and resumed == one process with the
+    same global batch; a single-process run stopped and resumed == its straight run, bit for bit. (DDP
+    wraps the objective the same way for every algorithm: the EAGLE-3 tests above; measured for EAGLE-1/2
+    too, bit-equal to --grad-accum 2, in the CHANGELOG.)"""
+    monkeypatch.setenv("SPEC_HOME", str(eagle_pipeline["root"] / "home"))
+    assert main(eagle_args(eagle_pipeline, tmp_path / "single", "--grad-accum", "2")) == 0
+    assert main(eagle_args(eagle_pipeline, tmp_path / "stopped", "--grad-accum", "2", "--max-time", "0.001s",
+                           "--save-every", "1")) == 0
+    assert main(eagle_args(eagle_pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
+    single = weights(tmp_path / "single")
+    assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
+    fsdp = runs["eagle-fsdp"]
+    stopped_then_resumed(fsdp)
+    state = trainer_state(fsdp)
+    assert state["parallel"] == "fsdp" and state["step"] == 3
+    for key, value in weights(fsdp).items():
+        torch.testing.assert_close(value, single[key], rtol=1e-5, atol=1e-6)
+
+
+def test_peagle_ddp_and_fsdp_segments_match_one_forward_and_a_stopped_run_resumes_exactly(
+        runs, peagle_pipeline, tmp_path, monkeypatch):
+    """A run stopped after its first step and resumed == the straight run, bit for bit (COD draws from
+    the RNG the checkpoint restores); under torchrun x2, segments with a backward each (DDP, FSDP2) ==
+    one forward per batch."""
+    monkeypatch.setenv("SPEC_HOME", str(peagle_pipeline["root"] / "home"))
+    args = ("--grad-accum", "2", "--peagle-segments", "2", "--eval-every", "0", "--max-steps", "3",
+            "--save-every", "3")
+    root, vm = peagle_pipeline["root"], peagle_pipeline["vm"]
+    assert main(peagle_train_args(root, vm, tmp_path / "single", *args)) == 0
+    assert main(peagle_train_args(root, vm, tmp_path / "stopped", *args, "--max-time", "0.001s",
+                                  "--save-every", "1")) == 0
+    assert main(peagle_train_args(root, vm, tmp_path / "stopped", *args, "--resume")) == 0
+    single = weights(tmp_path / "single")
+    assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
+    for name in PEAGLE:
+        state = trainer_state(runs[f"peagle-{name}"])
+        assert state["parallel"] == name.split("-")[0] and state["step"] == 3
+    # Each rank draws its own COD samples (so two ranks are not one process); with the same ranks,
+    # batches and draws, two segments per batch (a backward each, the gradients synced on the last)
+    # train the weights one forward per batch does, under DDP and under FSDP2.
+    # (Adam turns rounding-level gradient differences into weight differences of up to ~1e-4 x lr.)
+    reference = weights(runs["peagle-ddp-1"])
+    losses = [r["loss"] for r in log(runs["peagle-ddp-1"]) if r["split"] == "train"]
+    for name in ("ddp-2", "fsdp-2"):
+        run = runs[f"peagle-{name}"]
+        assert [r["loss"] for r in log(run) if r["split"] == "train"] == pytest.approx(losses, rel=1e-5)
+        for key, value in weights(run).items():
+            torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4, msg=f"{name}: {key}")
+    assert any(not torch.equal(v, single[k]) for k, v in reference.items())
+
+
+def test_precompute_two_processes_write_the_same_cache(runs, train_setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_HOME", str(train_setup["root"] / "home"))
+    single = tmp_path / "single"
+    assert main(precompute_args(train_setup, single)) == 0
+    assert json.loads((single / "manifest.json").read_text())["num_shards"] > 1  # work for both processes
+    assert digest(runs["precompute"]) == digest(single)
