@@ -1,13 +1,16 @@
 """SIGKILL never loses or corrupts work: train (--cache, --remote) and precompute, killed twice each
 (mid-run and late, as fractions of the straight run's duration) and resumed, equal the straight run bit
 for bit, leave the folder's lock free and resume without --no-resume. The logic is bench/kill_resume.py's
-(its 20-random-kill version: `python bench/kill_resume.py`)."""
+(its 20-random-kill version: `python bench/kill_resume.py`). Also, as the server and the straight run are
+there anyway: `spec serve-target` + `spec train --remote` trains the weights of the in-process run."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from spec_cli.cli import main
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "kill_resume.py"
 _spec = importlib.util.spec_from_file_location("kill_resume", _PATH)
@@ -21,9 +24,10 @@ MOMENTS = (0.5, 0.8)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kills")
-    setup = kr.make_setup(root / "setup")
+def setup(train_setup):
+    """bench/kill_resume.py's setup (a peaked tiny Llama, 48 chats, a vocab map, a cache: tests/conftest.py's
+    train_setup is the same) and its `spec serve-target` subprocess."""
+    setup = {**train_setup, "env": kr.env_for(train_setup["root"] / "home")}
     server = kr.Server(setup)
     yield {**setup, "url": server.url}
     server.close()
@@ -38,3 +42,10 @@ def test_sigkill_then_resume_equals_the_straight_run(setup, tmp_path, which):
     for t in report.trials:
         assert t.ok, (which, t.kill_at, t.problems)
         assert t.lock_ok and t.resumed_ok and t.equal and t.reruns == 1
+
+    if which == "train --remote":  # the straight run against `spec serve-target` == training in process
+        live = tmp_path / "live"
+        assert main(["train", "--target", str(setup["target"]), "--data", str(setup["data"]), "-v", str(setup["vm"]),
+                     "--dtype", "fp32", "-o", str(live), *kr.TRAIN_OPTS]) == 0
+        assert kr.same_train(live, tmp_path / "straight") is None
+        assert kr.TOKEN not in (tmp_path / "straight" / "run.json").read_text()

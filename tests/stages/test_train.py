@@ -1,10 +1,7 @@
 """spec train: exact resume, cache == live, checkpoints and logs. (DDP and FSDP2 == one process:
-tests/test_distributed.py.)"""
+tests/test_distributed.py; `spec serve-target` + `spec train --remote` == live: tests/stages/test_kills.py.)"""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -186,41 +183,6 @@ def test_it_learns(setup, tmp_path):
     assert train[-1]["loss"] < 0.8 * train[0]["loss"]
     assert evals[-1]["loss"] < 0.8 * train[0]["loss"]  # and on held-out batches
     assert train[-1]["acc"][0] > train[0]["acc"][0]
-
-
-@pytest.mark.slow
-def test_cli_remote_training_equals_live(setup, tmp_path):
-    """`spec serve-target` + `spec train --remote` gives the weights of the in-process run."""
-    import socket
-    import time as _time
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "spec_cli.cli", "serve-target", "-t", str(setup["target"]),
-                               "--port", str(port), "--token", "s3cret", "--dtype", "fp32", "-q"],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = _time.time() + 120
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert server.poll() is None and _time.time() < deadline, "server did not start"
-            _time.sleep(0.2)
-        args = ["train", "--remote", f"http://127.0.0.1:{port}", "--token", "s3cret", "--data",
-                str(setup["data"]), "-v", str(setup["vm"]), "-o", str(tmp_path / "remote"), "--ttt-steps", "3",
-                "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction", "0.2",
-                "--eval-every", "0", "-q"]
-        assert main(args) == 0
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    live = stage.run(config(setup, tmp_path / "live", max_steps=3, eval_every=0, cache=None,
-                            target=str(setup["target"]), data=str(setup["data"]), dtype="fp32"))
-    assert live.steps == 3
-    assert_same(weights(tmp_path / "live"), weights(tmp_path / "remote"))
-    assert "s3cret" not in (tmp_path / "remote" / "run.json").read_text()
 
 
 def test_max_time_stops_with_a_checkpoint_and_resume_finishes_the_schedule(setup, tmp_path, capsys):
