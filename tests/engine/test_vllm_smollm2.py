@@ -38,11 +38,25 @@ def smol(tmp_path_factory, real_assets):
             "mt-bench": real_assets["mt-bench"]}
 
 
-def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance(smol, tmp_path, capsys):
+def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance_and_aux_ids_off_by_one_are_caught(
+        smol, tmp_path, capsys):
+    from spec_cli.errors import ExportCheckError
+    from spec_cli.eval.engine_check import engine_check
+    from spec_cli.export.source import load_source
+
     out = tmp_path / "export"
     assert main(["export", str(smol["run"]), "--format", "vllm", "--engine-check", "vllm", "-t", str(smol["target"]),
                  "-o", str(out)]) == 0
     assert "passed: vLLM" in capsys.readouterr().out
+
+    # the same export with its aux ids one layer early: the engine check catches it
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportCheckError, match="draft tokens at only"):
+        engine_check(bad, "vllm", load_source(smol["run"]), torch.bfloat16, smol["target"], depth=3)
 
     reports = {}
     for engine in ("torch", "vllm"):
@@ -56,20 +70,3 @@ def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance(smol, tmp_
     # fp32 on both sides, different kernels: the counts agree up to an argmax flip on a near tie
     assert v["tokens_produced"] == pytest.approx(t["tokens_produced"], abs=2)
     assert v["acceptance_length"] == pytest.approx(t["acceptance_length"], abs=0.05)
-
-
-def test_smollm2_export_with_aux_ids_off_by_one_is_caught(smol, tmp_path):
-    from spec_cli.export import ExportCheckError
-    from spec_cli.eval.engine_check import engine_check
-    from spec_cli.export.source import load_source
-
-    good = tmp_path / "good"
-    assert main(["export", str(smol["run"]), "--format", "vllm", "--engine-check", "none", "-t", str(smol["target"]), "-o", str(good),
-                 "-q"]) == 0
-    bad = tmp_path / "bad"
-    shutil.copytree(good, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportCheckError, match="draft tokens at only"):
-        engine_check(bad, "vllm", load_source(smol["run"]), torch.bfloat16, smol["target"], depth=3)
