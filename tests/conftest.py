@@ -124,10 +124,30 @@ def chat_records() -> list[dict]:
     return [tiny.random_sharegpt(rng) for _ in range(40)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():
+    """A vLLM engine built in this process replaces torch.set_num_threads with a no-op and leaves its own
+    thread count; both are put back after each module, so that what runs next runs as it would alone."""
+    import torch
+
+    setter, threads = torch.set_num_threads, torch.get_num_threads()
+    yield
+    torch.set_num_threads = setter
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Engine tests last: vLLM, once loaded in this process, keeps its own torch thread settings (it
-    replaces torch.set_num_threads), which would change how every later test runs."""
-    items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
+    """Modules with engine tests first, then those with slow ones, then the rest (each in file order):
+    under `pytest -n 2 --dist loadfile --no-loadscope-reorder` the longest modules start first, so no
+    long one is left running alone at the end."""
+    def rank(item) -> int:
+        markers = {m.name for i in by_module[item.module] for m in i.iter_markers()}
+        return 0 if "engine" in markers else 1 if "slow" in markers else 2
+
+    by_module: dict = {}
+    for item in items:
+        by_module.setdefault(item.module, []).append(item)
+    items.sort(key=rank)
 
 
 def _stats(paths) -> dict[str, tuple[int, int]]:
