@@ -185,6 +185,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         if not cfg.resume:  # refuse before creating anything
             guard.check_replaceable(out, *_marker(out), "feature cache", inputs, fc.own_files(out))
         lock.enter_context(guard.FolderLock(out, "spec precompute"))
+        fc.remove_temporaries(out)  # a killed run's half-written shard (no writer is alive: we hold the lock)
         if not cfg.resume:
             guard.replace_folder(out, *_marker(out), "feature cache", inputs, fc.own_files(out))
     distributed.barrier()

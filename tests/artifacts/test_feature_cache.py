@@ -130,3 +130,15 @@ def test_folder_bytes_counts_each_kind_of_file(cache):
     assert sizes["head"] == size[fc.HEAD] and sizes["manifest"] == size[fc.MANIFEST]
     assert sizes["shards"] == sum(v for k, v in size.items() if k.startswith("shard-"))  # sidecars included
     assert sizes["total"] == sum(size.values())
+
+
+def test_a_killed_writers_temporaries_are_removed_and_nothing_else(tmp_path):
+    """A SIGKILL inside an atomic write leaves `.NAME.XXXX.tmp`; precompute removes the cache's own
+    (under its lock) and never a file of the user's."""
+    own = [".shard-00000.safetensors.4dbces7y.tmp", ".shard-00012.json.a1b2.tmp", f".{fc.HEAD}.zz.tmp",
+           f".{fc.MANIFEST}.q9.tmp"]
+    theirs = [".notes.txt.x.tmp", "shard-00000.safetensors", ".shard-0.safetensors.x.tmp", "data.tmp"]
+    for name in own + theirs:
+        (tmp_path / name).write_text("x")
+    assert sorted(fc.remove_temporaries(tmp_path)) == sorted(own)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(theirs)
