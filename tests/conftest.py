@@ -25,6 +25,13 @@ def _session_env(tmp_path_factory):
     mp.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("session_home")))
     mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setenv("SPEC_ENGINE_CHECK", "none")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: two workers share the cores
+        # one intra-op thread each, and in the processes they start: OpenMP threads spin-wait for a core
+        # the other worker holds (spec_cli/threads.py: 113.6 s on 2 threads beside a busy neighbour, 13.3 s on 1)
+        import torch
+
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
     yield
     mp.undo()
 
@@ -136,10 +143,17 @@ def _torch_threads_restored():
     torch.set_num_threads(threads)
 
 
+# Modules that time the processes they start (kills at fractions of a measured run) or start many at once:
+# under xdist they run one after the other on one worker, never beside each other.
+TOGETHER = {"tests/stages/test_kills.py": "processes", "tests/test_distributed.py": "processes"}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Modules with engine tests first, then those with slow ones, then the rest (each in file order):
-    under `pytest -n 2 --dist loadfile --no-loadscope-reorder` the longest modules start first, so no
-    long one is left running alone at the end."""
+    """Modules with engine tests first, then those with slow ones, then the rest (each in file order), so
+    that under `pytest -n 2 --dist loadgroup --no-loadscope-reorder` the longest start first and no long
+    one is left running alone at the end; each module is one xdist group (its module fixtures are built
+    once), TOGETHER's share one."""
     def rank(item) -> int:
         markers = {m.name for i in by_module[item.module] for m in i.iter_markers()}
         return 0 if "engine" in markers else 1 if "slow" in markers else 2
@@ -148,6 +162,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         by_module.setdefault(item.module, []).append(item)
     items.sort(key=rank)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            path = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(TOGETHER.get(path, path)))
 
 
 def _stats(paths) -> dict[str, tuple[int, int]]:

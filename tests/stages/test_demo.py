@@ -91,7 +91,8 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert report["overall"]["same_as_target"] == report["overall"]["turns"] == 4  # greedy: exact
     assert record(out)["acceptance_length"] == pytest.approx(report["overall"]["acceptance_length"])
     printed = capsys.readouterr().out
-    assert "acceptance length" in printed and "speed-up" in printed and str(out / "export-vllm") in printed
+    assert "acceptance length" in printed and "speed-up" in printed
+    assert str(out / "export-vllm") in "".join(printed.split())  # a long path wraps at 80 columns
     assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
 
     stamp = (latest / "model.safetensors").stat().st_mtime_ns
