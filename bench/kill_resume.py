@@ -12,7 +12,7 @@ model.safetensors bit for bit; precompute: every file of the cache byte for byte
 as is (no --no-resume, so no half-written file was trusted or refused) and leave no temporary files.
 Prints a table; exits 1 on any failure.
 
-tests/stages/test_kills.py imports this file (two fixed kills per scenario).
+tests/stages/test_kills.py imports this file (per scenario: one kill, then a kill of the resumed run).
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ def scenarios(setup: dict, server_url: str | None) -> list[Scenario]:
 class Trial:
     kill_at: float
     killed: bool = False  # False: the command finished before the kill moment
+    then_killed: list[bool] = field(default_factory=list)  # the resumed runs killed in turn (`then`)
     lock_ok: bool = True
     resumed_ok: bool = True
     equal: bool = True
@@ -227,25 +228,47 @@ def lock_free(folder: Path) -> str | None:
         return f"lock not free after the kill: {exc}"
 
 
-def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reruns: int = 3,
-               timeout: float = 300.0) -> Trial:
-    """Start the command in `out`, SIGKILL it `kill_at` s later, rerun (resuming) until it completes;
-    check the lock, the reruns and the result against `straight`."""
-    trial = Trial(kill_at)
-    proc = subprocess.Popen(sc.command(out, False), env=sc.env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def _killed_at(command: list[str], env: dict, kill_at: float) -> tuple[bool, int | None, str]:
+    """Run `command`, SIGKILL it `kill_at` s after its start: (killed, exit code if it ended first, stderr)."""
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    killed = False
     try:
         proc.wait(timeout=kill_at)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
-        trial.killed = True
+        killed = True
     _, err = proc.communicate()
-    if not trial.killed and proc.returncode != 0:
-        trial.problems.append(f"the unkilled first run failed ({proc.returncode}): {err.strip()[-500:]}")
+    return killed, (None if killed else proc.returncode), err
+
+
+def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reruns: int = 3,
+               timeout: float = 300.0, then: tuple[float, ...] = ()) -> Trial:
+    """Start the command in `out`, SIGKILL it `kill_at` s later, rerun (resuming) until it completes;
+    check the lock, the reruns and the result against `straight`. `then`: the resumed runs are killed in
+    turn, each that many seconds after its own start (a kill of a run that was itself resuming), before
+    the rerun that must complete."""
+    trial = Trial(kill_at)
+    trial.killed, code, err = _killed_at(sc.command(out, False), sc.env, kill_at)
+    if not trial.killed and code != 0:
+        trial.problems.append(f"the unkilled first run failed ({code}): {err.strip()[-500:]}")
     if (why := lock_free(out)):
         trial.lock_ok = False
         trial.problems.append(why)
-    done = not trial.killed and proc.returncode == 0
+    done = not trial.killed and code == 0
+    for at in then if trial.killed else ():
+        killed, code, err = _killed_at(sc.command(out, True), sc.env, at)
+        trial.then_killed.append(killed)
+        if (why := lock_free(out)):
+            trial.lock_ok = False
+            trial.problems.append(f"after the resumed run's kill: {why}")
+        if not killed:  # it finished first
+            done = code == 0
+            if not done:
+                trial.resumed_ok = False
+                trial.problems.append(f"the resumed run meant to be killed at {at:.2f} s failed ({code}): "
+                                      f"{err.strip()[-500:]}")
+            break
     while not done and trial.reruns < max_reruns:
         trial.reruns += 1
         rerun = subprocess.run(sc.command(out, True), env=sc.env, cwd=ROOT, capture_output=True, text=True,
