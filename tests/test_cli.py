@@ -72,8 +72,8 @@ def data_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_version_and_usage_errors_are_what_a_user_expects():
-    out = spec("--version")
+def test_version_and_usage_errors_are_what_a_user_expects(capsys):
+    out = spec("--version")  # the console script
     assert out.returncode == 0 and out.stdout.strip().startswith("spec_cli ")
     # a value of the wrong type, a missing option, an unknown command: click's usage message and exit 2,
     # never an "internal error"
@@ -83,10 +83,11 @@ def test_version_and_usage_errors_are_what_a_user_expects():
              (("train", "-v", "x", "-o", "y", "--max-time", "soon"), "--max-time 'soon' is not a duration"),
              (("train", "-v", "x", "-o", "y", "--stream-max-bytes", "lots"), "--stream-max-bytes 'lots' is not a size")]
     for args, message in cases:
-        out = spec(*args)
-        assert message in out.stderr, (args, out.stderr)
-        assert "internal error" not in out.stderr
-        assert out.returncode == (1 if "is not a" in message else 2)
+        code = main(list(args))
+        err = capsys.readouterr().err
+        assert message in " ".join(err.split()), (args, err)
+        assert "internal error" not in err
+        assert code == (1 if "is not a" in message else 2)
 
 
 def test_build_vocab_map_cli(tiny_tokenizer_dirs, data_file, tmp_path, capsys):
@@ -126,26 +127,25 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path, data_file):
 
 
 @pytest.mark.slow
-def test_user_errors_are_one_line_with_traceback_only_in_debug(tiny_tokenizer_dirs, data_file, tmp_path):
+def test_user_errors_are_one_line_with_traceback_only_in_debug(tiny_tokenizer_dirs, data_file, tmp_path, capfd):
     args = ["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(data_file),
             "--draft-vocab-size", "100000", "-o", str(tmp_path / "v.safetensors")]
-    out = spec(*args)
-    assert out.returncode == 1
-    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, out.stderr
+    assert main(args) == 1  # in process: everything written to the stderr descriptor is captured
+    err = capfd.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
     assert "larger than the target vocab (400)" in lines[0] and "use at most 400" in lines[0]
     assert not (tmp_path / "v.safetensors").exists()
-    debug = spec(*args, env={"SPEC_DEBUG": "1"})
+    debug = spec(*args, env={"SPEC_DEBUG": "1"})  # the console script, as a user runs it
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
-@pytest.mark.slow
-def test_missing_data_and_bad_target_errors(tiny_tokenizer_dirs, tmp_path):
-    out = spec("build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(tmp_path / "no.jsonl"), "--draft-vocab-size", "10",
-               "-o", str(tmp_path / "v.safetensors"))
-    assert out.returncode == 1 and "data not found" in out.stderr
-    out = spec("build-vocab-map", "-t", str(tmp_path / "nomodel"), "-d", "x.jsonl", "-o", "v")
-    assert out.returncode == 1 and "does not exist" in out.stderr
+def test_missing_data_and_bad_target_errors(tiny_tokenizer_dirs, tmp_path, capsys):
+    assert main(["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(tmp_path / "no.jsonl"),
+                 "--draft-vocab-size", "10", "-o", str(tmp_path / "v.safetensors")]) == 1
+    assert "data not found" in capsys.readouterr().err
+    assert main(["build-vocab-map", "-t", str(tmp_path / "nomodel"), "-d", "x.jsonl", "-o", "v"]) == 1
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_no_supervised_tokens_is_an_error(tiny_tokenizer_dirs, tmp_path, capsys):
