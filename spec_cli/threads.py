@@ -69,10 +69,22 @@ def choose(cores: int, other_load: float | None, requested: int | None = None,
     return Choice(threads, f"{threads} of {cores} cores: other processes kept {other_load:.1f} cores busy")
 
 
+def ranks_here() -> int:
+    """Processes of one torchrun launch on this machine (LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    return _count(os.environ.get("LOCAL_WORLD_SIZE")) or 1
+
+
 def choose_for_run(requested: int | None = None) -> Choice:
-    """`choose` on this machine now; the load is sampled only when the choice depends on it."""
-    cores = available_cores()
+    """`choose` on this machine now; the load is sampled only when the choice depends on it. Under
+    torchrun the machine's cores are shared by its ranks (no oversubscription: 8 ranks on 96 cores take
+    12 each, not 96 each); torchrun's own OMP_NUM_THREADS, when it set one, still wins."""
+    cores, ranks = available_cores(), ranks_here()
     env = os.environ.get("OMP_NUM_THREADS")
+    if ranks > 1:
+        share = max(1, cores // ranks)
+        if requested is None and not _count(env):
+            return Choice(share, f"{share} of {cores} cores: shared by the {ranks} ranks on this machine")
+        return choose(share, None, requested, env)
     auto = requested is None and not _count(env) and cores > 1
     return choose(cores, other_load() if auto else None, requested, env)
 

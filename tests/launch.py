@@ -8,6 +8,10 @@ torchrun's store: a second process group formed on torchrun's store would find t
 there, and a rank could join the old group while the other waits for the new one.
 
     python -m torch.distributed.run --nproc-per-node 2 -m tests.launch JOBS.json
+
+Every launch also checks the process group as the GPU path makes it: made with a backend per device
+type ("cpu:gloo" here, "cpu:gloo,cuda:nccl" on GPUs), and every collective spec_cli calls itself
+given a tensor on a device the group serves (tests/test_process_group.py emulates the GPU side).
 """
 
 from __future__ import annotations
@@ -40,6 +44,30 @@ def torchrun(jobs: list[list], folder: Path, timeout: float = 900) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def check_collectives() -> None:
+    """Wrap torch.distributed so that a group made without a device map, or a collective whose tensor's
+    device the group does not serve, fails the command."""
+    import torch.distributed as dist
+
+    real_init = dist.init_process_group
+
+    def init_process_group(*args, backend=None, **kwargs):
+        assert backend and ":" in backend, f"process group made with backend {backend!r}, not a device map"
+        return real_init(*args, backend=backend, **kwargs)
+
+    dist.init_process_group = init_process_group
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_into_tensor"):
+        real = getattr(dist, name)
+
+        def checked(tensor, *args, _real=real, _name=name, group=None, **kwargs):
+            served = {d.type for d in (group or dist.distributed_c10d._get_default_group())._device_types}
+            first = tensor[0] if isinstance(tensor, list) else tensor
+            assert first.device.type in served, f"{_name} of a {first.device.type} tensor on a group serving {served}"
+            return _real(tensor, *args, group=group, **kwargs)
+
+        setattr(dist, name, checked)
+
+
 def run_jobs(path: str) -> int:
     from datetime import timedelta
 
@@ -47,6 +75,7 @@ def run_jobs(path: str) -> int:
 
     from spec_cli.cli import main
 
+    check_collectives()
     launcher = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                         timeout=timedelta(minutes=5))
     rank = int(os.environ["RANK"])

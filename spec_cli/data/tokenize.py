@@ -29,6 +29,9 @@ from spec_cli.paths import spec_home
 # 3: records a template refuses because they begin with an assistant turn are counted apart
 TOKENIZE_VERSION = "3"
 CHUNK = 256  # records per work item
+# The slowest tokenising to plan a wait for: ShareGPT (121 MB) went through SmolLM2's tokenizer at
+# 0.32 MB/s in one process on a 2-core machine another job kept busy; a tenth of a slow rate's speed.
+MIN_BYTES_PER_S = 50e3
 
 # Worker state (set in the parent before forking, or by the pool initializer).
 _worker: dict = {}
@@ -63,6 +66,13 @@ def has_conversations(dataset, probe: int = 1000) -> bool:
 def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int) -> str:
     text = f"{TOKENIZE_VERSION}|{data_fingerprint}|{tokenizer_fp}|{max_length}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def tokenize_seconds_bound(data_path: Path) -> float:
+    """How long tokenising `data_path` may take at most (MIN_BYTES_PER_S): what other ranks wait for."""
+    path = Path(data_path).expanduser()
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+    return sum(f.stat().st_size for f in files) / MIN_BYTES_PER_S
 
 
 def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int = 2048,

@@ -24,7 +24,7 @@ from spec_cli.batch import EXTRA
 from spec_cli.console import human_bytes, info, progress
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, padding_fraction, plan_batches
-from spec_cli.data.tokenize import tokenize_data
+from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
@@ -152,7 +152,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     data_path = Path(assets.resolve_data_arg(cfg.data))
     if rank == 0:  # rank 0 tokenises (cached); the others then read the cache
         tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
-    distributed.barrier()
+    distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(data_path))
     if rank != 0:
         tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
     n_samples = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
@@ -269,10 +269,13 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         compute_seconds = time.perf_counter() - loop_start
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu") if todo else None
 
-        distributed.barrier()
+        # Each rank verified (at the start) or wrote its own shards: rank 0 collects their entries
+        # rather than hashing the whole cache again while the others wait.
+        by_rank = distributed.gather_to_main(done)
         manifest = None
         if rank == 0:
-            entries = [fc.completed_shard(out, i, identity) for i in range(len(shards))]
+            verified = {i: e for part in by_rank for i, e in part.items()}
+            entries = [verified.get(i) for i in range(len(shards))]
             if any(e is None for e in entries):
                 raise ArtifactError("some shards are missing after all ranks finished",
                                     "rerun the same command to compute them")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spec_cli import distributed
+from spec_cli import distributed, threads
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
@@ -143,8 +143,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                 after_step(step)
 
             if o.max_time is not None and step < total:
-                out_of_time = distributed.any_rank(time.perf_counter() - loop_start >= o.max_time,
-                                                   trainer.device)
+                out_of_time = distributed.any_rank(time.perf_counter() - loop_start >= o.max_time)
                 if out_of_time:
                     info(f"--max-time {o.max_time:g}s reached after step {step} of {total}; "
                          f"saving (rerun with --resume to continue the schedule)")
@@ -181,6 +180,8 @@ def _start(cfg: TrainConfig) -> torch.device:
     """This process's device (torchrun: its rank's), the process group, the seed; a --target-engine check."""
     device = distributed.local_device(loading.choose_device(cfg.runtime.device))
     distributed.init(device)
+    if distributed.world_size() > 1:  # the machine's cores shared by its ranks, not all of them each
+        torch.set_num_threads(threads.choose_for_run().threads)
     torch.manual_seed(cfg.optim.seed)
     local.check_engine(cfg.runtime.target_engine)
     if cfg.runtime.target_engine != "transformers" and cfg.data.target is None:

@@ -173,11 +173,11 @@ def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Tar
 
 def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc: int):
     """The data's tokens: rank 0 tokenises (and caches) them, the other ranks then read its cache."""
-    from spec_cli.data.tokenize import tokenize_data
+    from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 
     if distributed.is_main():
         tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc)
-    distributed.barrier()
+    distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(path))
     if not distributed.is_main():
         tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1)
     return tokens
