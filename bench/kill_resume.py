@@ -228,13 +228,31 @@ def lock_free(folder: Path) -> str | None:
         return f"lock not free after the kill: {exc}"
 
 
-def _killed_at(command: list[str], env: dict, kill_at: float) -> tuple[bool, int | None, str]:
-    """Run `command`, SIGKILL it `kill_at` s after its start: (killed, exit code if it ended first, stderr)."""
+def new_files(out: Path) -> Callable[[], bool]:
+    """A kill moment for a resumed run: true once `out` holds a file it did not hold when this was made
+    (a checkpoint, a shard, or one being written), so the kill lands in its work whatever its speed."""
+    before = {p for p in out.rglob("*") if p.is_file()}
+    return lambda: any(p.is_file() and p not in before for p in out.rglob("*"))
+
+
+def _killed_at(command: list[str], env: dict, kill_at: float | Callable[[], bool],
+               timeout: float = 300.0) -> tuple[bool, int | None, str]:
+    """Run `command`, SIGKILL it `kill_at` s after its start (or once `kill_at()` is true): (killed, exit
+    code if it ended first, stderr)."""
     proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     killed = False
     try:
-        proc.wait(timeout=kill_at)
+        if callable(kill_at):
+            deadline = time.perf_counter() + timeout
+            while proc.poll() is None and not kill_at():
+                if time.perf_counter() > deadline:
+                    raise subprocess.TimeoutExpired(command, timeout)
+                time.sleep(0.01)
+            if proc.poll() is None:
+                raise subprocess.TimeoutExpired(command, 0)
+        else:
+            proc.wait(timeout=kill_at)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
         killed = True
@@ -243,11 +261,11 @@ def _killed_at(command: list[str], env: dict, kill_at: float) -> tuple[bool, int
 
 
 def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reruns: int = 3,
-               timeout: float = 300.0, then: tuple[float, ...] = ()) -> Trial:
+               timeout: float = 300.0, then: tuple = ()) -> Trial:
     """Start the command in `out`, SIGKILL it `kill_at` s later, rerun (resuming) until it completes;
     check the lock, the reruns and the result against `straight`. `then`: the resumed runs are killed in
-    turn, each that many seconds after its own start (a kill of a run that was itself resuming), before
-    the rerun that must complete."""
+    turn (a kill of a run that was itself resuming), each that many seconds after its own start, or
+    for `new_files`, once it wrote something; then a rerun must complete."""
     trial = Trial(kill_at)
     trial.killed, code, err = _killed_at(sc.command(out, False), sc.env, kill_at)
     if not trial.killed and code != 0:
@@ -257,7 +275,8 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
         trial.problems.append(why)
     done = not trial.killed and code == 0
     for at in then if trial.killed else ():
-        killed, code, err = _killed_at(sc.command(out, True), sc.env, at)
+        moment = at(out) if callable(at) else at  # new_files: what the folder holds now
+        killed, code, err = _killed_at(sc.command(out, True), sc.env, moment)
         trial.then_killed.append(killed)
         if (why := lock_free(out)):
             trial.lock_ok = False
@@ -266,7 +285,7 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
             done = code == 0
             if not done:
                 trial.resumed_ok = False
-                trial.problems.append(f"the resumed run meant to be killed at {at:.2f} s failed ({code}): "
+                trial.problems.append(f"the resumed run meant to be killed failed ({code}): "
                                       f"{err.strip()[-500:]}")
             break
     while not done and trial.reruns < max_reruns:

@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from spec_cli.artifacts import io
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_dir, write_safetensors
 from spec_cli.errors import ArtifactError
 
@@ -175,6 +176,14 @@ def load_frozen(checkpoint: Path, required: bool = True) -> dict[str, torch.Tens
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
+def remove_temporaries(run_dir: Path) -> list[str]:
+    """Remove what a killed run left half-written in its folder (run.json, frozen weights, logs) and in
+    its checkpoints/ (a checkpoint folder being written or being replaced); call it only while holding
+    the run folder's lock. The names removed."""
+    return (io.remove_temporaries(run_dir)
+            + io.remove_temporaries(Path(run_dir) / CHECKPOINTS, r"step-\d{8}"))
+
 
 def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
                     optimizer_tensors: dict[str, torch.Tensor], rng: dict[str, torch.Tensor],

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from spec_cli.artifacts import io
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, sha256_file, write_json
 from spec_cli.batch import EXTRA
 from spec_cli.errors import ArtifactError
@@ -116,20 +117,11 @@ def folder_bytes(folder: Path) -> dict[str, int]:
 _OWN = re.compile(r"shard-\d{5}\.(safetensors|json)$")
 
 
-_TEMPORARY = re.compile(r"\.(shard-\d{5}\.(safetensors|json)|" + re.escape(HEAD) + "|" + re.escape(MANIFEST)
-                        + r")\.[^.]+\.tmp$")
-
-
 def remove_temporaries(folder: Path) -> list[str]:
     """Remove the half-written files a killed precompute left (atomic writes' `.NAME.XXXX.tmp`); call
     it only while holding the cache's lock, so no live writer owns them. The names removed."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = [p for p in folder.iterdir() if p.is_file() and _TEMPORARY.match(p.name)]
-    for path in removed:
-        path.unlink(missing_ok=True)
-    return [p.name for p in removed]
+    return io.remove_temporaries(folder, r"shard-\d{5}\.(safetensors|json)|" + re.escape(HEAD) + "|"
+                                 + re.escape(MANIFEST))
 
 
 def own_files(folder: Path) -> list[str]:

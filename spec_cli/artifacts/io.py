@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -85,6 +86,24 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_temporaries(folder: Path, names: str = r"[^/]+") -> list[str]:
+    """Remove what killed atomic writes left in `folder`: atomic_path's and atomic_dir's temporaries
+    (`.NAME.XXXXXXXX.tmp`, files or folders) and atomic_dir's replaced folder (`.NAME.old`), for NAMEs
+    matching the regex `names`. Call it only while holding the folder's lock (no live writer owns them).
+    The names removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = re.compile(rf"\.({names})(\.[a-z0-9_]{{8}}\.tmp|\.old)$")
+    removed = sorted(p for p in folder.iterdir() if pattern.match(p.name))
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return [p.name for p in removed]
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:

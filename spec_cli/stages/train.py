@@ -84,6 +84,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         run_json = _run_json(cfg, source, vocab_map)
         if distributed.is_main():  # the run folder is one, shared by the ranks
             lock.enter_context(FolderLock(cfg.runtime.output, "spec train"))
+            ckpt.remove_temporaries(cfg.runtime.output)  # a killed run's half-written files
         _check_run_dir(cfg, run_json)
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = trainer.restore(latest) if latest is not None else 0

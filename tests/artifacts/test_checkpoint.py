@@ -132,3 +132,20 @@ def test_frozen_weights_are_found_in_the_run_and_checked_by_fingerprint(tmp_path
         ckpt.load_frozen(moved)
     with pytest.raises(ValueError, match="also in model_state"):
         ckpt.save_checkpoint(run, 6, {"embed_tokens.weight": torch.ones(1)}, {}, {}, {}, {}, frozen=frozen)
+
+
+def test_a_resumed_run_removes_what_a_killed_one_left_half_written(tmp_path):
+    """What SIGKILL leaves mid-write (atomic writes' temporaries, a checkpoint folder being replaced)
+    goes when the next run holds the folder; finished files and anything else stay."""
+    from spec_cli.artifacts.checkpoint import remove_temporaries
+
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / ".run.json.oyc4pbr7.tmp").write_text("{")
+    (tmp_path / ".frozen.safetensors.5yxh4t0y.tmp").write_bytes(b"\0")
+    (tmp_path / ".notes").write_text("the user's")
+    checkpoints = tmp_path / "checkpoints"
+    for name in ("step-00000002", ".step-00000004.ab_cd123.tmp", ".step-00000002.old"):
+        (checkpoints / name).mkdir(parents=True)
+    assert remove_temporaries(tmp_path) == [".frozen.safetensors.5yxh4t0y.tmp", ".run.json.oyc4pbr7.tmp",
+                                            ".step-00000002.old", ".step-00000004.ab_cd123.tmp"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [".notes", "checkpoints", "run.json", "step-00000002"]
