@@ -24,7 +24,10 @@ in the same process needs it).
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -160,6 +163,50 @@ def gather_to_main(obj):
     out = [None] * world_size() if is_main() else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def check_shared_folder(folder: Path, what: str) -> None:
+    """Every rank must see `folder` as rank 0 does (checkpoints and shards are written by one rank and
+    read by others): rank 0 writes a fresh token there and every rank reads it back. A rank that cannot
+    (nodes without a shared file system, each writing its own disk) is one error on every rank, at once,
+    instead of ranks resuming at different steps and hanging in their next collective."""
+    if not _ours():
+        return
+    folder = Path(folder)
+    token = [secrets.token_hex(8) if is_main() else None, None]  # [token, the name of the file holding it]
+    try:
+        if is_main():
+            folder.mkdir(parents=True, exist_ok=True)
+            token[1] = f".spec-ranks-{os.getpid()}"  # hidden: the folder guards allow it
+            (folder / token[1]).write_text(token[0])
+        dist.broadcast_object_list(token, src=0)
+        try:
+            sees = (folder / token[1]).read_text() == token[0]  # this rank's view of the folder
+        except OSError:
+            sees = False
+        blind = [None] * world_size()
+        dist.all_gather_object(blind, None if sees else (rank(), socket.gethostname()))
+    finally:
+        if is_main() and token[1]:
+            (folder / token[1]).unlink(missing_ok=True)
+    blind = [b for b in blind if b is not None]
+    if blind:
+        who = ", ".join(f"rank {r} on {host}" for r, host in blind)
+        raise ConfigError(f"{who} cannot see {what} {folder} as rank 0 ({socket.gethostname()}) writes it",
+                          "put it on a file system every node mounts at the same path (NFS, Lustre, ...)")
+
+
+def machine_mesh(device: torch.device):
+    """A one-dimensional device mesh over this machine's ranks (torchrun's ranks are numbered machine by
+    machine): what a tensor-parallel target is sharded over, so its all-reduces stay inside a node."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    here, world = threads.ranks_here(), world_size()
+    if world % here:
+        raise ConfigError(f"{world} ranks in all but {here} on this machine",
+                          "launch the same number of processes on every machine (torchrun --nproc-per-node)")
+    mesh = init_device_mesh(device.type, (world // here, here), mesh_dim_names=("machine", "local"))
+    return mesh["local"]
 
 
 def shutdown() -> None:

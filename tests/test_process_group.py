@@ -187,3 +187,44 @@ def test_a_rank_waiting_for_rank_0_gives_up_with_one_line_at_its_timeout(tmp_pat
     assert procs[1].returncode == 3, err[-2000:]
     assert "rank 1 waited 2 s for the other ranks to finish tokenising the data" in out
     assert "SPEC_DIST_TIMEOUT" in out and "waiting for rank 0 to finish tokenising the data" in out + err
+
+
+SHARED = textwrap.dedent("""
+    import sys
+    from spec_cli import distributed
+    from spec_cli.errors import ConfigError
+    distributed.init()
+    try:  # each rank its own folder: nodes that write their own disks
+        distributed.check_shared_folder(sys.argv[1 + distributed.rank()], "the run folder")
+    except ConfigError as exc:
+        print(exc.one_line())
+        sys.exit(3)
+    print("shared")
+""")
+
+
+def two_ranks(script: str, *args, timeout: float = 60) -> list[tuple[int, str, str]]:
+    """Run `script` as two gloo ranks on this machine; [(exit code, stdout, stderr)] by rank."""
+    from tests.launch import free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, *o) for p, o in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_ranks_that_do_not_share_the_run_folder_fail_at_once_on_every_rank(tmp_path):
+    results = two_ranks(SHARED, tmp_path / "node0" / "run", tmp_path / "node1" / "run")
+    for code, out, err in results:
+        assert code == 3, err[-2000:]
+        assert "rank 1 on" in out and "cannot see the run folder" in out and "every node mounts" in out
+    assert list((tmp_path / "node0" / "run").iterdir()) == []  # the token is gone
+    same = two_ranks(SHARED, tmp_path / "run", tmp_path / "run")
+    assert [(code, out.strip()) for code, out, _ in same] == [(0, "shared"), (0, "shared")]

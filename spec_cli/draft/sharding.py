@@ -1,12 +1,19 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for drafts too large to replicate on every rank.
 
-Every module that owns parameters directly (each Linear, norm and the frozen embedding) is its own
-FSDP unit: the TTT unroll calls the draft's pieces (fc, the decoder layer, norm, lm_head) directly and
-several times per step rather than through one `forward`, and a unit's hooks fire on every call of its
-own module. Units keep their gathered weights from forward to backward (`reshard_after_forward=False`)
-so the k calls of a TTT step gather once; gradients are reduce-scattered and the optimizer state lives
-sharded. Checkpoints stay full, single-file state dicts, so resume, export and eval do not care how a
-run was trained (and a run may resume with another world size or without FSDP).
+One root: `fully_shard` over the objective (the module whose forward runs a training batch and holds
+the draft), as the peers shard their models. Its forward gathers the draft's weights once; the TTT
+unroll then calls the draft's pieces (fc, the decoder layers, norm, lm_head) as often as it needs, and
+the weights stay gathered until the backward is done (a root does not reshard after its forward: a
+one- or two-layer draft called k times per step would gather k times to save one layer's weights).
+What FSDP2 saves here is the rest: gradients are reduce-scattered and the optimizer state (Adam: two
+fp32 copies) lives sharded, which is most of a large draft's memory.
+
+Mixed precision (`policy`): on GPUs the weights are gathered and computed in bf16 (what the run's bf16
+autocast computes in anyway) and gradients reduced in fp32; the batch's tensors are not cast (the
+target's probabilities stay fp32). On CPUs, which train in fp32, nothing is cast.
+
+Checkpoints stay full, single-file state dicts, so resume, export and eval do not care how a run was
+trained (and a run may resume with another world size or without FSDP).
 """
 
 from __future__ import annotations
@@ -17,26 +24,32 @@ import torch
 from torch import nn
 
 
-def shard(model: nn.Module) -> list[nn.Module]:
-    """Apply fully_shard to every module of `model` that owns parameters; -> those units."""
+def policy(device: torch.device):
+    """FSDP2's MixedPrecisionPolicy for training on `device` (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
+
+
+def shard(objective: nn.Module, device: torch.device) -> nn.Module:
+    """fully_shard the objective in place (one root over the draft it holds); -> the root."""
     from torch.distributed.fsdp import fully_shard
 
-    units = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=False)
-    return units
+    fully_shard(objective, mp_policy=policy(device))
+    return objective
 
 
 @contextmanager
-def no_gradient_sync(units: list[nn.Module]):
+def no_gradient_sync(root: nn.Module):
     """Accumulate gradients locally (micro-batches before the last of an optimizer step)."""
-    for unit in units:
-        unit.set_requires_gradient_sync(False, recurse=False)
+    root.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        for unit in units:
-            unit.set_requires_gradient_sync(True, recurse=False)
+        root.set_requires_gradient_sync(True)
 
 
 def _options(**kw):

@@ -86,16 +86,17 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
             lock.enter_context(FolderLock(cfg.runtime.output, "spec train"))
             ckpt.remove_temporaries(cfg.runtime.output)  # a killed run's half-written files
         _check_run_dir(cfg, run_json)
+        distributed.check_shared_folder(cfg.runtime.output, "the run folder")  # torchrun: one folder for all
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = trainer.restore(latest) if latest is not None else 0
         trainer.write_run(run_json)  # rank 0: run.json and the frozen weights
-        trainer.make_objective()
+        trainer.make_model()
         logger = TrainLogger(cfg.runtime.output, schedule.total_steps, enabled=schedule.rank == 0,
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
              f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), TTT "
              f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}"
-             + (f", {'FSDP2' if trainer.units else 'DDP'} over {schedule.world} processes"
+             + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
                 if schedule.world > 1 else ""))
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
         step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step)
@@ -265,9 +266,12 @@ class Trainer:
         self.draft, self.draft_config, self.frozen = build_draft(cfg, algorithm, source, vocab_map)
         self.frozen_record = {"keys": sorted(self.frozen), "fingerprint": ckpt.frozen_fingerprint(self.frozen)}
         self.draft.to(device)
-        self.units = []  # FSDP2 units (--fsdp under torchrun); else DDP replicates the draft
-        if cfg.runtime.fsdp and schedule.world > 1:
-            self.units = sharding.shard(self.draft)
+        # the algorithm's objective over the draft (the module evaluation runs)
+        self.objective = algorithm.objective(self.draft, cfg.objective,
+                                             activation_checkpointing=cfg.runtime.activation_checkpointing)
+        self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft
+        if self.sharded:
+            sharding.shard(self.objective, device)  # before the optimizer: it holds the sharded weights
         elif cfg.runtime.fsdp:
             info("--fsdp shards across torchrun processes; with one process it trains as usual")
         trained = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
@@ -287,7 +291,7 @@ class Trainer:
         optimizer_state = ckpt.unflatten_optimizer(parts["optimizer"], parts["trainer_state"]["param_groups"],
                                                    self.names)
         sharding.load_full_state(self.draft, self.optimizer, parts["model"], optimizer_state, self.names,
-                                 sharded=bool(self.units), frozen=parts["frozen_keys"])
+                                 sharded=self.sharded, frozen=parts["frozen_keys"])
         _restore_rng(parts["rng"])
         step = parts["trainer_state"]["step"]
         info(f"resuming from {checkpoint} (step {step})")
@@ -303,13 +307,11 @@ class Trainer:
                              {"target_fingerprint": self.source.identity["target_fingerprint"]})
         self.frozen = None  # the draft holds its copy
 
-    def make_objective(self) -> None:
-        """The algorithm's objective over the draft (the module evaluation runs), and the module the
-        loop trains: the objective, or under torchrun without --fsdp its DDP wrapper."""
-        self.objective = self.algorithm.objective(
-            self.draft, self.cfg.objective, activation_checkpointing=self.cfg.runtime.activation_checkpointing)
+    def make_model(self) -> None:
+        """The module the loop trains: the objective, or under torchrun without --fsdp its DDP wrapper
+        (made once the weights are restored: DDP starts every rank from rank 0's)."""
         self.model = self.objective
-        if self.schedule.world > 1 and not self.units:
+        if self.schedule.world > 1 and not self.sharded:
             self.model = nn.parallel.DistributedDataParallel(
                 self.objective, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
@@ -329,7 +331,7 @@ class Trainer:
             if (sync and i == len(units) - 1) or self.schedule.world == 1:
                 ctx = _null()
             else:
-                ctx = sharding.no_gradient_sync(self.units) if self.units else self.model.no_sync()
+                ctx = sharding.no_gradient_sync(self.objective) if self.sharded else self.model.no_sync()
             with ctx, _autocast(self.device):
                 out = self.model(batch, unit)
                 (out.loss / self.cfg.optim.grad_accum).backward()  # each backward adds: average them
@@ -348,7 +350,7 @@ class Trainer:
     def save(self, step: int) -> Path | None:
         """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder."""
         model_state, optimizer_state = sharding.full_state(self.draft, self.optimizer, self.names,
-                                                           sharded=bool(self.units))
+                                                           sharded=self.sharded)
         if self.schedule.rank != 0:
             return None
         opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, self.names)
@@ -358,7 +360,7 @@ class Trainer:
             {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
              "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
              "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
-             "parallel": "fsdp" if self.units else ("ddp" if s.world > 1 else "single")},
+             "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single")},
             keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record)
 
 
