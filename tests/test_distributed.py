@@ -45,6 +45,13 @@ PEAGLE = {"ddp-1": ["--peagle-segments", "1"], "ddp-2": ["--peagle-segments", "2
           "fsdp-2": ["--peagle-segments", "2", "--fsdp"]}
 
 
+def live_args(setup, out, parallel) -> list[str]:
+    """EAGLE-3 from the live tiny target, whole on each rank or sharded over both (--target-parallel)."""
+    return strs("train", "--target", setup["target"], "--data", setup["data"], "-v", setup["vm"], "-o", out,
+                "--dtype", "fp32", "--target-parallel", parallel, "--ttt-steps", "2", "--lr", "3e-3",
+                "--max-steps", "2", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0", "-q")
+
+
 def precompute_args(setup, out) -> list[str]:
     return strs("precompute", "-t", setup["target"], "-d", setup["data"], "-v", setup["vm"], "-o", out,
                 "--batch-tokens", "512", "--shard-tokens", "600", "-q")
@@ -57,7 +64,7 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     checkpoint must restore."""
     root = tmp_path_factory.mktemp("torchrun")
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-accum", "eagle-fsdp",
-                                           *(f"peagle-{k}" for k in PEAGLE), "precompute")}
+                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "live-replica", "live-tensor")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
@@ -67,7 +74,9 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
               peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
               peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
-              precompute_args(train_setup, out["precompute"])], root / "launch")
+              precompute_args(train_setup, out["precompute"]),
+              live_args(train_setup, out["live-replica"], "replica"),
+              live_args(train_setup, out["live-tensor"], "tensor")], root / "launch")
     return out
 
 
@@ -173,3 +182,11 @@ def test_precompute_two_processes_write_the_same_cache(runs, train_setup, tmp_pa
     assert main(precompute_args(train_setup, single)) == 0
     assert json.loads((single / "manifest.json").read_text())["num_shards"] > 1  # work for both processes
     assert digest(runs["precompute"]) == digest(single)
+
+
+def test_training_from_a_target_sharded_over_the_ranks_equals_training_from_whole_copies(runs):
+    """--target-parallel tensor: the two ranks run the target together, each keeping its own batch's
+    supervision (tests/target/test_tensor_parallel.py compares the supervision itself)."""
+    whole, sharded = weights(runs["live-replica"]), weights(runs["live-tensor"])
+    assert_same(whole, sharded, exact=False)
+    assert json.loads((runs["live-tensor"] / "run.json").read_text())["options"]["target_parallel"] == "tensor"

@@ -65,6 +65,12 @@ TargetEngine = Annotated[str, typer.Option(
                             "supervision is the same either way (fp32 rounding), and so is the identity "
                             "of what it makes.", rich_help_panel=RUNTIME)]
 
+TargetMemory = Annotated[Optional[float], typer.Option(
+    "--target-memory", help="--target-engine vllm on a GPU: the share of its memory vLLM may take for the "
+                            "target's weights and KV cache (its gpu_memory_utilization), in (0, 1]. "
+                            "Default: 0.5 in spec train (the draft trains on the same GPU), else vLLM's "
+                            "own (0.9).", min=0.01, max=1.0, rich_help_panel=RUNTIME)]
+
 
 def in_panel(panel: str, option):
     """One of the shared options above, shown in another --help panel than its own."""

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from spec_cli.commands.options import (AuxLayers, ChatTemplate, Config, Data, Device, DraftAlgorithm, Dtype,
-                                       MaxLength, NumProc, Quiet, Target, TargetEngine, Threads, VocabMap)
+                                       MaxLength, NumProc, Quiet, Target, TargetEngine, TargetMemory, Threads,
+                                       VocabMap)
 from spec_cli.console import set_quiet
 from spec_cli.help import DATA, INPUTS, RUNTIME
 
@@ -44,6 +45,7 @@ def precompute_cmd(
                                 "in; training upcasts them. bf16 halves an fp32 cache. Default: the model "
                                 "dtype (--dtype).", rich_help_panel=RUNTIME)] = None,
     target_engine: TargetEngine = "transformers",
+    target_memory: TargetMemory = None,
     threads: Threads = None,
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
@@ -63,5 +65,6 @@ def precompute_cmd(
         aux_layers=aux_layers, algorithm=algorithm, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
         dtype=dtype, storage_dtype=storage_dtype, resume=resume, target_engine=target_engine, threads=threads,
+        target_memory=target_memory,
         chat_template=chat_template))
     print_precompute_summary(result)

@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from spec_cli.commands.options import (AuxLayers, Config, Device, DraftAlgorithm, Dtype, MaxLength, NumProc, Quiet,
-                                       TargetEngine, in_panel)
+                                       TargetEngine, TargetMemory, in_panel)
 from spec_cli.console import set_quiet
 from spec_cli.help import DRAFT, INPUTS
 from spec_cli.stages import train_options
@@ -38,7 +38,7 @@ TrainAlgorithm = in_panel(DRAFT, DraftAlgorithm)
 # the train options declared `shared(...)`: option name -> its type, as train shows it
 SHARED = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
           "max_length": MaxLength, "num_proc": NumProc, "device": Device, "dtype": Dtype,
-          "target_engine": TargetEngine}
+          "target_engine": TargetEngine, "target_memory": TargetMemory}
 
 
 def train_cmd(config=None, quiet=False, **options):

@@ -186,7 +186,8 @@ class Engine:
     def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
                  track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
-                 speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS):
+                 speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
+                 gpu_memory_utilization: float | None = None):
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
@@ -197,6 +198,8 @@ class Engine:
             kwargs["max_model_len"] = int(max_model_len)
         if max_num_seqs:
             kwargs["max_num_seqs"] = int(max_num_seqs)
+        if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default
+            kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if draft is not None:
             kwargs["speculative_config"] = {"method": method, "model": str(draft),
                                             "num_speculative_tokens": int(num_speculative_tokens),

@@ -39,6 +39,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
           exit_on_disconnect: bool = False,
           on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
+          target_memory: float | None = None,
           chat_template: str | None = None, algorithm: str | None = None) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
@@ -63,7 +64,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     if not isinstance(aux_layers, list):
         aux_layers = loading.parse_aux_layers(aux_layers, loading.num_layers(loading.load_config(target_dir)),
                                               algorithm)
-    backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template)
+    backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template,
+                                 memory=target_memory)
     try:
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),

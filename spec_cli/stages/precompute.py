@@ -53,6 +53,7 @@ class PrecomputeConfig:
     storage_dtype: str | None = None  # bf16 | fp16 | fp32: the float features on disk; None: the model dtype
     resume: bool = True
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another target engine
+    target_memory: float | None = None  # vLLM's share of the GPU (None: vLLM's default)
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
@@ -190,6 +191,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
             guard.replace_folder(out, *_marker(out), "feature cache", inputs, fc.own_files(out))
     distributed.barrier()
     out.mkdir(parents=True, exist_ok=True)
+    distributed.check_shared_folder(out, "the feature cache")  # the ranks write one folder
     if (out / fc.MANIFEST).is_file():
         existing = fc.read_manifest(out)
         mismatch = fc.identity_mismatch(identity, existing)
@@ -237,7 +239,8 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     torch.set_num_threads(choice.threads)
     try:
         if todo or rank == 0:
-            backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype)
+            backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype,
+                                         memory=cfg.target_memory)
             backend.set_vocab_mapping(vocab_map.selected_token_ids)
             if rank == 0:
                 fc.write_head(out, backend.lm_head_selected, backend.bias_selected,

@@ -159,6 +159,11 @@ class RuntimeOptions:
     stream_dir: Path | None = option(
         None, "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
                                    "end) instead of in memory.", panel=TARGET, file_okay=False, resumable=True)
+    target_parallel: str = option(
+        "auto", "--target-parallel", help="Under torchrun, a live --target: replica (whole on every rank), "
+                                          "tensor (sharded over the machine's ranks by transformers' tensor-"
+                                          "parallel plan: targets bigger than one GPU), or auto (tensor when "
+                                          "its weights take over half a GPU).", panel=TARGET, resumable=True)
     fsdp: bool = option(  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
         False, "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state "
                               "across processes (FSDP2) instead of replicating them (DDP); for large "
@@ -169,6 +174,7 @@ class RuntimeOptions:
     device: str | None = shared(None, resumable=True)
     dtype: str | None = shared(None)  # the live target's
     target_engine: str = shared("transformers", resumable=True)  # what runs a live --target
+    target_memory: float | None = shared(None, resumable=True)  # vLLM's share of the GPU (None: 0.5 here)
     log_every: int = option(
         10, "--log-every", help="Steps per log record.", panel=CHECKPOINTS, min=1, resumable=True)
     eval_every: int = option(

@@ -29,6 +29,10 @@ from spec_cli.stages.train_options import TrainConfig
 from spec_cli.target import loading, local
 from spec_cli.target.backend import TargetBackend
 
+# --target-engine vllm in spec train: the share of the GPU vLLM may take when --target-memory is not
+# given (vLLM's own default, 0.9, would leave the draft a tenth of the GPU)
+TRAIN_TARGET_MEMORY = 0.5
+
 
 @dataclass
 class Source:
@@ -56,6 +60,11 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         data_path = Path(assets.resolve_data_arg(d.data))
         tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc)
         backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
+        if cfg.runtime.stream and getattr(backend, "group", None) is not None:
+            backend.close()
+            raise ConfigError("--stream runs the target in producer threads, each rank at its own pace; a "
+                              "target sharded over the ranks (--target-parallel) runs in step with them",
+                              "drop --stream, or pass --target-parallel replica if the target fits one device")
     except BaseException:
         if target.backend is not None:
             target.backend.close()
@@ -137,7 +146,10 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
     dtype = loading.choose_dtype(cfg.runtime.dtype, device)
 
     def load() -> TargetBackend:
-        return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template)
+        return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template,
+                                  parallel=cfg.runtime.target_parallel,
+                                  memory=TRAIN_TARGET_MEMORY if cfg.runtime.target_memory is None
+                                  else cfg.runtime.target_memory)
 
     record = chat_templates.identity(tokenizer, template)
     return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, load=load)

@@ -168,19 +168,37 @@ def config_from_dict(data: dict):
         return PretrainedConfig.from_dict(data)
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The target as a frozen causal LM in eval mode."""
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None) -> nn.Module:
+    """The target as a frozen causal LM in eval mode. `mesh` (a device mesh of ranks): sharded over it
+    by transformers' tensor-parallel plan for the architecture, each rank loading only its shards."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if mesh is not None:
+        config = load_config(path)
+        if not getattr(config, "base_model_tp_plan", None):
+            raise TargetError(f"transformers has no tensor-parallel plan for {(config.architectures or ['this'])[0]}",
+                              "use --target-parallel replica, or serve the target (`spec serve-target`)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        if mesh is None:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, tp_plan="auto", device_mesh=mesh)
     except Exception as exc:
         raise TargetError(f"cannot load the target model from {path}: {exc}",
                           "pass a decoder-only causal LM that transformers supports") from exc
-    model.to(device).eval().requires_grad_(False)
+    if mesh is None:
+        model.to(device)
+    model.eval().requires_grad_(False)
     return model
+
+
+def weights_bytes(path: Path) -> int:
+    """What the target's weight files hold on disk (safetensors, else any .bin/.pt/.gguf)."""
+    files = [f for f in Path(path).glob("*.safetensors")] or [
+        f for ext in ("*.bin", "*.pt", "*.gguf") for f in Path(path).glob(ext)]
+    return sum(f.stat().st_size for f in files)
 
 
 def generation_config(path: Path):

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import distributed
+from spec_cli import distributed, threads
+from spec_cli.console import info
 from spec_cli.errors import ConfigError
+from spec_cli.target import loading
 
 ENGINES = ("transformers", "vllm")
 
@@ -32,23 +34,56 @@ def check_engine(name: str) -> str:
     return name
 
 
+PARALLEL = ("auto", "replica", "tensor")  # --target-parallel
+AUTO_SHARE = 0.5  # auto: shard a target whose weights take more than this share of one GPU
+
+
+def tensor_parallel(choice: str, name: str, target_dir: Path, device: torch.device) -> tuple[bool, str]:
+    """--target-parallel: (shard the live target over this machine's ranks?, why), under torchrun.
+    A target that fits one GPU with room for the draft stays a replica per rank: no communication in
+    its forward. One that does not is sharded (`auto` decides by its weights' size against the GPU)."""
+    if choice not in PARALLEL:
+        raise ConfigError(f"unknown --target-parallel {choice!r}", f"use one of {', '.join(PARALLEL)}")
+    if distributed.world_size() == 1 or choice == "replica":
+        return False, "one process" if distributed.world_size() == 1 else "--target-parallel replica"
+    if choice == "auto":
+        if device.type != "cuda":
+            return False, "auto: a replica per rank off GPUs"
+        weights, gpu = loading.weights_bytes(target_dir), torch.cuda.get_device_properties(device).total_memory
+        if weights <= AUTO_SHARE * gpu:
+            return False, (f"auto: its weights ({weights / 2**30:.1f} GiB) fit in {AUTO_SHARE:.0%} of a GPU "
+                           f"({gpu / 2**30:.0f} GiB)")
+        why = f"auto: its weights ({weights / 2**30:.1f} GiB) take over {AUTO_SHARE:.0%} of a GPU ({gpu / 2**30:.0f} GiB)"
+    else:
+        why = "--target-parallel tensor"
+    if name != "transformers":
+        raise ConfigError(f"a target sharded over ranks runs in transformers ({why}); --target-engine {name} "
+                          "runs one engine per process", "use --target-engine transformers, or serve the target")
+    return True, why
+
+
 def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
-                 device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None):
+                 device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None,
+                 parallel: str = "replica", memory: float | None = None):
     """The target loaded by target engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
     data.chat_templates.ChatTemplate) is the template its data is tokenised with: it enters the
-    tokenizer fingerprint the backend reports."""
+    tokenizer fingerprint the backend reports. `parallel`: --target-parallel (torchrun); `memory`:
+    --target-memory (vLLM's share of the GPU)."""
     check_engine(name)
     if name == "vllm":
         from spec_cli.target.vllm_backend import VLLMTargetBackend
 
-        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype)
+        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype, memory=memory)
     else:
         from spec_cli.target.hf_backend import HFTargetBackend
 
-        backend = HFTargetBackend(target_dir, aux_layers, device, dtype)
+        device = device if isinstance(device, torch.device) else loading.choose_device(device)
+        sharded, why = tensor_parallel(parallel, name, target_dir, device)
+        if sharded:
+            info(f"target: sharded over this machine's {threads.ranks_here()} ranks ({why})")
+        backend = HFTargetBackend(target_dir, aux_layers, device, dtype,
+                                  mesh=distributed.machine_mesh(device) if sharded else None)
     if chat_template is not None:
-        from spec_cli.target import loading
-
         tokenizer = loading.load_tokenizer(target_dir)
         tokenizer.chat_template = chat_template.text
         backend.info["tokenizer_fingerprint"] = loading.tokenizer_fingerprint(tokenizer)

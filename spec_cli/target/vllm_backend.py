@@ -89,7 +89,7 @@ class VLLMTargetBackend(LocalTargetBackend):
 
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, memory: float | None = None):
         vllm = engine.require("--target-engine vllm")
         from vllm.platforms import current_platform
 
@@ -110,7 +110,8 @@ class VLLMTargetBackend(LocalTargetBackend):
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self._sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self._sink = None  # (request -> row, aux rows, hidden rows) while a batch runs
-        self.engine = engine.Engine(target_dir, dtype=self.dtype, max_model_len=max_model_len)
+        self.engine = engine.Engine(target_dir, dtype=self.dtype, max_model_len=max_model_len,
+                                    gpu_memory_utilization=memory)
         try:
             self._attach(int(text.vocab_size))
             self.info = describe_target(target_dir, config, architecture, self.lm_head_weight,
