@@ -32,10 +32,9 @@ SpecForge 0.2.0 (`specforge.algorithms.eagle3.model.OnlineEagle3Model.forward`, 
   draft-vocab columns and -inf elsewhere, so its softmax over the draft vocab is target_p and
   position_mask = t2d[argmax] * loss_mask is the bench's position_mask.
 
-Rope positions: both peers (like EAGLE's cnets.py, `position_ids + lck`) rotate step k's queries and
-keys at position t + k; spec_cli's `ttt_forward` keeps step 0's positions at every step. The step-0
-losses agree either way; for steps >= 1 the check compares the peers with `spec_cli_peer_positions`,
-spec_cli's own step pieces unrolled at the peers' positions, and reports the as-shipped gap apart.
+Rope positions: both peers (like EAGLE's cnets.py, `position_ids + lck`) and spec_cli's `ttt_forward`
+rotate step k's queries and keys at position t + k, as the serving engines do; the check compares
+every step directly.
 """
 
 from __future__ import annotations
@@ -217,13 +216,14 @@ def _supervised(mask: torch.Tensor, ttt_steps: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# spec_cli at the peers' rope positions (for the equality check only)
+# spec_cli's steps one by one (for the equality check only)
 
 
-def spec_cli_peer_positions(draft, batch, ttt_steps: int = 7):
-    """spec_cli's own pieces (`Eagle3Draft.ttt_step`, the soft-CE head of `ttt_forward`) unrolled
-    with step k's queries and keys rotated at position t + k, the peers' convention. Returns ([K]
-    soft-CE per step with grad, [K] top-1 accuracy over loss_mask)."""
+def spec_cli_steps(draft, batch, ttt_steps: int = 7):
+    """spec_cli's own pieces (`Eagle3Draft.ttt_step`, the soft-CE head of `ttt_forward`) unrolled as
+    `ttt_forward` does (step k at position t + k), each step's loss kept with its graph so that a peer's
+    own weighting of the steps can be rebuilt. Returns ([K] soft-CE per step with grad, [K] top-1
+    accuracy over loss_mask)."""
     from spec_cli.draft.eagle3.ttt import _head
     from spec_cli.draft.unroll import shift_left
 
@@ -269,17 +269,16 @@ def _grads(loss, named: dict) -> dict:
 def check(name: str, build, T: int = 64, ttt_steps: int = 7, step_weight: float = 0.8,
           speculators_attn: str = "sdpa") -> dict:
     """Copy one draft's weights into the peer, run both on one batch (fp32) and compare:
-    ce_err:    max_k |peer soft-CE_k - spec_cli soft-CE_k|, spec_cli at the peers' rope positions;
+    ce_err:    max_k |peer soft-CE_k - spec_cli soft-CE_k|;
     acc_err:   the same for top-1 accuracy (SpecForge: correct / loss_mask slots, as spec_cli);
     grad_err:  max over parameters of max|g_peer - g_spec_cli| / max|g_spec_cli|, the peer's own
                total loss against the same combination of spec_cli's per-step losses;
-    step0_err: |peer soft-CE_0 - ttt_forward's|, spec_cli as shipped;
-    shipped_gap: max_{k>=1} |peer soft-CE_k - ttt_forward's|: the rope-position convention."""
+    shipped_err: max_k |peer soft-CE_k - ttt_forward's|: spec_cli's training step as shipped."""
     from spec_cli.draft.eagle3.ttt import ttt_forward
 
     draft, batch = check_batch(build, T)
     shipped = ttt_forward(draft, batch, ttt_steps=ttt_steps, step_weight=step_weight)
-    ours, ours_acc = spec_cli_peer_positions(draft, batch, ttt_steps)
+    ours, ours_acc = spec_cli_steps(draft, batch, ttt_steps)
     supervised = _supervised(batch.position_mask.bool(), ttt_steps)
     ours_named = {k: p for k, p in draft.named_parameters() if p.requires_grad}
     if name == "speculators":
@@ -304,5 +303,4 @@ def check(name: str, build, T: int = 64, ttt_steps: int = 7, step_weight: float 
                 ce_err=float((ce - ours.detach()).abs().max()),
                 acc_err=None if acc is None else float((acc - ours_acc).abs().max()),
                 acc=ours_acc.tolist(), grad_err=grad_err,
-                step0_err=abs(float(ce[0] - shipped.step_loss[0])),
-                shipped_gap=float((ce[1:] - shipped.step_loss[1:]).abs().max()))
+                shipped_err=float((ce - shipped.step_loss).abs().max()))

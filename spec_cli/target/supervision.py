@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from spec_cli.batch import TargetBatch
+from spec_cli.target.masks import document_ids
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab
 
@@ -77,6 +78,10 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
     """
     real = attention_mask.bool()  # [B, T]
     valid = shift_left(real) & real  # position t has a next token t+1
+    if seq_lens is not None:  # packed: ... of its own document (the last token of a document predicts
+        # nothing: the token after it starts the next document, whose first token may carry loss)
+        docs, _ = document_ids(seq_lens.to(real.device), real.shape[1])
+        valid &= torch.cat([docs[:, 1:] == docs[:, :-1], torch.zeros_like(real[:, :1])], 1)
     vf = valid.unsqueeze(-1)
     loss = shift_left(loss_mask.long()) * valid
     target_ids = shift_left(argmax.long()) * valid

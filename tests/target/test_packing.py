@@ -56,6 +56,8 @@ def documents():
 def test_packed_supervision_equals_each_documents_own_forward(backend):
     model = backend.model
     ids, am, lm = packed_batch(backend.info["vocab_size"])
+    for b, start, _ in documents():
+        lm[b, start] = 1  # a document whose first token carries loss (a text record)
     batch = backend.generate_batch(ids, am, lm, seq_lens=SEQ_LENS)
     sel, H = backend.selected, backend.info["hidden_size"]
     agree = total = 0
@@ -75,6 +77,9 @@ def test_packed_supervision_equals_each_documents_own_forward(backend):
         assert torch.equal(batch.position_mask[b, span], backend.t2d[top] & lm[b, start + 1:start + n].bool())
         assert torch.equal(batch.input_ids[b, span], doc[0, 1:])
         assert torch.equal(batch.loss_mask[b, span], lm[b, start + 1:start + n])
+        last = start + n - 1  # predicts nothing: the next token starts another document
+        assert batch.loss_mask[b, last] == 0 and not batch.position_mask[b, last]
+        assert float(batch.target_p[b, last].abs().sum()) == 0.0 and batch.target_ids[b, last] == 0
         for k, layer in enumerate(windowed.AUX):  # outputs of the aux layers, position-aligned
             torch.testing.assert_close(batch.aux_hidden[b, start:start + n, k * H:(k + 1) * H],
                                        out.hidden_states[layer + 1][0], rtol=1e-4, atol=1e-5)

@@ -16,7 +16,7 @@ from spec_cli.draft.losses import acceptance_length
 from spec_cli.draft.eagle3.ttt import ttt_forward
 from spec_cli.draft.unroll import doc_remaining, packed_positions, shift_left
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import random_batch, tiny_draft
+from tests.draft import random_batch, selected_ids, tiny_draft
 
 
 def rms(x, w, eps):
@@ -200,15 +200,71 @@ def test_checkpointing_gives_the_same_loss_and_gradients():
     _compare(draft, batch, 4, checkpoint=True, tol=dict(atol=1e-10, rtol=1e-9))
 
 
-def test_cross_document_supervision_is_dropped():
+DOCS = [4, 6, 5]  # one packed row of three documents
+
+
+def unshifted_documents(config, masks: str, seed: int = 0) -> dict:
+    """What a target backend has before assembly, for the documents DOCS back to back: aux states, ids,
+    the target's distribution, mass and argmax at every position (unshifted), and the loss mask:
+    "text" records carry loss on every token (a document's first token too), "chat" records begin
+    with an unsupervised turn (the first two tokens of each document)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, V = sum(DOCS), config.vocab_size
+    sel = selected_ids()
+    logits = torch.randn(1, T, V, generator=gen, dtype=torch.float64) * 2
+    logits[..., sel] += 1.5
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[sel] = True
+    loss = torch.ones(1, T, dtype=torch.long)
+    if masks == "chat":
+        for start in (0, 4, 10):
+            loss[0, start:start + 2] = 0
+    return {"aux": torch.randn(1, T, 3 * config.target_hidden_size, generator=gen),
+            "ids": torch.randint(0, V, (1, T), generator=gen), "loss": loss,
+            "p": logits[..., sel].softmax(-1).float(), "argmax": logits.argmax(-1), "t2d": t2d,
+            "mass": (logits[..., sel].logsumexp(-1) - logits.logsumexp(-1)).exp().float()}
+
+
+def assembled(u: dict, rows: list[slice], seq_lens: list[list[int]] | None = None):
+    """assemble_batch over `rows` (slices of the documents' tokens), right-padded; packed with seq_lens."""
+    from spec_cli.target.supervision import assemble_batch
+
+    L = max(r.stop - r.start for r in rows)
+
+    def take(x):
+        out = torch.zeros((len(rows), L, *x.shape[2:]), dtype=x.dtype)
+        for i, r in enumerate(rows):
+            out[i, :r.stop - r.start] = x[0, r]
+        return out
+
+    mask = take(torch.ones_like(u["loss"]))
+    packed = None if seq_lens is None else torch.tensor(seq_lens)
+    return assemble_batch(take(u["aux"]), take(u["ids"]), mask, take(u["loss"]), take(u["p"]), take(u["mass"]),
+                          take(u["argmax"]), u["t2d"], None if packed is None else packed_positions(packed, L),
+                          packed)
+
+
+@pytest.mark.parametrize("masks", ["text", "chat"])
+def test_a_packed_row_trains_on_what_its_documents_do_alone(masks):
+    """Assembled from unshifted rows as every backend does: the packed row's loss, metrics and
+    supervised slots per TTT step equal those of its documents run as rows of their own. The last token
+    of a document predicts nothing (text records used to be scored there on the next document's first
+    token)."""
     draft = tiny_draft()
-    batch = random_batch(draft.config, [10], 10, [[4, 6]])
-    batch.loss_mask[:] = 1
-    batch.position_mask[:] = True
-    out = ttt_forward(draft, batch, ttt_steps=3)
-    # step k supervises slot t only while t + k stays in its document: 4 - k + 6 - k slots
-    assert out.supervised.tolist() == [10, 8, 6]
-    assert doc_remaining(batch.attention_mask, batch.seq_lens).tolist() == [[4, 3, 2, 1, 6, 5, 4, 3, 2, 1]]
+    u = unshifted_documents(draft.config, masks)
+    starts = [0, 4, 10]
+    packed = assembled(u, [slice(0, sum(DOCS))], [DOCS])
+    alone = assembled(u, [slice(s, s + n) for s, n in zip(starts, DOCS)])
+    a, b = ttt_forward(draft, packed, ttt_steps=3), ttt_forward(draft, alone, ttt_steps=3)
+    assert a.supervised.tolist() == b.supervised.tolist() and a.total.tolist() == b.total.tolist()
+    assert a.correct.tolist() == b.correct.tolist()
+    torch.testing.assert_close(a.step_loss, b.step_loss)
+    # slots scored at step k: each document's tokens with a target k + 1 tokens ahead in that document
+    loss = u["loss"][0]
+    expected = [sum(int(loss[s + 1 + k:s + n].sum()) for s, n in zip(starts, DOCS)) for k in range(3)]
+    assert a.total.tolist() == expected  # text: [12, 9, 6], chat: [9, 9, 6]
+    assert doc_remaining(packed.attention_mask, packed.seq_lens).tolist() == [[4, 3, 2, 1, 6, 5, 4, 3, 2, 1,
+                                                                               5, 4, 3, 2, 1]]
 
 
 def test_rolling_never_reads_past_the_real_length():
