@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 def torchrun(jobs: list[list], folder: Path, timeout: float = 900) -> None:
-    """Run `jobs` (argument lists of `spec`), in order, under `torchrun --nproc-per-node 2`."""
+    """Run `jobs` (argument lists of `spec`, or ["-m", MODULE, ARGS...] for a module's main(*ARGS)), in
+    order, under `torchrun --nproc-per-node 2`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "jobs.json").write_text(json.dumps([[str(a) for a in job] for job in jobs]))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -84,7 +85,13 @@ def run_jobs(path: str) -> int:
             launcher.set(f"tests.launch/{i}", str(free_port()))
         os.environ["MASTER_PORT"] = launcher.get(f"tests.launch/{i}").decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts this command's store
-        code = main(argv)
+        if argv[0] == "-m":  # a module of the tests' own, run like `python -m MODULE ARGS`
+            import importlib
+
+            importlib.import_module(argv[1]).main(*argv[2:])
+            code = 0
+        else:
+            code = main(argv)
         if code != 0:
             print(f"`spec {' '.join(argv)}` exited {code}", file=sys.stderr)
             return code

@@ -64,7 +64,8 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     checkpoint must restore."""
     root = tmp_path_factory.mktemp("torchrun")
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-accum", "eagle-fsdp",
-                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "live-replica", "live-tensor")}
+                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "live-replica", "live-tensor",
+                                           "tp-supervision")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
@@ -76,7 +77,9 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
               precompute_args(train_setup, out["precompute"]),
               live_args(train_setup, out["live-replica"], "replica"),
-              live_args(train_setup, out["live-tensor"], "tensor")], root / "launch")
+              live_args(train_setup, out["live-tensor"], "tensor"),
+              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
+    out["tp-supervision"].mkdir(exist_ok=True)
     return out
 
 
@@ -184,9 +187,21 @@ def test_precompute_two_processes_write_the_same_cache(runs, train_setup, tmp_pa
     assert digest(runs["precompute"]) == digest(single)
 
 
+def test_each_ranks_supervision_from_the_sharded_target_equals_the_whole_targets(runs):
+    """--target-parallel tensor (tests/target/tp_supervision.py, in the launch): batches of different
+    shapes on each rank (one packed), exchanged and run together; each rank's supervision equals the
+    whole target's within fp32 rounding."""
+    ranks = [json.loads((runs["tp-supervision"] / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["shape"] for r in ranks] == [[2, 24, 96], [1, 31, 96]]  # each rank kept its own batch
+    for r in ranks:
+        assert r["sharded"] and not r["replica_sharded"] and r["keys"]
+        assert max(r["diffs"].values()) <= 1e-5, r["diffs"]
+        assert r["diffs"]["target_ids"] == 0 and r["diffs"]["position_mask"] == 0
+
+
 def test_training_from_a_target_sharded_over_the_ranks_equals_training_from_whole_copies(runs):
     """--target-parallel tensor: the two ranks run the target together, each keeping its own batch's
-    supervision (tests/target/test_tensor_parallel.py compares the supervision itself)."""
+    supervision (compared itself above)."""
     whole, sharded = weights(runs["live-replica"]), weights(runs["live-tensor"])
     assert_same(whole, sharded, exact=False)
     assert json.loads((runs["live-tensor"] / "run.json").read_text())["options"]["target_parallel"] == "tensor"

@@ -90,13 +90,13 @@ def atomic_dir(path: Path) -> Iterator[Path]:
 
 def remove_temporaries(folder: Path, names: str = r"[^/]+") -> list[str]:
     """Remove what killed atomic writes left in `folder`: atomic_path's and atomic_dir's temporaries
-    (`.NAME.XXXXXXXX.tmp`, files or folders) and atomic_dir's replaced folder (`.NAME.old`), for NAMEs
+    (`.NAME.XXXX.tmp`, files or folders) and atomic_dir's replaced folder (`.NAME.old`), for NAMEs
     matching the regex `names`. Call it only while holding the folder's lock (no live writer owns them).
     The names removed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    pattern = re.compile(rf"\.({names})(\.[a-z0-9_]{{8}}\.tmp|\.old)$")
+    pattern = re.compile(rf"\.({names})(\.[^./]+\.tmp|\.old)$")
     removed = sorted(p for p in folder.iterdir() if pattern.match(p.name))
     for path in removed:
         if path.is_dir() and not path.is_symlink():

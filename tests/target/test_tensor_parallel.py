@@ -1,13 +1,6 @@
-"""A live target sharded over the ranks of a machine (--target-parallel tensor; torchrun x2 on CPU,
-gloo): each rank's supervision equals the whole target's within fp32 rounding, for batches of different
-shapes on each rank (the ranks exchange them and run each together). Training through it under
-torchrun: tests/test_distributed.py. How auto decides: below."""
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""--target-parallel: how `auto` decides, and what is refused. The sharded target itself runs under torchrun
+in tests/test_distributed.py's launch (tests/target/tp_supervision.py: each rank's supervision equals the
+whole target's; training through it equals training from whole copies)."""
 
 import pytest
 import torch
@@ -15,24 +8,6 @@ import torch
 from spec_cli import distributed
 from spec_cli.errors import ConfigError
 from spec_cli.target import local
-from tests.launch import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.slow
-def test_each_ranks_supervision_from_the_sharded_target_equals_the_whole_targets(tiny_llama_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), "-m", "tests.target.tp_supervision", str(tiny_llama_dir), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
-    assert [r["shape"] for r in ranks] == [[2, 24, 96], [1, 31, 96]]  # each rank kept its own batch
-    for r in ranks:
-        assert r["sharded"] and not r["replica_sharded"] and r["keys"]
-        assert max(r["diffs"].values()) <= 1e-5, r["diffs"]
-        assert r["diffs"]["target_ids"] == 0 and r["diffs"]["position_mask"] == 0
 
 
 def test_auto_shards_only_a_target_too_big_for_one_gpu(monkeypatch, tmp_path):

@@ -1,8 +1,9 @@
-"""Run by tests/target/test_tensor_parallel.py under `torchrun --nproc-per-node 2`: each rank supervises a
+"""Run by tests/test_distributed.py's torchrun launch (two ranks): each rank supervises a
 batch of its own (different lengths, one of them packed) with the target whole and with it sharded over
 the two ranks (--target-parallel tensor), and writes the largest difference per tensor to OUT/rank-R.json.
 
     python -m torch.distributed.run --nproc-per-node 2 -m tests.target.tp_supervision TARGET OUT
+    (or, in tests/launch.py's job list: ["-m", "tests.target.tp_supervision", TARGET, OUT])
 """
 
 import json
@@ -29,6 +30,7 @@ def batch(rank: int) -> dict:
 
 
 def main(target: str, out: str) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
     cpu = torch.device("cpu")
     distributed.init(cpu)
     rank = distributed.rank()
