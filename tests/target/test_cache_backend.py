@@ -72,8 +72,11 @@ def test_packed_documents_are_found_one_by_one(cache):
     batch = backend.generate_batch(ids, am, lm, seq_lens=seq_lens)
     features = [stored_features(cache, d) for d in docs]
     assert torch.equal(batch.aux_hidden[0], torch.cat([f["aux_hidden"] for f in features]))
-    target_p = torch.cat([expected_target_p(cache, f) for f in features])
-    torch.testing.assert_close(batch.target_p[0, :-1], target_p[1:])
+    # each document's own next-token targets; its last token predicts nothing (the next one starts
+    # another document)
+    target_p = torch.cat([torch.cat([p[1:], torch.zeros_like(p[:1])])
+                          for p in (expected_target_p(cache, f) for f in features)])
+    torch.testing.assert_close(batch.target_p[0, :len(target_p)], target_p)
     assert torch.equal(batch.seq_lens, seq_lens)
 
 
