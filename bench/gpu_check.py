@@ -110,6 +110,9 @@ class Stage:
             rates = [r["tokens_per_s"] for r in records if r.get("split") == "train" and "tokens_per_s" in r]
             if rates:
                 row["train_tokens_per_s"] = round(rates[-1], 1)
+            peaks = [r["peak_memory_gb"] for r in records if "peak_memory_gb" in r]
+            if peaks:
+                row["train_peak_memory_gb"] = peaks[-1]  # the trainer's own figure (its log)
         self.results.append(row)
         print(json.dumps(row), flush=True)
         return error is None

@@ -155,7 +155,8 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                 elapsed = time.perf_counter() - window_start
                 final_train = {"split": "train", "step": step, "lr": trainer.lr, **window.record(),
                                "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
-                               "steps_in_record": int(float(window.batches) / schedule.per_step) or 1}
+                               "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
+                               "peak_memory_gb": peak_memory_gb(trainer.device)}
                 logger.log(final_train)
                 window, window_start = Metrics(cfg.objective.ttt_steps), time.perf_counter()
             if (rt.eval_every and step % rt.eval_every == 0) or last:
@@ -432,6 +433,17 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This rank's peak memory so far, in GiB: on a GPU the caching allocator's peak allocation on
+    `device` (what a step needs, not what the allocator reserved); on a CPU the process's peak resident
+    set (the model, the target and the batches included)."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB on Linux
+
 
 def _autocast(device: torch.device):
     if device.type == "cuda":

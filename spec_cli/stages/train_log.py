@@ -92,7 +92,9 @@ class TrainLogger:
             if record["split"] == "train":
                 info(f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  acc "
                      f"{_fmt_acc(record['acc'])}  accept len {record['acceptance_length']:.3f}  "
-                     f"{record['tokens_per_s']:.0f} tok/s  eta {record['eta_s'] / 60:.1f} min")
+                     f"{record['tokens_per_s']:.0f} tok/s  "
+                     + (f"peak {record['peak_memory_gb']:.1f} GB  " if "peak_memory_gb" in record else "")
+                     + f"eta {record['eta_s'] / 60:.1f} min")
             else:
                 info(f"eval @ {record['step']}  loss {record['loss']:.4f}  acc {_fmt_acc(record['acc'])}  "
                      f"accept len {record['acceptance_length']:.3f}")

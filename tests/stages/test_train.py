@@ -84,6 +84,7 @@ def test_checkpoints_logs_and_plot(setup, tmp_path):
     evals = [r for r in records if r["split"] == "eval"]
     assert [r["step"] for r in train] == [2, 4, 6, 8] and [r["step"] for r in evals] == [3, 6, 8]
     assert len(train[0]["acc"]) == 3 and train[0]["tokens_per_s"] > 0
+    assert 0 < train[0]["peak_memory_gb"] < 64  # this process's peak RSS on CPU (GPU: the allocator's peak)
     assert result.plot is not None and result.plot.stat().st_size > 10_000
 
 
