@@ -92,28 +92,32 @@ def test_every_collective_of_a_training_step_is_served_on_the_gpu_path(monkeypat
     device = distributed.local_device(torch.device("cuda"))
     distributed.init(device)
     with FakeTensorMode():  # CUDA tensors without a GPU
-        window = Metrics(3)
+        window = Metrics(3, device)  # the sums stay on the compute device between log steps
         for _ in range(2):
-            window.add(objective_output(device), tokens=100, loss=1.5)
+            window.add(objective_output(device), tokens=100)
         window.all_reduce()  # the log step's sums
     assert distributed.any_rank(False) is False  # --max-time: out of time on any rank?
     assert distributed.gather_to_main({0: {"file": "shard-00000"}}) is None  # precompute's shard entries
     distributed.barrier()
-    assert [op for op, _ in group.collectives] == ["all_reduce", "all_reduce", "gather_object", "barrier"]
+    assert group.collectives == [("all_reduce", "cuda"), ("all_reduce", "cpu"), ("gather_object", "cpu"),
+                                 ("barrier", "cpu")]
 
 
 def test_the_nccl_only_group_of_old_fails_these_checks(monkeypatch):
-    """The mistake the checks exist for: an NCCL-only group, and the metrics' host tensors reach it."""
+    """The mistake the checks exist for: an NCCL-only group, and host tensors reach it (the metrics'
+    sums were host tensors then; the flags and barriers still are)."""
     group = RecordedGroup(monkeypatch)
     monkeypatch.setattr(distributed, "backend_for", lambda d: "nccl" if d.type == "cuda" else "gloo")
     distributed.init(distributed.local_device(torch.device("cuda")))
     with FakeTensorMode():
-        window = Metrics(3)
-        window.add(objective_output(torch.device("cuda", 1)), tokens=100, loss=1.5)
+        window = Metrics(3)  # on the host, as they were
+        window.add(objective_output(torch.device("cpu")), tokens=100)
         with pytest.raises(RuntimeError, match="device type cpu"):
             window.all_reduce()
     with pytest.raises(RuntimeError, match="device type cpu"):
         distributed.any_rank(True)
+    with pytest.raises(RuntimeError, match="device type cpu"):
+        distributed.barrier()
     assert group.served == {"cuda"}
 
 

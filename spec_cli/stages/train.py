@@ -123,21 +123,24 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
     the last train and eval records). Ctrl-C saves the steps done since the last checkpoint."""
     cfg, schedule = trainer.cfg, trainer.schedule
     o, rt, total = cfg.optim, cfg.runtime, schedule.total_steps
-    window, window_start, last_saved = Metrics(cfg.objective.ttt_steps), time.perf_counter(), step
+    window, window_start, last_saved = Metrics(cfg.objective.ttt_steps, trainer.device), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = None
     try:
         while step < total and not out_of_time:
             trainer.set_lr(lr_at(step, total, o))
-            step_tokens = 0
+            losses, tokens = [], []  # on the device: the host waits once per step, not per micro-batch
             for micro in range(o.grad_accum):
                 batch = batches.get(step * o.grad_accum + micro)
                 out = trainer.forward_backward(batch, sync=micro == o.grad_accum - 1)
-                loss = float(out.loss.detach())  # the host reads every micro-batch's loss for the log anyway
-                if not math.isfinite(loss):  # before the optimizer step: the weights stay the last good ones
-                    raise _bad_loss(trainer, step + 1, step * o.grad_accum + micro, loss)
-                window.add(out, batch.num_tokens, loss)
-                step_tokens += batch.num_tokens
+                losses.append(out.loss.detach().double().reshape(1))
+                tokens.append(batch.attention_mask.sum().double().reshape(1))
+                window.add(out, tokens[-1])
+            *losses, step_tokens = torch.cat([*losses, torch.cat(tokens).sum().reshape(1)]).tolist()
+            step_tokens = int(step_tokens)  # the host's one wait of the step: losses and tokens together
+            bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
+            if bad is not None:  # before the optimizer step: the weights stay the last good ones
+                raise _bad_loss(trainer, step + 1, step * o.grad_accum + bad, losses[bad])
             trainer.optimizer_step()
             step += 1
             logger.step(step_tokens)
@@ -158,7 +161,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                                "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
                                "peak_memory_gb": peak_memory_gb(trainer.device)}
                 logger.log(final_train)
-                window, window_start = Metrics(cfg.objective.ttt_steps), time.perf_counter()
+                window, window_start = Metrics(cfg.objective.ttt_steps, trainer.device), time.perf_counter()
             if (rt.eval_every and step % rt.eval_every == 0) or last:
                 final_eval = trainer.evaluate()
                 if final_eval is not None:
@@ -377,21 +380,19 @@ def lr_at(step: int, total: int, optim: OptimOptions) -> float:
 
 
 class Metrics:
-    """Sums over micro-batches (and ranks) of the TTT metrics."""
+    """Sums over micro-batches (and ranks) of the TTT metrics, kept on the compute device: adding a
+    micro-batch's never waits for the device; the host reads them at a log step (`record`)."""
 
-    def __init__(self, k: int):
-        self.loss = torch.zeros(1, dtype=torch.float64)
-        self.step_loss = torch.zeros(k, dtype=torch.float64)
-        self.correct = torch.zeros(k, dtype=torch.float64)
-        self.total = torch.zeros(k, dtype=torch.float64)
-        self.tokens = torch.zeros(1, dtype=torch.float64)
-        self.batches = torch.zeros(1, dtype=torch.float64)
+    def __init__(self, k: int, device: torch.device | None = None):
+        zeros = lambda n: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+        self.loss, self.step_loss, self.correct, self.total = zeros(1), zeros(k), zeros(k), zeros(k)
+        self.tokens, self.batches = zeros(1), zeros(1)
 
-    def add(self, out, tokens: int, loss: float | None = None) -> None:
-        self.loss += float(out.loss.detach()) if loss is None else loss
-        self.step_loss += out.step_loss.detach().double().cpu()
-        self.correct += out.correct.double().cpu()
-        self.total += out.total.double().cpu()
+    def add(self, out, tokens: int | torch.Tensor) -> None:
+        self.loss += out.loss.detach().double()
+        self.step_loss += out.step_loss.detach().double()
+        self.correct += out.correct.double()
+        self.total += out.total.double()
         self.tokens += tokens
         self.batches += 1
 
@@ -414,7 +415,7 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
              device: torch.device) -> dict | None:
     if not eval_batches:
         return None
-    metrics = Metrics(cfg.objective.ttt_steps)
+    metrics = Metrics(cfg.objective.ttt_steps, device)
     objective.eval()
     rank, world = distributed.rank(), distributed.world_size()
     # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank
