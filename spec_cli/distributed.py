@@ -2,7 +2,7 @@
 
 The process group. One group with a backend per device type: `cpu:gloo,cuda:nccl` on GPUs, `cpu:gloo`
 on CPUs. NCCL carries CUDA tensors only, and the host keeps some things that every rank must agree on
-(the metrics sums, "out of time?" flags, the shard entries precompute gathers, barriers); with the
+("out of time?" flags, the shard entries precompute gathers, barriers); with the
 device map each collective goes to the backend that serves its tensor's device, so a CPU tensor never
 reaches NCCL ("No backend type associated with device type cpu" on an NCCL-only group). On CUDA each
 rank is bound to its GPU before the group forms: `torch.cuda.set_device(cuda:LOCAL_RANK)` and
