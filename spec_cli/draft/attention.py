@@ -288,19 +288,26 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) 
     seq_lens = torch.tensor([[7, 12], [19, 0]], device=device)
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     try:
-        for bias in (None, block_causal_bias(seq_lens, T, dtype)):
-            out, lse, state = kernel.fwd(q, k, v, bias, d ** -0.5)
-            ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
-            grads = kernel.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, state)
-            ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
-            pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
-            if not all(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol) for a, b in pairs):
-                raise RuntimeError("results differ from the math kernel")
+        with torch.autocast(device.type, enabled=False):  # the kernels at `dtype`, whatever the caller runs
+            _compare_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
         warnings.warn(f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
                       f"self-check ({err}); using the slower math kernel")
         return False
     return True
+
+
+def _compare_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
+                     tol: float) -> None:
+    """Raise when `kernel`'s forward or backward differs from the math kernel's beyond `tol`."""
+    for bias in (None, block_causal_bias(seq_lens, T, dtype)):
+        out, lse, state = kernel.fwd(q, k, v, bias, d ** -0.5)
+        ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
+        grads = kernel.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, state)
+        ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
+        pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
+        if not all(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol) for a, b in pairs):
+            raise RuntimeError("results differ from the math kernel")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,7 +81,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, d]; cos, sin [B, T, d]."""
+    """x [B, heads, T, d]; cos, sin [B, T, d]. In x's dtype: under bf16 autocast q and k come out of
+    their projections in bf16, and fp32 tables would turn them fp32 beside a bf16 v (the attention
+    kernels take one dtype)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 

@@ -168,3 +168,45 @@ def test_cuda_kernel_plumbing_on_meta_tensors(packed):
     assert out.shape == (B, h, T, d)
     grads = torch.autograd.grad(out, [q, k0, v0, k1, v1], torch.ones_like(out))
     assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
+
+
+def test_under_bf16_autocast_the_attention_gets_one_dtype_and_keeps_the_fused_kernel(monkeypatch):
+    """The GPU path's autocast, on CPU: q and k come out of rope in the projections' bf16 like v (fp32
+    rope tables used to make them fp32), and the fused kernel's self-check, run outside autocast at
+    bf16's tolerance, passes: no fallback to the math kernel."""
+    import warnings
+
+    from spec_cli.draft import attention
+    from spec_cli.draft.eagle3.ttt import ttt_forward
+    from tests.draft import random_batch, tiny_draft
+
+    if attention.fused_kernel(torch.device("cpu"), torch.bfloat16) is None:
+        pytest.skip("no fused CPU kernel for bf16 in this torch")
+    monkeypatch.setattr(attention, "_checked", {})  # check afresh, under autocast
+    seen = []
+    real = attention.pick_kernel
+
+    def pick(device, dtype, impl="auto"):
+        kernel = real(device, dtype, impl)
+        seen.append((dtype, kernel.name))
+        return kernel
+
+    calls = []
+    apply = attention._TTTAttention.apply
+
+    def recording(kernel, bias, scale, n, *tensors):
+        calls.append({t.dtype for t in tensors})
+        return apply(kernel, bias, scale, n, *tensors)
+
+    monkeypatch.setattr(attention, "pick_kernel", pick)
+    monkeypatch.setattr(attention._TTTAttention, "apply", recording)
+    draft = tiny_draft()
+    batch = random_batch(draft.config, [13, 9], 13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a self-check failure warns: make it fail the test
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(draft, batch, ttt_steps=3)
+        out.loss.backward()
+    assert calls and all(dtypes == {torch.bfloat16} for dtypes in calls)
+    assert {name for _, name in seen} == {attention.fused_kernel(torch.device("cpu"), torch.bfloat16).name}
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in draft.parameters())
