@@ -86,22 +86,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def train_setup(tmp_path_factory, tiny_llama_dir) -> dict:
     """A peaked tiny Llama target (tiny.peaked_copy), 48 chats, a vocab map (96) and a feature cache, all
     made through the CLI: the inputs of spec train's tests, torchrun's and the kill tests."""
-    from spec_cli.cli import main
-
     root = tmp_path_factory.mktemp("train")
     target = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     rng = random.Random(11)
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(48)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "96",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "--batch-tokens", "512", "-q"]) == 0
-    finally:
-        mp.undo()
-    return {"root": root, "data": data, "vm": root / "vm.safetensors", "cache": root / "cache", "target": target}
+    from tests.draft.runs import vocab_and_cache
+
+    vm, cache = vocab_and_cache(root, target, data, 96, "--batch-tokens", "512")
+    return {"root": root, "data": data, "vm": vm, "cache": cache, "target": target}
 
 
 @pytest.fixture(scope="session")

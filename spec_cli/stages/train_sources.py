@@ -88,6 +88,9 @@ def _check_options(cfg: TrainConfig) -> None:
     if rt.stream_dir is not None and not rt.stream:
         raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
                           "--stream-dir")
+    if rt.target_parallel not in local.PARALLEL:
+        raise ConfigError(f"unknown --target-parallel {rt.target_parallel!r}",
+                          f"use one of {', '.join(local.PARALLEL)}")
     if d.chat_template is not None and d.cache is not None:
         raise ConfigError("--chat-template is for a live --target or --remote: a feature cache was tokenised "
                           "when it was made", "drop --chat-template (pass it to `spec precompute` instead)")

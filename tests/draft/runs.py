@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import shutil
 
@@ -33,23 +35,31 @@ def tampered(exports, tmp_path, fmt, edit_tensors=None, edit_config=None):
     return folder
 
 
-def vocab_and_cache(root, target, data, vocab_size: int = 64, *precompute_extra: str) -> tuple:
-    """`spec build-vocab-map` + `spec precompute` of `data` for `target` into root/vm.safetensors and
-    root/cache (SPEC_HOME root/home): the inputs most CLI tests start from. -> (vocab map, cache)."""
+@contextlib.contextmanager
+def own_home(root):
+    """SPEC_HOME = root/home while a fixture runs the CLI (tokenised data goes there)."""
     import pytest
 
-    from spec_cli.cli import main
-
-    vm, cache = root / "vm.safetensors", root / "cache"
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
+        yield
+    finally:
+        mp.undo()
+
+
+def vocab_and_cache(root, target, data, vocab_size: int = 64, *precompute_extra: str, vm: str = "vm.safetensors",
+                    cache: str = "cache") -> tuple:
+    """`spec build-vocab-map` + `spec precompute` of `data` for `target` into root/`vm` and root/`cache`
+    (SPEC_HOME root/home): the inputs most CLI tests start from. -> (vocab map, cache)."""
+    from spec_cli.cli import main
+
+    vm, cache = root / vm, root / cache
+    with own_home(root):
         assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(vocab_size),
                      "-o", str(vm), "-q"]) == 0
         assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache), "-q",
                      *precompute_extra]) == 0
-    finally:
-        mp.undo()
     return vm, cache
 
 
@@ -67,8 +77,6 @@ def pipeline(root, target, algorithm: str) -> dict:
     import json
     import random
 
-    import pytest
-
     from spec_cli.cli import main
     from tests import tiny
     from tests.conftest import write_jsonl
@@ -77,20 +85,13 @@ def pipeline(root, target, algorithm: str) -> dict:
     rng = random.Random({"eagle": 3, "peagle": 5}[algorithm])
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
     prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
-    t, vm = str(target), str(root / "vm.safetensors")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", t, "-d", str(data), "--draft-vocab-size",
-                     str(V if algorithm == "eagle" else 96), "-o", vm, "-q"]) == 0
-        assert main(["precompute", "-t", t, "-d", str(data), "-v", vm, "-o", str(root / "cache"),
-                     "--algorithm", algorithm, "--batch-tokens", "512", "-q"]) == 0
+    vm = str(vocab_and_cache(root, target, data, V if algorithm == "eagle" else 96, "--algorithm", algorithm,
+                             "--batch-tokens", "512")[0])
+    with own_home(root):
         if algorithm == "eagle":
             assert main(["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "eagle", "--ttt-steps",
                          "2", "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2",
                          "--save-every", "4", "--draft-layers", "2", "-o", str(root / "run"), "-q"]) == 0
         else:
             assert main(peagle_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
-    finally:
-        mp.undo()
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}

@@ -19,6 +19,7 @@ import torch
 from spec_cli.cli import main
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.draft.runs import vocab_and_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,18 +84,9 @@ def recipe_cache(tmp_path_factory, tiny_llama_dir):
     target = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     rng = random.Random(5)
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(32)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        for size in sorted(set(DRAFT_VOCAB.values())):
-            assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(size),
-                         "-o", str(root / f"vm-{size}.safetensors"), "-q"]) == 0
-        for algorithm, size in DRAFT_VOCAB.items():
-            assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(root / f"vm-{size}.safetensors"),
-                         "-o", str(root / f"cache-{algorithm}"), "--algorithm", algorithm, "--batch-tokens", "256",
-                         "-q"]) == 0
-    finally:
-        mp.undo()
+    for algorithm, size in DRAFT_VOCAB.items():  # a map per size (rebuilt the same), a cache each
+        vocab_and_cache(root, target, data, size, "--algorithm", algorithm, "--batch-tokens", "256",
+                        vm=f"vm-{size}.safetensors", cache=f"cache-{algorithm}")
     return root
 
 

@@ -12,6 +12,7 @@ import torch
 from spec_cli.cli import main
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.draft.runs import own_home, vocab_and_cache
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,20 +31,13 @@ def trained(tmp_path_factory, tiny_llama_dir):
     data = write_jsonl(root / "chat.jsonl", _self_distilled(model, target, rng, 32))
     prompts = write_jsonl(root / "prompts.jsonl", [
         {**tiny.random_sharegpt(rng, turns=2), "category": ["coding", "math"][i % 2]} for i in range(4)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "64",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "--batch-tokens", "512", "-q"]) == 0
+    vocab_and_cache(root, tiny_llama_dir, data, 64, "--batch-tokens", "512")
+    with own_home(root):
         assert main(["train", "--cache", str(root / "cache"), "-v", str(root / "vm.safetensors"),
                      "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "12", "--lr", "1e-2",
                      "--batch-tokens", "512", "--eval-fraction", "0.2", "--save-every", "12", "-q"]) == 0
         assert main(["export", str(root / "run"), "--format", "vllm", "--dtype", "fp32",
                      "-o", str(root / "export"), "-q"]) == 0
-    finally:
-        mp.undo()
     return {"root": root, "run": root / "run", "export": root / "export", "target": tiny_llama_dir,
             "prompts": prompts}
 

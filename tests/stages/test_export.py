@@ -18,6 +18,7 @@ from spec_cli.export import ExportCheckError
 from spec_cli.stages import export as stage
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.draft.runs import own_home, vocab_and_cache
 from tests.export.drafts import HT, N, V, make_run, read
 
 
@@ -29,19 +30,12 @@ def trained(tmp_path_factory, tiny_llama_dir):
     """Tiny Llama target -> vocab map -> feature cache -> a 4-step draft run, all through the CLI."""
     root = tmp_path_factory.mktemp("export")
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(random.Random(5)) for _ in range(24)])
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(root / "home"))
-    try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "64",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "cache"), "--batch-tokens", "512", "-q"]) == 0
+    vocab_and_cache(root, tiny_llama_dir, data, 64, "--batch-tokens", "512")
+    with own_home(root):
         assert main(["train", "--cache", str(root / "cache"), "-v", str(root / "vm.safetensors"),
                      "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "4", "--lr", "3e-3",
                      "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "2",
                      "--save-every", "2", "--log-every", "2", "-q"]) == 0
-    finally:
-        mp.undo()
     return {"root": root, "run": root / "run", "target": tiny_llama_dir}
 
 

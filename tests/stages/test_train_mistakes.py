@@ -98,6 +98,14 @@ def test_an_option_out_of_range_is_refused_by_name(setup, tmp_path, capsys, opti
     assert not run.exists()  # refused before anything is written
 
 
+def test_an_unknown_target_parallel_is_one_line_before_anything_is_written(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--target-parallel", "pipeline")) == 1
+    assert error_line(capsys) == ("error: unknown --target-parallel 'pipeline'; use one of auto, replica, "
+                                  "tensor")
+    assert not run.exists()
+
+
 def test_a_duration_or_size_of_inf_is_refused(setup, tmp_path, capsys):
     assert main(train_args(setup, tmp_path / "run", "--max-time", "inf")) == 1
     assert error_line(capsys).startswith("error: --max-time 'inf' is not a duration")
