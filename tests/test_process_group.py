@@ -159,7 +159,7 @@ def test_ranks_share_the_machines_cores(monkeypatch):
 
 
 WAITER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from spec_cli import distributed
     from spec_cli.errors import TrainingError
     distributed.init()
@@ -169,8 +169,8 @@ WAITER = textwrap.dedent("""
     try:
         distributed.wait_for_main("tokenising the data", seconds=1)
     except TrainingError as exc:
-        print(exc.one_line())
-        sys.exit(3)
+        print(exc.one_line(), flush=True)
+        os._exit(3)  # rank 0 is still busy: no goodbye to the group
 """)
 
 
@@ -200,10 +200,13 @@ SHARED = textwrap.dedent("""
     distributed.init()
     try:  # each rank its own folder: nodes that write their own disks
         distributed.check_shared_folder(sys.argv[1 + distributed.rank()], "the run folder")
+        said, code = "shared", 0
     except ConfigError as exc:
-        print(exc.one_line())
-        sys.exit(3)
-    print("shared")
+        said, code = exc.one_line(), 3
+    distributed.barrier()  # leave the group together (a rank exiting first can abort the other's gloo)
+    distributed.shutdown()
+    print(said)
+    sys.exit(code)
 """)
 
 
