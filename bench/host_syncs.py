@@ -29,9 +29,12 @@ SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "at
 class CountSyncs(TorchDispatchMode):
     """Counts the ops whose result the host must wait for (by name), and device -> CPU copies."""
 
-    def __init__(self):
+    def __init__(self, host_tensors=()):
+        """host_tensors: tensors that live on the CPU on CUDA too (torch.optim's `step` counters, unless
+        capturable or fused): reading them makes the host wait for nothing, so they are not counted."""
         super().__init__()
         self.counts: Counter = Counter()
+        self.host = {id(t) for t in host_tensors}
 
     def __enter__(self):
         # .tolist() reads a CPU tensor's memory without dispatching an op (on CUDA it copies to the
@@ -52,7 +55,9 @@ class CountSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket) if not str(func).startswith("aten.index.Tensor") else "aten.index.Tensor"
-        if name in SYNCING:
+        if name == "aten._local_scalar_dense" and id(args[0]) in self.host:
+            pass
+        elif name in SYNCING:
             self.counts[name] += 1
         elif name == "aten.index.Tensor" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                                  for i in (args[1] if len(args) > 1 else []) or []):

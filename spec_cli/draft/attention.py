@@ -76,8 +76,14 @@ class Segments:
 
     @classmethod
     def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> "Segments":
+        """From [B, D] document lengths (one host sync: use `from_lengths` with host values)."""
+        return cls.from_lengths(seq_lens.tolist(), seq_len)
+
+    @classmethod
+    def from_lengths(cls, rows: list[list[int]], seq_len: int) -> "Segments":
+        """From each row's document lengths (host ints, zero-padded)."""
         spans = []
-        for row, lengths in enumerate(seq_lens.tolist()):
+        for row, lengths in enumerate(rows):
             start = 0
             for length in lengths:
                 if length > 0:

@@ -59,20 +59,47 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def doc_remaining(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] slots left in each slot's document, itself included (0 on padding).
+    """[B, T] slots left in each slot's document, itself included (0 on padding). No host sync.
 
-    Unpacked rows are right-padded: one document of attention_mask.sum() tokens.
-    Packed rows: documents of seq_lens [B, D] tokens, back to back."""
+    Unpacked rows: a document is a run of attention_mask ones (right padding makes it the row's real
+    tokens; a left-padded row is read the same way). Packed rows: documents of seq_lens [B, D] tokens,
+    back to back."""
     B, T = attention_mask.shape
     t = torch.arange(T, device=attention_mask.device)
     if seq_lens is None:
-        if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("attention_mask must be right-padded (ones, then zeros)")
-        return (attention_mask.long().sum(1, keepdim=True) - t).clamp_min(0)
+        real = attention_mask.bool()
+        zero_at = torch.where(real, T, t)  # [B, T] the slot's own index where it is padding
+        next_zero = zero_at.flip(1).cummin(1).values.flip(1)  # first padding slot at or after t
+        return torch.where(real, next_zero - t, 0)
     ends = seq_lens.long().cumsum(1)  # [B, D]
     doc = document_index(seq_lens, T)  # [B, T], D on trailing padding
     end = ends.gather(1, doc.clamp_max(ends.shape[1] - 1))
     return torch.where(doc < ends.shape[1], end - t, 0)
+
+
+def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Segments | None]:
+    """masks [K, B, T] bool -> ([(rows, slots)] of each step's True slots, counts [K], the packed
+    rows' `Segments` or None), with one host sync for all K steps, the documents (their sizes) and
+    the right-padding check; `nonzero_static` then needs none.
+
+    Raises ValueError for rows that are not right-padded (the causal attention would read their
+    leading padding)."""
+    K, B, T = masks.shape
+    counts = masks.flatten(1).sum(1)  # [K] on the device
+    left_padded = (attention_mask[:, 1:] > attention_mask[:, :-1]).any().long().reshape(1)
+    host = [counts, left_padded] + ([] if seq_lens is None else [seq_lens.long().flatten()])
+    sizes = torch.cat(host).tolist()  # the one sync: index sets and documents have data-dependent sizes
+    sizes, bad, lengths = sizes[:K], sizes[K], sizes[K + 1:]
+    if bad:
+        raise ValueError("attention_mask must be right-padded (ones, then zeros)")
+    flat = torch.nonzero_static(masks.reshape(-1), size=sum(sizes)).squeeze(1)  # sorted by (k, b, t)
+    rows, slots = (flat // T) % B, flat % T
+    segments = None
+    if seq_lens is not None:
+        D = seq_lens.shape[1]
+        segments = Segments.from_lengths([lengths[b * D:(b + 1) * D] for b in range(B)], T)
+    return list(zip(rows.split(sizes), slots.split(sizes))), counts, segments
 
 
 def packed_positions(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -99,28 +126,29 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     with the step). checkpoint: recompute each step's decoder layers and head in backward."""
     B, T = batch.input_ids.shape
     position_ids = positions(batch)
-    bias = None  # causal: right-padded keys come after every real query
-    if batch.seq_lens is not None:  # packing: causal within each document, one kernel call each
-        bias = Segments.from_seq_lens(batch.seq_lens, T)
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
+    # slot t takes part at step k while the target at t + k is still in t's document
+    valid = torch.stack([remaining > k for k in range(ttt_steps)])  # [K, B, T]
+    scored = valid & torch.stack([shift_left(batch.loss_mask, k).bool() for k in range(ttt_steps)])
+    # bias: None is causal (right-padded keys come after every real query); packed rows are causal
+    # within each document, one kernel call each
+    slots, counted, bias = step_slots(
+        valid & torch.stack([shift_left(supervised, k).bool() for k in range(ttt_steps)]), batch.attention_mask,
+        batch.seq_lens)
     weights = step_weights(ttt_steps, step_weight)
     score = (lambda *a: activation_checkpoint(head, *a, use_reentrant=False)) if checkpoint else head
 
     caches = [[] for _ in draft.decoder_layers]
     total_loss = state.new_zeros((), dtype=torch.float32)
-    losses, correct, total, counted = [], [], [], []
+    losses, correct = [], []
     for k in range(ttt_steps):
         ids = shift_left(batch.input_ids, k)  # slot t reads token t + k
         cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
         state = draft.ttt_step(ids, state, cos, sin, caches, bias, checkpoint)  # [B, T, H]
-        valid = remaining > k  # the target at t + k is still in t's document
-        scored = valid & shift_left(batch.loss_mask, k).bool()  # [B, T] accuracy denominator
-        sup_b, sup_t = (valid & shift_left(supervised, k).bool()).nonzero(as_tuple=True)
+        sup_b, sup_t = slots[k]
         value, hits = score(draft, state, batch, sup_b, sup_t, k)
         total_loss = total_loss + weights[k] * value
         losses.append(value.detach())
         correct.append(hits)
-        total.append(scored.sum())
-        counted.append(sup_b.new_tensor(sup_b.numel()))
     return ObjectiveOutput(loss=total_loss, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                     total=torch.stack(total), supervised=torch.stack(counted))
+                           total=scored.flatten(1).sum(1), supervised=counted)

@@ -1,0 +1,76 @@
+"""Host syncs in one training step's compute, counted on CPU by the ops that make the host wait for a
+GPU (bench/host_syncs.py's CountSyncs: .item()/float()/bool() of a tensor, .tolist(), nonzero, boolean
+indexing): the micro-batch's forward and backward, gradient clipping and the optimizer step, as
+Trainer runs them. Each one drains the GPU's queue, so the count is held to one per micro-batch (the
+index sets' sizes and the packed documents, fetched together), whatever the TTT depth, the documents
+per row or activation checkpointing. The loop adds one more per optimizer step (the losses and token
+count, spec_cli/stages/train.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_cli.draft.eagle.objective import eagle_forward
+from spec_cli.draft.eagle3.ttt import ttt_forward
+from tests.draft import one_thread, random_batch, tiny_draft  # noqa: F401 (autouse fixture)
+from tests.draft.eagle.test_objective import batch_of
+from tests.draft.eagle.test_model import eagle_draft
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.host_syncs import CountSyncs  # noqa: E402
+
+
+def step_syncs(draft, forward, batch, steps: int = 2):
+    """The syncs of each of `steps` training steps (forward, backward, clip, AdamW) after a first one
+    (which makes the optimizer's state), as counters."""
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def step():
+        forward(draft, batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    counters = [s["step"] for s in optimizer.state.values()]  # on the CPU on CUDA too
+    assert len(counters) == len(params)
+    counts = []
+    for _ in range(steps):
+        with CountSyncs(host_tensors=counters) as mode:
+            step()
+        counts.append(mode.counts)
+    return counts
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 3, 7])
+@pytest.mark.parametrize("docs", [1, 4, 8])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_eagle3_step_syncs_once(ttt_steps, docs, checkpoint):
+    T = 48
+    draft = tiny_draft()
+    seq_lens = None if docs == 1 else [[T // docs] * docs, [T // docs] * (docs - 1)]
+    batch = random_batch(draft.config, [T, T - 5], T, seq_lens)
+    for counts in step_syncs(draft, lambda d, b: ttt_forward(d, b, ttt_steps=ttt_steps, checkpoint=checkpoint),
+                             batch):
+        assert counts == {"tolist": 1}, dict(counts)
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 4])
+def test_eagle_step_syncs_once(ttt_steps):
+    draft = eagle_draft()
+    batch = batch_of([20, 13], 20)
+    for counts in step_syncs(draft, lambda d, b: eagle_forward(d, b, ttt_steps=ttt_steps), batch):
+        assert counts == {"tolist": 1}, dict(counts)
+
+
+def test_the_counter_sees_a_per_step_sync():
+    """The counter is not blind: a nonzero per step (what the unroll did before) is counted."""
+    with CountSyncs() as mode:
+        masks = torch.rand(3, 2, 8) > 0.5
+        for k in range(3):
+            masks[k].nonzero(as_tuple=True)
+        float(masks.sum())
+    assert mode.counts == {"aten.nonzero": 3, "aten._local_scalar_dense": 1}
