@@ -21,6 +21,7 @@ from spec_cli.commands.demo import demo_cmd
 from spec_cli.commands.eval import eval_cmd
 from spec_cli.commands.export import export_cmd
 from spec_cli.commands.inspect import inspect_cmd
+from spec_cli.commands.plan import plan_cmd
 from spec_cli.commands.precompute import precompute_cmd
 from spec_cli.commands.regenerate import regenerate_cmd
 from spec_cli.commands.serve_target import serve_target_cmd
@@ -56,7 +57,8 @@ def build_app() -> typer.Typer:
     app.callback()(_root)
     commands = [("assets", assets_cmd), ("regenerate", regenerate_cmd), ("build-vocab-map", build_vocab_map_cmd),
                 ("precompute", precompute_cmd), ("train", train.command()), ("export", export_cmd),
-                ("eval", eval_cmd), ("serve-target", serve_target_cmd), ("demo", demo_cmd), ("inspect", inspect_cmd)]
+                ("eval", eval_cmd), ("serve-target", serve_target_cmd), ("demo", demo_cmd), ("inspect", inspect_cmd),
+                ("plan", plan_cmd)]
     for name, function in commands:
         app.command(name, cls=Command)(function)
     return app

@@ -51,7 +51,7 @@ def progress_enabled() -> bool:
 
 def human_bytes(n: float) -> str:
     """Decimal units, as disk tools print them: 1234567 -> "1.23 MB"."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} bytes"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.batch import TargetBatch
@@ -87,6 +88,10 @@ def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torc
     leading padding)."""
     K, B, T = masks.shape
     counts = masks.flatten(1).sum(1)  # [K] on the device
+    if is_fake(counts):  # `spec plan` runs the step on fake tensors: no data, so every slot with a target counts
+        if seq_lens is not None:
+            raise ValueError("packed rows have no plan: their documents are data")
+        return [(r, s) for r, s in zip(*_every_slot(K, B, T, masks.device))], counts, None
     left_padded = (attention_mask[:, 1:] > attention_mask[:, :-1]).any().long().reshape(1)
     host = [counts, left_padded] + ([] if seq_lens is None else [seq_lens.long().flatten()])
     sizes = torch.cat(host).tolist()  # the one sync: index sets and documents have data-dependent sizes
@@ -100,6 +105,18 @@ def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torc
         D = seq_lens.shape[1]
         segments = Segments.from_lengths([lengths[b * D:(b + 1) * D] for b in range(B)], T)
     return list(zip(rows.split(sizes), slots.split(sizes))), counts, segments
+
+
+def _every_slot(K: int, B: int, T: int, device) -> tuple[list, list]:
+    """Each step's (rows, slots) when every slot with a target counts (step k: t + k before the row's
+    last token, which has nothing to predict): the memory's upper bound."""
+    rows, slots = [], []
+    for k in range(K):
+        n = max(T - 1 - k, 0)
+        flat = torch.arange(B * n, device=device)
+        rows.append(flat // n if n else flat)
+        slots.append(flat % n if n else flat)
+    return rows, slots
 
 
 def packed_positions(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:

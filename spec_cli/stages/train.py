@@ -280,8 +280,7 @@ class Trainer:
             info("--fsdp shards across torchrun processes; with one process it trains as usual")
         trained = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=(0.9, 0.95),
-                                           weight_decay=cfg.optim.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg.optim)
 
     def restore(self, checkpoint: Path) -> int:
         """Load a checkpoint of this run (weights, optimizer, RNG); the step it was saved at."""
@@ -329,24 +328,13 @@ class Trainer:
 
     def forward_backward(self, batch, sync: bool):
         """One micro-batch's loss and gradients; `sync`: the step's last, whose gradients the ranks share."""
-        units = self.objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
-        outs = []
-        for i, unit in enumerate(units):
-            if (sync and i == len(units) - 1) or self.schedule.world == 1:
-                ctx = _null()
-            else:
-                ctx = sharding.no_gradient_sync(self.objective) if self.sharded else self.model.no_sync()
-            with ctx, _autocast(self.device):
-                out = self.model(batch, unit)
-                (out.loss / self.cfg.optim.grad_accum).backward()  # each backward adds: average them
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else outs[0].merge(outs)
+        def hold_gradients():
+            return sharding.no_gradient_sync(self.objective) if self.sharded else self.model.no_sync()
+        return forward_backward(self.objective, self.model, batch, self.cfg.optim.grad_accum, _autocast(self.device),
+                                hold_gradients if self.schedule.world > 1 else None, sync)
 
     def optimizer_step(self) -> None:
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.params, self.optimizer, self.cfg.optim.grad_clip)
 
     def evaluate(self) -> dict | None:
         return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device)
@@ -366,6 +354,36 @@ class Trainer:
              "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
              "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single")},
             keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def make_optimizer(params: list, optim) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay)
+
+
+def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True):
+    """One micro-batch's forward and backward through `model` (the objective or its DDP / FSDP2 wrap),
+    its loss divided by grad_accum; the objective's units (P-EAGLE's segments) one after another.
+    hold_gradients: under torchrun, a context that keeps the ranks from sharing gradients (None: one
+    process); sync: this is the step's last micro-batch, whose last unit shares them."""
+    units = objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
+    outs = []
+    for i, unit in enumerate(units):
+        share = hold_gradients is None or (sync and i == len(units) - 1)
+        with (_null() if share else hold_gradients()), autocast:
+            out = model(batch, unit)
+            (out.loss / grad_accum).backward()  # each backward adds: average them
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else outs[0].merge(outs)
+
+
+def optimizer_step(params: list, optimizer, grad_clip: float) -> None:
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 # ----------------------------------------------------------------------------- schedule / metrics

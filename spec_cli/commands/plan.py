@@ -1,0 +1,65 @@
+"""`spec plan`: memory, FLOPs, disk and GPU hours of a draft run for a target, before renting GPUs
+(spec_cli.plan)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from spec_cli.commands.options import Config
+from spec_cli.help import DRAFT, INPUTS
+
+HARDWARE = "Hardware"
+
+
+def plan_cmd(
+    target: Annotated[Path, typer.Argument(help="The target: a model folder, or just its config.json.")],
+    algorithm: Annotated[str, typer.Option("--algorithm", help="The draft algorithm (eagle3, eagle).",
+                                           rich_help_panel=DRAFT)] = "eagle3",
+    seq_len: Annotated[str, typer.Option(
+        "--seq-len", help="Row lengths to plan, comma-separated (tokens per row, packed or not).",
+        rich_help_panel=INPUTS)] = "8192,32768",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Rows per micro-batch per GPU.",
+                                            rich_help_panel=INPUTS)] = 1,
+    draft_vocab_size: Annotated[int, typer.Option("--draft-vocab-size", rich_help_panel=DRAFT)] = 32000,
+    ttt_steps: Annotated[int, typer.Option("--ttt-steps", rich_help_panel=DRAFT)] = 7,
+    draft_layers: Annotated[int, typer.Option("--draft-layers", rich_help_panel=DRAFT)] = 1,
+    samples: Annotated[int, typer.Option("--samples", help="Training samples.", rich_help_panel=INPUTS)] = 100_000,
+    avg_tokens: Annotated[int, typer.Option("--avg-tokens", help="Mean tokens per sample.",
+                                            rich_help_panel=INPUTS)] = 1024,
+    epochs: Annotated[float, typer.Option("--epochs", rich_help_panel=INPUTS)] = 1.0,
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs the run uses (all nodes).",
+                                      rich_help_panel=HARDWARE)] = 8,
+    gpu: Annotated[str, typer.Option("--gpu", help="a100-40gb, a100, l40s, h100, h200, b200 or mi300x.",
+                                     rich_help_panel=HARDWARE)] = "h100",
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="GB per GPU (overrides --gpu's).",
+                                                        rich_help_panel=HARDWARE)] = None,
+    gpu_tflops: Annotated[Optional[float], typer.Option("--gpu-tflops", help="bf16 dense TFLOP/s per GPU.",
+                                                        rich_help_panel=HARDWARE)] = None,
+    utilization: Annotated[float, typer.Option("--utilization", help="Fraction of the peak FLOP/s reached.",
+                                               rich_help_panel=HARDWARE)] = 0.35,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON here.",
+                                                     rich_help_panel=INPUTS)] = None,
+    config: Config = None,
+):
+    """Plan a run: the draft's size, each step's peak memory per GPU and FLOPs (the real training step run
+    on fake tensors at the target's shapes), the feature cache's disk and the GPU hours."""
+    import json
+
+    from spec_cli.artifacts.io import write_json
+    from spec_cli.errors import ConfigError
+    from spec_cli.plan.report import PlanSettings, make_plan, show
+
+    try:
+        lengths = tuple(int(x) for x in seq_len.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--seq-len {seq_len!r} is not a list of integers", "e.g. --seq-len 8192,32768") from None
+    plan = make_plan(PlanSettings(target=target, algorithm=algorithm, seq_lens=lengths, batch_size=batch_size,
+                                  draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, draft_layers=draft_layers,
+                                  samples=samples, avg_tokens=avg_tokens, epochs=epochs, gpus=gpus, gpu=gpu,
+                                  gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization))
+    show(plan)
+    if json_out is not None:
+        write_json(json_out, json.loads(plan.to_json()))

@@ -1,0 +1,243 @@
+"""`spec plan`: what a draft run for a target will need, before renting the GPUs.
+
+Measured (spec_cli/plan/step.py): the draft's parameters, its training step's FLOPs and peak memory
+per GPU at each sequence length, with and without activation checkpointing, from the real step run on
+fake tensors. Counted exactly: the target's parameters (its model built on the meta device), the
+feature cache's bytes per token (the cache writer's own formula). Estimated, and said so: the GPU
+hours (FLOPs over the GPUs' peak at a stated utilisation), the live target's forward at training
+(its weights exactly, its largest activations by formula), and a margin for what the step cannot see
+(CUDA context, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from spec_cli.errors import ConfigError
+
+# bf16 dense tensor-core peak (TFLOP/s, no sparsity) and memory (GB, 10^9 bytes), from the vendors'
+# datasheets; --gpu-memory / --gpu-tflops override them
+GPUS = {
+    "a100-40gb": (40, 312), "a100": (80, 312), "l40s": (48, 362), "h100": (80, 989), "h200": (141, 989),
+    "b200": (180, 2250), "mi300x": (192, 1307),
+}
+CONTEXT_BYTES = 1.0e9  # the CUDA context, cuBLAS workspaces and NCCL buffers, per process
+FRAGMENTATION = 0.05  # the caching allocator's rounding and fragmentation, on top of the peak
+
+
+@dataclass
+class PlanSettings:
+    target: Path
+    algorithm: str = "eagle3"
+    seq_lens: tuple[int, ...] = (8192, 32768)
+    batch_size: int = 1
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    draft_layers: int = 1
+    samples: int = 100_000
+    avg_tokens: int = 1024
+    epochs: float = 1.0
+    gpus: int = 8
+    gpu: str = "h100"
+    gpu_memory: float | None = None  # GB
+    gpu_tflops: float | None = None
+    utilization: float = 0.35
+
+    @property
+    def tokens(self) -> int:
+        return self.samples * self.avg_tokens
+
+
+@dataclass
+class StepRow:
+    seq_len: int
+    activation_checkpointing: bool
+    peak_gb: float  # the step's peak (weights, AdamW state, batch included)
+    need_gb: float  # peak + fragmentation + the CUDA context: what the GPU must have
+    need_live_gb: float  # need_gb + the live target's share on this GPU (weights, forward)
+    flops_per_token: float
+    fits: bool  # from the cache
+    fits_live: bool  # with the live target on the same GPU
+
+
+@dataclass
+class Plan:
+    settings: dict
+    target: dict
+    draft: dict
+    steps: list[StepRow]
+    cache: list[dict]
+    hours: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+
+def read_target_config(path: Path):
+    """A transformers config from a model folder or a config.json file."""
+    from spec_cli.target.loading import config_from_dict
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no config.json at {path}", "pass a model folder or its config.json")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{file} is not readable JSON ({exc})", "pass the target's config.json") from exc
+    return config_from_dict(data)
+
+
+def _text(config):
+    return config.text_config if getattr(config, "num_hidden_layers", None) is None and \
+        getattr(config, "text_config", None) is not None else config
+
+
+def target_parameters(config) -> int:
+    """The target's parameter count: its transformers model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 (an architecture this transformers cannot build): count a decoder
+        t = _text(config)
+        H, L, V, inter = t.hidden_size, t.num_hidden_layers, t.vocab_size, t.intermediate_size
+        heads = t.num_attention_heads
+        kv = getattr(t, "num_key_value_heads", None) or heads
+        d = getattr(t, "head_dim", None) or H // heads
+        layer = H * d * (heads * 2 + kv * 2) + 3 * H * inter + 2 * H
+        tied = getattr(config, "tie_word_embeddings", False)
+        return L * layer + V * H * (1 if tied else 2) + H
+
+
+def make_plan(s: PlanSettings) -> Plan:
+    import torch
+
+    from spec_cli.artifacts import feature_cache as fc
+    from spec_cli.draft import algorithms
+    from spec_cli.draft.algorithm import LM_HEAD
+    from spec_cli.plan.step import measure_step
+    from spec_cli.stages.train_options import ObjectiveOptions
+
+    if s.gpu not in GPUS and (s.gpu_memory is None or s.gpu_tflops is None):
+        raise ConfigError(f"unknown --gpu {s.gpu!r}", f"use one of {', '.join(GPUS)}, or give --gpu-memory and "
+                                                     "--gpu-tflops")
+    if not 0 < s.utilization <= 1:
+        raise ConfigError(f"--utilization {s.utilization} is not a fraction", "e.g. --utilization 0.35")
+    if s.gpus < 1 or s.batch_size < 1 or min(s.seq_lens) < 2:
+        raise ConfigError("--gpus, --batch-size must be at least 1 and --seq-len at least 2", "")
+    memory_gb, tflops = GPUS.get(s.gpu, (None, None))
+    memory_gb, tflops = s.gpu_memory or memory_gb, s.gpu_tflops or tflops
+    algorithm = algorithms.get(s.algorithm)
+    config = read_target_config(s.target)
+    text = _text(config)
+    L, H, V = text.num_hidden_layers, text.hidden_size, text.vocab_size
+    vd = V if LM_HEAD in algorithm.needs else min(s.draft_vocab_size, V)
+    draft_config = algorithm.config(config, vd, algorithm.default_aux_layers(L),
+                                    num_hidden_layers=s.draft_layers)
+    options = ObjectiveOptions(ttt_steps=s.ttt_steps)
+    n_target = target_parameters(config)
+    target_bytes = n_target * 2  # bf16
+    gpu_bytes = memory_gb * 1e9
+    replica = target_bytes + CONTEXT_BYTES < 0.6 * gpu_bytes  # room left for the draft's step
+    per_gpu_target = target_bytes if replica else target_bytes / min(s.gpus, 8)
+
+    rows, trained, frozen = [], 0, 0
+    for T in s.seq_lens:
+        for ckpt in (False, True):
+            m = measure_step(algorithm, draft_config, options, T, batch=s.batch_size, activation_checkpointing=ckpt)
+            trained, frozen = m.trained, m.frozen
+            need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
+            # the live target's forward at training: its logits [B, T, V] in fp32 and the hidden states it
+            # keeps (the aux layers and the last), by formula; its weights exactly
+            forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * 2)
+            need_live = need + per_gpu_target + forward
+            rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
+                                m.flops / (s.batch_size * T), need <= gpu_bytes, need_live <= gpu_bytes))
+
+    cache = []
+    for encoding in fc.ENCODINGS:
+        for dtype, name in (("bf16", "bfloat16"), ("fp32", "float32")):
+            per = fc.bytes_per_token(encoding, H, vd, name, len(draft_config.aux_layer_ids))
+            cache.append({"encoding": encoding, "storage_dtype": dtype, "bytes_per_token": per,
+                          "total_gb": per * s.tokens / 1e9})
+
+    # GPU hours: FLOPs over peak x utilisation. Precompute runs the target's forward once per token
+    # (2 FLOPs per parameter, and causal attention at the mean length); training the draft's step.
+    rate = s.gpus * tflops * 1e12 * s.utilization
+    attention = 2 * L * H * s.avg_tokens  # causal: 4 * L * (T / 2) * H per token
+    precompute_flops = s.tokens * (2 * n_target + attention)
+    at_mean = measure_step(algorithm, draft_config, options, s.avg_tokens, batch=s.batch_size)
+    train_flops = s.tokens * s.epochs * at_mean.flops / (s.batch_size * s.avg_tokens)
+    hours = {"gpus": s.gpus, "gpu": s.gpu, "gpu_memory_gb": memory_gb, "gpu_tflops": tflops,
+             "utilization": s.utilization, "tokens": s.tokens,
+             "precompute_hours": precompute_flops / rate / 3600, "train_hours": train_flops / rate / 3600,
+             "train_flops_per_token": at_mean.flops / (s.batch_size * s.avg_tokens)}
+    notes = [f"the target ({n_target / 1e9:.2f} B parameters, {target_bytes / 1e9:.1f} GB in bf16) "
+             + ("fits one GPU: with a live target each rank holds a replica"
+                if replica else f"does not fit one GPU with room for the draft: a live target is sharded "
+                                f"over the node's GPUs (--target-parallel tensor, {per_gpu_target / 1e9:.1f} GB each), "
+                                "or precompute a cache")]
+    for r in rows:
+        if not r.fits and not r.activation_checkpointing:
+            other = next(o for o in rows if o.seq_len == r.seq_len and o.activation_checkpointing)
+            notes.append(f"T = {r.seq_len}: {r.need_gb:.0f} GB does not fit {memory_gb:g} GB; "
+                         + ("--activation-checkpointing brings it to "
+                            f"{other.need_gb:.0f} GB" if other.fits else
+                            f"not even with --activation-checkpointing ({other.need_gb:.0f} GB): "
+                            "shorter rows or context parallelism"))
+    return Plan(
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+        target={"architecture": (getattr(config, "architectures", None) or [""])[0], "parameters": n_target,
+                "layers": L, "hidden_size": H, "vocab_size": V, "weights_gb": target_bytes / 1e9,
+                "per_gpu_gb": per_gpu_target / 1e9, "placement": "replica" if replica else "tensor-parallel"},
+        draft={"algorithm": algorithm.name, "trained_parameters": trained, "frozen_parameters": frozen,
+               "draft_vocab_size": vd, "aux_layers": list(draft_config.aux_layer_ids),
+               "layers": s.draft_layers, "ttt_steps": s.ttt_steps},
+        steps=rows, cache=cache, hours=hours, notes=notes)
+
+
+def show(plan: Plan) -> None:
+    from rich.table import Table
+
+    from spec_cli.console import console, human_bytes
+
+    t, d, h = plan.target, plan.draft, plan.hours
+    console.print(f"[bold]target[/] {t['architecture']}: {t['parameters'] / 1e9:.2f} B parameters, "
+                  f"{t['layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}; "
+                  f"{t['weights_gb']:.1f} GB in bf16 ({t['placement']}: {t['per_gpu_gb']:.1f} GB per GPU)")
+    console.print(f"[bold]draft[/] {d['algorithm']}: {d['trained_parameters'] / 1e6:.0f} M trained + "
+                  f"{d['frozen_parameters'] / 1e6:.0f} M frozen parameters, {d['layers']} layer(s), "
+                  f"draft vocab {d['draft_vocab_size']}, aux layers {d['aux_layers']}, TTT {d['ttt_steps']}")
+    table = Table(title=f"one training step per GPU (batch {plan.settings['batch_size']}), bf16 autocast, "
+                        f"on a {h['gpu_memory_gb']:g} GB GPU")
+    for name in ("T", "act. ckpt", "step peak", "needs (cache)", "fits", "needs (live target)", "fits",
+                 "GFLOP/token"):
+        table.add_column(name, justify="right")
+    for r in plan.steps:
+        table.add_row(str(r.seq_len), "on" if r.activation_checkpointing else "off", f"{r.peak_gb:.1f} GB",
+                      f"{r.need_gb:.1f} GB", "yes" if r.fits else "[red]no[/]", f"{r.need_live_gb:.1f} GB",
+                      "yes" if r.fits_live else "[red]no[/]", f"{r.flops_per_token / 1e9:.1f}")
+    console.print(table)
+    cache = Table(title=f"feature cache for {h['tokens'] / 1e6:.0f} M tokens")
+    for name in ("encoding", "storage dtype", "bytes/token", "disk"):
+        cache.add_column(name, justify="right")
+    for c in plan.cache:
+        cache.add_row(c["encoding"], c["storage_dtype"], f"{c['bytes_per_token']:,}", human_bytes(c["total_gb"] * 1e9))
+    console.print(cache)
+    console.print(f"[bold]time[/] on {h['gpus']} x {h['gpu']} at {h['utilization']:.0%} of "
+                  f"{h['gpu_tflops']:g} TFLOP/s: precompute {_hours(h['precompute_hours'])}, training "
+                  f"{_hours(h['train_hours'])} ({plan.settings['epochs']:g} epoch(s) of rows of "
+                  f"{plan.settings['avg_tokens']} tokens: {h['train_flops_per_token'] / 1e9:.1f} GFLOP/token)")
+    for note in plan.notes:
+        console.print(f"- {note}")
+
+
+def _hours(x: float) -> str:
+    return f"{x * 60:.0f} min" if x < 1 else f"{x:.1f} h" if x < 100 else f"{math.ceil(x)} h"

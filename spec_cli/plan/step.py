@@ -1,0 +1,136 @@
+"""The training step of `spec train`, run on fake tensors for a target's real shapes: its peak memory
+and FLOPs per GPU without a GPU (spec_cli/plan/memory.py says what is counted).
+
+The step is the trainer's own (spec_cli/stages/train.py: make_optimizer, forward_backward,
+optimizer_step) on the algorithm's own draft and objective. It emulates a CUDA rank on fake CPU
+tensors: torch's autograd needs a device guard for the device it records, which a CPU-only build has
+for the CPU alone. The dtypes are the CUDA run's: bf16 autocast (matmuls and linears in bf16), and the
+draft upcasts its softmaxes and norms itself, so the two autocast policies give the same dtypes for
+every op the step runs. The attention runs the CPU's fused kernel, whose outputs (out, lse) are the
+CUDA kernel's sizes. Every slot of the batch carries a loss (the upper bound; real data masks some).
+
+Two steps run and the second is measured: the first makes the optimizer's state (AdamW's moments),
+which is then resident, as in every step of a real run after the first. A third forward and backward
+counts the FLOPs (torch's FlopCounterMode keeps references that would inflate the memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from spec_cli.batch import TargetBatch
+from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.errors import ConfigError
+from spec_cli.plan.memory import LiveBytes, fake_weights
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """One rank's training step at [batch, seq_len] tokens."""
+    resident: int  # bytes alive when the step starts: weights, optimizer state, the batch
+    peak: int  # bytes at the step's peak (resident included)
+    flops: int  # forward + backward FLOPs (matmuls and attention, as torch's FlopCounterMode counts)
+    trained: int  # trained parameters
+    frozen: int  # frozen parameters (the target's embedding, EAGLE-1/2's lm_head)
+    batch_bytes: int  # the supervision batch alone (part of resident)
+
+
+def _attention_flops(q_shape, k_shape, causal: bool) -> int:  # (FlopCounterMode passes shapes)
+    """Forward FLOPs of attention: 2 matmuls of B*h*Tq*Tk*d multiply-adds; causal does half of them."""
+    B, h, Tq, d = q_shape
+    Tk = k_shape[2]
+    return 4 * B * h * Tq * Tk * d // (2 if causal else 1)
+
+
+def _flash_cpu_fwd(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+    return _attention_flops(query, key, is_causal)
+
+
+def _flash_cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                   out_shape=None, **kwargs) -> int:
+    # recompute S, then dV, dP, dQ, dK: 5 matmuls to the forward's 2
+    return 5 * _attention_flops(query, key, is_causal) // 2
+
+
+# the CPU fused kernel the planned step runs has no formula in FlopCounterMode (CUDA's kernels do)
+ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_fwd,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd,
+}
+
+
+def plannable(algorithm: Algorithm) -> str | None:
+    """Why `algorithm`'s step cannot be planned, or None."""
+    unknown = set(algorithm.needs) - {FINAL_HIDDEN, LM_HEAD}
+    if unknown:
+        return f"it reads target fields the planner cannot shape ({', '.join(sorted(unknown))})"
+    if algorithm.name == "peagle":
+        return ("P-EAGLE's step samples its elements from the data (COD), so its memory depends on the "
+                "batch's content, which a plan does not have")
+    return None
+
+
+def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: torch.device,
+               target_dtype: torch.dtype) -> TargetBatch:
+    """Empty tensors shaped as a backend hands the trainer (spec_cli/batch.py's contract)."""
+    def empty(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    B, T, H = batch, seq_len, config.target_hidden_size
+    long = torch.long
+    return TargetBatch(
+        aux_hidden=empty(B, T, len(config.aux_layer_ids) * H, dtype=target_dtype),
+        input_ids=empty(B, T, dtype=long), attention_mask=empty(B, T, dtype=long),
+        loss_mask=empty(B, T, dtype=long), target_p=empty(B, T, config.draft_vocab_size),
+        position_mask=empty(B, T, dtype=torch.bool), target_ids=empty(B, T, dtype=long),
+        target_mass=empty(B, T),
+        final_hidden=empty(B, T, H, dtype=target_dtype) if FINAL_HIDDEN in algorithm.needs else None)
+
+
+def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int = 1,
+                 activation_checkpointing: bool = False, autocast_dtype: torch.dtype | None = torch.bfloat16,
+                 target_dtype: torch.dtype = torch.bfloat16, grad_clip: float = 1.0,
+                 optim=None) -> StepMeasure:
+    """Run `algorithm`'s training step for a draft of `config` (a DraftConfig) on fake tensors.
+    options: the objective's (ObjectiveOptions); autocast_dtype None runs fp32 (a CPU run)."""
+    from spec_cli.stages.train import forward_backward, make_optimizer, optimizer_step
+    from spec_cli.stages.train_options import OptimOptions
+
+    reason = plannable(algorithm)
+    if reason:
+        raise ConfigError(f"no plan for --algorithm {algorithm.name}: {reason}",
+                          "plan the same target with --algorithm eagle3 for a bound")
+    optim = optim or OptimOptions()
+    device = torch.device("cpu")
+    with torch.device("meta"):
+        draft = algorithm.build(config)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_weights(draft, device)
+        draft.attn_impl = "fused"  # what "auto" picks once the kernel passes its self-check
+        data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype)
+        objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
+        params = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = make_optimizer(params, optim)
+        autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                    else torch.autocast("cpu", enabled=False))
+        memory = LiveBytes()
+        memory.track(list(draft.parameters()), list(draft.buffers()), data.tensors())
+        flops = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+        with memory:
+            for measured in (False, True):
+                if measured:
+                    resident = memory.now
+                    memory.reset_peak()
+                forward_backward(objective, objective, data, 1, autocast)
+                optimizer_step(params, optimizer, grad_clip)
+        with flops:  # a step of its own: the counter holds on to what it sees, which the memory would count
+            forward_backward(objective, objective, data, 1, autocast)
+        return StepMeasure(
+            resident=resident, peak=memory.peak, flops=int(flops.get_total_flops()),
+            trained=sum(p.numel() for p in params),
+            frozen=sum(p.numel() for p in draft.parameters() if not p.requires_grad),
+            batch_bytes=sum(t.numel() * t.element_size() for t in data.tensors().values()))

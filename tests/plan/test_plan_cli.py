@@ -1,0 +1,73 @@
+"""`spec plan` for Llama-3.1-8B and Llama-3.1-70B (their config.json written here, no download) at
+T = 8k and 32k, through the CLI: the counts against independent arithmetic (published parameter
+counts, the draft's layer shapes, the cache's per-token layout), the memory verdicts a user rents GPUs
+by, and the errors for bad input."""
+
+import json
+
+import pytest
+
+from spec_cli.cli import main
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+         "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+         "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+         "head_dim": 128, "num_key_value_heads": 8}
+SIZES = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32),
+         "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_hidden_layers=80)}
+PUBLISHED = {"8b": 8_030_261_248, "70b": 70_553_706_496}  # the models' safetensors index totals
+
+
+def plan_of(tmp_path, size: str, *args: str) -> dict:
+    folder = tmp_path / size
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA | SIZES[size]))
+    out = tmp_path / f"{size}.json"
+    assert main(["plan", str(folder / "config.json"), "--seq-len", "8192,32768", "--json", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def eagle3_trained(H: int, inter: int, heads: int, kv: int, d: int, vd: int) -> int:
+    """fc [H, 3H], one decoder layer reading [embed; hidden] (2H in), its norms, the final norm, lm_head."""
+    attention = 2 * H * heads * d + 2 * 2 * H * kv * d + heads * d * H
+    return 3 * H * H + attention + 3 * H * inter + 2 * H + H + H + vd * H
+
+
+@pytest.mark.parametrize("size", ["8b", "70b"])
+def test_llama_plans(tmp_path, size, capsys):
+    plan = plan_of(tmp_path, size)
+    s = SIZES[size]
+    H, V = s["hidden_size"], LLAMA["vocab_size"]
+    assert plan["target"]["parameters"] == PUBLISHED[size]
+    assert plan["draft"]["trained_parameters"] == eagle3_trained(H, s["intermediate_size"], s["num_attention_heads"],
+                                                                8, 128, 32000)
+    assert plan["draft"]["frozen_parameters"] == V * H  # the target's embedding, fp32 in the draft
+    # the cache's token: 3 aux states + the final hidden state in the storage dtype, ids (int32), mask
+    # (uint8), argmax (int32), lse (fp32)
+    per = {(c["encoding"], c["storage_dtype"]): c["bytes_per_token"] for c in plan["cache"]}
+    assert per["hidden", "bf16"] == 4 * H * 2 + 13 and per["probs", "fp32"] == (3 * H + 32000) * 4 + 13
+    steps = {(r["seq_len"], r["activation_checkpointing"]): r for r in plan["steps"]}
+    # activation checkpointing trades memory for recompute, at every length
+    for T in (8192, 32768):
+        assert steps[T, True]["peak_gb"] < steps[T, False]["peak_gb"]
+        assert steps[T, True]["flops_per_token"] > steps[T, False]["flops_per_token"]
+    # causal attention makes a token dearer in longer rows
+    assert steps[32768, False]["flops_per_token"] > steps[8192, False]["flops_per_token"]
+    # at 32k the step needs activation checkpointing on an 80 GB GPU, and fits with it
+    assert not steps[32768, False]["fits"] and steps[32768, True]["fits"]
+    assert plan["target"]["placement"] == ("replica" if size == "8b" else "tensor-parallel")
+    printed = capsys.readouterr().out
+    assert "--activation-checkpointing brings it to" in printed
+
+
+def test_plan_errors(tmp_path, capfd):
+    assert main(["plan", str(tmp_path / "nowhere")]) == 1
+    assert "no config.json" in capfd.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA | SIZES["8b"]))
+    assert main(["plan", str(tmp_path), "--algorithm", "peagle"]) == 1
+    err = capfd.readouterr().err
+    assert "no plan for --algorithm peagle" in err and "COD" in err
+    assert main(["plan", str(tmp_path), "--gpu", "tpu"]) == 1
+    assert "unknown --gpu 'tpu'" in capfd.readouterr().err
