@@ -10,7 +10,8 @@ then through the CLI, in this process:
   3. `spec train --cache` for --steps steps at the first length;
   4. `spec train --target` (live) for --steps steps at each other length.
 For each stage: wall time, tokens/s and the peak memory (CUDA: the allocator's peak for the stage;
-elsewhere the process's peak RSS so far); then which attention kernels the draft checked and chose.
+elsewhere the process's peak RSS so far) beside `spec plan`'s prediction for that step; then which
+attention kernels the draft checked and chose.
 The tokenizer is a small BPE (tests/tiny.py): ids past its 400 are never drawn, which changes nothing
 the timings depend on. Results go to OUT/gpu_check.json too. Exits 1 if any stage failed (the others
 still run: a failure at 32k should not hide the 8k numbers).
@@ -131,6 +132,31 @@ def kernels() -> dict:
             for (name, dev, index, dtype), ok in attention._checked.items()}
 
 
+def predict(target: Path, lengths: list[int], device: torch.device, results: list) -> dict:
+    """`spec plan`'s step peaks for these lengths (bf16 on CUDA, fp32 elsewhere), beside each train
+    stage's measured peak (on CUDA the allocator's peak, the same kind of number; elsewhere RSS, which
+    is not)."""
+    from spec_cli.plan.report import PlanSettings, make_plan
+
+    try:
+        plan = make_plan(PlanSettings(target=target, seq_lens=tuple(lengths), gpus=1, avg_tokens=lengths[0],
+                                      samples=8, gpu_memory=1e3, gpu_tflops=1.0,
+                                      precision="bf16" if device.type == "cuda" else "fp32"))
+    except Exception as exc:  # noqa: BLE001 - the plan failing is a finding, not a reason to stop
+        traceback.print_exc()
+        results.append({"stage": "plan", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return {}
+    steps = {r.seq_len: r for r in plan.steps if not r.activation_checkpointing}
+    for row in results:
+        kind, _, at = row["stage"].partition(" T=")
+        if kind.startswith("train") and at and int(at) in steps:
+            step = steps[int(at)]
+            row["plan_peak_gb"] = round((step.peak_live_gb if "--target" in kind else step.peak_gb) * 1e9 / 2**30, 2)
+    print(json.dumps({"plan": {T: round(r.peak_gb * 1e9 / 2**30, 2) for T, r in steps.items()}}), flush=True)
+    return {"unit": "GiB", "step_peak": {T: round(r.peak_gb * 1e9 / 2**30, 2) for T, r in steps.items()},
+            "step_peak_with_live_target": {T: round(r.peak_live_gb * 1e9 / 2**30, 2) for T, r in steps.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="default: 8b on CUDA, tiny elsewhere")
@@ -182,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--batch-tokens", length, "--max-samples", args.steps, "--max-steps", args.steps,
                  "--eval-fraction", "0", "--log-every", args.steps, "-q"], log=run / "log.jsonl")
     report = {**about, "stages": results, "attention_kernels_checked": kernels(),
-              "plan_prediction": "not available yet: `spec plan` is not built (docs/distributed.md)"}
+              "plan_prediction": predict(target, lengths, device, results)}
     (work / "gpu_check.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({"attention_kernels_checked": report["attention_kernels_checked"]}), flush=True)
     failed = [r["stage"] for r in results if not r["ok"]]

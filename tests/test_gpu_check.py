@@ -26,3 +26,6 @@ def test_the_gpu_check_runs_its_tiny_shape_on_cpu(tmp_path, monkeypatch):
     assert stages["precompute T=128"]["tokens_per_s"] > 0 and stages["train --target T=256"]["train_tokens_per_s"] > 0
     assert stages["train --cache T=128"]["peak_memory_gb"] > 0 and stages["train --cache T=128"]["train_peak_memory_gb"] > 0
     assert report["attention_kernels_checked"]  # the draft's kernel choice is reported
+    # spec plan's prediction for each train stage's step, beside the measured peak
+    assert set(report["plan_prediction"]["step_peak"]) == {"128", "256"}
+    assert stages["train --cache T=128"]["plan_peak_gb"] > 0 and stages["train --target T=256"]["plan_peak_gb"] > 0

@@ -40,6 +40,9 @@ def plan_cmd(
                                                         rich_help_panel=HARDWARE)] = None,
     utilization: Annotated[float, typer.Option("--utilization", help="Fraction of the peak FLOP/s reached.",
                                                rich_help_panel=HARDWARE)] = 0.35,
+    precision: Annotated[str, typer.Option(
+        "--precision", help="bf16: a GPU run (bf16 autocast, the target in bf16); fp32: a CPU run.",
+        rich_help_panel=HARDWARE)] = "bf16",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON here.",
                                                      rich_help_panel=INPUTS)] = None,
     config: Config = None,
@@ -59,7 +62,8 @@ def plan_cmd(
     plan = make_plan(PlanSettings(target=target, algorithm=algorithm, seq_lens=lengths, batch_size=batch_size,
                                   draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, draft_layers=draft_layers,
                                   samples=samples, avg_tokens=avg_tokens, epochs=epochs, gpus=gpus, gpu=gpu,
-                                  gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization))
+                                  gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization,
+                                  precision=precision))
     show(plan)
     if json_out is not None:
         write_json(json_out, json.loads(plan.to_json()))

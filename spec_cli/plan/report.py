@@ -45,6 +45,7 @@ class PlanSettings:
     gpu_memory: float | None = None  # GB
     gpu_tflops: float | None = None
     utilization: float = 0.35
+    precision: str = "bf16"  # bf16: a CUDA run (bf16 autocast, bf16 target); fp32: a CPU run
 
     @property
     def tokens(self) -> int:
@@ -58,6 +59,7 @@ class StepRow:
     peak_gb: float  # the step's peak (weights, AdamW state, batch included)
     need_gb: float  # peak + fragmentation + the CUDA context: what the GPU must have
     need_live_gb: float  # need_gb + the live target's share on this GPU (weights, forward)
+    peak_live_gb: float  # peak_gb + the live target's share (no margins: an allocator's peak compares to it)
     flops_per_token: float
     fits: bool  # from the cache
     fits_live: bool  # with the live target on the same GPU
@@ -142,8 +144,11 @@ def make_plan(s: PlanSettings) -> Plan:
     draft_config = algorithm.config(config, vd, algorithm.default_aux_layers(L),
                                     num_hidden_layers=s.draft_layers)
     options = ObjectiveOptions(ttt_steps=s.ttt_steps)
+    if s.precision not in ("bf16", "fp32"):
+        raise ConfigError(f"unknown --precision {s.precision!r}", "use bf16 (a GPU run) or fp32 (a CPU run)")
+    half = s.precision == "bf16"
     n_target = target_parameters(config)
-    target_bytes = n_target * 2  # bf16
+    target_bytes = n_target * (2 if half else 4)
     gpu_bytes = memory_gb * 1e9
     replica = target_bytes + CONTEXT_BYTES < 0.6 * gpu_bytes  # room left for the draft's step
     per_gpu_target = target_bytes if replica else target_bytes / min(s.gpus, 8)
@@ -151,14 +156,17 @@ def make_plan(s: PlanSettings) -> Plan:
     rows, trained, frozen = [], 0, 0
     for T in s.seq_lens:
         for ckpt in (False, True):
-            m = measure_step(algorithm, draft_config, options, T, batch=s.batch_size, activation_checkpointing=ckpt)
+            m = measure_step(algorithm, draft_config, options, T, batch=s.batch_size, activation_checkpointing=ckpt,
+                             autocast_dtype=torch.bfloat16 if half else None,
+                             target_dtype=torch.bfloat16 if half else torch.float32)
             trained, frozen = m.trained, m.frozen
             need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
             # the live target's forward at training: its logits [B, T, V] in fp32 and the hidden states it
             # keeps (the aux layers and the last), by formula; its weights exactly
-            forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * 2)
+            forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * (2 if half else 4))
             need_live = need + per_gpu_target + forward
             rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
+                                (m.peak + per_gpu_target + forward) / 1e9,
                                 m.flops / (s.batch_size * T), need <= gpu_bytes, need_live <= gpu_bytes))
 
     cache = []
@@ -173,7 +181,9 @@ def make_plan(s: PlanSettings) -> Plan:
     rate = s.gpus * tflops * 1e12 * s.utilization
     attention = 2 * L * H * s.avg_tokens  # causal: 4 * L * (T / 2) * H per token
     precompute_flops = s.tokens * (2 * n_target + attention)
-    at_mean = measure_step(algorithm, draft_config, options, s.avg_tokens, batch=s.batch_size)
+    at_mean = measure_step(algorithm, draft_config, options, s.avg_tokens, batch=s.batch_size,
+                           autocast_dtype=torch.bfloat16 if half else None,
+                           target_dtype=torch.bfloat16 if half else torch.float32)
     train_flops = s.tokens * s.epochs * at_mean.flops / (s.batch_size * s.avg_tokens)
     hours = {"gpus": s.gpus, "gpu": s.gpu, "gpu_memory_gb": memory_gb, "gpu_tflops": tflops,
              "utilization": s.utilization, "tokens": s.tokens,
