@@ -31,7 +31,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
-from spec_cli.console import info
+from spec_cli.console import info, warn
 from spec_cli.draft import algorithms, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
 from spec_cli.draft.losses import acceptance_length
@@ -67,10 +67,11 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
     cfg = resumed_config(cfg, typed_options() if given is None else given)
     device = _start(cfg)
     with ExitStack() as lock:  # taken (rank 0) once the inputs are checked, before the folder is touched
-        return _run(cfg, device, start_time, after_step, lock)
+        return _run(cfg, device, start_time, after_step, lock, typed_options() if given is None else given)
 
 
-def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack) -> TrainResult:
+def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack,
+         given: set[str] | None) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     source = open_source(cfg, device, vocab_map)
     batches = logger = stream_report = None
@@ -80,7 +81,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         algorithm = _algorithm(cfg, source)
         source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
         source.backend.extra_fields = algorithm_fields(algorithm)  # the algorithm's own per-token fields
-        trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device)
+        trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device,
+                          auto_checkpointing=given is not None and "activation_checkpointing" not in given)
         run_json = _run_json(cfg, source, vocab_map)
         if distributed.is_main():  # the run folder is one, shared by the ranks
             lock.enter_context(FolderLock(cfg.runtime.output, "spec train"))
@@ -264,15 +266,22 @@ class Trainer:
     a checkpoint and its restore."""
 
     def __init__(self, cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_map, schedule: Schedule,
-                 device: torch.device):
+                 device: torch.device, auto_checkpointing: bool = False):
+        """auto_checkpointing: on a GPU, turn activation checkpointing on when the step would not fit the
+        GPU's free memory without it (spec plan's measure; `needs_checkpointing`)."""
         self.cfg, self.algorithm, self.source, self.schedule = cfg, algorithm, source, schedule
         self.device = device
         self.draft, self.draft_config, self.frozen = build_draft(cfg, algorithm, source, vocab_map)
         self.frozen_record = {"keys": sorted(self.frozen), "fingerprint": ckpt.frozen_fingerprint(self.frozen)}
         self.draft.to(device)
+        self.checkpointing = cfg.runtime.activation_checkpointing
+        if not self.checkpointing and auto_checkpointing and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            on_device = sum(t.numel() * t.element_size() for t in [*self.draft.parameters(), *self.draft.buffers()])
+            self.checkpointing = distributed.any_rank(
+                needs_checkpointing(algorithm, self.draft_config, cfg, largest_batch(source, cfg), free, on_device))
         # the algorithm's objective over the draft (the module evaluation runs)
-        self.objective = algorithm.objective(self.draft, cfg.objective,
-                                             activation_checkpointing=cfg.runtime.activation_checkpointing)
+        self.objective = algorithm.objective(self.draft, cfg.objective, activation_checkpointing=self.checkpointing)
         self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft
         if self.sharded:
             sharding.shard(self.objective, device)  # before the optimizer: it holds the sharded weights
@@ -357,6 +366,54 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- the step
+
+
+def largest_batch(source: Source, cfg: TrainConfig) -> tuple[int, int]:
+    """(rows, row length) of the run's largest micro-batch by padded tokens."""
+    lengths = getattr(source.tokens, "lengths", None)
+    if lengths is None or not source.plan:
+        return 1, cfg.data.batch_tokens
+    if cfg.data.pack:  # a packed batch is one row
+        shapes = [(1, int(lengths[b].sum())) for b in source.plan]
+    else:
+        shapes = [(len(b), int(lengths[b].max())) for b in source.plan]
+    return max(shapes, key=lambda shape: shape[0] * shape[1])
+
+
+def needs_checkpointing(algorithm: Algorithm, draft_config, cfg: TrainConfig, shape: tuple[int, int],
+                        free_bytes: int, on_device: int) -> bool:
+    """Whether the step at `shape` (rows, length) needs activation checkpointing to fit `free_bytes` of
+    the GPU, `on_device` bytes of it (the draft's weights) already there: `spec plan`'s measure of the
+    step without it, with its fragmentation margin. Says what it chose and why, and warns when even
+    checkpointing will not fit."""
+    from spec_cli.plan.report import FRAGMENTATION
+    from spec_cli.plan.step import measure_step, plannable
+
+    if plannable(algorithm) is not None:
+        return False  # no plan (P-EAGLE): as asked
+    rows, length = shape
+
+    def need(checkpointing: bool) -> float:
+        m = measure_step(algorithm, draft_config, cfg.objective, length, batch=rows,
+                         activation_checkpointing=checkpointing, optim=cfg.optim, grad_clip=cfg.optim.grad_clip)
+        return m.peak * (1 + FRAGMENTATION) - on_device
+
+    without = need(False)
+    if without <= free_bytes:
+        return False
+    with_it = need(True)
+    gb = 1e9
+    info(f"activation checkpointing on: the largest batch ({rows} x {length} tokens) needs "
+         f"{without / gb:.1f} GB without it and {with_it / gb:.1f} GB with it; {free_bytes / gb:.1f} GB of the GPU "
+         "are free (spec plan's measure; --no-activation-checkpointing keeps it off)")
+    if with_it > free_bytes:
+        warn(f"the largest batch ({rows} x {length} tokens) needs {with_it / gb:.1f} GB even with activation "
+             f"checkpointing and {free_bytes / gb:.1f} GB are free: expect an out-of-memory error; use a "
+             "smaller --batch-tokens / --max-length (spec plan shows what fits)")
+    return True
+
+
+# ----------------------------------------------------------------------------- the step (one micro-batch)
 
 
 def make_optimizer(params: list, optim) -> torch.optim.Optimizer:

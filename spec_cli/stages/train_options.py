@@ -169,7 +169,9 @@ class RuntimeOptions:
                               "across processes (FSDP2) instead of replicating them (DDP); for large "
                               "drafts.", panel=RUNTIME, resumable=True)
     activation_checkpointing: bool = option(
-        False, "--activation-checkpointing", help="Recompute activations in backward (long sequences).",
+        False, "--activation-checkpointing/--no-activation-checkpointing",
+        help="Recompute activations in backward (long sequences). Neither given: on a GPU it turns on by "
+             "itself when the largest batch would not fit without it (spec plan's measure).",
         panel=RUNTIME, resumable=True)
     device: str | None = shared(None, resumable=True)
     dtype: str | None = shared(None)  # the live target's
