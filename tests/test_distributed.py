@@ -63,12 +63,14 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     its own stopped run, so nothing the processes still hold from that run can stand in for what the
     checkpoint must restore."""
     root = tmp_path_factory.mktemp("torchrun")
-    out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-accum", "eagle-fsdp",
+    out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
+                                           "eagle-fsdp",
                                            *(f"peagle-{k}" for k in PEAGLE), "precompute", "live-replica", "live-tensor",
                                            "tp-supervision")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
+              eagle3_args(train_setup, out["eagle3-fsdp-straight"], "--fsdp"),
               peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
               eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
@@ -111,19 +113,44 @@ def test_eagle3_ddp_two_processes_match_one_process(runs, eagle3_single):
 
 def test_eagle3_fsdp_two_processes_match_one_process_through_a_resume(runs, eagle3_single, train_setup, tmp_path):
     """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
-    stopped after its first step (checkpoint gathered from the shards) and resumed (scattered back)."""
+    stopped after its first step and resumed (the sharded checkpoint: test_fsdp_checkpoints_...)."""
     fsdp = runs["eagle3-fsdp"]
     stopped_then_resumed(fsdp)
     state = trainer_state(fsdp)
     assert state["parallel"] == "fsdp" and state["world_size"] == 2
     assert_same(weights(eagle3_single), weights(fsdp), exact=False)
     opt_single = load_file(str(ckpt.latest_checkpoint(eagle3_single) / "optimizer.safetensors"))
-    opt_fsdp = load_file(str(ckpt.latest_checkpoint(fsdp) / "optimizer.safetensors"))
+    opt_fsdp = ckpt.read_optimizer(ckpt.latest_checkpoint(fsdp))  # its ranks' shards put together
     assert_same(opt_single, opt_fsdp, exact=False)
 
     # gradient accumulation under FSDP: 2 ranks x 2 micro-batches == 1 process x 4
     stage.run(config(train_setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
     assert_same(weights(tmp_path / "single4"), weights(runs["eagle3-fsdp-accum"]), exact=False)
+
+
+def test_fsdp_checkpoints_are_sharded_and_resume_bit_for_bit(runs):
+    """Under FSDP2 each rank writes its own rows of the optimizer state (no gather; model.safetensors
+    stays whole for export), and a run stopped after its first step and resumed from those shards, each
+    rank reading only its own file and rows, ends bit for bit where the straight run ends."""
+    for step in ckpt.checkpoint_dirs(runs["eagle3-fsdp"]):
+        names = sorted(p.name for p in step.iterdir())
+        assert "optimizer.safetensors" not in names
+        assert [n for n in names if n.startswith("optimizer-")] == ["optimizer-00000-of-00002.safetensors",
+                                                                     "optimizer-00001-of-00002.safetensors"]
+        assert json.loads((step / "trainer_state.json").read_text())["optimizer_shards"] == 2
+        shards = [load_file(str(step / f"optimizer-0000{r}-of-00002.safetensors")) for r in (0, 1)]
+        whole = ckpt.read_optimizer(step)
+        for key, value in whole.items():  # rank 0 holds the first ceil(n / 2) rows, rank 1 the rest
+            if value.dim():
+                half = -(-value.shape[0] // 2)
+                assert torch.equal(shards[0][key], value[:half]) and torch.equal(shards[1][key], value[half:])
+    straight, resumed = ckpt.latest_checkpoint(runs["eagle3-fsdp-straight"]), ckpt.latest_checkpoint(runs["eagle3-fsdp"])
+    assert straight.name == resumed.name == "step-00000003"
+    assert_same(weights(runs["eagle3-fsdp-straight"]), weights(runs["eagle3-fsdp"]), exact=True)
+    assert_same(ckpt.read_optimizer(straight), ckpt.read_optimizer(resumed), exact=True)
+    for r in (0, 1):
+        name = f"optimizer-0000{r}-of-00002.safetensors"
+        assert_same(load_file(str(straight / name)), load_file(str(resumed / name)), exact=True)
 
 
 def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(runs, eagle_pipeline, tmp_path,

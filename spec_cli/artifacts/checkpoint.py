@@ -8,7 +8,9 @@
       checkpoints/step-00000100/
         model.safetensors           trained weights + d2t/t2d buffers (serving engines' key names); the
                                     frozen ones are in ../../frozen.safetensors, named by fingerprint
-        optimizer.safetensors       AdamW state, flattened: state.<param name>.<exp_avg|exp_avg_sq|step>
+        optimizer.safetensors       AdamW state, flattened: state.<param name>.<exp_avg|exp_avg_sq|step>;
+                                    under FSDP2 one optimizer-RRRRR-of-WWWWW.safetensors per rank instead
+                                    (its rows of each tensor; trainer_state.json: optimizer_shards W)
         rng.safetensors             torch RNG states
         config.json                 DraftConfig
         trainer_state.json          step, epoch, data position, schedule, param groups, metrics
@@ -185,12 +187,77 @@ def remove_temporaries(run_dir: Path) -> list[str]:
             + io.remove_temporaries(Path(run_dir) / CHECKPOINTS, r"step-\d{8}"))
 
 
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where the ranks of a sharded save write the checkpoint of `step` before rank 0 renames it into
+    place (a name `remove_temporaries` clears when a run was killed mid-save)."""
+    return Path(run_dir) / CHECKPOINTS / f".step-{step:08d}.shards.tmp"
+
+
+def begin_sharded_save(run_dir: Path, step: int) -> Path:
+    """Rank 0, before the ranks write their shards: an empty staging folder."""
+    staging = staging_dir(run_dir, step)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def write_optimizer_shard(staging: Path, rank: int, world: int, tensors: dict[str, torch.Tensor],
+                          layout: dict) -> Path:
+    """One rank's optimizer state (sharding.local_optimizer_state) as optimizer-RRRRR-of-WWWWW.safetensors,
+    with each tensor's global shape and first row in its metadata."""
+    path = Path(staging) / optimizer_shard_name(rank, world)
+    write_safetensors(path, tensors, {"kind": "optimizer_shard", "rank": rank, "world": world, "layout": layout})
+    return path
+
+
+def optimizer_shard_name(rank: int, world: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def optimizer_shards(checkpoint: Path) -> int | None:
+    """The number of ranks whose optimizer shards a checkpoint holds (None: one optimizer.safetensors)."""
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("optimizer_shards")
+
+
+def read_optimizer(checkpoint: Path, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's optimizer state, flat: the whole of it (shards put together row by row), or
+    with `rank` that rank's own shard file as written."""
+    checkpoint = Path(checkpoint)
+    world = optimizer_shards(checkpoint)
+    if world is None:
+        return load_file(str(checkpoint / "optimizer.safetensors"))
+    if rank is not None:
+        return load_file(str(checkpoint / optimizer_shard_name(rank, world)))
+    parts: dict[str, list] = {}
+    shapes: dict[str, list] = {}
+    for r in range(world):
+        path = checkpoint / optimizer_shard_name(r, world)
+        with safe_open(str(path), framework="pt") as f:
+            layout = json.loads((f.metadata() or {})["spec_cli"])["layout"]
+            for key in f.keys():
+                shape, start = layout[key]
+                shapes[key] = shape
+                if start is None:
+                    parts[key] = [(0, f.get_tensor(key))]  # the same on every rank
+                else:
+                    parts.setdefault(key, []).append((start, f.get_tensor(key)))
+    out = {}
+    for key, pieces in parts.items():
+        value = torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])]) if len(pieces) > 1 else pieces[0][1]
+        if list(value.shape) != shapes[key]:
+            raise ArtifactError(f"the optimizer shards of {checkpoint} do not add up to {key}'s shape {shapes[key]}",
+                                "the checkpoint is damaged: resume from the one before it")
+        out[key] = value
+    return out
+
+
 def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
-                    optimizer_tensors: dict[str, torch.Tensor], rng: dict[str, torch.Tensor],
+                    optimizer_tensors: dict[str, torch.Tensor] | None, rng: dict[str, torch.Tensor],
                     draft_config: dict, trainer_state: dict, keep_last: int | None = None,
-                    frozen: dict | None = None) -> Path:
+                    frozen: dict | None = None, staged: Path | None = None, shards: int | None = None) -> Path:
     """`frozen`: {"keys": [...], "fingerprint": ...} of the weights model_state leaves out (in the
-    run's frozen.safetensors, written by save_frozen)."""
+    run's frozen.safetensors, written by save_frozen). `staged`: the folder of a sharded save, holding
+    the ranks' `shards` optimizer files already (optimizer_tensors None); it becomes the checkpoint."""
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
     record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step,
               "config_sha256": config_digest(draft_config)}  # config.json edited later is caught on read
@@ -201,11 +268,17 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
         record["frozen"] = {"keys": sorted(frozen["keys"]), "fingerprint": frozen["fingerprint"],
                             "file": FROZEN}
     meta = {"spec_cli": json.dumps(record)}
-    with atomic_dir(final) as tmp:
+    if shards is not None:
+        trainer_state = {**trainer_state, "optimizer_shards": shards}
+    with (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
                   str(tmp / "model.safetensors"), metadata=meta)
-        save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
-                  str(tmp / "optimizer.safetensors"))
+        if optimizer_tensors is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
+                      str(tmp / "optimizer.safetensors"))
+        elif shards is None or sorted(p.name for p in tmp.glob("optimizer-*")) != \
+                [optimizer_shard_name(r, shards) for r in range(shards)]:
+            raise RuntimeError(f"a sharded checkpoint needs the {shards} ranks' optimizer files in {tmp}")
         save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
         (tmp / "config.json").write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
         (tmp / "trainer_state.json").write_text(
@@ -233,14 +306,21 @@ def check_config(checkpoint: Path, config: dict) -> None:
                             "are part of what the draft learned and cannot be edited afterwards")
 
 
-def load_checkpoint(path: Path, resume: bool = False) -> dict:
+def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None = None) -> dict:
     """model / optimizer / rng tensors, config and trainer_state of one checkpoint folder; "model" lacks
     the "frozen_keys" (the trainer copies them from the target again, export reads load_frozen).
     `resume`: the optimizer and RNG states are required too (a checkpoint without them exports but
-    cannot continue bit for bit)."""
+    cannot continue bit for bit). A sharded checkpoint's optimizer comes whole (its ranks' files put
+    together), or with `optimizer_rank` as that rank's own file."""
     path = Path(path)
     if resume:
-        missing = [name for name in ("optimizer.safetensors", "rng.safetensors") if not (path / name).is_file()]
+        files = ["rng.safetensors"]
+        try:
+            world = optimizer_shards(path)
+        except (OSError, ValueError):
+            world = None  # (the read below names the problem)
+        files += ["optimizer.safetensors"] if world is None else [optimizer_shard_name(r, world) for r in range(world)]
+        missing = [name for name in files if not (path / name).is_file()]
         if missing:
             raise ArtifactError(f"the checkpoint {path} lacks {' and '.join(missing)}, so training cannot "
                                 "resume from it", "restore the file, or move that checkpoint folder out of "
@@ -252,8 +332,12 @@ def load_checkpoint(path: Path, resume: bool = False) -> dict:
             "config": json.loads((path / "config.json").read_text()),
             "trainer_state": json.loads((path / "trainer_state.json").read_text()),
         }
-        if (path / "optimizer.safetensors").is_file():
-            parts["optimizer"] = load_file(str(path / "optimizer.safetensors"))
+        sharded = parts["trainer_state"].get("optimizer_shards") is not None
+        if sharded or (path / "optimizer.safetensors").is_file():
+            if optimizer_rank is None or not sharded:
+                parts["optimizer"] = read_optimizer(path)
+            else:  # one rank of a sharded resume: its own file only
+                parts["optimizer"] = read_optimizer(path, optimizer_rank)
             parts["rng"] = load_file(str(path / "rng.safetensors"))
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot read the checkpoint in {path}: {exc}",

@@ -68,24 +68,33 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    with atomic_dir_from(tmp, path) as folder:
+        yield folder
+
+
+@contextlib.contextmanager
+def atomic_dir_from(staged: Path, path: Path) -> Iterator[Path]:
+    """atomic_dir with a temporary folder made beforehand (`staged`, beside `path`, which several
+    processes filled): yield it; on success rename it to `path` (replacing it); on failure remove it."""
+    staged, path = Path(staged), Path(path)
     try:
-        yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())
-        for file in tmp.rglob("*"):  # some writers create 0600 files; give them normal permissions
+        yield staged
+        os.chmod(staged, 0o777 & ~_umask())
+        for file in staged.rglob("*"):  # some writers create 0600 files; give them normal permissions
             if file.is_file():
                 os.chmod(file, 0o666 & ~_umask())
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
-            os.replace(tmp, path)
+            os.replace(staged, path)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, path)
+            os.replace(staged, path)
         _fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if staged.exists():
+            shutil.rmtree(staged, ignore_errors=True)
 
 
 def remove_temporaries(folder: Path, names: str = r"[^/]+") -> list[str]:

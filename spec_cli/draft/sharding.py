@@ -58,18 +58,21 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], sharded: bool):
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], sharded: bool,
+               with_optimizer: bool = True):
     """(model state dict, optimizer state dict in torch's index-keyed form), full tensors on CPU.
     Frozen parameters (requires_grad False: the embedding copied from the target) are left out; a
     checkpoint does not repeat them. Collective when sharded: every rank calls it, and only rank 0
-    receives the optimizer state."""
+    receives the optimizer state. with_optimizer False: the model alone (optimizer None)."""
     if not sharded:
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         return ({k: v for k, v in model.state_dict().items() if k not in frozen},
-                optimizer.state_dict())
+                optimizer.state_dict() if with_optimizer else None)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model_sd = get_model_state_dict(model, options=_options(cpu_offload=True, ignore_frozen_params=True))
+    if not with_optimizer:
+        return model_sd, None
     osd = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if "state" not in osd:  # with cpu_offload only rank 0 receives the full state
         return model_sd, None
@@ -101,3 +104,85 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                 for g in optimizer_sd["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=_options())
+
+
+# ----------------------------------------------------------------------------- each rank's own shard
+# FSDP2 shards every parameter (and AdamW's moments with it) along dim 0 as torch.chunk does: rank r
+# holds rows [r * c, min((r + 1) * c, n)) with c = ceil(n / world). A sharded checkpoint stores each
+# rank's rows of the optimizer state in a file of its own (no gather), and each rank reads back its
+# own rows of the model (a slice of model.safetensors) and its own file.
+
+
+def shard_rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of rank's Shard(0) share of n rows."""
+    size = -(-n // world) if n else 0
+    start = min(rank * size, n)
+    return start, min(size, n - start)
+
+
+def _local(value, rank: int, world: int) -> tuple[torch.Tensor, int | None]:
+    """A DTensor's local rows and their offset (checked against the chunk split), or a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value, None
+    local = value.to_local()
+    start, rows = shard_rows(value.shape[0], world, rank)
+    if tuple(local.shape) != (rows, *value.shape[1:]):
+        raise RuntimeError(f"unexpected FSDP2 shard: {tuple(local.shape)} of {tuple(value.shape)} on rank {rank}")
+    return local, start
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str], params: list, rank: int,
+                          world: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """This rank's AdamW state, flat (state.<name>.<field>, as checkpoint.flatten_optimizer names them),
+    on the CPU, and each tensor's [global shape, first row] (first row None: the whole tensor)."""
+    tensors, layout = {}, {}
+    for name, p in zip(names, params):
+        for field, value in optimizer.state.get(p, {}).items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            local, start = _local(value, rank, world)
+            key = f"state.{name}.{field}"
+            tensors[key] = local.detach().contiguous().cpu()
+            layout[key] = [list(value.shape), start]
+    return tensors, layout
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], params: list,
+                     model_file, optimizer_tensors: dict, groups: list, rank: int, world: int,
+                     frozen: list[str] = ()) -> None:
+    """This rank's rows of each parameter from model_file (read as a slice: no rank reads the whole
+    file), the buffers whole, and its own optimizer state; the inverse of local_optimizer_state."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    expected = set(model.state_dict())
+    with safe_open(str(model_file), framework="pt") as f:
+        keys = set(f.keys())
+        wrong = sorted((expected - keys) ^ set(frozen)) + sorted(keys - expected)
+        if wrong:
+            raise RuntimeError(f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in frozen:
+                    continue
+                if isinstance(p, DTensor):
+                    local, start = _local(p, rank, world)
+                    local.copy_(f.get_slice(name)[start:start + local.shape[0]])
+                else:
+                    p.copy_(f.get_tensor(name))
+            buffers = {name: f.get_tensor(name) for name, _ in model.named_buffers() if name in keys}
+    model.load_state_dict(buffers, strict=False)
+    for name, p in zip(names, params):
+        state = {}
+        for key in [k for k in optimizer_tensors if k.startswith(f"state.{name}.")]:
+            field = key.rsplit(".", 1)[1]
+            value = optimizer_tensors[key]
+            if isinstance(p, DTensor) and value.dim() > 0:
+                value = DTensor.from_local(value.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride(), run_check=False)
+            state[field] = value
+        if state:
+            optimizer.state[p] = state
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})

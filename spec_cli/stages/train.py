@@ -293,17 +293,29 @@ class Trainer:
 
     def restore(self, checkpoint: Path) -> int:
         """Load a checkpoint of this run (weights, optimizer, RNG); the step it was saved at."""
-        parts = ckpt.load_checkpoint(checkpoint, resume=True)
+        # a sharded checkpoint of as many ranks as this run: each rank reads its own rows alone
+        own_rows = self.sharded and ckpt.optimizer_shards(checkpoint) == self.schedule.world
+        parts = ckpt.load_checkpoint(checkpoint, resume=True,
+                                     optimizer_rank=self.schedule.rank if own_rows else None)
         saved = (ckpt.checkpoint_meta(checkpoint).get("frozen") or {}).get("fingerprint")
         if saved is not None and saved != self.frozen_record["fingerprint"]:
             raise ArtifactError(f"--resume with a different input embedding than the run trained with "
                                 f"({checkpoint} was saved with embedding {saved}, the target's is now "
                                 f"{self.frozen_record['fingerprint']})",
                                 "resume with the same target and --dtype, or start a new run folder")
-        optimizer_state = ckpt.unflatten_optimizer(parts["optimizer"], parts["trainer_state"]["param_groups"],
-                                                   self.names)
-        sharding.load_full_state(self.draft, self.optimizer, parts["model"], optimizer_state, self.names,
-                                 sharded=self.sharded, frozen=parts["frozen_keys"])
+        groups = parts["trainer_state"]["param_groups"]
+        if own_rows:  # this rank's rows only: a slice of the model file and its own optimizer file
+            missing = sorted(set(self.names) - {k.split(".", 1)[1].rsplit(".", 1)[0] for k in parts["optimizer"]})
+            if missing:
+                raise ArtifactError(f"the optimizer shard of rank {self.schedule.rank} in {checkpoint} lacks "
+                                    f"{missing[:3]}", "resume from the checkpoint before it")
+            sharding.load_local_state(self.draft, self.optimizer, self.names, self.params,
+                                      Path(checkpoint) / "model.safetensors", parts["optimizer"], groups,
+                                      self.schedule.rank, self.schedule.world, frozen=parts["frozen_keys"])
+        else:
+            optimizer_state = ckpt.unflatten_optimizer(parts["optimizer"], groups, self.names)
+            sharding.load_full_state(self.draft, self.optimizer, parts["model"], optimizer_state, self.names,
+                                     sharded=self.sharded, frozen=parts["frozen_keys"])
         _restore_rng(parts["rng"])
         step = parts["trainer_state"]["step"]
         info(f"resuming from {checkpoint} (step {step})")
@@ -349,20 +361,38 @@ class Trainer:
         return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device)
 
     def save(self, step: int) -> Path | None:
-        """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder."""
+        """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder.
+
+        Under FSDP2 the model is gathered to rank 0 (model.safetensors, what export and eval read) but
+        the optimizer state, twice the model's size, is not: each rank writes its own rows of it into
+        the folder rank 0 then renames into place (the ranks share the run folder:
+        distributed.check_shared_folder)."""
+        output, s, o = self.cfg.runtime.output, self.schedule, self.cfg.optim
         model_state, optimizer_state = sharding.full_state(self.draft, self.optimizer, self.names,
-                                                           sharded=self.sharded)
-        if self.schedule.rank != 0:
+                                                           sharded=self.sharded, with_optimizer=not self.sharded)
+        staged = shards = None
+        if self.sharded:
+            if s.rank == 0:
+                ckpt.begin_sharded_save(output, step)
+            distributed.barrier()
+            tensors, layout = sharding.local_optimizer_state(self.optimizer, self.names, self.params, s.rank, s.world)
+            ckpt.write_optimizer_shard(ckpt.staging_dir(output, step), s.rank, s.world, tensors, layout)
+            distributed.barrier()  # every shard written before rank 0 finishes the folder
+            staged, shards = ckpt.staging_dir(output, step), s.world
+        if s.rank != 0:
             return None
-        opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, self.names)
-        s, o = self.schedule, self.cfg.optim
+        if self.sharded:
+            opt_tensors, groups = None, [{**g, "params": [self.names[i] for i in g["params"]]}
+                                         for g in _groups(self.optimizer)]
+        else:
+            opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, self.names)
         return ckpt.save_checkpoint(
-            self.cfg.runtime.output, step, model_state, opt_tensors, _rng_state(), self.draft_config.to_dict(),
+            output, step, model_state, opt_tensors, _rng_state(), self.draft_config.to_dict(),
             {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
              "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
              "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
              "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single")},
-            keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record)
+            keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record, staged=staged, shards=shards)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -414,6 +444,16 @@ def needs_checkpointing(algorithm: Algorithm, draft_config, cfg: TrainConfig, sh
 
 
 # ----------------------------------------------------------------------------- the step (one micro-batch)
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's param groups as its state_dict writes them (hyperparameters, parameter indices)."""
+    out, start = [], 0
+    for group in optimizer.param_groups:
+        out.append({**{k: v for k, v in group.items() if k != "params"},
+                    "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return out
 
 
 def make_optimizer(params: list, optim) -> torch.optim.Optimizer:
