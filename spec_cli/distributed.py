@@ -145,6 +145,15 @@ def wait_for_main(what: str, seconds: float) -> None:
                             "see rank 0's log; SPEC_DIST_TIMEOUT (seconds) allows longer waits") from exc
 
 
+def max_over_ranks(n: int) -> int:
+    """The largest of every rank's `n` (on every rank). A host tensor: the group routes it to gloo."""
+    if not _ours():
+        return n
+    t = torch.tensor([int(n)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on any (so all ranks stop at the same step). A host tensor:
     the group routes it to gloo."""

@@ -65,7 +65,7 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     root = tmp_path_factory.mktemp("torchrun")
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
                                            "eagle-fsdp",
-                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "live-replica", "live-tensor",
+                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "precompute-tensor", "live-replica", "live-tensor",
                                            "tp-supervision")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
@@ -78,6 +78,7 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
               peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
               precompute_args(train_setup, out["precompute"]),
+              [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
               live_args(train_setup, out["live-replica"], "replica"),
               live_args(train_setup, out["live-tensor"], "tensor"),
               ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
@@ -212,6 +213,26 @@ def test_precompute_two_processes_write_the_same_cache(runs, train_setup, tmp_pa
     assert main(precompute_args(train_setup, single)) == 0
     assert json.loads((single / "manifest.json").read_text())["num_shards"] > 1  # work for both processes
     assert digest(runs["precompute"]) == digest(single)
+
+
+def test_precompute_with_the_target_sharded_over_the_ranks(runs):
+    """--target-parallel tensor: the two ranks run the target together for each other's shards (one
+    rank has fewer batches and takes part in the other's last forwards with none of its own); the
+    cache equals one process's within fp32 rounding, its ids, masks and argmaxes exactly."""
+    single = runs["precompute"]  # two replicas: one process's cache byte for byte (the test above)
+    manifest = json.loads((single / "manifest.json").read_text())
+    shards = sorted(p.name for p in single.glob("shard-*.safetensors"))
+    per_rank = [sum(e["batches"] for e in manifest["shards"] if e["shard"] % 2 == r) for r in (0, 1)]
+    assert per_rank[0] != per_rank[1]  # so one rank idles through the other's last forward(s)
+    assert sorted(p.name for p in runs["precompute-tensor"].glob("shard-*.safetensors")) == shards
+    for name in [*shards, "head.safetensors"]:  # the head: the target's embedding and lm_head rows, whole
+        a, b = load_file(str(single / name)), load_file(str(runs["precompute-tensor"] / name))
+        assert a.keys() == b.keys()
+        for key in a:
+            if a[key].is_floating_point():
+                torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+            else:
+                assert torch.equal(a[key], b[key]), key
 
 
 def test_each_ranks_supervision_from_the_sharded_target_equals_the_whole_targets(runs):

@@ -46,6 +46,11 @@ def precompute_cmd(
                                 "dtype (--dtype).", rich_help_panel=RUNTIME)] = None,
     target_engine: TargetEngine = "transformers",
     target_memory: TargetMemory = None,
+    target_parallel: Annotated[str, typer.Option(
+        "--target-parallel", help="Under torchrun: replica (the target whole on every rank), tensor (sharded "
+                                  "over the machine's ranks by transformers' tensor-parallel plan: targets "
+                                  "bigger than one GPU), or auto (tensor when its weights take over half a "
+                                  "GPU).", rich_help_panel=RUNTIME)] = "auto",
     threads: Threads = None,
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
@@ -65,6 +70,6 @@ def precompute_cmd(
         aux_layers=aux_layers, algorithm=algorithm, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
         dtype=dtype, storage_dtype=storage_dtype, resume=resume, target_engine=target_engine, threads=threads,
-        target_memory=target_memory,
+        target_memory=target_memory, target_parallel=target_parallel,
         chat_template=chat_template))
     print_precompute_summary(result)

@@ -54,6 +54,7 @@ class PrecomputeConfig:
     resume: bool = True
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another target engine
     target_memory: float | None = None  # vLLM's share of the GPU (None: vLLM's default)
+    target_parallel: str = "auto"  # torchrun: replica | tensor (sharded over a machine's ranks) | auto
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
@@ -237,10 +238,15 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
     previous = torch.get_num_threads()
     torch.set_num_threads(choice.threads)
+    # --target-parallel tensor: the machine's ranks run the target together (each layer's all-reduce spans
+    # them), so each rank runs as many forwards as the busiest: idle ones take part with no batch
+    sharded, _ = local.tensor_parallel(cfg.target_parallel, cfg.target_engine, target_dir, device)
+    batches_left = sum(len(shards[i]) for i in todo)
+    forwards = distributed.max_over_ranks(batches_left) if sharded else batches_left
     try:
-        if todo or rank == 0:
+        if todo or rank == 0 or sharded:
             backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype,
-                                         memory=cfg.target_memory)
+                                         memory=cfg.target_memory, parallel=cfg.target_parallel)
             backend.set_vocab_mapping(vocab_map.selected_token_ids)
             if rank == 0:
                 fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
@@ -267,6 +273,8 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
                     time.sleep(_TEST_SHARD_DELAY)
             if pending is not None:
                 done[pending[0]] = pending[1].result()
+            for _ in range(forwards - batches_left):  # the other ranks' remaining forwards
+                backend.idle()
         writer.shutdown()
         computed = len(todo)
         compute_seconds = time.perf_counter() - loop_start

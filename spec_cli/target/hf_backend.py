@@ -164,20 +164,30 @@ class HFTargetBackend(LocalTargetBackend):
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype. Sharded over
+        ranks (`mesh`), every rank of the group calls it as often as the others: one with nothing to
+        run passes input_ids None (`idle`) and gets None."""
         if self.group is None:
             return self._forward(input_ids, attention_mask, position_ids, seq_lens)
         import torch.distributed as dist
 
-        mine = tuple(None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens))
+        mine = None if input_ids is None else tuple(
+            None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens))
         batches = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(batches, mine, group=self.group)  # every rank's batch, in rank order
         me, kept = dist.get_rank(self.group), None
         for r, batch in enumerate(batches):
+            if batch is None:  # that rank has nothing to run this time (precompute: its shards are done)
+                continue
             out = self._forward(*batch)  # together: each layer's all-reduce spans the ranks
             if r == me:
                 kept = out  # the others' outputs are dropped as soon as they are made
         return kept
+
+    def idle(self) -> None:
+        """Take part in the other ranks' forward with no batch of this rank's own (sharded target)."""
+        if self.group is not None:
+            self.run_target(None, None)
 
     @torch.no_grad()
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
