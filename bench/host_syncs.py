@@ -42,9 +42,17 @@ class CountSyncs(TorchDispatchMode):
         self._tolist = torch.Tensor.tolist
         counts, tolist = self.counts, self._tolist
 
+        inside = []
+
         def counted(tensor, *args, **kwargs):
+            if inside:  # a torch function mode (torch.device(...)) calls the method again: one call
+                return tolist(tensor, *args, **kwargs)
             counts["tolist"] += 1
-            return tolist(tensor, *args, **kwargs)
+            inside.append(True)
+            try:
+                return tolist(tensor, *args, **kwargs)
+            finally:
+                inside.pop()
 
         torch.Tensor.tolist = counted
         return super().__enter__()

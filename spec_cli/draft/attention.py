@@ -178,10 +178,17 @@ def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     bias = None if bias is None else bias.expand(B, h, T, T)
     lse = torch.nn.functional.pad(lse.float(), (0, lse_len - T))
+    # the kernel reads `out` (and `dout`) in the layout its forward wrote: [B, T, h, d] in memory. In
+    # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk (no error), measured on an H200
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, bias, out.contiguous(), lse, seed, offset, 0.0,
+        _bthd(dout), q, k, v, bias, _bthd(out), lse, seed, offset, 0.0,
         [True, True, True, False], bias is None, scale=scale)
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def _bthd(x: torch.Tensor) -> torch.Tensor:
+    """[B, h, T, d] as a view of [B, T, h, d] memory (the efficient kernel's own output layout)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 MATH_CHUNK = 256  # query rows per chunk of the math kernel: its memory is O(chunk * T)

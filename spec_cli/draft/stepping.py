@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.draft.attention import ttt_attention
@@ -26,13 +27,23 @@ class SteppedDraft(nn.Module):
 
     def rope(self, position_ids: torch.Tensor):
         """[B, T] positions -> cos, sin [B, T, head_dim] in the model dtype."""
-        # fp32 always (a buffer would be cast by .to(bfloat16)); d/2 values, computed per call
-        inv_freq = rope_inv_freq(self.config).to(position_ids.device)
+        inv_freq = self._inv_freq(position_ids.device)
         freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         dtype = self.fc.weight.dtype
         scale = rope_attention_scale(self.config)  # yarn only; 1 otherwise
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """rope's inverse frequencies, fp32 always (a buffer would be cast by .to(bfloat16)): computed on
+        the host as the engines do, copied to `device` once and kept. A copy per call made the host wait
+        for the GPU once per TTT step (a host -> device copy from pageable memory syncs)."""
+        kept = self.__dict__.get("_rope_inv_freq")
+        if kept is None or kept.device != device:
+            kept = rope_inv_freq(self.config).to(device)
+            if not is_fake(kept):  # `spec plan`'s fake tensors stay in its own step
+                self.__dict__["_rope_inv_freq"] = kept
+        return kept
 
     # -- TTT (training) --------------------------------------------------------------------------
 

@@ -170,6 +170,34 @@ def test_cuda_kernel_plumbing_on_meta_tensors(packed):
     assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_backward_reads_out_in_the_forwards_layout(packed, monkeypatch):
+    """The efficient kernel's backward reads `out` (and `dout`) laid out as its forward wrote it,
+    [B, T, h, d] in memory. Given a [B, h, T, d]-contiguous `out` it returned garbage dq and dk in bf16
+    and fp16 (errors of 1e37 and NaN, no exception; fp32 was right), measured on an H200 with torch
+    2.11: the self-check then turned the fused kernel off and training ran at half speed. Checked
+    here on the meta device by the strides the op receives."""
+    seen = []
+    real = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+    def recording(dout, q, k, v, bias, out, *rest, **kwargs):
+        seen.append((dout.stride(), out.stride(), out.shape))
+        return real(dout, q, k, v, bias, out, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording)
+    B, h, kv, T, d = 2, 4, 2, 19, 16
+    q = torch.randn(B, h, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k0, v0 = (torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    bias = torch.zeros(B, 1, T, 32, device="meta", dtype=torch.bfloat16)[..., :T] if packed else None
+    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, bias, d ** -0.5, 0, q, k0, v0)
+    torch.autograd.grad(out, [q, k0, v0], torch.ones_like(out))
+    assert seen
+    bthd = torch.empty(B, T, h, d, device="meta").transpose(1, 2).stride()  # the forward's own layout
+    for dout_stride, out_stride, shape in seen:
+        assert shape == (B, h, T, d)
+        assert out_stride == bthd and dout_stride == bthd
+
+
 def test_under_bf16_autocast_the_attention_gets_one_dtype_and_keeps_the_fused_kernel(monkeypatch):
     """The GPU path's autocast, on CPU: q and k come out of rope in the projections' bf16 like v (fp32
     rope tables used to make them fp32), and the fused kernel's self-check, run outside autocast at

@@ -4,8 +4,11 @@ indexing): the micro-batch's forward and backward, gradient clipping and the opt
 Trainer runs them. Each one drains the GPU's queue, so the count is held to one per micro-batch (the
 index sets' sizes and the packed documents, fetched together), whatever the TTT depth, the documents
 per row or activation checkpointing. The loop adds one more per optimizer step (the losses and token
-count, spec_cli/stages/train.py)."""
+count, spec_cli/stages/train.py). Host-to-device copies, which the op count cannot see on CPU, are
+emulated by making the host the meta device (host_elsewhere). On an H200, `bench/cuda_syncs.py`
+(CUDA's own sync check) counts the same steps."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -22,15 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.host_syncs import CountSyncs  # noqa: E402
 
 
+def host_elsewhere():
+    """A context in which tensors made without a device are made on the meta device: the CPU stands for
+    the GPU and meta for the host. On CUDA such a tensor is made on the host and then copied to the GPU
+    (from pageable memory: a sync the CPU count cannot see); here that copy fails (meta has no data), and
+    one made on the host and used with the draft's tensors fails too."""
+    return torch.device("meta")
+
+
 def step_syncs(draft, forward, batch, steps: int = 2):
     """The syncs of each of `steps` training steps (forward, backward, clip, AdamW) after a first one
     (which makes the optimizer's state), as counters."""
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
 
-    def step():
-        forward(draft, batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    def step(host=contextlib.nullcontext):
+        with host():
+            forward(draft, batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -40,7 +52,7 @@ def step_syncs(draft, forward, batch, steps: int = 2):
     counts = []
     for _ in range(steps):
         with CountSyncs(host_tensors=counters) as mode:
-            step()
+            step(host_elsewhere)
         counts.append(mode.counts)
     return counts
 
@@ -74,3 +86,10 @@ def test_the_counter_sees_a_per_step_sync():
             masks[k].nonzero(as_tuple=True)
         float(masks.sum())
     assert mode.counts == {"aten.nonzero": 3, "aten._local_scalar_dense": 1}
+
+
+def test_the_emulation_sees_a_host_to_device_copy():
+    """A tensor made on the host and copied to the device each step (rope's table did that: a sync per
+    TTT step on CUDA, which the op count above cannot see) fails under host_elsewhere."""
+    with host_elsewhere(), pytest.raises(NotImplementedError, match="meta"):
+        torch.arange(4.0).to(torch.device("cpu"))
