@@ -46,7 +46,7 @@ def _batch(config, T: int, seed: int = 0):
 
 def one(kind: str, T: int, depths: int, steps: int, segments: int) -> dict:
     from spec_cli.draft import algorithms
-    from spec_cli.stages.train_options import ObjectiveOptions
+    from spec_cli.train_options import ObjectiveOptions
     from spec_cli.draft.config import DraftConfig
 
     torch.manual_seed(0)

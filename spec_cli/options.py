@@ -1,7 +1,7 @@
 """How a command-line option is declared on a dataclass field, once: its flag names, help, --help
 panel, checks and range, and the parsers for text such as `4G` or `45m`.
 
-`spec train`'s options (spec_cli/stages/train_options.py) and each draft algorithm's own options
+`spec train`'s options (spec_cli/train_options.py) and each draft algorithm's own options
 (Algorithm.options) are fields made with `option(...)`; spec_cli/commands/train.py turns them into the
 command's parameters. Imports no torch.
 """

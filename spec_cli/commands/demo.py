@@ -9,7 +9,7 @@ import typer
 
 from spec_cli.commands.options import Device, Dtype, Quiet
 from spec_cli.console import set_quiet
-from spec_cli.stages.train_options import parse_duration
+from spec_cli.train_options import parse_duration
 
 
 def demo_cmd(

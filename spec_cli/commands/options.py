@@ -71,6 +71,11 @@ TargetMemory = Annotated[Optional[float], typer.Option(
                             "Default: 0.5 in spec train (the draft trains on the same GPU), else vLLM's "
                             "own (0.9).", min=0.01, max=1.0, rich_help_panel=RUNTIME)]
 
+TargetTensorParallel = Annotated[int, typer.Option(
+    "--target-tensor-parallel", help="--target-engine vllm: run the target over this many GPUs (vLLM's "
+                                     "tensor_parallel_size, its own worker processes; one process of spec, "
+                                     "not torchrun). 1: in this process.", min=1, rich_help_panel=RUNTIME)]
+
 
 def in_panel(panel: str, option):
     """One of the shared options above, shown in another --help panel than its own."""

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from spec_cli.commands.options import (AuxLayers, ChatTemplate, Config, Data, Device, DraftAlgorithm, Dtype,
-                                       MaxLength, NumProc, Quiet, Target, TargetEngine, TargetMemory, Threads,
+                                       MaxLength, NumProc, Quiet, Target, TargetEngine, TargetMemory, TargetTensorParallel,
+                                       Threads,
                                        VocabMap)
 from spec_cli.console import set_quiet
 from spec_cli.help import DATA, INPUTS, RUNTIME
@@ -51,6 +52,7 @@ def precompute_cmd(
                                   "over the machine's ranks by transformers' tensor-parallel plan: targets "
                                   "bigger than one GPU), or auto (tensor when its weights take over half a "
                                   "GPU).", rich_help_panel=RUNTIME)] = "auto",
+    target_tensor_parallel: TargetTensorParallel = 1,
     threads: Threads = None,
     resume: Annotated[bool, typer.Option(
         "--resume/--no-resume", help="Keep verified shards of an interrupted run with the same inputs; "
@@ -70,6 +72,6 @@ def precompute_cmd(
         aux_layers=aux_layers, algorithm=algorithm, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         max_length=max_length, max_samples=max_samples, num_proc=num_proc, device=device,
         dtype=dtype, storage_dtype=storage_dtype, resume=resume, target_engine=target_engine, threads=threads,
-        target_memory=target_memory, target_parallel=target_parallel,
+        target_memory=target_memory, target_parallel=target_parallel, target_tensor_parallel=target_tensor_parallel,
         chat_template=chat_template))
     print_precompute_summary(result)

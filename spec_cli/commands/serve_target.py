@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from spec_cli.commands.options import (AuxLayers, Config, Device, DraftAlgorithm, Dtype, Quiet, Target, TargetEngine,
-                                       TargetMemory)
+                                       TargetMemory, TargetTensorParallel)
 from spec_cli.console import set_quiet
 from spec_cli.help import LIMITS, SERVER
 
@@ -30,6 +30,7 @@ def serve_target_cmd(
     dtype: Dtype = None,
     target_engine: TargetEngine = "transformers",
     target_memory: TargetMemory = None,
+    target_tensor_parallel: TargetTensorParallel = 1,
     max_batch_tokens: Annotated[int, typer.Option(
         "--max-batch-tokens", help="Refuse a generate request of more than this many tokens (B x T).",
         rich_help_panel=LIMITS)] = 65536,
@@ -63,5 +64,5 @@ def serve_target_cmd(
           max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
           exit_on_disconnect=exit_on_disconnect, target_engine=target_engine, chat_template=chat_template,
-          target_memory=target_memory,
+          target_memory=target_memory, target_tensor_parallel=target_tensor_parallel,
           algorithm=algorithm)

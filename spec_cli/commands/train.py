@@ -1,7 +1,7 @@
 """`spec train`: train a draft (spec_cli.stages.train).
 
 Its flags are not declared in this file. Each is a field of one of the option dataclasses in
-spec_cli/stages/train_options.py (the groups of TrainConfig) or of a draft algorithm's own options
+spec_cli/train_options.py (the groups of TrainConfig) or of a draft algorithm's own options
 class (`Algorithm.options`, in the algorithm's package, e.g. spec_cli/draft/peagle/__init__.py);
 `train_options.all_options()` lists them in --help order. The field's metadata holds the flag's names,
 help, --help panel, checks and text parser (spec_cli/options.py).
@@ -24,10 +24,10 @@ from typing import Annotated, Optional
 import typer
 
 from spec_cli.commands.options import (AuxLayers, Config, Device, DraftAlgorithm, Dtype, MaxLength, NumProc, Quiet,
-                                       TargetEngine, TargetMemory, in_panel)
+                                       TargetEngine, TargetMemory, TargetTensorParallel, in_panel)
 from spec_cli.console import set_quiet
 from spec_cli.help import DRAFT, INPUTS
-from spec_cli.stages import train_options
+from spec_cli import train_options
 
 TrainVocabMap = Annotated[Optional[Path], typer.Option(
     "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`. Required, except with --resume "
@@ -38,7 +38,8 @@ TrainAlgorithm = in_panel(DRAFT, DraftAlgorithm)
 # the train options declared `shared(...)`: option name -> its type, as train shows it
 SHARED = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
           "max_length": MaxLength, "num_proc": NumProc, "device": Device, "dtype": Dtype,
-          "target_engine": TargetEngine, "target_memory": TargetMemory}
+          "target_engine": TargetEngine, "target_memory": TargetMemory,
+          "target_tensor_parallel": TargetTensorParallel}
 
 
 def train_cmd(config=None, quiet=False, **options):
@@ -64,7 +65,7 @@ def train_cmd(config=None, quiet=False, **options):
 
 def parameters() -> list[inspect.Parameter]:
     """`spec train`'s parameters: one per TrainConfig option, declared on its field
-    (spec_cli/stages/train_options.py) or, for an option other stages share, in SHARED; then --config, -q."""
+    (spec_cli/train_options.py) or, for an option other stages share, in SHARED; then --config, -q."""
     params = []
     for option in train_options.all_options().values():
         flag, default = option.flag, option.default

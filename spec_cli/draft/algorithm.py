@@ -12,7 +12,7 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              of n decoder layers (0-indexed layer OUTPUTS); precompute, serve-target,
                              train and eval ask these
     options                  a dataclass of its own `spec train` options (fields made with
-                             spec_cli.stages.train_options.option); the CLI, run.json and the objective
+                             spec_cli.train_options.option); the CLI, run.json and the objective
                              read them by name
     needs                    what it reads of the target besides its input embedding and the aux states:
                              "final_hidden" (the last hidden state after the final norm), "lm_head" (the

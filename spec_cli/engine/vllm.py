@@ -180,6 +180,36 @@ def _tracking(report: LoadReport, draft_class: str = EAGLE3_DRAFT_CLASS):
 
 # ----------------------------------------------------------------------------- the engine
 
+
+@contextlib.contextmanager
+def _bind_cpu_workers(workers: int):
+    """While vLLM starts its workers: its CPU build pins each worker's threads to a core list
+    (VLLM_CPU_OMP_THREADS_BIND); with several workers "nobind" makes it look for a NUMA node per
+    worker and fail on one-node machines. Give each worker its share of this process's cores instead,
+    unless the user chose a binding."""
+    from vllm.platforms import current_platform
+
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if workers < 2 or current_platform.device_type != "cpu" or before not in (None, "nobind"):
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ConfigError(f"--target-tensor-parallel {workers} needs a core per worker; this process has "
+                          f"{len(cores)}", "use fewer workers")
+    per = len(cores) // workers
+    groups = [cores[i * per:(i + 1) * per] for i in range(workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+
+
 class Engine:
     """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 
@@ -187,13 +217,21 @@ class Engine:
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
                  track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
                  speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 worker_extension_cls: str | None = None):
+        """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
+        executor; on CPUs each worker takes its share of this process's cores), reached through
+        `worker_extension_cls`'s methods (collective_rpc)."""
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
         kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
                       seed=seed, enforce_eager=True, distributed_executor_backend="uni",
                       disable_log_stats=True, enable_prefix_caching=False, use_tqdm_on_load=False)
+        if tensor_parallel_size > 1:
+            kwargs.update(tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp")
+        if worker_extension_cls:
+            kwargs["worker_extension_cls"] = worker_extension_cls
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
         if max_num_seqs:
@@ -211,7 +249,7 @@ class Engine:
         self.what = what
         try:
             with (_tracking(self.load_report, draft_class) if self.load_report is not None
-                  else contextlib.nullcontext()):
+                  else contextlib.nullcontext()), _bind_cpu_workers(int(tensor_parallel_size)):
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):
             raise

@@ -125,7 +125,7 @@ def make_plan(s: PlanSettings) -> Plan:
     from spec_cli.draft import algorithms
     from spec_cli.draft.algorithm import LM_HEAD
     from spec_cli.plan.step import measure_step
-    from spec_cli.stages.train_options import ObjectiveOptions
+    from spec_cli.train_options import ObjectiveOptions
 
     if s.gpu not in GPUS and (s.gpu_memory is None or s.gpu_tflops is None):
         raise ConfigError(f"unknown --gpu {s.gpu!r}", f"use one of {', '.join(GPUS)}, or give --gpu-memory and "

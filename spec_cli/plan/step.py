@@ -24,8 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
 from spec_cli.errors import ConfigError
 from spec_cli.plan.memory import LiveBytes, fake_weights
+from spec_cli.train_options import OptimOptions
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,6 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
                  optim=None) -> StepMeasure:
     """Run `algorithm`'s training step for a draft of `config` (a DraftConfig) on fake tensors.
     options: the objective's (ObjectiveOptions); autocast_dtype None runs fp32 (a CPU run)."""
-    from spec_cli.stages.train import forward_backward, make_optimizer, optimizer_step
-    from spec_cli.stages.train_options import OptimOptions
 
     reason = plannable(algorithm)
     if reason:

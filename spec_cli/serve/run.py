@@ -39,7 +39,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           max_body_bytes: int = 64 << 20, request_timeout: float = 120.0,
           exit_on_disconnect: bool = False,
           on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
-          target_memory: float | None = None,
+          target_memory: float | None = None, target_tensor_parallel: int = 1,
           chat_template: str | None = None, algorithm: str | None = None) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
@@ -65,7 +65,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
         aux_layers = loading.parse_aux_layers(aux_layers, loading.num_layers(loading.load_config(target_dir)),
                                               algorithm)
     backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template,
-                                 memory=target_memory)
+                                 memory=target_memory, vllm_tensor_parallel=target_tensor_parallel)
     try:
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),

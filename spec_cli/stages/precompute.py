@@ -55,6 +55,7 @@ class PrecomputeConfig:
     target_engine: str = "transformers"  # or vllm: the same cache (identity), another target engine
     target_memory: float | None = None  # vLLM's share of the GPU (None: vLLM's default)
     target_parallel: str = "auto"  # torchrun: replica | tensor (sharded over a machine's ranks) | auto
+    target_tensor_parallel: int = 1  # --target-engine vllm: vLLM's tensor_parallel_size
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
 
@@ -246,7 +247,8 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     try:
         if todo or rank == 0 or sharded:
             backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype,
-                                         memory=cfg.target_memory, parallel=cfg.target_parallel)
+                                         memory=cfg.target_memory, parallel=cfg.target_parallel,
+                                         vllm_tensor_parallel=cfg.target_tensor_parallel)
             backend.set_vocab_mapping(vocab_map.selected_token_ids)
             if rank == 0:
                 fc.write_head(out, backend.lm_head_selected, backend.bias_selected,

@@ -34,10 +34,12 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.draft.step import _groups, forward_backward, make_optimizer, optimizer_step
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
+from spec_cli.plan.auto import needs_checkpointing
 from spec_cli.stages.train_log import TrainLogger, plot_curves
-from spec_cli.stages.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
+from spec_cli.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
 from spec_cli.target import loading, local
 
@@ -410,79 +412,6 @@ def largest_batch(source: Source, cfg: TrainConfig) -> tuple[int, int]:
     return max(shapes, key=lambda shape: shape[0] * shape[1])
 
 
-def needs_checkpointing(algorithm: Algorithm, draft_config, cfg: TrainConfig, shape: tuple[int, int],
-                        free_bytes: int, on_device: int) -> bool:
-    """Whether the step at `shape` (rows, length) needs activation checkpointing to fit `free_bytes` of
-    the GPU, `on_device` bytes of it (the draft's weights) already there: `spec plan`'s measure of the
-    step without it, with its fragmentation margin. Says what it chose and why, and warns when even
-    checkpointing will not fit."""
-    from spec_cli.plan.report import FRAGMENTATION
-    from spec_cli.plan.step import measure_step, plannable
-
-    if plannable(algorithm) is not None:
-        return False  # no plan (P-EAGLE): as asked
-    rows, length = shape
-
-    def need(checkpointing: bool) -> float:
-        m = measure_step(algorithm, draft_config, cfg.objective, length, batch=rows,
-                         activation_checkpointing=checkpointing, optim=cfg.optim, grad_clip=cfg.optim.grad_clip)
-        return m.peak * (1 + FRAGMENTATION) - on_device
-
-    without = need(False)
-    if without <= free_bytes:
-        return False
-    with_it = need(True)
-    gb = 1e9
-    info(f"activation checkpointing on: the largest batch ({rows} x {length} tokens) needs "
-         f"{without / gb:.1f} GB without it and {with_it / gb:.1f} GB with it; {free_bytes / gb:.1f} GB of the GPU "
-         "are free (spec plan's measure; --no-activation-checkpointing keeps it off)")
-    if with_it > free_bytes:
-        warn(f"the largest batch ({rows} x {length} tokens) needs {with_it / gb:.1f} GB even with activation "
-             f"checkpointing and {free_bytes / gb:.1f} GB are free: expect an out-of-memory error; use a "
-             "smaller --batch-tokens / --max-length (spec plan shows what fits)")
-    return True
-
-
-# ----------------------------------------------------------------------------- the step (one micro-batch)
-
-
-def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The optimizer's param groups as its state_dict writes them (hyperparameters, parameter indices)."""
-    out, start = [], 0
-    for group in optimizer.param_groups:
-        out.append({**{k: v for k, v in group.items() if k != "params"},
-                    "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    return out
-
-
-def make_optimizer(params: list, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay)
-
-
-def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True):
-    """One micro-batch's forward and backward through `model` (the objective or its DDP / FSDP2 wrap),
-    its loss divided by grad_accum; the objective's units (P-EAGLE's segments) one after another.
-    hold_gradients: under torchrun, a context that keeps the ranks from sharing gradients (None: one
-    process); sync: this is the step's last micro-batch, whose last unit shares them."""
-    units = objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
-    outs = []
-    for i, unit in enumerate(units):
-        share = hold_gradients is None or (sync and i == len(units) - 1)
-        with (_null() if share else hold_gradients()), autocast:
-            out = model(batch, unit)
-            (out.loss / grad_accum).backward()  # each backward adds: average them
-        outs.append(out)
-    return outs[0] if len(outs) == 1 else outs[0].merge(outs)
-
-
-def optimizer_step(params: list, optimizer, grad_clip: float) -> None:
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 # ----------------------------------------------------------------------------- schedule / metrics
 
 def lr_at(step: int, total: int, optim: OptimOptions) -> float:
@@ -719,9 +648,3 @@ def _save_stream_report(cfg: TrainConfig, report: dict) -> None:
             info(f"could not write stream.json: {exc}")
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -25,7 +25,7 @@ from spec_cli import assets, distributed
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
 from spec_cli.errors import ArtifactError, ConfigError
-from spec_cli.stages.train_options import TrainConfig
+from spec_cli.train_options import TrainConfig
 from spec_cli.target import loading, local
 from spec_cli.target.backend import TargetBackend
 
@@ -151,6 +151,7 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
     def load() -> TargetBackend:
         return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template,
                                   parallel=cfg.runtime.target_parallel,
+                                  vllm_tensor_parallel=cfg.runtime.target_tensor_parallel,
                                   memory=TRAIN_TARGET_MEMORY if cfg.runtime.target_memory is None
                                   else cfg.runtime.target_memory)
 

@@ -75,6 +75,7 @@ class LocalTargetBackend(TargetBackend):
     lm_head_bias: torch.Tensor | None = None
     softcap: float | None = None
     final_norm = None
+    norm_scale: torch.Tensor | None = None  # the final norm's scale where the module is elsewhere (vLLM TP)
     selected: torch.Tensor | None = None
 
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -97,7 +98,8 @@ class LocalTargetBackend(TargetBackend):
         if self.selected is None:
             return None
         head = {"lm_head_selected": self.lm_head_selected.detach()}
-        scale = final_norm_scale(self.final_norm, self.info["hidden_size"])
+        scale = self.norm_scale if self.norm_scale is not None else \
+            final_norm_scale(self.final_norm, self.info["hidden_size"])
         if scale is not None:
             head["final_norm"] = scale
         return head

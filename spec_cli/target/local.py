@@ -64,16 +64,21 @@ def tensor_parallel(choice: str, name: str, target_dir: Path, device: torch.devi
 
 def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
                  device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None,
-                 parallel: str = "replica", memory: float | None = None):
+                 parallel: str = "replica", memory: float | None = None, vllm_tensor_parallel: int = 1):
     """The target loaded by target engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
     data.chat_templates.ChatTemplate) is the template its data is tokenised with: it enters the
     tokenizer fingerprint the backend reports. `parallel`: --target-parallel (torchrun); `memory`:
-    --target-memory (vLLM's share of the GPU)."""
+    --target-memory (vLLM's share of the GPU); `vllm_tensor_parallel`: --target-tensor-parallel (vLLM's
+    workers)."""
     check_engine(name)
+    if vllm_tensor_parallel > 1 and name != "vllm":
+        raise ConfigError(f"--target-tensor-parallel is vLLM's (--target-engine vllm), not {name}'s",
+                          "with transformers, shard the target over torchrun's ranks: --target-parallel tensor")
     if name == "vllm":
         from spec_cli.target.vllm_backend import VLLMTargetBackend
 
-        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype, memory=memory)
+        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype, memory=memory,
+                                    tensor_parallel=vllm_tensor_parallel)
     else:
         from spec_cli.target.hf_backend import HFTargetBackend
 

@@ -21,6 +21,13 @@ with positions restarting per document is the same as separate prompts) is one p
 norm and the input embeddings are read from the engine's own embedding modules (vLLM keeps those
 weights; its CPU linears are repacked), and the supervision is computed by the same code as the
 transformers backend (LocalTargetBackend).
+
+With `--target-tensor-parallel N` the model runs over N worker processes (vLLM's multiprocessing
+executor, tensor_parallel_size N) for a target bigger than one GPU. The same capture then runs inside
+each worker (spec_cli/target/vllm_worker.py, vLLM's worker extension): every rank holds the whole
+hidden states after the all-reduce, so rank 0 keeps each request's tokens and hands them back after
+the batch, as raw bytes (collective_rpc). The language head and the embedding are put together from
+the ranks' vocab shards. Tested against the transformers cache within the same tolerances.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from spec_cli.engine import vllm as engine
 from spec_cli.errors import ConfigError, TargetError
 from spec_cli.target import loading
 from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
+from spec_cli.target.vllm_worker import language_model, step_rows, unpack
 
 _request_ids = itertools.count()
 
@@ -42,13 +50,6 @@ _request_ids = itertools.count()
 def vllm_layer_ids(aux_layers: list[int]) -> tuple[int, ...]:
     """spec_cli aux ids (output of layer j) -> vLLM's eagle_aux_hidden_state_layer_ids (input of j+1)."""
     return tuple(j + 1 for j in aux_layers)
-
-
-def _language_model(model):
-    """The module that owns embed_tokens / layers / norm (vLLM's own unwrap rule for aux layers)."""
-    parent = model.get_language_model() if hasattr(model, "get_language_model") else \
-        getattr(model, "language_model", model)
-    return getattr(parent, "model", parent)
 
 
 def _rows(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None) -> list[tuple[int, int, int]]:
@@ -84,13 +85,29 @@ def _check_positions(position_ids: torch.Tensor, prompts: list[tuple[int, int, i
                               "drop position_ids, or use --target-engine transformers")
 
 
+def _place(where: tuple[int, int, int], pos: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor,
+           aux_rows: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+    """Put one request's tokens (positions `pos` in its prompt) into its row's slots: prompt tokens
+    only (a request's one sampled token is not part of the row)."""
+    b, start, length = where
+    keep = pos < length
+    slots = (start + pos[keep]).to(hidden_rows.device)
+    keep = keep.to(hidden.device)
+    hidden_rows[b, slots] = hidden[keep].to(hidden_rows.device, hidden_rows.dtype)
+    aux_rows[b, slots] = aux[keep].to(aux_rows.device, aux_rows.dtype)
+
+
 class VLLMTargetBackend(LocalTargetBackend):
     """The target in a vLLM engine; aux states and the final normed state come from vLLM's forward."""
 
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                 max_model_len: int | None = None, memory: float | None = None):
+                 max_model_len: int | None = None, memory: float | None = None, tensor_parallel: int = 1):
         vllm = engine.require("--target-engine vllm")
+        if tensor_parallel < 1:
+            raise ConfigError(f"--target-tensor-parallel {tensor_parallel} must be at least 1", "1 runs the "
+                              "target in this process")
+        self.tensor_parallel = int(tensor_parallel)
         from vllm.platforms import current_platform
 
         self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
@@ -110,10 +127,12 @@ class VLLMTargetBackend(LocalTargetBackend):
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self._sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self._sink = None  # (request -> row, aux rows, hidden rows) while a batch runs
-        self.engine = engine.Engine(target_dir, dtype=self.dtype, max_model_len=max_model_len,
-                                    gpu_memory_utilization=memory)
+        self.engine = engine.Engine(
+            target_dir, dtype=self.dtype, max_model_len=max_model_len, gpu_memory_utilization=memory,
+            tensor_parallel_size=self.tensor_parallel,
+            worker_extension_cls="spec_cli.target.vllm_worker.CaptureExtension" if self.tensor_parallel > 1 else None)
         try:
-            self._attach(int(text.vocab_size))
+            (self._attach_workers if self.tensor_parallel > 1 else self._attach)(int(text.vocab_size))
             self.info = describe_target(target_dir, config, architecture, self.lm_head_weight,
                                         self.aux_layers, self.dtype)
         except BaseException:
@@ -128,7 +147,7 @@ class VLLMTargetBackend(LocalTargetBackend):
         core = self.engine.llm.llm_engine.engine_core.engine_core
         self._runner = core.model_executor.driver_worker.worker.model_runner
         model = self._runner.model
-        lm = _language_model(model)
+        lm = language_model(model)
         # vLLM pads its embedding tables to a multiple of 64 rows; the target's vocab is the first rows
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)
@@ -149,6 +168,29 @@ class VLLMTargetBackend(LocalTargetBackend):
         self._model, self._forward = model, model.forward
         model.forward = self._capturing_forward
 
+    def _attach_workers(self, vocab_size: int) -> None:
+        """The same with the model over worker processes (spec_cli/target/vllm_worker.py): the workers
+        keep the states, the language head and the embedding come from their vocab shards."""
+        llm = self.engine.llm
+        weights = llm.collective_rpc("spec_weights")  # one answer per rank, in rank order
+        errors = [w["error"] for w in weights if "error" in w]
+        if errors:
+            raise TargetError(errors[0], "use --target-engine transformers for this target")
+
+        def whole(name):
+            parts = [w[name] for w in weights]
+            return None if parts[0] is None else torch.cat([unpack(p) for p in parts])[:vocab_size].to(self.device)
+
+        self.lm_head_weight = whole("lm_head")
+        self.lm_head_bias = whole("bias")
+        self._embed = whole("embed")
+        scale = weights[0]["norm_scale"]
+        self.norm_scale = None if scale is None else unpack(scale)
+        if self.lm_head_weight.shape[0] < vocab_size:
+            raise TargetError(f"vLLM's language head has {self.lm_head_weight.shape[0]} rows, the vocab "
+                              f"{vocab_size}", "use --target-engine transformers for this target")
+        llm.collective_rpc("spec_attach", args=(list(vllm_layer_ids(self.aux_layers)),))
+
     def _capturing_forward(self, *args, **kwargs):
         """The engine model's forward: put this step's hidden and aux states of each token into the
         running batch's rows (by request and position), and hand the runner the hidden state alone,
@@ -160,22 +202,9 @@ class VLLMTargetBackend(LocalTargetBackend):
         sink = self._sink
         if sink is not None:
             where, aux_rows, hidden_rows = sink
-            runner = self._runner
-            num_reqs = runner.input_batch.num_reqs
-            offsets = runner.query_start_loc.cpu[:num_reqs + 1].tolist()  # token offsets per request
-            positions = kwargs["positions"] if "positions" in kwargs else args[1]
-            for r, rid in enumerate(runner.input_batch.req_ids[:num_reqs]):
-                if rid not in where:
-                    continue
-                b, start, length = where[rid]
-                lo, hi = offsets[r], offsets[r + 1]
-                pos = positions[lo:hi].long().cpu()
-                keep = pos < length  # prompt tokens only
-                slots = (start + pos[keep]).to(hidden_rows.device)
-                keep = keep.to(hidden.device)
-                hidden_rows[b, slots] = hidden[lo:hi][keep].to(hidden_rows.device, hidden_rows.dtype)
-                aux_rows[b, slots] = torch.cat([aux[i][lo:hi][keep] for i in self._order],
-                                               dim=-1).to(aux_rows.device, aux_rows.dtype)
+            for rid, pos, h, a in step_rows(self._runner, args, kwargs, hidden, aux, self._order):
+                if rid in where:
+                    _place(where[rid], pos, h, a, aux_rows, hidden_rows)
         return hidden
 
     # ------------------------------------------------------------------ interface
@@ -214,6 +243,11 @@ class VLLMTargetBackend(LocalTargetBackend):
                 where[rid] = (b, start, length)
             while llm_engine.has_unfinished_requests():
                 llm_engine.step()
+            if self.tensor_parallel > 1:  # the workers kept them: rank 0 answers
+                kept = next(k for k in self.engine.llm.collective_rpc("spec_take", args=(list(where),))
+                            if k is not None)
+                for rid, (pos, h, a) in kept.items():
+                    _place(where[rid], unpack(pos), unpack(h), unpack(a), aux, hidden)
         except BaseException:  # an error or Ctrl-C mid-batch: leave no request in the engine
             with contextlib.suppress(Exception):
                 llm_engine.abort_request(names)

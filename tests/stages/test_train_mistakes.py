@@ -264,7 +264,7 @@ def test_resume_names_a_recorded_vocab_map_that_has_gone(setup, tmp_path, capsys
 
 def test_a_source_typed_on_resume_replaces_the_runs(setup, tmp_path):
     from spec_cli.stages.train import resumed_config
-    from spec_cli.stages.train_options import TrainConfig
+    from spec_cli.train_options import TrainConfig
 
     run = tmp_path / "run"
     run.mkdir()

@@ -12,7 +12,7 @@ from spec_cli.cli import build_app
 from spec_cli.draft import algorithms
 from spec_cli.draft.eagle import EagleOptions
 from spec_cli.draft.peagle import PEagleOptions
-from spec_cli.stages.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
+from spec_cli.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
                                            parse_size, resumable_options)
 
 

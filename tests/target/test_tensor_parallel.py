@@ -35,3 +35,12 @@ def test_auto_shards_only_a_target_too_big_for_one_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert local.tensor_parallel("tensor", "transformers", tmp_path, gpu) == (False, "one process")
     assert distributed.world_size() == 1
+
+
+def test_vllm_tensor_parallel_is_refused_for_transformers(tmp_path):
+    """--target-tensor-parallel is vLLM's own (its worker processes); the transformers engine says
+    what to use instead before loading anything."""
+    with pytest.raises(ConfigError) as refused:
+        local.open_backend("transformers", tmp_path, None, "cpu", "fp32", vllm_tensor_parallel=2)
+    assert "--target-tensor-parallel is vLLM's" in refused.value.one_line()
+    assert "--target-parallel tensor" in refused.value.one_line()

@@ -1,5 +1,6 @@
 """The vLLM target backend gives the transformers backend's TargetBatch (fp32, within TOL), and
-`spec precompute --target-engine vllm` writes the transformers cache (same identity, same batches).
+`spec precompute --target-engine vllm` writes the transformers cache (same identity, same batches), in
+this process and with the model over two vLLM worker processes (`--target-tensor-parallel 2`).
 
 One vLLM engine for the backend tests (module fixture) and one inside the CLI test: each load takes
 ~5-15 s on 2 cores.
@@ -175,32 +176,40 @@ def test_precompute_with_vllm_writes_the_transformers_cache(target, tmp_path):
     assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64",
                  "-o", str(vm), "-q"]) == 0
     caches = {}
-    for engine in ("transformers", "vllm"):
-        caches[engine] = tmp_path / f"cache-{engine}"
+    runs = {"transformers": ["--target-engine", "transformers"], "vllm": ["--target-engine", "vllm"],
+            # the model over 2 worker processes (vLLM's tensor parallel; the states come back from rank 0,
+            # the head and embedding from both ranks' vocab shards)
+            "vllm-tp2": ["--target-engine", "vllm", "--target-tensor-parallel", "2"]}
+    for name, engine in runs.items():
+        caches[name] = tmp_path / f"cache-{name}"
         assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o",
-                     str(caches[engine]), "--batch-tokens", "512", "--shard-tokens", "600",
-                     "--target-engine", engine, "-q"]) == 0
-    hf_m, vllm_m = (fc.read_manifest(caches[e]) for e in ("transformers", "vllm"))
-    assert fc.identity_mismatch(hf_m, vllm_m) is None and vllm_m["num_shards"] == hf_m["num_shards"] > 1
-    assert vllm_m["target_engine"] == "vllm"
-    # the stored tensors, shard by shard
-    diffs = {}
-    for i in range(hf_m["num_shards"]):
-        want = load_file(str(caches["transformers"] / fc.shard_name(i)))
-        got = load_file(str(caches["vllm"] / fc.shard_name(i)))
-        assert set(want) == set(got)
-        for name, diff in max_diffs(want, got).items():
-            diffs[name] = max(diff, diffs.get(name, 0.0))
-    assert_within(diffs)
-    # and the batches the trainer reads from them
-    hf_cache, vllm_cache = CacheBackend(caches["transformers"]), CacheBackend(caches["vllm"], verify=True)
+                     str(caches[name]), "--batch-tokens", "512", "--shard-tokens", "600", *engine, "-q"]) == 0
+    hf_m = fc.read_manifest(caches["transformers"])
+    hf_cache = CacheBackend(caches["transformers"])
     selected = load_vocab_map(vm).selected_token_ids
-    for cache in (hf_cache, vllm_cache):
-        cache.set_vocab_mapping(selected)
-    assert torch.equal(vllm_cache.get_input_embeddings(), hf_cache.get_input_embeddings())
+    hf_cache.set_vocab_mapping(selected)
     tokens = hf_cache.tokens()
-    assert vllm_cache.plan() == hf_cache.plan()
-    for indices in hf_cache.plan():
-        ids, am, lm = collate(tokens, indices)
-        assert_within(max_diffs(hf_cache.generate_batch(ids, am, lm).tensors(),
-                                vllm_cache.generate_batch(ids, am, lm).tensors()))
+    for name in ("vllm", "vllm-tp2"):
+        vllm_m = fc.read_manifest(caches[name])
+        assert fc.identity_mismatch(hf_m, vllm_m) is None and vllm_m["num_shards"] == hf_m["num_shards"] > 1
+        assert vllm_m["target_engine"] == "vllm"
+        # the stored tensors, shard by shard
+        diffs = {}
+        for i in range(hf_m["num_shards"]):
+            want = load_file(str(caches["transformers"] / fc.shard_name(i)))
+            got = load_file(str(caches[name] / fc.shard_name(i)))
+            assert set(want) == set(got)
+            for field, diff in max_diffs(want, got).items():
+                diffs[field] = max(diff, diffs.get(field, 0.0))
+        assert_within(diffs)
+        # and the batches the trainer reads from them, with the language head and the embedding
+        vllm_cache = CacheBackend(caches[name], verify=True)
+        vllm_cache.set_vocab_mapping(selected)
+        assert torch.equal(vllm_cache.get_input_embeddings(), hf_cache.get_input_embeddings())
+        for field, want in hf_cache.get_output_head().items():
+            torch.testing.assert_close(vllm_cache.get_output_head()[field], want, rtol=0, atol=1e-7)
+        assert vllm_cache.plan() == hf_cache.plan()
+        for indices in hf_cache.plan():
+            ids, am, lm = collate(tokens, indices)
+            assert_within(max_diffs(hf_cache.generate_batch(ids, am, lm).tensors(),
+                                    vllm_cache.generate_batch(ids, am, lm).tensors()))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_cli.batch import TargetBatch
-from spec_cli.stages.train_options import ObjectiveOptions
+from spec_cli.train_options import ObjectiveOptions
 from spec_cli.draft.decoding import catch_up
 from spec_cli.draft.eagle.objective import EagleObjective, eagle_forward
 from spec_cli.errors import ConfigError

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spec_cli.stages.train_options import ObjectiveOptions
+from spec_cli.train_options import ObjectiveOptions
 from spec_cli.draft.layers import KVCache, apply_rope
 from spec_cli.draft.peagle import decoding
 from spec_cli.draft.peagle.model import PEagleDraft

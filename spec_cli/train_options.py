@@ -177,6 +177,7 @@ class RuntimeOptions:
     dtype: str | None = shared(None)  # the live target's
     target_engine: str = shared("transformers", resumable=True)  # what runs a live --target
     target_memory: float | None = shared(None, resumable=True)  # vLLM's share of the GPU (None: 0.5 here)
+    target_tensor_parallel: int = shared(1, resumable=True)  # vLLM's tensor_parallel_size
     log_every: int = option(
         10, "--log-every", help="Steps per log record.", panel=CHECKPOINTS, min=1, resumable=True)
     eval_every: int = option(

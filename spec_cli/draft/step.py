@@ -1,0 +1,48 @@
+"""The training step shared by `spec train` (stages/train.py) and `spec plan` (plan/step.py, which runs
+it on fake tensors to measure it): the optimizer, one micro-batch's forward and backward, the update.
+
+Kept here, below both, so that the plan measures exactly the code the trainer runs."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's param groups as its state_dict writes them (hyperparameters, parameter indices)."""
+    out, start = [], 0
+    for group in optimizer.param_groups:
+        out.append({**{k: v for k, v in group.items() if k != "params"},
+                    "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    return out
+
+
+def make_optimizer(params: list, optim) -> torch.optim.Optimizer:
+    """AdamW as spec train uses it; optim: its OptimOptions (lr, weight_decay)."""
+    return torch.optim.AdamW(params, lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay)
+
+
+def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True):
+    """One micro-batch's forward and backward through `model` (the objective or its DDP / FSDP2 wrap),
+    its loss divided by grad_accum; the objective's units (P-EAGLE's segments) one after another.
+    hold_gradients: under torchrun, a context that keeps the ranks from sharing gradients (None: one
+    process); sync: this is the step's last micro-batch, whose last unit shares them."""
+    units = objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
+    outs = []
+    for i, unit in enumerate(units):
+        share = hold_gradients is None or (sync and i == len(units) - 1)
+        with (nullcontext() if share else hold_gradients()), autocast:
+            out = model(batch, unit)
+            (out.loss / grad_accum).backward()  # each backward adds: average them
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else outs[0].merge(outs)
+
+
+def optimizer_step(params: list, optimizer, grad_clip: float) -> None:
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
