@@ -173,6 +173,11 @@ class RuntimeOptions:
         help="Recompute activations in backward (long sequences). Neither given: on a GPU it turns on by "
              "itself when the largest batch would not fit without it (spec plan's measure).",
         panel=RUNTIME, resumable=True)
+    attention: str = option(
+        "auto", "--attention", help="The draft's TTT attention kernel: auto (the fused kernel once it passes its "
+                                    "self-check, else the math kernel, with a warning), fused (stop rather than "
+                                    "train without it) or math (memory O(T^2); a reference).",
+        panel=RUNTIME, resumable=True)
     device: str | None = shared(None, resumable=True)
     dtype: str | None = shared(None)  # the live target's
     target_engine: str = shared("transformers", resumable=True)  # what runs a live --target

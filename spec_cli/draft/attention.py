@@ -254,6 +254,7 @@ MATH = Kernel("math", _math_fwd, _math_bwd)
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _checked: dict[tuple, bool] = {}
+_failures: dict[tuple, str] = {}  # why a kernel failed its self-check, by the same key
 
 
 def fused_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
@@ -283,10 +284,39 @@ def pick_kernel(device: torch.device, dtype: torch.dtype, impl: str = "auto") ->
 
 def _self_check(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> bool:
     """Run the kernel once on a tiny input (GQA, causal and masked) against the math kernel."""
-    key = (kernel.name, device.type, device.index, dtype)
+    key = _key(kernel, device, dtype)
     if key not in _checked:
         _checked[key] = _agrees_with_math(kernel, device, dtype)
     return _checked[key]
+
+
+def choose(device: torch.device, dtype: torch.dtype, impl: str = "auto") -> tuple[Kernel, str | None]:
+    """The kernel a training run will use for activations of `dtype` on `device` (--attention `impl`),
+    self-checked now rather than at the first step, and why the fused kernel is not used (None when it
+    is, or when `impl` is "math"). "fused" raises ConfigError when it cannot be used: a run that asked
+    for it should not train at half speed with O(T^2) memory instead."""
+    from spec_cli.errors import ConfigError
+
+    if impl not in ("auto", "fused", "math"):
+        raise ConfigError(f"unknown --attention {impl!r}", "use auto, fused or math")
+    if impl == "math":
+        return MATH, None
+    kernel = fused_kernel(device, dtype)
+    if kernel is None:
+        why = f"there is no fused TTT attention kernel for {device.type}/{str(dtype).replace('torch.', '')}"
+    elif not _self_check(kernel, device, dtype):
+        why = (f"the fused TTT attention kernel {kernel.name} failed its self-check on {device.type}/"
+               f"{str(dtype).replace('torch.', '')} ({_failures.get(_key(kernel, device, dtype), 'see the warning above')})")
+    else:
+        return kernel, None
+    if impl == "fused":
+        raise ConfigError(f"--attention fused: {why}",
+                          "use --attention auto to train with the math kernel instead (slower; memory O(T^2))")
+    return MATH, why
+
+
+def _key(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tuple:
+    return (kernel.name, device.type, device.index, dtype)
 
 
 @torch.no_grad()
@@ -304,6 +334,7 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) 
         with torch.autocast(device.type, enabled=False):  # the kernels at `dtype`, whatever the caller runs
             _compare_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
+        _failures[_key(kernel, device, dtype)] = str(err)
         warnings.warn(f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
                       f"self-check ({err}); using the slower math kernel")
         return False

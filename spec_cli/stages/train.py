@@ -32,7 +32,7 @@ from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, warn
-from spec_cli.draft import algorithms, sharding
+from spec_cli.draft import algorithms, attention, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
 from spec_cli.draft.step import _groups, forward_backward, make_optimizer, optimizer_step
 from spec_cli.draft.losses import acceptance_length
@@ -99,7 +99,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
              f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), TTT "
-             f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}"
+             f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}, attention {trainer.attention}"
              + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
                 if schedule.world > 1 else ""))
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
@@ -276,6 +276,7 @@ class Trainer:
         self.draft, self.draft_config, self.frozen = build_draft(cfg, algorithm, source, vocab_map)
         self.frozen_record = {"keys": sorted(self.frozen), "fingerprint": ckpt.frozen_fingerprint(self.frozen)}
         self.draft.to(device)
+        self.attention = self._attention(cfg.runtime.attention, device)
         self.checkpointing = cfg.runtime.activation_checkpointing
         if not self.checkpointing and auto_checkpointing and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -292,6 +293,18 @@ class Trainer:
         trained = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
         self.optimizer = make_optimizer(self.params, cfg.optim)
+
+    def _attention(self, impl: str, device: torch.device) -> str:
+        """--attention: the TTT attention kernel for the step's activations (bf16 under CUDA's autocast,
+        else the weights' fp32), self-checked before the first step; says loudly when the fused kernel
+        is not used where one exists (a silent fallback halved an H200 run's tokens/s)."""
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as _autocast runs the step
+        kernel, why = attention.choose(device, dtype, impl)
+        self.draft.attn_impl = impl
+        if why is not None and attention.fused_kernel(device, dtype) is not None:
+            warn(f"{why}: training uses the math attention kernel, slower and with memory O(T^2) in the row "
+                 "length; --attention fused stops instead")
+        return kernel.name
 
     def restore(self, checkpoint: Path) -> int:
         """Load a checkpoint of this run (weights, optimizer, RNG); the step it was saved at."""

@@ -84,3 +84,17 @@ def random_batch(config: DraftConfig, lengths: list[int], T: int, seq_lens: list
         position_ids=position_ids,
         seq_lens=packed,
     )
+
+
+def break_fused_kernel(monkeypatch) -> None:
+    """Make the fused attention kernel 1% off in its output (what a broken kernel or a wrong call of
+    it looks like) and forget earlier self-checks: the self-check must turn it down."""
+    from spec_cli.draft import attention
+
+    def off_by_one_percent(q, k, v, bias, scale):
+        out, lse, state = attention.MATH.fwd(q, k, v, bias, scale)
+        return out * 1.01, lse, state
+
+    broken = attention.Kernel("broken", off_by_one_percent, attention.MATH.bwd)
+    monkeypatch.setattr(attention, "fused_kernel", lambda device, dtype: broken)
+    monkeypatch.setattr(attention, "_checked", {})

@@ -8,7 +8,7 @@ import torch
 
 from spec_cli.draft import attention
 from spec_cli.draft.attention import Segments, block_causal_bias, document_index, pick_kernel, ttt_attention
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
+from tests.draft import break_fused_kernel, one_thread  # noqa: F401 (autouse fixture)
 
 
 def explicit_attention(q, k0, v0, extra_k, extra_v, allowed):
@@ -110,13 +110,7 @@ def test_kernel_choice_by_device_and_dtype():
 
 def test_broken_fused_kernel_falls_back_to_math(monkeypatch):
     """A fused kernel that disagrees with the math kernel is never used (the CUDA path's guard)."""
-    def wrong_fwd(q, k, v, bias, scale):
-        out, lse, state = attention.MATH.fwd(q, k, v, bias, scale)
-        return out * 1.01, lse, state
-
-    broken = attention.Kernel("broken", wrong_fwd, attention.MATH.bwd)
-    monkeypatch.setattr(attention, "fused_kernel", lambda device, dtype: broken)
-    monkeypatch.setattr(attention, "_checked", {})
+    break_fused_kernel(monkeypatch)
     with pytest.warns(UserWarning, match="self-check"):
         assert pick_kernel(torch.device("cpu"), torch.float32).name == "math"
 

@@ -277,3 +277,46 @@ def test_a_source_typed_on_resume_replaces_the_runs(setup, tmp_path):
     assert (cfg.data.data, cfg.data.vocab_map) == (str(setup["data"]), setup["vm"])  # the rest: the run's
     cfg = resumed_config(TrainConfig.from_options(output=run, resume=True), {"output", "resume"})
     assert (cfg.data.target, cfg.data.remote) == (str(setup["target"]), None)  # none typed: the run's
+
+
+# ----------------------------------------------------------------------------- --attention
+
+def test_a_fused_attention_kernel_that_fails_its_self_check(setup, tmp_path, capsys, monkeypatch):
+    """On an H200 the fused kernel once failed its self-check in bf16 and every run fell back to the
+    math kernel with a warning lost in the noise, at half the speed. Emulated here with a kernel that
+    is 1% off: --attention fused stops before anything is written, naming the kernel and the check;
+    auto trains with the math kernel and says so in one warning line; math is the math kernel."""
+    from spec_cli.draft import attention
+    from tests.draft import break_fused_kernel
+
+    break_fused_kernel(monkeypatch)
+    run = tmp_path / "fused"
+    with pytest.warns(UserWarning, match="self-check"):
+        assert main(train_args(setup, run, "--max-steps", "1", "--attention", "fused")) == 1
+    assert error_line(capsys) == (
+        "error: --attention fused: the fused TTT attention kernel broken failed its self-check on cpu/float32 "
+        "(results differ from the math kernel); use --attention auto to train with the math kernel instead "
+        "(slower; memory O(T^2))")
+    assert not run.exists()
+
+    assert main(train_args(setup, tmp_path / "auto", "--max-steps", "1", "--attention", "auto")) == 0
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps a long warning at the console's width
+    warned = [w for w in err.split("warning: ")[1:] if "math attention kernel" in w]
+    assert len(warned) == 1 and "broken failed its self-check on cpu/float32" in warned[0]
+    assert "--attention fused stops instead" in warned[0]
+
+    monkeypatch.setattr(attention, "fused_kernel", lambda device, dtype: attention.CPU_FLASH)
+    picked = []
+    real_pick = attention.pick_kernel
+    monkeypatch.setattr(attention, "pick_kernel", lambda *a, **k: picked.append(real_pick(*a, **k).name) or
+                        real_pick(*a, **k))
+    assert main(train_args(setup, tmp_path / "math", "--max-steps", "1", "--attention", "math")) == 0
+    assert picked and set(picked) == {"math"}  # every attention call of the step
+    assert "math attention kernel" not in capsys.readouterr().err  # asked for: no warning
+
+
+def test_an_unknown_attention_is_one_line_before_anything_is_written(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--attention", "flex")) == 1
+    assert error_line(capsys) == "error: unknown --attention 'flex'; use auto, fused or math"
+    assert not run.exists()
