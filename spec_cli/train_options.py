@@ -173,6 +173,11 @@ class RuntimeOptions:
         help="Recompute activations in backward (long sequences). Neither given: on a GPU it turns on by "
              "itself when the largest batch would not fit without it (spec plan's measure).",
         panel=RUNTIME, resumable=True)
+    precision: str = option(
+        "auto", "--precision", help="The training step: bf16 (autocast over fp32 weights), fp32, or auto: bf16 on a "
+                                    "GPU and on a CPU that runs it natively (AMX / AVX512-BF16), else fp32. "
+                                    "SPEC_TRAIN_PRECISION=bf16|fp32 sets what auto picks.",
+        panel=RUNTIME, resumable=True)
     attention: str = option(
         "auto", "--attention", help="The draft's TTT attention kernel: auto (the fused kernel once it passes its "
                                     "self-check, else the math kernel, with a warning), fused (stop rather than "

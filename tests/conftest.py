@@ -19,12 +19,15 @@ USER_HOME = Path(os.environ.get("SPEC_HOME") or Path.home() / ".cache" / "spec_c
 @pytest.fixture(scope="session", autouse=True)
 def _session_env(tmp_path_factory):
     """For the whole run, module fixtures included: a SPEC_HOME of the tests' own (never the user's), no
-    model hub, and exports skip vLLM's engine check (auto when vLLM is installed: seconds per export,
+    model hub, fp32 training steps, and exports skip vLLM's engine check (auto when vLLM is installed: seconds per export,
     and the tiny targets' head_dim 8 is not one vLLM's CPU kernels run); the engine tests turn it back on."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(tmp_path_factory.mktemp("session_home")))
     mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setenv("SPEC_ENGINE_CHECK", "none")
+    # spec train's --precision auto is bf16 on CPUs that run it natively: pin fp32 so that a test's
+    # numbers are the same on every CPU class (tests of bf16 ask for it)
+    mp.setenv("SPEC_TRAIN_PRECISION", "fp32")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: two workers share the cores
         # one intra-op thread each, and in the processes they start: OpenMP threads spin-wait for a core
         # the other worker holds (spec_cli/threads.py: 113.6 s on 2 threads beside a busy neighbour, 13.3 s on 1)

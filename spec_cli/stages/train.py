@@ -99,7 +99,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
              f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), TTT "
-             f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}, attention {trainer.attention}"
+             f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}, "
+             f"{'bf16' if trainer.autocast_dtype else 'fp32'}, attention {trainer.attention}"
              + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
                 if schedule.world > 1 else ""))
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
@@ -276,6 +277,7 @@ class Trainer:
         self.draft, self.draft_config, self.frozen = build_draft(cfg, algorithm, source, vocab_map)
         self.frozen_record = {"keys": sorted(self.frozen), "fingerprint": ckpt.frozen_fingerprint(self.frozen)}
         self.draft.to(device)
+        self.autocast_dtype = step_precision(cfg.runtime.precision, device)
         self.attention = self._attention(cfg.runtime.attention, device)
         self.checkpointing = cfg.runtime.activation_checkpointing
         if not self.checkpointing and auto_checkpointing and device.type == "cuda":
@@ -298,7 +300,7 @@ class Trainer:
         """--attention: the TTT attention kernel for the step's activations (bf16 under CUDA's autocast,
         else the weights' fp32), self-checked before the first step; says loudly when the fused kernel
         is not used where one exists (a silent fallback halved an H200 run's tokens/s)."""
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as _autocast runs the step
+        dtype = self.autocast_dtype or torch.float32  # the activations' dtype, as _autocast runs the step
         kernel, why = attention.choose(device, dtype, impl)
         self.draft.attn_impl = impl
         if why is not None and attention.fused_kernel(device, dtype) is not None:
@@ -366,14 +368,15 @@ class Trainer:
         """One micro-batch's loss and gradients; `sync`: the step's last, whose gradients the ranks share."""
         def hold_gradients():
             return sharding.no_gradient_sync(self.objective) if self.sharded else self.model.no_sync()
-        return forward_backward(self.objective, self.model, batch, self.cfg.optim.grad_accum, _autocast(self.device),
+        autocast = _autocast(self.device, self.autocast_dtype)
+        return forward_backward(self.objective, self.model, batch, self.cfg.optim.grad_accum, autocast,
                                 hold_gradients if self.schedule.world > 1 else None, sync)
 
     def optimizer_step(self) -> None:
         optimizer_step(self.params, self.optimizer, self.cfg.optim.grad_clip)
 
     def evaluate(self) -> dict | None:
-        return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device)
+        return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device, self.autocast_dtype)
 
     def save(self, step: int) -> Path | None:
         """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder.
@@ -469,7 +472,7 @@ class Metrics:
 
 
 def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: TrainConfig,
-             device: torch.device) -> dict | None:
+             device: torch.device, autocast_dtype: torch.dtype | None = None) -> dict | None:
     if not eval_batches:
         return None
     metrics = Metrics(cfg.objective.ttt_steps, device)
@@ -478,7 +481,7 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
     # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank
     # past the end repeats its last batch without counting it.
     rounds = -(-len(eval_batches) // world)
-    with torch.no_grad(), _autocast(device):
+    with torch.no_grad(), _autocast(device, autocast_dtype):
         for r in range(rounds):
             i = r * world + rank
             batch = supervise(source, eval_batches[min(i, len(eval_batches) - 1)], cfg.data.pack, device)
@@ -503,10 +506,24 @@ def peak_memory_gb(device: torch.device) -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB on Linux
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def step_precision(choice: str, device: torch.device) -> torch.dtype | None:
+    """--precision: the training step's autocast dtype over the fp32 weights, None for fp32. auto: bf16
+    where the device runs it natively (a GPU; a CPU with AMX or AVX512-BF16, where a SmolLM2-shaped step
+    at T = 2048 was 1.4x faster with the same losses to 4 decimals: bench/precision.py), fp32 elsewhere
+    (emulated bf16 is slower); the environment's SPEC_TRAIN_PRECISION, when set, is what auto picks."""
+    picked = choice
+    if choice == "auto":
+        picked = os.environ.get("SPEC_TRAIN_PRECISION") or ("bf16" if loading.fast_bf16(device) else "fp32")
+    if picked not in ("bf16", "fp32"):
+        where = "SPEC_TRAIN_PRECISION" if choice == "auto" else "--precision"
+        raise ConfigError(f"unknown {where} {picked!r}", "use auto, bf16 or fp32" if choice != "auto" else
+                          "set it to bf16 or fp32, or unset it")
+    return torch.bfloat16 if picked == "bf16" else None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    """The step's autocast: `dtype` over fp32 weights, or off (fp32)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
