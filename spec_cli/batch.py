@@ -39,10 +39,20 @@ class TargetBatch:
     # (Algorithm.needs, computed by its TargetField); only those the backend was asked for
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def to(self, device: torch.device | str) -> "TargetBatch":
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TargetBatch":
+        """Every tensor on `device`; non_blocking: from pinned host memory, the host does not wait."""
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "TargetBatch":
+        """Every tensor in page-locked host memory (a copy), so that `.to(cuda, non_blocking=True)` does
+        not make the host wait."""
+        return self.map(lambda t: t.pin_memory())
+
+    def map(self, fn) -> "TargetBatch":
+        """The batch with `fn` applied to every tensor, extras included."""
+        moved = {f.name: fn(getattr(self, f.name)) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
+        return replace(self, **moved, extras={k: fn(v) for k, v in self.extras.items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor by name, flat (the extras as `extra.NAME`): what the wire and the stream carry."""

@@ -147,7 +147,7 @@ class RuntimeOptions:
         MISSING, "--output", "-o", help="Run folder (checkpoints, logs, plot).", panel=INPUTS)
     prefetch: int = option(
         2, "--prefetch", help="--remote: requests in flight per client; --stream: batches the target runs "
-                              "ahead of the trainer.", panel=TARGET, min=0, resumable=True)
+                              "ahead of the trainer; --cache: batches read ahead (0: each when needed).", panel=TARGET, min=0, resumable=True)
     stream: bool = option(  # live target: producer threads run `prefetch` batches ahead, bounded
         False, "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
                                 "trainer through a bounded store (same results as without).", panel=TARGET,

@@ -569,7 +569,8 @@ def _shards_of(source: Source, indices: list[int]) -> list[str]:
     """The cache shard files that hold samples `indices` (in the cache's order); [] if not a cache."""
     from spec_cli.artifacts.feature_cache import shard_name
 
-    reader = getattr(source.backend, "reader", None)
+    backend = getattr(source.backend, "backend", source.backend)  # under the read-ahead's lock
+    reader = getattr(backend, "reader", None)
     if reader is None:
         return []
     ends, total = [], 0

@@ -274,17 +274,63 @@ class _WhenAsked:
         pass
 
 
+class _ReadAhead:
+    """Feature-cache micro-batches read `depth` ahead of the loop by one thread: the shards' slice
+    reads and the batch's assembly run on the host while the device computes the step before. On CUDA
+    the thread leaves each batch in pinned memory and the copy to the GPU does not make the host wait.
+    The batches are the ones read when asked, bit for bit; a read's error is raised by `get`."""
+
+    def __init__(self, read, device: torch.device, start: int, end: int, depth: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.read, self.device, self.end, self.depth = read, device, end, depth
+        self.pinned = device.type == "cuda"
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="spec-cache-read")
+        self.pending: dict = {}
+        self._ahead(start)
+
+    def _load(self, i: int):
+        batch = self.read(i)
+        return batch.pin_memory() if self.pinned else batch
+
+    def _ahead(self, i: int) -> None:
+        for j in range(i, min(i + 1 + self.depth, self.end)):
+            if j not in self.pending:
+                self.pending[j] = self.pool.submit(self._load, j)
+
+    def get(self, i: int):
+        for j in [j for j in self.pending if j < i]:  # skipped (never asked for): not needed any more
+            self.pending.pop(j).cancel()
+        self._ahead(i)
+        batch = self.pending.pop(i).result() if i in self.pending else self._load(i)
+        self._ahead(i + 1)
+        return batch.to(self.device, non_blocking=self.pinned)
+
+    def close(self) -> None:
+        for future in self.pending.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)  # a read in flight ends before the backend is closed
+        self.pending.clear()
+
+
 def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: int, device: torch.device):
     """This rank's micro-batches start, start + 1, ...: `.get(i)` -> TargetBatch on `device`; `.close()`.
 
+    From a feature cache with --prefetch N > 0, one thread reads N batches ahead (_ReadAhead).
     With --stream, and for --remote with --prefetch N > 0, producer threads make them ahead of the loop
     (spec_cli/stream): an in-process target one batch at a time (its backend is wrapped so that
     evaluation can share it), remote servers N requests at once. The store holds at most N + 1 batches
     and, with --stream, --stream-max-bytes bytes. Otherwise each is made when asked."""
     rt, remote = cfg.runtime, cfg.data.remote is not None
+    from spec_cli.stream import FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader, new_run_id
+
+    if cfg.data.cache is not None and rt.prefetch > 0:
+        source.backend = SerializedBackend(source.backend)  # the reading thread and evaluation share it
+        end = schedule.total_steps * schedule.grad_accum
+        return _ReadAhead(lambda i: supervise(source, schedule.indices(i), cfg.data.pack, torch.device("cpu")),
+                          device, start, end, rt.prefetch)
     if not (rt.stream or (remote and rt.prefetch > 0)):
         return _WhenAsked(source, schedule, cfg.data.pack, device)
-    from spec_cli.stream import FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader, new_run_id
 
     run_id = new_run_id()
     bounds = dict(max_samples=rt.prefetch + 1, max_bytes=rt.stream_max_bytes if rt.stream else None)

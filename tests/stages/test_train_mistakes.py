@@ -363,3 +363,20 @@ def test_bf16_training_through_the_cli_is_close_to_fp32(setup, tmp_path, capsys)
     assert len(losses["fp32"]) == len(losses["bf16"]) == 3
     for a, b in zip(losses["fp32"], losses["bf16"]):
         assert a != b and abs(a - b) <= 1e-3 * abs(a), (losses)
+
+
+def test_reading_the_cache_ahead_trains_the_same(setup, tmp_path):
+    """--prefetch 2 (the default: a thread reads the cache ahead) and --prefetch 0 (each batch read when
+    needed) train the same draft bit for bit, evaluation (which reads the same cache) included."""
+    runs = {}
+    for prefetch in ("0", "2"):
+        run = tmp_path / f"prefetch-{prefetch}"
+        assert main(train_args(setup, run, "--max-steps", "3", "--eval-every", "2", "--prefetch", prefetch)) == 0
+        runs[prefetch] = run
+    logs = [(r / "log.jsonl").read_text() for r in runs.values()]
+    strip = [[{k: v for k, v in json.loads(line).items() if "time" not in k and "per_s" not in k
+               and "eta" not in k and "memory" not in k} for line in log.splitlines()] for log in logs]
+    assert strip[0] == strip[1]
+    weights = [load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in runs.values()]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
