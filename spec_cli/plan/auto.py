@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from spec_cli.console import info, warn
 from spec_cli.draft.algorithm import Algorithm
 from spec_cli.plan.report import FRAGMENTATION
@@ -10,18 +12,19 @@ from spec_cli.plan.step import measure_step, plannable
 
 
 def needs_checkpointing(algorithm: Algorithm, draft_config, cfg, shape: tuple[int, int],
-                        free_bytes: int, on_device: int) -> bool:
+                        free_bytes: int, on_device: int, autocast_dtype: torch.dtype | None = torch.bfloat16) -> bool:
     """Whether the step at `shape` (rows, length) needs activation checkpointing to fit `free_bytes` of
     the GPU, `on_device` bytes of it (the draft's weights) already there: `spec plan`'s measure of the
     step without it, with its fragmentation margin. Says what it chose and why, and warns when even
-    checkpointing will not fit."""
+    checkpointing will not fit. autocast_dtype: the step's (--precision; None: fp32)."""
     if plannable(algorithm) is not None:
         return False  # no plan (P-EAGLE): as asked
     rows, length = shape
 
     def need(checkpointing: bool) -> float:
         m = measure_step(algorithm, draft_config, cfg.objective, length, batch=rows,
-                         activation_checkpointing=checkpointing, optim=cfg.optim, grad_clip=cfg.optim.grad_clip)
+                         activation_checkpointing=checkpointing, optim=cfg.optim, grad_clip=cfg.optim.grad_clip,
+                         autocast_dtype=autocast_dtype)
         return m.peak * (1 + FRAGMENTATION) - on_device
 
     without = need(False)

@@ -284,7 +284,8 @@ class Trainer:
             free, _ = torch.cuda.mem_get_info(device)
             on_device = sum(t.numel() * t.element_size() for t in [*self.draft.parameters(), *self.draft.buffers()])
             self.checkpointing = distributed.any_rank(
-                needs_checkpointing(algorithm, self.draft_config, cfg, largest_batch(source, cfg), free, on_device))
+                needs_checkpointing(algorithm, self.draft_config, cfg, largest_batch(source, cfg), free, on_device,
+                                    self.autocast_dtype))
         # the algorithm's objective over the draft (the module evaluation runs)
         self.objective = algorithm.objective(self.draft, cfg.objective, activation_checkpointing=self.checkpointing)
         self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft

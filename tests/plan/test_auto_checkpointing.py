@@ -51,3 +51,16 @@ def test_largest_batch_by_padded_tokens():
     assert largest_batch(source, cfg()) == (2, 90)  # 2 x 90 = 180 padded tokens beat 1 x 100
     assert largest_batch(source, cfg(pack=True)) == (1, 140)  # packed: the row's documents together
     assert largest_batch(types.SimpleNamespace(tokens=None, plan=[]), cfg(batch_tokens=4096)) == (1, 4096)
+
+
+def test_an_fp32_run_is_planned_in_fp32():
+    """--precision fp32 on a GPU: the step keeps fp32 activations, so the plan measures it in fp32
+    (more memory than bf16's): free memory between the two turns checkpointing on for fp32 only."""
+    eagle3 = algorithms.get("eagle3")
+    config = tiny_config()
+    peaks = {d: measure_step(eagle3, config, cfg().objective, 256, batch=2, autocast_dtype=d).peak
+             * (1 + FRAGMENTATION) for d in (torch.bfloat16, None)}
+    assert peaks[None] > peaks[torch.bfloat16]
+    between = int((peaks[None] + peaks[torch.bfloat16]) / 2)
+    assert not needs_checkpointing(eagle3, config, cfg(), (2, 256), between, 0, torch.bfloat16)
+    assert needs_checkpointing(eagle3, config, cfg(), (2, 256), between, 0, None)
