@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import torch
 
 
-def _groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's param groups as its state_dict writes them (hyperparameters, parameter indices)."""
     out, start = [], 0
     for group in optimizer.param_groups:

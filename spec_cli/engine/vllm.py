@@ -209,7 +209,6 @@ def _bind_cpu_workers(workers: int):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
-
 class Engine:
     """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 

@@ -34,7 +34,7 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms, attention, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
-from spec_cli.draft.step import _groups, forward_backward, make_optimizer, optimizer_step
+from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_groups, optimizer_step
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
 from spec_cli.plan.auto import needs_checkpointing
@@ -402,7 +402,7 @@ class Trainer:
             return None
         if self.sharded:
             opt_tensors, groups = None, [{**g, "params": [self.names[i] for i in g["params"]]}
-                                         for g in _groups(self.optimizer)]
+                                         for g in optimizer_groups(self.optimizer)]
         else:
             opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, self.names)
         return ckpt.save_checkpoint(

@@ -302,8 +302,7 @@ class _ReadAhead:
         for j in [j for j in self.pending if j < i]:  # skipped (never asked for): not needed any more
             self.pending.pop(j).cancel()
         self._ahead(i)
-        batch = self.pending.pop(i).result() if i in self.pending else self._load(i)
-        self._ahead(i + 1)
+        batch = self.pending.pop(i).result()
         return batch.to(self.device, non_blocking=self.pinned)
 
     def close(self) -> None:

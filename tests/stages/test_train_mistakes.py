@@ -380,3 +380,10 @@ def test_reading_the_cache_ahead_trains_the_same(setup, tmp_path):
     weights = [load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in runs.values()]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_an_unknown_precision_is_one_line_before_anything_is_written(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--precision", "half")) == 1
+    assert error_line(capsys) == "error: unknown --precision 'half'; use auto, bf16 or fp32"
+    assert not run.exists()
