@@ -124,6 +124,22 @@ class Stage:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def packed_attention(row: int, device: torch.device) -> dict:
+    """bench/packed_attention.py at this row length: per-document calls against one varlen call."""
+    from bench import packed_attention as bench
+
+    start = time.perf_counter()
+    try:
+        variants = bench.main(["--row", str(row), "--no-dense", "--repeats", "3"])
+        row_ = {"stage": f"packed TTT attention T={row}", "ok": True, "variants": variants}
+    except Exception as exc:  # noqa: BLE001 - report it and go on
+        traceback.print_exc()
+        row_ = {"stage": f"packed TTT attention T={row}", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    row_["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(row_), flush=True)
+    return row_
+
+
 def kernels() -> dict:
     """The draft attention kernels self-checked in this process, and whether each passed."""
     from spec_cli.draft import attention
@@ -201,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
                 ["train", "--cache", cache, "-v", vm, "-o", run, "--max-steps", args.steps, "--batch-tokens",
                  first, "--eval-fraction", "0", "--log-every", args.steps, "-q"],
                 tokens=None, log=run / "log.jsonl")
+        run = work / f"train-live-packed-{first}"
+        Stage(f"train --target --pack T={first}", device, results).run(  # ~8 documents per row: varlen
+            ["train", "--target", target, "--data", data, "-v", vm, "-o", run, "--pack", "--max-length",
+             max(first // 8, 96), "--batch-tokens", first, "--max-samples", 8 * args.steps, "--max-steps", args.steps,
+             "--eval-fraction", "0", "--log-every", args.steps, "-q"], log=run / "log.jsonl")
         for length in rest:
             run = work / f"train-live-{length}"
             Stage(f"train --target T={length}", device, results).run(
                 ["train", "--target", target, "--data", data, "-v", vm, "-o", run, "--max-length", length,
                  "--batch-tokens", length, "--max-samples", args.steps, "--max-steps", args.steps,
                  "--eval-fraction", "0", "--log-every", args.steps, "-q"], log=run / "log.jsonl")
+    results.append(packed_attention(first, device))
     report = {**about, "stages": results, "attention_kernels_checked": kernels(),
               "plan_prediction": predict(target, lengths, device, results)}
     (work / "gpu_check.json").write_text(json.dumps(report, indent=1))

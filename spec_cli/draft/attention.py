@@ -18,22 +18,28 @@ the exact gradient of the causal keys (the split-KV identity); the extra keys ge
     dS_j = P_j * (dO . v_j - D);  dq += dS_j * k_j * scale;  dk_j = dS_j * q * scale;  dv_j = P_j * dO
 
 No [T, T] score tensor is ever materialised, so memory grows linearly with T. Packed rows pass their
-documents as `Segments`: the causal kernel then runs once per document (block-causal is causal within
-each document), which is exact and costs sum(L_i^2) instead of T^2; a dense [B, 1, T, T] bias
-(`block_causal_bias`) is still accepted for callers that have one.
+documents as `Segments` (block-causal is causal within each document: exact, and sum(L_i^2) instead
+of T^2). On CUDA every document of the batch goes to ONE varlen kernel call (cu_seqlens), forward
+and backward; elsewhere, or when the varlen call fails its self-check, the kernel runs once per
+document (on a CPU that loop is as fast as anything: the work is the same and launches are free). A
+dense [B, 1, T, T] bias (`block_causal_bias`) is still accepted for callers that have one.
 Kernels (chosen by device and dtype at run time):
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu (+ its backward), GQA native.
-- "cuda_efficient": aten._scaled_dot_product_efficient_attention (+ its backward). Not run in this
-  repo's tests (no GPU); it is checked against the math kernel on a tiny input before first use and
-  replaced by the math kernel, with a warning, if it fails or disagrees.
+- "cuda_efficient": aten._scaled_dot_product_efficient_attention (+ its backward); packed rows via
+  aten._flash_attention_forward's varlen form in 16-bit (GQA native) and
+  aten._efficient_attention_forward's in fp32. The CUDA calls cannot run in this repo's tests (no
+  GPU): their packing is tested with CPU stand-ins of the two ops, and each is checked against the
+  math kernel on a tiny input before first use and replaced (varlen by the per-document loop, the
+  kernel by the math kernel), with a warning, if it fails or disagrees.
 - "math": query-chunked plain PyTorch with the same (out, lse) contract; any device or dtype.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -73,6 +79,7 @@ class Segments:
     never crosses one."""
 
     spans: tuple[tuple[int, int, int], ...]
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)  # varlen plans by device
 
     @classmethod
     def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> "Segments":
@@ -121,14 +128,144 @@ def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, s
 
 def _causal_fwd(kernel, q, k, v, bias, scale):
     if isinstance(bias, Segments):
+        varlen = _varlen_of(kernel, q.device, q.dtype)
+        if varlen is not None:
+            return varlen.fwd(q, k, v, bias, scale)
         return _segmented_fwd(kernel, q, k, v, bias, scale)
     return kernel.fwd(q, k, v, bias, scale)
 
 
 def _causal_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state):
     if isinstance(bias, Segments):
+        varlen = _varlen_of(kernel, q.device, q.dtype)
+        if varlen is not None:
+            return varlen.bwd(dout, q, k, v, bias, out, lse, scale, state)
         return _segmented_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state)
     return kernel.bwd(dout, q, k, v, bias, out, lse, scale, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen: all the documents of a packed batch in one kernel call. The rows' slots, flattened to
+# [B * T], are the documents back to back (Segments cover every slot, in order), so q [B, h, T, d]
+# becomes [B * T, h, d] and cu_seqlens are the cumulative document lengths.
+
+
+@dataclass(frozen=True)
+class _VarlenPlan:
+    cu_seqlens: torch.Tensor  # [S + 1] int32, on the device
+    max_len: int  # the longest document (host int: the kernels size their grids by it)
+    seq: torch.Tensor  # [B * T] each slot's document (for a per-document lse layout)
+    local: torch.Tensor  # [B * T] each slot's position in its document
+
+
+def _varlen_plan(segments: Segments, device: torch.device) -> _VarlenPlan:
+    """The documents' offsets on `device`, made once per batch from host ints: one copy, from pinned
+    memory and non-blocking on CUDA (a pageable copy would wait for the GPU's queue)."""
+    plan = segments._plans.get(device)
+    if plan is None:
+        lengths = [end - start for _, start, end in segments.spans]
+        total = sum(lengths)
+        seq = [i for i, length in enumerate(lengths) for _ in range(length)]
+        local = [j for length in lengths for j in range(length)]
+        host = torch.tensor([0, *itertools.accumulate(lengths), *seq, *local])
+        if device.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(device, non_blocking=True)
+        cu, seq, local = on_device.split([len(lengths) + 1, total, total])
+        plan = _VarlenPlan(cu.int(), max(lengths), seq, local)
+        segments._plans[device] = plan
+    return plan
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, h, T, d] -> [B * T, h, d], contiguous (the varlen kernels' layout; a plain reshape may
+    return a strided view, e.g. of the merged TTT output)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+
+
+def _unflat(x: torch.Tensor, B: int) -> torch.Tensor:
+    """[B * T, h, d] -> [B, h, T, d] (a view)."""
+    return x.unflatten(0, (B, -1)).transpose(1, 2)
+
+
+def _lse_from_kernel(lse: torch.Tensor, plan: _VarlenPlan, B: int) -> torch.Tensor:
+    """A varlen kernel's lse -> [B, h, T] float32. Kernels lay it out [h, B * T] (flash-attention
+    2.5 and later) or per document [S, h, >= max_len] (the efficient kernel, older flash)."""
+    if lse.dim() == 2:
+        flat = lse  # [h, B * T]
+    else:
+        flat = lse[plan.seq, :, plan.local].transpose(0, 1)  # [h, B * T]
+    return flat.to(_acc_dtype(lse.dtype)).unflatten(1, (B, -1)).transpose(0, 1).contiguous()
+
+
+def _lse_to_kernel(lse: torch.Tensor, plan: _VarlenPlan, like: torch.Tensor) -> torch.Tensor:
+    """[B, h, T] -> the layout of `like` (the kernel's own lse from the forward)."""
+    flat = lse.transpose(0, 1).reshape(lse.shape[1], -1).to(like.dtype)  # [h, B * T]
+    if like.dim() == 2:
+        return flat.contiguous()
+    out = torch.zeros_like(like)
+    out[plan.seq, :, plan.local] = flat.transpose(0, 1)
+    return out
+
+
+# the raw ops (aten names, or callables: tests put CPU stand-ins of the CUDA ops here)
+VARLEN_OPS = {
+    "flash": ("_flash_attention_forward", "_flash_attention_backward"),
+    "efficient": ("_efficient_attention_forward", "_efficient_attention_backward"),
+}
+
+
+def _op(op):
+    return op if callable(op) else getattr(torch.ops.aten, op)
+
+
+def _flash_varlen_fwd(q, k, v, segments: Segments, scale):
+    """16-bit, GQA native: q [B*T, h, d], k/v [B*T, hkv, d]."""
+    B = q.shape[0]
+    plan = _varlen_plan(segments, q.device)
+    fwd, _ = VARLEN_OPS["flash"]
+    out, lse, rng, unused, _ = _op(fwd)(_flat(q), _flat(k), _flat(v), plan.cu_seqlens, plan.cu_seqlens,
+                                         plan.max_len, plan.max_len, 0.0, True, False, scale=scale)
+    return _unflat(out, B), _lse_from_kernel(lse, plan, B), (rng, unused, lse)
+
+
+def _flash_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):
+    B = q.shape[0]
+    plan = _varlen_plan(segments, q.device)
+    rng, unused, kernel_lse = state
+    _, bwd = VARLEN_OPS["flash"]
+    dq, dk, dv = _op(bwd)(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
+                          _lse_to_kernel(lse, plan, kernel_lse), plan.cu_seqlens, plan.cu_seqlens,
+                          plan.max_len, plan.max_len, 0.0, True, rng, unused, scale=scale)
+    return _unflat(dq, B), _unflat(dk, B), _unflat(dv, B)
+
+
+_CAUSAL_FROM_TOP_LEFT = 1  # the efficient kernel's custom_mask_type for causal
+
+
+def _efficient_varlen_fwd(q, k, v, segments: Segments, scale):
+    """Any CUDA dtype; no GQA (kv heads repeated): q/k/v [1, B*T, h, d]."""
+    B, h = q.shape[0], q.shape[1]
+    plan = _varlen_plan(segments, q.device)
+    fwd, _ = VARLEN_OPS["efficient"]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    out, lse, seed, offset, _, _ = _op(fwd)(
+        _flat(q)[None], _flat(k)[None], _flat(v)[None], None, plan.cu_seqlens, plan.cu_seqlens,
+        plan.max_len, plan.max_len, 0.0, _CAUSAL_FROM_TOP_LEFT, True, scale=scale)
+    return _unflat(out[0], B), _lse_from_kernel(lse, plan, B), (seed, offset, lse)
+
+
+def _efficient_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):
+    B, h, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    plan = _varlen_plan(segments, q.device)
+    seed, offset, kernel_lse = state
+    _, bwd = VARLEN_OPS["efficient"]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    dq, dk, dv, _ = _op(bwd)(
+        _flat(dout)[None], _flat(q)[None], _flat(k)[None], _flat(v)[None], None, _flat(out)[None],
+        plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, _lse_to_kernel(lse, plan, kernel_lse),
+        0.0, seed, offset, _CAUSAL_FROM_TOP_LEFT, False, scale=scale)
+    return _unflat(dq[0], B), _sum_groups(_unflat(dk[0], B), kv_heads), _sum_groups(_unflat(dv[0], B), kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +384,8 @@ class Kernel:
     bwd: Callable
 
 
+FLASH_VARLEN = Kernel("flash_varlen", _flash_varlen_fwd, _flash_varlen_bwd)  # fwd/bwd take Segments
+EFFICIENT_VARLEN = Kernel("efficient_varlen", _efficient_varlen_fwd, _efficient_varlen_bwd)
 CPU_FLASH = Kernel("cpu_flash", _cpu_flash_fwd, _cpu_flash_bwd)
 CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_fwd, _cuda_efficient_bwd)
 MATH = Kernel("math", _math_fwd, _math_bwd)
@@ -264,6 +403,29 @@ def fused_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
     if device.type == "cuda" and dtype in _CUDA_DTYPES:
         return CUDA_EFFICIENT
     return None
+
+
+def varlen_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> Kernel | None:
+    """The one-call-per-batch kernel for packed rows that goes with `kernel`, or None (the CPU: the
+    per-document loop is as fast there)."""
+    if kernel is not CUDA_EFFICIENT or device.type != "cuda":
+        return None
+    return FLASH_VARLEN if dtype in (torch.bfloat16, torch.float16) else EFFICIENT_VARLEN
+
+
+def _varlen_of(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> Kernel | None:
+    """varlen_kernel, once it has passed its self-check on this device and dtype."""
+    varlen = varlen_kernel(kernel, device, dtype)
+    if varlen is None or not _self_check(varlen, device, dtype):
+        return None
+    return varlen
+
+
+def packed_kernel_name(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str:
+    """What packed rows run on with `kernel` (self-checked now): the varlen kernel's name, or
+    "<kernel> per document"."""
+    varlen = _varlen_of(kernel, device, dtype)
+    return varlen.name if varlen is not None else f"{kernel.name} per document"
 
 
 def pick_kernel(device: torch.device, dtype: torch.dtype, impl: str = "auto") -> Kernel:
@@ -330,15 +492,25 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) 
     q, k, v, dout = rand(B, h, T, d), rand(B, kv_heads, T, d), rand(B, kv_heads, T, d), rand(B, h, T, d)
     seq_lens = torch.tensor([[7, 12], [19, 0]], device=device)
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    varlen = kernel in (FLASH_VARLEN, EFFICIENT_VARLEN)
     try:
         with torch.autocast(device.type, enabled=False):  # the kernels at `dtype`, whatever the caller runs
-            _compare_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
+            if varlen:
+                _compare_varlen_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
+            else:
+                _compare_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
         _failures[_key(kernel, device, dtype)] = str(err)
+        instead = "one kernel call per document" if varlen else "the slower math kernel"
         warnings.warn(f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
-                      f"self-check ({err}); using the slower math kernel")
+                      f"self-check ({err}); using {instead}")
         return False
     return True
+
+
+def _agree(pairs, tol: float) -> None:
+    if not all(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol) for a, b in pairs):
+        raise RuntimeError("results differ from the math kernel")
 
 
 def _compare_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
@@ -349,9 +521,22 @@ def _compare_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: tor
         ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
         grads = kernel.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, state)
         ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
-        pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
-        if not all(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol) for a, b in pairs):
-            raise RuntimeError("results differ from the math kernel")
+        _agree([(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)], tol)
+
+
+def _compare_varlen_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
+                            tol: float) -> None:
+    """As _compare_to_math for a varlen kernel: documents of 7 and 12 slots, a whole row, and a
+    row of one document and its padding; the backward is given another (out, lse) than its forward
+    made, as the TTT merge does."""
+    for lengths in ([[7, 12], [19, 0]], [[1, 16], [5, 0]]):
+        segments = Segments.from_lengths(lengths, T)
+        bias = block_causal_bias(torch.tensor(lengths, device=q.device), T, dtype)
+        out, lse, state = kernel.fwd(q, k, v, segments, d ** -0.5)
+        ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
+        grads = kernel.bwd(dout, q, k, v, segments, ref_out.clone(), ref_lse.clone(), d ** -0.5, state)
+        ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
+        _agree([(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)], tol)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -307,6 +307,8 @@ class Trainer:
         if why is not None and attention.fused_kernel(device, dtype) is not None:
             warn(f"{why}: training uses the math attention kernel, slower and with memory O(T^2) in the row "
                  "length; --attention fused stops instead")
+        if self.cfg.data.pack:  # documents of a packed batch: one varlen call (CUDA), or one call each
+            return f"{kernel.name}, packed rows: {attention.packed_kernel_name(kernel, device, dtype)}"
         return kernel.name
 
     def restore(self, checkpoint: Path) -> int:

@@ -232,3 +232,101 @@ def test_under_bf16_autocast_the_attention_gets_one_dtype_and_keeps_the_fused_ke
     assert calls and all(dtypes == {torch.bfloat16} for dtypes in calls)
     assert {name for _, name in seen} == {attention.fused_kernel(torch.device("cpu"), torch.bfloat16).name}
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in draft.parameters())
+
+
+VARLEN_KINDS = [("flash", "heads_total", 1), ("flash", "per_document", 1), ("efficient", "per_document", 32)]
+
+
+@pytest.mark.parametrize("kind,lse_layout,pad_to", VARLEN_KINDS)
+@pytest.mark.parametrize("heads,kv_heads,n_extra", [(4, 2, 0), (4, 2, 3), (2, 1, 6)])
+def test_packed_rows_in_one_varlen_call_match_explicit(kind, lse_layout, pad_to, heads, kv_heads, n_extra,
+                                                       monkeypatch):
+    """Packed rows on CUDA go to one varlen kernel call per batch, forward and backward, whatever the
+    number of documents (the per-document loop was ~60 calls per row and TTT step). The CUDA ops are
+    stood in by CPU implementations of their contracts (tests/draft/varlen_ops.py): this tests the
+    packing (flattening, offsets, both lse layouts, the merged lse given back to the backward, GQA)
+    against the explicit computation."""
+    from tests.draft.varlen_ops import install
+
+    ops = install(monkeypatch, kind, lse_layout, pad_to)
+    B, T, d = 2, 21, 8
+    seq_lens = torch.tensor([[5, 1, 9, 3], [21, 0, 0, 0]])
+    q, k0, v0, ek, ev = _inputs(B, heads, kv_heads, T, d, n_extra, torch.float64, seed=3)
+    segments = Segments.from_seq_lens(seq_lens, T)
+    out = ttt_attention(q, k0, v0, ek, ev, bias=segments)
+    ops.calls.update(fwd=0, bwd=0)  # after the self-check's calls
+    out = ttt_attention(q, k0, v0, ek, ev, bias=segments)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad(out, [q, k0, v0, *ek, *ev], dout)
+    assert ops.calls == {"fwd": 1, "bwd": 1}
+
+    ref_in = [x.detach().clone().requires_grad_() for x in (q, k0, v0, *ek, *ev)]
+    rq, rk, rv, rek, rev = ref_in[0], ref_in[1], ref_in[2], ref_in[3:3 + n_extra], ref_in[3 + n_extra:]
+    ref = explicit_attention(rq, rk, rv, rek, rev, _allowed(B, T, seq_lens))
+    ref_grads = torch.autograd.grad(ref, ref_in, dout)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_varlen_self_check_failure_falls_back_to_one_call_per_document(monkeypatch):
+    """A varlen op that gets the layout wrong is turned down by its self-check, with a warning; packed
+    rows then run once per document and stay right."""
+    from tests.draft.varlen_ops import install
+
+    ops = install(monkeypatch, "flash", "heads_total")
+    real = ops.flash_fwd
+
+    def shuffled(*args, **kwargs):  # the lse of the wrong slots: what a layout mix-up looks like
+        out, lse, *rest = real(*args, **kwargs)
+        return (out, lse.flip(-1), *rest)
+
+    monkeypatch.setitem(attention.VARLEN_OPS, "flash", (shuffled, ops.flash_bwd))
+    B, T, d = 1, 12, 8
+    seq_lens = torch.tensor([[4, 8]])
+    q, k0, v0, ek, ev = _inputs(B, 2, 2, T, d, 2, torch.float64)
+    with pytest.warns(UserWarning, match="flash_varlen .* failed its self-check.*one kernel call per document"):
+        out = ttt_attention(q, k0, v0, ek, ev, bias=Segments.from_seq_lens(seq_lens, T))
+    assert attention.packed_kernel_name(attention.CPU_FLASH, q.device, q.dtype) == "cpu_flash per document"
+    ref = explicit_attention(q, k0, v0, ek, ev, _allowed(B, T, seq_lens))
+    torch.testing.assert_close(out, ref)
+
+
+def test_varlen_offsets_reach_the_device_in_one_non_blocking_copy(monkeypatch):
+    """The documents' offsets are made from host ints once per batch and copied in one go (pinned and
+    non-blocking on CUDA, where a pageable copy waits for the GPU's queue): counted on CPU by the
+    copies `_varlen_plan` makes, whatever the number of layers and TTT steps that use them."""
+    copies = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(kwargs.get("non_blocking", False))
+        return real_to(self, *args, **kwargs)
+
+    segments = Segments.from_lengths([[3, 4], [7, 0]], 7)
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    plans = [attention._varlen_plan(segments, torch.device("cpu")) for _ in range(5)]
+    monkeypatch.undo()
+    assert copies == [True]
+    plan = plans[0]
+    assert all(p is plan for p in plans)
+    assert plan.cu_seqlens.dtype == torch.int32 and plan.cu_seqlens.tolist() == [0, 3, 7, 14]
+    assert plan.max_len == 7
+    assert plan.seq.tolist() == [0] * 3 + [1] * 4 + [2] * 7
+    assert plan.local.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]
+
+
+def test_flash_varlen_plumbing_on_meta_tensors():
+    """The real aten flash varlen ops on meta tensors (torch's own shape rules for them): arguments
+    in the schema's order, the lse in flash's [h, total] layout read back to [B, h, T], gradients in
+    the inputs' shapes (GQA native). The efficient op's meta rule lacks its `out` argument in this
+    torch, so only its CPU stand-in covers it; on a GPU both are self-checked before first use."""
+    B, h, kv, T, d = 2, 4, 2, 19, 16
+    segments = Segments.from_lengths([[7, 12], [19, 0]], T)
+    q = torch.randn(B, h, T, d, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse, state = attention.FLASH_VARLEN.fwd(q, k, v, segments, d ** -0.5)
+    assert out.shape == q.shape and lse.shape == (B, h, T) and lse.dtype == torch.float32
+    assert state[2].shape == (h, B * T)  # the kernel's own lse, given back to the backward as it was
+    grads = attention.FLASH_VARLEN.bwd(q, q, k, v, segments, out, lse, d ** -0.5, state)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
