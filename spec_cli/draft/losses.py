@@ -8,7 +8,10 @@ zero (not NaN) gradient.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.artifacts import vocab_map
 
@@ -47,6 +50,41 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
         return grad * g, None
+
+
+HEAD_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk of positions in chunked_soft_ce
+
+
+def chunked_soft_ce(logits_of: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, b: torch.Tensor,
+                    t: torch.Tensor, target_p: torch.Tensor, k: int, vocab: int,
+                    chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """soft_cross_entropy(logits_of(state[b, t]), target_p[b, t + k]) and the logits' argmax [N], chunk
+    by chunk of positions, each chunk checkpointed: no [N, V] tensor ever exists (not the logits, their
+    fp32 log-softmax, the gathered target_p, nor the gradient) and nothing of a chunk is kept for
+    backward but its indices, which recomputes the chunk. Activation checkpointing of the head at the
+    memory of one chunk, for long rows, whose step is recomputed anyway.
+
+    logits_of: [c, H] -> [c, V]; state [B, T, H]; b, t [N] the scored slots; vocab V (sizes the chunks)."""
+    if chunk_rows is None:
+        chunk_rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
+    n = b.shape[0]
+    if n == 0:  # the plain head on nothing: 0, with a (zero) gradient like any other step's
+        part, top = _soft_ce_sum(logits_of, state, b, t, target_p, k)
+        return part, top
+    loss = state.new_zeros((), dtype=torch.float64 if state.dtype == torch.float64 else torch.float32)
+    argmax = []
+    for start in range(0, n, chunk_rows):
+        bc, tc = b[start:start + chunk_rows], t[start:start + chunk_rows]
+        part, top = activation_checkpoint(_soft_ce_sum, logits_of, state, bc, tc, target_p, k, use_reentrant=False)
+        loss = loss + part
+        argmax.append(top)
+    return loss / n, torch.cat(argmax)
+
+
+def _soft_ce_sum(logits_of, state, b, t, target_p, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's soft-CE summed over its positions, and its argmax."""
+    logits = logits_of(state[b, t])  # [c, V]
+    return soft_cross_entropy(logits, target_p[b, t + k]) * b.shape[0], logits.detach().argmax(-1)
 
 
 def acceptance(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor) -> torch.Tensor:
@@ -88,7 +126,12 @@ def step_loss(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.T
 def top1_correct(logits: torch.Tensor, d2t: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """Number of positions where the draft's argmax, mapped to a target id through d2t (offsets),
     equals the target's argmax. logits [N, Vd], target_ids [N] target-vocab ids."""
-    return (vocab_map.to_target_ids(logits.argmax(-1), d2t) == target_ids).sum()
+    return top1_hits(logits.argmax(-1), d2t, target_ids)
+
+
+def top1_hits(argmax: torch.Tensor, d2t: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """top1_correct from the draft's argmax [N] (draft-vocab ids)."""
+    return (vocab_map.to_target_ids(argmax, d2t) == target_ids).sum()
 
 
 def step_weights(ttt_steps: int, step_weight: float) -> list[float]:

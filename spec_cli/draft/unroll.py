@@ -140,7 +140,8 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
            ttt_steps: int, step_weight: float, checkpoint: bool = False) -> ObjectiveOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
-    with the step). checkpoint: recompute each step's decoder layers and head in backward."""
+    with the step). checkpoint: recompute each step's decoder layers and head in backward (a head with a
+    true `recomputes` attribute does its own, e.g. losses.chunked_soft_ce)."""
     B, T = batch.input_ids.shape
     position_ids = positions(batch)
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
@@ -153,7 +154,9 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
         valid & torch.stack([shift_left(supervised, k).bool() for k in range(ttt_steps)]), batch.attention_mask,
         batch.seq_lens)
     weights = step_weights(ttt_steps, step_weight)
-    score = (lambda *a: activation_checkpoint(head, *a, use_reentrant=False)) if checkpoint else head
+    score = head
+    if checkpoint and not getattr(head, "recomputes", False):
+        score = lambda *a: activation_checkpoint(head, *a, use_reentrant=False)  # noqa: E731
 
     caches = [[] for _ in draft.decoder_layers]
     total_loss = state.new_zeros((), dtype=torch.float32)

@@ -1,5 +1,6 @@
 """Losses and metrics against hand / independent computations."""
 
+import pytest
 import torch
 
 from spec_cli.draft.losses import (acceptance, acceptance_length, lk_alpha_loss,
@@ -111,3 +112,94 @@ def test_step_weights_and_acceptance_length():
     assert abs(sum(step_weights(7, 0.8)) - 1) < 1e-12
     acc = torch.tensor([0.8, 0.5, 0.5], dtype=torch.float64)
     assert abs(float(acceptance_length(acc)) - (1 + 0.8 + 0.4 + 0.2)) < 1e-12
+
+
+def _head_case(dtype=torch.float64, B=2, T=9, H=6, V=11, seed=0):
+    from spec_cli.draft.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    norm, head = RMSNorm(H, 1e-6), torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(H, generator=gen))
+        head.weight.copy_(torch.randn(V, H, generator=gen))
+    norm.to(dtype), head.to(dtype)
+    state = torch.randn(B, T, H, generator=gen, dtype=dtype).requires_grad_()
+    target_p = torch.randn(B, T, V, generator=gen, dtype=dtype).softmax(-1) * 0.9  # mass 0.9 over the draft vocab
+    b = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1])
+    t = torch.tensor([0, 2, 5, 0, 1, 3, 4, 6, 6, 2])
+    return norm, head, state, target_p, b, t
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 10, 64])
+def test_chunked_soft_ce_matches_the_plain_head(chunk_rows):
+    """Loss, argmax and every gradient (state, norm and head weights) as the whole-[N, V] head, for
+    chunks that split N unevenly, one per position, and one for all."""
+    from spec_cli.draft.losses import chunked_soft_ce
+
+    norm, head, state, target_p, b, t = _head_case()
+    k = 2
+    params = [head.weight, norm.weight]
+    logits = head(norm(state[b, t]))
+    ref = soft_cross_entropy(logits, target_p[b, t + k])
+    ref_grads = torch.autograd.grad(ref, [state, *params])
+    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, k, 11, chunk_rows)
+    grads = torch.autograd.grad(loss, [state, *params])
+    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-12)
+    assert torch.equal(argmax, logits.argmax(-1))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=1e-12)
+
+
+def test_chunked_soft_ce_keeps_no_position_by_vocab_tensor():
+    """What forward keeps for backward: the plain head keeps an [N, V] gradient (the test can fail);
+    the chunked one keeps the inputs it was given and the chunks' indices, nothing [N, V]."""
+    from spec_cli.draft.losses import chunked_soft_ce
+
+    norm, head, state, target_p, b, t = _head_case(dtype=torch.float32, V=64)
+    N, V = b.numel(), 64
+    made = []  # saved tensors that the call itself made (not its inputs: those live on anyway)
+
+    def pack(x):
+        made.append(tuple(x.shape))
+        return x
+
+    inputs = {id(x) for x in (state, target_p, b, t, head.weight, norm.weight)}
+
+    def run(f):
+        made.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: pack(x) if id(x) not in inputs else x, lambda x: x):
+            f()
+        return [s for s in made if len(s) == 2 and s[0] == N and s[1] == V]
+
+    assert run(lambda: soft_cross_entropy(head(norm(state[b, t])), target_p[b, t]))
+    assert not run(lambda: chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, 0, V, 4))
+
+
+def test_chunked_soft_ce_under_bf16_autocast_is_the_plain_heads():
+    """The GPU path's autocast, on CPU: the matmuls run in bf16 in forward and in the recompute, the
+    softmax in fp32; loss and gradients agree with the plain head's at bf16's tolerance, in the
+    parameters' dtypes."""
+    from spec_cli.draft.losses import chunked_soft_ce
+
+    norm, head, state, target_p, b, t = _head_case(dtype=torch.float32, V=64)
+    params = [head.weight, norm.weight]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = soft_cross_entropy(head(norm(state[b, t])), target_p[b, t + 1])
+        loss, _ = chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, 1, 64, 3)
+    ref_grads = torch.autograd.grad(ref, [state, *params])
+    grads = torch.autograd.grad(loss, [state, *params])
+    torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
+    for g, r, x in zip(grads, ref_grads, [state, *params]):
+        assert g.dtype == x.dtype
+        torch.testing.assert_close(g, r, atol=2e-2, rtol=5e-2)
+
+
+def test_chunked_soft_ce_of_no_positions_is_zero_with_zero_gradients():
+    from spec_cli.draft.losses import chunked_soft_ce
+
+    norm, head, state, target_p, _, _ = _head_case()
+    none = torch.zeros(0, dtype=torch.long)
+    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, none, none, target_p, 0, 11)
+    grads = torch.autograd.grad(loss, [state, head.weight])
+    assert loss.item() == 0 and argmax.numel() == 0
+    assert all(torch.count_nonzero(g) == 0 for g in grads)

@@ -17,10 +17,11 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from spec_cli.draft.contract import Objective
 
 from spec_cli.batch import TargetBatch
-from spec_cli.draft.losses import soft_cross_entropy
+from spec_cli.draft.losses import chunked_soft_ce, soft_cross_entropy
 from spec_cli.draft.unroll import ObjectiveOutput, unroll
 from spec_cli.errors import ConfigError
 
@@ -39,13 +40,27 @@ def _head(draft, state, batch: TargetBatch, b, t, k: int, feature_weight: float,
     return value, (logits.detach().argmax(-1) == batch.target_ids[b, t + k]).sum()
 
 
+def _feature_part(state, final_hidden, b, t, k: int) -> torch.Tensor:
+    return feature_loss(state[b, t], final_hidden[b, t + k + 1])
+
+
+def _chunked_head(draft, state, batch: TargetBatch, b, t, k: int, feature_weight: float, token_weight: float):
+    """_head for long rows (with activation checkpointing): the feature loss recomputed in backward, the
+    full-vocabulary soft-CE chunk by chunk of positions (losses.chunked_soft_ce): no [N, V] tensor of
+    the target's vocabulary at any time."""
+    features = activation_checkpoint(_feature_part, state, batch.final_hidden, b, t, k, use_reentrant=False)
+    soft_ce, argmax = chunked_soft_ce(draft.logits, state, b, t, batch.target_p, k, draft.lm_head.weight.shape[0])
+    return feature_weight * features + token_weight * soft_ce, (argmax == batch.target_ids[b, t + k]).sum()
+
+
 def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: float = 0.8,
                   feature_weight: float = 1.0, token_weight: float = 0.1, checkpoint: bool = False) -> ObjectiveOutput:
     if batch.final_hidden is None:
         raise ConfigError("EAGLE-1/2 trains on the target's final hidden states and this supervision has "
                           "none", "train from a `spec precompute --algorithm eagle` cache, a live --target "
                           "or a server")
-    head = partial(_head, feature_weight=feature_weight, token_weight=token_weight)
+    head = partial(_chunked_head if checkpoint else _head, feature_weight=feature_weight, token_weight=token_weight)
+    head.recomputes = checkpoint
     return unroll(draft, batch, draft.project(batch.final_hidden), head, batch.loss_mask, ttt_steps,
                   step_weight, checkpoint)
 

@@ -14,7 +14,7 @@ from functools import partial
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.eagle3.model import Eagle3Draft
-from spec_cli.draft.losses import LOSSES, step_loss, top1_correct
+from spec_cli.draft.losses import LOSSES, chunked_soft_ce, step_loss, top1_correct, top1_hits
 from spec_cli.draft.unroll import ObjectiveOutput, unroll
 
 
@@ -27,16 +27,28 @@ def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl
     return value, top1_correct(logits.detach(), draft.d2t, batch.target_ids[b, t + k])
 
 
+def _chunked_head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int):
+    """_head's soft-CE for long rows (with activation checkpointing): chunk by chunk of positions,
+    recomputed in backward, never an [N, Vd] tensor (losses.chunked_soft_ce)."""
+    value, argmax = chunked_soft_ce(draft.logits, hidden, b, t, batch.target_p, k, draft.config.draft_vocab_size)
+    return value, top1_hits(argmax, draft.d2t, batch.target_ids[b, t + k])
+
+
 def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step_weight: float = 0.8,
                 loss: str = "soft-ce", lk_kl_scale: float = 1.0, lk_kl_decay: float = 1.0,
                 checkpoint: bool = False) -> ObjectiveOutput:
     """Unroll the draft for `ttt_steps` steps on one batch; returns the weighted loss and metrics.
 
     checkpoint: recompute each step's decoder layers and its head/loss in backward (for long rows);
-    activation memory then holds O(H) values per token and step instead of O(Vd + intermediate).
+    activation memory then holds O(H) values per token and step instead of O(Vd + intermediate), and
+    the soft-CE head runs in chunks of positions (no [N, Vd] tensor at any time).
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(LOSSES)}")
-    head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay)
+    if checkpoint and loss == "soft-ce":
+        head = partial(_chunked_head)
+        head.recomputes = True
+    else:
+        head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay)
     return unroll(draft, batch, draft.project(batch.aux_hidden), head, batch.position_mask, ttt_steps,
                   step_weight, checkpoint)

@@ -106,3 +106,24 @@ def test_supervision_without_final_hidden_states_and_lk_losses_are_refused():
         eagle_forward(draft, batch)
     with pytest.raises(ConfigError, match="--loss lk-alpha"):
         EagleObjective(draft, ObjectiveOptions(loss="lk-alpha"))
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 3])
+def test_checkpointing_with_the_chunked_full_vocab_head_gives_the_same_loss_and_gradients(ttt_steps, monkeypatch):
+    """With activation checkpointing the full-vocabulary head runs chunk by chunk of positions
+    (several chunks here); loss, top-1 hits and gradients stay those of the plain head."""
+    from spec_cli.draft import losses
+
+    monkeypatch.setattr(losses, "HEAD_CHUNK_BYTES", 4 * V * 3)  # three positions per chunk
+    draft = eagle_draft()
+    batch = batch_of([9, 7], 9)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for checkpoint in (False, True):
+        out = eagle_forward(draft, batch, ttt_steps=ttt_steps, checkpoint=checkpoint)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.loss, params))
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=1e-6, rtol=1e-6)
+    assert torch.equal(outs[1].correct, outs[0].correct)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
