@@ -8,7 +8,10 @@ then through the CLI, in this process:
   1. `spec build-vocab-map` on random chats long enough for every length;
   2. `spec precompute` at the first length (8 rows);
   3. `spec train --cache` for --steps steps at the first length;
-  4. `spec train --target` (live) for --steps steps at each other length.
+  4. `spec train --target --pack` (live) for --steps steps at the first length, ~8 documents per row
+     (packed rows: the varlen attention on CUDA);
+  5. `spec train --target` (live) for --steps steps at each other length;
+  6. bench/packed_attention.py at the first length: per-document calls against one varlen call.
 For each stage: wall time, tokens/s and the peak memory (CUDA: the allocator's peak for the stage;
 elsewhere the process's peak RSS so far) beside `spec plan`'s prediction for that step; then which
 attention kernels the draft checked and chose.
