@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_dense:
         variants["dense bias"] = (block_causal_bias(seq_lens.to(device), row, dtype), contextlib.nullcontext)
 
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # relative to the gradient's norm: 16-bit kernels round apart
     results = {}
     for name, (bias, context) in variants.items():
         with context():
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
                 ref = next(iter(results.values()))["grads"]
                 for a, b in zip(ref, got):
                     for x, y in zip(a, b):
-                        torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
+                        error = float((x.float() - y.float()).norm() / y.float().norm())
+                        if error > tol:
+                            raise AssertionError(f"{name}: gradients differ from the first variant's by {error:.2e} "
+                                                 f"(relative norm; over {tol})")
             times = []
             for _ in range(args.repeats):
                 if cuda:
