@@ -98,21 +98,21 @@ class SerializedBackend(TargetBackend):
     def __init__(self, backend: TargetBackend):
         self.backend = backend
         self.info = backend.info
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held by every call; a caller of the backend's own methods takes it too
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None):
-        with self._lock:
+        with self.lock:
             return self.backend.generate_batch(input_ids, attention_mask, loss_mask,
                                                position_ids=position_ids, seq_lens=seq_lens)
 
     def get_input_embeddings(self) -> torch.Tensor:
-        with self._lock:
+        with self.lock:
             return self.backend.get_input_embeddings()
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
-        with self._lock:
+        with self.lock:
             self.backend.set_vocab_mapping(selected_token_ids)
 
     def close(self) -> None:
-        with self._lock:  # after a batch in flight, never under it
+        with self.lock:  # after a batch in flight, never under it
             self.backend.close()

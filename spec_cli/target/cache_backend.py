@@ -8,6 +8,7 @@ are laid into the padded batch, and the same supervision functions as the live b
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,20 @@ from spec_cli.target.backend import TargetBackend
 from spec_cli.target.supervision import assemble_batch, draft_distribution, selected_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class HostBatch:
+    """A cache batch's stored tensors (and the batch's inputs) by name, before decoding."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def pin_memory(self) -> "HostBatch":
+        """In page-locked memory, so that `.to(cuda, non_blocking=True)` does not make the host wait."""
+        return HostBatch({k: v.pin_memory() for k, v in self.tensors.items()})
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "HostBatch":
+        return HostBatch({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()})
 
 
 def _key(ids: torch.Tensor) -> bytes:
@@ -101,8 +116,14 @@ class CacheBackend(TargetBackend):
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
                        seq_lens=None) -> TargetBatch:
+        return self.finish(self.read_host(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+                           .to(self.device))
+
+    def read_host(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None) -> "HostBatch":
+        """The batch's stored features laid into padded host tensors: file reads and copies only, no
+        device work (a reading thread runs this while the device trains; `finish` decodes on the device)."""
         B, T = input_ids.shape
-        H, dev = self.info["hidden_size"], self.device
+        H = self.info["hidden_size"]
         if self.keep_final_hidden and self.encoding != "hidden":
             raise ArtifactError(f"the feature cache was made with --encoding {self.encoding}, which keeps no "
                                 "final hidden states (EAGLE-1/2 trains on them)",
@@ -112,37 +133,40 @@ class CacheBackend(TargetBackend):
         if lacking:
             raise ArtifactError(f"the feature cache holds no {', '.join(lacking)} (per-token field(s) the draft "
                                 "algorithm reads)", "precompute it again with this --algorithm")
-        extras = {name: torch.zeros(B, T, stored[name], dtype=self.dtype, device=dev) for name in self.extra_fields}
-        aux = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype, device=dev)
-        argmax = torch.zeros(B, T, dtype=torch.long, device=dev)
+        fields = {EXTRA + name: torch.zeros(B, T, stored[name], dtype=self.dtype) for name in self.extra_fields}
+        fields["aux_hidden"] = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype)
+        fields["argmax"] = torch.zeros(B, T, dtype=torch.long)
         if self.encoding == "hidden":
-            final = torch.zeros(B, T, H, dtype=self.dtype, device=dev)
-            lse = torch.zeros(B, T, dtype=torch.float32, device=dev)
+            fields["final_hidden"] = torch.zeros(B, T, H, dtype=self.dtype)
+            fields["lse"] = torch.zeros(B, T, dtype=torch.float32)
         else:
-            target_p = torch.zeros(B, T, self.selected.numel(), dtype=torch.float32, device=dev)
-            target_mass = torch.zeros(B, T, dtype=torch.float32, device=dev)
+            fields["target_p"] = torch.zeros(B, T, self.selected.numel(), dtype=torch.float32)
+            fields["target_mass"] = torch.zeros(B, T, dtype=torch.float32)
         for b, a, e in self._segments(attention_mask, seq_lens):
             where = self._where.get(_key(input_ids[b, a:e].cpu()))
             if where is None:
                 raise ArtifactError("a training sample is not in the feature cache",
                                     "train from the cache's own data, or precompute this data")
             shard, s, t = where
-            aux[b, a:e] = self.reader.read(shard, "aux_hidden", s, t).to(dev)
-            argmax[b, a:e] = self.reader.read(shard, "argmax", s, t).to(dev).long()
-            for name, value in extras.items():
-                value[b, a:e] = self.reader.read(shard, EXTRA + name, s, t).to(dev)
-            if self.encoding == "hidden":
-                final[b, a:e] = self.reader.read(shard, "final_hidden", s, t).to(dev)
-                lse[b, a:e] = self.reader.read(shard, "lse", s, t).to(dev)
-            else:
-                target_p[b, a:e] = self.reader.read(shard, "target_p", s, t).to(dev).float()
-                target_mass[b, a:e] = self.reader.read(shard, "target_mass", s, t).to(dev)
+            for name, value in fields.items():
+                value[b, a:e] = self.reader.read(shard, name, s, t)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                  "position_ids": position_ids, "seq_lens": seq_lens}
+        return HostBatch({**fields, **{k: v for k, v in inputs.items() if v is not None}})
+
+    def finish(self, host: "HostBatch") -> TargetBatch:
+        """read_host's tensors (already on this backend's device) decoded into the TargetBatch: the
+        target's distribution over the draft vocab from the stored final states (--encoding hidden)."""
+        f = host.tensors
         if self.encoding == "hidden":
-            sel = selected_logits(final, self.lm_head_selected, self.bias_selected, self.softcap)
-            target_p, target_mass = draft_distribution(sel, lse)
-        return assemble_batch(aux, input_ids.to(dev), attention_mask.to(dev), loss_mask.to(dev),
-                              target_p, target_mass, argmax, self.t2d, position_ids, seq_lens,
-                              final if self.keep_final_hidden else None, extras)
+            sel = selected_logits(f["final_hidden"], self.lm_head_selected, self.bias_selected, self.softcap)
+            target_p, target_mass = draft_distribution(sel, f["lse"])
+        else:
+            target_p, target_mass = f["target_p"], f["target_mass"]
+        extras = {name: f[EXTRA + name] for name in self.extra_fields}
+        return assemble_batch(f["aux_hidden"], f["input_ids"], f["attention_mask"], f["loss_mask"], target_p,
+                              target_mass, f["argmax"], self.t2d, f.get("position_ids"), f.get("seq_lens"),
+                              f["final_hidden"] if self.keep_final_hidden else None, extras)
 
     def close(self) -> None:
         self.reader.close()

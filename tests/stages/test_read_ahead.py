@@ -37,9 +37,16 @@ def reader(log, fail_at=None, delay=0.0):
     return read
 
 
+def finisher(log):
+    def finish(batch):
+        log.append(("finish", batch.i, threading.current_thread().name))
+        return batch
+    return finish
+
+
 def test_batches_come_in_order_read_ahead_by_one_thread():
     log = []
-    loader = _ReadAhead(reader(log), torch.device("cpu"), start=3, end=8, depth=2)
+    loader = _ReadAhead(reader(log), finisher(log), torch.device("cpu"), start=3, end=8, depth=2)
     try:
         assert loader.get(3).i == 3
         time.sleep(0.2)  # the thread reads 4 and 5 while the step would run
@@ -56,7 +63,7 @@ def test_batches_come_in_order_read_ahead_by_one_thread():
 
 def test_on_cuda_the_thread_pins_and_the_copy_does_not_wait():
     log = []
-    loader = _ReadAhead(reader(log), torch.device("cuda", 0), start=0, end=3, depth=1)
+    loader = _ReadAhead(reader(log), finisher(log), torch.device("cuda", 0), start=0, end=3, depth=1)
     try:
         for i in range(3):
             loader.get(i)
@@ -66,11 +73,15 @@ def test_on_cuda_the_thread_pins_and_the_copy_does_not_wait():
     moves = [e for e in log if e[0] == "to"]
     assert [e[1] for e in pins] == [0, 1, 2] and all(e[2].startswith("spec-cache-read") for e in pins)
     assert moves == [("to", i, "cuda:0", True, threading.current_thread().name) for i in range(3)]
+    # decoded on the device by the loop's thread, after the copy: the reading thread does host work only
+    finishes = [e for e in log if e[0] == "finish"]
+    assert finishes == [("finish", i, threading.current_thread().name) for i in range(3)]
+    assert all(log.index(f) > log.index(m) for f, m in zip(finishes, moves))
 
 
 def test_a_read_error_is_raised_where_the_batch_is_asked_for():
     log = []
-    loader = _ReadAhead(reader(log, fail_at=2), torch.device("cpu"), start=0, end=5, depth=2)
+    loader = _ReadAhead(reader(log, fail_at=2), finisher(log), torch.device("cpu"), start=0, end=5, depth=2)
     try:
         assert loader.get(0).i == 0 and loader.get(1).i == 1
         with pytest.raises(ArtifactError, match="shard of batch 2 is damaged"):
@@ -81,7 +92,7 @@ def test_a_read_error_is_raised_where_the_batch_is_asked_for():
 
 def test_close_waits_for_the_read_in_flight():
     log = []
-    loader = _ReadAhead(reader(log, delay=0.3), torch.device("cpu"), start=0, end=10, depth=3)
+    loader = _ReadAhead(reader(log, delay=0.3), finisher(log), torch.device("cpu"), start=0, end=10, depth=3)
     loader.close()  # while batch 0 is being read
     assert [e[1] for e in log if e[0] == "read"] == [0]  # it finished; the rest were cancelled
     assert not any(t.name.startswith("spec-cache-read") for t in threading.enumerate())

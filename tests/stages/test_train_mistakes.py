@@ -387,3 +387,39 @@ def test_an_unknown_precision_is_one_line_before_anything_is_written(setup, tmp_
     assert main(train_args(setup, run, "--precision", "half")) == 1
     assert error_line(capsys) == "error: unknown --precision 'half'; use auto, bf16 or fp32"
     assert not run.exists()
+
+
+def test_the_cache_reading_thread_does_host_work_only(setup):
+    """What the read-ahead thread runs (CacheBackend.read_host) makes no tensor on the backend's device,
+    the meta device standing for the GPU here; the decoding (`finish`, the loop's thread) runs there.
+    A reading thread that decoded on the GPU and brought the [T, Vd] distribution back to the host to
+    pin it made an H200 step 2-3.6x slower."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from spec_cli.data.batching import collate
+    from spec_cli.target.cache_backend import CacheBackend
+
+    class Devices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.device.type)
+            return out
+
+    backend = CacheBackend(setup["cache"], device="meta")
+    try:
+        ids, am, lm = collate(backend.tokens(), [0, 1, 2])
+        with Devices() as mode:
+            host = backend.read_host(ids, am, lm)
+        assert mode.seen == {"cpu"}
+        assert {t.device.type for t in host.tensors.values()} == {"cpu"}
+        batch = backend.finish(host.to(torch.device("meta")))
+        assert {t.device.type for t in batch.tensors().values()} == {"meta"}
+        assert batch.target_p.shape[:2] == ids.shape
+    finally:
+        backend.close()
