@@ -69,3 +69,18 @@ class TargetBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def batch_nbytes(rows: int, length: int, hidden: int, aux_layers: int, draft_vocab: int,
+                 target_dtype: torch.dtype, final_hidden: bool = False, extra_widths: tuple[int, ...] = (),
+                 docs: int = 0) -> int:
+    """Bytes of the tensors of a [rows, length] TargetBatch as a backend makes it, each field in the dtype
+    written above (an extra field in the target's dtype); `docs`: a packed batch's documents per row
+    (seq_lens [rows, docs]; 0 when not packed). `spec train --stream` sizes its store with it (a test
+    holds it to the nbytes of a real batch)."""
+    wide = aux_layers * hidden + (hidden if final_hidden else 0) + sum(extra_widths)  # target dtype
+    per_token = (wide * target_dtype.itemsize
+                 + 4 * draft_vocab  # target_p fp32
+                 + 4 * 8  # input_ids, attention_mask, loss_mask, target_ids: long
+                 + 1 + 4)  # position_mask bool, target_mass fp32
+    return rows * length * per_token + 8 * rows * docs  # + seq_lens, long

@@ -47,6 +47,11 @@ def parse_size(text: str, option: str) -> int:
     return int(value)
 
 
+def parse_size_or_auto(text: str, option: str) -> int | None:
+    """'auto' -> None (the command sizes it), else a size as parse_size reads it."""
+    return None if text.strip().lower() == "auto" else parse_size(text, option)
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a number option allows: finite, and within lo..hi (`open`: the bound itself excluded)."""

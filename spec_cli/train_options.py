@@ -25,7 +25,7 @@ from pathlib import Path
 
 from spec_cli.help import CHECKPOINTS, DATA, DRAFT, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
 from spec_cli.options import (FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, check_range, option,  # noqa: F401
-                              parse_duration, parse_size, shared)
+                              parse_duration, parse_size, parse_size_or_auto, shared)
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,12 @@ class RuntimeOptions:
         False, "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
                                 "trainer through a bounded store (same results as without).", panel=TARGET,
         resumable=True)
-    stream_max_bytes: int = option(
-        4 << 30, "--stream-max-bytes", help="--stream: supervision the store may hold (e.g. 512M, 4G, or "
-                                            "bytes); producers wait beyond it.", panel=TARGET,
-        parse=parse_size, text="4G", resumable=True)
+    stream_max_bytes: int | None = option(  # None: auto (spec_cli/stream/bound.py)
+        None, "--stream-max-bytes", help="--stream: supervision the store may hold; producers wait beyond it. "
+                                         "auto: --prefetch + 1 of the run's largest batches (fewer when "
+                                         "memory, or --stream-dir's disk, has less room), or a size: 512M, "
+                                         "4G, bytes.", panel=TARGET,
+        parse=parse_size_or_auto, text="auto", resumable=True)
     stream_dir: Path | None = option(
         None, "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
                                    "end) instead of in memory.", panel=TARGET, file_okay=False, resumable=True)

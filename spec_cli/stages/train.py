@@ -41,6 +41,7 @@ from spec_cli.plan.auto import needs_checkpointing
 from spec_cli.stages.train_log import TrainLogger, plot_curves
 from spec_cli.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
+from spec_cli.stream.bound import size_text
 from spec_cli.target import loading, local
 
 
@@ -673,7 +674,8 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
 def _save_stream_report(cfg: TrainConfig, report: dict) -> None:
     """stream.json in the run folder (rank 0; also after an error or Ctrl-C) and one log line."""
     info(f"stream: {report['produced']} batches produced, {report['consumed']} consumed, peak "
-         f"{report['peak_bytes'] / 2**20:.1f} MiB in the store; the trainer waited "
+         f"{report['peak_bytes'] / 2**20:.1f} MiB in the store, bound {size_text(report['max_bytes'])} "
+         f"({report['max_bytes_source']}); the trainer waited "
          f"{report['trainer_wait_s']:.1f} s, producers {report['put_wait_s']:.1f} s on the bound")
     if distributed.is_main():
         try:

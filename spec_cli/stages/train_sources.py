@@ -3,7 +3,8 @@
 open_source   one factory for a feature cache (--cache), a live target (--target) and served targets
               (--remote): it opens what is particular to each; for a live or served target it then
               tokenises the data (rank 0 first, the others read its cache) and plans the batches, the
-              same steps for both.
+              same steps for both, and with --stream sizes the store's bound from the largest planned
+              batch (spec_cli/stream/bound.py) before a live target is loaded.
 Schedule      the planned batches split into train and held-out eval batches, and which one each
               micro-batch trains on: epoch e visits the train batches in the order of a permutation
               seeded by (seed, e), so the data position is a function of the step alone.
@@ -22,9 +23,14 @@ from typing import Callable
 import torch
 
 from spec_cli import assets, distributed
+from spec_cli.batch import batch_nbytes
+from spec_cli.console import info
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
+from spec_cli.draft import algorithms
+from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
+from spec_cli.stream.bound import StoreBound, free_room, size_text, store_bound
 from spec_cli.train_options import TrainConfig
 from spec_cli.target import loading, local
 from spec_cli.target.backend import TargetBackend
@@ -43,6 +49,7 @@ class Source:
     aux_layers: list[int]
     identity: dict  # target and tokenizer fingerprints, aux layers: what a --resume must match
     chat_template: dict = dataclasses.field(default_factory=dict)  # sha256 + source of the template used
+    stream_bound: StoreBound | None = None  # --stream: the store's byte bound and where it came from
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
@@ -59,6 +66,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     try:
         data_path = Path(assets.resolve_data_arg(d.data))
         tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc)
+        n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
+        plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
+        bound = _stream_bound(cfg, target, vocab_map, tokens, plan, device) if cfg.runtime.stream else None
         backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
         if cfg.runtime.stream and getattr(backend, "group", None) is not None:
             backend.close()
@@ -69,11 +79,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         if target.backend is not None:
             target.backend.close()
         raise
-    n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
-    plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
     identity = {"target_fingerprint": backend.info["target_fingerprint"],
                 "tokenizer_fingerprint": target.tokenizer_fingerprint, "aux_layers": backend.info["aux_layers"]}
-    return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template)
+    return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound)
 
 
 def _check_options(cfg: TrainConfig) -> None:
@@ -128,12 +136,14 @@ def _other_aux_layers(cfg: TrainConfig, num_layers: int, given: list[int]) -> bo
 
 @dataclass
 class _Target:
-    """A live or served target, as far as the data needs it before it is tokenised."""
+    """A live or served target, as far as the data (and the stream's bound) need it before it is loaded."""
     tokenizer: object
     tokenizer_fingerprint: str
     aux_layers: list[int]
     config: dict  # the target's config.json
     template: dict  # what artifacts record about the chat template
+    hidden_size: int
+    dtype: torch.dtype  # of its hidden states
     backend: TargetBackend | None = None  # served: connected already
     load: Callable[[], TargetBackend] | None = None  # live: loads the model
 
@@ -156,7 +166,8 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
                                   else cfg.runtime.target_memory)
 
     record = chat_templates.identity(tokenizer, template)
-    return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, load=load)
+    hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
+    return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, hidden_size, dtype, load=load)
 
 
 def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -184,7 +195,34 @@ def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Tar
     record = chat_templates.identity(tokenizer, template)
     if template is None and backend.servers[0].info.get("chat_template_source"):  # serve-target --chat-template
         record["chat_template_source"] = backend.servers[0].info["chat_template_source"]
-    return _Target(tokenizer, fingerprint, aux_layers, backend.target_config, record, backend=backend)
+    dtype = getattr(torch, str(backend.info.get("dtype")), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # not said: the widest it sends
+    return _Target(tokenizer, fingerprint, aux_layers, backend.target_config, record,
+                   int(backend.info["hidden_size"]), dtype, backend=backend)
+
+
+def _stream_bound(cfg: TrainConfig, target: _Target, vocab_map, tokens, plan: list[list[int]],
+                  device: torch.device) -> StoreBound:
+    """--stream's store bound (spec_cli/stream/bound.py) for the run's largest planned batch, whose bytes
+    are known before the target runs: the fields of spec_cli/batch.py at the target's hidden size, aux
+    layers and dtype, the draft vocab, and what the --algorithm asks for beyond them."""
+    algorithm = algorithms.get(cfg.draft.algorithm)
+    H = target.hidden_size
+    widths = tuple(algorithm.target_fields[name].width(H) for name in algorithm.field_needs()
+                   if name != FINAL_HIDDEN and name in algorithm.target_fields)
+
+    def nbytes(batch: list[int]) -> int:
+        lengths = tokens.lengths[batch]
+        rows, length, docs = ((1, int(lengths.sum()), len(batch)) if cfg.data.pack  # one packed row
+                              else (len(batch), int(lengths.max()), 0))  # padded to its longest
+        return batch_nbytes(rows, length, H, len(target.aux_layers), vocab_map.draft_vocab_size, target.dtype,
+                            algorithm.final_hidden, widths, docs)
+
+    largest = max((nbytes(b) for b in plan), default=0)
+    # the samples live where the target made them: a live target's device, a served one's host memory
+    held_on = device if cfg.data.remote is None else torch.device("cpu")
+    free, where = free_room(cfg.runtime.stream_dir, held_on)
+    return store_bound(cfg.runtime.stream_max_bytes, largest, cfg.runtime.prefetch + 1, free, where)
 
 
 def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc: int):
@@ -323,7 +361,7 @@ def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: in
     With --stream, and for --remote with --prefetch N > 0, producer threads make them ahead of the loop
     (spec_cli/stream): an in-process target one batch at a time (its backend is wrapped so that
     evaluation can share it), remote servers N requests at once. The store holds at most N + 1 batches
-    and, with --stream, --stream-max-bytes bytes. Otherwise each is made when asked."""
+    and, with --stream, the bytes open_source sized (source.stream_bound). Otherwise each is made when asked."""
     rt, remote = cfg.runtime, cfg.data.remote is not None
     from spec_cli.stream import FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader, new_run_id
 
@@ -340,7 +378,10 @@ def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: in
         return _WhenAsked(source, schedule, cfg.data.pack, device)
 
     run_id = new_run_id()
-    bounds = dict(max_samples=rt.prefetch + 1, max_bytes=rt.stream_max_bytes if rt.stream else None)
+    bound = source.stream_bound if rt.stream else None
+    if bound is not None:
+        info(f"stream store: at most {size_text(bound.max_bytes)} ({bound.source})")
+    bounds = dict(max_samples=rt.prefetch + 1, max_bytes=None if bound is None else bound.max_bytes)
     if rt.stream_dir is not None:
         store = FolderStore(Path(rt.stream_dir) / f"spec-stream-{run_id}", **bounds)
     else:
@@ -350,4 +391,5 @@ def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: in
     producer = Producer(source.backend, store, run_id, target_version=source.identity["target_fingerprint"])
     return StreamLoader(producer, lambda i: inputs_for(source, schedule.indices(i), cfg.data.pack), start,
                         schedule.total_steps * schedule.grad_accum, prefetch=rt.prefetch,
-                        workers=max(1, rt.prefetch) if remote else 1, device=device)
+                        workers=max(1, rt.prefetch) if remote else 1, device=device,
+                        bound_source=None if bound is None else bound.source)

@@ -12,6 +12,7 @@ StreamLoader(producer, inputs, start, stop, prefetch) makes batch numbers start.
 - an error in a producer is raised by get() for that batch (the batches before it still arrive);
 - close() (end, error or Ctrl-C) stops the threads, evicts every sample not consumed and closes the
   store; it is safe to call twice.
+The report says where the store's byte bound came from (`bound_source`: spec_cli/stream/bound.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 
 from spec_cli.batch import EXTRA, TargetBatch
+from spec_cli.stream.bound import size_text
 from spec_cli.stream.producer import Producer, SampleRef
 from spec_cli.stream.store import FeatureStore, StoreClosedError, StoreError
 
@@ -53,8 +55,9 @@ def load(store: FeatureStore, ref: SampleRef, device: torch.device | str) -> Tar
 class StreamLoader:
     def __init__(self, producer: Producer, inputs: Callable[[int], dict], start: int, stop: int,
                  prefetch: int = 2, workers: int = 1, device: torch.device | str = "cpu",
-                 join_s: float = 10.0):
+                 join_s: float = 10.0, bound_source: str | None = None):
         self.producer, self.store = producer, producer.store
+        self.bound_source = bound_source  # where the store's max_bytes came from (auto, given)
         self.inputs, self.stop_at, self.prefetch = inputs, stop, max(0, prefetch)
         self.device, self.join_s = device, join_s
         self._cond = threading.Condition()
@@ -164,7 +167,8 @@ class StreamLoader:
         """The store's health plus the pipeline's counts and waits."""
         with self._cond:
             stats = dict(self._stats)
-        return {**self.store.health(), **stats, "workers": len(self._threads), "prefetch": self.prefetch}
+        return {**self.store.health(), **stats, "workers": len(self._threads), "prefetch": self.prefetch,
+                "max_bytes_source": self.bound_source}
 
     def __enter__(self):
         return self
@@ -179,7 +183,9 @@ def new_run_id() -> str:
 
 def report_rows(report: dict) -> list[tuple[str, str]]:
     """The summary lines of a StreamLoader report."""
-    bound = "none" if report["max_bytes"] is None else f"{report['max_bytes'] / 2**20:.0f} MiB"
+    bound = "none" if report["max_bytes"] is None else size_text(report["max_bytes"])
+    if report.get("max_bytes_source"):
+        bound += f" ({report['max_bytes_source']})"
     return [
         ("stream store", f"{report['backend']}, peak {report['peak_bytes'] / 2**20:.1f} MiB of {bound}, "
                          f"peak {report['peak_samples']} of {report['max_samples']} samples, "

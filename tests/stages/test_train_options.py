@@ -13,12 +13,13 @@ from spec_cli.draft import algorithms
 from spec_cli.draft.eagle import EagleOptions
 from spec_cli.draft.peagle import PEagleOptions
 from spec_cli.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
-                                           parse_size, resumable_options)
+                                           parse_size, parse_size_or_auto, resumable_options)
 
 
 def test_sizes_and_durations_parse_as_a_user_writes_them():
     assert [parse_size(t, "-x") for t in ("512M", "4G", "4GiB", "1.5k", "65536")] == [
         512 << 20, 4 << 30, 4 << 30, 1536, 65536]
+    assert [parse_size_or_auto(t, "-x") for t in ("auto", " Auto ", "4G")] == [None, None, 4 << 30]
     assert [parse_duration(t, "-x") for t in ("90s", "45m", "2h", "1.5")] == [90.0, 2700.0, 7200.0, 90.0]
 
 
@@ -59,7 +60,7 @@ def test_flat_options_build_the_groups_and_come_back_flat():
     assert isinstance(cfg.objective, ObjectiveOptions)  # what algorithm.objective takes
     flat = cfg.options()
     assert list(flat) == list(all_options()) and TrainConfig.from_options(**flat) == cfg
-    assert flat["epochs"] == 1.0 and flat["stream_max_bytes"] == 4 << 30  # the rest keep their defaults
+    assert flat["epochs"] == 1.0 and flat["stream_max_bytes"] is None  # the rest keep their defaults
     with pytest.raises(TypeError, match="no option learning_rate"):
         TrainConfig.from_options(vocab_map="vm", output="run", learning_rate=1)
     with pytest.raises(TypeError):  # the one without a default (--vocab-map is checked by the stage:
@@ -70,7 +71,7 @@ def test_the_train_command_has_one_option_per_field():
     command = typer.main.get_command(build_app()).commands["train"]
     assert [p.name for p in command.params] == [*all_options(), "config", "quiet"]
     by_name = {p.name: p for p in command.params}
-    assert by_name["stream_max_bytes"].default == "4G"  # parsed to bytes (parse_size) by the command
+    assert by_name["stream_max_bytes"].default == "auto"  # parsed (parse_size_or_auto: None) by the command
     assert by_name["init_from_target"].secondary_opts == ["--random-init"]
     assert by_name["output"].required  # and --vocab-map, but for --resume: the stage checks it
     assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None

@@ -14,6 +14,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from spec_cli.errors import ConfigError
 from spec_cli.stages import train as stage
+from spec_cli.stages import train_sources
 from tests import tiny
 from tests.conftest import write_jsonl
 
@@ -65,6 +66,7 @@ def test_streamed_training_equals_training_without_it(setup, tmp_path):
     assert report["backend"] == "memory" and report["samples"] == 0 and report["bytes"] == 0
     assert report["consumed"] == 4 and report["produced"] >= 4 and 0 < report["peak_samples"] <= 4
     assert report["peak_bytes"] <= report["max_bytes"]
+    assert report["max_bytes_source"].startswith("auto: 4 batches of")  # --prefetch 3 + 1, sized from the plan
     assert json.loads((tmp_path / "run" / "stream.json").read_text())["consumed"] == 4
 
 
@@ -95,6 +97,7 @@ def test_streamed_training_after_ctrl_c_resumes_to_the_same_weights(setup, tmp_p
     assert_same(setup["plain"], weights(tmp_path / "run"))
     report = json.loads((tmp_path / "run" / "stream.json").read_text())
     assert report["consumed"] == 3 and report["samples"] == 0 and report["max_bytes"] == 64 << 20
+    assert report["max_bytes_source"] == "given: --stream-max-bytes"
     assert os.listdir(folder) == []
 
 
@@ -112,15 +115,20 @@ def test_remote_streamed_training_equals_training_without_it(setup, tmp_path):
     assert_same(setup["plain"], weights(tmp_path / "run"))
 
 
-def test_stream_options_are_checked(setup, tmp_path, capsys):
+def test_stream_options_are_checked(setup, tmp_path, capsys, monkeypatch):
     with pytest.raises(ConfigError, match="feature cache"):
         stage.open_source(config(setup, tmp_path / "a", target=None, cache=tmp_path, stream=True),
                           "cpu", None)
     with pytest.raises(ConfigError, match="--stream-dir"):
         stage.open_source(config(setup, tmp_path / "a", stream_dir=tmp_path), "cpu", None)
+    loaded = []  # a bound smaller than one batch is refused before the target is loaded
+    monkeypatch.setattr(train_sources.local, "open_backend", lambda *a, **kw: loaded.append(a))
     too_small = ["train", "--target", str(setup["target"]), "--data", str(setup["data"]), "-v",
                  str(setup["vm"]), "-o", str(tmp_path / "b"), "--dtype", "fp32", "--max-steps", "2",
-                 "--batch-tokens", "256", "--stream", "--stream-max-bytes", "1000", "-q"]
+                 "--batch-tokens", "256", "--stream", "--stream-dir", str(tmp_path / "sd"),
+                 "--stream-max-bytes", "1000", "-q"]
     assert main(too_small) == 1
-    err = capsys.readouterr().err
-    assert "could never fit" in err and "--stream-max-bytes" in err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error: --stream-max-bytes 1000 bytes is smaller than one batch of this run (" in err
+    assert "raise --stream-max-bytes to at least 1M (or leave it out: auto), or lower --batch-tokens" in err
+    assert loaded == [] and not (tmp_path / "b").exists() and not (tmp_path / "sd").exists()
