@@ -27,12 +27,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def run(T: int, precision: str, steps: int) -> tuple[float, list[float]]:
-    from spec_cli.draft.eagle3.ttt import ttt_forward
-    from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
-    from spec_cli.stages.train import _autocast
     from train_step import build
 
     draft, batch = build(T)
+    times, losses = time_steps(draft, batch, precision, steps)
+    return T / min(times[1:]), losses
+
+
+def time_steps(draft, batch, precision: str, steps: int) -> tuple[list[float], list[float]]:
+    """`steps` training steps of `draft` on `batch` as spec train runs them at --precision `precision`:
+    (seconds of each, loss of each)."""
+    from spec_cli.draft.eagle3.ttt import ttt_forward
+    from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
+    from spec_cli.stages.train import _autocast
+
     objective = SimpleNamespace(plan=lambda b: [None])
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, SimpleNamespace(lr=1e-4, weight_decay=0.0))
@@ -46,7 +54,7 @@ def run(T: int, precision: str, steps: int) -> tuple[float, list[float]]:
         optimizer_step(params, optimizer, 1.0)
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss.detach()))
-    return T / min(times[1:]), losses
+    return times, losses
 
 
 def main(argv: list[str] | None = None) -> int:
