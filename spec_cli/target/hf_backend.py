@@ -19,7 +19,7 @@ from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
 from spec_cli.target.backend import TargetBackend
 from spec_cli.target.capture import AuxCapture
-from spec_cli.target.masks import Layout, for_model
+from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
 
@@ -126,6 +126,14 @@ class LocalTargetBackend(TargetBackend):
                                   position_ids, seq_lens, hidden if self.keep_final_hidden else None, extras)
 
 
+def packs_by_positions(implementation: str, layout, rows: int) -> bool:
+    """Packed documents go to the target as positions alone (no mask) for attentions that read no custom
+    mask (flash attention: transformers derives the documents' offsets from the positions and runs one
+    varlen call for the row) when the layout allows it (`Layout.packs_by_positions`) and the batch is
+    one row (a packed batch is); sdpa and eager take the per-kind masks (exact for every layout)."""
+    return implementation not in CUSTOM_MASK_ATTENTION and layout.packs_by_positions() and rows == 1
+
+
 class HFTargetBackend(LocalTargetBackend):
     """The target in transformers, whole on this process's device, or (`mesh`: torchrun) sharded by
     tensor parallelism over the ranks of this machine. Sharded, the ranks run every forward together:
@@ -142,7 +150,8 @@ class HFTargetBackend(LocalTargetBackend):
         config = loading.load_config(target_dir)
         # validated before the (slow) model load
         self.aux_layers = resolve_aux_layers(aux_layers, loading.num_layers(config))
-        self.model = loading.load_model(target_dir, self.device, self.dtype, mesh)
+        self.model = loading.load_model(target_dir, self.device, self.dtype, mesh,
+                                        loading.supervision_attention(self.device, self.dtype))
         self.group = None if mesh is None else mesh.get_group()  # the ranks a forward runs on together
         self.decoder = self.model.get_decoder()
         self.final_norm = getattr(self.decoder, "norm", None)
@@ -200,7 +209,11 @@ class HFTargetBackend(LocalTargetBackend):
         if seq_lens is not None:  # packed rows: each layer kind's mask per document, positions restart
             self.layout.require(PACKING, "train without --pack (one document per row)")
             masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
-            mask = for_model(masks, self.model.config._attn_implementation or "sdpa", self.dtype, PACKING)
+            implementation = self.model.config._attn_implementation or "sdpa"
+            if packs_by_positions(implementation, self.layout, input_ids.shape[0]):
+                mask = None  # transformers cuts the row at each position 0: one varlen call per layer
+            else:
+                mask = for_model(masks, implementation, self.dtype, PACKING)
             position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
         elif position_ids is not None:
             position_ids = position_ids.to(self.device)

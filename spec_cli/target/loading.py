@@ -168,9 +168,23 @@ def config_from_dict(data: dict):
         return PretrainedConfig.from_dict(data)
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None) -> nn.Module:
+def supervision_attention(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The attention a target that supervises training (precompute, spec train --target) loads with:
+    flash attention 2 on a GPU in 16-bit where the flash-attn package is installed (packed rows then
+    run as one varlen call per layer: hf_backend.packs_by_positions), else transformers' default (sdpa)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from transformers.utils import is_flash_attn_2_available
+
+    return "flash_attention_2" if is_flash_attn_2_available() else None
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None,
+               attention: str | None = None) -> nn.Module:
     """The target as a frozen causal LM in eval mode. `mesh` (a device mesh of ranks): sharded over it
-    by transformers' tensor-parallel plan for the architecture, each rank loading only its shards."""
+    by transformers' tensor-parallel plan for the architecture, each rank loading only its shards.
+    attention: the attn_implementation to ask for (None: transformers' default); an architecture that
+    does not take it loads with the default, with a warning."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -180,11 +194,16 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None) 
         if not getattr(config, "base_model_tp_plan", None):
             raise TargetError(f"transformers has no tensor-parallel plan for {(config.architectures or ['this'])[0]}",
                               "use --target-parallel replica, or serve the target (`spec serve-target`)")
+    kwargs = {"dtype": dtype} if mesh is None else {"dtype": dtype, "tp_plan": "auto", "device_mesh": mesh}
     try:
-        if mesh is None:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, tp_plan="auto", device_mesh=mesh)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), **kwargs, **({} if attention is None else {"attn_implementation": attention}))
+        except (ValueError, ImportError) as exc:  # transformers' answer to an attention the model lacks
+            if attention is None:
+                raise
+            warn(f"the target does not load with {attention} ({exc}); using transformers' default attention")
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     except Exception as exc:
         raise TargetError(f"cannot load the target model from {path}: {exc}",
                           "pass a decoder-only causal LM that transformers supports") from exc

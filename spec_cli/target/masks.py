@@ -77,6 +77,14 @@ class Layout:
             return "it has chunked_attention layers but no attention_chunk_size in its config"
         return None
 
+    def packs_by_positions(self) -> bool:
+        """Whether packed documents can be given as positions alone (restarting at 0 per document, no
+        mask), as transformers reads them for attentions that take no custom mask (flash attention's
+        varlen call, one per packed row): its full and sliding rules apply within a document by the
+        tokens' distance. Chunked attention counts chunks from the row's start there, not from each
+        document's, so it needs the masks."""
+        return self.problem() is None and CHUNKED not in self.kinds
+
     def require(self, what: str, instead: str) -> None:
         """ConfigError naming `what` cannot be done on this target, and why."""
         why = self.problem()

@@ -126,3 +126,24 @@ def test_bf16_probe_missing_from_torch_means_not_native(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     assert loading.fast_bf16(torch.device("cpu")) is False
+
+
+def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_installed(monkeypatch):
+    import transformers.utils
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert loading.supervision_attention(cuda, torch.bfloat16) == "flash_attention_2"
+    assert loading.supervision_attention(cuda, torch.float16) == "flash_attention_2"
+    assert loading.supervision_attention(cuda, torch.float32) is None  # flash attention has no fp32
+    assert loading.supervision_attention(cpu, torch.bfloat16) is None
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert loading.supervision_attention(cuda, torch.bfloat16) is None  # not installed: sdpa
+
+
+def test_a_target_that_does_not_take_the_attention_loads_with_the_default(tiny_llama_dir, capsys):
+    """flash-attn installed but the architecture (or the package's build) refuses it: a warning, and the
+    target as before; asking for nothing loads the default."""
+    model = loading.load_model(tiny_llama_dir, torch.device("cpu"), torch.float32, attention="no_such_attention")
+    assert model.config._attn_implementation == "sdpa"
+    assert "does not load with no_such_attention" in capsys.readouterr().err

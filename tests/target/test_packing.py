@@ -184,3 +184,43 @@ def test_a_packed_request_to_a_server_equals_the_in_process_batch(backend, targe
         handle.stop(grace=5)
     for name, t in backend.generate_batch(ids, am, lm, seq_lens=SEQ_LENS).tensors().items():
         assert torch.equal(got[name], t), name
+
+
+def test_one_packed_row_as_positions_alone_is_the_masks_forward(backend):
+    """A packed row given as positions alone (restarting at 0 per document, no mask) is read by
+    transformers as its documents: the same hidden states as the per-kind masks, full and sliding
+    layers alike. It is how a flash-attention target gets packed rows (one varlen call per layer,
+    its offsets derived from the same positions: next test), checked here on sdpa."""
+    ids, am, _ = packed_batch(backend.info["vocab_size"])
+    row = slice(0, 1)
+    _, with_masks = backend.run_target(ids[row], am[row], seq_lens=SEQ_LENS[row])
+    _, positions = document_ids(SEQ_LENS[row], T)
+    with torch.no_grad():
+        alone = backend.decoder(input_ids=ids[row], attention_mask=None, position_ids=positions,
+                                use_cache=False).last_hidden_state
+    torch.testing.assert_close(alone, with_masks, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_attention_targets_take_packed_rows_as_positions(backend, monkeypatch):
+    """A target loaded with flash attention (which takes no custom mask) gets a packed row as positions
+    alone, and transformers' flash path cuts it into the documents (each padding token its own); a
+    batch of several packed rows, which it cannot cut, is refused with the reason."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    seen = {}
+
+    def decoder(**kwargs):
+        seen.update(kwargs)
+        raise StopIteration  # what the forward was given is all this test needs
+
+    monkeypatch.setattr(backend.model.config, "_attn_implementation", "flash_attention_2")
+    monkeypatch.setattr(backend, "decoder", decoder)
+    ids, am, _ = packed_batch(backend.info["vocab_size"])
+    with pytest.raises(StopIteration):
+        backend.run_target(ids[:1], am[:1], seq_lens=SEQ_LENS[:1])
+    assert seen["attention_mask"] is None
+    (cu_q, cu_k), (max_q, _) = prepare_fa_kwargs_from_position_ids(seen["position_ids"])
+    used = int(SEQ_LENS[0].sum())
+    assert cu_q.tolist() == [0, 21, 26, 43, *range(44, T + 1)] == cu_k.tolist() and used == 43 and max_q == 21
+    with pytest.raises(ConfigError, match="flash_attention_2.*does not take"):
+        backend.run_target(ids, am, seq_lens=SEQ_LENS)
