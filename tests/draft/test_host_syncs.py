@@ -93,3 +93,29 @@ def test_the_emulation_sees_a_host_to_device_copy():
     TTT step on CUDA, which the op count above cannot see) fails under host_elsewhere."""
     with host_elsewhere(), pytest.raises(NotImplementedError, match="meta"):
         torch.arange(4.0).to(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("ttt_steps,segments,packed", [(4, 1, True), (7, 1, True), (4, 2, False), (7, 3, True)])
+def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
+    """P-EAGLE: COD sampling, the segments' element sets, the supervised counts and the documents come
+    to the host together, once per batch, whatever the depth and the number of segments (it was ~5 per
+    depth and segment: a nonzero or int() for each set and count)."""
+    from spec_cli.draft.peagle.objective import PEagleObjective
+    from spec_cli.train_options import ObjectiveOptions
+    from tests.draft.peagle.test_objective import packed_batch, peagle_draft
+
+    draft = peagle_draft()
+    batch = packed_batch(draft.config) if packed else random_batch(draft.config, [20, 17], 20)
+    objective = PEagleObjective(draft, ObjectiveOptions(ttt_steps=ttt_steps, peagle_segments=segments))
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    def step():
+        for unit in objective.plan(batch):  # as the trainer runs a batch: plan once, each unit's pass
+            objective(batch, unit).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    step()  # the first keeps what it copies to the device once (rope's table)
+    for _ in range(2):
+        with CountSyncs() as mode, host_elsewhere():
+            step()
+        assert mode.counts == {"tolist": 1}, dict(mode.counts)

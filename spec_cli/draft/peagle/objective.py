@@ -48,12 +48,15 @@ LOSSES = ("soft-ce", "lk-alpha")  # per-element losses: they add up over element
 @dataclass
 class Unit:
     """One forward/backward of a batch: depth-0 slots [0, end) run, [start, end) are charged; the
-    depth-d elements it owns are rollouts[d - 1] = (rows, anchors)."""
+    depth-0 elements it charges are depth0 = (rows, anchors), the depth-d ones it owns
+    rollouts[d - 1]. Sizes are host ints, fetched once for the whole batch (`PEagleObjective.plan`)."""
     start: int
     end: int
     rollouts: list[tuple[torch.Tensor, torch.Tensor]]
-    depth_den: torch.Tensor  # [K] the batch's supervised elements per depth (all units)
+    depth_den: list[int]  # [K] the batch's supervised elements per depth (all units)
     total_den: int  # their sum
+    depth0: tuple[torch.Tensor, torch.Tensor] | None = None
+    segments: Segments | None = None  # the packed documents of the slots [0, end) (None: not packed)
 
 
 def valid_depths(batch: TargetBatch, depths: int) -> torch.Tensor:
@@ -63,9 +66,10 @@ def valid_depths(batch: TargetBatch, depths: int) -> torch.Tensor:
     return torch.stack([(remaining > d) & shift_left(batch.loss_mask, d).bool() for d in range(depths)])
 
 
-def sample_rollouts(valid: torch.Tensor, ratio: float, floor: float, sample: bool = True,
-                    generator: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """COD sampling (module docstring). valid [K, B, T] -> [(rows, anchors)] for depths 1..K-1."""
+def rollout_masks(valid: torch.Tensor, ratio: float, floor: float, sample: bool = True,
+                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """COD sampling (module docstring). valid [K, B, T] -> the kept elements [B, T] of depths 1..K-1,
+    on the device (no host sync)."""
     K, B, T = valid.shape
     kept = valid[1] if K > 1 else None
     out = []
@@ -79,53 +83,71 @@ def sample_rollouts(valid: torch.Tensor, ratio: float, floor: float, sample: boo
             kept = candidates & (rank < want[:, None])
         else:
             kept = candidates
-        rows, anchors = kept.nonzero(as_tuple=True)  # sorted by (row, anchor)
-        out.append((rows, anchors))
+        out.append(kept)
     return out
 
 
-def split(rollouts, valid: torch.Tensor, supervised: torch.Tensor, segments: int) -> list[Unit]:
-    """The batch's units (module docstring "Segments"). supervised [K, B, T]: elements with a loss."""
+def sample_rollouts(valid: torch.Tensor, ratio: float, floor: float, sample: bool = True,
+                    generator: torch.Generator | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """rollout_masks as (rows, anchors) sorted by (row, anchor), depths 1..K-1 (one sync per depth)."""
+    return [kept.nonzero(as_tuple=True) for kept in rollout_masks(valid, ratio, floor, sample, generator)]
+
+
+def plan_units(batch: TargetBatch, valid: torch.Tensor, kept: list[torch.Tensor], supervised: torch.Tensor,
+               segments: int) -> list[Unit]:
+    """The batch's units (module docstring "Segments") with one host sync for all their sizes, the
+    supervised counts and the packed documents. valid / supervised [K, B, T]; kept [B, T] per depth >= 1."""
     K, B, T = valid.shape
-    den = [int(supervised[0].sum())] + [int(supervised[d][rows, anchors].sum())
-                                        for d, (rows, anchors) in enumerate(rollouts, start=1)]
-    depth_den, total = torch.tensor(den), sum(den)
-    if segments <= 1:
-        return [Unit(0, T, rollouts, depth_den, total)]
-    bounds = [round(i * T / segments) for i in range(segments + 1)]
+    bounds = [round(i * T / max(segments, 1)) for i in range(max(segments, 1) + 1)]
+    ranges = [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
+    t = torch.arange(T, device=valid.device)
+    charged = []  # per unit: its depth-0 anchors, then its deep elements by depth
+    for a, e in ranges:
+        owned = (t + 1 >= a) & (t + 1 < e)  # by its depth-1 element's position (anchor + 1)
+        charged.append([valid[0] & (t >= a) & (t < e)] + [k & owned for k in kept])
+    den = [supervised[0]] + [supervised[d] & kept[d - 1] for d in range(1, K)]
+    counts = torch.stack([m.sum() for unit in charged for m in unit] + [m.sum() for m in den])
+    host = [counts] + ([] if batch.seq_lens is None else [batch.seq_lens.long().flatten()])
+    sizes = torch.cat(host).tolist()  # the one sync: element sets and documents have data-dependent sizes
+    per_unit, depth_den, lengths = len(kept) + 1, sizes[len(counts) - K:len(counts)], sizes[len(counts):]
     units = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end <= start:
-            continue
-        owned = []
-        if rollouts:
-            rows1, anchors1 = rollouts[0]
-            mine = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
-            pos1 = anchors1 + 1  # depth-1 elements sit at anchor + 1
-            sel = (pos1 >= start) & (pos1 < end)
-            mine[rows1[sel], anchors1[sel]] = True  # the rollouts this segment owns (by their depth-1 element)
-            for rows, anchors in rollouts:
-                keep = mine[rows, anchors]
-                owned.append((rows[keep], anchors[keep]))
-        units.append(Unit(start, end, owned, depth_den, total))
+    for i, ((a, e), masks) in enumerate(zip(ranges, charged)):
+        picked = [_elements(m, n) for m, n in zip(masks, sizes[i * per_unit:(i + 1) * per_unit])]
+        units.append(Unit(a, e, picked[1:], depth_den, sum(depth_den), picked[0],
+                          None if batch.seq_lens is None else _clipped_segments(lengths, B, e)))
     return units
 
 
-def clip_seq_lens(seq_lens: torch.Tensor, end: int) -> torch.Tensor:
-    """[B, D] document lengths of rows cut at slot `end`."""
-    ends = seq_lens.long().cumsum(1).clamp_max(end)
-    return torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
+def _elements(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, anchors) of the n True entries of mask [B, T], sorted by (row, anchor): no host sync."""
+    T = mask.shape[1]
+    flat = torch.nonzero_static(mask.reshape(-1), size=n).squeeze(1)
+    return flat // T, flat % T
+
+
+def _clipped_segments(lengths: list[int], B: int, end: int) -> Segments:
+    """The documents of rows of `lengths` (host ints, B rows of D) cut at slot `end`."""
+    D = len(lengths) // B
+    rows = []
+    for b in range(B):
+        left, row = end, []
+        for n in lengths[b * D:(b + 1) * D]:
+            row.append(min(n, left))
+            left -= row[-1]
+        rows.append(row)
+    return Segments.from_lengths(rows, end)
 
 
 def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int, supervised, loss: str):
     """Depth d's (loss sum over its supervised elements, top-1 hits over all of them): states [N, H] of
-    the scored elements (rows, anchors), supervised [N] bool."""
+    the scored elements (rows, anchors), supervised [N] bool. The loss runs over all N with the
+    unsupervised elements' target zeroed, which adds exactly nothing (soft-CE: no mass to match;
+    lk-alpha: alpha 0 is skipped), so that no host sync picks the supervised ones."""
     logits = draft.logits(states)  # [N, Vd]
     t = anchors + d
-    sup = supervised.nonzero(as_tuple=True)[0]
-    n = sup.numel()
-    value = step_loss(logits[sup], batch.target_p[rows[sup], t[sup]], batch.target_mass[rows[sup], t[sup]],
-                      loss) * n
+    n = rows.shape[0]
+    value = step_loss(logits, batch.target_p[rows, t] * supervised[:, None],
+                      batch.target_mass[rows, t] * supervised, loss) * n
     return value, top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t])
 
 
@@ -149,12 +171,12 @@ class PEagleObjective(Objective):
         self.checkpoint = activation_checkpointing
 
     def plan(self, batch: TargetBatch, sample: bool | None = None) -> list[Unit]:
-        """COD-sample the batch's rollouts once and cut them into segments."""
+        """COD-sample the batch's rollouts once and cut them into segments (one host sync)."""
         sample = self.training if sample is None else sample
         valid = valid_depths(batch, self.depths)
-        rollouts = sample_rollouts(valid, self.options.cod_ratio, self.options.cod_min, sample)
+        kept = rollout_masks(valid, self.options.cod_ratio, self.options.cod_min, sample)
         supervised = valid & torch.stack([shift_left(batch.position_mask, d).bool() for d in range(self.depths)])
-        return split(rollouts, valid, supervised, self.options.peagle_segments if sample else 1)
+        return plan_units(batch, valid, kept, supervised, self.options.peagle_segments if sample else 1)
 
     def forward(self, batch: TargetBatch, unit: Unit | None = None) -> ObjectiveOutput:
         if unit is None:  # one forward over the whole batch (evaluation, direct calls)
@@ -165,13 +187,9 @@ class PEagleObjective(Objective):
     def _run(self, batch: TargetBatch, unit: Unit) -> ObjectiveOutput:
         draft, K, end = self.draft, self.depths, unit.end
         position_ids = positions(batch)
-        bias = Segments.from_seq_lens(clip_seq_lens(batch.seq_lens, end), end) if batch.seq_lens is not None \
-            else None
         state0, deep = draft.parallel_forward(batch.input_ids[:, :end], batch.aux_hidden[:, :end],
-                                              position_ids[:, :end], bias, unit.rollouts)
-        valid0 = valid_depths(batch, 1)[0][:, :end]
-        valid0[:, :unit.start] = False  # the slots before the segment are context only
-        rows0, anchors0 = valid0.nonzero(as_tuple=True)
+                                              position_ids[:, :end], unit.segments, unit.rollouts)
+        rows0, anchors0 = unit.depth0  # the depth-0 elements it charges: anchors in [start, end)
         head = partial(_head, loss=self.options.loss)
         score = (lambda *a: activation_checkpoint(head, *a, use_reentrant=False)) if self.checkpoint else head
         # the mask state takes part in every unit's graph (DDP expects a gradient for every parameter)
@@ -186,19 +204,22 @@ class PEagleObjective(Objective):
             supervised = batch.position_mask[rows, anchors + d].bool()
             value, hits = score(draft, states, batch, rows, anchors, d, supervised)
             total = total + value / max(unit.total_den, 1)
-            losses.append(value.detach() / max(int(unit.depth_den[d]), 1))
+            losses.append(value.detach() / max(unit.depth_den[d], 1))
             correct.append(hits)
-            scored.append(rows.new_tensor(rows.numel()))
-            counted.append(rows.new_tensor(int(supervised.sum())))
+            scored.append(rows.new_full((), rows.shape[0]))  # a fill on the device: no host copy
+            counted.append(supervised.sum())
         return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
                          total=torch.stack(scored), supervised=torch.stack(counted))
 
 
 def split_back(units: list[Unit]) -> Unit:
     """Segments joined into one unit (a single forward over the same elements)."""
+    def join(parts):
+        rows, anchors = torch.cat([r for r, _ in parts]), torch.cat([a for _, a in parts])
+        order = (rows * (10 ** 9) + anchors).argsort()
+        return rows[order], anchors[order]
+
     K = len(units[0].rollouts)
-    joined = [(torch.cat([u.rollouts[d][0] for u in units]), torch.cat([u.rollouts[d][1] for u in units]))
-              for d in range(K)]
-    order = [(rows * (10 ** 9) + anchors).argsort() for rows, anchors in joined]
-    joined = [(rows[o], anchors[o]) for (rows, anchors), o in zip(joined, order)]
-    return Unit(0, units[-1].end, joined, units[0].depth_den, units[0].total_den)
+    joined = [join([u.rollouts[d] for u in units]) for d in range(K)]
+    return Unit(0, units[-1].end, joined, units[0].depth_den, units[0].total_den,
+                join([u.depth0 for u in units]), units[-1].segments)
