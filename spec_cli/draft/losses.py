@@ -55,36 +55,40 @@ class _SoftCrossEntropy(torch.autograd.Function):
 HEAD_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk of positions in chunked_soft_ce
 
 
-def chunked_soft_ce(logits_of: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, b: torch.Tensor,
-                    t: torch.Tensor, target_p: torch.Tensor, k: int, vocab: int,
+def chunked_soft_ce(logits_of: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, where: tuple,
+                    target_p: torch.Tensor, at: tuple, vocab: int, weight: torch.Tensor | None = None,
                     chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """soft_cross_entropy(logits_of(state[b, t]), target_p[b, t + k]) and the logits' argmax [N], chunk
-    by chunk of positions, each chunk checkpointed: no [N, V] tensor ever exists (not the logits, their
-    fp32 log-softmax, the gathered target_p, nor the gradient) and nothing of a chunk is kept for
+    """soft_cross_entropy(logits_of(state[where]), target_p[at] * weight) and the logits' argmax [N],
+    chunk by chunk of positions, each chunk checkpointed: no [N, V] tensor ever exists (not the logits,
+    their fp32 log-softmax, the gathered target_p, nor the gradient) and nothing of a chunk is kept for
     backward but its indices, which recomputes the chunk. Activation checkpointing of the head at the
     memory of one chunk, for long rows, whose step is recomputed anyway.
 
-    logits_of: [c, H] -> [c, V]; state [B, T, H]; b, t [N] the scored slots; vocab V (sizes the chunks)."""
+    logits_of: [c, H] -> [c, V]; where / at: tuples of [N] index tensors into state's and target_p's
+    leading dims (the scored states, their targets); weight [N]: 0 drops a position's target (it then
+    adds nothing); vocab V sizes the chunks."""
     if chunk_rows is None:
         chunk_rows = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
-    n = b.shape[0]
+    n = where[0].shape[0]
     if n == 0:  # the plain head on nothing: 0, with a (zero) gradient like any other step's
-        part, top = _soft_ce_sum(logits_of, state, b, t, target_p, k)
-        return part, top
+        return _soft_ce_sum(logits_of, state, where, target_p, at, weight)
     loss = state.new_zeros((), dtype=torch.float64 if state.dtype == torch.float64 else torch.float32)
     argmax = []
     for start in range(0, n, chunk_rows):
-        bc, tc = b[start:start + chunk_rows], t[start:start + chunk_rows]
-        part, top = activation_checkpoint(_soft_ce_sum, logits_of, state, bc, tc, target_p, k, use_reentrant=False)
-        loss = loss + part
+        part = slice(start, start + chunk_rows)
+        value, top = activation_checkpoint(_soft_ce_sum, logits_of, state, tuple(i[part] for i in where), target_p,
+                                           tuple(i[part] for i in at), None if weight is None else weight[part],
+                                           use_reentrant=False)
+        loss = loss + value
         argmax.append(top)
     return loss / n, torch.cat(argmax)
 
 
-def _soft_ce_sum(logits_of, state, b, t, target_p, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _soft_ce_sum(logits_of, state, where, target_p, at, weight) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's soft-CE summed over its positions, and its argmax."""
-    logits = logits_of(state[b, t])  # [c, V]
-    return soft_cross_entropy(logits, target_p[b, t + k]) * b.shape[0], logits.detach().argmax(-1)
+    logits = logits_of(state[where])  # [c, V]
+    p = target_p[at] if weight is None else target_p[at] * weight[:, None]
+    return soft_cross_entropy(logits, p) * where[0].shape[0], logits.detach().argmax(-1)
 
 
 def acceptance(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ def test_chunked_soft_ce_matches_the_plain_head(chunk_rows):
     logits = head(norm(state[b, t]))
     ref = soft_cross_entropy(logits, target_p[b, t + k])
     ref_grads = torch.autograd.grad(ref, [state, *params])
-    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, k, 11, chunk_rows)
+    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t + k), 11, chunk_rows=chunk_rows)
     grads = torch.autograd.grad(loss, [state, *params])
     torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-12)
     assert torch.equal(argmax, logits.argmax(-1))
@@ -172,7 +172,7 @@ def test_chunked_soft_ce_keeps_no_position_by_vocab_tensor():
         return [s for s in made if len(s) == 2 and s[0] == N and s[1] == V]
 
     assert run(lambda: soft_cross_entropy(head(norm(state[b, t])), target_p[b, t]))
-    assert not run(lambda: chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, 0, V, 4))
+    assert not run(lambda: chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t), V, chunk_rows=4))
 
 
 def test_chunked_soft_ce_under_bf16_autocast_is_the_plain_heads():
@@ -185,7 +185,7 @@ def test_chunked_soft_ce_under_bf16_autocast_is_the_plain_heads():
     params = [head.weight, norm.weight]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = soft_cross_entropy(head(norm(state[b, t])), target_p[b, t + 1])
-        loss, _ = chunked_soft_ce(lambda x: head(norm(x)), state, b, t, target_p, 1, 64, 3)
+        loss, _ = chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t + 1), 64, chunk_rows=3)
     ref_grads = torch.autograd.grad(ref, [state, *params])
     grads = torch.autograd.grad(loss, [state, *params])
     torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
@@ -199,7 +199,7 @@ def test_chunked_soft_ce_of_no_positions_is_zero_with_zero_gradients():
 
     norm, head, state, target_p, _, _ = _head_case()
     none = torch.zeros(0, dtype=torch.long)
-    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, none, none, target_p, 0, 11)
+    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, (none, none), target_p, (none, none), 11)
     grads = torch.autograd.grad(loss, [state, head.weight])
     assert loss.item() == 0 and argmax.numel() == 0
     assert all(torch.count_nonzero(g) == 0 for g in grads)

@@ -49,7 +49,7 @@ def _chunked_head(draft, state, batch: TargetBatch, b, t, k: int, feature_weight
     full-vocabulary soft-CE chunk by chunk of positions (losses.chunked_soft_ce): no [N, V] tensor of
     the target's vocabulary at any time."""
     features = activation_checkpoint(_feature_part, state, batch.final_hidden, b, t, k, use_reentrant=False)
-    soft_ce, argmax = chunked_soft_ce(draft.logits, state, b, t, batch.target_p, k, draft.lm_head.weight.shape[0])
+    soft_ce, argmax = chunked_soft_ce(draft.logits, state, (b, t), batch.target_p, (b, t + k), draft.lm_head.weight.shape[0])
     return feature_weight * features + token_weight * soft_ce, (argmax == batch.target_ids[b, t + k]).sum()
 
 

@@ -30,7 +30,7 @@ def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, loss, kl
 def _chunked_head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int):
     """_head's soft-CE for long rows (with activation checkpointing): chunk by chunk of positions,
     recomputed in backward, never an [N, Vd] tensor (losses.chunked_soft_ce)."""
-    value, argmax = chunked_soft_ce(draft.logits, hidden, b, t, batch.target_p, k, draft.config.draft_vocab_size)
+    value, argmax = chunked_soft_ce(draft.logits, hidden, (b, t), batch.target_p, (b, t + k), draft.config.draft_vocab_size)
     return value, top1_hits(argmax, draft.d2t, batch.target_ids[b, t + k])
 
 

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.contract import Objective
 from spec_cli.draft.attention import Segments
-from spec_cli.draft.losses import step_loss, top1_correct
+from spec_cli.draft.losses import chunked_soft_ce, step_loss, top1_correct, top1_hits
 from spec_cli.draft.peagle.model import PEagleDraft
 from spec_cli.draft.unroll import ObjectiveOutput, doc_remaining, positions, shift_left
 from spec_cli.errors import ConfigError
@@ -151,6 +151,16 @@ def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int,
     return value, top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t])
 
 
+def _chunked_head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int, supervised):
+    """_head's soft-CE for long rows (with activation checkpointing): chunk by chunk of elements,
+    recomputed in backward, never an [N, Vd] tensor (losses.chunked_soft_ce)."""
+    n = rows.shape[0]
+    value, argmax = chunked_soft_ce(draft.logits, states, (torch.arange(n, device=rows.device),), batch.target_p,
+                                    (rows, anchors + d), draft.config.draft_vocab_size,
+                                    weight=supervised.to(batch.target_p.dtype))
+    return value * n, top1_hits(argmax, draft.d2t, batch.target_ids[rows, anchors + d])
+
+
 class PEagleObjective(Objective):
     """The draft and its P-EAGLE loss behind one forward(batch, unit), so DDP can wrap it."""
 
@@ -190,8 +200,11 @@ class PEagleObjective(Objective):
         state0, deep = draft.parallel_forward(batch.input_ids[:, :end], batch.aux_hidden[:, :end],
                                               position_ids[:, :end], unit.segments, unit.rollouts)
         rows0, anchors0 = unit.depth0  # the depth-0 elements it charges: anchors in [start, end)
-        head = partial(_head, loss=self.options.loss)
-        score = (lambda *a: activation_checkpoint(head, *a, use_reentrant=False)) if self.checkpoint else head
+        if self.checkpoint and self.options.loss == "soft-ce":
+            score = _chunked_head  # recomputes its chunks itself
+        else:
+            head = partial(_head, loss=self.options.loss)
+            score = (lambda *a: activation_checkpoint(head, *a, use_reentrant=False)) if self.checkpoint else head
         # the mask state takes part in every unit's graph (DDP expects a gradient for every parameter)
         total = draft.mask_hidden().sum() * 0.0
         losses, correct, scored, counted = [], [], [], []

@@ -221,3 +221,26 @@ def test_one_decoding_forward_proposes_what_training_scores():
 def test_a_loss_that_does_not_add_over_elements_is_refused():
     with pytest.raises(ConfigError, match="per-element"):
         PEagleObjective(peagle_draft(), ObjectiveOptions(loss="lk-lambda"))
+
+
+def test_checkpointing_with_the_chunked_head_gives_the_same_loss_and_gradients(monkeypatch):
+    """With activation checkpointing each depth's soft-CE runs chunk by chunk of elements (several
+    chunks here), recomputed in backward; loss, metrics and gradients stay the plain head's."""
+    from spec_cli.draft import losses
+
+    monkeypatch.setattr(losses, "HEAD_CHUNK_BYTES", 4 * 3 * tiny_config(algorithm="peagle").draft_vocab_size)
+    draft = peagle_draft(num_hidden_layers=2)
+    batch = packed_batch(draft.config, seed=2)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for checkpointing in (False, True):
+        objective = PEagleObjective(draft, ObjectiveOptions(ttt_steps=4), activation_checkpointing=checkpointing)
+        torch.manual_seed(5)  # the same COD draw
+        out = objective(batch)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.loss, params))
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(outs[1].step_loss, outs[0].step_loss, rtol=1e-6, atol=1e-7)
+    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(outs[1].supervised, outs[0].supervised)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
