@@ -7,7 +7,8 @@ no download; elsewhere a tiny one, so that the script is known to start: tests/t
 then through the CLI, in this process:
   1. `spec build-vocab-map` on random chats long enough for every length;
   2. `spec precompute` at the first length (8 rows);
-  3. `spec train --cache` for --steps steps at the first length;
+  3. `spec train --cache` for --steps steps at the first length, reading the cache ahead (the default)
+     and with --prefetch 0 (each batch read when asked): the read-ahead must not be slower;
   4. `spec train --target --pack` (live) for --steps steps at the first length, ~8 documents per row
      (packed rows: the varlen attention on CUDA);
   5. `spec train --target` (live) for --steps steps at each other length;
@@ -215,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         if Stage(f"precompute T={first}", device, results).run(
                 ["precompute", "-t", target, "-d", data, "-v", vm, "-o", cache, "--max-length", first,
                  "--batch-tokens", first, "--max-samples", rows, "-q"], tokens=rows * first):
-            run = work / f"train-cache-{first}"
-            Stage(f"train --cache T={first}", device, results).run(
-                ["train", "--cache", cache, "-v", vm, "-o", run, "--max-steps", args.steps, "--batch-tokens",
-                 first, "--eval-fraction", "0", "--log-every", args.steps, "-q"],
-                tokens=None, log=run / "log.jsonl")
+            for prefetch, name in ((2, ""), (0, " --prefetch 0")):  # read ahead (default) / when asked
+                run = work / f"train-cache-{first}-prefetch-{prefetch}"
+                Stage(f"train --cache{name} T={first}", device, results).run(
+                    ["train", "--cache", cache, "-v", vm, "-o", run, "--max-steps", args.steps, "--batch-tokens",
+                     first, "--eval-fraction", "0", "--log-every", args.steps, "--prefetch", prefetch, "-q"],
+                    tokens=None, log=run / "log.jsonl")
         run = work / f"train-live-packed-{first}"
         Stage(f"train --target --pack T={first}", device, results).run(  # ~8 documents per row: varlen
             ["train", "--target", target, "--data", data, "-v", vm, "-o", run, "--pack", "--max-length",

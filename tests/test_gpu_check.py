@@ -21,7 +21,8 @@ def test_the_gpu_check_runs_its_tiny_shape_on_cpu(tmp_path, monkeypatch):
     assert report["shape"] == "tiny" and report["device"] == "cpu"
     stages = {s["stage"]: s for s in report["stages"]}
     assert list(stages) == ["build target", "build-vocab-map", "precompute T=128", "train --cache T=128",
-                            "train --target --pack T=128", "train --target T=256", "packed TTT attention T=128"]
+                            "train --cache --prefetch 0 T=128", "train --target --pack T=128", "train --target T=256",
+                            "packed TTT attention T=128"]
     assert all(s["ok"] for s in stages.values())
     assert stages["precompute T=128"]["tokens_per_s"] > 0 and stages["train --target T=256"]["train_tokens_per_s"] > 0
     assert stages["train --cache T=128"]["peak_memory_gb"] > 0 and stages["train --cache T=128"]["train_peak_memory_gb"] > 0

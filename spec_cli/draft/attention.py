@@ -198,12 +198,14 @@ def _lse_from_kernel(lse: torch.Tensor, plan: _VarlenPlan, B: int) -> torch.Tens
     return flat.to(_acc_dtype(lse.dtype)).unflatten(1, (B, -1)).transpose(0, 1).contiguous()
 
 
-def _lse_to_kernel(lse: torch.Tensor, plan: _VarlenPlan, like: torch.Tensor) -> torch.Tensor:
-    """[B, h, T] -> the layout of `like` (the kernel's own lse from the forward)."""
-    flat = lse.transpose(0, 1).reshape(lse.shape[1], -1).to(like.dtype)  # [h, B * T]
-    if like.dim() == 2:
+def _lse_to_kernel(lse: torch.Tensor, plan: _VarlenPlan, like: tuple) -> torch.Tensor:
+    """[B, h, T] -> the layout `like` = (shape, dtype) of the kernel's own lse from the forward (only its
+    layout is kept until backward, not the tensor: the merged lse replaces it)."""
+    shape, dtype = like
+    flat = lse.transpose(0, 1).reshape(lse.shape[1], -1).to(dtype)  # [h, B * T]
+    if len(shape) == 2:
         return flat.contiguous()
-    out = torch.zeros_like(like)
+    out = torch.zeros(shape, dtype=dtype, device=lse.device)
     out[plan.seq, :, plan.local] = flat.transpose(0, 1)
     return out
 
@@ -226,7 +228,7 @@ def _flash_varlen_fwd(q, k, v, segments: Segments, scale):
     fwd, _ = VARLEN_OPS["flash"]
     out, lse, rng, unused, _ = _op(fwd)(_flat(q), _flat(k), _flat(v), plan.cu_seqlens, plan.cu_seqlens,
                                          plan.max_len, plan.max_len, 0.0, True, False, scale=scale)
-    return _unflat(out, B), _lse_from_kernel(lse, plan, B), (rng, unused, lse)
+    return _unflat(out, B), _lse_from_kernel(lse, plan, B), (rng, unused, (tuple(lse.shape), lse.dtype))
 
 
 def _flash_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):
@@ -252,7 +254,7 @@ def _efficient_varlen_fwd(q, k, v, segments: Segments, scale):
     out, lse, seed, offset, _, _ = _op(fwd)(
         _flat(q)[None], _flat(k)[None], _flat(v)[None], None, plan.cu_seqlens, plan.cu_seqlens,
         plan.max_len, plan.max_len, 0.0, _CAUSAL_FROM_TOP_LEFT, True, scale=scale)
-    return _unflat(out[0], B), _lse_from_kernel(lse, plan, B), (seed, offset, lse)
+    return _unflat(out[0], B), _lse_from_kernel(lse, plan, B), (seed, offset, (tuple(lse.shape), lse.dtype))
 
 
 def _efficient_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):

@@ -146,6 +146,7 @@ class _Target:
     dtype: torch.dtype  # of its hidden states
     backend: TargetBackend | None = None  # served: connected already
     load: Callable[[], TargetBackend] | None = None  # live: loads the model
+    on_device: int = 0  # bytes a live target will take on its device once loaded
 
 
 def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -167,7 +168,13 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
 
     record = chat_templates.identity(tokenizer, template)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
-    return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, hidden_size, dtype, load=load)
+    on_device = 0
+    if device.type == "cuda":  # what loading will take of the GPU the stream's room is measured on now
+        share = TRAIN_TARGET_MEMORY if cfg.runtime.target_memory is None else cfg.runtime.target_memory
+        on_device = (int(share * torch.cuda.get_device_properties(device).total_memory)
+                     if cfg.runtime.target_engine == "vllm" else loading.weights_bytes(target_dir))
+    return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, hidden_size, dtype, load=load,
+                   on_device=on_device)
 
 
 def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -222,6 +229,9 @@ def _stream_bound(cfg: TrainConfig, target: _Target, vocab_map, tokens, plan: li
     # the samples live where the target made them: a live target's device, a served one's host memory
     held_on = device if cfg.data.remote is None else torch.device("cpu")
     free, where = free_room(cfg.runtime.stream_dir, held_on)
+    if free is not None and cfg.runtime.stream_dir is None and held_on.type == "cuda":
+        free = max(0, free - target.on_device)  # measured before the target loads: its share is not free
+        where += f" less the target's {size_text(target.on_device)}"
     return store_bound(cfg.runtime.stream_max_bytes, largest, cfg.runtime.prefetch + 1, free, where)
 
 
@@ -317,8 +327,8 @@ class _ReadAhead:
     reads and their layout into padded host tensors (`read`) run while the device computes the step
     before; on CUDA the thread also pins them, so that the copy to the GPU does not make the host wait.
     The loop's thread then decodes each on the device (`finish`: for --encoding hidden, the target's
-    distribution over the draft vocab from the stored final states). The thread never touches the
-    device: on an H200, a thread that decoded on the GPU and brought the [T, Vd] distribution back to
+    distribution over the draft vocab from the stored final states). The thread does no device work
+    (pinning only takes page-locked host memory): on an H200, a thread that decoded on the GPU and brought the [T, Vd] distribution back to
     pin it cut a T = 8192 step from 19,800 to 5,500-9,200 tokens/s. The batches are the ones made when
     asked, bit for bit; a read's error is raised by `get`."""
 

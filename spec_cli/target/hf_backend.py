@@ -10,6 +10,8 @@ into supervision with the same code.
 
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 
 import torch
@@ -126,12 +128,19 @@ class LocalTargetBackend(TargetBackend):
                                   position_ids, seq_lens, hidden if self.keep_final_hidden else None, extras)
 
 
-def packs_by_positions(implementation: str, layout, rows: int) -> bool:
-    """Packed documents go to the target as positions alone (no mask) for attentions that read no custom
-    mask (flash attention: transformers derives the documents' offsets from the positions and runs one
-    varlen call for the row) when the layout allows it (`Layout.packs_by_positions`) and the batch is
-    one row (a packed batch is); sdpa and eager take the per-kind masks (exact for every layout)."""
-    return implementation not in CUSTOM_MASK_ATTENTION and layout.packs_by_positions() and rows == 1
+def packs_by_positions(implementation: str, layout) -> bool:
+    """Packed documents go to the target as offsets and positions, no mask, for attentions that read no
+    custom mask (flash attention: one varlen call per row and layer) when the layout allows it
+    (`Layout.packs_by_positions`); sdpa and eager take the per-kind masks (exact for every layout)."""
+    return implementation not in CUSTOM_MASK_ATTENTION and layout.packs_by_positions()
+
+
+def varlen_offsets(lengths: list[int], T: int) -> tuple[list[int], int]:
+    """(cumulative offsets, longest) of a packed row's documents of `lengths` (0 = none) in T slots, each
+    padding token a document of its own (as masks.document_ids places them)."""
+    sizes = [n for n in lengths if n > 0]
+    sizes += [1] * (T - sum(sizes))
+    return [0, *itertools.accumulate(sizes)], max(sizes)
 
 
 class HFTargetBackend(LocalTargetBackend):
@@ -150,8 +159,10 @@ class HFTargetBackend(LocalTargetBackend):
         config = loading.load_config(target_dir)
         # validated before the (slow) model load
         self.aux_layers = resolve_aux_layers(aux_layers, loading.num_layers(config))
-        self.model = loading.load_model(target_dir, self.device, self.dtype, mesh,
-                                        loading.supervision_attention(self.device, self.dtype))
+        # flash attention only where packed rows can go to it as offsets (no chunked layers)
+        attention = (loading.supervision_attention(self.device, self.dtype)
+                     if Layout.from_config(config).packs_by_positions() else None)
+        self.model = loading.load_model(target_dir, self.device, self.dtype, mesh, attention)
         self.group = None if mesh is None else mesh.get_group()  # the ranks a forward runs on together
         self.decoder = self.model.get_decoder()
         self.final_norm = getattr(self.decoder, "norm", None)
@@ -210,10 +221,9 @@ class HFTargetBackend(LocalTargetBackend):
             self.layout.require(PACKING, "train without --pack (one document per row)")
             masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
             implementation = self.model.config._attn_implementation or "sdpa"
-            if packs_by_positions(implementation, self.layout, input_ids.shape[0]):
-                mask = None  # transformers cuts the row at each position 0: one varlen call per layer
-            else:
-                mask = for_model(masks, implementation, self.dtype, PACKING)
+            if packs_by_positions(implementation, self.layout):  # flash attention: one varlen call per layer
+                return self._packed_rows(input_ids, seq_lens, doc_positions)
+            mask = for_model(masks, implementation, self.dtype, PACKING)
             position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
         elif position_ids is not None:
             position_ids = position_ids.to(self.device)
@@ -221,6 +231,21 @@ class HFTargetBackend(LocalTargetBackend):
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            use_cache=False)
         return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
+
+    def _packed_rows(self, input_ids, seq_lens, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows for an attention that takes no mask: row by row (the varlen call cuts one row),
+        each as its documents' offsets and positions restarting per document (padding tokens one each)."""
+        aux, last = [], []
+        for b in range(input_ids.shape[0]):
+            cu, longest = varlen_offsets(seq_lens[b].tolist(), input_ids.shape[1])
+            cu = torch.tensor(cu, dtype=torch.int32).to(self.device)
+            self.aux_capture.clear()
+            out = self.decoder(input_ids=input_ids[b:b + 1], attention_mask=None, position_ids=positions[b:b + 1],
+                               use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                               max_length_k=longest)
+            aux.append(self.aux_capture.take(out.last_hidden_state))
+            last.append(out.last_hidden_state)
+        return torch.cat(aux), torch.cat(last)
 
     def close(self) -> None:
         self.aux_capture.close()

@@ -174,6 +174,8 @@ def supervision_attention(device: torch.device, dtype: torch.dtype) -> str | Non
     run as one varlen call per layer: hf_backend.packs_by_positions), else transformers' default (sdpa)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
+    if torch.cuda.get_device_capability(device) < (8, 0):  # flash attention 2 needs Ampere or later
+        return None
     from transformers.utils import is_flash_attn_2_available
 
     return "flash_attention_2" if is_flash_attn_2_available() else None

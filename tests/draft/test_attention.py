@@ -327,6 +327,6 @@ def test_flash_varlen_plumbing_on_meta_tensors():
     k, v = (torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
     out, lse, state = attention.FLASH_VARLEN.fwd(q, k, v, segments, d ** -0.5)
     assert out.shape == q.shape and lse.shape == (B, h, T) and lse.dtype == torch.float32
-    assert state[2].shape == (h, B * T)  # the kernel's own lse, given back to the backward as it was
+    assert state[2] == ((h, B * T), torch.float32)  # the kernel's lse layout, kept for the backward (not the tensor)
     grads = attention.FLASH_VARLEN.bwd(q, q, k, v, segments, out, lse, d ** -0.5, state)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

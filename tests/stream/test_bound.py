@@ -78,9 +78,37 @@ def test_a_given_bound_smaller_than_one_batch_is_refused_with_the_size_that_woul
 
 
 def test_the_free_room_is_where_the_samples_live(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one process (an in-process vLLM run may leave it set)
     free, where = free_room(tmp_path / "not" / "made", torch.device("cpu"))  # the store makes the folder
     assert free > 0 and where == f"the disk of {tmp_path / 'not' / 'made'}"
     free, where = free_room(None, torch.device("cpu"))
     assert free > 0 and where == "host memory"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: the machine's ranks each have a store
     assert free_room(None, torch.device("cpu"))[1] == "host memory (a 1/4 share: 4 ranks)"
+
+
+def test_on_a_gpu_the_room_leaves_out_what_the_target_will_take(monkeypatch):
+    """The room is measured before a live target loads: on a GPU its share (vLLM's --target-memory of
+    the card, or its weights for transformers) is taken off first. An 80 GB card, vLLM at 0.5, batches
+    of 32k tokens of an 8B target: 3 batches fit the empty card's 3/4, not what vLLM leaves."""
+    from types import SimpleNamespace
+
+    from spec_cli.stages.train_sources import _stream_bound
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))
+    cfg = SimpleNamespace(draft=SimpleNamespace(algorithm="eagle3"),
+                          data=SimpleNamespace(pack=False, remote=None),
+                          runtime=SimpleNamespace(stream_dir=None, stream_max_bytes=None, prefetch=2))
+    tokens = SimpleNamespace(lengths=torch.tensor([32768]))
+    one = batch_nbytes(1, 32768, **LLAMA_8B) + SAMPLE_OVERHEAD
+
+    def bound(on_device):
+        target = SimpleNamespace(hidden_size=4096, aux_layers=[2, 16, 29], dtype=torch.bfloat16, on_device=on_device)
+        return _stream_bound(cfg, target, SimpleNamespace(draft_vocab_size=32000), tokens, [[0]], torch.device("cuda"))
+
+    assert bound(0).max_bytes == 3 * one
+    after_vllm = bound(40 * GiB)  # 0.75 * (80 - 40) GiB = 30 GiB: 6 batches' worth, 3 wanted
+    assert after_vllm.max_bytes == 3 * one
+    tight = bound(70 * GiB)  # 7.5 GiB of room: one batch
+    assert tight.max_bytes == one and "less the target's 70.00 GiB" in tight.source

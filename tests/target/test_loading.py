@@ -133,10 +133,14 @@ def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     assert loading.supervision_attention(cuda, torch.bfloat16) == "flash_attention_2"
     assert loading.supervision_attention(cuda, torch.float16) == "flash_attention_2"
     assert loading.supervision_attention(cuda, torch.float32) is None  # flash attention has no fp32
     assert loading.supervision_attention(cpu, torch.bfloat16) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    assert loading.supervision_attention(cuda, torch.bfloat16) is None  # flash attention 2 needs sm80+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
     assert loading.supervision_attention(cuda, torch.bfloat16) is None  # not installed: sdpa
 

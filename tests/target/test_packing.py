@@ -201,26 +201,42 @@ def test_one_packed_row_as_positions_alone_is_the_masks_forward(backend):
     torch.testing.assert_close(alone, with_masks, rtol=1e-4, atol=1e-5)
 
 
-def test_flash_attention_targets_take_packed_rows_as_positions(backend, monkeypatch):
-    """A target loaded with flash attention (which takes no custom mask) gets a packed row as positions
-    alone, and transformers' flash path cuts it into the documents (each padding token its own); a
-    batch of several packed rows, which it cannot cut, is refused with the reason."""
+def test_flash_attention_targets_take_packed_rows_as_offsets_and_positions(backend, monkeypatch):
+    """A target loaded with flash attention (which takes no custom mask) gets each packed row as its
+    documents' offsets (each padding token its own), positions restarting per document and no mask,
+    one row per forward; transformers' flash path reads the same offsets from those positions. The
+    rows' outputs, run here through sdpa (flash needs a GPU), are the per-kind masks' for both rows."""
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-    seen = {}
+    ids, am, _ = packed_batch(backend.info["vocab_size"])
+    aux_masks, last_masks = backend.run_target(ids, am, seq_lens=SEQ_LENS)
+    real, seen = backend.decoder, []
 
     def decoder(**kwargs):
-        seen.update(kwargs)
-        raise StopIteration  # what the forward was given is all this test needs
+        seen.append(dict(kwargs))
+        flash = {k: kwargs.pop(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        assert flash["cu_seq_lens_q"].dtype == torch.int32 and isinstance(flash["max_length_q"], int)
+        backend.model.config._attn_implementation = "sdpa"
+        try:
+            return real(**kwargs)
+        finally:
+            backend.model.config._attn_implementation = "flash_attention_2"
 
     monkeypatch.setattr(backend.model.config, "_attn_implementation", "flash_attention_2")
     monkeypatch.setattr(backend, "decoder", decoder)
-    ids, am, _ = packed_batch(backend.info["vocab_size"])
-    with pytest.raises(StopIteration):
-        backend.run_target(ids[:1], am[:1], seq_lens=SEQ_LENS[:1])
-    assert seen["attention_mask"] is None
-    (cu_q, cu_k), (max_q, _) = prepare_fa_kwargs_from_position_ids(seen["position_ids"])
-    used = int(SEQ_LENS[0].sum())
-    assert cu_q.tolist() == [0, 21, 26, 43, *range(44, T + 1)] == cu_k.tolist() and used == 43 and max_q == 21
-    with pytest.raises(ConfigError, match="flash_attention_2.*does not take"):
-        backend.run_target(ids, am, seq_lens=SEQ_LENS)
+    aux, last = backend.run_target(ids, am, seq_lens=SEQ_LENS)
+    assert len(seen) == 2 and all(k["attention_mask"] is None and k["input_ids"].shape[0] == 1 for k in seen)
+    assert seen[0]["cu_seq_lens_q"].tolist() == [0, 21, 26, 43, *range(44, T + 1)] and seen[0]["max_length_q"] == 21
+    assert seen[1]["cu_seq_lens_q"].tolist() == [0, 30, 42, *range(43, T + 1)] and seen[1]["max_length_q"] == 30
+    for k in seen:  # transformers' own reading of the positions gives the same offsets
+        (cu, _), (longest, _) = prepare_fa_kwargs_from_position_ids(k["position_ids"])
+        assert cu.tolist() == k["cu_seq_lens_q"].tolist() and int(longest) == k["max_length_q"]
+    torch.testing.assert_close(last, last_masks, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(aux, aux_masks, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_attention_is_asked_for_only_where_packed_rows_can_use_it():
+    """Chunked attention (Llama 4) counts its chunks from the row's start under flash attention's
+    offsets: such a target keeps sdpa and the masks (`packs_by_positions` is False)."""
+    assert Layout(("full_attention", "sliding_attention"), sliding_window=8).packs_by_positions()
+    assert not Layout(("chunked_attention", "full_attention"), chunk_size=8).packs_by_positions()
