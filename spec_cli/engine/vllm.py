@@ -209,6 +209,21 @@ def _bind_cpu_workers(workers: int):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
+@contextlib.contextmanager
+def _torchrun_env():
+    """Keep LOCAL_WORLD_SIZE as torchrun set it (or unset): vLLM's CPU platform writes its tensor-parallel
+    size there in this process, which spec_cli reads as the ranks sharing the machine (threads, the
+    stream store's share of memory). Its worker processes are started inside, with vLLM's value."""
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+
+
 class Engine:
     """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 
@@ -248,7 +263,7 @@ class Engine:
         self.what = what
         try:
             with (_tracking(self.load_report, draft_class) if self.load_report is not None
-                  else contextlib.nullcontext()), _bind_cpu_workers(int(tensor_parallel_size)):
+                  else contextlib.nullcontext()), _bind_cpu_workers(int(tensor_parallel_size)), _torchrun_env():
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):
             raise

@@ -253,3 +253,25 @@ def test_export_refuses_a_target_vllm_cannot_feed_an_eagle3_draft(trained, tmp_p
     err = " ".join(capsys.readouterr().err.split())
     assert "GPT2LMHeadModel does not implement SupportsEagle3" in err and "--engine-check none" in err
     assert not out.exists()
+
+
+def test_building_an_engine_leaves_torchruns_local_world_size_alone(tmp_path, monkeypatch):
+    """vLLM's CPU platform writes its tensor-parallel size into LOCAL_WORLD_SIZE in this process, which
+    spec_cli reads as torchrun's ranks on the machine (threads, the stream store's share): it is put
+    back as it was once the engine is built (here a stand-in LLM that does what vLLM does)."""
+    import os
+    from types import SimpleNamespace
+
+    from spec_cli.engine import vllm as engine
+
+    class LLM:
+        def __init__(self, **kwargs):
+            os.environ["LOCAL_WORLD_SIZE"] = str(kwargs.get("tensor_parallel_size", 1))
+
+    monkeypatch.setattr(engine, "require", lambda what: SimpleNamespace(LLM=LLM, SamplingParams=None))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    engine.Engine(tmp_path)
+    assert "LOCAL_WORLD_SIZE" not in os.environ
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # under torchrun
+    engine.Engine(tmp_path)
+    assert os.environ["LOCAL_WORLD_SIZE"] == "8"
