@@ -49,7 +49,12 @@ def parse_size(text: str, option: str) -> int:
 
 def parse_size_or_auto(text: str, option: str) -> int | None:
     """'auto' -> None (the command sizes it), else a size as parse_size reads it."""
-    return None if text.strip().lower() == "auto" else parse_size(text, option)
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(text, option)
+    except ConfigError as err:
+        raise ConfigError(err.message, "write auto, or a size such as 512M, 4G or a number of bytes") from None
 
 
 @dataclass(frozen=True)

@@ -199,29 +199,29 @@ def _bind_cpu_workers(workers: int):
                           f"{len(cores)}", "use fewer workers")
     per = len(cores) // workers
     groups = [cores[i * per:(i + 1) * per] for i in range(workers)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    with _env_kept("VLLM_CPU_OMP_THREADS_BIND"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+        yield
+
+
+@contextlib.contextmanager
+def _env_kept(name: str):
+    """The environment variable `name` as it was before (or unset) once the block ends."""
+    before = os.environ.get(name)
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+            os.environ[name] = before
 
 
-@contextlib.contextmanager
 def _torchrun_env():
     """Keep LOCAL_WORLD_SIZE as torchrun set it (or unset): vLLM's CPU platform writes its tensor-parallel
     size there in this process, which spec_cli reads as the ranks sharing the machine (threads, the
     stream store's share of memory). Its worker processes are started inside, with vLLM's value."""
-    before = os.environ.get("LOCAL_WORLD_SIZE")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = before
+    return _env_kept("LOCAL_WORLD_SIZE")
 
 
 class Engine:
