@@ -25,7 +25,7 @@ from pathlib import Path
 
 from spec_cli.help import CHECKPOINTS, DATA, DRAFT, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
 from spec_cli.options import (FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, check_range, option,  # noqa: F401
-                              parse_duration, parse_size_or_auto, shared)
+                              parse_duration, parse_size, parse_size_or_auto, shared)
 
 
 @dataclass(frozen=True)
