@@ -1,21 +1,26 @@
-"""What moves acceptance: train variants of the SmolLM2 draft at one budget and measure each the way
-`spec eval` does (real speculative decoding, greedy, chain of --depth) on MT-bench and on held-out
-chat prompts.
+"""What moves acceptance at a fixed budget: the recipe levers, each alone and combined, on the demo's
+own data, each draft measured the way `spec eval` measures it (real speculative decoding with the
+SmolLM2 target, greedy, a chain of --depth, both turns) on MT-bench and on held-out ShareGPT chats.
 
-    python bench/recipe.py --data sharegpt=ORIG.jsonl --data regen=REGEN.jsonl --out /tmp/recipe \
-        --steps 120 --variants base,regen,regen-init
+    spec demo --quick                 # (or the default demo) makes the data, vocab map and cache
+    python bench/recipe.py --demo ~/.cache/spec_cli/demo/quick --out /tmp/recipe \
+        --variants base,muon,noise,wsd,init,layers2,vd2048,lr3e-3
+    python bench/recipe.py ... --variants base,muon --seeds 0,1          # noise between seeds
+    python bench/recipe.py ... --variants muon+noise --scales 0.5,1,2,4   # AL against training compute
 
-Every variant trains for exactly --steps optimizer steps of --batch-tokens packed tokens, so the
-comparison is at equal training budgets. Vocab maps and feature caches are built once per (data,
-vocab size) and reused; finished runs are reused (rerun with another --variants to add some). The
-table is printed as markdown and written to OUT/recipe.json. The target alone is not timed here
-(acceptance only); `spec eval` gives the speed-up of the draft you choose.
+Every variant trains on the demo's training data (its regenerated and original conversations, packed)
+for the demo profile's steps x --scale of its batch_tokens, with the profile's settings unless the
+variant changes one: equal budgets, one lever at a time. "a+b" combines variants. The vocab map and
+cache for Vd 4096 are the demo's; other sizes are built once into OUT. Finished runs are reused (rerun
+with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json. The
+target alone is not timed here (acceptance only): `spec eval` gives the speed-up of the draft you pick.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,130 +32,158 @@ import torch  # noqa: E402
 from spec_cli import assets  # noqa: E402
 from spec_cli.artifacts import checkpoint as ckpt  # noqa: E402
 from spec_cli.console import set_quiet  # noqa: E402
-from spec_cli.draft.eagle3 import ttt  # noqa: E402
+from spec_cli.data import records  # noqa: E402
 from spec_cli.eval import drafts, prompts  # noqa: E402
 from spec_cli.eval.speculative import Settings, eos_ids, generate  # noqa: E402
 from spec_cli.eval.target import Target  # noqa: E402
-from spec_cli.stages import build_vocab_map, precompute, train  # noqa: E402
+from spec_cli.stages import build_vocab_map, demo, precompute, train  # noqa: E402
 from spec_cli.target import loading  # noqa: E402
 
-# name -> (data key, vocab size, TrainConfig overrides, eval temperature)
-BASE = dict(ttt_steps=3, lr=1e-3, fc_norm=True)
-VARIANTS = {
-    "base": ("sharegpt", 8192, {}, 0.0),
-    "regen": ("regen", 8192, {}, 0.0),
-    "regen-oldpos": ("regen", 8192, dict(_old_positions=True), 0.0),  # TTT at step-0 positions (<= 0.x)
-    "regen-init": ("regen", 8192, dict(init_from_target=True), 0.0),
-    "regen-lr3e-3": ("regen", 8192, dict(lr=3e-3), 0.0),
-    "regen-init-lr3e-3": ("regen", 8192, dict(init_from_target=True, lr=3e-3), 0.0),
-    "regen-init-lr1e-2": ("regen", 8192, dict(init_from_target=True, lr=1e-2), 0.0),
-    "regen-lr3e-4": ("regen", 8192, dict(lr=3e-4), 0.0),
-    "regen-minlr": ("regen", 8192, dict(min_lr_ratio=0.1, warmup_ratio=0.1), 0.0),
-    "regen-ttt5": ("regen", 8192, dict(ttt_steps=5), 0.0),
-    "regen-ttt7": ("regen", 8192, dict(ttt_steps=7), 0.0),
-    "regen-lk": ("regen", 8192, dict(loss="lk-lambda"), 0.0),
-    "regen-nofcnorm": ("regen", 8192, dict(fc_norm=False), 0.0),
-    "regen-normout": ("regen", 8192, dict(norm_output=True), 0.0),
-    "regen-vd4096": ("regen", 4096, {}, 0.0),
-    "regen-vd16384": ("regen", 16384, {}, 0.0),
-    "regen-2x": ("regen", 8192, {}, 0.0),  # --steps x 2 (see below)
-    "regen-t0.7": ("regen", 8192, {}, 0.7),
-    "demo": ("demo", 8192, {}, 0.0),  # --data demo=DEMO/regenerated.jsonl (link the demo's cache and run)
-    "demo-lr3e-3": ("demo", 8192, dict(lr=3e-3), 0.0),  # the greedy-data draft, served sampled
-    "sampled-t0.7": ("sampled", 8192, {}, 0.7),  # sampled (0.7) data, served sampled
+# name -> TrainConfig overrides ("vocab": the draft vocabulary size; everything else a `spec train` option)
+LEVERS = {
+    "base": {},
+    "muon": dict(optimizer="muon"),
+    "muon-lr3e-3": dict(optimizer="muon", lr=3e-3),
+    "noise": dict(hidden_noise=0.05),
+    "noise0.1": dict(hidden_noise=0.1),
+    "wsd": dict(schedule="wsd", decay_ratio=0.2),
+    "init": dict(init_from_target=True),
+    "layers2": dict(draft_layers=2),
+    "vd2048": dict(vocab=2048),
+    "vd8192": dict(vocab=8192),
+    "lr3e-3": dict(lr=3e-3),
+    "lr5e-4": dict(lr=5e-4),
+    "ttt5": dict(ttt_steps=5),
+    "stepw1": dict(step_weight=1.0),
+    "wd0.01": dict(weight_decay=0.01),
 }
+HELDOUT_FROM = 3000  # ShareGPT conversations from here on: after anything a demo profile trains on
 
 
-def prepare(out: Path, data: str, path: str, vocab: int, target: str, max_length: int) -> tuple[Path, Path]:
-    vmap = out / "maps" / f"{data}-{vocab}.safetensors"
+def settings_of(name: str, profile: demo.Profile) -> dict:
+    """A variant's options: the demo profile's, then each "+"-joined lever's."""
+    options = dict(vocab=profile.draft_vocab_size, lr=profile.lr, ttt_steps=profile.ttt_steps)
+    for part in name.split("+"):
+        if part not in LEVERS:
+            raise SystemExit(f"unknown variant {part!r}: use {', '.join(LEVERS)} (joined with +)")
+        options.update(LEVERS[part])
+    return options
+
+
+def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, target: str) -> tuple[Path, Path]:
+    """The vocab map and feature cache of the demo's training data at this vocabulary size."""
+    own = folder / f"vocab-{vocab}.safetensors"
+    if own.is_file() and (folder / "cache").is_dir():
+        return own, folder / "cache"
+    vmap, cache = out / "maps" / f"vocab-{vocab}.safetensors", out / "caches" / f"vocab-{vocab}"
+    data = str(folder / "train.jsonl")
     if not vmap.is_file():
         build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-            target=target, data=path, output=vmap, draft_vocab_size=vocab, max_length=max_length, num_proc=2))
-    cache = out / "caches" / f"{data}-{vocab}"
+            target=target, data=data, output=vmap, draft_vocab_size=vocab, max_length=profile.max_length,
+            num_proc=2))
     precompute.run(precompute.PrecomputeConfig(
-        target=target, data=path, vocab_map=vmap, output=cache, max_length=max_length,
+        target=target, data=data, vocab_map=vmap, output=cache, max_length=profile.max_length,
         batch_tokens=8192, num_proc=2, resume=True))
     return vmap, cache
 
 
-def step_zero_positions():
-    """The TTT unroll as it was before positions advanced with the step (for the A/B row only)."""
-    import inspect
-
-    from spec_cli.draft import unroll
-
-    source = inspect.getsource(unroll.unroll)
-    assert "draft.rope(position_ids + k)" in source
-    namespace = dict(vars(unroll))
-    exec(source.replace("draft.rope(position_ids + k)", "draft.rope(position_ids)"), namespace)
-    return namespace["unroll"]
-
-
-def train_variant(out: Path, name: str, vmap: Path, cache: Path, steps: int, batch_tokens: int,
-                  overrides: dict) -> tuple[Path, dict]:
-    run_dir = out / "runs" / name
+def train_variant(out: Path, run_name: str, options: dict, vmap: Path, cache: Path, profile: demo.Profile,
+                  steps: int, seed: int) -> tuple[Path, dict, float]:
+    """(checkpoint, last held-out eval record, training seconds) of one run, reused when finished."""
+    run_dir = out / "runs" / run_name
     latest = ckpt.latest_checkpoint(run_dir)
+    t0 = time.perf_counter()
     if latest is None or json.loads((latest / "trainer_state.json").read_text())["step"] < steps:
-        settings = {**BASE, **overrides}
-        current = ttt.unroll  # what EAGLE-3's objective unrolls with
-        if settings.pop("_old_positions", False):
-            ttt.unroll = step_zero_positions()
-        try:
-            outcome = train.run(train.TrainConfig.from_options(
-                vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=batch_tokens,
-                max_steps=steps, eval_fraction=0.03, log_every=10, eval_every=10 ** 9, save_every=10 ** 9,
-                resume=latest is not None, **settings))
-        finally:
-            ttt.unroll = current
+        options = {k: v for k, v in options.items() if k != "vocab"}
+        outcome = train.run(train.TrainConfig.from_options(
+            vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
+            max_steps=steps, fc_norm=True, eval_fraction=0.03, log_every=10, eval_every=10 ** 9,
+            save_every=10 ** 9, seed=seed, resume=latest is not None, **options))
         latest = outcome.checkpoint
+    seconds = time.perf_counter() - t0
     last_eval = {}
     for line in (run_dir / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record.get("split") == "eval":
             last_eval = record
-    return latest, last_eval
+    return latest, last_eval, seconds
 
 
 def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, conversations, settings) -> dict:
-    config = loading.load_config(target_dir)
-    loaded = drafts.load_draft(checkpoint, config)
+    """Acceptance length over every turn's cycles, as `spec eval` counts it (1 + accepted per cycle)."""
+    loaded = drafts.load_draft(checkpoint, loading.load_config(target_dir))
     draft = loaded.model
     if loaded.needs_embeddings:
         draft.copy_embeddings(target.model.get_input_embeddings().weight.float().cpu())
     draft.eval()
-    accepted = steps = 0
-    first = 0
-    seconds = 0.0
-    for i, conv in enumerate(conversations):
+    accepted = cycles = first = 0
+    for conv in conversations:
         conv.answers.clear()
         for turn in range(len(conv.turns)):
-            g = generate(target, draft, prompts.prompt_ids(tokenizer, conv, turn), settings,
-                         torch.Generator().manual_seed(1000 * i + turn) if settings.temperature > 0 else None)
+            g = generate(target, draft, prompts.prompt_ids(tokenizer, conv, turn), settings, None)
             accepted += sum(m for m, _ in g.steps)
-            steps += len(g.steps)
+            cycles += len(g.steps)
             first += sum(1 for m, _ in g.steps if m >= 1)
-            seconds += g.seconds
             conv.answers.append(tokenizer.decode(g.tokens, skip_special_tokens=True).strip())
-    return {"acceptance_length": 1 + accepted / max(1, steps), "first_position": first / max(1, steps),
-            "steps": steps, "seconds": round(seconds, 1)}
+    return {"acceptance_length": 1 + accepted / max(1, cycles), "first_position": first / max(1, cycles),
+            "cycles": cycles}
+
+
+def heldout_file(out: Path, n: int) -> Path:
+    """n ShareGPT conversations from HELDOUT_FROM on (no demo profile trains on them), as a chat file."""
+    path = out / f"heldout-{n}.jsonl"
+    if not path.is_file():
+        chosen = []
+        for i, record in enumerate(records.load_records(assets.resolve_data_arg("sharegpt"))):
+            if i >= HELDOUT_FROM and (record.get("conversations") or record.get("messages")):
+                chosen.append(record)
+            if len(chosen) == n:
+                break
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in chosen))
+    return path
+
+
+def table(results: dict) -> str:
+    """Markdown: one row per variant (mean and spread over its seeds), then the runs themselves."""
+    by_variant: dict[str, list[dict]] = {}
+    for row in results.values():
+        by_variant.setdefault((row["variant"], row["scale"]), []).append(row)
+    lines = ["| variant | scale | steps | seeds | held-out top-1 | MT-bench AL | held-out AL | train s |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def spread(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        if len(values) == 1:
+            return f"{values[0]:.3f}"
+        return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+    for (variant, scale), rows in sorted(by_variant.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(
+            f"| {variant} | {scale:g} | {rows[0]['steps']} | {len(rows)} | {spread([r['heldout_top1'] for r in rows])} | "
+            f"{spread([r['mt_bench']['acceptance_length'] for r in rows])} | "
+            f"{spread([r['heldout']['acceptance_length'] for r in rows])} | "
+            f"{statistics.mean(r['train_seconds'] for r in rows):.0f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", action="append", required=True, help="KEY=PATH (keys used by the variants)")
+    parser.add_argument("--demo", type=Path, required=True, help="a `spec demo` folder (quick or full)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", default="base,regen")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch-tokens", type=int, default=2048)
-    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--variants", default="base", help=f"comma-separated; levers: {', '.join(LEVERS)}; a+b combines")
+    parser.add_argument("--seeds", default="0", help="comma-separated training seeds, for every variant")
+    parser.add_argument("--scales", default="1", help="training compute as multiples of the profile's steps")
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench questions (both turns)")
-    parser.add_argument("--heldout", default=None, help="a chat file of prompts the draft was not tuned on")
-    parser.add_argument("--heldout-prompts", type=int, default=8)
+    parser.add_argument("--heldout-prompts", type=int, default=8, help="held-out ShareGPT chats (first two turns)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=3)
     args = parser.parse_args()
     set_quiet(True)
-    datasets = dict(item.split("=", 1) for item in args.data)
+    meta = json.loads((args.demo / demo.DEMO_JSON).read_text())
+    profile = demo.PROFILES[meta["profile"]["name"]]
     target = str(assets.ensure_all(install=False)["smollm2"])
     target_dir = loading.resolve_target(target)
     tokenizer = loading.load_tokenizer(target_dir)
@@ -158,48 +191,40 @@ def main() -> None:
     results_path = args.out / "recipe.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    checkpoints = {}
-    for name in names:
-        data, vocab, overrides, _ = VARIANTS[name]
-        t0 = time.perf_counter()
-        vmap, cache = prepare(args.out, data, datasets[data], vocab, target, args.max_length)
-        steps = args.steps * (2 if name.endswith("-2x") else 1)
-        checkpoints[name] = train_variant(args.out, name, vmap, cache, steps, args.batch_tokens, overrides)
-        print(f"{name}: trained ({time.perf_counter() - t0:.0f} s)", flush=True)
-
+    runs = [(v.strip(), float(scale), int(seed)) for v in args.variants.split(",") if v.strip()
+            for scale in args.scales.split(",") for seed in args.seeds.split(",")]
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
     mt = prompts.load_conversations("mt-bench", args.prompts)
-    held = prompts.load_conversations(args.heldout, args.heldout_prompts) if args.heldout else []
-    for name in names:
-        checkpoint, last_eval = checkpoints[name]
-        temperature = VARIANTS[name][3]
-        settings = Settings(depth=args.depth, topk=1, num_tokens=args.depth, temperature=temperature,
+    held = prompts.load_conversations(str(heldout_file(args.out, args.heldout_prompts)))
+    for conv in held:
+        del conv.turns[2:]  # the first two user turns, as MT-bench has
+    for variant, scale, seed in runs:
+        run_name = f"{variant}-x{scale:g}-s{seed}"
+        options = settings_of(variant, profile)
+        steps = max(1, round(profile.steps * scale))
+        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], target)
+        checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
+        if run_name in results and results[run_name]["steps"] == steps:
+            continue
+        settings = Settings(depth=args.depth, topk=1, num_tokens=args.depth, temperature=0.0,
                             max_new_tokens=args.max_new_tokens,
                             eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
-        config = loading.load_config(target_dir)
-        target_m = Target(model, drafts.load_draft(checkpoint, config).model.config.aux_layer_ids)
-        row = {"data": VARIANTS[name][0], "vocab": VARIANTS[name][1], "overrides": VARIANTS[name][2],
-               "temperature": temperature, "steps": json.loads((checkpoint / "trainer_state.json").read_text())["step"],
-               "heldout_top1": (last_eval.get("acc") or [None])[0],
-               "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings)}
-        if held:
-            row["heldout"] = acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings)
+        target_m = Target(model, drafts.load_draft(checkpoint, loading.load_config(target_dir)).model.config.aux_layer_ids)
+        t0 = time.perf_counter()
+        row = {"variant": variant, "scale": scale, "seed": seed, "steps": steps, "options": options,
+               "train_seconds": round(seconds, 1), "heldout_top1": (last_eval.get("acc") or [None])[0],
+               "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings),
+               "heldout": acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings)}
+        row["eval_seconds"] = round(time.perf_counter() - t0, 1)
         target_m.close()
-        results[name] = row
+        results[run_name] = row
         results_path.write_text(json.dumps(results, indent=2))
-        print(name, json.dumps(row), flush=True)
-
-    print("\n| variant | data | steps | held-out top-1 | MT-bench AL | first-pos | held-out AL |")
-    print("|---|---|---|---|---|---|---|")
-    for name, row in results.items():
-        held_al = row.get("heldout", {}).get("acceptance_length")
-        top1 = row["heldout_top1"]
-        print(f"| {name} | {row['data']} | {row['steps']} | {top1:.3f} | "
-              f"{row['mt_bench']['acceptance_length']:.2f} | {row['mt_bench']['first_position']:.2f} | "
-              f"{held_al:.2f} |" if held_al is not None and top1 is not None else
-              f"| {name} | {row['data']} | {row['steps']} | {top1} | {row['mt_bench']['acceptance_length']:.2f} | "
-              f"{row['mt_bench']['first_position']:.2f} | - |")
+        print(run_name, json.dumps({k: row[k] for k in ("steps", "train_seconds", "heldout_top1")}),
+              f"MT-bench AL {row['mt_bench']['acceptance_length']:.3f}, held-out AL "
+              f"{row['heldout']['acceptance_length']:.3f}", flush=True)
+    print(f"\n{profile.name} demo data, {profile.batch_tokens}-token packed steps, chain of {args.depth}, greedy, "
+          f"{args.prompts} MT-bench questions and {args.heldout_prompts} held-out ShareGPT chats (both turns)\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -88,9 +88,15 @@ NON_NEGATIVE = Range(0)  # >= 0
 FRACTION = Range(0, 1)  # [0, 1]
 
 
-def check_range(name: str, value, allowed: Range | None) -> None:
+def check_range(name: str, value, allowed: Range | tuple[str, ...] | None) -> None:
     """Refuse (ConfigError naming the option and its range: one line, exit 1) a number option's value
     outside `allowed`; any float option must be finite (inf and nan are never a setting)."""
+    if isinstance(allowed, tuple):  # a word option's choices
+        if value is not None and value not in allowed:
+            flag = "--" + name.replace("_", "-")
+            choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+            raise ConfigError(f"unknown {flag} {value!r}", f"use {choices}")
+        return
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     allowed = allowed or Range()
@@ -112,12 +118,15 @@ class Flag:
 
 
 def option(default, *names: str, help: str, panel: str, parse=None, text: str | None = None,
-           resumable: bool = False, allowed: Range | None = None, **checks):
+           resumable: bool = False, allowed: Range | tuple[str, ...] | None = None, **checks):
     """A config field that is a `spec train` option. resumable: it may differ on --resume (it does not
-    change the math: how long, how often, where from, on what). allowed: a number option's range, checked
+    change the math: how long, how often, where from, on what). allowed: a number option's range (or a
+word option's choices, a tuple), checked
     by TrainConfig.from_options (a ConfigError naming the option: exit 1) and shown in --help; any float
     option must be finite."""
-    if allowed is not None:
+    if isinstance(allowed, tuple):
+        help = f"{help} One of: {', '.join(allowed)}."
+    elif allowed is not None:
         help = f"{help} Allowed: {allowed.text}."
     return field(default=default, metadata={"flag": Flag(names, help, panel, parse, text, checks),
                                            "resumable": resumable, "allowed": allowed})

@@ -100,6 +100,10 @@ class ObjectiveFlags:
     step_weight: float = option(
         0.8, "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).", panel=OBJECTIVE,
         allowed=POSITIVE)
+    hidden_noise: float = option(
+        0.0, "--hidden-noise", help="Train on the target's states plus Gaussian noise of this size relative "
+                                    "to each state's RMS (e.g. 0.05; never in evaluation, eval or export).",
+        panel=OBJECTIVE, allowed=NON_NEGATIVE)
     loss: str = option(
         "soft-ce", "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
         panel=OBJECTIVE)
@@ -114,13 +118,31 @@ class OptimOptions:
     """How the weights are updated, and for how long."""
     lr: float = option(2e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", panel=OPTIMISATION,
                        allowed=POSITIVE)
+    optimizer: str = option(
+        "adamw", "--optimizer", help="adamw, or muon: Muon (torch.optim.Muon, momentum 0.95, its update "
+                                     "scaled to AdamW's RMS) for the draft's matrices, AdamW for norms, "
+                                     "lm_head and embeddings.", panel=OPTIMISATION, allowed=("adamw", "muon"))
+    muon_lr: float | None = option(
+        None, "--muon-lr", help="--optimizer muon: peak learning rate of the matrices. Default: --lr.",
+        panel=OPTIMISATION, allowed=POSITIVE)
+    muon_weight_decay: float = option(
+        0.1, "--muon-weight-decay", help="--optimizer muon: the matrices' decoupled weight decay.",
+        panel=OPTIMISATION, allowed=NON_NEGATIVE)
+    schedule: str = option(
+        "cosine", "--schedule", help="After the warmup: cosine (decay over all the steps), or wsd (flat, "
+                                     "then a linear decay over the last --decay-ratio of the steps).",
+        panel=OPTIMISATION, allowed=("cosine", "wsd"))
+    decay_ratio: float = option(
+        0.2, "--decay-ratio", help="--schedule wsd: the decay's share of the steps.", panel=OPTIMISATION,
+        allowed=Range(0, 1, lo_open=True))
     min_lr_ratio: float = option(
-        0.0, "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr.", panel=OPTIMISATION,
+        0.0, "--min-lr-ratio", help="The decay's floor as a fraction of --lr.", panel=OPTIMISATION,
         allowed=FRACTION)
     warmup_ratio: float = option(
         0.03, "--warmup-ratio", help="Linear warmup as a fraction of the steps.", panel=OPTIMISATION,
         allowed=FRACTION)
-    weight_decay: float = option(0.0, "--weight-decay", help="AdamW weight decay.", panel=OPTIMISATION,
+    weight_decay: float = option(0.0, "--weight-decay", help="AdamW weight decay (with --optimizer muon: "
+                                                            "the AdamW part's).", panel=OPTIMISATION,
                                  allowed=NON_NEGATIVE)
     grad_clip: float = option(
         0.5, "--grad-clip", help="Clip the gradient norm to this (0: off).", panel=OPTIMISATION,
@@ -266,7 +288,7 @@ class Option:
     default: object  # MISSING: required
     flag: Flag | None  # None: shared with other stages, declared in spec_cli/commands/options.py
     resumable: bool
-    allowed: Range | None  # a number option's range (any float option must be finite)
+    allowed: Range | tuple[str, ...] | None  # a number option's range (finite), or a word option's choices
 
 
 # TrainConfig's groups, by field

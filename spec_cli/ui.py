@@ -150,7 +150,10 @@ def print_demo_summary(result) -> None:
         rows.append(("eval report", str(result.eval_json)))
     if result.serve_command:
         rows.append(("serve with vLLM", result.serve_command))
-    rows.append(("total", f"{result.seconds / 60:.1f} min; rerun `spec demo` to reuse the finished stages"))
+    estimate = getattr(result, "estimate", None)
+    estimated = f" (estimated {estimate['minutes']:g} min at the start)" if estimate else ""
+    rows.append(("total", f"{result.seconds / 60:.1f} min{estimated}; rerun `spec demo` to reuse the finished "
+                          "stages"))
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
 
 

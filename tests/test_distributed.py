@@ -64,16 +64,18 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     checkpoint must restore."""
     root = tmp_path_factory.mktemp("torchrun")
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
-                                           "eagle-fsdp",
+                                           "eagle-fsdp", "eagle3-fsdp-muon",
                                            *(f"peagle-{k}" for k in PEAGLE), "precompute", "precompute-tensor", "live-replica", "live-tensor",
-                                           "tp-supervision")}
+                                           "tp-supervision", "muon-shards")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
+              eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-fsdp-straight"], "--fsdp"),
               peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
               eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
+              eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--resume"),
               eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
               peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
               peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
@@ -81,7 +83,8 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
               live_args(train_setup, out["live-replica"], "replica"),
               live_args(train_setup, out["live-tensor"], "tensor"),
-              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
+              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]],
+              ["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch")
     out["tp-supervision"].mkdir(exist_ok=True)
     return out
 
@@ -127,6 +130,26 @@ def test_eagle3_fsdp_two_processes_match_one_process_through_a_resume(runs, eagl
     # gradient accumulation under FSDP: 2 ranks x 2 micro-batches == 1 process x 4
     stage.run(config(train_setup, tmp_path / "single4", max_steps=3, grad_accum=4, eval_every=0))
     assert_same(weights(tmp_path / "single4"), weights(runs["eagle3-fsdp-accum"]), exact=False)
+
+
+def test_muon_orthogonalises_whole_matrices_under_fsdp(runs, train_setup, tmp_path):
+    """--optimizer muon over FSDP2 shards: Newton-Schulz sees each matrix whole (DTensor's ops are global),
+    so with float64 Newton-Schulz the sharded update equals the whole draft's exactly (tests/draft/
+    muon_shards.py). Through the CLI (bf16 Newton-Schulz, which magnifies rounding in the reduced
+    gradients), two ranks stopped after step 1 and resumed stay within a small part of one step of one
+    process with the same global batch."""
+    shards = json.loads((runs["muon-shards"] / "muon.json").read_text())
+    assert all(d == 0.0 for d in shards["diff"].values()), shards["diff"]
+    assert min(shards["moved"].values()) > 1e-3  # every parameter did move
+    fsdp = runs["eagle3-fsdp-muon"]
+    stopped_then_resumed(fsdp)
+    single = tmp_path / "single-muon"
+    assert stage.run(config(train_setup, single, max_steps=3, grad_accum=2, eval_every=0, optimizer="muon")).steps == 3
+    for key, value in weights(single).items():
+        torch.testing.assert_close(weights(fsdp)[key], value, rtol=0, atol=2e-3, msg=key)  # a step: ~5e-3
+    opt_single = load_file(str(ckpt.latest_checkpoint(single) / "optimizer.safetensors"))
+    opt_fsdp = ckpt.read_optimizer(ckpt.latest_checkpoint(fsdp))
+    assert opt_single.keys() == opt_fsdp.keys() and "state.fc.weight.momentum_buffer" in opt_fsdp
 
 
 def test_fsdp_checkpoints_are_sharded_and_resume_bit_for_bit(runs):

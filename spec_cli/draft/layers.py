@@ -92,6 +92,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # blocks
 
 
+def feature_noise(x: torch.Tensor, std: float, parts: int = 1) -> torch.Tensor:
+    """x + std * RMS * N(0, 1): Gaussian noise on the target's states, relative to each state's size
+    (the RMS per token over each of `parts` equal slices of the last dim: EAGLE-3's aux states are
+    three layers' states side by side, of different sizes). Training only: the draft learns to
+    continue from states a little off, as its own predictions are when it drafts."""
+    slices = x.unflatten(-1, (parts, -1))  # [..., parts, H]
+    rms = slices.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(slices.shape, device=x.device, dtype=torch.float32) * rms * std
+    return (slices + noise.to(x.dtype)).flatten(-2)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -1,5 +1,6 @@
 """The training step shared by `spec train` (stages/train.py) and `spec plan` (plan/step.py, which runs
-it on fake tensors to measure it): the optimizer, one micro-batch's forward and backward, the update.
+it on fake tensors to measure it): the optimizer (spec_cli/draft/optim.py), one micro-batch's forward
+and backward, the update.
 
 Kept here, below both, so that the plan measures exactly the code the trainer runs."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+
+from spec_cli.draft.optim import make_optimizer  # noqa: F401  (the trainer, spec plan and benches take it from here)
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -18,11 +21,6 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
                     "params": list(range(start, start + len(group["params"])))})
         start += len(group["params"])
     return out
-
-
-def make_optimizer(params: list, optim) -> torch.optim.Optimizer:
-    """AdamW as spec train uses it; optim: its OptimOptions (lr, weight_decay)."""
-    return torch.optim.AdamW(params, lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay)
 
 
 def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True):

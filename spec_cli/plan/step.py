@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.draft.optim import ordered
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
 from spec_cli.errors import ConfigError
 from spec_cli.plan.memory import LiveBytes, fake_weights
@@ -113,8 +114,9 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
         draft.attn_impl = "fused"  # what "auto" picks once the kernel passes its self-check
         data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype)
         objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
-        params = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = make_optimizer(params, optim)
+        named = ordered([(n, p) for n, p in draft.named_parameters() if p.requires_grad], optim)
+        params = [p for _, p in named]
+        optimizer = make_optimizer(params, optim, [n for n, _ in named])
         autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                     else torch.autocast("cpu", enabled=False))
         memory = LiveBytes()

@@ -112,6 +112,7 @@ class DemoResult:
     eval_json: Path | None = None
     serve_command: str = ""
     seconds: float = 0.0
+    estimate: dict | None = None  # measured at the start: this machine's speeds and the stages' minutes
 
     def artifact(self, name: str) -> Path:
         return next(s.artifact for s in self.stages if s.name == name)
@@ -140,6 +141,7 @@ def run(cfg: DemoConfig) -> DemoResult:
 
     found: dict = {}
     stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
+    result.estimate = _estimate(cfg, profile, found, earlier)
     regenerated = folder / "regenerated.jsonl"
     stage("regenerate", regenerated, lambda: _regenerate(cfg, profile, found, regenerated))
     data = folder / "train.jsonl"
@@ -177,6 +179,30 @@ def data_dtype(cfg: DemoConfig) -> str | None:
     if cfg.dtype:
         return cfg.dtype
     return "bf16" if loading.fast_bf16(loading.choose_device(cfg.device)) else None
+
+
+def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> dict | None:
+    """This machine's speed at each kind of step, measured now (spec_cli/stages/demo_clock.py), and the
+    minutes the stages not yet done will take at it; None when every stage is done."""
+    from spec_cli.stages import demo_clock
+
+    left = [name for name in ("regenerate", "precompute", "train", "eval", "eval-heldout") if name not in earlier]
+    if not left:
+        return None
+    device = loading.choose_device(cfg.device)
+    t0 = time.perf_counter()
+    speeds = demo_clock.measure(loading.resolve_target(found["smollm2"]), device,
+                                loading.choose_dtype(data_dtype(cfg), device), loading.choose_dtype(cfg.dtype, device),
+                                profile.draft_vocab_size, profile.batch_tokens, profile.ttt_steps)
+    per_stage = demo_clock.stage_seconds(profile, speeds)
+    per_stage["eval-heldout"] = per_stage["eval"] / 2  # one eval's seconds cover both evals
+    per_stage["eval"] /= 2
+    seconds = {name: per_stage[name] for name in left}
+    total = (sum(seconds.values()) + per_stage["fixed"]) / 60
+    info(f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
+         f"take about {total:.0f} min (" + ", ".join(f"{n} {s / 60:.1f}" for n, s in seconds.items()) + ")")
+    return {"minutes": round(total, 1), "stages": {n: round(s, 2) for n, s in seconds.items()},
+            "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()}}
 
 
 def _assets(cfg: DemoConfig, found: dict) -> str:
@@ -436,4 +462,4 @@ def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
                     "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
         "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
-        "seconds": round(result.seconds, 1)})
+        "estimate": result.estimate, "seconds": round(result.seconds, 1)})

@@ -34,6 +34,7 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms, attention, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.draft.optim import ordered, scheduled_lr, set_lr
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_groups, optimizer_step
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
@@ -244,6 +245,7 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
         vocab_map_fingerprint=vocab_map.fingerprint, algorithm=algorithm.name)
     info(f"draft rope: {draft_config.rope_source}")
     draft = algorithm.build(draft_config)
+    draft.hidden_noise = cfg.objective.hidden_noise  # not in its config: export and eval never see it
     embed = source.backend.get_input_embeddings()
     draft.copy_embeddings(embed)
     draft.set_vocab_map(vocab_map.selected_token_ids)
@@ -294,9 +296,10 @@ class Trainer:
             sharding.shard(self.objective, device)  # before the optimizer: it holds the sharded weights
         elif cfg.runtime.fsdp:
             info("--fsdp shards across torchrun processes; with one process it trains as usual")
-        trained = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        # in the optimizer's group order (its state_dict numbers parameters so; checkpoints name them)
+        trained = ordered([(n, p) for n, p in self.draft.named_parameters() if p.requires_grad], cfg.optim)
         self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
-        self.optimizer = make_optimizer(self.params, cfg.optim)
+        self.optimizer = make_optimizer(self.params, cfg.optim, self.names)
 
     def _attention(self, impl: str, device: torch.device) -> str:
         """--attention: the TTT attention kernel for the step's activations (bf16 under CUDA's autocast,
@@ -362,11 +365,10 @@ class Trainer:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return scheduled_lr(self.optimizer)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def forward_backward(self, batch, sync: bool):
         """One micro-batch's loss and gradients; `sync`: the step's last, whose gradients the ranks share."""
@@ -435,12 +437,21 @@ def largest_batch(source: Source, cfg: TrainConfig) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- schedule / metrics
 
 def lr_at(step: int, total: int, optim: OptimOptions) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    """Linear warmup, then to min_lr_ratio * lr: a cosine over the rest (--schedule cosine), or held
+    flat until the last decay_ratio of the steps and decayed linearly over them (wsd)."""
     warmup = max(1, math.ceil(optim.warmup_ratio * total)) if optim.warmup_ratio > 0 else 0
     if step < warmup:
         return optim.lr * (step + 1) / warmup
+    floor = optim.min_lr_ratio
+    if getattr(optim, "schedule", "cosine") == "wsd":
+        decay = max(1, math.ceil(optim.decay_ratio * total))
+        start = max(warmup, total - decay)  # the decay's first step
+        if step < start:
+            return optim.lr
+        progress = (step - start + 1) / max(1, total - start)  # the last step reaches the floor
+        return optim.lr * (floor + (1 - floor) * (1 - min(1.0, progress)))
     progress = (step - warmup) / max(1, total - warmup)
-    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Metrics:

@@ -92,6 +92,12 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert record(out)["acceptance_length"] == pytest.approx(report["overall"]["acceptance_length"])
     printed = capsys.readouterr().out
     assert "acceptance length" in printed and "speed-up" in printed
+    # the time was estimated from this machine's speeds, measured before the first stage
+    estimate = record(out)["estimate"]
+    assert set(estimate["stages"]) == {"regenerate", "precompute", "train", "eval", "eval-heldout"}
+    assert all(v > 0 for v in estimate["speeds"].values()) and estimate["minutes"] > 0
+    assert estimate["stages"]["train"] == pytest.approx(TINY.steps * TINY.batch_tokens / estimate["speeds"]["train"], rel=0.01, abs=0.01)
+    assert f"estimated {estimate['minutes']:g} min at the start" in " ".join(printed.split())
     assert str(out / "export-vllm") in "".join(printed.split())  # a long path wraps at 80 columns
     assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
 
@@ -107,6 +113,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     # the rerun keeps each stage's real time and result from the run that produced it
     again = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert {k: v for k, v in again.items() if k != "assets"} == {k: v for k, v in first.items() if k != "assets"}
+    assert record(out)["estimate"] is None  # nothing left to run: nothing measured
     assert main(["demo", "--quick", "-o", str(out)]) == 0  # and so does a third run
     assert {s["name"]: s["produced"] for s in record(out)["stages"]}["train"] == first["train"]
     assert "it ran in" in " ".join(capsys.readouterr().out.split())

@@ -236,3 +236,49 @@ def test_a_cache_made_with_another_vocab_map_names_that_map(setup, tmp_path, cap
     assert f"the vocab map {other}" in err
     assert f"made with ({setup['vm'].resolve()})" in err and "--vocab-map used for `spec precompute`" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_recipe_levers_through_the_cli_resume_bit_for_bit_and_export(setup, tmp_path, capsys):
+    """--optimizer muon --schedule wsd --hidden-noise: a run stopped at step 4 and resumed equals the straight
+    run (Muon's momentum and AdamW's moments in the checkpoint, the noise's RNG restored); the noise
+    changes training; the export's self-check passes and its config carries none of it."""
+    levers = ["--optimizer", "muon", "--muon-lr", "6e-3", "--schedule", "wsd", "--decay-ratio", "0.5",
+              "--hidden-noise", "0.05"]
+
+    def args(out, *extra):
+        return ["train", "--cache", str(setup["cache"]), "-v", str(setup["vm"]), "-o", str(out), "--ttt-steps", "3",
+                "--lr", "3e-3", "--max-steps", "6", "--batch-tokens", "512", "--eval-fraction", "0.2",
+                "--eval-every", "3", "--save-every", "3", "--log-every", "1", "-q", *extra]
+
+    assert main(args(tmp_path / "straight", *levers)) == 0
+    state = json.loads((ckpt.latest_checkpoint(tmp_path / "straight") / "trainer_state.json").read_text())
+    muon, adamw = state["param_groups"]
+    assert "fc.weight" in muon["params"] and muon["lr_scale"] == pytest.approx(2.0)
+    assert {"lm_head.weight", "norm.weight"} <= set(adamw["params"])
+    opt = load_file(str(ckpt.latest_checkpoint(tmp_path / "straight") / "optimizer.safetensors"))
+    assert "state.fc.weight.momentum_buffer" in opt and "state.lm_head.weight.exp_avg" in opt
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "straight" / "log.jsonl").read_text().splitlines())
+           if r.get("split") == "train"]
+    assert lrs == pytest.approx([3e-3, 3e-3, 3e-3, 2e-3, 1e-3, 0.0])  # flat, then a linear decay over 3 steps
+
+    def interrupt(step):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    cfg = stage.TrainConfig.from_options(
+        vocab_map=setup["vm"], output=tmp_path / "resumed", cache=setup["cache"], ttt_steps=3, lr=3e-3,
+        max_steps=6, batch_tokens=512, eval_fraction=0.2, eval_every=3, save_every=3, log_every=1, optimizer="muon",
+        muon_lr=6e-3, schedule="wsd", decay_ratio=0.5, hidden_noise=0.05)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(cfg, after_step=interrupt)
+    assert main(args(tmp_path / "resumed", "--resume")) == 0
+    assert_same(weights(tmp_path / "straight"), weights(tmp_path / "resumed"))
+    assert_same(opt, load_file(str(ckpt.latest_checkpoint(tmp_path / "resumed") / "optimizer.safetensors")))
+
+    assert main(args(tmp_path / "quiet", *levers[:-2])) == 0  # the same without the noise
+    assert not torch.equal(weights(tmp_path / "quiet")["fc.weight"], weights(tmp_path / "straight")["fc.weight"])
+
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "straight"), "-f", "vllm", "-o", str(out), "-q"]) == 0  # self-checked
+    config_text = (out / "config.json").read_text()
+    assert "noise" not in config_text and "muon" not in config_text

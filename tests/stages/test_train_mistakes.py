@@ -319,6 +319,8 @@ def test_a_fused_attention_kernel_that_fails_its_self_check(setup, tmp_path, cap
 @pytest.mark.parametrize("option,value,line", [
     ("--attention", "flex", "error: unknown --attention 'flex'; use auto, fused or math"),
     ("--precision", "half", "error: unknown --precision 'half'; use auto, bf16 or fp32"),
+    ("--optimizer", "sgd", "error: unknown --optimizer 'sgd'; use adamw or muon"),
+    ("--schedule", "linear", "error: unknown --schedule 'linear'; use cosine or wsd"),
 ])
 def test_an_unknown_kernel_or_precision_is_one_line_before_anything_is_written(setup, tmp_path, capsys,
                                                                               option, value, line):

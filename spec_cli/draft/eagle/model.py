@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.layers import MLP, Attention, RMSNorm, rope_inv_freq
+from spec_cli.draft.layers import MLP, Attention, RMSNorm, feature_noise, rope_inv_freq
 from spec_cli.draft.stepping import SteppedDraft
 from spec_cli.errors import ConfigError
 
@@ -109,8 +109,12 @@ class EagleDraft(SteppedDraft):
     # -- pieces ----------------------------------------------------------------------------------
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's features [B, T, H] are the draft's state as they are."""
-        return features.to(self.fc.weight.dtype)
+        """The target's features [B, T, H] are the draft's state as they are (with --hidden-noise,
+        a noisy copy in training: the feature loss's targets stay clean)."""
+        features = features.to(self.fc.weight.dtype)
+        if self.training and self.hidden_noise > 0:
+            features = feature_noise(features, self.hidden_noise)
+        return features
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """[..., H] predicted feature -> [..., V] through the target's lm_head (no norm, as served)."""

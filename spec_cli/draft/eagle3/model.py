@@ -29,7 +29,7 @@ from torch import nn
 
 from spec_cli.artifacts import vocab_map
 from spec_cli.draft.config import DraftConfig
-from spec_cli.draft.layers import MLP, Attention, RMSNorm, rope_inv_freq
+from spec_cli.draft.layers import MLP, Attention, RMSNorm, feature_noise, rope_inv_freq
 from spec_cli.draft.stepping import SteppedDraft
 from spec_cli.errors import ConfigError
 
@@ -141,8 +141,10 @@ class Eagle3Draft(SteppedDraft):
     # -- pieces ----------------------------------------------------------------------------------
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, 3*H_t] target aux states -> [B, T, H]: fc_norm (EAGLE-3.1) then fc."""
+        """[B, T, 3*H_t] target aux states -> [B, T, H]: (noise) fc_norm (EAGLE-3.1) then fc."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.training and self.hidden_noise > 0:  # --hidden-noise: training only
+            aux_hidden = feature_noise(aux_hidden, self.hidden_noise, len(self.config.aux_layer_ids))
         if self.config.fc_norm:
             chunks = aux_hidden.chunk(len(self.config.aux_layer_ids), dim=-1)
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)

@@ -121,3 +121,18 @@ def test_what_an_eagle_draft_cannot_be_is_one_error_naming_the_fix():
     draft.set_vocab_map(torch.arange(V))  # the whole vocabulary in order: fine
     with pytest.raises(ConfigError, match="selects a subset"):
         draft.set_vocab_map(torch.arange(V - 1))
+
+
+def test_hidden_noise_reaches_the_input_state_only_and_only_in_training():
+    """EAGLE-1/2 reads the target's final states as its input and regresses onto the same states: the
+    noise goes on the input copy, never on the features the loss compares with."""
+    draft = eagle_draft()
+    features = torch.randn(2, 5, H)
+    kept = features.clone()
+    draft.hidden_noise = 0.1
+    noisy = draft.project(features)
+    assert torch.equal(features, kept)  # the loss's targets untouched
+    ratio = (noisy - features) / features.pow(2).mean(-1, keepdim=True).sqrt()
+    assert 0.05 < ratio.std().item() < 0.15
+    draft.eval()
+    assert torch.equal(draft.project(features), features)

@@ -1,10 +1,12 @@
 """The EAGLE-3 draft module: engine-loadable names, vocab map, embeddings, incremental decoding."""
 
+import json
+
 import pytest
 import torch
 
 from spec_cli.draft.eagle3.model import Eagle3Draft
-from spec_cli.draft.layers import KVCache
+from spec_cli.draft.layers import KVCache, feature_noise
 from spec_cli.errors import ConfigError
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft import V, VD, random_batch, selected_ids, tiny_config, tiny_draft
@@ -125,3 +127,21 @@ def test_ttt_step_one_equals_decoding_with_an_extra_key():
             draft.forward_step(batch.input_ids[:, :t + 1], hidden[:, :t + 1], pos[:, :t + 1], cache)
             step = draft.forward_step(ids1[:, t:t + 1], h0[:, t:t + 1], pos[:, t:t + 1] + 1, cache)
             torch.testing.assert_close(step[:, 0], h1[:, t], atol=1e-12, rtol=1e-10)
+
+
+def test_hidden_noise_only_in_training_and_relative_to_each_aux_state():
+    """--hidden-noise perturbs the aux states the draft reads in training; evaluation (eval mode: the
+    trainer's held-out split, spec eval, export's self-check) reads them clean."""
+    draft = tiny_draft(fc_norm=True)
+    aux = torch.randn(2, 5, 36)
+    clean = draft.project(aux)
+    draft.hidden_noise = 0.05
+    torch.manual_seed(1)
+    noisy = draft.project(aux)
+    assert not torch.allclose(noisy, clean)
+    torch.manual_seed(1)
+    expected = draft.fc(torch.cat([norm(c) for norm, c in zip(draft.fc_norm, feature_noise(aux, 0.05, 3).chunk(3, -1))], -1))
+    torch.testing.assert_close(noisy, expected)
+    draft.eval()
+    assert torch.equal(draft.project(aux), clean)
+    assert "noise" not in json.dumps(draft.config.to_dict())  # the engine's config never carries it

@@ -1,0 +1,154 @@
+"""How long `spec demo` will take on THIS machine: measured before the first stage, not assumed.
+
+CPUs differ by more than 2x on the demo (a core with a native bf16 path runs the target and the
+training step in bf16; one with AVX2 only runs fp32), so a fixed figure in the help is wrong on one of
+them. The demo's work is fixed by its profile (greedy answers to fixed prompts, a fixed number of
+training steps), so the time is that work over this machine's speed at each kind of step:
+
+- regenerate: answer tokens over batched decoding (the target, the stage's dtype, 16 rows);
+- precompute: training tokens over the target's prefill (with the stage's per-token overhead);
+- train: steps x batch tokens over a training step of the demo's draft at the trainer's precision;
+- eval: decoded tokens (target alone, then with the draft) over one-row decoding at eval's dtype.
+
+Each is timed for a few steps (about 10-20 seconds in all on 2 cores). The per-profile work
+(`WORK_*`) was counted on the demo's own data; the fixed costs (loading, the export's engine check)
+were measured on a 2-core AMD EPYC and are small beside the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spec_cli.target import loading
+
+# counted on the demo's data (machine-independent): answer tokens regenerate writes per sample (7,810
+# for the quick profile's 48 samples), tokens per training conversation after templating (31,948 for 148)
+ANSWER_TOKENS_PER_SAMPLE = 163
+TOKENS_PER_CONVERSATION = 216
+PRECOMPUTE_OVERHEAD = 3.0  # precompute's time over the bare prefill's (head, top-k, writing): measured
+FIXED_SECONDS = 60.0  # loading models, the vocab map, the export's checks (measured: about a minute)
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """Tokens per second on this machine."""
+    batched_decode: float  # regenerate's kind: 16 rows at a time, KV cache
+    prefill: float  # precompute's kind: 512-token rows
+    decode: float  # eval's kind: one row, one token at a time
+    train: float  # the demo's draft, its batch_tokens packed, at the trainer's precision
+
+    def text(self) -> str:
+        return (f"target {self.batched_decode:.0f} tok/s batched, {self.decode:.0f} tok/s alone, prefill "
+                f"{self.prefill:.0f} tok/s; draft training {self.train:.0f} tok/s")
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@torch.no_grad()
+def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
+                  only_decode: bool = False) -> tuple[float, float, float]:
+    """(batched decode, prefill, one-row decode) tokens/s of the target at `dtype` (only_decode: the
+    last alone; the others 0)."""
+    model = loading.load_model(target_dir, device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+
+    def decode(rows: int, steps: int = 4) -> float:
+        prompt = torch.randint(0, vocab, (rows, 64), generator=gen).to(device)
+        past = model(input_ids=prompt, use_cache=True).past_key_values
+        token = prompt[:, -1:]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            past = model(input_ids=token, past_key_values=past, use_cache=True).past_key_values
+        return rows * steps / (time.perf_counter() - t0)
+
+    decode(1, 2)  # warm-up
+    single = decode(1)
+    if only_decode:
+        return 0.0, 0.0, single
+    batched = decode(16)
+    rows = torch.randint(0, vocab, (2, 512), generator=gen).to(device)
+    prefill = rows.numel() / _best(lambda: model(input_ids=rows), 1)
+    return batched, prefill, single
+
+
+def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, batch_tokens: int,
+                ttt_steps: int, precision: str = "auto") -> float:
+    """Tokens/s of the demo's EAGLE-3 draft trained as `spec train` steps it (forward, backward, AdamW)
+    on one packed row of `batch_tokens` random supervision."""
+    from spec_cli.batch import TargetBatch
+    from spec_cli.draft.config import DraftConfig
+    from spec_cli.draft.eagle3.model import Eagle3Draft
+    from spec_cli.draft.eagle3.ttt import ttt_forward
+    from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
+    from spec_cli.stages.train import OptimOptions, _autocast, step_precision
+
+    config = loading.load_config(target_dir)
+    layers = config.num_hidden_layers
+    aux = [min(i, layers - 1) for i in (1, layers // 2, layers - 3)]  # three states: only their count costs
+    draft_config = DraftConfig.from_target(config, draft_vocab_size, aux, fc_norm=True)
+    gen = torch.Generator().manual_seed(0)
+    draft = Eagle3Draft(draft_config)
+    draft.set_vocab_map(torch.sort(torch.randperm(draft_config.vocab_size, generator=gen)[:draft_vocab_size]).values)
+    draft.to(device)
+    T, Vd = batch_tokens, draft_vocab_size
+    mask = torch.ones(1, T, dtype=torch.long)
+    mask[:, -1] = 0
+    batch = TargetBatch(
+        aux_hidden=torch.randn(1, T, 3 * draft_config.target_hidden_size, generator=gen),
+        input_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
+        attention_mask=torch.ones(1, T, dtype=torch.long), loss_mask=mask,
+        target_p=torch.randn(1, T, Vd, generator=gen).softmax(-1), position_mask=mask.bool(),
+        target_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
+        target_mass=torch.ones(1, T)).to(device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, OptimOptions(lr=1e-4))
+    autocast = _autocast(device, step_precision(precision, device))
+
+    def step():
+        forward_backward(_One(), lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1, autocast)
+        optimizer_step(params, optimizer, 0.5)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return T / _best(step, 1)
+
+
+class _One:
+    @staticmethod
+    def plan(batch):
+        return [None]
+
+
+def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eval_dtype: torch.dtype,
+            draft_vocab_size: int, batch_tokens: int, ttt_steps: int) -> Speeds:
+    batched, prefill, single = target_speeds(target_dir, device, data_dtype)
+    if eval_dtype != data_dtype:
+        single = target_speeds(target_dir, device, eval_dtype, only_decode=True)[2]
+    return Speeds(batched, prefill, single, train_speed(target_dir, device, draft_vocab_size, batch_tokens,
+                                                        ttt_steps))
+
+
+def stage_seconds(profile, speeds: Speeds) -> dict[str, float]:
+    """The profile's stages on a machine of these speeds (seconds)."""
+    conversations = profile.samples + profile.original_samples
+    eval_tokens = (profile.eval_prompts + profile.heldout_prompts) * 2 * profile.eval_max_new_tokens * 2
+    return {
+        "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode,
+        "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * PRECOMPUTE_OVERHEAD,
+        "train": profile.steps * profile.batch_tokens / speeds.train,
+        "eval": eval_tokens / speeds.decode,
+        "fixed": FIXED_SECONDS,
+    }
