@@ -24,6 +24,9 @@ def demo_cmd(
                            "is then weaker, and the final table says so; a rerun finishes the schedule. "
                            "Default: no cap (the schedule is fixed in steps, so the result does not depend "
                            "on the machine's speed).")] = None,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="What runs the target in regenerate: auto (vLLM where the `vllm` extra is installed, "
+                         "else transformers), transformers or vllm.")] = "auto",
     device: Device = None,
     dtype: Dtype = None,
     quiet: Quiet = False,
@@ -40,6 +43,6 @@ def demo_cmd(
 
     set_quiet(quiet)
     result = stage.run(stage.DemoConfig(quick=quick, output=output, install=not no_install,
-                                        device=device, dtype=dtype,
+                                        device=device, dtype=dtype, engine=engine,
                                         max_time=parse_duration(max_time, "--max-time")))
     print_demo_summary(result)

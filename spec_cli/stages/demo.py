@@ -77,6 +77,7 @@ class DemoConfig:
     device: str | None = None
     dtype: str | None = None
     max_time: float | None = None  # seconds: stop training early (a weaker draft, warned about); None: no cap
+    engine: str = "auto"  # what runs the target in regenerate: auto (vLLM when installed), transformers, vllm
 
     @property
     def profile(self) -> Profile:
@@ -205,6 +206,16 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
             "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()}}
 
 
+def regen_engine(cfg: DemoConfig) -> str:
+    """--engine auto: vLLM where it is installed (the `vllm` extra: it answers the demo's prompts faster
+    than transformers' generate), else transformers."""
+    if cfg.engine != "auto":
+        return cfg.engine
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
 def _assets(cfg: DemoConfig, found: dict) -> str:
     found.update(assets.ensure_all(install=cfg.install))
     return "ready"
@@ -214,10 +225,14 @@ def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> s
     from spec_cli.stages import regenerate
     from spec_cli.ui import print_regenerate_summary
 
+    engine = regen_engine(cfg)
+    info(f"regenerate runs the target in {engine}" + (
+        " (installed; --engine transformers runs it in transformers instead)" if engine == "vllm" and cfg.engine == "auto"
+        else ""))
     outcome = regenerate.run(regenerate.RegenerateConfig(
         target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path, temperature=0.0,
         max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
-        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg)))
+        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg), engine=engine))
     if outcome.already_complete:
         return "reused"
     print_regenerate_summary(outcome)

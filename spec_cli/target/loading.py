@@ -56,6 +56,12 @@ def fast_bf16(device: torch.device) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
+    # capped to AVX2 (ATEN_CPU_CAPABILITY=avx2 for torch's kernels, ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN's
+    # matmuls): the bf16 path is emulated as on an AVX2-only CPU, whatever this one has
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "ZVECTOR", "VSX") or (
+            isa and isa != "ALL" and "BF16" not in isa and "AMX" not in isa):
+        return False
     probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(probe is not None and probe() for probe in probes)
 

@@ -46,7 +46,7 @@ def statuses(folder) -> dict:
 
 def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 0
     assert statuses(out) == {"assets": "ready", "regenerate": "ran", "training data": "ran",
                              "build-vocab-map": "ran",
                              "precompute": "ran", "train": "ran", "export": "ran", "eval": "ran",
@@ -105,7 +105,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     eval_stamp = (out / "eval" / "eval.json").stat().st_mtime_ns
     first = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert first["train"]["status"] == "ran" and first["train"]["seconds"] > 0
-    assert main(["demo", "--quick", "-o", str(out)]) == 0
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 0
     assert statuses(out) == {"assets": "ready", "regenerate": "reused", "training data": "reused",
                              "build-vocab-map": "reused",
                              "precompute": "reused", "train": "reused", "export": "reused", "eval": "reused",
@@ -114,7 +114,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     again = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert {k: v for k, v in again.items() if k != "assets"} == {k: v for k, v in first.items() if k != "assets"}
     assert record(out)["estimate"] is None  # nothing left to run: nothing measured
-    assert main(["demo", "--quick", "-o", str(out)]) == 0  # and so does a third run
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 0  # and so does a third run
     assert {s["name"]: s["produced"] for s in record(out)["stages"]}["train"] == first["train"]
     assert "it ran in" in " ".join(capsys.readouterr().out.split())
     assert (latest / "model.safetensors").stat().st_mtime_ns == stamp
@@ -125,14 +125,14 @@ def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp
     # a time budget that runs out after the first step: the demo stops training there, with a
     # checkpoint, says loudly that the draft is weaker, and still exports and evaluates what it has
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "-o", str(out), "--max-time", "0.001s"]) == 0
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out), "--max-time", "0.001s"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "WARNING training stopped by --max-time at step 1 of 6" in printed
     assert ckpt.latest_checkpoint(out / "run").name == "step-00000001"
     first_eval = json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"]
     assert first_eval == 1
 
-    assert main(["demo", "--quick", "-o", str(out)]) == 0  # no cap: the rerun finishes the schedule
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 0  # no cap: the rerun finishes the schedule
     assert statuses(out)["train"] == "resumed" and statuses(out)["export"] == "ran"
     assert ckpt.latest_checkpoint(out / "run").name == "step-00000006"
     assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 6
@@ -184,14 +184,14 @@ def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert main(["demo", "--quick", "-o", str(out)]) == 1
+    assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 1
     err = capsys.readouterr().err
     assert "is not empty and holds no demo.json" in err and "new or empty folder" in err
     assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_help_states_both_profiles_expected_durations(capsys):
-    assert main(["demo", "--help"]) == 0
+    assert main(["demo", "--engine", "transformers", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     quick, full = demo.PROFILES["quick"].expected_minutes, demo.PROFILES["full"].expected_minutes
     assert f"--quick about {quick:g} minutes" in text and f"the default about {full:g}" in text
@@ -203,3 +203,14 @@ def test_regenerate_and_precompute_run_the_target_in_bf16_only_where_it_is_nativ
     assert demo.data_dtype(demo.DemoConfig(dtype="fp32")) == "fp32"  # --dtype wins
     monkeypatch.setattr(demo.loading, "fast_bf16", lambda device: False)
     assert demo.data_dtype(demo.DemoConfig()) is None  # the stages' default (fp32 on a CPU)
+
+
+def test_regenerate_runs_in_vllm_where_it_is_installed(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert demo.regen_engine(demo.DemoConfig()) == "vllm"
+    assert demo.regen_engine(demo.DemoConfig(engine="transformers")) == "transformers"  # asked for
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert demo.regen_engine(demo.DemoConfig()) == "transformers"

@@ -424,3 +424,22 @@ def test_the_cache_reading_thread_does_host_work_only(setup):
         assert batch.target_p.shape[:2] == ids.shape
     finally:
         backend.close()
+
+
+def test_a_cpu_capped_to_avx2_has_no_fast_bf16(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (torch's kernels) or ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's matmuls) make bf16
+    emulated whatever the CPU has: auto then trains, regenerates and precomputes in fp32, as on an
+    AVX2-only machine (how this project measures that class of CPU on a faster one)."""
+    from spec_cli.target import loading
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert loading.fast_bf16(cpu)
+    for isa, fast in (("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True), ("ALL", True)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert loading.fast_bf16(cpu) is fast, isa
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not loading.fast_bf16(cpu)
