@@ -5,12 +5,13 @@ SmolLM2 target, greedy, a chain of --depth, both turns) on MT-bench and on held-
     spec demo --quick                 # (or the default demo) makes the data, vocab map and cache
     python bench/recipe.py --demo ~/.cache/spec_cli/demo/quick --out /tmp/recipe \
         --variants base,muon,noise,wsd,init,layers2,vd2048,lr3e-3
-    python bench/recipe.py ... --variants base,muon --seeds 0,1          # noise between seeds
-    python bench/recipe.py ... --variants muon+noise --scales 0.5,1,2,4   # AL against training compute
+    python bench/recipe.py ... --variants base,wsd --seeds 0,1           # noise between seeds
+    python bench/recipe.py ... --variants wsd+orig300 --scales 0.5,1,2,4  # AL against training compute
 
 Every variant trains on the demo's training data (its regenerated and original conversations, packed)
 for the demo profile's steps x --scale of its batch_tokens, with the profile's settings unless the
-variant changes one: equal budgets, one lever at a time. "a+b" combines variants. The vocab map and
+variant changes one: equal budgets, one lever at a time ("base" is AdamW with a cosine schedule,
+whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations as written). "a+b" combines variants. The vocab map and
 cache for Vd 4096 are the demo's; other sizes are built once into OUT. Finished runs are reused (rerun
 with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json. The
 target alone is not timed here (acceptance only): `spec eval` gives the speed-up of the draft you pick.
@@ -56,13 +57,16 @@ LEVERS = {
     "ttt5": dict(ttt_steps=5),
     "stepw1": dict(step_weight=1.0),
     "wd0.01": dict(weight_decay=0.01),
+    # more ShareGPT conversations with their original answers after the demo's (prefill only, no generation)
+    "orig300": dict(extra=300),
+    "orig900": dict(extra=900),
 }
 HELDOUT_FROM = 3000  # ShareGPT conversations from here on: after anything a demo profile trains on
 
 
 def settings_of(name: str, profile: demo.Profile) -> dict:
     """A variant's options: the demo profile's, then each "+"-joined lever's."""
-    options = dict(vocab=profile.draft_vocab_size, lr=profile.lr, ttt_steps=profile.ttt_steps)
+    options = dict(vocab=profile.draft_vocab_size, extra=0, lr=profile.lr, ttt_steps=profile.ttt_steps)
     for part in name.split("+"):
         if part not in LEVERS:
             raise SystemExit(f"unknown variant {part!r}: use {', '.join(LEVERS)} (joined with +)")
@@ -70,17 +74,34 @@ def settings_of(name: str, profile: demo.Profile) -> dict:
     return options
 
 
-def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, target: str) -> tuple[Path, Path]:
-    """The vocab map and feature cache of the demo's training data at this vocabulary size."""
+def training_data(out: Path, folder: Path, extra: int) -> Path:
+    """The demo's training data, plus `extra` further ShareGPT conversations as written (after the last
+    one the demo used; the held-out prompts come later still)."""
+    if not extra:
+        return folder / "train.jsonl"
+    path = out / f"train+{extra}.jsonl"
+    if not path.is_file():
+        base = folder / "train.jsonl"
+        found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
+        more = demo._sharegpt_after(found, demo._last_source_index(base), extra)
+        path.write_text(base.read_text() + "".join(json.dumps({**r, "source": "sharegpt"}) + "\n" for r in more))
+    return path
+
+
+def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: int,
+            target: str) -> tuple[Path, Path]:
+    """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
+    this vocabulary size."""
     own = folder / f"vocab-{vocab}.safetensors"
-    if own.is_file() and (folder / "cache").is_dir():
+    if own.is_file() and (folder / "cache").is_dir() and not extra:
         return own, folder / "cache"
-    vmap, cache = out / "maps" / f"vocab-{vocab}.safetensors", out / "caches" / f"vocab-{vocab}"
-    data = str(folder / "train.jsonl")
+    vmap = own if own.is_file() else out / "maps" / f"vocab-{vocab}.safetensors"
+    cache = out / "caches" / f"vocab-{vocab}+{extra}"
+    data = str(training_data(out, folder, extra))
     if not vmap.is_file():
         build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-            target=target, data=data, output=vmap, draft_vocab_size=vocab, max_length=profile.max_length,
-            num_proc=2))
+            target=target, data=str(folder / "regenerated.jsonl"), output=vmap, draft_vocab_size=vocab,
+            max_length=profile.max_length, num_proc=2))
     precompute.run(precompute.PrecomputeConfig(
         target=target, data=data, vocab_map=vmap, output=cache, max_length=profile.max_length,
         batch_tokens=8192, num_proc=2, resume=True))
@@ -94,7 +115,7 @@ def train_variant(out: Path, run_name: str, options: dict, vmap: Path, cache: Pa
     latest = ckpt.latest_checkpoint(run_dir)
     t0 = time.perf_counter()
     if latest is None or json.loads((latest / "trainer_state.json").read_text())["step"] < steps:
-        options = {k: v for k, v in options.items() if k != "vocab"}
+        options = {k: v for k, v in options.items() if k not in ("vocab", "extra")}
         outcome = train.run(train.TrainConfig.from_options(
             vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
             max_steps=steps, fc_norm=True, eval_fraction=0.03, log_every=10, eval_every=10 ** 9,
@@ -202,7 +223,7 @@ def main() -> None:
         run_name = f"{variant}-x{scale:g}-s{seed}"
         options = settings_of(variant, profile)
         steps = max(1, round(profile.steps * scale))
-        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], target)
+        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target)
         checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
         if run_name in results and results[run_name]["steps"] == steps:
             continue
