@@ -83,8 +83,10 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
               live_args(train_setup, out["live-replica"], "replica"),
               live_args(train_setup, out["live-tensor"], "tensor"),
-              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]],
-              ["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch")
+              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
+    # in processes of its own: it patches torch's Muon (float64 Newton-Schulz); after the jobs above in the
+    # same two processes it once died of a heap corruption (glibc abort) that it never showed alone
+    torchrun([["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch-muon")
     out["tp-supervision"].mkdir(exist_ok=True)
     return out
 

@@ -47,18 +47,19 @@ class Profile:
     eval_prompts: int  # MT-bench questions (both turns), spread over the categories
     eval_max_new_tokens: int
     heldout_prompts: int  # ShareGPT conversations after the regenerated ones (first two user turns)
-    expected_minutes: float  # the whole demo on 2 quiet CPU cores (help text)
+    expected_minutes: float  # the whole demo on 2 quiet CPU cores with native bf16 (help text)
     eval_depth: int = 3
     original_samples: int = 0  # further ShareGPT conversations trained on with their original answers
+    expected_minutes_avx2: float = 0.0  # ... and on 2 cores with AVX2 only (help text)
     schedule: str = "cosine"  # spec train --schedule (docs/recipe.md: what the levers measured)
     optimizer: str = "adamw"  # spec train --optimizer
 
     def describe(self) -> str:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
         return (f"{self.samples} ShareGPT prompts answered by the target itself{original} (<= {self.max_length} "
-                f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps, eval on "
-                f"{self.eval_prompts} MT-bench questions and {self.heldout_prompts} held-out ShareGPT "
-                f"conversations (~{self.expected_minutes:g} min on 2 cores)")
+                f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps "
+                f"({self.optimizer}, {self.schedule}), eval on {self.eval_prompts} MT-bench questions and "
+                f"{self.heldout_prompts} held-out ShareGPT conversations")
 
 
 PROFILES = {

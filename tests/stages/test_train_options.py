@@ -26,7 +26,7 @@ def test_sizes_and_durations_parse_as_a_user_writes_them():
 def test_the_objective_group_is_the_shared_flags_then_each_algorithms_own():
     declared = [f.name for kind in (ObjectiveFlags, EagleOptions, PEagleOptions) for f in dataclasses.fields(kind)]
     assert [o.name for o in all_options().values() if o.group == "objective"] == declared
-    assert declared == ["ttt_steps", "step_weight", "loss", "lk_kl_scale", "lk_kl_decay", "feature_weight",
+    assert declared == ["ttt_steps", "step_weight", "hidden_noise", "loss", "lk_kl_scale", "lk_kl_decay", "feature_weight",
                         "token_weight", "cod_ratio", "cod_min", "peagle_segments"]
     assert [a.options for a in algorithms.ALGORITHMS.values()] == [None, EagleOptions, PEagleOptions]
     assert typing.get_type_hints(PEagleOptions)["peagle_segments"] is int
