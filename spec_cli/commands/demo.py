@@ -14,7 +14,7 @@ from spec_cli.train_options import parse_duration
 
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run (about 8 minutes on 2 CPU cores) that exercises every stage.")] = False,
+        "--quick", help="A smaller run (8-9 minutes on 2 CPU cores) that exercises every stage.")] = False,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
@@ -36,8 +36,10 @@ def demo_cmd(
     precompute, train (a fixed number of steps), export for
     vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Regenerate and precompute run
     the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
-    Rerunning reuses finished stages. Expected on 2 quiet CPU cores: --quick about 8 minutes, the
-    default about 40."""
+    Rerunning reuses finished stages. Expected on 2 quiet CPU cores with native bf16 (AVX512-BF16 or
+    AMX): --quick about 8 minutes, the default about 40; with AVX2 only: --quick about 9 minutes, the
+    default about 45 (the quick one measured, the default estimated, with this CPU capped to AVX2). Before
+    its first stage the demo measures this machine's speeds (about 15 s) and prints its own estimate."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

@@ -65,10 +65,12 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, schedule="wsd"),
+                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
+                     schedule="wsd"),
     "full": Profile("full", samples=320, original_samples=400, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, schedule="wsd"),
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=45,
+                    schedule="wsd"),
 }
 
 
@@ -198,7 +200,7 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     speeds = demo_clock.measure(loading.resolve_target(found["smollm2"]), device,
                                 loading.choose_dtype(data_dtype(cfg), device), loading.choose_dtype(cfg.dtype, device),
                                 profile.draft_vocab_size, profile.batch_tokens, profile.ttt_steps)
-    per_stage = demo_clock.stage_seconds(profile, speeds)
+    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg))
     per_stage["eval-heldout"] = per_stage["eval"] / 2  # one eval's seconds cover both evals
     per_stage["eval"] /= 2
     seconds = {name: per_stage[name] for name in left}

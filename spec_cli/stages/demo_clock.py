@@ -10,9 +10,9 @@ training steps), so the time is that work over this machine's speed at each kind
 - train: steps x batch tokens over a training step of the demo's draft at the trainer's precision;
 - eval: decoded tokens (target alone, then with the draft) over one-row decoding at eval's dtype.
 
-Each is timed for a few steps (about 10-20 seconds in all on 2 cores). The per-profile work
-(`WORK_*`) was counted on the demo's own data; the fixed costs (loading, the export's engine check)
-were measured on a 2-core AMD EPYC and are small beside the rest.
+Each is timed for a few steps (about 15 seconds in all on 2 cores). The per-profile work was counted
+on the demo's own data; how much longer each stage takes than its kind of step alone (`OVERHEAD`) and
+the fixed costs were fitted on whole demo runs on a 2-core AMD EPYC (see the constants).
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ from spec_cli.target import loading
 # for the quick profile's 48 samples), tokens per training conversation after templating (31,948 for 148)
 ANSWER_TOKENS_PER_SAMPLE = 163
 TOKENS_PER_CONVERSATION = 216
-PRECOMPUTE_OVERHEAD = 3.0  # precompute's time over the bare prefill's (head, top-k, writing): measured
-FIXED_SECONDS = 60.0  # loading models, the vocab map, the export's checks (measured: about a minute)
+# each stage's time over what its measured kind of step predicts, fitted on whole quick demos on 2 AMD
+# EPYC cores (one run capped to AVX2: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; one in bf16):
+# regenerate 1.0 min (vLLM, start-up included) / 2.1x in transformers, precompute 1.2 min (the head's
+# top-k and writing beside the prefill), train 3.5 min (the demo's rows are partly supervised: its steps
+# run 1.6x the calibration batch's tokens/s), the two evals 2.0 min (prompts' prefill, the target alone
+# and with the draft, loading)
+OVERHEAD = {"regenerate/vllm": 1.25, "regenerate/transformers": 2.1, "precompute": 1.15, "train": 0.62,
+            "eval": 2.0}
+FIXED_SECONDS = 40.0  # assets, vocab map, the export and its checks (measured: 0.4-0.6 min)
 
 
 @dataclass(frozen=True)
@@ -141,14 +148,15 @@ def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eva
                                                         ttt_steps))
 
 
-def stage_seconds(profile, speeds: Speeds) -> dict[str, float]:
-    """The profile's stages on a machine of these speeds (seconds)."""
+def stage_seconds(profile, speeds: Speeds, engine: str = "transformers") -> dict[str, float]:
+    """The profile's stages on a machine of these speeds (seconds); engine: what regenerates."""
     conversations = profile.samples + profile.original_samples
     eval_tokens = (profile.eval_prompts + profile.heldout_prompts) * 2 * profile.eval_max_new_tokens * 2
     return {
-        "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode,
-        "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * PRECOMPUTE_OVERHEAD,
-        "train": profile.steps * profile.batch_tokens / speeds.train,
-        "eval": eval_tokens / speeds.decode,
+        "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode
+        * OVERHEAD[f"regenerate/{engine}"],
+        "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * OVERHEAD["precompute"],
+        "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"],
+        "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
         "fixed": FIXED_SECONDS,
     }
