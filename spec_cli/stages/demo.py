@@ -127,6 +127,8 @@ class DemoResult:
 def run(cfg: DemoConfig) -> DemoResult:
     start = time.perf_counter()
     profile, folder = cfg.profile, cfg.folder()
+    if cfg.engine not in ("auto", "transformers", "vllm"):  # before the folder is claimed
+        raise ConfigError(f"unknown --engine {cfg.engine!r}", "use auto, transformers or vllm")
     earlier = _produced(folder)  # before _claim_folder rewrites demo.json
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)

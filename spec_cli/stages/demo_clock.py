@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -125,18 +126,12 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     autocast = _autocast(device, step_precision(precision, device))
 
     def step():
-        forward_backward(_One(), lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1, autocast)
+        forward_backward(SimpleNamespace(plan=lambda b: [None]), lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1, autocast)
         optimizer_step(params, optimizer, 0.5)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     return T / _best(step, 1)
-
-
-class _One:
-    @staticmethod
-    def plan(batch):
-        return [None]
 
 
 def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eval_dtype: torch.dtype,

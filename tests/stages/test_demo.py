@@ -218,3 +218,10 @@ def test_regenerate_runs_in_vllm_where_it_is_installed(monkeypatch):
     assert demo.regen_engine(demo.DemoConfig(engine="transformers")) == "transformers"  # asked for
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     assert demo.regen_engine(demo.DemoConfig()) == "transformers"
+
+
+def test_an_unknown_engine_is_one_line_before_the_folder_is_claimed(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--engine", "tgi", "--quick", "-o", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == "error: unknown --engine 'tgi'; use auto, transformers or vllm"
+    assert not out.exists()

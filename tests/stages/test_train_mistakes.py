@@ -88,7 +88,8 @@ def test_a_second_train_into_a_locked_run_folder_exits_1_naming_the_first(setup,
     ("--warmup-ratio", "1.5", "in [0, 1]"), ("--min-lr-ratio", "nan", "in [0, 1]"),
     ("--cod-ratio", "1.1", "in [0, 1]"), ("--weight-decay", "-1", ">= 0"), ("--grad-clip", "-0.5", ">= 0"),
     ("--epochs", "0", "> 0"), ("--feature-weight", "-1", ">= 0"), ("--lk-kl-scale", "inf", ">= 0"),
-    ("--draft-rope-theta", "inf", ">= 1"),
+    ("--draft-rope-theta", "inf", ">= 1"), ("--hidden-noise", "-0.05", ">= 0"), ("--muon-lr", "0", "> 0"),
+    ("--muon-weight-decay", "-1", ">= 0"), ("--decay-ratio", "0", "in (0, 1]"),
 ])
 def test_an_option_out_of_range_is_refused_by_name(setup, tmp_path, capsys, option, value, allowed):
     run = tmp_path / "run"
