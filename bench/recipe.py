@@ -7,14 +7,19 @@ SmolLM2 target, greedy, a chain of --depth, both turns) on MT-bench and on held-
         --variants base,muon,noise,wsd,init,layers2,vd2048,lr3e-3
     python bench/recipe.py ... --variants base,wsd --seeds 0,1           # noise between seeds
     python bench/recipe.py ... --variants wsd+orig300 --scales 0.5,1,2,4  # AL against training compute
+    python bench/recipe.py ... --variants wsd,wsd+peagle,wsd+dflash4,wsd+dflash8,wsd+dflash16 --timed
+                                                                         # the algorithms, with speed-ups
 
 Every variant trains on the demo's training data (its regenerated and original conversations, packed)
 for the demo profile's steps x --scale of its batch_tokens, with the profile's settings unless the
 variant changes one: equal budgets, one lever at a time ("base" is AdamW with a cosine schedule,
 whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations as written). "a+b" combines variants. The vocab map and
 cache for Vd 4096 are the demo's; other sizes are built once into OUT. Finished runs are reused (rerun
-with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json. The
-target alone is not timed here (acceptance only): `spec eval` gives the speed-up of the draft you pick.
+with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json.
+Algorithms are levers too: `peagle` (K = --depth mask slots, the EAGLE-3 cache) and `dflashN` (blocks of
+N, one layer like the EAGLE-3 draft, its own five-layer cache built once into OUT, decoded with a chain
+of N - 1: one draft forward per cycle). --timed also decodes every prompt with the target alone (once
+per run of this script, same process) and reports each draft's speed-up over it, as `spec eval` does.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from spec_cli.artifacts import checkpoint as ckpt  # noqa: E402
 from spec_cli.console import set_quiet  # noqa: E402
 from spec_cli.data import records  # noqa: E402
 from spec_cli.eval import drafts, prompts  # noqa: E402
-from spec_cli.eval.speculative import Settings, eos_ids, generate  # noqa: E402
+from spec_cli.eval.speculative import Settings, eos_ids, generate, generate_target  # noqa: E402
 from spec_cli.eval.target import Target  # noqa: E402
 from spec_cli.stages import build_vocab_map, demo, precompute, train  # noqa: E402
 from spec_cli.target import loading  # noqa: E402
@@ -60,7 +65,13 @@ LEVERS = {
     # more ShareGPT conversations with their original answers after the demo's (prefill only, no generation)
     "orig300": dict(extra=300),
     "orig900": dict(extra=900),
+    # other draft algorithms at the same budget ("depth": the chain each proposes per cycle)
+    "peagle": dict(algorithm="peagle"),
+    "dflash4": dict(algorithm="dflash", block_size=4, depth=3, fc_norm=False),
+    "dflash8": dict(algorithm="dflash", block_size=8, depth=7, fc_norm=False),
+    "dflash16": dict(algorithm="dflash", block_size=16, depth=15, fc_norm=False),
 }
+NOT_TRAIN_OPTIONS = ("vocab", "extra", "depth")
 HELDOUT_FROM = 3000  # ShareGPT conversations from here on: after anything a demo profile trains on
 
 
@@ -89,14 +100,15 @@ def training_data(out: Path, folder: Path, extra: int) -> Path:
 
 
 def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: int,
-            target: str) -> tuple[Path, Path]:
+            target: str, algorithm: str = "eagle3") -> tuple[Path, Path]:
     """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
-    this vocabulary size."""
+    this vocabulary size, for the algorithm's aux layers (EAGLE-3 and P-EAGLE read the same three)."""
     own = folder / f"vocab-{vocab}.safetensors"
-    if own.is_file() and (folder / "cache").is_dir() and not extra:
+    kind = "dflash" if algorithm == "dflash" else "eagle3"
+    if own.is_file() and (folder / "cache").is_dir() and not extra and kind == "eagle3":
         return own, folder / "cache"
     vmap = own if own.is_file() else out / "maps" / f"vocab-{vocab}.safetensors"
-    cache = out / "caches" / f"vocab-{vocab}+{extra}"
+    cache = out / "caches" / (f"vocab-{vocab}+{extra}" + ("-dflash" if kind == "dflash" else ""))
     data = str(training_data(out, folder, extra))
     if not vmap.is_file():
         build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
@@ -104,7 +116,7 @@ def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: i
             max_length=profile.max_length, num_proc=2))
     precompute.run(precompute.PrecomputeConfig(
         target=target, data=data, vocab_map=vmap, output=cache, max_length=profile.max_length,
-        batch_tokens=8192, num_proc=2, resume=True))
+        batch_tokens=8192, num_proc=2, resume=True, algorithm=kind))
     return vmap, cache
 
 
@@ -115,10 +127,10 @@ def train_variant(out: Path, run_name: str, options: dict, vmap: Path, cache: Pa
     latest = ckpt.latest_checkpoint(run_dir)
     t0 = time.perf_counter()
     if latest is None or json.loads((latest / "trainer_state.json").read_text())["step"] < steps:
-        options = {k: v for k, v in options.items() if k not in ("vocab", "extra")}
+        options = {"fc_norm": True, **{k: v for k, v in options.items() if k not in NOT_TRAIN_OPTIONS}}
         outcome = train.run(train.TrainConfig.from_options(
             vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
-            max_steps=steps, fc_norm=True, eval_fraction=0.03, log_every=10, eval_every=10 ** 9,
+            max_steps=steps, eval_fraction=0.03, log_every=10, eval_every=10 ** 9,
             save_every=10 ** 9, seed=seed, resume=latest is not None, **options))
         latest = outcome.checkpoint
     seconds = time.perf_counter() - t0
@@ -138,6 +150,8 @@ def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, co
         draft.copy_embeddings(target.model.get_input_embeddings().weight.float().cpu())
     draft.eval()
     accepted = cycles = first = 0
+    seconds = draft_seconds = 0.0
+    outputs = []
     for conv in conversations:
         conv.answers.clear()
         for turn in range(len(conv.turns)):
@@ -145,9 +159,26 @@ def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, co
             accepted += sum(m for m, _ in g.steps)
             cycles += len(g.steps)
             first += sum(1 for m, _ in g.steps if m >= 1)
+            seconds += g.seconds
+            draft_seconds += g.draft_seconds
+            outputs.append(g.tokens)
             conv.answers.append(tokenizer.decode(g.tokens, skip_special_tokens=True).strip())
     return {"acceptance_length": 1 + accepted / max(1, cycles), "first_position": first / max(1, cycles),
-            "cycles": cycles}
+            "cycles": cycles, "seconds": round(seconds, 2), "draft_seconds": round(draft_seconds, 2),
+            "outputs": outputs}
+
+
+def target_alone(target: Target, tokenizer, conversations, settings) -> dict:
+    """The baseline: every turn decoded by the target alone (greedy: the same text as speculative decoding)."""
+    seconds, outputs = 0.0, []
+    for conv in conversations:
+        conv.answers.clear()
+        for turn in range(len(conv.turns)):
+            g = generate_target(target, prompts.prompt_ids(tokenizer, conv, turn), settings, None)
+            seconds += g.seconds
+            outputs.append(g.tokens)
+            conv.answers.append(tokenizer.decode(g.tokens, skip_special_tokens=True).strip())
+    return {"seconds": round(seconds, 2), "outputs": outputs}
 
 
 def heldout_file(out: Path, n: int) -> Path:
@@ -170,22 +201,32 @@ def table(results: dict) -> str:
     by_variant: dict[str, list[dict]] = {}
     for row in results.values():
         by_variant.setdefault((row["variant"], row["scale"]), []).append(row)
-    lines = ["| variant | scale | steps | seeds | held-out top-1 | MT-bench AL | held-out AL | train s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | scale | steps | seeds | depth | held-out top-1 | MT-bench AL | held-out AL | speed-up MT-bench | "
+             "speed-up held-out | draft ms/cycle | train s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def spread(values):
+    def spread(values, digits=3):
         values = [v for v in values if v is not None]
         if not values:
             return "-"
         if len(values) == 1:
-            return f"{values[0]:.3f}"
-        return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+            return f"{values[0]:.{digits}f}"
+        return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    def ms_per_cycle(r):
+        cycles = r["mt_bench"]["cycles"] + r["heldout"]["cycles"]
+        seconds = r["mt_bench"].get("draft_seconds", 0) + r["heldout"].get("draft_seconds", 0)
+        return 1000 * seconds / cycles if cycles and seconds else None
 
     for (variant, scale), rows in sorted(by_variant.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         lines.append(
-            f"| {variant} | {scale:g} | {rows[0]['steps']} | {len(rows)} | {spread([r['heldout_top1'] for r in rows])} | "
+            f"| {variant} | {scale:g} | {rows[0]['steps']} | {len(rows)} | {rows[0].get('depth', '-')} | "
+            f"{spread([r['heldout_top1'] for r in rows])} | "
             f"{spread([r['mt_bench']['acceptance_length'] for r in rows])} | "
             f"{spread([r['heldout']['acceptance_length'] for r in rows])} | "
+            f"{spread([r['mt_bench'].get('speedup') for r in rows], 2)} | "
+            f"{spread([r['heldout'].get('speedup') for r in rows], 2)} | "
+            f"{spread([ms_per_cycle(r) for r in rows], 1)} | "
             f"{statistics.mean(r['train_seconds'] for r in rows):.0f} |")
     return "\n".join(lines)
 
@@ -200,7 +241,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench questions (both turns)")
     parser.add_argument("--heldout-prompts", type=int, default=8, help="held-out ShareGPT chats (first two turns)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=3, help="the chain per cycle (a dflashN lever: N - 1)")
+    parser.add_argument("--timed", action="store_true",
+                        help="also time the target alone on the same prompts and report speed-ups")
     args = parser.parse_args()
     set_quiet(True)
     meta = json.loads((args.demo / demo.DEMO_JSON).read_text())
@@ -219,31 +262,50 @@ def main() -> None:
     held = prompts.load_conversations(str(heldout_file(args.out, args.heldout_prompts)))
     for conv in held:
         del conv.turns[2:]  # the first two user turns, as MT-bench has
+    eos = eos_ids(tokenizer, loading.generation_config(target_dir))
+    baseline = {}
+    if args.timed:  # the target alone, measured in this process (the speed-ups below divide by it)
+        plain = Settings(max_new_tokens=args.max_new_tokens, eos_ids=eos)
+        alone = Target(model, [])
+        baseline = {"mt_bench": target_alone(alone, tokenizer, mt, plain),
+                    "heldout": target_alone(alone, tokenizer, held, plain)}
+        alone.close()
+        print("target alone:", {k: v["seconds"] for k, v in baseline.items()}, "s", flush=True)
     for variant, scale, seed in runs:
         run_name = f"{variant}-x{scale:g}-s{seed}"
         options = settings_of(variant, profile)
+        depth = options.get("depth", args.depth)
         steps = max(1, round(profile.steps * scale))
-        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target)
+        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target,
+                              options.get("algorithm", "eagle3"))
         checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
-        if run_name in results and results[run_name]["steps"] == steps:
+        if run_name in results and results[run_name]["steps"] == steps and \
+                (not args.timed or results[run_name]["mt_bench"].get("speedup")):
             continue
-        settings = Settings(depth=args.depth, topk=1, num_tokens=args.depth, temperature=0.0,
-                            max_new_tokens=args.max_new_tokens,
-                            eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
+        settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0,
+                            max_new_tokens=args.max_new_tokens, eos_ids=eos)
         target_m = Target(model, drafts.load_draft(checkpoint, loading.load_config(target_dir)).model.config.aux_layer_ids)
         t0 = time.perf_counter()
-        row = {"variant": variant, "scale": scale, "seed": seed, "steps": steps, "options": options,
+        row = {"variant": variant, "scale": scale, "seed": seed, "steps": steps, "depth": depth, "options": options,
                "train_seconds": round(seconds, 1), "heldout_top1": (last_eval.get("acc") or [None])[0],
                "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings),
                "heldout": acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings)}
         row["eval_seconds"] = round(time.perf_counter() - t0, 1)
         target_m.close()
+        for part in ("mt_bench", "heldout"):
+            outputs = row[part].pop("outputs")
+            if baseline:
+                if outputs != baseline[part]["outputs"]:
+                    raise SystemExit(f"{run_name}: speculative decoding did not give the target's greedy text on {part}")
+                row[part]["speedup"] = round(baseline[part]["seconds"] / row[part]["seconds"], 3)
         results[run_name] = row
         results_path.write_text(json.dumps(results, indent=2))
         print(run_name, json.dumps({k: row[k] for k in ("steps", "train_seconds", "heldout_top1")}),
               f"MT-bench AL {row['mt_bench']['acceptance_length']:.3f}, held-out AL "
-              f"{row['heldout']['acceptance_length']:.3f}", flush=True)
-    print(f"\n{profile.name} demo data, {profile.batch_tokens}-token packed steps, chain of {args.depth}, greedy, "
+              f"{row['heldout']['acceptance_length']:.3f}"
+              + (f", speed-up {row['mt_bench']['speedup']:.2f}x / {row['heldout']['speedup']:.2f}x" if baseline else ""),
+              flush=True)
+    print(f"\n{profile.name} demo data, {profile.batch_tokens}-token packed steps, chain of {args.depth} (dflashN: N - 1), greedy, "
           f"{args.prompts} MT-bench questions and {args.heldout_prompts} held-out ShareGPT chats (both turns)\n")
     print(table(results))
 

@@ -47,7 +47,7 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         name="spec",
         cls=Group,
-        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE) for a target LLM and export "
+        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash) for a target LLM and export "
              "them for vLLM/SGLang.",
         no_args_is_help=True,
         add_completion=False,

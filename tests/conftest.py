@@ -115,6 +115,14 @@ def peagle_pipeline(tmp_path_factory, tiny_llama_dir) -> dict:
     return pipeline(tmp_path_factory.mktemp("peagle"), tiny_llama_dir, "peagle")
 
 
+@pytest.fixture(scope="session")
+def dflash_pipeline(tmp_path_factory, tiny_llama_dir) -> dict:
+    """DFlash on the tiny Llama: vocab map, cache and a 4-step run with blocks of 4 (tests/draft/runs.py)."""
+    from tests.draft.runs import pipeline
+
+    return pipeline(tmp_path_factory.mktemp("dflash"), tiny_llama_dir, "dflash")
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

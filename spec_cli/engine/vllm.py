@@ -164,6 +164,13 @@ def _tracking(report: LoadReport, draft_class: str = EAGLE3_DRAFT_CLASS):
                 if after == before:
                     report.dropped.append(name)
                 before = after
+        inner = getattr(model, "model", None)
+        if inner is not None and getattr(inner, "has_separate_mask_embedding", None) is False:
+            # DFlash: a mask_embedding.pt override vLLM reads only when shipped; unused otherwise (as zeros)
+            for name, p in params.items():
+                if name.endswith("mask_embedding"):
+                    with torch.no_grad():
+                        p.zero_()
         for name, holes in _holes(params).items():
             if holes:
                 share = (any(s in name for s in SHARED_FROM_TARGET)

@@ -47,13 +47,43 @@ class CheckReport:
 
 def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -> CheckReport:
     """Raise ExportCheckError listing what the engine would load wrongly; else return the report."""
-    problems, report = find_problems(folder, fmt, src, dtype)
+    return passed(fmt, *find_problems(folder, fmt, src, dtype))
+
+
+def passed(fmt: str, problems: list[str], report: CheckReport | None) -> CheckReport:
+    """The report of a self-check that found nothing; else ExportCheckError listing what it found."""
     if problems:
         raise ExportCheckError(f"the {fmt} export would not serve as trained: "
                                + listing(problems),
                                "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
                                "report this, or export another checkpoint")
     return report
+
+
+def compare_predictions(got: list, want: list, fp32: list, dtype: torch.dtype,
+                        label: str, first: int = 0) -> tuple[list[str], int, float]:
+    """The export's (logits, target ids) per step against the checkpoint cast to `dtype` (same logits,
+    same ids wherever the top-1 margin is not tiny) and against the fp32 checkpoint (same top-1 on 90% of
+    the positions where it is confident). -> (problems, confident positions, agreement)."""
+    problems = []
+    for k, ((g_logits, g_ids), (w_logits, w_ids)) in enumerate(zip(got, want)):
+        scale = max(1.0, float(w_logits.abs().max()))
+        diff = float((g_logits - w_logits).abs().max())
+        sure = _margin(w_logits) > 1e-4 * scale  # positions not decided by float summation order
+        if diff > 1e-4 * scale or not torch.equal(g_ids[sure], w_ids[sure]):
+            problems.append(f"{label.format(k + first)}: the export's predictions differ from the checkpoint cast to "
+                            f"{dtype} (max logit diff {diff:.3g}, "
+                            f"{int((g_ids != w_ids)[sure].sum())} target ids differ)")
+    confident = agree = 0
+    for (_, g_ids), (w_logits, w_ids) in zip(got, fp32):
+        sure = _margin(w_logits) > 0.05 * (1.0 + w_logits.max(-1).values.abs())
+        confident += int(sure.sum())
+        agree += int((g_ids == w_ids)[sure].sum())
+    agreement = agree / confident if confident else 1.0
+    if agreement < 0.9:
+        problems.append(f"in {dtype} the export agrees with the fp32 checkpoint on only {agreement:.0%} of "
+                        "the positions where the checkpoint is confident")
+    return problems, confident, agreement
 
 
 def find_problems(folder: Path, fmt: str, src: DraftSource,
@@ -149,23 +179,8 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     want = _predict(as_cast, ids, aux_trained, steps)
     fp32 = _predict(as_trained, ids, aux_trained, steps)
 
-    for k, ((g_logits, g_ids), (w_logits, w_ids)) in enumerate(zip(got, want)):
-        scale = max(1.0, float(w_logits.abs().max()))
-        diff = float((g_logits - w_logits).abs().max())
-        sure = _margin(w_logits) > 1e-4 * scale  # positions not decided by float summation order
-        if diff > 1e-4 * scale or not torch.equal(g_ids[sure], w_ids[sure]):
-            problems.append(f"draft step {k}: the export's predictions differ from the checkpoint cast to "
-                            f"{dtype} (max logit diff {diff:.3g}, "
-                            f"{int((g_ids != w_ids)[sure].sum())} target ids differ)")
-    confident = agree = 0
-    for (g_logits, g_ids), (w_logits, w_ids) in zip(got, fp32):
-        sure = _margin(w_logits) > 0.05 * (1.0 + w_logits.max(-1).values.abs())
-        confident += int(sure.sum())
-        agree += int((g_ids == w_ids)[sure].sum())
-    agreement = agree / confident if confident else 1.0
-    if agreement < 0.9:
-        problems.append(f"in {dtype} the export agrees with the fp32 checkpoint on only {agreement:.0%} of "
-                        "the positions where the checkpoint is confident")
+    found, confident, agreement = compare_predictions(got, want, fp32, dtype, "draft step {}")
+    problems += found
     report = CheckReport(format=fmt, params_loaded=len(loaded), aux_layer_outputs=outputs,
                          positions=B * T * steps, confident=confident, agreement_fp32=agreement)
     return problems, report

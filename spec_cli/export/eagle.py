@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 
 from spec_cli.draft.config import DraftConfig
 from spec_cli.draft.eagle.model import EagleDraft
-from spec_cli.errors import ArtifactError, ConfigError, ExportCheckError, listing
-from spec_cli.export.check import CheckReport
+from spec_cli.errors import ArtifactError, ConfigError, ExportCheckError
+from spec_cli.export.check import CheckReport, passed
 from spec_cli.export.reader import ReadExport, template_record
 from spec_cli.target import loading
 
@@ -65,12 +65,7 @@ def engine_shapes(fmt: str, c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def check_eagle_export(folder: Path, fmt: str, src, dtype: torch.dtype) -> CheckReport:
-    problems, report = find_problems(Path(folder), fmt, src, dtype)
-    if problems:
-        raise ExportCheckError(f"the {fmt} export would not serve as trained: " + listing(problems),
-                               "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
-                               "report this, or export another checkpoint")
-    return report
+    return passed(fmt, *find_problems(Path(folder), fmt, src, dtype))
 
 
 def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list[str], CheckReport | None]:

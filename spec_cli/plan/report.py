@@ -209,7 +209,9 @@ def make_plan(s: PlanSettings) -> Plan:
                 "per_gpu_gb": per_gpu_target / 1e9, "placement": "replica" if replica else "tensor-parallel"},
         draft={"algorithm": algorithm.name, "trained_parameters": trained, "frozen_parameters": frozen,
                "draft_vocab_size": vd, "aux_layers": list(draft_config.aux_layer_ids),
-               "layers": s.draft_layers, "ttt_steps": s.ttt_steps},
+               "layers": s.draft_layers, "ttt_steps": s.ttt_steps,
+               "steps": (f"{algorithm.extra['steps_name']} {algorithm.extra['steps'](options)}"
+                         if "steps" in algorithm.extra else f"TTT {s.ttt_steps}")},
         steps=rows, cache=cache, hours=hours, notes=notes)
 
 
@@ -224,7 +226,7 @@ def show(plan: Plan) -> None:
                   f"{t['weights_gb']:.1f} GB in bf16 ({t['placement']}: {t['per_gpu_gb']:.1f} GB per GPU)")
     console.print(f"[bold]draft[/] {d['algorithm']}: {d['trained_parameters'] / 1e6:.0f} M trained + "
                   f"{d['frozen_parameters'] / 1e6:.0f} M frozen parameters, {d['layers']} layer(s), "
-                  f"draft vocab {d['draft_vocab_size']}, aux layers {d['aux_layers']}, TTT {d['ttt_steps']}")
+                  f"draft vocab {d['draft_vocab_size']}, aux layers {d['aux_layers']}, {d.get('steps', 'TTT ' + str(d['ttt_steps']))}")
     table = Table(title=f"one training step per GPU (batch {plan.settings['batch_size']}), bf16 autocast, "
                         f"on a {h['gpu_memory_gb']:g} GB GPU")
     for name in ("T", "act. ckpt", "step peak", "needs (cache)", "fits", "needs (live target)", "fits",

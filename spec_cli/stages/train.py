@@ -100,8 +100,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         logger = TrainLogger(cfg.runtime.output, schedule.total_steps, enabled=schedule.rank == 0,
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
-             f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), TTT "
-             f"{cfg.objective.ttt_steps}, loss {cfg.objective.loss}, device {device}, "
+             f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), "
+             f"{trainer.algorithm.extra.get('steps_name', 'TTT')} {metric_steps(cfg, trainer.algorithm)}, loss {cfg.objective.loss}, device {device}, "
              f"{'bf16' if trainer.autocast_dtype else 'fp32'}, attention {trainer.attention}"
              + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
                 if schedule.world > 1 else ""))
@@ -130,7 +130,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
     the last train and eval records). Ctrl-C saves the steps done since the last checkpoint."""
     cfg, schedule = trainer.cfg, trainer.schedule
     o, rt, total = cfg.optim, cfg.runtime, schedule.total_steps
-    window, window_start, last_saved = Metrics(cfg.objective.ttt_steps, trainer.device), time.perf_counter(), step
+    window, window_start, last_saved = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = None
     try:
@@ -168,7 +168,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                                "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
                                "peak_memory_gb": peak_memory_gb(trainer.device)}
                 logger.log(final_train)
-                window, window_start = Metrics(cfg.objective.ttt_steps, trainer.device), time.perf_counter()
+                window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device), time.perf_counter()
             if (rt.eval_every and step % rt.eval_every == 0) or last:
                 final_eval = trainer.evaluate()
                 if final_eval is not None:
@@ -242,7 +242,9 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
         chat_template_sha256=source.chat_template.get("chat_template_sha256"),
         chat_template_source=source.chat_template.get("chat_template_source", ""),
         tokenizer_base_fingerprint=source.chat_template.get("tokenizer_base_fingerprint", ""),
-        vocab_map_fingerprint=vocab_map.fingerprint, algorithm=algorithm.name)
+        vocab_map_fingerprint=vocab_map.fingerprint, algorithm=algorithm.name,
+        # the algorithm's options that are part of the draft itself (DFlash: --block-size)
+        **{name: getattr(cfg.objective, name) for name in algorithm.extra.get("draft_options", ())})
     info(f"draft rope: {draft_config.rope_source}")
     draft = algorithm.build(draft_config)
     draft.hidden_noise = cfg.objective.hidden_noise  # not in its config: export and eval never see it
@@ -382,7 +384,8 @@ class Trainer:
         optimizer_step(self.params, self.optimizer, self.cfg.optim.grad_clip)
 
     def evaluate(self) -> dict | None:
-        return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device, self.autocast_dtype)
+        return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device, self.autocast_dtype,
+                        metric_steps(self.cfg, self.algorithm))
 
     def save(self, step: int) -> Path | None:
         """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder.
@@ -454,6 +457,13 @@ def lr_at(step: int, total: int, optim: OptimOptions) -> float:
     return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def metric_steps(cfg: TrainConfig, algorithm: Algorithm) -> int:
+    """How many steps the objective reports metrics for: the TTT depth, or what the algorithm says
+    (Algorithm.extra["steps"](options): DFlash's block offsets)."""
+    steps = algorithm.extra.get("steps")
+    return int(steps(cfg.objective)) if steps else cfg.objective.ttt_steps
+
+
 class Metrics:
     """Sums over micro-batches (and ranks) of the TTT metrics, kept on the compute device: adding a
     micro-batch's never waits for the device; the host reads them at a log step (`record`)."""
@@ -487,10 +497,10 @@ class Metrics:
 
 
 def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: TrainConfig,
-             device: torch.device, autocast_dtype: torch.dtype | None = None) -> dict | None:
+             device: torch.device, autocast_dtype: torch.dtype | None = None, steps: int | None = None) -> dict | None:
     if not eval_batches:
         return None
-    metrics = Metrics(cfg.objective.ttt_steps, device)
+    metrics = Metrics(steps or cfg.objective.ttt_steps, device)
     objective.eval()
     rank, world = distributed.rank(), distributed.world_size()
     # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank

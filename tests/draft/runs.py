@@ -70,6 +70,13 @@ def peagle_train_args(root, vm, out, *extra) -> list[str]:
             "--save-every", "4", "-o", str(out), "-q", *extra]
 
 
+def dflash_train_args(root, vm, out, *extra) -> list[str]:
+    """`spec train --algorithm dflash` from root/cache: the DFlash pipeline's run, 4 steps, blocks of 4."""
+    return ["train", "--cache", str(root / "cache"), "-v", str(vm), "--algorithm", "dflash", "--block-size", "4",
+            "--draft-layers", "2", "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512",
+            "--eval-fraction", "0.2", "--save-every", "4", "-o", str(out), "-q", *extra]
+
+
 def pipeline(root, target, algorithm: str) -> dict:
     """build-vocab-map -> precompute --algorithm A -> a short `spec train --algorithm A` (root/run) on 12
     chats, through the CLI, for EAGLE-1/2 (`eagle`: two draft layers) or P-EAGLE (`peagle`: two
@@ -82,7 +89,7 @@ def pipeline(root, target, algorithm: str) -> dict:
     from tests.conftest import write_jsonl
 
     V = json.loads((target / "config.json").read_text())["vocab_size"]
-    rng = random.Random({"eagle": 3, "peagle": 5}[algorithm])
+    rng = random.Random({"eagle": 3, "peagle": 5, "dflash": 9}[algorithm])
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
     prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
     vm = str(vocab_and_cache(root, target, data, V if algorithm == "eagle" else 96, "--algorithm", algorithm,
@@ -92,6 +99,8 @@ def pipeline(root, target, algorithm: str) -> dict:
             assert main(["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "eagle", "--ttt-steps",
                          "2", "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2",
                          "--save-every", "4", "--draft-layers", "2", "-o", str(root / "run"), "-q"]) == 0
+        elif algorithm == "dflash":
+            assert main(dflash_train_args(root, vm, root / "run")) == 0
         else:
             assert main(peagle_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}
