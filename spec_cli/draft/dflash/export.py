@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.draft.contract import DTYPE_NAMES, Checkpoint, ExportFiles, provenance
+from spec_cli.draft.contract import Checkpoint, ExportFiles, provenance
 from spec_cli.draft.dflash.model import block_size
-from spec_cli.draft.eagle3.export import _rope
+from spec_cli.draft.eagle3.export import llama_layer, speculators_block
 from spec_cli.errors import ExportError
 
 FORMATS = ("vllm", "speculators")
@@ -61,14 +61,7 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
             "sliding_window_non_causal": True,  # vLLM: causal = not this (see the module docstring)
             "sample_from_anchor": False,
             "tie_word_embeddings": False,
-            "speculators_config": {
-                "algorithm": "dflash",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
-                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                "verifier": {"name_or_path": src.target or "TARGET",
-                             "architectures": [c.target_architecture] if c.target_architecture else []},
-            },
+            "speculators_config": speculators_block(src, "dflash", steps),
         }
     config["spec_cli"] = provenance(src, fmt, dtype)
     return ExportFiles(format=fmt, config=config, tensors=tensors, engine_aux_ids=ids,
@@ -76,28 +69,12 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
 
 
 def qwen3_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
-    """The Qwen3Config fields vLLM builds the draft's layers from."""
-    c = src.config
-    return {
-        "model_type": "qwen3",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "num_hidden_layers": c.num_hidden_layers,
-        "layer_types": ["full_attention"] * c.num_hidden_layers,
-        "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": c.max_position_embeddings,
-        **_rope(c),
-        "vocab_size": c.vocab_size,  # the TARGET vocab: the shared embedding and the d2t range
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "torch_dtype": DTYPE_NAMES[dtype],
-    }
+    """The Qwen3Config fields vLLM builds the draft's layers from: the Llama layer's (rope, sizes, the
+    TARGET vocab for the shared embedding and the d2t range, no biases), all of them full attention."""
+    layer = {k: v for k, v in llama_layer(src, dtype).items() if k != "mlp_bias"}
+    layer.update({"model_type": "qwen3", "layer_types": ["full_attention"] * src.config.num_hidden_layers,
+                  "use_sliding_window": False, "sliding_window": None})
+    return layer
 
 
 def _tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dtype) -> dict:

@@ -263,12 +263,16 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": aux_ids,  # vLLM convention (speculators data comes from vLLM)
         "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
+        "speculators_config": speculators_block(src, "eagle3", steps),
+    }
+
+
+def speculators_block(src: Checkpoint, algorithm: str, steps: int) -> dict:
+    """The `speculators_config` vLLM reads (base.py validate_speculators_config): the proposal method's
+    speculative tokens and the verifier's name."""
+    c = src.config
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "verifier": {"name_or_path": src.target or "TARGET",
-                         "architectures": [c.target_architecture] if c.target_architecture else []},
-        },
-    }
+                         "architectures": [c.target_architecture] if c.target_architecture else []}}
