@@ -57,14 +57,17 @@ class QKNormAttention(nn.Module):
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> k, v [B, hkv, T, d] (k normed per head, rope applied)."""
         B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x)
+        # the norm's fp32 weight would promote a bf16 (autocast) projection to fp32 beside a bf16 v
+        k = self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)).to(k.dtype).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> q [B, h, T, d], k, v [B, hkv, T, d]."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x)
+        q = self.q_norm(q.view(B, T, self.heads, self.head_dim)).to(q.dtype).transpose(1, 2)
         k, v = self.kv(x, cos, sin)
         return apply_rope(q, cos, sin), k, v
 

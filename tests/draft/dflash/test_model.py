@@ -200,6 +200,37 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
 
 
+def test_bf16_autocast_trains_with_one_dtype_into_attention():
+    """The CUDA training step's precision (bf16 autocast; CPU autocast runs the same casts): q and k come
+    out of their per-head norms in the projections' dtype, so attention gets one dtype, and the loss is
+    the fp32 loss to bf16 precision."""
+    draft = dflash_draft(seed=4)
+    batch = batch_for(draft, True)
+    objective = DFlashObjective(draft, ObjectiveOptions(block_size=4))
+    fp32 = objective(batch).loss
+    seen = []
+    from spec_cli.draft import attention
+
+    original = attention.ttt_attention
+
+    def spy(q, k0, v0, extra_k=(), extra_v=(), **kw):
+        seen.append({t.dtype for t in (q, k0, v0, *extra_k, *extra_v)})
+        return original(q, k0, v0, extra_k, extra_v, **kw)
+
+    import spec_cli.draft.dflash.model as model
+
+    model.ttt_attention = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = objective(batch).loss
+        half.backward()
+    finally:
+        model.ttt_attention = original
+    assert seen and all(s == {torch.bfloat16} for s in seen)
+    assert abs(float(half) - float(fp32)) < 0.05 * float(fp32)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in draft.parameters() if p.requires_grad)
+
+
 def test_offset_weights_and_default_layers():
     assert offset_weights(4, 2.0) == [1.0, math.exp(-0.5), math.exp(-1.0)]
     assert default_aux_layers(36) == [1, 9, 17, 25, 33]  # the peers' Qwen3-8B DFlash layers
