@@ -74,6 +74,35 @@ def test_a_run_stopped_after_its_first_step_resumes_to_the_straight_runs_weights
         assert torch.equal(value, want[key]), key
 
 
+@pytest.mark.slow
+def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
+    """The five aux layers from a live target, its stream and `spec serve-target` train what the cache does."""
+    from spec_cli.target.hf_backend import HFTargetBackend
+    from tests.serve.harness import start_server
+
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    common = dflash_train_args(pipeline["root"], pipeline["vm"], tmp_path / "unused", "--dtype", "fp32")
+    common = common[common.index("-v"):]
+    common = [a for i, a in enumerate(common) if a != "-o" and (i == 0 or common[i - 1] != "-o")]
+    source = ["--target", str(pipeline["target"]), "--data", str(pipeline["data"])]
+    assert main(["train", *source, "-o", str(tmp_path / "live"), *common]) == 0
+    assert main(["train", *source, "--stream", "-o", str(tmp_path / "streamed"), *common]) == 0
+    assert all(torch.equal(v, weights(tmp_path / "live")[k]) for k, v in weights(tmp_path / "streamed").items())
+    backend = HFTargetBackend(pipeline["target"], [1, 2, 3, 4, 5], device="cpu", dtype="fp32")
+    handle = start_server(backend, pipeline["target"])
+    try:
+        assert main(["train", "--remote", handle.url, "--data", str(pipeline["data"]),
+                     "-o", str(tmp_path / "served"), *common]) == 0
+    finally:
+        handle.stop(grace=5)
+        backend.close()
+    cached = [r["loss"] for r in log(pipeline["root"] / "run") if r["split"] == "train"]
+    live = [r["loss"] for r in log(tmp_path / "live") if r["split"] == "train"]
+    served = [r["loss"] for r in log(tmp_path / "served") if r["split"] == "train"]
+    assert live == pytest.approx(cached, rel=1e-4)
+    assert served == pytest.approx(live, rel=1e-5)
+
+
 def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     out = tmp_path / "eval"
