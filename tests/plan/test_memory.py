@@ -1,6 +1,6 @@
 """`spec plan`'s memory figures (the training step run on fake tensors, spec_cli/plan/) against a real
 CPU run of the same step: the CPU allocator's own peak, read from torch's profiler (every allocation
-and free it reports, with the running total), for EAGLE-3 and EAGLE-1/2, with and without activation
+and free it reports, with the running total), for EAGLE-3, EAGLE-1/2 and DFlash, with and without activation
 checkpointing. The plan cannot see an op's internal scratch, so it may read a little low: the
 tolerance is 2% of the step's memory above what is resident, and the resident bytes (weights, AdamW
 state, the batch) must match exactly."""
@@ -24,7 +24,9 @@ def config(algorithm) -> DraftConfig:
     a = algorithms.get(algorithm)
     return DraftConfig(vocab_size=V, target_hidden_size=96, aux_layer_ids=a.default_aux_layers(8)[:a.aux_layers],
                        target_num_layers=8, hidden_size=96, intermediate_size=256, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=24, draft_vocab_size=V if algorithm == "eagle" else 160)
+                       num_key_value_heads=2, head_dim=24, draft_vocab_size=V if algorithm == "eagle" else 160,
+                       algorithm=algorithm, **({"mask_token_id": 5, "extra": {"block_size": 8}}
+                                               if algorithm == "dflash" else {}))
 
 
 def real_batch(cfg: DraftConfig, final_hidden: bool) -> TargetBatch:
@@ -80,7 +82,7 @@ def measured(algorithm: str, checkpointing: bool) -> tuple[int, int]:
     return resident, max(total for _, _, total in events) - start
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "dflash"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_matches_a_real_cpu_step(algorithm, checkpointing):
     torch.set_num_threads(1)

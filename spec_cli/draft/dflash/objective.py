@@ -27,7 +27,7 @@ from spec_cli.batch import TargetBatch
 from spec_cli.draft.contract import Objective
 from spec_cli.draft.dflash import default_decay
 from spec_cli.draft.dflash.model import DFlashDraft
-from spec_cli.draft.losses import step_loss, top1_correct
+from spec_cli.draft.losses import chunked_soft_ce, step_loss, top1_correct, top1_hits
 from spec_cli.draft.unroll import ObjectiveOutput, doc_remaining, positions, shift_left, step_slots
 from spec_cli.errors import ConfigError
 
@@ -76,10 +76,16 @@ class DFlashObjective(Objective):
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         losses, correct = [], []
         for j, (state, (rows, t)) in enumerate(zip(states, slots), start=1):
-            logits = draft.logits(state[rows, t])  # [N, Vd]
-            value = step_loss(logits, batch.target_p[rows, t + j], batch.target_mass[rows, t + j], self.loss)
+            if self.checkpoint and self.loss == "soft-ce":  # long rows: the head chunk by chunk, recomputed
+                value, argmax = chunked_soft_ce(draft.logits, state, (rows, t), batch.target_p, (rows, t + j),
+                                                draft.config.draft_vocab_size)
+                hits = top1_hits(argmax, draft.d2t, batch.target_ids[rows, t + j])
+            else:
+                logits = draft.logits(state[rows, t])  # [N, Vd]
+                value = step_loss(logits, batch.target_p[rows, t + j], batch.target_mass[rows, t + j], self.loss)
+                hits = top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t + j])
             total = total + weights[j - 1] * value * n_supervised[j - 1] / den.clamp_min(1e-12)
             losses.append(value.detach())
-            correct.append(top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t + j]))
+            correct.append(hits)
         return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
                                total=counted.flatten(1).sum(1), supervised=n_supervised)
