@@ -119,3 +119,27 @@ def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
         with CountSyncs() as mode, host_elsewhere():
             step()
         assert mode.counts == {"tolist": 1}, dict(mode.counts)
+
+
+@pytest.mark.parametrize("size,packed,checkpoint", [(4, True, False), (8, True, True), (16, False, False)])
+def test_dflash_batch_syncs_once(size, packed, checkpoint):
+    """DFlash: every block offset's supervised slots, their counts and the documents come to the host
+    together, once per batch, whatever the block size (the loss normaliser stays on the device)."""
+    from spec_cli.draft.dflash.objective import DFlashObjective
+    from spec_cli.train_options import ObjectiveOptions
+    from tests.draft.dflash.test_model import batch_for, dflash_draft
+
+    draft = dflash_draft(size=size)
+    batch = batch_for(draft, packed)
+    objective = DFlashObjective(draft, ObjectiveOptions(block_size=size), activation_checkpointing=checkpoint)
+    params = [p for p in draft.parameters() if p.requires_grad]
+
+    def step():
+        objective(batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    step()  # the first keeps what it copies to the device once (rope's table)
+    for _ in range(2):
+        with CountSyncs() as mode, host_elsewhere():
+            step()
+        assert mode.counts == {"tolist": 1}, dict(mode.counts)
