@@ -6,8 +6,9 @@ from it (`spec eval --draft EXPORT`). Written from vLLM's loader, never with the
     config    vllm/transformers_utils/configs/speculators/algos.py update_dflash (the speculators format ->
               DFlashDraftModel: aux_hidden_state_layer_ids - 1 -> dflash_config.target_layer_ids,
               causal = not sliding_window_non_causal, absent: True -> non-causal), base.py (the speculative
-              tokens from proposal_methods[0]); qwen3_dflash.py: the Qwen3 fields, rope theta 1e6 when the
-              config names none (set_default_rope_theta), per-layer causality (`is_causal`, then
+              tokens from proposal_methods[0]); qwen3_dflash.py: the Qwen3 fields, rope theta 1e6 when a
+              speculators config names none (set_default_rope_theta; a `qwen3` config.json gets
+              transformers' 10000 first), per-layer causality (`is_causal`, then
               dflash_config.causal, then sliding layer_types), fc input = target_hidden_size x the aux count
     aux       eagle3_utils.py get_eagle3_aux_layers_from_config: eagle_aux_hidden_state_layer_ids as is, else
               target_layer_ids + 1, captured as the input of that layer (= output of the layer before)
@@ -88,7 +89,9 @@ def view_of(raw: dict, fmt: str) -> View:
             vllm_ids = [int(i) + 1 for i in settings.get("target_layer_ids") or []]
     view = engines.EngineView("vllm", architecture=ARCHITECTURE)
     engines._llama_fields(view, layer)
-    if "rope_theta" not in layer and "rope_parameters" not in layer:
+    if fmt == "speculators" and "rope_theta" not in layer and "rope_parameters" not in layer:
+        # a speculators config class has no rope fields, so vLLM's set_default_rope_theta gives 1e6; a
+        # `qwen3` config.json gets transformers' Qwen3Config default (10000) before vLLM looks
         view.rope_theta = QWEN3_ROPE_THETA
     problems += view.problems
     mask = settings.get("mask_token_id", top.get("mask_token_id"))
@@ -242,7 +245,10 @@ def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list
     if v.speculative_tokens is not None and not 1 <= v.speculative_tokens <= block - 1:
         problems.append(f"the config asks vLLM for {v.speculative_tokens} speculative tokens; the draft was "
                         f"trained on blocks of {block} (at most {block - 1})")
-    if sorted(v.layer_outputs) != v.layer_outputs or v.layer_outputs != sorted(c.aux_layer_ids):
+    if len(set(v.layer_outputs)) != len(v.layer_outputs):
+        problems.append(f"the aux layers {v.layer_outputs} repeat a layer: vLLM captures each layer once, and fc "
+                        f"expects {len(v.layer_outputs)} states")
+    elif sorted(v.layer_outputs) != v.layer_outputs or v.layer_outputs != sorted(c.aux_layer_ids):
         problems.append(f"vLLM would feed the draft the outputs of layers {v.layer_outputs}; it was trained on "
                         f"{sorted(c.aux_layer_ids)}")
     for key, tensor in read.tensors.items():

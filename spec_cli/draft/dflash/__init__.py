@@ -19,10 +19,13 @@ AUX_LAYERS = 5  # target layers the context reads (the peers' Qwen3 and Llama DF
 
 def default_aux_layers(n: int) -> list[int]:
     """Outputs of 0-indexed layers spread evenly from layer 1 to layer n - 3 (the peers' rule): low,
-    middle and high features of a target of n decoder layers."""
-    if n < AUX_LAYERS:
-        return [min(i, n - 1) for i in range(AUX_LAYERS)]
-    return [round(1 + i * (n - 4) / (AUX_LAYERS - 1)) for i in range(AUX_LAYERS)]  # round half to even, as they do
+    middle and high features of a target of n decoder layers. Five distinct layers always: vLLM captures
+    each layer once, so a repeated one would leave fc short of an input (small targets spread over
+    layers 0 .. n - 2 instead; the engines cannot capture the last layer's output)."""
+    ids = [round(1 + i * (n - 4) / (AUX_LAYERS - 1)) for i in range(AUX_LAYERS)]  # round half to even, as they do
+    if len(set(ids)) < AUX_LAYERS:
+        ids = [round(i * (n - 2) / (AUX_LAYERS - 1)) for i in range(AUX_LAYERS)]
+    return ids
 
 
 def default_decay(block_size: int) -> float:

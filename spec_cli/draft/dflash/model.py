@@ -22,7 +22,8 @@ final norm and lm_head: the output at block offset j >= 1 proposes the token at 
 
 Training lays the blocks out over whole rows (`block_forward`): slot t of a row anchors the block whose
 first token is x[t + 1] (the batch's shifted input_ids[t]) at position t + 1, with context t' <= t; block
-offset j there stands where vLLM's j-th mask stands, so it is supervised by the target at t + j.
+offset j there stands where vLLM's j-th mask stands and proposes x[t + 1 + j] (the shifted batch's
+target at row t + j - 1: spec_cli/draft/dflash/objective.py).
 """
 
 from __future__ import annotations

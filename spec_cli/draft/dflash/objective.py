@@ -2,11 +2,13 @@
 target's own next-token distribution where vLLM's j-th mask stands.
 
 Elements. Slot t's block holds x[t + 1] (known) and b - 1 masks at positions t + 2 .. t + b; offset j
-proposes x[t + 1 + j], whose target distribution is the target's at t + j (target_p, target_ids and
-position_mask at t + j, as TTT step j scores slot t: spec_cli/draft/unroll.py). An element counts while
-t + j stays in t's document and x[t + 1 + j] is a trained token (loss_mask at t + j); it carries a loss
-where the target's top-1 is in the draft vocab (position_mask). Every slot is an anchor: the peers draw
-up to 512 random anchors per row, which this layout cannot skip cheaply, and every anchor adds supervision.
+proposes x[t + 1 + j]. The batch is shifted (spec_cli/batch.py): row s holds token x[s + 1] and the target's
+distribution for x[s + 2], so offset j is scored at s = t + j - 1 (target_p, target_ids, loss_mask and
+position_mask there): offset 1 predicts what EAGLE-3's step 0 predicts at slot t, offset j what its TTT
+step j - 1 does (spec_cli/draft/unroll.py). An element counts while s stays in t's document and loss_mask
+holds at s; it carries a loss where the target's top-1 is in the draft vocab (position_mask at s). Every
+slot is an anchor: the peers draw up to 512 random anchors per row, which this layout cannot skip cheaply,
+and every anchor adds supervision.
 
 Loss. Distillation: soft cross-entropy to the target's distribution over the draft vocab (KL up to the
 target's entropy: what the speculators trainer does by default; SpecForge trains on the data's tokens,
@@ -40,11 +42,12 @@ def offset_weights(size: int, decay: float) -> list[float]:
 
 
 def element_masks(batch: TargetBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counted, supervised) [size - 1, B, T] bool: offset j (row j - 1) of slot t's block has its
-    target in t's document and a trained token there; supervised also needs position_mask there."""
+    """(counted, supervised) [size - 1, B, T] bool: offset j (row j - 1) of slot t's block is scored at
+    row s = t + j - 1, which must be in t's document with loss_mask set; supervised also needs
+    position_mask there."""
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)
-    counted = torch.stack([(remaining > j) & shift_left(batch.loss_mask, j).bool() for j in range(1, size)])
-    supervised = counted & torch.stack([shift_left(batch.position_mask, j).bool() for j in range(1, size)])
+    counted = torch.stack([(remaining > k) & shift_left(batch.loss_mask, k).bool() for k in range(size - 1)])
+    supervised = counted & torch.stack([shift_left(batch.position_mask, k).bool() for k in range(size - 1)])
     return counted, supervised
 
 
@@ -75,16 +78,16 @@ class DFlashObjective(Objective):
         total = states[0].new_zeros((), dtype=torch.float32)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         losses, correct = [], []
-        for j, (state, (rows, t)) in enumerate(zip(states, slots), start=1):
+        for k, (state, (rows, t)) in enumerate(zip(states, slots)):  # offset j = k + 1, scored at t + k
             if self.checkpoint and self.loss == "soft-ce":  # long rows: the head chunk by chunk, recomputed
-                value, argmax = chunked_soft_ce(draft.logits, state, (rows, t), batch.target_p, (rows, t + j),
+                value, argmax = chunked_soft_ce(draft.logits, state, (rows, t), batch.target_p, (rows, t + k),
                                                 draft.config.draft_vocab_size)
-                hits = top1_hits(argmax, draft.d2t, batch.target_ids[rows, t + j])
+                hits = top1_hits(argmax, draft.d2t, batch.target_ids[rows, t + k])
             else:
                 logits = draft.logits(state[rows, t])  # [N, Vd]
-                value = step_loss(logits, batch.target_p[rows, t + j], batch.target_mass[rows, t + j], self.loss)
-                hits = top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t + j])
-            total = total + weights[j - 1] * value * n_supervised[j - 1] / den.clamp_min(1e-12)
+                value = step_loss(logits, batch.target_p[rows, t + k], batch.target_mass[rows, t + k], self.loss)
+                hits = top1_correct(logits.detach(), draft.d2t, batch.target_ids[rows, t + k])
+            total = total + weights[k] * value * n_supervised[k] / den.clamp_min(1e-12)
             losses.append(value.detach())
             correct.append(hits)
         return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),

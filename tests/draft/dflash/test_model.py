@@ -167,7 +167,8 @@ def test_the_loss_is_the_decayed_weighted_mean_of_soft_ce_over_supervised_elemen
         losses = []
         for b in range(B):
             for t in range(T):
-                s = t + j
+                # offset j proposes x[t + 1 + j]; the shifted batch's row s holds the target for x[s + 2]
+                s = t + j - 1
                 if doc[b, t] < 0 or s >= T or doc[b, s] != doc[b, t] or not batch.loss_mask[b, s]:
                     continue
                 counted += 1
@@ -239,6 +240,9 @@ def test_offset_weights_and_default_layers():
     assert offset_weights(4, 2.0) == [1.0, math.exp(-0.5), math.exp(-1.0)]
     assert default_aux_layers(36) == [1, 9, 17, 25, 33]  # the peers' Qwen3-8B DFlash layers
     assert default_aux_layers(30) == [1, 8, 14, 20, 27]
+    # small targets: five distinct layers (vLLM captures each once), never the last layer's output
+    assert default_aux_layers(6) == [0, 1, 2, 3, 4] and default_aux_layers(7) == [0, 1, 2, 4, 5]
+    assert all(len(set(default_aux_layers(n))) == 5 and max(default_aux_layers(n)) <= n - 2 for n in range(6, 80))
 
 
 def test_what_vllm_cannot_serve_is_refused_when_the_draft_is_built():
