@@ -257,3 +257,46 @@ def test_what_vllm_cannot_serve_is_refused_when_the_draft_is_built():
     draft = dflash_draft()
     with pytest.raises(ConfigError, match="differs from the draft.s 4"):
         DFlashObjective(draft, ObjectiveOptions(block_size=8))
+
+
+def test_training_scores_each_offset_on_the_token_decoding_proposes_there():
+    """The objective's alignment checked against decoding (itself checked against vLLM's computation
+    above): a row is built so that the block anchored at slot 5 proposes exactly the row's next tokens,
+    the supervision is assembled from the unshifted row as every target backend does, and the objective's
+    top-1 hits per offset must equal the hits counted by running `propose` from every slot."""
+    from spec_cli.target.supervision import assemble_batch
+
+    torch.manual_seed(0)
+    config = tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6], num_hidden_layers=2,
+                         draft_vocab_size=64, extra={"block_size": 4})
+    draft = DFlashDraft(config)
+    with torch.no_grad():  # weights large enough that the proposals vary with the position
+        for p in draft.parameters():
+            p.normal_(0, 1 if p.dim() < 2 else 2 / p.shape[1] ** 0.5)
+    draft.set_vocab_map(torch.arange(64))
+    T, t0, K = 16, 5, 3
+    gen = torch.Generator().manual_seed(1)
+    aux = torch.randn(T, N_AUX * config.target_hidden_size, generator=gen)
+    x = torch.randint(0, 64, (T,), generator=gen)
+
+    def proposals(t):  # the block anchored at slot t: context 0..t, first token x[t + 1]
+        cache = draft.new_cache()
+        state = decoding.catch_up(draft, cache, x[1:t + 2], aux[:t + 1])
+        return decoding.propose(draft, cache, state, K, 1, 0, 0.0, None).tokens
+
+    with torch.no_grad():
+        x[t0 + 2:t0 + 2 + K] = proposals(t0)  # x[t0 + 1 + j] is what offset j proposes
+        assert len(set(x[t0 + 1:t0 + 3 + K].tolist())) == K + 2  # distinct: a shifted reading cannot match
+        argmax = torch.cat([x[1:], x[:1]])  # the target at position p predicts x[p + 1]
+        ones = torch.ones(1, T, dtype=torch.long)
+        batch = assemble_batch(aux[None], x[None], ones, ones, torch.nn.functional.one_hot(argmax, 64)[None].float(),
+                               torch.ones(1, T), argmax[None], torch.ones(64, dtype=torch.bool))
+        out = DFlashObjective(draft, ObjectiveOptions(block_size=4))(batch)
+        want = [0] * K
+        for t in range(T - 1):
+            tokens = proposals(t)
+            for j in range(1, K + 1):
+                if t + 1 + j < T:  # the token exists (the last position predicts nothing)
+                    want[j - 1] += int(tokens[j - 1] == x[t + 1 + j])
+    assert all(w >= 1 for w in want)  # at least slot t0's
+    assert out.correct.tolist() == want, (out.correct.tolist(), want)
