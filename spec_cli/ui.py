@@ -151,7 +151,10 @@ def print_demo_summary(result) -> None:
     if result.serve_command:
         rows.append(("serve with vLLM", result.serve_command))
     estimate = getattr(result, "estimate", None)
-    estimated = f" (estimated {estimate['minutes']:g} min at the start)" if estimate else ""
+    estimated = f" (estimated {estimate['minutes']:g} min at the start" if estimate else ""
+    if estimate and estimate.get("revised_minutes") is not None:
+        estimated += f", {estimate['revised_minutes']:g} after regenerate"
+    estimated += ")" if estimate else ""
     rows.append(("total", f"{result.seconds / 60:.1f} min{estimated}; rerun `spec demo` to reuse the finished "
                           "stages"))
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)

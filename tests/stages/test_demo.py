@@ -100,6 +100,13 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert estimate["stages"]["train"] == pytest.approx(  # the steps at the measured training speed
         TINY.steps * TINY.batch_tokens / estimate["speeds"]["train"] * OVERHEAD["train"], rel=0.01, abs=0.01)
     assert f"estimated {estimate['minutes']:g} min at the start" in " ".join(printed.split())
+    # once regenerate ran, the total is stated again with its real minutes in place of its estimate
+    stages = {s["name"]: s for s in record(out)["stages"]}
+    ran = sum(stages[n]["seconds"] for n in ("assets", "regenerate")) / 60
+    assert estimate["revised_minutes"] == pytest.approx(
+        ran + estimate["minutes"] - estimate["stages"]["regenerate"] / 60, abs=0.06)
+    assert f"{estimate['revised_minutes']:g} after regenerate" in " ".join(printed.split())
+    assert "regenerate took" in " ".join(printed.split())
     assert str(out / "export-vllm") in "".join(printed.split())  # a long path wraps at 80 columns
     assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
 
