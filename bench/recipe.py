@@ -55,6 +55,7 @@ LEVERS = {
     "wsd": dict(schedule="wsd", decay_ratio=0.2),
     "init": dict(init_from_target=True),
     "layers2": dict(draft_layers=2),
+    "layers5": dict(draft_layers=5),  # the peers' published DFlash drafts' depth
     "vd2048": dict(vocab=2048),
     "vd8192": dict(vocab=8192),
     "lr3e-3": dict(lr=3e-3),
