@@ -50,6 +50,23 @@ def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -
     return passed(fmt, *find_problems(folder, fmt, src, dtype))
 
 
+def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+    """The file's tensors as the engine needs them: d2t int64 offsets, t2d a bool mask, the weights in the
+    requested dtype and finite."""
+    problems = []
+    for key, tensor in tensors.items():
+        if key == "d2t" and tensor.dtype != torch.int64:
+            problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
+        elif key == "t2d" and tensor.dtype != torch.bool:
+            problems.append(f"t2d is {tensor.dtype}, not a bool mask")
+        elif key not in ("d2t", "t2d"):
+            if tensor.dtype != dtype:
+                problems.append(f"{key} is {tensor.dtype}, not the requested {dtype}")
+            elif not bool(torch.isfinite(tensor.float()).all()):
+                problems.append(f"{key} has inf/nan values in {dtype}")
+    return problems
+
+
 def passed(fmt: str, problems: list[str], report: CheckReport | None) -> CheckReport:
     """The report of a self-check that found nothing; else ExportCheckError listing what it found."""
     if problems:
@@ -112,16 +129,7 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     problems += [f"the engine's {name} is not in the file (it keeps its initial value: random "
                  "weights, or an identity vocab map)" for name in engine.missing]
     problems += engine.misshapen
-    for key, tensor in engine.tensors.items():
-        if key == "d2t" and tensor.dtype != torch.int64:
-            problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
-        elif key == "t2d" and tensor.dtype != torch.bool:
-            problems.append(f"t2d is {tensor.dtype}, not a bool mask")
-        elif key not in ("d2t", "t2d"):
-            if tensor.dtype != dtype:
-                problems.append(f"{key} is {tensor.dtype}, not the requested {dtype}")
-            elif not bool(torch.isfinite(tensor.float()).all()):
-                problems.append(f"{key} has inf/nan values in {dtype}")
+    problems += tensor_problems(engine.tensors, dtype)
 
     # -- vocab -----------------------------------------------------------------------------------
     selected = _checkpoint_selected_ids(src)

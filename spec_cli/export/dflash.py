@@ -31,7 +31,7 @@ from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines
 from spec_cli.export.check import (EXPECTED_FILES, CheckReport, _checkpoint_selected_ids, _materialise,
-                                  compare_predictions, passed)
+                                  compare_predictions, passed, tensor_problems)
 from spec_cli.export.reader import ReadExport, template_record
 from spec_cli.target import loading
 
@@ -251,14 +251,7 @@ def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list
     elif sorted(v.layer_outputs) != v.layer_outputs or v.layer_outputs != sorted(c.aux_layer_ids):
         problems.append(f"vLLM would feed the draft the outputs of layers {v.layer_outputs}; it was trained on "
                         f"{sorted(c.aux_layer_ids)}")
-    for key, tensor in read.tensors.items():
-        if key == "d2t" and tensor.dtype != torch.int64:
-            problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
-        elif key not in ("d2t", "t2d") and tensor.dtype in _FLOATS:
-            if tensor.dtype != dtype:
-                problems.append(f"{key} is {tensor.dtype}, not the requested {dtype}")
-            elif not bool(torch.isfinite(tensor.float()).all()):
-                problems.append(f"{key} has inf/nan values in {dtype}")
+    problems += tensor_problems(read.tensors, dtype)
     selected = _checkpoint_selected_ids(src)
     if selected is None:
         problems.append("the checkpoint's d2t and t2d disagree")
