@@ -54,6 +54,10 @@ LEVERS = {
     "noise0.1": dict(hidden_noise=0.1),
     "wsd": dict(schedule="wsd", decay_ratio=0.2),
     "init": dict(init_from_target=True),
+    # the draft's attention over the last N positions only (speculators trains 2048; the demo's rows are <= 256)
+    "window32": dict(draft_window=32),
+    "window64": dict(draft_window=64),
+    "window128": dict(draft_window=128),
     "layers2": dict(draft_layers=2),
     "layers5": dict(draft_layers=5),  # the peers' published DFlash drafts' depth
     "vd2048": dict(vocab=2048),

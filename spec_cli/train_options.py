@@ -75,6 +75,11 @@ class DraftOptions:
         None, "--draft-intermediate-size", help="Default: the target's.", panel=DRAFT)
     draft_heads: int | None = option(None, "--draft-heads", help="Default: the target's.", panel=DRAFT)
     draft_kv_heads: int | None = option(None, "--draft-kv-heads", help="Default: the target's.", panel=DRAFT)
+    draft_window: int | None = option(
+        None, "--draft-window", help="Sliding-window attention for the draft: each position attends the last N "
+                                     "positions only, in training, `spec eval` and the vLLM exports "
+                                     "(speculators trains 2048 by default). EAGLE-3. Default: the whole "
+                                     "context.", panel=DRAFT, min=1)
     fc_norm: bool = option(
         False, "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.", panel=DRAFT)
     norm_output: bool = option(

@@ -34,6 +34,10 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              read(folder, fmt, target_config) -> ReadExport (`spec eval --draft EXPORT`)
     vllm_draft_class         "module:Class" of the draft model vLLM builds for it (the engine check
                              watches its load_weights)
+    extra                    its own declarations the seams read: "draft_options" (its options that are
+                             part of the draft's config), "steps"/"steps_name" (the metric steps its
+                             objective reports), "sliding_window" (True: it trains, decodes and exports
+                             a --draft-window)
 
 This module imports no torch: `spec --help` and the CLI read the declarations without loading models.
 """

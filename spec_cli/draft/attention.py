@@ -36,6 +36,7 @@ Kernels (chosen by device and dtype at run time):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import warnings
@@ -80,6 +81,13 @@ class Segments:
 
     spans: tuple[tuple[int, int, int], ...]
     _plans: dict = field(default_factory=dict, compare=False, repr=False)  # varlen plans by device
+    # a sliding window: query t attends keys t - window + 1 .. t of its range (None: all of them)
+    window: int | None = None
+
+    @property
+    def window_binds(self) -> bool:
+        """Whether the window leaves some query without a key of its range (a longer range exists)."""
+        return self.window is not None and any(e - s > self.window for _, s, e in self.spans)
 
     @classmethod
     def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> "Segments":
@@ -101,34 +109,93 @@ class Segments:
         return cls(tuple(spans))
 
 
+WINDOW_CHUNK = 256  # query rows per kernel call of a windowed range (at least the window)
+
+
+def _pieces(segments: Segments, like: torch.Tensor):
+    """The kernel calls of `segments`: (row, query start, query end, key start, bias). A range no longer
+    than the window is one causal call (bias None); a longer one is cut into query chunks of
+    max(window, WINDOW_CHUNK) rows, each against the keys its window reaches, with an additive bias
+    holding causality and the window (keys s with q - window < s <= q)."""
+    window = segments.window
+    for b, s, e in segments.spans:
+        if window is None or e - s <= window:
+            yield b, s, e, s, None
+            continue
+        chunk = max(window, WINDOW_CHUNK)
+        for qs in range(s, e, chunk):
+            qe, ks = min(qs + chunk, e), max(s, qs - window + 1)
+            yield b, qs, qe, ks, window_bias(qe - qs, qe - ks, window, like.dtype, like.device)
+
+
+def window_bias(n_q: int, n_k: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n_q, n_k] additive bias for the last n_q queries against the last n_k keys (n_k >= n_q, the
+    queries are the keys' last n_q): 0 where q - window < key <= q, -inf elsewhere. Stored with its last
+    dim padded to a multiple of 16 (the CUDA kernels' alignment)."""
+    rows = torch.arange(n_k - n_q, n_k, device=device)[:, None]  # each query's index among the keys
+    cols = torch.arange(n_k, device=device)[None, :]
+    far = (cols > rows) | (cols <= rows - window)
+    padded = -(-n_k // 16) * 16
+    bias = torch.zeros(1, 1, n_q, padded, dtype=dtype, device=device)[..., :n_k]
+    return bias.masked_fill_(far, float("-inf"))
+
+
 def _segmented_fwd(kernel, q, k, v, segments: Segments, scale):
-    """The causal kernel once per segment; (out, lse, per-segment states)."""
+    """The causal kernel once per segment (per chunk of a segment under a binding window); (out, lse,
+    per-call states)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=_acc_dtype(q.dtype), device=q.device)
     states = []
-    for b, s, e in segments.spans:
-        o, l, state = kernel.fwd(q[b:b + 1, :, s:e].contiguous(), k[b:b + 1, :, s:e].contiguous(),
-                                 v[b:b + 1, :, s:e].contiguous(), None, scale)
-        out[b:b + 1, :, s:e] = o
-        lse[b:b + 1, :, s:e] = l
+    for b, qs, qe, ks, bias in _pieces(segments, q):
+        o, l, state = kernel.fwd(q[b:b + 1, :, qs:qe].contiguous(), k[b:b + 1, :, ks:qe].contiguous(),
+                                 v[b:b + 1, :, ks:qe].contiguous(), bias, scale)
+        out[b:b + 1, :, qs:qe] = o
+        lse[b:b + 1, :, qs:qe] = l
         states.append(state)
     return out, lse, states
 
 
 def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, states):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for (b, s, e), state in zip(segments.spans, states):
-        def part(x):
-            return x[b:b + 1, :, s:e].contiguous()
-        gq, gk, gv = kernel.bwd(part(dout), part(q), part(k), part(v), None, part(out),
-                                lse[b:b + 1, :, s:e].contiguous(), scale, state)
-        dq[b:b + 1, :, s:e], dk[b:b + 1, :, s:e], dv[b:b + 1, :, s:e] = gq, gk, gv
+    """Each call's backward with the merged out and lse (exact: the split-KV identity); under a binding
+    window the chunks' key ranges overlap, so their key gradients add up."""
+    overlap = segments.window_binds
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if overlap else (torch.empty_like(k), torch.empty_like(v))
+    for (b, qs, qe, ks, bias), state in zip(_pieces(segments, q), states):
+        def rows(x):
+            return x[b:b + 1, :, qs:qe].contiguous()
+        gq, gk, gv = kernel.bwd(rows(dout), rows(q), k[b:b + 1, :, ks:qe].contiguous(),
+                                v[b:b + 1, :, ks:qe].contiguous(), bias, rows(out),
+                                lse[b:b + 1, :, qs:qe].contiguous(), scale, state)
+        dq[b:b + 1, :, qs:qe] = gq
+        if overlap:
+            dk[b:b + 1, :, ks:qe] += gk
+            dv[b:b + 1, :, ks:qe] += gv
+        else:
+            dk[b:b + 1, :, ks:qe], dv[b:b + 1, :, ks:qe] = gk, gv
     return dq, dk, dv
+
+
+def with_window(bias, window: int | None, B: int, T: int):
+    """The attention structure `bias` (None: causal rows; Segments: packed documents; a dense additive
+    [B, 1, T, T] bias) restricted to a sliding window: query t attends keys t - window + 1 .. t only.
+    A window that reaches back over every row is no restriction: `bias` comes back as it was."""
+    if window is None or window >= T:
+        return bias
+    if window < 1:
+        raise ValueError(f"a sliding window needs at least 1 key, got {window}")
+    if bias is None:
+        bias = Segments.from_lengths([[T]] * B, T)
+    if isinstance(bias, Segments):
+        return dataclasses.replace(bias, window=window)  # (its varlen plans are the spans': shared)
+    t = torch.arange(T, device=bias.device)
+    return bias.masked_fill((t[None, :] <= t[:, None] - window), float("-inf"))
 
 
 def _causal_fwd(kernel, q, k, v, bias, scale):
     if isinstance(bias, Segments):
-        varlen = _varlen_of(kernel, q.device, q.dtype)
+        # (a binding window goes per range: the varlen calls here take no window)
+        varlen = None if bias.window_binds else _varlen_of(kernel, q.device, q.dtype)
         if varlen is not None:
             return varlen.fwd(q, k, v, bias, scale)
         return _segmented_fwd(kernel, q, k, v, bias, scale)
@@ -137,7 +204,7 @@ def _causal_fwd(kernel, q, k, v, bias, scale):
 
 def _causal_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state):
     if isinstance(bias, Segments):
-        varlen = _varlen_of(kernel, q.device, q.dtype)
+        varlen = None if bias.window_binds else _varlen_of(kernel, q.device, q.dtype)
         if varlen is not None:
             return varlen.bwd(dout, q, k, v, bias, out, lse, scale, state)
         return _segmented_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state)
@@ -304,7 +371,7 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _cuda_efficient_fwd(q, k, v, bias, scale):
     B, h, T, _ = q.shape
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    bias = None if bias is None else bias.expand(B, h, T, T)
+    bias = None if bias is None else bias.expand(B, h, T, k.shape[2])  # (windowed calls: more keys than queries)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, 0.0, bias is None, scale=scale)
     return out, lse[..., :T], (seed, offset, lse.shape[-1])  # lse comes padded to a multiple of 32
@@ -315,7 +382,7 @@ def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
     B, h, T, _ = q.shape
     kv_heads = k.shape[1]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    bias = None if bias is None else bias.expand(B, h, T, T)
+    bias = None if bias is None else bias.expand(B, h, T, k.shape[2])
     lse = torch.nn.functional.pad(lse.float(), (0, lse_len - T))
     # the kernel reads `out` (and `dout`) in the layout its forward wrote: [B, T, h, d] in memory. In
     # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk (no error), measured on an H200
@@ -334,9 +401,9 @@ MATH_CHUNK = 256  # query rows per chunk of the math kernel: its memory is O(chu
 
 
 def _chunk_bias(bias, start, end, like):
-    """Additive bias for query rows [start, end) against keys [0, end)."""
+    """Additive bias for query rows [start, end) against keys [0, end + the keys before the first query)."""
     if bias is not None:
-        return bias[:, :, start:end, :end]
+        return bias[:, :, start:end, :end + bias.shape[-1] - bias.shape[-2]]
     rows = torch.arange(start, end, device=like.device)[:, None]
     cols = torch.arange(end, device=like.device)[None, :]
     return torch.zeros(end - start, end, dtype=like.dtype, device=like.device
@@ -349,12 +416,13 @@ def _math_fwd(q, k, v, bias, scale):
     k, v = _repeat_kv(k, h).to(acc), _repeat_kv(v, h).to(acc)
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    before = k.shape[2] - T  # keys before the first query (a windowed call's; else 0)
     for start in range(0, T, MATH_CHUNK):
-        end = min(start + MATH_CHUNK, T)  # causal: keys past `end` are never attended
-        s = q[:, :, start:end].to(acc) @ k[:, :, :end].transpose(-1, -2) * scale  # [B, h, c, end]
-        s = s + _chunk_bias(bias, start, end, s)
-        lse[:, :, start:end] = s.logsumexp(-1)
-        out[:, :, start:end] = torch.exp(s - lse[:, :, start:end, None]) @ v[:, :, :end]
+        end = min(start + MATH_CHUNK, T) + before  # causal: keys past `end` are never attended
+        s = q[:, :, start:end - before].to(acc) @ k[:, :, :end].transpose(-1, -2) * scale  # [B, h, c, end]
+        s = s + _chunk_bias(bias, start, end - before, s)
+        lse[:, :, start:end - before] = s.logsumexp(-1)
+        out[:, :, start:end - before] = torch.exp(s - lse[:, :, start:end - before, None]) @ v[:, :, :end]
     return out.to(q.dtype), lse, None
 
 
@@ -366,14 +434,16 @@ def _math_bwd(dout, q, k, v, bias, out, lse, scale, state):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     D = (dout * out).sum(-1, keepdim=True)  # [B, h, T, 1] rowsum(dO * O)
+    before = k.shape[2] - T
     for start in range(0, T, MATH_CHUNK):
-        end = min(start + MATH_CHUNK, T)
-        qc, doc = q[:, :, start:end].to(acc), dout[:, :, start:end]
-        s = qc @ k[:, :, :end].transpose(-1, -2) * scale + _chunk_bias(bias, start, end, qc)
-        p = torch.exp(s - lse[:, :, start:end, None])  # [B, h, c, end] global probabilities
+        stop = min(start + MATH_CHUNK, T)
+        end = stop + before
+        qc, doc = q[:, :, start:stop].to(acc), dout[:, :, start:stop]
+        s = qc @ k[:, :, :end].transpose(-1, -2) * scale + _chunk_bias(bias, start, stop, qc)
+        p = torch.exp(s - lse[:, :, start:stop, None])  # [B, h, c, end] global probabilities
         dv[:, :, :end] += p.transpose(-1, -2) @ doc
-        ds = p * (doc @ v[:, :, :end].transpose(-1, -2) - D[:, :, start:end])
-        dq[:, :, start:end] = ds @ k[:, :, :end] * scale
+        ds = p * (doc @ v[:, :, :end].transpose(-1, -2) - D[:, :, start:stop])
+        dq[:, :, start:stop] = ds @ k[:, :, :end] * scale
         dk[:, :, :end] += ds.transpose(-1, -2) @ qc * scale
     return (dq.to(q.dtype), _sum_groups(dk, kv_heads).to(q.dtype),
             _sum_groups(dv, kv_heads).to(q.dtype))

@@ -124,6 +124,7 @@ class DraftConfig:
     rope_source: str = ""  # where the rope settings came from (target_rope), in words
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    sliding_window: int | None = None  # --draft-window: the draft's attention sees the last W positions
     # EAGLE-3.1 options
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc
     norm_output: bool = False  # feed the post-norm state to the next TTT step
@@ -140,6 +141,8 @@ class DraftConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"a sliding window of {self.sliding_window} positions", "use --draft-window 1 or more")
         if self.num_hidden_layers < 1:
             raise ConfigError("the draft needs at least 1 decoder layer", "use --draft-layers 1 or more")
         if self.num_attention_heads % self.num_key_value_heads:

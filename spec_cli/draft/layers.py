@@ -165,6 +165,18 @@ class KVCache:
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [L] each slot's position (kept by windowed drafts)
+
+    def add_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Record the positions [n] of the slots this call appends; returns every slot's [L + n]. (Tree
+        drafts put several slots at one position, so a slot's index is not its position.)"""
+        if self.positions is None:
+            if len(self):
+                raise RuntimeError("the cache holds slots whose positions were not recorded")
+            self.positions = positions.clone()
+        else:
+            self.positions = torch.cat([self.positions, positions])
+        return self.positions
 
     def __len__(self) -> int:
         return 0 if self.k[0] is None else self.k[0].shape[2]
@@ -180,3 +192,5 @@ class KVCache:
         """Keep the first `length` positions (drop rejected speculative tokens)."""
         self.k = [None if k is None else k[:, :, :length] for k in self.k]
         self.v = [None if v is None else v[:, :, :length] for v in self.v]
+        if self.positions is not None:
+            self.positions = self.positions[:length]

@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from spec_cli.draft.attention import ttt_attention
+from spec_cli.draft.attention import ttt_attention, with_window
 from spec_cli.draft.layers import KVCache, rope_attention_scale, rope_inv_freq
 
 
@@ -57,7 +57,7 @@ class SteppedDraft(nn.Module):
         caches: one list per layer of the (k, v) of earlier steps ([0] = step 0), appended to here;
         bias: None (causal), attention.Segments (packed) or block_causal_bias. Returns the state for the next step [B, T, H].
         """
-        attends = [_ttt_attend(list(cache), bias, self.attn_impl) for cache in caches]
+        attends = [_ttt_attend(list(cache), bias, self.attn_impl, self.config.sliding_window) for cache in caches]
         if checkpoint:  # recompute the layers in backward: keeps only their inputs and k/v
             state, kvs = activation_checkpoint(self._layers, input_ids, hidden, cos, sin, attends,
                                                use_reentrant=False)
@@ -91,6 +91,10 @@ class SteppedDraft(nn.Module):
         n, past = input_ids.shape[1], len(cache)
         if attn_mask is None:
             attn_mask = torch.ones(n, past + n, dtype=torch.bool, device=input_ids.device).tril(past)
+        window = self.config.sliding_window
+        if window is not None:  # --draft-window: keys at positions > the query's - W (vLLM's rule)
+            keys = cache.add_positions(position_ids[0])  # [past + n] each cached slot's position
+            attn_mask = attn_mask & (keys[None, :] > position_ids[0][:, None] - window)
         cos, sin = self.rope(position_ids)
 
         def attend_fn(i):
@@ -105,14 +109,20 @@ class SteppedDraft(nn.Module):
         return state
 
 
-def _ttt_attend(cache: list, bias, impl: str):
-    """Layer attention at TTT step len(cache): step 0 is causal over its own keys; later steps
-    attend the step-0 prefix plus each position's own keys from steps 1..k (`cache` + this step)."""
+def _ttt_attend(cache: list, bias, impl: str, window: int | None = None):
+    """Layer attention at TTT step k = len(cache): step 0 is causal over its own keys; later steps
+    attend the step-0 prefix plus each position's own keys from steps 1..k (`cache` + this step).
+
+    window (--draft-window W): attention sees the keys of the last W positions, as the engines serve a
+    sliding-window layer (vLLM: key position > query position - W). Slot t's query sits at position
+    t + k at step k and its extra keys at t + 1 .. t + k (all inside, as W > k), so of the step-0 keys
+    it sees those at positions t + k - W + 1 .. t: a window of W - k slots."""
     def attend(q, k, v):
+        step_bias = bias if window is None else with_window(bias, window - len(cache), q.shape[0], q.shape[2])
         if not cache:
-            return ttt_attention(q, k, v, bias=bias, impl=impl)
+            return ttt_attention(q, k, v, bias=step_bias, impl=impl)
         (k0, v0), later = cache[0], cache[1:]
         extra_k = [kv[0] for kv in later] + [k]
         extra_v = [kv[1] for kv in later] + [v]
-        return ttt_attention(q, k0, v0, extra_k, extra_v, bias=bias, impl=impl)
+        return ttt_attention(q, k0, v0, extra_k, extra_v, bias=step_bias, impl=impl)
     return attend

@@ -218,6 +218,7 @@ def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
         ("hidden_act", view.hidden_act, c.hidden_act),
         ("fc_norm", view.fc_norm, c.fc_norm),
         ("norm_output", view.norm_output, c.norm_output),
+        ("sliding_window", view.sliding_window, c.sliding_window),
     ]
     if c.mask_token_id is not None or view.parallel_drafting:  # a parallel-drafting (P-EAGLE) draft
         fields.append(("mask_token_id (parallel drafting)", view.mask_token_id, c.mask_token_id))

@@ -58,6 +58,7 @@ class EngineView:
     hidden_act: str = ""
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc
     norm_output: bool = False  # the post-norm state is fed to the next draft step
+    sliding_window: int | None = None  # every draft layer attends the last W positions (None: all)
     norm_before_residual: bool = False  # hidden_norm applied before the residual is taken
     norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states
     use_aux_hidden_state: bool = True
@@ -121,9 +122,35 @@ def _llama_fields(view: EngineView, d: dict) -> None:
     view.max_position_embeddings = int(d.get("max_position_embeddings", 2048))
     view.hidden_act = d.get("hidden_act", "silu")
     view.rope_theta, view.rope_scaling = _rope(d, view.problems)
+    view.sliding_window = _window(d, view.num_hidden_layers, view.problems)
     if d.get("attention_bias") or d.get("mlp_bias"):
         view.problems.append("attention_bias/mlp_bias is set: the engine would add bias parameters the "
                              "draft does not have and leave them uninitialised")
+
+
+def _window(d: dict, num_layers: int, problems: list[str]) -> int | None:
+    """vLLM's LlamaAttention (llama.py): a draft layer i attends a sliding window of `sliding_window`
+    positions when `layer_types[i]` is "sliding_attention" (i counted from the draft's first layer:
+    Eagle3LlamaForCausalLM sets target_layer_count); without layer_types, the model-level window of the
+    cache config, which is the target's, not this file's. spec_cli trains one window for every layer."""
+    types = d.get("layer_types")
+    if not types:
+        return None
+    if len(types) < num_layers:
+        problems.append(f"layer_types lists {len(types)} layer(s) for {num_layers} draft layers (vLLM asserts "
+                        "every draft layer has an entry)")
+        return None
+    sliding = [t == "sliding_attention" for t in types[:num_layers]]
+    if not any(sliding):
+        return None
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        problems.append(f"layer_types asks for sliding attention but sliding_window is {window!r}")
+        return None
+    if not all(sliding):
+        problems.append(f"layer_types {types} mixes sliding and full attention; spec_cli's drafts use one "
+                        "window for every layer")
+    return window
 
 
 def read_vllm(d: dict, engine: str = "vllm") -> EngineView:

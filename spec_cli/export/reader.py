@@ -118,7 +118,7 @@ def draft_config(view: engines.EngineView, aux_layer_ids: list[int], target_num_
         draft_vocab_size=view.draft_vocab_size, num_hidden_layers=view.num_hidden_layers,
         rms_norm_eps=view.rms_norm_eps, rope_theta=view.rope_theta, rope_scaling=view.rope_scaling,
         max_position_embeddings=view.max_position_embeddings, hidden_act=view.hidden_act,
-        fc_norm=view.fc_norm, norm_output=view.norm_output,
+        fc_norm=view.fc_norm, norm_output=view.norm_output, sliding_window=view.sliding_window,
         **({"algorithm": "peagle", "mask_token_id": view.mask_token_id} if view.parallel_drafting else {}),
         **recorded)
 

@@ -231,12 +231,21 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     config (the --draft-* options override), embeddings from the target, lm_head too with
     --init-from-target."""
     d = cfg.draft
+    if d.draft_window is not None:
+        if not algorithm.extra.get("sliding_window"):
+            raise ConfigError(f"--draft-window: {algorithm.title} drafts have no sliding-window attention in "
+                              "spec_cli (training, decoding and the engines' exports are built for EAGLE-3 only)",
+                              "drop --draft-window, or train --algorithm eagle3")
+        if d.draft_window <= cfg.objective.ttt_steps:
+            raise ConfigError(f"--draft-window {d.draft_window} does not reach over the {cfg.objective.ttt_steps} "
+                              "TTT steps: the last step's query would see none of the context",
+                              f"use --draft-window {cfg.objective.ttt_steps + 1} or more (speculators: 2048)")
     draft_config = algorithm.config(
         loading.config_from_dict(source.target_config), vocab_map.draft_vocab_size, source.aux_layers,
         num_hidden_layers=d.draft_layers, hidden_size=d.draft_hidden_size,
         intermediate_size=d.draft_intermediate_size, num_attention_heads=d.draft_heads,
         num_key_value_heads=d.draft_kv_heads, fc_norm=d.fc_norm, norm_output=d.norm_output,
-        rope_theta=d.draft_rope_theta,
+        rope_theta=d.draft_rope_theta, sliding_window=d.draft_window,
         target_fingerprint=source.identity["target_fingerprint"],
         tokenizer_fingerprint=source.identity["tokenizer_fingerprint"],
         chat_template_sha256=source.chat_template.get("chat_template_sha256"),

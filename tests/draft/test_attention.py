@@ -90,6 +90,64 @@ def test_matches_explicit(impl, dtype, heads, kv_heads, n_extra, packed, monkeyp
         torch.testing.assert_close(g, r, **tol)
 
 
+WINDOW_CASES = [  # heads, kv heads, extra steps, packing, window
+    (4, 2, 0, None, 3),
+    (4, 2, 2, None, 4),
+    (4, 1, 6, "segments", 3),
+    (2, 2, 3, "segments", 5),  # the 4-token document fits in it, the 5- and 11-token ones do not
+    (4, 2, 2, "bias", 4),
+    (2, 2, 1, None, 11),  # no restriction: the window reaches over the whole row
+]
+
+
+@pytest.mark.parametrize("impl", ["fused", "math"])
+@pytest.mark.parametrize("heads,kv_heads,n_extra,packed,window", WINDOW_CASES)
+def test_sliding_window_matches_explicit(impl, heads, kv_heads, n_extra, packed, window, monkeypatch):
+    """--draft-window: query t attends keys t - window + 1 .. t of its document (plus its own extra
+    keys), forward and backward exact, whatever the kernel calls are cut into (chunks of 2 rows here,
+    so the chunks' key ranges overlap and their key gradients add up)."""
+    monkeypatch.setattr(attention, "MATH_CHUNK", 5)
+    monkeypatch.setattr(attention, "WINDOW_CHUNK", 2)
+    B, T, d, dtype = 2, 11, 8, torch.float64
+    seq_lens = torch.tensor([[4, 5], [11, 0]]) if packed else None
+    q, k0, v0, ek, ev = _inputs(B, heads, kv_heads, T, d, n_extra, dtype, seed=3)
+    bias = None
+    if packed == "bias":
+        bias = block_causal_bias(seq_lens, T, dtype)
+    elif packed == "segments":
+        bias = Segments.from_seq_lens(seq_lens, T)
+    windowed = attention.with_window(bias, window, B, T)
+    out = ttt_attention(q, k0, v0, ek, ev, windowed, impl=impl)
+    t = torch.arange(T)
+    near = (t[None, :] > t[:, None] - window)  # [T, T] keys inside each query's window
+    ref = explicit_attention(q, k0, v0, ek, ev, _allowed(B, T, seq_lens) & near)
+    tol = dict(atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(out, ref, **tol)
+    if window < T:  # the window changed something (else the case checks that nothing changed)
+        assert not torch.allclose(out, ttt_attention(q, k0, v0, ek, ev, bias, impl=impl))
+    dout = torch.randn_like(out)
+    inputs = [q, k0, v0, *ek, *ev]
+    for g, r in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
+        torch.testing.assert_close(g, r, **tol)
+
+
+def test_sliding_window_pieces_skip_varlen_only_where_it_binds():
+    """Documents no longer than the window keep the one-call path (varlen on CUDA); a longer one is
+    cut into chunks whose biases hold causality and the window."""
+    segments = attention.with_window(Segments.from_lengths([[4, 4], [3, 0]], 8), 5, 2, 8)  # padding 3..8
+    assert not segments.window_binds and segments.window == 5
+    like = torch.zeros(1)
+    assert [p[:4] for p in attention._pieces(segments, like)] == [(0, 0, 4, 0), (0, 4, 8, 4), (1, 0, 3, 0), (1, 3, 8, 3)]
+    longer = attention.with_window(Segments.from_lengths([[9]], 9), 3, 1, 9)
+    assert longer.window_binds
+    pieces = list(attention._pieces(longer, like))
+    assert [p[:4] for p in pieces] == [(0, 0, 9, 0)]  # WINDOW_CHUNK (256) rows per call
+    bias = attention.window_bias(3, 5, 3, torch.float32, "cpu")  # queries 2..4 of keys 0..4
+    assert torch.equal(bias[0, 0] == 0, torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).bool())
+    assert bias.stride(2) == 16  # padded storage: the CUDA kernels' alignment
+    assert attention.with_window(None, 9, 1, 9) is None  # a window over the whole row changes nothing
+
+
 def test_bfloat16_runs_close_to_fp32():
     q, k0, v0, ek, ev = _inputs(1, 4, 2, 9, 8, 2, torch.float32)
     ref = ttt_attention(q, k0, v0, ek, ev)
@@ -162,6 +220,28 @@ def test_cuda_kernel_plumbing_on_meta_tensors(packed):
     assert out.shape == (B, h, T, d)
     grads = torch.autograd.grad(out, [q, k0, v0, k1, v1], torch.ones_like(out))
     assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
+
+
+def test_cuda_kernel_takes_windowed_calls_on_meta_tensors(monkeypatch):
+    """Under a binding --draft-window the CUDA efficient kernel gets chunks of queries against longer key
+    ranges, with a rectangular bias (broadcast to [B, h, queries, keys], last dim stored padded)."""
+    monkeypatch.setattr(attention, "WINDOW_CHUNK", 8)
+    seen = []
+    real = torch.ops.aten._scaled_dot_product_efficient_attention
+
+    def recording(q, k, v, bias, *rest, **kwargs):
+        seen.append((q.shape[2], k.shape[2], None if bias is None else tuple(bias.shape)))
+        return real(q, k, v, bias, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", recording)
+    B, h, kv, T, d = 1, 4, 2, 19, 16
+    q = torch.randn(B, h, T, d, device="meta", requires_grad=True)
+    k0, v0, k1, v1 = (torch.randn(B, kv, T, d, device="meta", requires_grad=True) for _ in range(4))
+    windowed = attention.with_window(None, 6, B, T)
+    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, windowed, d ** -0.5, 1, q, k0, v0, k1, v1)
+    grads = torch.autograd.grad(out, [q, k0, v0, k1, v1], torch.ones_like(out))
+    assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
+    assert seen == [(8, 8, (1, 4, 8, 8)), (8, 13, (1, 4, 8, 13)), (3, 8, (1, 4, 3, 8))]
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -44,10 +44,9 @@ def save_vllm_sized_target(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A peaked tiny target, a draft trained on it for 150 steps, and its vLLM export (engine check off)."""
-    root = tmp_path_factory.mktemp("engine")
+def train_on_sized_target(root: Path, *train_args: str) -> dict:
+    """A peaked vLLM-sized target, 80 random chats, a 64-token vocab map and a draft trained on them live
+    (`spec train` with these extra options) into ROOT/run, with SPEC_HOME under `root`."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
@@ -55,16 +54,42 @@ def trained(tmp_path_factory):
         rng = random.Random(0)
         data = root / "data.jsonl"
         data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(80)))
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["train", "--target", str(target), "--data", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "150", "--lr", "1e-2",
-                     "--batch-tokens", "512", "-q"]) == 0
+        vm = str(root / "vm.safetensors")
+        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", vm,
+                     "-q"]) == 0
+        assert main(["train", "--target", str(target), "--data", str(data), "-v", vm, "-o", str(root / "run"),
+                     "--lr", "1e-2", "--batch-tokens", "512", "-q", *train_args]) == 0
+    finally:
+        mp.undo()
+    return {"root": root, "target": target, "data": data, "run": root / "run"}
+
+
+def served_as_checked(capsys, least_same: int) -> tuple[str, list[int]]:
+    """The engine check's summary (`spec export --engine-check vllm` printed it): vLLM accepted what the
+    checkpoint accepts per position, and proposed the same draft tokens at `least_same`% of > 10 steps or
+    more. Returns (the printed text, the accepted counts per position)."""
+    text = " ".join(capsys.readouterr().out.split())
+    assert "engine check passed: vLLM" in text
+    served, reference = re.search(r"accepted per position (\[[\d, ]+\]) vs (\[[\d, ]+\])", text).groups()
+    assert served == reference and json.loads(served)[0] > 0
+    same = re.search(r"same draft tokens at (\d+)% of (\d+) steps", text)
+    assert int(same.group(1)) >= least_same and int(same.group(2)) > 10
+    return text, json.loads(served)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A peaked tiny target, a draft trained on it for 150 steps, and its vLLM export (engine check off)."""
+    run = train_on_sized_target(tmp_path_factory.mktemp("engine"), "--ttt-steps", "2", "--max-steps", "150")
+    root = run["root"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(root / "home"))
+    try:
         assert main(["export", str(root / "run"), "--format", "vllm", "--dtype", "fp32", "--engine-check",
                      "none", "-o", str(root / "export"), "-q"]) == 0
     finally:
         mp.undo()
-    return {"root": root, "target": target, "data": data, "run": root / "run", "export": root / "export"}
+    return {**run, "export": root / "export"}
 
 
 def _eval(trained, draft, out: Path, *extra: str) -> dict:

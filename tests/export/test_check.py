@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from spec_cli.export import reader
 from tests.export.drafts import FORMATS, H, HT, V, problems_of, tampered
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,3 +83,47 @@ def test_engine_specific_traps_are_caught(exports, run_dir, tmp_path):
     folder = tampered(exports["sglang"].output, tmp_path,
                       lambda t: t.update({"embed_tokens.weight": torch.zeros(V, H, dtype=torch.bfloat16)}))
     assert "replaces the draft's embed_tokens" in problems_of(folder, "sglang", run_dir)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A --draft-window 6 run and its vLLM and speculators exports (the self-check's predictions run over
+    16 positions, so the window changes them)."""
+    from spec_cli.stages import export as stage
+    from tests.export.drafts import make_run
+
+    root = tmp_path_factory.mktemp("windowed")
+    run = make_run(root / "run", sliding_window=6)
+    return run, {fmt: stage.run(stage.ExportConfig(source=run, format=fmt, output=root / fmt)).output
+                 for fmt in ("vllm", "speculators")}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_lost_or_changed_window_is_caught(windowed, tmp_path, fmt):
+    """--draft-window reaches vLLM as layer_types + sliding_window (read back the way LlamaAttention
+    reads them); without either, or with another size, vLLM would attend other keys than trained."""
+    run, folders = windowed
+    assert problems_of(folders[fmt], fmt, run) == ""
+    view = reader.read(folders[fmt], fmt).view  # and `spec eval --draft EXPORT` decodes with it
+    assert reader.draft_config(view, [1, 3, 4], 8).sliding_window == 6
+
+    def edit(fn):
+        def apply(config):
+            fn(config["transformer_layer_config"] if fmt == "speculators" else config)
+        return apply
+
+    for n, (fn, message) in enumerate([
+            (lambda c: c.pop("layer_types"), "sliding_window is None for the engine, 6 in training"),
+            (lambda c: c.update(sliding_window=9), "sliding_window is 9 for the engine, 6 in training"),
+            (lambda c: c.update(layer_types=[]), "sliding_window is None for the engine")]):
+        folder = tampered(folders[fmt], tmp_path / str(n), config_fn=edit(fn))
+        assert message in problems_of(folder, fmt, run)
+
+
+def test_a_windowed_draft_is_not_exported_for_sglang(windowed, tmp_path):
+    from spec_cli.errors import ExportError
+    from spec_cli.stages import export as stage
+
+    with pytest.raises(ExportError, match="SGLang reads no window"):
+        stage.run(stage.ExportConfig(source=windowed[0], format="sglang", output=tmp_path / "sglang"))
+    assert not (tmp_path / "sglang").exists()

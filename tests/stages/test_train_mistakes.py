@@ -444,3 +444,25 @@ def test_a_cpu_capped_to_avx2_has_no_fast_bf16(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert not loading.fast_bf16(cpu)
+
+
+def test_a_draft_window_that_cannot_work_is_one_line_before_anything_is_written(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--draft-window", "2")) == 1
+    assert error_line(capsys) == ("error: --draft-window 2 does not reach over the 2 TTT steps: the last step's "
+                                  "query would see none of the context; use --draft-window 3 or more "
+                                  "(speculators: 2048)")
+    assert main(train_args(setup, run, "--draft-window", "8", "--algorithm", "peagle")) == 1
+    assert error_line(capsys).startswith("error: --draft-window: P-EAGLE drafts have no sliding-window attention")
+    assert not run.exists()
+
+
+def test_a_draft_window_is_part_of_the_draft(setup, tmp_path, capsys):
+    """The window goes into the draft's config (what export and eval read); a resume with another is refused."""
+    run = tmp_path / "run"
+    assert main(train_args(setup, run, "--draft-window", "5", "--max-steps", "2")) == 0
+    latest = ckpt.latest_checkpoint(run)
+    assert json.loads((latest / "config.json").read_text())["sliding_window"] == 5
+    capsys.readouterr()
+    assert main(train_args(setup, run, "--draft-window", "7", "--max-steps", "3", "--resume")) == 1
+    assert "different draft-window: the run used 5, now 7" in error_line(capsys)

@@ -98,6 +98,16 @@ def refuse_unservable(src: Checkpoint, fmt: str) -> None:
                           f"retrain with --aux-layers in 0..{last}")
     if fmt != "sglang":
         return
+    if c.sliding_window is not None:
+        # python/sglang/srt/models/llama.py LlamaAttention builds RadixAttention without a sliding window and
+        # reads neither sliding_window nor layer_types; llama_eagle3.py (sglang 0.5.23) sets one only from the
+        # server flag --speculative-draft-window-size, which counts one key more than vLLM's window (its
+        # backends take it as the keys left of the query). A folder cannot make SGLang serve the window.
+        raise ExportError(f"the draft was trained with --draft-window {c.sliding_window}; SGLang reads no window "
+                          "from a draft's config.json and would attend the whole context",
+                          "export it with --format vllm or speculators; or train without --draft-window for "
+                          "SGLang (recent SGLang has --speculative-draft-window-size, which counts one key "
+                          f"more: {c.sliding_window - 1} would match)")
     if c.num_hidden_layers != 1:
         # python/sglang/srt/models/llama_eagle3.py: older versions build extra layers as
         # `additional_layers` (BasicDecoderLayer, which drops the incoming residual) and silently skip
@@ -197,6 +207,19 @@ def llama_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
     }
 
 
+def window_fields(c) -> dict:
+    """--draft-window: vLLM's LlamaAttention (llama.py) gives a draft layer i `per_layer_sliding_window =
+    sliding_window` when `layer_types[i]` is "sliding_attention" (Eagle3LlamaForCausalLM sets
+    `target_layer_count`, so i counts the draft's own layers); a query at position p then attends keys at
+    positions > p - W, as trained (its CPU kernel and FlashAttention's (W - 1, 0) window alike). The
+    speculators format's transformer_layer_config is copied into vLLM's config as is (speculators/base.py),
+    so the same fields work there. `use_sliding_window` is read by neither; speculators writes it, so do we."""
+    if c.sliding_window is None:
+        return {}
+    return {"sliding_window": c.sliding_window, "use_sliding_window": True,
+            "layer_types": ["sliding_attention"] * c.num_hidden_layers}
+
+
 def _vllm_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dict:
     """vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM, LlamaModel)."""
     c = src.config
@@ -216,6 +239,7 @@ def _vllm_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dic
         # `norm_output` -> LlamaModel.forward feeds the post-norm state to the next draft step.
         "fc_norm": c.fc_norm,
         "norm_output": c.norm_output,
+        **window_fields(c),
     }
 
 
@@ -247,7 +271,7 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
     # update_eagle3 builds vLLM's config from transformer_layer_config and copies only draft_vocab_size,
     # target_hidden_size, norm_before_residual and the aux ids; the EAGLE-3.1 flags are read from the
     # layer config (LlamaModel getattr), so they go there too, not only at the top level.
-    layer.update({"fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": False})
+    layer.update({"fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": False, **window_fields(c)})
     return {
         "architectures": ["Eagle3Speculator"],
         "model_type": "speculators",  # vLLM's HF config parser -> SpeculatorsConfig

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from spec_cli.draft.eagle3.model import Eagle3Draft
+from spec_cli.draft.attention import Segments
 from spec_cli.draft.layers import KVCache, feature_noise
 from spec_cli.errors import ConfigError
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
@@ -145,3 +146,50 @@ def test_hidden_noise_only_in_training_and_relative_to_each_aux_state():
     draft.eval()
     assert torch.equal(draft.project(aux), clean)
     assert "noise" not in json.dumps(draft.config.to_dict())  # the engine's config never carries it
+
+
+@pytest.mark.parametrize("layers,window,packed", [(1, 4, False), (2, 3, False), (1, 4, True)])
+def test_sliding_window_ttt_equals_windowed_decoding(layers, window, packed):
+    """--draft-window: every TTT step's state at every slot equals what decoding computes for that
+    draft token under the engine's rule (a query at position p attends cached keys at positions
+    > p - W): decode a document's slots 0..t, then feed the TTT step's token and state one position on
+    per step. The training side sees W - k step-0 keys at step k; a window by slots (W at every step)
+    fails this test at step 1 and later."""
+    draft = tiny_draft(dtype=torch.float64, num_hidden_layers=layers, sliding_window=window)
+    T, K = 11, 3
+    docs = [[5, 6]] if packed else None
+    batch = random_batch(draft.config, [T], T, seq_lens=docs, dtype=torch.float64)
+    spans = [(0, 5), (5, 11)] if packed else [(0, T)]
+    bias = Segments.from_lengths(docs, T) if packed else None
+    pos = torch.cat([torch.arange(e - s) for s, e in spans])[None]
+    with torch.no_grad():
+        caches = [[] for _ in range(layers)]
+        ids, states = batch.input_ids, []
+        state = draft.project(batch.aux_hidden)
+        for k in range(K):
+            state = draft.ttt_step(torch.roll(ids, -k, dims=1), state, *draft.rope(pos + k), caches, bias)
+            states.append(state)
+        hidden = draft.project(batch.aux_hidden)
+        checked = 0
+        for s, e in spans:
+            for t in range(s, e - K + 1):  # slots whose K draft tokens stay in their document
+                cache = KVCache(layers)
+                draft.forward_step(ids[:, s:t + 1], hidden[:, s:t + 1], pos[:, s:t + 1], cache)
+                for k in range(1, K):
+                    step = draft.forward_step(ids[:, t + k:t + k + 1], states[k - 1][:, t:t + 1],
+                                              pos[:, t:t + 1] + k, cache)
+                    torch.testing.assert_close(step[:, 0], states[k][:, t], atol=1e-12, rtol=1e-10)
+                    checked += 1
+        assert checked >= 2 * (T - 2 * K)
+        # and the window matters here: without it the states differ
+        plain = tiny_draft(dtype=torch.float64, num_hidden_layers=layers)
+        caches = [[] for _ in range(layers)]
+        last = plain.project(batch.aux_hidden)
+        for k in range(K):
+            last = plain.ttt_step(torch.roll(ids, -k, dims=1), last, *plain.rope(pos + k), caches, bias)
+        assert not torch.allclose(last, states[-1])
+
+
+def test_sliding_window_must_be_positive():
+    with pytest.raises(ConfigError, match="sliding window"):
+        tiny_config(sliding_window=0)
