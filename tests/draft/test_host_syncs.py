@@ -70,6 +70,18 @@ def test_eagle3_step_syncs_once(ttt_steps, docs, checkpoint):
         assert counts == {"tolist": 1}, dict(counts)
 
 
+@pytest.mark.parametrize("docs,checkpoint", [(1, False), (4, True)])
+def test_eagle3_windowed_step_syncs_once(docs, checkpoint):
+    """--draft-window: the chunked kernel calls and their biases are planned from host ints (the
+    documents already fetched) and made on the device: still one sync."""
+    T = 48
+    draft = tiny_draft(sliding_window=7)
+    seq_lens = None if docs == 1 else [[T // docs] * docs, [T // docs] * (docs - 1)]
+    batch = random_batch(draft.config, [T, T - 5], T, seq_lens)
+    for counts in step_syncs(draft, lambda d, b: ttt_forward(d, b, ttt_steps=3, checkpoint=checkpoint), batch):
+        assert counts == {"tolist": 1}, dict(counts)
+
+
 @pytest.mark.parametrize("ttt_steps", [1, 4])
 def test_eagle_step_syncs_once(ttt_steps):
     draft = eagle_draft()
