@@ -57,7 +57,8 @@ def check_collectives() -> None:
         return real_init(*args, backend=backend, **kwargs)
 
     dist.init_process_group = init_process_group
-    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_into_tensor"):
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_into_tensor",
+                 "reduce_scatter_tensor"):
         real = getattr(dist, name)
 
         def checked(tensor, *args, _real=real, _name=name, group=None, **kwargs):

@@ -180,6 +180,8 @@ def with_window(bias, window: int | None, B: int, T: int):
     """The attention structure `bias` (None: causal rows; Segments: packed documents; a dense additive
     [B, 1, T, T] bias) restricted to a sliding window: query t attends keys t - window + 1 .. t only.
     A window that reaches back over every row is no restriction: `bias` comes back as it was."""
+    if hasattr(bias, "windowed"):  # a context-parallel shard: its rows are longer than T
+        return bias if window is None else bias.windowed(window)
     if window is None or window >= T:
         return bias
     if window < 1:
@@ -193,6 +195,8 @@ def with_window(bias, window: int | None, B: int, T: int):
 
 
 def _causal_fwd(kernel, q, k, v, bias, scale):
+    if hasattr(bias, "causal_fwd"):  # a context-parallel shard's rows (spec_cli/draft/context.py)
+        return bias.causal_fwd(kernel, q, k, v, scale)
     if isinstance(bias, Segments):
         # (a binding window goes per range: the varlen calls here take no window)
         varlen = None if bias.window_binds else _varlen_of(kernel, q.device, q.dtype)
@@ -203,6 +207,8 @@ def _causal_fwd(kernel, q, k, v, bias, scale):
 
 
 def _causal_bwd(kernel, dout, q, k, v, bias, out, lse, scale, state):
+    if hasattr(bias, "causal_bwd"):
+        return bias.causal_bwd(kernel, dout, q, k, v, out, lse, scale, state)
     if isinstance(bias, Segments):
         varlen = None if bias.window_binds else _varlen_of(kernel, q.device, q.dtype)
         if varlen is not None:
@@ -348,15 +354,35 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class _Full:
+    """A kernel call's `bias` meaning every key is attended (no mask, not causal): a context-parallel
+    shard's queries against keys that all come before them."""
+
+    def __repr__(self) -> str:
+        return "FULL"
+
+
+FULL = _Full()
+
+
+def _mask(bias) -> tuple[torch.Tensor | None, bool]:
+    """A kernel call's bias -> (additive mask or None, is_causal): None is causal, FULL neither."""
+    if bias is FULL:
+        return None, False
+    return bias, bias is None
+
+
 def _cpu_flash_fwd(q, k, v, bias, scale):
+    mask, causal = _mask(bias)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, bias is None, attn_mask=bias, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse, None
 
 
 def _cpu_flash_bwd(dout, q, k, v, bias, out, lse, scale, state):
+    mask, causal = _mask(bias)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, bias is None, attn_mask=bias, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -371,9 +397,10 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _cuda_efficient_fwd(q, k, v, bias, scale):
     B, h, T, _ = q.shape
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    bias, causal = _mask(bias)
     bias = None if bias is None else bias.expand(B, h, T, k.shape[2])  # (windowed calls: more keys than queries)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, bias is None, scale=scale)
+        q, k, v, bias, True, 0.0, causal, scale=scale)
     return out, lse[..., :T], (seed, offset, lse.shape[-1])  # lse comes padded to a multiple of 32
 
 
@@ -382,13 +409,14 @@ def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
     B, h, T, _ = q.shape
     kv_heads = k.shape[1]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    bias, causal = _mask(bias)
     bias = None if bias is None else bias.expand(B, h, T, k.shape[2])
     lse = torch.nn.functional.pad(lse.float(), (0, lse_len - T))
     # the kernel reads `out` (and `dout`) in the layout its forward wrote: [B, T, h, d] in memory. In
     # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk (no error), measured on an H200
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         _bthd(dout), q, k, v, bias, _bthd(out), lse, seed, offset, 0.0,
-        [True, True, True, False], bias is None, scale=scale)
+        [True, True, True, False], causal, scale=scale)
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
@@ -402,6 +430,8 @@ MATH_CHUNK = 256  # query rows per chunk of the math kernel: its memory is O(chu
 
 def _chunk_bias(bias, start, end, like):
     """Additive bias for query rows [start, end) against keys [0, end + the keys before the first query)."""
+    if bias is FULL:
+        return 0.0
     if bias is not None:
         return bias[:, :, start:end, :end + bias.shape[-1] - bias.shape[-2]]
     rows = torch.arange(start, end, device=like.device)[:, None]
@@ -416,14 +446,20 @@ def _math_fwd(q, k, v, bias, scale):
     k, v = _repeat_kv(k, h).to(acc), _repeat_kv(v, h).to(acc)
     out = torch.empty(q.shape, dtype=acc, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    before = k.shape[2] - T  # keys before the first query (a windowed call's; else 0)
     for start in range(0, T, MATH_CHUNK):
-        end = min(start + MATH_CHUNK, T) + before  # causal: keys past `end` are never attended
-        s = q[:, :, start:end - before].to(acc) @ k[:, :, :end].transpose(-1, -2) * scale  # [B, h, c, end]
-        s = s + _chunk_bias(bias, start, end - before, s)
-        lse[:, :, start:end - before] = s.logsumexp(-1)
-        out[:, :, start:end - before] = torch.exp(s - lse[:, :, start:end - before, None]) @ v[:, :, :end]
+        stop = min(start + MATH_CHUNK, T)
+        end = _keys_end(bias, stop, T, k.shape[2])
+        s = q[:, :, start:stop].to(acc) @ k[:, :, :end].transpose(-1, -2) * scale  # [B, h, c, end]
+        s = s + _chunk_bias(bias, start, stop, s)
+        lse[:, :, start:stop] = s.logsumexp(-1)
+        out[:, :, start:stop] = torch.exp(s - lse[:, :, start:stop, None]) @ v[:, :, :end]
     return out.to(q.dtype), lse, None
+
+
+def _keys_end(bias, stop: int, T: int, keys: int) -> int:
+    """The keys a chunk of query rows ending at `stop` can attend: all of them under FULL, else causally
+    up to its last row (the queries are the keys' last T: a windowed call has keys before them)."""
+    return keys if bias is FULL else stop + keys - T
 
 
 def _math_bwd(dout, q, k, v, bias, out, lse, scale, state):
@@ -434,10 +470,9 @@ def _math_bwd(dout, q, k, v, bias, out, lse, scale, state):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     D = (dout * out).sum(-1, keepdim=True)  # [B, h, T, 1] rowsum(dO * O)
-    before = k.shape[2] - T
     for start in range(0, T, MATH_CHUNK):
         stop = min(start + MATH_CHUNK, T)
-        end = stop + before
+        end = _keys_end(bias, stop, T, k.shape[2])
         qc, doc = q[:, :, start:stop].to(acc), dout[:, :, start:stop]
         s = qc @ k[:, :, :end].transpose(-1, -2) * scale + _chunk_bias(bias, start, stop, qc)
         p = torch.exp(s - lse[:, :, start:stop, None])  # [B, h, c, end] global probabilities
@@ -644,7 +679,7 @@ class _TTTAttention(torch.autograd.Function):
             out = (torch.exp(lse_c - lse)[..., None] * out_c.to(acc)
                    + _extra_values(torch.exp(s - lse[..., None]), extra_v)).to(q.dtype)
         ctx.kernel, ctx.scale, ctx.n_extra, ctx.state = kernel, scale, n_extra, state
-        ctx.segments = bias if isinstance(bias, Segments) else None
+        ctx.segments = None if bias is None or isinstance(bias, torch.Tensor) else bias  # (a structure, not a tensor)
         ctx.save_for_backward(None if ctx.segments else bias, out, lse, q, k0, v0, *extra)
         return out
 

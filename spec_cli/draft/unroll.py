@@ -78,28 +78,37 @@ def doc_remaining(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = 
     return torch.where(doc < ends.shape[1], end - t, 0)
 
 
-def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None
-               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Segments | None]:
+def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None,
+               fetch: list | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Segments | None]:
     """masks [K, B, T] bool -> ([(rows, slots)] of each step's True slots, counts [K], the packed
     rows' `Segments` or None), with one host sync for all K steps, the documents (their sizes) and
-    the right-padding check; `nonzero_static` then needs none.
+    the right-padding check; `nonzero_static` then needs none. `fetch`: [tensor, ...] more 1-d integer
+    tensors to bring to the host in the same sync, replaced in place by their values (lists); under
+    context parallelism the masks are a rank's slots and the documents those of the whole rows
+    (attention_mask's length).
 
     Raises ValueError for rows that are not right-padded (the causal attention would read their
     leading padding)."""
     K, B, T = masks.shape
+    T = attention_mask.shape[1]
     counts = masks.flatten(1).sum(1)  # [K] on the device
     if is_fake(counts):  # `spec plan` runs the step on fake tensors: no data, so every slot with a target counts
         if seq_lens is not None:
             raise ValueError("packed rows have no plan: their documents are data")
         return [(r, s) for r, s in zip(*_every_slot(K, B, T, masks.device))], counts, None
     left_padded = (attention_mask[:, 1:] > attention_mask[:, :-1]).any().long().reshape(1)
-    host = [counts, left_padded] + ([] if seq_lens is None else [seq_lens.long().flatten()])
+    more = [x.long().reshape(-1) for x in (fetch or [])]
+    host = [counts, left_padded, *more] + ([] if seq_lens is None else [seq_lens.long().flatten()])
     sizes = torch.cat(host).tolist()  # the one sync: index sets and documents have data-dependent sizes
-    sizes, bad, lengths = sizes[:K], sizes[K], sizes[K + 1:]
+    sizes, bad, rest = sizes[:K], sizes[K], sizes[K + 1:]
+    for i, x in enumerate(more):
+        fetch[i], rest = rest[:x.numel()], rest[x.numel():]
+    lengths = rest
     if bad:
         raise ValueError("attention_mask must be right-padded (ones, then zeros)")
+    local = masks.shape[2]
     flat = torch.nonzero_static(masks.reshape(-1), size=sum(sizes)).squeeze(1)  # sorted by (k, b, t)
-    rows, slots = (flat // T) % B, flat % T
+    rows, slots = (flat // local) % B, flat % local
     segments = None
     if seq_lens is not None:
         D = seq_lens.shape[1]
@@ -137,22 +146,36 @@ def positions(batch: TargetBatch) -> torch.Tensor:
 
 
 def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, supervised: torch.Tensor,
-           ttt_steps: int, step_weight: float, checkpoint: bool = False) -> ObjectiveOutput:
+           ttt_steps: int, step_weight: float, checkpoint: bool = False, shard=None) -> ObjectiveOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
     with the step). checkpoint: recompute each step's decoder layers and head in backward (a head with a
-    true `recomputes` attribute does its own, e.g. losses.chunked_soft_ce)."""
+    true `recomputes` attribute does its own, e.g. losses.chunked_soft_ce).
+
+    shard (spec_cli/draft/context.py ContextShard): context parallelism. `batch` holds the whole rows,
+    `state` this rank's slots of them [B, 2c, H]; the draft runs on those slots only, its attention over
+    the whole rows' keys, and each step's loss is this rank's share of the mean over the whole rows'
+    supervised slots (the shares of the group add up to the single-process loss, as the metrics' sums
+    do). The head is called with a seventh argument, the scored slots' indices in the rows."""
     B, T = batch.input_ids.shape
-    position_ids = positions(batch)
+    own = (lambda x, dim=1: x) if shard is None else shard.owned  # noqa: E731
+    position_ids = own(positions(batch))
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
     # slot t takes part at step k while the target at t + k is still in t's document
     valid = torch.stack([remaining > k for k in range(ttt_steps)])  # [K, B, T]
-    scored = valid & torch.stack([shift_left(batch.loss_mask, k).bool() for k in range(ttt_steps)])
+    scored = own(valid & torch.stack([shift_left(batch.loss_mask, k).bool() for k in range(ttt_steps)]), 2)
+    sup = own(valid & torch.stack([shift_left(supervised, k).bool() for k in range(ttt_steps)]), 2)
     # bias: None is causal (right-padded keys come after every real query); packed rows are causal
     # within each document, one kernel call each
-    slots, counted, bias = step_slots(
-        valid & torch.stack([shift_left(supervised, k).bool() for k in range(ttt_steps)]), batch.attention_mask,
-        batch.seq_lens)
+    fetch = [] if shard is None else [shard.all_reduce(sup.flatten(1).sum(1))]  # the group's counts
+    slots, counted, bias = step_slots(sup, batch.attention_mask, batch.seq_lens, fetch)
+    share = [1.0] * ttt_steps
+    if shard is not None:
+        from spec_cli.draft.context import ContextBias, whole_rows
+
+        local = [int(r.numel()) for r, _ in slots]
+        share = [n / max(g, 1) for n, g in zip(local, fetch[0])]  # this rank's part of each step's mean
+        bias = ContextBias(shard, bias if bias is not None else whole_rows(B, T))
     weights = step_weights(ttt_steps, step_weight)
     score = head
     if checkpoint and not getattr(head, "recomputes", False):
@@ -162,11 +185,15 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     total_loss = state.new_zeros((), dtype=torch.float32)
     losses, correct = [], []
     for k in range(ttt_steps):
-        ids = shift_left(batch.input_ids, k)  # slot t reads token t + k
+        ids = own(shift_left(batch.input_ids, k))  # slot t reads token t + k
         cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
         state = draft.ttt_step(ids, state, cos, sin, caches, bias, checkpoint)  # [B, T, H]
         sup_b, sup_t = slots[k]
-        value, hits = score(draft, state, batch, sup_b, sup_t, k)
+        if shard is None:
+            value, hits = score(draft, state, batch, sup_b, sup_t, k)
+        else:
+            value, hits = score(draft, state, batch, sup_b, sup_t, k, shard.index(sup_t.device)[sup_t])
+            value = value * share[k]
         total_loss = total_loss + weights[k] * value
         losses.append(value.detach())
         correct.append(hits)

@@ -1,0 +1,188 @@
+"""Context parallelism (CP): the slots of one batch of rows split over the N ranks of a CP group, so a
+rank holds the draft's activations of T / N slots per row (docs/context-parallel.md).
+
+Load balance. Causal attention's work grows with the query's index, so a rank given a contiguous quarter
+of a row would do seven times the work of another. Each row is cut into 2N equal chunks and rank r holds
+chunks r and 2N - 1 - r ("zig-zag"): every rank then does the same work, and its slots are two
+contiguous runs (`ContextShard.owned`).
+
+Attention. The draft's TTT attention needs, at every step, the step-0 keys and values of the whole row
+(each slot's later-step keys are its own and stay local). They are small next to the activations (GQA:
+hkv * d per slot, e.g. 1,024 values for Llama-3-8B against its 4,096-wide hidden state and 14,336-wide
+MLP), so each rank all-gathers them (one collective per layer and step), runs its own queries against
+them with the same masks as a single process (causal by the slot's index in the row, documents,
+sliding window) and, in backward, gathers them again and reduce-scatters their gradients back to the
+owners. This is the all-gather form of context parallelism (as in Llama 3's training), chosen over
+ring attention (N - 1 exchanges of K/V per layer, each overlapped with a block of work: its gain is
+overlap, which needs streams and is not measurable here) and Ulysses all-to-all (needs the heads
+divisible by N: a draft of 32 query and 8 KV heads caps N at 8, and TTT's per-slot extra keys would be
+re-sharded by head as well). Exact: each query's softmax is merged from its kernel calls by their
+log-sum-exp, and backward runs the fused kernel with the merged output (the split-KV identity).
+
+Normalisation. Every masked mean of the objective is over the supervised slots of the whole batch: the
+per-step counts are summed over the group (in the step's one host sync) and each rank's share of a
+mean is its sum over that total, so the shares add up to the single-process value, as do the metrics'
+sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from spec_cli.draft import attention
+from spec_cli.draft.attention import Segments
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's share of rows of `length` slots (a multiple of 2 * size) in a CP group of `size`."""
+    size: int
+    rank: int
+    length: int
+    group: object = None  # torch.distributed ProcessGroup (None: the default group)
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # by device
+
+    def __post_init__(self):
+        if self.length % (2 * self.size):
+            raise ValueError(f"rows of {self.length} slots do not split into {2 * self.size} equal chunks")
+
+    @property
+    def chunk(self) -> int:
+        return self.length // (2 * self.size)
+
+    def chunks(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two slot ranges of each row this rank holds, in its local order."""
+        c, r = self.chunk, self.rank
+        return (r * c, (r + 1) * c), ((2 * self.size - 1 - r) * c, (2 * self.size - r) * c)
+
+    def owned(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """x's slots (along `dim`) that this rank holds, in its local order."""
+        (a, b), (c, d) = self.chunks()
+        return torch.cat([x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)], dim)
+
+    def index(self, device) -> torch.Tensor:
+        """[2 * chunk] each local slot's index in the row (on `device`, made once)."""
+        device = torch.device(device)
+        kept = self._index.get(device)
+        if kept is None:
+            (a, b), (c, d) = self.chunks()
+            kept = torch.cat([torch.arange(a, b), torch.arange(c, d)]).to(device)
+            self._index[device] = kept
+        return kept
+
+    def _order(self) -> list[int]:
+        """For each chunk of a row, in row order, its place in the rank-major layout all_gather makes."""
+        n = self.size
+        return [2 * i if i < n else 2 * (2 * n - 1 - i) + 1 for i in range(2 * n)]
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's slots of x (along `dim`) as whole rows, in row order."""
+        local = x.movedim(dim, 0).contiguous()
+        out = local.new_empty((self.size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=self.group)
+        chunks = out.unflatten(0, (2 * self.size, self.chunk))
+        return chunks[self._order()].flatten(0, 1).movedim(0, dim)
+
+    def scatter_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Whole rows of x (along `dim`) summed over the group, each rank keeping its own slots."""
+        rows = x.movedim(dim, 0).unflatten(0, (2 * self.size, self.chunk))
+        inverse = [0] * (2 * self.size)
+        for i, place in enumerate(self._order()):
+            inverse[place] = i
+        major = rows[inverse].flatten(0, 1).contiguous()
+        out = major.new_empty((2 * self.chunk, *major.shape[1:]))
+        dist.reduce_scatter_tensor(out, major, group=self.group)
+        return out.movedim(0, dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+@dataclass(frozen=True)
+class ContextBias:
+    """The attention structure of a CP shard: whole rows' documents (`segments`, maybe windowed), whose
+    queries this rank holds in part. `ttt_attention` takes it where it takes a Segments."""
+    shard: ContextShard
+    segments: Segments
+
+    def windowed(self, window: int) -> "ContextBias":
+        return dataclasses.replace(self, segments=attention.with_window(
+            self.segments, window, len({s[0] for s in self.segments.spans}), self.shard.length))
+
+    def pieces(self):
+        """The kernel calls of this rank's queries: (row, local query start, global query start, query
+        count, key start, key end, bias). Keys before a document's queries that the window does not cut are
+        one unmasked call (attention.FULL), the queries' own range one causal call (bias None); under a
+        window each chunk of queries gets its band of keys with an additive bias (attention.window_bias)."""
+        window = self.segments.window
+        for local, (cs, ce) in zip((0, self.shard.chunk), self.shard.chunks()):
+            for b, s, e in self.segments.spans:
+                qs, qe = max(cs, s), min(ce, e)
+                if qs >= qe:
+                    continue
+                if window is None or qe - s <= window:
+                    yield b, local + qs - cs, qs, qe - qs, qs, qe, None
+                    if qs > s:
+                        yield b, local + qs - cs, qs, qe - qs, s, qs, attention.FULL
+                    continue
+                step = max(window, attention.WINDOW_CHUNK)
+                for a in range(qs, qe, step):
+                    z, ks = min(a + step, qe), max(s, a - window + 1)
+                    yield b, local + a - cs, a, z - a, ks, z, "window"
+
+    def causal_fwd(self, kernel, q, k, v, scale):
+        """(out, lse, states) of this rank's queries q [B, h, 2c, d] against the row's keys: k, v are this
+        rank's [B, hkv, 2c, d], gathered here."""
+        keys, values = self.shard.gather(k, 2), self.shard.gather(v, 2)
+        acc = attention._acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        states = []
+        for b, lq, gq, n, ks, ke, bias in self.pieces():
+            bias = self._bias(bias, gq, n, ks, ke, q)
+            o, l, state = kernel.fwd(q[b:b + 1, :, lq:lq + n].contiguous(), keys[b:b + 1, :, ks:ke].contiguous(),
+                                     values[b:b + 1, :, ks:ke].contiguous(), bias, scale)
+            rows = (slice(b, b + 1), slice(None), slice(lq, lq + n))
+            merged = torch.logaddexp(lse[rows], l.to(acc))
+            out[rows] = out[rows] * torch.exp(lse[rows] - merged)[..., None] \
+                + o.to(acc) * torch.exp(l.to(acc) - merged)[..., None]
+            lse[rows] = merged
+            states.append(state)
+        return out.to(q.dtype), lse, states
+
+    def causal_bwd(self, kernel, dout, q, k, v, out, lse, scale, states):
+        """dq, dk, dv of `causal_fwd`, given the merged out and lse: each call's backward (exact, the split-KV
+        identity), the keys' gradients summed over the group into their owners."""
+        keys, values = self.shard.gather(k, 2), self.shard.gather(v, 2)
+        acc = attention._acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk, dv = torch.zeros(keys.shape, dtype=acc, device=q.device), torch.zeros(values.shape, dtype=acc, device=q.device)
+        for (b, lq, gq, n, ks, ke, bias), state in zip(self.pieces(), states):
+            bias = self._bias(bias, gq, n, ks, ke, q)
+
+            def rows(x):
+                return x[b:b + 1, :, lq:lq + n].contiguous()
+            gq_, gk, gv = kernel.bwd(rows(dout), rows(q), keys[b:b + 1, :, ks:ke].contiguous(),
+                                     values[b:b + 1, :, ks:ke].contiguous(), bias, rows(out),
+                                     lse[b:b + 1, :, lq:lq + n].contiguous(), scale, state)
+            dq[b:b + 1, :, lq:lq + n] += gq_.to(acc)
+            dk[b:b + 1, :, ks:ke] += gk.to(acc)
+            dv[b:b + 1, :, ks:ke] += gv.to(acc)
+        return (dq.to(q.dtype), self.shard.scatter_sum(dk, 2).to(k.dtype),
+                self.shard.scatter_sum(dv, 2).to(v.dtype))
+
+    def _bias(self, kind, gq: int, n: int, ks: int, ke: int, like: torch.Tensor):
+        if kind != "window":
+            return kind
+        return attention.window_bias(n, ke - ks, self.segments.window, like.dtype, like.device)
+
+
+def whole_rows(rows: int, length: int) -> Segments:
+    """Unpacked rows as documents: one range per row (causal over the row, as bias None is)."""
+    return Segments.from_lengths([[length]] * rows, length)
+

@@ -1,0 +1,86 @@
+"""Run by tests/draft/test_context.py's torchrun launch (two ranks, gloo): the TTT objective under context
+parallelism (each rank half of every row: zig-zag chunks 0+3 and 1+2) against the same objective run
+whole in the same process, on the same batch and weights. The loss and per-step losses are the group's
+sum of the ranks' shares, the metrics the sum of their counts, every gradient the sum over the ranks (as
+DDP's all-reduce makes it, before its division by the world size). Rank 0 writes, per case, the largest
+difference of each to OUT/context.json.
+
+    ["-m", "tests.draft.context_cp", OUT] in tests/launch.py's job list
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spec_cli import distributed
+from spec_cli.draft.context import ContextShard
+from spec_cli.draft.eagle.objective import eagle_forward
+from spec_cli.draft.eagle3.ttt import ttt_forward
+from tests.draft import random_batch, tiny_draft
+from tests.draft.eagle.test_model import eagle_draft
+from tests.draft.eagle.test_objective import batch_of
+
+T = 24
+CASES = {  # name: (draft options, batch (lengths, packed documents), objective options)
+    "rows": ({}, ([24, 17], None), dict(ttt_steps=3)),
+    "packed": ({}, ([24, 24], [[7, 9, 8], [5, 19]]), dict(ttt_steps=4)),
+    "packed-2-layers-checkpointed": (dict(num_hidden_layers=2), ([24, 24], [[11, 13], [24]]),
+                                     dict(ttt_steps=3, checkpoint=True)),
+    "window": (dict(sliding_window=5), ([24, 21], None), dict(ttt_steps=3)),
+    "window-packed": (dict(sliding_window=4), ([24, 24], [[10, 14], [3, 21]]), dict(ttt_steps=2)),
+    "lk-alpha": ({}, ([24, 20], None), dict(ttt_steps=3, loss="lk-alpha")),
+}
+
+
+def _compare(whole, parts, draft_whole, draft_cp) -> dict:
+    def total(t):
+        t = t.detach().clone().double()
+        dist.all_reduce(t)
+        return t
+    diffs = {name: float((total(getattr(parts, name)) - getattr(whole, name).double()).abs().max())
+             for name in ("loss", "step_loss", "correct", "total", "supervised")}
+    grads = {}
+    for (name, p), (_, q) in zip(draft_whole.named_parameters(), draft_cp.named_parameters()):
+        if p.grad is None:
+            continue
+        grads[name] = float((total(q.grad) - p.grad.double()).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+    diffs["grad_rel"] = max(grads.values())
+    diffs["loss_value"] = float(whole.loss)
+    return diffs
+
+
+def main(out: str) -> None:
+    distributed.init(torch.device("cpu"))
+    rank = dist.get_rank()
+    shard = ContextShard(size=2, rank=rank, length=T)
+    results = {}
+    for impl in ("fused", "math"):
+        for name, (options, (lengths, docs), objective) in CASES.items():
+            whole_draft = tiny_draft(dtype=torch.float64, **options)
+            cp_draft = tiny_draft(dtype=torch.float64, **options)
+            whole_draft.attn_impl = cp_draft.attn_impl = impl
+            batch = random_batch(whole_draft.config, lengths, T, docs, dtype=torch.float64)
+            whole = ttt_forward(whole_draft, batch, **objective)
+            whole.loss.backward()
+            parts = ttt_forward(cp_draft, batch, shard=shard, **objective)
+            parts.loss.backward()
+            results[f"eagle3-{name}-{impl}"] = _compare(whole, parts, whole_draft, cp_draft)
+    # EAGLE-1/2: the same unroll, its head reading the final hidden state one slot further on
+    whole_draft, cp_draft = eagle_draft().double(), eagle_draft().double()
+    batch = batch_of([24, 19], T).map(lambda t: t.double() if t.is_floating_point() else t)
+    whole = eagle_forward(whole_draft, batch, ttt_steps=3)
+    whole.loss.backward()
+    parts = eagle_forward(cp_draft, batch, ttt_steps=3, shard=shard)
+    parts.loss.backward()
+    results["eagle"] = _compare(whole, parts, whole_draft, cp_draft)
+    if rank == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "context.json").write_text(json.dumps(results, indent=1))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
