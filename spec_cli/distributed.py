@@ -218,6 +218,23 @@ def machine_mesh(device: torch.device):
     return mesh["local"]
 
 
+def context_group(size: int):
+    """(this rank's place in its context-parallel group, the group): `size` consecutive ranks per group
+    (torchrun numbers ranks machine by machine, so a group stays inside a node when size divides the
+    node's ranks: its all-gathers never cross the network). Every rank makes every group, as
+    torch.distributed.new_group requires."""
+    world, rank_ = world_size(), rank()
+    if world % size:
+        raise ConfigError(f"--context-parallel {size} does not divide the {world} torchrun processes",
+                          "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")
+    mine = None
+    for start in range(0, world, size):
+        group = torch.distributed.new_group(list(range(start, start + size)))
+        if start <= rank_ < start + size:
+            mine = group
+    return rank_ % size, mine
+
+
 def shutdown() -> None:
     global _WAIT_GROUP
     if _ours():

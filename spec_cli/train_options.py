@@ -197,6 +197,11 @@ class RuntimeOptions:
         False, "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state "
                               "across processes (FSDP2) instead of replicating them (DDP); for large "
                               "drafts.", panel=RUNTIME, resumable=True)
+    context_parallel: int = option(
+        1, "--context-parallel", help="Under torchrun: split each row over N ranks (context parallelism, for "
+                                      "long rows: every rank holds 1/N of its activations); the rest of the "
+                                      "ranks' factor is data parallel (DDP or --fsdp). EAGLE-3 and EAGLE-1/2.",
+        panel=RUNTIME, min=1)
     activation_checkpointing: bool = option(
         False, "--activation-checkpointing/--no-activation-checkpointing",
         help="Recompute activations in backward (long sequences). Neither given: on a GPU it turns on by "

@@ -32,14 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(jobs: list[list], folder: Path, timeout: float = 900) -> None:
+def torchrun(jobs: list[list], folder: Path, timeout: float = 900, processes: int = 2) -> None:
     """Run `jobs` (argument lists of `spec`, or ["-m", MODULE, ARGS...] for a module's main(*ARGS)), in
-    order, under `torchrun --nproc-per-node 2`."""
+    order, under `torchrun --nproc-per-node PROCESSES`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "jobs.json").write_text(json.dumps([[str(a) for a in job] for job in jobs]))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                            "--master-port", str(free_port()), "-m", "tests.launch", str(folder / "jobs.json")],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -37,7 +37,8 @@ algorithm is declared here, so no caller tells algorithms apart by name:
     extra                    its own declarations the seams read: "draft_options" (its options that are
                              part of the draft's config), "steps"/"steps_name" (the metric steps its
                              objective reports), "sliding_window" (True: it trains, decodes and exports
-                             a --draft-window)
+                             a --draft-window), "context_parallel" (True: its objective runs
+                             Objective.context_shard, so --context-parallel splits its rows)
 
 This module imports no torch: `spec --help` and the CLI read the declarations without loading models.
 """

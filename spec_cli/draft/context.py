@@ -33,8 +33,37 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from spec_cli.batch import TargetBatch
 from spec_cli.draft import attention
 from spec_cli.draft.attention import Segments
+
+
+@dataclass(frozen=True)
+class Context:
+    """This process's place in context parallelism: `size` ranks per group (consecutive global ranks),
+    this one the group's `rank`-th. What the trainer gives the objective (Objective.context)."""
+    size: int
+    rank: int
+    group: object = None
+
+    def shard(self, batch: TargetBatch) -> tuple[TargetBatch, "ContextShard"]:
+        """The batch with its rows padded to a multiple of 2 * size slots, and this rank's shard of them."""
+        batch = pad_rows(batch, -(-batch.input_ids.shape[1] // (2 * self.size)) * 2 * self.size)
+        return batch, ContextShard(self.size, self.rank, batch.input_ids.shape[1], self.group)
+
+
+def pad_rows(batch: TargetBatch, length: int) -> TargetBatch:
+    """Rows right-padded to `length` slots: padding everywhere (attention_mask, loss_mask, position_mask
+    0; zeros elsewhere), which the objective neither attends to from a real slot nor scores."""
+    extra = length - batch.input_ids.shape[1]
+    if extra <= 0:
+        return batch
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2 or t is batch.seq_lens:  # seq_lens [B, D] lists documents, not slots
+            return t
+        return torch.cat([t, t.new_zeros((t.shape[0], extra, *t.shape[2:]))], 1)
+    return batch.map(pad)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,18 @@ class Objective(torch.nn.Module):
     (the trainer calls forward(batch, unit) once per unit, through DDP, and back-propagates each); the
     units' losses add up to the batch's loss. Most objectives run a batch as one unit ([None])."""
 
+    # context parallelism (spec_cli/draft/context.py Context), set by the trainer; an objective that
+    # supports it (its algorithm declares extra["context_parallel"]) runs `context_shard(batch)`
+    context = None
+
     def plan(self, batch) -> list:
         return [None]
+
+    def context_shard(self, batch):
+        """(the batch, as padded for context parallelism, and this rank's ContextShard), or (batch, None)."""
+        if self.context is None:
+            return batch, None
+        return self.context.shard(batch)
 
 
 class Checkpoint(Protocol):

@@ -23,24 +23,29 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return out
 
 
-def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True):
+def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True,
+                     gradient_scale: int = 1):
     """One micro-batch's forward and backward through `model` (the objective or its DDP / FSDP2 wrap),
     its loss divided by grad_accum; the objective's units (P-EAGLE's segments) one after another.
     hold_gradients: under torchrun, a context that keeps the ranks from sharing gradients (None: one
-    process); sync: this is the step's last micro-batch, whose last unit shares them."""
+    process); sync: this is the step's last micro-batch, whose last unit shares them. gradient_scale:
+    --context-parallel's N, by which each rank's share of the batch's loss is multiplied before
+    backward: DDP and FSDP2 average gradients over all ranks, and the N shares of a batch must add up."""
     units = objective.plan(batch)  # P-EAGLE's segments: one forward and backward each
     outs = []
     for i, unit in enumerate(units):
         share = hold_gradients is None or (sync and i == len(units) - 1)
         with (nullcontext() if share else hold_gradients()), autocast:
             out = model(batch, unit)
-            (out.loss / grad_accum).backward()  # each backward adds: average them
+            (out.loss * (gradient_scale / grad_accum)).backward()  # each backward adds: average them
         outs.append(out)
     return outs[0] if len(outs) == 1 else outs[0].merge(outs)
 
 
-def optimizer_step(params: list, optimizer, grad_clip: float) -> None:
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+def optimizer_step(params: list, optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip (grad_clip > 0), step and zero the gradients; returns their global norm before clipping, on the
+    device (no host wait: the trainer logs it with the metrics)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (FSDP2: a replicated DTensor)

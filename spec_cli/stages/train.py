@@ -104,7 +104,9 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
              f"{trainer.algorithm.extra.get('steps_name', 'TTT')} {metric_steps(cfg, trainer.algorithm)}, loss {cfg.objective.loss}, device {device}, "
              f"{'bf16' if trainer.autocast_dtype else 'fp32'}, attention {trainer.attention}"
              + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
-                if schedule.world > 1 else ""))
+                if schedule.world > 1 else "")
+             + (f" (context parallel: each row split over {schedule.context} of them, {schedule.data_world} "
+                "data-parallel replica(s))" if schedule.context > 1 else ""))
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
         step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step)
     finally:
@@ -130,7 +132,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
     the last train and eval records). Ctrl-C saves the steps done since the last checkpoint."""
     cfg, schedule = trainer.cfg, trainer.schedule
     o, rt, total = cfg.optim, cfg.runtime, schedule.total_steps
-    window, window_start, last_saved = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device), time.perf_counter(), step
+    window, window_start, last_saved = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = None
     try:
@@ -148,7 +150,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
             if bad is not None:  # before the optimizer step: the weights stay the last good ones
                 raise _bad_loss(trainer, step + 1, step * o.grad_accum + bad, losses[bad])
-            trainer.optimizer_step()
+            window.add_grad_norm(trainer.optimizer_step())
             step += 1
             logger.step(step_tokens)
             if after_step is not None:
@@ -168,7 +170,7 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                                "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
                                "peak_memory_gb": peak_memory_gb(trainer.device)}
                 logger.log(final_train)
-                window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device), time.perf_counter()
+                window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter()
             if (rt.eval_every and step % rt.eval_every == 0) or last:
                 final_eval = trainer.evaluate()
                 if final_eval is not None:
@@ -204,8 +206,20 @@ def _start(cfg: TrainConfig) -> torch.device:
 
 
 def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
-    """--algorithm, checked against the aux layers the supervision holds."""
+    """--algorithm, checked against the aux layers the supervision holds (and --context-parallel)."""
     algorithm = algorithms.get(cfg.draft.algorithm)
+    n = cfg.runtime.context_parallel
+    if n > 1:
+        if not algorithm.extra.get("context_parallel"):
+            raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks yet (its "
+                              "objective attends across whole blocks or segments of a row)",
+                              "drop --context-parallel, or train --algorithm eagle3 or eagle")
+        if cfg.objective.loss == "lk-lambda":
+            raise ConfigError("--context-parallel with --loss lk-lambda: that loss weighs its terms by the batch's "
+                              "mean acceptance, which is not gathered over the group yet", "use soft-ce or lk-alpha")
+        if distributed.world_size() % n:
+            raise ConfigError(f"--context-parallel {n} does not divide the {distributed.world_size()} torchrun "
+                              "processes", "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")
     if len(source.aux_layers) != algorithm.aux_layers:
         made = "the feature cache holds" if cfg.data.cache is not None else "the target serves"
         raise ConfigError(f"{made} {len(source.aux_layers)} aux layers {source.aux_layers}; {algorithm.name} "
@@ -302,6 +316,10 @@ class Trainer:
                                     self.autocast_dtype))
         # the algorithm's objective over the draft (the module evaluation runs)
         self.objective = algorithm.objective(self.draft, cfg.objective, activation_checkpointing=self.checkpointing)
+        if schedule.context > 1:  # --context-parallel: the objective splits each batch's rows over its group
+            from spec_cli.draft.context import Context
+
+            self.objective.context = Context(schedule.context, *distributed.context_group(schedule.context))
         self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft
         if self.sharded:
             sharding.shard(self.objective, device)  # before the optimizer: it holds the sharded weights
@@ -387,10 +405,12 @@ class Trainer:
             return sharding.no_gradient_sync(self.objective) if self.sharded else self.model.no_sync()
         autocast = _autocast(self.device, self.autocast_dtype)
         return forward_backward(self.objective, self.model, batch, self.cfg.optim.grad_accum, autocast,
-                                hold_gradients if self.schedule.world > 1 else None, sync)
+                                hold_gradients if self.schedule.world > 1 else None, sync,
+                                gradient_scale=self.schedule.context)
 
-    def optimizer_step(self) -> None:
-        optimizer_step(self.params, self.optimizer, self.cfg.optim.grad_clip)
+    def optimizer_step(self) -> torch.Tensor:
+        """The step; the gradients' global norm before clipping (on the device)."""
+        return optimizer_step(self.params, self.optimizer, self.cfg.optim.grad_clip)
 
     def evaluate(self) -> dict | None:
         return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device, self.autocast_dtype,
@@ -477,18 +497,27 @@ class Metrics:
     """Sums over micro-batches (and ranks) of the TTT metrics, kept on the compute device: adding a
     micro-batch's never waits for the device; the host reads them at a log step (`record`)."""
 
-    def __init__(self, k: int, device: torch.device | None = None):
+    def __init__(self, k: int, device: torch.device | None = None, context: int = 1):
+        """context: ranks that share each batch (--context-parallel): each adds its share of the batch's
+        losses and counts, and 1 / context of the batch itself."""
         zeros = lambda n: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
         self.loss, self.step_loss, self.correct, self.total = zeros(1), zeros(k), zeros(k), zeros(k)
         self.tokens, self.batches = zeros(1), zeros(1)
+        self.share = 1.0 / context
+        self.grad_norm, self.steps = zeros(1), 0  # the same on every rank: not reduced
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """One optimizer step's gradient norm (before clipping)."""
+        self.grad_norm += norm.detach().double()
+        self.steps += 1
 
     def add(self, out, tokens: int | torch.Tensor) -> None:
         self.loss += out.loss.detach().double()
         self.step_loss += out.step_loss.detach().double()
         self.correct += out.correct.double()
         self.total += out.total.double()
-        self.tokens += tokens
-        self.batches += 1
+        self.tokens += tokens * self.share
+        self.batches += self.share
 
     def all_reduce(self) -> None:
         if distributed.world_size() > 1 and torch.distributed.is_initialized():  # not vLLM's own group
@@ -501,17 +530,22 @@ class Metrics:
     def record(self) -> dict:
         n = max(float(self.batches), 1.0)
         acc = self.correct / self.total.clamp_min(1)  # [K] top-1 accuracy per TTT step
-        return {"loss": float(self.loss) / n, "step_loss": (self.step_loss / n).tolist(), "acc": acc.tolist(),
-                "acceptance_length": float(acceptance_length(acc)), "tokens": int(self.tokens)}
+        record = {"loss": float(self.loss) / n, "step_loss": (self.step_loss / n).tolist(), "acc": acc.tolist(),
+                  "acceptance_length": float(acceptance_length(acc)), "tokens": int(round(float(self.tokens)))}
+        if self.steps:  # the mean gradient norm of the optimizer steps in the record
+            record["grad_norm"] = float(self.grad_norm) / self.steps
+        return record
 
 
 def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: TrainConfig,
              device: torch.device, autocast_dtype: torch.dtype | None = None, steps: int | None = None) -> dict | None:
     if not eval_batches:
         return None
-    metrics = Metrics(steps or cfg.objective.ttt_steps, device)
+    context = cfg.runtime.context_parallel
+    metrics = Metrics(steps or cfg.objective.ttt_steps, device, context)
     objective.eval()
-    rank, world = distributed.rank(), distributed.world_size()
+    # (a context-parallel group's ranks take the same batches)
+    rank, world = distributed.rank() // context, distributed.world_size() // context
     # Every rank runs the same number of forwards (sharded weights are gathered collectively); a rank
     # past the end repeats its last batch without counting it.
     rounds = -(-len(eval_batches) // world)

@@ -267,29 +267,42 @@ class Schedule:
     seed: int
     rank: int
     world: int
+    context: int = 1  # --context-parallel: consecutive ranks that share each batch (a row's slots split)
 
     @classmethod
     def plan(cls, source: Source, cfg: TrainConfig) -> Schedule:
         train, held = split_eval(source.plan, cfg.data.eval_fraction, cfg.optim.seed)
         if not train:
             raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
-        world = distributed.world_size()
-        per_step = cfg.optim.grad_accum * world
+        world, context = distributed.world_size(), cfg.runtime.context_parallel
+        per_step = cfg.optim.grad_accum * (world // context)
         total = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train)) // per_step)
-        return cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world)
+        return cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world, context)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel replicas (its context-parallel group's)."""
+        return self.rank // self.context
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel replicas: groups of --context-parallel ranks, each training its own batches."""
+        return self.world // self.context
 
     @property
     def per_step(self) -> int:
-        """Micro-batches per optimizer step, all ranks together."""
-        return self.grad_accum * self.world
+        """Micro-batches per optimizer step, all ranks together (a batch split over a context-parallel
+        group counts once)."""
+        return self.grad_accum * self.data_world
 
     def epoch(self, step: int) -> int:
         """The epoch the run is in after `step` optimizer steps."""
         return step * self.per_step // len(self.train)
 
     def indices(self, i: int) -> list[int]:
-        """The samples of this rank's i-th micro-batch (global micro-batch i * world + rank)."""
-        epoch, pos = divmod(i * self.world + self.rank, len(self.train))
+        """The samples of this rank's i-th micro-batch (global micro-batch i * data_world + data_rank: the
+        ranks of a context-parallel group get the same ones)."""
+        epoch, pos = divmod(i * self.data_world + self.data_rank, len(self.train))
         order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed + epoch))
         return self.train[int(order[pos])]
 

@@ -87,4 +87,5 @@ class EagleObjective(Objective):
                        checkpoint=activation_checkpointing)
 
     def forward(self, batch, unit=None):
-        return eagle_forward(self.draft, batch, **self.kw)
+        batch, shard = self.context_shard(batch)
+        return eagle_forward(self.draft, batch, **self.kw, shard=shard)

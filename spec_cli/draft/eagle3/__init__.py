@@ -25,6 +25,6 @@ EAGLE3 = Algorithm(
              ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3")),
     export_rules="spec_cli.export.eagle3",
     vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
-    # --draft-window: its TTT attention, decoding and vLLM export take a sliding window (docs/recipe.md)
-    extra={"sliding_window": True},
+    # --draft-window (sliding-window attention) and --context-parallel (spec_cli/draft/context.py)
+    extra={"sliding_window": True, "context_parallel": True},
 )

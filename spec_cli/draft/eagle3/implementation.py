@@ -27,7 +27,8 @@ class TTTObjective(Objective):
                        checkpoint=activation_checkpointing)
 
     def forward(self, batch, unit=None):
-        return ttt_forward(self.draft, batch, **self.kw)
+        batch, shard = self.context_shard(batch)
+        return ttt_forward(self.draft, batch, **self.kw, shard=shard)
 
 
 objective = TTTObjective

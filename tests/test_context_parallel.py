@@ -1,0 +1,93 @@
+"""`spec train --context-parallel N` under torchrun (gloo): each row split over N ranks trains the same
+draft as one process on the same batches (the objective's equality, term by term, is
+tests/draft/test_context.py's), with DDP and FSDP2 over the ranks, through a stopped and resumed run,
+for EAGLE-3 and EAGLE-1/2, and as 2 x 2 (context x data parallel) in four processes against one process
+taking two micro-batches per step."""
+
+import json
+
+import pytest
+import torch
+
+from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.cli import main
+from spec_cli.stages import train as stage
+from tests.launch import torchrun
+from tests.stages.test_train import config, weights
+from tests.test_distributed import eagle3_args, eagle_args, stopped_then_resumed, trainer_state
+
+pytestmark = pytest.mark.slow
+FP32 = ("--precision", "fp32")  # both sides in fp32: their difference is then fp32 rounding, not bf16's
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Weights after 3 AdamW steps at lr 3e-3, from gradients that differ by fp32 rounding (the attention
+    is summed in other pieces): Adam divides each gradient by its running RMS, so where a gradient is
+    tiny its rounding shows in full; 1e-5 is 0.3% of one step, far below what one wrong term would do."""
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, train_setup, eagle_pipeline) -> dict:
+    root = tmp_path_factory.mktemp("context")
+    out = {name: root / name for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2")}
+    cp = ("--context-parallel", "2", *FP32)
+    torchrun([eagle3_args(train_setup, out["cp"], *cp),
+              eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
+              eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
+              eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
+              eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume")], root / "launch")
+    torchrun([eagle3_args(train_setup, out["cp2x2"], *cp)], root / "launch-4", processes=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def singles(train_setup, eagle_pipeline, tmp_path_factory) -> dict:
+    """One process: one micro-batch per step (= a context-parallel group's batch), and two (= two groups')."""
+    root = tmp_path_factory.mktemp("single")
+    for name, accum in (("one", 1), ("two", 2)):
+        assert stage.run(config(train_setup, root / name, max_steps=3, grad_accum=accum, eval_every=0,
+                                save_every=3, log_every=2, precision="fp32")).steps == 3
+    assert main(eagle_args(eagle_pipeline, root / "eagle", *FP32)) == 0
+    return {"one": root / "one", "two": root / "two", "eagle": root / "eagle"}
+
+
+def logged(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_context_parallel_trains_what_one_process_trains(cp_runs, singles):
+    for name in ("cp", "cp-fsdp"):
+        assert_same(weights(singles["one"]), weights(cp_runs[name]))
+    assert trainer_state(cp_runs["cp"])["parallel"] == "ddp" and trainer_state(cp_runs["cp-fsdp"])["parallel"] == "fsdp"
+    # the logged losses and per-step accuracies: each rank's share, added over the group
+    one, cp = logged(singles["one"]), logged(cp_runs["cp"])
+    train_one = [r for r in one if r["split"] == "train"]
+    train_cp = [r for r in cp if r["split"] == "train"]
+    assert [r["step"] for r in train_one] == [r["step"] for r in train_cp] == [2, 3]
+    for a, b in zip(train_one, train_cp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["acc"] == pytest.approx(a["acc"], abs=1e-12)
+        assert b["tokens"] == a["tokens"]
+        # the gradient itself, not only its direction (which is all AdamW's weights can tell): each rank's
+        # share of the loss is multiplied by N before DDP averages over the N ranks
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    evals = [[r for r in log if r["split"] == "eval"] for log in (one, cp)]
+    assert evals[0][-1]["acc"] == pytest.approx(evals[1][-1]["acc"], abs=1e-12)
+    assert evals[1][-1]["loss"] == pytest.approx(evals[0][-1]["loss"], rel=1e-5)
+
+
+def test_context_parallel_resumes_as_the_straight_run(cp_runs):
+    stopped_then_resumed(cp_runs["cp-stopped"])
+    assert_same(weights(cp_runs["cp"]), weights(cp_runs["cp-stopped"]))
+
+
+def test_eagle_under_context_parallelism(cp_runs, singles):
+    assert_same(weights(singles["eagle"]), weights(cp_runs["eagle-cp"]))
+
+
+def test_two_by_two_context_and_data_parallel(cp_runs, singles):
+    """4 processes: 2 context-parallel groups of 2, each its own batch == 1 process, 2 micro-batches a step."""
+    assert_same(weights(singles["two"]), weights(cp_runs["cp2x2"]))
+    assert trainer_state(cp_runs["cp2x2"])["world_size"] == 4
