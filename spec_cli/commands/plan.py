@@ -40,6 +40,10 @@ def plan_cmd(
                                                         rich_help_panel=HARDWARE)] = None,
     utilization: Annotated[float, typer.Option("--utilization", help="Fraction of the peak FLOP/s reached.",
                                                rich_help_panel=HARDWARE)] = 0.35,
+    context_parallel: Annotated[int, typer.Option(
+        "--context-parallel", help="Also plan each step with rows split over N ranks (spec train "
+                                   "--context-parallel): memory and FLOPs per rank.",
+        rich_help_panel=HARDWARE)] = 1,
     precision: Annotated[str, typer.Option(
         "--precision", help="bf16: a GPU run (bf16 autocast, the target in bf16); fp32: a CPU run.",
         rich_help_panel=HARDWARE)] = "bf16",
@@ -63,7 +67,7 @@ def plan_cmd(
                                   draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, draft_layers=draft_layers,
                                   samples=samples, avg_tokens=avg_tokens, epochs=epochs, gpus=gpus, gpu=gpu,
                                   gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization,
-                                  precision=precision))
+                                  precision=precision, context_parallel=context_parallel))
     show(plan)
     if json_out is not None:
         write_json(json_out, json.loads(plan.to_json()))

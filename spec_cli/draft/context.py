@@ -45,11 +45,13 @@ class Context:
     size: int
     rank: int
     group: object = None
+    alone: bool = False  # one process standing for a rank of the group (`spec plan`): LocalShard
 
     def shard(self, batch: TargetBatch) -> tuple[TargetBatch, "ContextShard"]:
         """The batch with its rows padded to a multiple of 2 * size slots, and this rank's shard of them."""
         batch = pad_rows(batch, -(-batch.input_ids.shape[1] // (2 * self.size)) * 2 * self.size)
-        return batch, ContextShard(self.size, self.rank, batch.input_ids.shape[1], self.group)
+        kind = LocalShard if self.alone else ContextShard
+        return batch, kind(self.size, self.rank, batch.input_ids.shape[1], self.group)
 
 
 def pad_rows(batch: TargetBatch, length: int) -> TargetBatch:
@@ -129,6 +131,21 @@ class ContextShard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
+        return x
+
+
+class LocalShard(ContextShard):
+    """A rank's shard with the collectives replaced by local operations that make tensors of the same
+    shapes (the other ranks' keys are this rank's, repeated): `spec plan` runs one rank's step on fake
+    tensors with it, so the gathered keys and their gradients' buffers are counted as a rank holds them."""
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim)
+
+    def scatter_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.movedim(dim, 0).contiguous()[:2 * self.chunk].clone().movedim(0, dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 

@@ -95,7 +95,10 @@ def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torc
     if is_fake(counts):  # `spec plan` runs the step on fake tensors: no data, so every slot with a target counts
         if seq_lens is not None:
             raise ValueError("packed rows have no plan: their documents are data")
-        return [(r, s) for r, s in zip(*_every_slot(K, B, T, masks.device))], counts, None
+        rows, slots = _every_slot(K, B, masks.shape[2], masks.device)
+        for i, x in enumerate(fetch or []):  # (the group's counts: this rank's, as good as any for memory)
+            fetch[i] = [max(int(r.numel()), 1) for r in rows][:x.numel()]
+        return list(zip(rows, slots)), counts, None
     left_padded = (attention_mask[:, 1:] > attention_mask[:, :-1]).any().long().reshape(1)
     more = [x.long().reshape(-1) for x in (fetch or [])]
     host = [counts, left_padded, *more] + ([] if seq_lens is None else [seq_lens.long().flatten()])

@@ -46,6 +46,7 @@ class PlanSettings:
     gpu_tflops: float | None = None
     utilization: float = 0.35
     precision: str = "bf16"  # bf16: a CUDA run (bf16 autocast, bf16 target); fp32: a CPU run
+    context_parallel: int = 1  # > 1: also each step with rows split over this many ranks
 
     @property
     def tokens(self) -> int:
@@ -63,6 +64,7 @@ class StepRow:
     flops_per_token: float
     fits: bool  # from the cache
     fits_live: bool  # with the live target on the same GPU
+    context_parallel: int = 1  # ranks each row is split over (the row is per rank; FLOPs per rank's token)
 
 
 @dataclass
@@ -153,21 +155,24 @@ def make_plan(s: PlanSettings) -> Plan:
     replica = target_bytes + CONTEXT_BYTES < 0.6 * gpu_bytes  # room left for the draft's step
     per_gpu_target = target_bytes if replica else target_bytes / min(s.gpus, 8)
 
+    if s.context_parallel < 1 or (s.context_parallel > 1 and s.gpus % s.context_parallel):
+        raise ConfigError(f"--context-parallel {s.context_parallel} does not divide --gpus {s.gpus}",
+                          "choose a divisor of the GPUs")
     rows, trained, frozen = [], 0, 0
-    for T in s.seq_lens:
-        for ckpt in (False, True):
-            m = measure_step(algorithm, draft_config, options, T, batch=s.batch_size, activation_checkpointing=ckpt,
-                             autocast_dtype=torch.bfloat16 if half else None,
-                             target_dtype=torch.bfloat16 if half else torch.float32)
-            trained, frozen = m.trained, m.frozen
-            need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
-            # the live target's forward at training: its logits [B, T, V] in fp32 and the hidden states it
-            # keeps (the aux layers and the last), by formula; its weights exactly
-            forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * (2 if half else 4))
-            need_live = need + per_gpu_target + forward
-            rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
-                                (m.peak + per_gpu_target + forward) / 1e9,
-                                m.flops / (s.batch_size * T), need <= gpu_bytes, need_live <= gpu_bytes))
+    for T, ckpt, cp in ((T, ckpt, cp) for T in s.seq_lens for cp in sorted({1, s.context_parallel})
+                        for ckpt in (False, True)):
+        m = measure_step(algorithm, draft_config, options, T, batch=s.batch_size, activation_checkpointing=ckpt,
+                         autocast_dtype=torch.bfloat16 if half else None,
+                         target_dtype=torch.bfloat16 if half else torch.float32, context=cp)
+        trained, frozen = m.trained, m.frozen
+        need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
+        # the live target's forward at training: its logits [B, T, V] in fp32 and the hidden states it
+        # keeps (the aux layers and the last), by formula; its weights exactly
+        forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * (2 if half else 4))
+        need_live = need + per_gpu_target + forward
+        rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
+                            (m.peak + per_gpu_target + forward) / 1e9,
+                            m.flops * cp / (s.batch_size * T), need <= gpu_bytes, need_live <= gpu_bytes, cp))
 
     cache = []
     for encoding in fc.ENCODINGS:
@@ -194,9 +199,15 @@ def make_plan(s: PlanSettings) -> Plan:
                 if replica else f"does not fit one GPU with room for the draft: a live target is sharded "
                                 f"over the node's GPUs (--target-parallel tensor, {per_gpu_target / 1e9:.1f} GB each), "
                                 "or precompute a cache")]
+    if s.context_parallel > 1:
+        notes.append(f"with --context-parallel {s.context_parallel} each rank holds 1/{s.context_parallel} of a "
+                     "row's activations and all-gathers the step-0 keys and values (its step's peak above); the "
+                     "batch's supervision is still whole on every rank (counted), and a live target runs the "
+                     "whole rows on every rank (its share above)")
     for r in rows:
         if not r.fits and not r.activation_checkpointing:
-            other = next(o for o in rows if o.seq_len == r.seq_len and o.activation_checkpointing)
+            other = next(o for o in rows if o.seq_len == r.seq_len and o.activation_checkpointing
+                         and o.context_parallel == r.context_parallel)
             notes.append(f"T = {r.seq_len}: {r.need_gb:.0f} GB does not fit {memory_gb:g} GB; "
                          + ("--activation-checkpointing brings it to "
                             f"{other.need_gb:.0f} GB" if other.fits else
@@ -229,11 +240,13 @@ def show(plan: Plan) -> None:
                   f"draft vocab {d['draft_vocab_size']}, aux layers {d['aux_layers']}, {d.get('steps', 'TTT ' + str(d['ttt_steps']))}")
     table = Table(title=f"one training step per GPU (batch {plan.settings['batch_size']}), bf16 autocast, "
                         f"on a {h['gpu_memory_gb']:g} GB GPU")
-    for name in ("T", "act. ckpt", "step peak", "needs (cache)", "fits", "needs (live target)", "fits",
-                 "GFLOP/token"):
+    context = any(r.context_parallel > 1 for r in plan.steps)
+    for name in ("T", *(("context parallel",) if context else ()), "act. ckpt", "step peak", "needs (cache)",
+                 "fits", "needs (live target)", "fits", "GFLOP/token"):
         table.add_column(name, justify="right")
     for r in plan.steps:
-        table.add_row(str(r.seq_len), "on" if r.activation_checkpointing else "off", f"{r.peak_gb:.1f} GB",
+        table.add_row(str(r.seq_len), *((str(r.context_parallel),) if context else ()),
+                      "on" if r.activation_checkpointing else "off", f"{r.peak_gb:.1f} GB",
                       f"{r.need_gb:.1f} GB", "yes" if r.fits else "[red]no[/]", f"{r.need_live_gb:.1f} GB",
                       "yes" if r.fits_live else "[red]no[/]", f"{r.flops_per_token / 1e9:.1f}")
     console.print(table)

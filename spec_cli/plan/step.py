@@ -97,9 +97,11 @@ def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: t
 def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int = 1,
                  activation_checkpointing: bool = False, autocast_dtype: torch.dtype | None = torch.bfloat16,
                  target_dtype: torch.dtype = torch.bfloat16, grad_clip: float = 1.0,
-                 optim=None) -> StepMeasure:
+                 optim=None, context: int = 1) -> StepMeasure:
     """Run `algorithm`'s training step for a draft of `config` (a DraftConfig) on fake tensors.
-    options: the objective's (ObjectiveOptions); autocast_dtype None runs fp32 (a CPU run)."""
+    options: the objective's (ObjectiveOptions); autocast_dtype None runs fp32 (a CPU run); context:
+    --context-parallel's N, one rank of whose group is measured (its collectives done locally, with the
+    same shapes: spec_cli/draft/context.py LocalShard)."""
 
     reason = plannable(algorithm)
     if reason:
@@ -114,6 +116,13 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
         draft.attn_impl = "fused"  # what "auto" picks once the kernel passes its self-check
         data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype)
         objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
+        if context > 1:
+            if not algorithm.extra.get("context_parallel"):
+                raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks",
+                                  "plan it without --context-parallel, or plan --algorithm eagle3")
+            from spec_cli.draft.context import Context
+
+            objective.context = Context(context, 0, alone=True)
         named = ordered([(n, p) for n, p in draft.named_parameters() if p.requires_grad], optim)
         params = [p for _, p in named]
         optimizer = make_optimizer(params, optim, [n for n, _ in named])

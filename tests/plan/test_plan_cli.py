@@ -71,3 +71,26 @@ def test_plan_errors(tmp_path, capfd):
     assert "no plan for --algorithm peagle" in err and "COD" in err
     assert main(["plan", str(tmp_path), "--gpu", "tpu"]) == 1
     assert "unknown --gpu 'tpu'" in capfd.readouterr().err
+
+
+def test_context_parallel_plan_per_rank(tmp_path, capsys):
+    """--context-parallel 8: each rank's step at 32k (Llama-3.1-8B, TTT 7) with 1/8 of the row's
+    activations: far below the whole row's, enough to train without activation checkpointing on an
+    80 GB GPU; the same FLOPs per token (the all-gather form adds no compute); and still above an eighth
+    of the whole-row step, which the whole-row batch each rank holds and the gathered keys account for."""
+    folder = tmp_path / "8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA | SIZES["8b"]))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(folder), "--seq-len", "32768", "--context-parallel", "8", "--json", str(out)]) == 0
+    steps = {(r["context_parallel"], r["activation_checkpointing"]): r for r in json.loads(out.read_text())["steps"]}
+    assert set(steps) == {(1, False), (1, True), (8, False), (8, True)}
+    for ckpt in (False, True):
+        whole, split = steps[1, ckpt], steps[8, ckpt]
+        # (with checkpointing the resident part dominates: weights, AdamW state, the whole batch)
+        assert whole["peak_gb"] / 8 < split["peak_gb"] < whole["peak_gb"] / (2 if not ckpt else 1.5)
+        assert split["flops_per_token"] == pytest.approx(whole["flops_per_token"], rel=1e-3)
+    assert not steps[1, False]["fits"] and steps[8, False]["fits"]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "with --context-parallel 8 each rank holds 1/8 of a row's activations" in printed
+    assert main(["plan", str(folder), "--context-parallel", "3"]) == 1
