@@ -106,24 +106,29 @@ def lk_alpha_loss(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def lk_lambda_loss(soft_ce: torch.Tensor, alpha: torch.Tensor, kl_scale: float = 1.0,
-                   kl_decay: float = 1.0) -> torch.Tensor:
+                   kl_decay: float = 1.0, weight_alpha: torch.Tensor | None = None) -> torch.Tensor:
     """w * soft_ce + (1 - w) * (1 - mean(alpha)),  w = kl_scale * exp(-kl_decay * mean(alpha)):
-    mostly soft-CE while the draft is poor, mostly acceptance once it is good."""
+    mostly soft-CE while the draft is poor, mostly acceptance once it is good. weight_alpha: the mean
+    alpha w is computed from, when it is not this call's (context parallelism: the whole batch's, so that
+    each rank's loss is its share of the single-process loss; the rest is linear in the positions)."""
     mean_alpha = _mean(alpha)
-    w = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())
+    w = kl_scale * torch.exp(-kl_decay * (mean_alpha if weight_alpha is None else weight_alpha).detach())
     return w * soft_ce + (1 - w) * (1 - mean_alpha)
 
 
 def step_loss(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
-              loss: str = "soft-ce", kl_scale: float = 1.0, kl_decay: float = 1.0) -> torch.Tensor:
-    """The loss of one TTT step over its N supervised positions."""
+              loss: str = "soft-ce", kl_scale: float = 1.0, kl_decay: float = 1.0,
+              group_mean: Callable | None = None) -> torch.Tensor:
+    """The loss of one TTT step over its N supervised positions. group_mean(sum, count) -> the mean over a
+    context-parallel group's positions (lk-lambda's weight reads it)."""
     if loss == "soft-ce":
         return soft_cross_entropy(logits, target_p)
     alpha = acceptance(logits, target_p, target_mass)
     if loss == "lk-alpha":
         return lk_alpha_loss(alpha)
     if loss == "lk-lambda":
-        return lk_lambda_loss(soft_cross_entropy(logits, target_p), alpha, kl_scale, kl_decay)
+        weight_alpha = None if group_mean is None else group_mean(alpha.detach().sum(), alpha.numel())
+        return lk_lambda_loss(soft_cross_entropy(logits, target_p), alpha, kl_scale, kl_decay, weight_alpha)
     raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 

@@ -214,9 +214,6 @@ def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
             raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks yet (its "
                               "objective attends across whole blocks or segments of a row)",
                               "drop --context-parallel, or train --algorithm eagle3 or eagle")
-        if cfg.objective.loss == "lk-lambda":
-            raise ConfigError("--context-parallel with --loss lk-lambda: that loss weighs its terms by the batch's "
-                              "mean acceptance, which is not gathered over the group yet", "use soft-ce or lk-alpha")
         if distributed.world_size() % n:
             raise ConfigError(f"--context-parallel {n} does not divide the {distributed.world_size()} torchrun "
                               "processes", "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")

@@ -32,6 +32,7 @@ CASES = {  # name: (draft options, batch (lengths, packed documents), objective 
     "window": (dict(sliding_window=5), ([24, 21], None), dict(ttt_steps=3)),
     "window-packed": (dict(sliding_window=4), ([24, 24], [[10, 14], [3, 21]]), dict(ttt_steps=2)),
     "lk-alpha": ({}, ([24, 20], None), dict(ttt_steps=3, loss="lk-alpha")),
+    "lk-lambda": ({}, ([24, 24], [[7, 9, 8], [24]]), dict(ttt_steps=3, loss="lk-lambda", lk_kl_decay=3.0)),
 }
 
 

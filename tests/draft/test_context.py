@@ -1,7 +1,7 @@
 """Context parallelism (spec_cli/draft/context.py) proven under torchrun x2 (gloo): the objective with each
 rank holding half of every row equals the whole-row objective in loss, per-step losses, metrics and
 every gradient (tests/draft/context_cp.py runs both in each rank), for EAGLE-3 (rows, packed documents,
-two layers with activation checkpointing, a sliding window, lk-alpha; fused and math kernels) and
+two layers with activation checkpointing, a sliding window, lk-alpha, lk-lambda; fused and math kernels) and
 EAGLE-1/2. Here: the shard's layout, without processes."""
 
 import json
@@ -30,7 +30,7 @@ def test_zig_zag_layout_balances_causal_work():
 def test_context_parallel_objective_equals_the_whole_rows(tmp_path):
     torchrun([["-m", "tests.draft.context_cp", tmp_path / "out"]], tmp_path / "launch")
     results = json.loads((tmp_path / "out" / "context.json").read_text())
-    assert len(results) == 13
+    assert len(results) == 15
     for case, d in results.items():
         tol = 1e-6 if case == "eagle" else 1e-12  # (EAGLE-1's feature loss is computed in fp32)
         assert d["loss"] < tol * max(1.0, d["loss_value"]) and d["step_loss"] < tol, (case, d)

@@ -18,14 +18,15 @@ from spec_cli.draft.losses import LOSSES, chunked_soft_ce, step_loss, top1_corre
 from spec_cli.draft.unroll import ObjectiveOutput, unroll
 
 
-def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, g=None, *, loss, kl_scale, kl_decay):
+def _head(draft: Eagle3Draft, hidden, batch: TargetBatch, b, t, k: int, g=None, *, loss, kl_scale, kl_decay,
+          group_mean=None):
     """Step k's loss and top-1 hits at its N supervised slots (b, t) of `hidden`, whose targets sit at
     g + k in the batch's rows (g: the slots' indices there, t unless under context parallelism).
     Gathers inside, so that activation checkpointing keeps no [N, Vd] copy of target_p."""
     g = t if g is None else g
     logits = draft.logits(hidden[b, t])  # [N, Vd]
     target_p = batch.target_p[b, g + k]  # [N, Vd]
-    value = step_loss(logits, target_p, batch.target_mass[b, g + k], loss, kl_scale, kl_decay)
+    value = step_loss(logits, target_p, batch.target_mass[b, g + k], loss, kl_scale, kl_decay, group_mean)
     return value, top1_correct(logits.detach(), draft.d2t, batch.target_ids[b, g + k])
 
 
@@ -48,14 +49,12 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
     """
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(LOSSES)}")
-    if shard is not None and loss == "lk-lambda":
-        raise ValueError("--loss lk-lambda weighs its terms by the batch's mean acceptance, which context "
-                         "parallelism does not gather yet: use soft-ce or lk-alpha")
     if checkpoint and loss == "soft-ce":
         head = partial(_chunked_head)
         head.recomputes = True
     else:
-        head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay)
+        head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay,
+                       group_mean=None if shard is None else shard.mean)
     aux = batch.aux_hidden if shard is None else shard.owned(batch.aux_hidden)
     return unroll(draft, batch, draft.project(aux), head, batch.position_mask, ttt_steps, step_weight,
                   checkpoint, shard)
