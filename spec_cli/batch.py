@@ -38,6 +38,10 @@ class TargetBatch:
     # name -> [B, T, W], position-aligned: the per-token fields of the target an algorithm asked for
     # (Algorithm.needs, computed by its TargetField); only those the backend was asked for
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [n] long: under context parallelism, a batch read for one rank holds only the slots of its rows it
+    # needs, these row indices in this order (ranges, back to back); every field but attention_mask,
+    # position_ids and seq_lens (whole rows) is then [B, n, ...]. None: whole rows.
+    slots: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TargetBatch":
         """Every tensor on `device`; non_blocking: from pinned host memory, the host does not wait."""

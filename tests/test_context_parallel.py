@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from spec_cli.stages import train as stage
 from tests.launch import torchrun
@@ -91,3 +90,36 @@ def test_two_by_two_context_and_data_parallel(cp_runs, singles):
     """4 processes: 2 context-parallel groups of 2, each its own batch == 1 process, 2 micro-batches a step."""
     assert_same(weights(singles["two"]), weights(cp_runs["cp2x2"]))
     assert trainer_state(cp_runs["cp2x2"])["world_size"] == 4
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
+    """Under --context-parallel a rank reads the ranges of its rows' slots it trains on (kept_ranges), not
+    the whole rows: every field but the whole-row inputs equals the whole batch's at those slots (the
+    last slot of each range, which the objective never reads, has no next slot to shift in)."""
+    from spec_cli.draft.context import kept_ranges, padded_length
+    from spec_cli.stages.train_sources import inputs_for, open_source
+    from spec_cli.artifacts.vocab_map import load_vocab_map
+
+    cfg = config(train_setup, train_setup["root"] / "unused", pack=pack)
+    source = open_source(cfg, torch.device("cpu"), load_vocab_map(train_setup["vm"]))
+    source.backend.set_vocab_mapping(load_vocab_map(train_setup["vm"]).selected_token_ids)
+    indices = source.plan[0]
+    whole = source.backend.generate_batch(**inputs_for(source, indices, pack))
+    T = padded_length(whole.attention_mask.shape[1], 2)
+    for rank in (0, 1):
+        ranges = kept_ranges(2, rank, T, 3)
+        source.slots_for = lambda length: (T, ranges)
+        part = source.backend.generate_batch(**inputs_for(source, indices, pack))
+        rows = torch.cat([torch.arange(a, b - 1) for a, b in ranges])  # the kept slots but each range's last
+        places = torch.cat([torch.arange(sum(y - x for x, y in ranges[:i]), sum(y - x for x, y in ranges[:i + 1]) - 1)
+                            for i in range(len(ranges))])
+        assert part.slots.tolist() == [r for a, b in ranges for r in range(a, b)]
+        assert part.attention_mask.shape[1] == T and part.aux_hidden.shape[1] == len(part.slots)
+        padded = {name: torch.nn.functional.pad(getattr(whole, name), (0, 0) * (getattr(whole, name).dim() - 2)
+                                                + (0, T - whole.attention_mask.shape[1]))
+                  for name in ("aux_hidden", "target_p", "target_mass", "target_ids", "position_mask", "loss_mask",
+                               "input_ids")}
+        for name, value in padded.items():
+            torch.testing.assert_close(getattr(part, name)[:, places], value[:, rows], msg=name, rtol=0, atol=0)
+    source.backend.close()

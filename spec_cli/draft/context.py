@@ -47,11 +47,32 @@ class Context:
     group: object = None
     alone: bool = False  # one process standing for a rank of the group (`spec plan`): LocalShard
 
-    def shard(self, batch: TargetBatch) -> tuple[TargetBatch, "ContextShard"]:
-        """The batch with its rows padded to a multiple of 2 * size slots, and this rank's shard of them."""
-        batch = pad_rows(batch, -(-batch.input_ids.shape[1] // (2 * self.size)) * 2 * self.size)
+    def shard(self, batch: TargetBatch, halo: int = 0) -> tuple[TargetBatch, "ContextShard"]:
+        """The batch with its rows padded to a multiple of 2 * size slots, and this rank's shard of them.
+        A batch read for this rank (batch.slots: kept_ranges(..., halo)) is taken as it is."""
         kind = LocalShard if self.alone else ContextShard
-        return batch, kind(self.size, self.rank, batch.input_ids.shape[1], self.group)
+        if batch.slots is None:
+            batch = pad_rows(batch, padded_length(batch.input_ids.shape[1], self.size))
+            return batch, kind(self.size, self.rank, batch.input_ids.shape[1], self.group)
+        T = batch.attention_mask.shape[1]
+        ranges = kept_ranges(self.size, self.rank, T, halo)
+        if batch.slots.numel() != sum(b - a for a, b in ranges):
+            raise ValueError(f"the batch holds {batch.slots.numel()} slots of its rows; this rank needs the "
+                             f"ranges {ranges} (context parallel {self.size}, halo {halo})")
+        return batch, kind(self.size, self.rank, T, self.group, kept=tuple(ranges))
+
+
+def padded_length(length: int, size: int) -> int:
+    """A row's length padded to a multiple of 2 * size (context parallelism's chunks)."""
+    return -(-length // (2 * size)) * 2 * size
+
+
+def kept_ranges(size: int, rank: int, length: int, halo: int) -> list[tuple[int, int]]:
+    """The slots of rows of `length` that rank `rank` of a group of `size` reads: its two chunks, each with
+    the `halo` slots after it that the objective reads ahead (TTT step k reads slot t + k) and one more
+    (the supervision at a slot is the target's at the next one)."""
+    shard = ContextShard(size, rank, length)
+    return [(a, min(b + halo + 1, length)) for a, b in shard.chunks()]
 
 
 def pad_rows(batch: TargetBatch, length: int) -> TargetBatch:
@@ -75,6 +96,7 @@ class ContextShard:
     rank: int
     length: int
     group: object = None  # torch.distributed ProcessGroup (None: the default group)
+    kept: tuple | None = None  # the batch holds only these slot ranges of its rows (kept_ranges); None: all
     _index: dict = field(default_factory=dict, compare=False, repr=False)  # by device
 
     def __post_init__(self):
@@ -103,6 +125,28 @@ class ContextShard:
             (a, b), (c, d) = self.chunks()
             kept = torch.cat([torch.arange(a, b), torch.arange(c, d)]).to(device)
             self._index[device] = kept
+        return kept
+
+    def local(self, x: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """x's values at this rank's slots (`ahead` slots further on) from a batch field [B, stored, ...]:
+        whole rows or the kept ranges (clamped at the end: a slot past its row's end is never scored)."""
+        where = self.in_batch(x.device)
+        if ahead:
+            where = (where + ahead).clamp_max(x.shape[1] - 1)
+        return x.index_select(1, where)
+
+    def in_batch(self, device) -> torch.Tensor:
+        """[2 * chunk] where each local slot sits in the batch's slots: its row index for whole rows, its
+        place among the kept ranges for a batch read for this rank."""
+        if self.kept is None:
+            return self.index(device)
+        device = torch.device(device)
+        key = ("kept", device)
+        kept = self._index.get(key)
+        if kept is None:
+            first = self.kept[0][1] - self.kept[0][0]
+            kept = torch.cat([torch.arange(self.chunk), first + torch.arange(self.chunk)]).to(device)
+            self._index[key] = kept
         return kept
 
     def _order(self) -> list[int]:

@@ -33,11 +33,12 @@ class Objective(torch.nn.Module):
     def plan(self, batch) -> list:
         return [None]
 
-    def context_shard(self, batch):
-        """(the batch, as padded for context parallelism, and this rank's ContextShard), or (batch, None)."""
+    def context_shard(self, batch, halo: int = 0):
+        """(the batch, as padded for context parallelism, and this rank's ContextShard), or (batch, None).
+        halo: how many slots past its own the objective reads (a batch read for one rank has them)."""
         if self.context is None:
             return batch, None
-        return self.context.shard(batch)
+        return self.context.shard(batch, halo)
 
 
 class Checkpoint(Protocol):

@@ -142,7 +142,7 @@ def positions(batch: TargetBatch) -> torch.Tensor:
     """[B, T] each slot's position: the batch's own, per document when packed, else 0..T-1."""
     if batch.position_ids is not None:
         return batch.position_ids
-    B, T = batch.input_ids.shape
+    B, T = batch.attention_mask.shape  # (whole rows, also in a batch read for one context-parallel rank)
     if batch.seq_lens is not None:
         return packed_positions(batch.seq_lens, T)
     return torch.arange(T, device=batch.input_ids.device).expand(B, T)
@@ -160,14 +160,18 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     the whole rows' keys, and each step's loss is this rank's share of the mean over the whole rows'
     supervised slots (the shares of the group add up to the single-process loss, as the metrics' sums
     do). The head is called with a seventh argument, the scored slots' indices in the rows."""
-    B, T = batch.input_ids.shape
-    own = (lambda x, dim=1: x) if shard is None else shard.owned  # noqa: E731
+    B, T = batch.attention_mask.shape  # (whole rows: under context parallelism the other fields may not be)
+    if shard is None:
+        own = lambda x: x  # noqa: E731
+        ahead = shift_left  # slot t's value k slots on: x[:, t + k]
+    else:  # this rank's slots, from whole rows or from the ranges read for it
+        own, ahead = shard.owned, lambda x, k: shard.local(x, k)  # noqa: E731
     position_ids = own(positions(batch))
-    remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # [B, T]
+    remaining = own(doc_remaining(batch.attention_mask, batch.seq_lens))  # [B, T]
     # slot t takes part at step k while the target at t + k is still in t's document
     valid = torch.stack([remaining > k for k in range(ttt_steps)])  # [K, B, T]
-    scored = own(valid & torch.stack([shift_left(batch.loss_mask, k).bool() for k in range(ttt_steps)]), 2)
-    sup = own(valid & torch.stack([shift_left(supervised, k).bool() for k in range(ttt_steps)]), 2)
+    scored = valid & torch.stack([ahead(batch.loss_mask, k).bool() for k in range(ttt_steps)])
+    sup = valid & torch.stack([ahead(supervised, k).bool() for k in range(ttt_steps)])
     # bias: None is causal (right-padded keys come after every real query); packed rows are causal
     # within each document, one kernel call each
     fetch = [] if shard is None else [shard.all_reduce(sup.flatten(1).sum(1))]  # the group's counts
@@ -188,14 +192,14 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     total_loss = state.new_zeros((), dtype=torch.float32)
     losses, correct = [], []
     for k in range(ttt_steps):
-        ids = own(shift_left(batch.input_ids, k))  # slot t reads token t + k
+        ids = ahead(batch.input_ids, k)  # slot t reads token t + k
         cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
         state = draft.ttt_step(ids, state, cos, sin, caches, bias, checkpoint)  # [B, T, H]
         sup_b, sup_t = slots[k]
         if shard is None:
             value, hits = score(draft, state, batch, sup_b, sup_t, k)
         else:
-            value, hits = score(draft, state, batch, sup_b, sup_t, k, shard.index(sup_t.device)[sup_t])
+            value, hits = score(draft, state, batch, sup_b, sup_t, k, shard.in_batch(sup_t.device)[sup_t])
             value = value * share[k]
         total_loss = total_loss + weights[k] * value
         losses.append(value.detach())

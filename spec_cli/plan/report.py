@@ -201,8 +201,8 @@ def make_plan(s: PlanSettings) -> Plan:
                                 "or precompute a cache")]
     if s.context_parallel > 1:
         notes.append(f"with --context-parallel {s.context_parallel} each rank holds 1/{s.context_parallel} of a "
-                     "row's activations and all-gathers the step-0 keys and values (its step's peak above); the "
-                     "batch's supervision is still whole on every rank (counted), and a live target runs the "
+                     "row's activations and all-gathers the step-0 keys and values (its step's peak above); from "
+                     "a feature cache it reads only its slots of the rows (counted so); a live target runs the "
                      "whole rows on every rank (its share above)")
     for r in rows:
         if not r.fits and not r.activation_checkpointing:

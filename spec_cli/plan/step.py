@@ -78,20 +78,23 @@ def plannable(algorithm: Algorithm) -> str | None:
 
 
 def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: torch.device,
-               target_dtype: torch.dtype) -> TargetBatch:
-    """Empty tensors shaped as a backend hands the trainer (spec_cli/batch.py's contract)."""
+               target_dtype: torch.dtype, slots: int | None = None) -> TargetBatch:
+    """Empty tensors shaped as a backend hands the trainer (spec_cli/batch.py's contract); slots: as a
+    feature cache hands one context-parallel rank its rows' slots (that many of them)."""
     def empty(*shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device=device)
 
     B, T, H = batch, seq_len, config.target_hidden_size
+    n = T if slots is None else slots
     long = torch.long
     return TargetBatch(
-        aux_hidden=empty(B, T, len(config.aux_layer_ids) * H, dtype=target_dtype),
-        input_ids=empty(B, T, dtype=long), attention_mask=empty(B, T, dtype=long),
-        loss_mask=empty(B, T, dtype=long), target_p=empty(B, T, config.draft_vocab_size),
-        position_mask=empty(B, T, dtype=torch.bool), target_ids=empty(B, T, dtype=long),
-        target_mass=empty(B, T),
-        final_hidden=empty(B, T, H, dtype=target_dtype) if FINAL_HIDDEN in algorithm.needs else None)
+        aux_hidden=empty(B, n, len(config.aux_layer_ids) * H, dtype=target_dtype),
+        input_ids=empty(B, n, dtype=long), attention_mask=empty(B, T, dtype=long),
+        loss_mask=empty(B, n, dtype=long), target_p=empty(B, n, config.draft_vocab_size),
+        position_mask=empty(B, n, dtype=torch.bool), target_ids=empty(B, n, dtype=long),
+        target_mass=empty(B, n),
+        final_hidden=empty(B, n, H, dtype=target_dtype) if FINAL_HIDDEN in algorithm.needs else None,
+        slots=None if slots is None else empty(n, dtype=long))
 
 
 def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int = 1,
@@ -114,15 +117,18 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_weights(draft, device)
         draft.attn_impl = "fused"  # what "auto" picks once the kernel passes its self-check
-        data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype)
         objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
+        slots = None
         if context > 1:
             if not algorithm.extra.get("context_parallel"):
                 raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks",
                                   "plan it without --context-parallel, or plan --algorithm eagle3")
-            from spec_cli.draft.context import Context
+            from spec_cli.draft.context import Context, kept_ranges, padded_length
 
             objective.context = Context(context, 0, alone=True)
+            seq_len = padded_length(seq_len, context)  # the rank's slots, as a feature cache reads them
+            slots = sum(b - a for a, b in kept_ranges(context, 0, seq_len, objective.context_halo))
+        data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype, slots)
         named = ordered([(n, p) for n, p in draft.named_parameters() if p.requires_grad], optim)
         params = [p for _, p in named]
         optimizer = make_optimizer(params, optim, [n for n, _ in named])

@@ -314,9 +314,13 @@ class Trainer:
         # the algorithm's objective over the draft (the module evaluation runs)
         self.objective = algorithm.objective(self.draft, cfg.objective, activation_checkpointing=self.checkpointing)
         if schedule.context > 1:  # --context-parallel: the objective splits each batch's rows over its group
-            from spec_cli.draft.context import Context
+            from spec_cli.draft.context import Context, kept_ranges, padded_length
 
-            self.objective.context = Context(schedule.context, *distributed.context_group(schedule.context))
+            context = self.objective.context = Context(schedule.context, *distributed.context_group(schedule.context))
+            if getattr(source.backend, "reads_slots", False):  # a cache: read only this rank's slots of a row
+                halo = self.objective.context_halo
+                source.slots_for = lambda T: (padded_length(T, context.size),
+                                              kept_ranges(context.size, context.rank, padded_length(T, context.size), halo))
         self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft
         if self.sharded:
             sharding.shard(self.objective, device)  # before the optimizer: it holds the sharded weights

@@ -50,6 +50,9 @@ class Source:
     identity: dict  # target and tokenizer fingerprints, aux layers: what a --resume must match
     chat_template: dict = dataclasses.field(default_factory=dict)  # sha256 + source of the template used
     stream_bound: StoreBound | None = None  # --stream: the store's byte bound and where it came from
+    # --context-parallel from a feature cache: rows of T slots -> (their padded length, the ranges of their
+    # slots this rank reads); None: whole rows
+    slots_for: object = None
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
@@ -310,12 +313,21 @@ class Schedule:
 # ----------------------------------------------------------------------------- batches
 
 def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
-    """The keyword arguments of generate_batch for one batch of samples."""
+    """The keyword arguments of generate_batch for one batch of samples (under --context-parallel from a
+    cache: rows padded to the group's chunks, and the slots this rank reads)."""
     if pack:
         ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
-        return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "seq_lens": seq_lens}
-    ids, am, lm = collate(source.tokens, indices)
-    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+        inputs = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "seq_lens": seq_lens}
+    else:
+        ids, am, lm = collate(source.tokens, indices)
+        inputs = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+    if source.slots_for is not None:
+        length, slots = source.slots_for(ids.shape[1])
+        extra = length - ids.shape[1]
+        for name in ("input_ids", "attention_mask", "loss_mask"):  # right padding: no token, no loss
+            inputs[name] = torch.nn.functional.pad(inputs[name], (0, extra))
+        inputs["slots"] = slots
+    return inputs
 
 
 def supervise(source: Source, indices: list[int], pack: bool, device: torch.device):

@@ -100,10 +100,11 @@ class SerializedBackend(TargetBackend):
         self.info = backend.info
         self.lock = threading.Lock()  # held by every call; a caller of the backend's own methods takes it too
 
-    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None):
+    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None, **slots):
+        """(`slots`: a cache's context-parallel ranges, passed on when given)"""
         with self.lock:
             return self.backend.generate_batch(input_ids, attention_mask, loss_mask,
-                                               position_ids=position_ids, seq_lens=seq_lens)
+                                               position_ids=position_ids, seq_lens=seq_lens, **slots)
 
     def get_input_embeddings(self) -> torch.Tensor:
         with self.lock:

@@ -114,15 +114,22 @@ class CacheBackend(TargetBackend):
                 yield b, start, start + n
                 start += n
 
+    reads_slots = True  # read_host(slots=...): a context-parallel rank's ranges of the rows only
+
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
-                       seq_lens=None) -> TargetBatch:
-        return self.finish(self.read_host(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+                       seq_lens=None, slots=None) -> TargetBatch:
+        return self.finish(self.read_host(input_ids, attention_mask, loss_mask, position_ids, seq_lens, slots)
                            .to(self.device))
 
-    def read_host(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None) -> "HostBatch":
+    def read_host(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None,
+                  slots: list[tuple[int, int]] | None = None) -> "HostBatch":
         """The batch's stored features laid into padded host tensors: file reads and copies only, no
-        device work (a reading thread runs this while the device trains; `finish` decodes on the device)."""
+        device work (a reading thread runs this while the device trains; `finish` decodes on the device).
+        slots: read only these ranges of the rows' slots, back to back (context parallelism: what one rank
+        trains on; spec_cli/draft/context.py kept_ranges); the inputs stay whole rows."""
         B, T = input_ids.shape
+        ranges = [(0, T)] if slots is None else [(int(a), int(b)) for a, b in slots]
+        n = sum(b - a for a, b in ranges)
         H = self.info["hidden_size"]
         if self.keep_final_hidden and self.encoding != "hidden":
             raise ArtifactError(f"the feature cache was made with --encoding {self.encoding}, which keeps no "
@@ -133,25 +140,31 @@ class CacheBackend(TargetBackend):
         if lacking:
             raise ArtifactError(f"the feature cache holds no {', '.join(lacking)} (per-token field(s) the draft "
                                 "algorithm reads)", "precompute it again with this --algorithm")
-        fields = {EXTRA + name: torch.zeros(B, T, stored[name], dtype=self.dtype) for name in self.extra_fields}
-        fields["aux_hidden"] = torch.zeros(B, T, len(self.info["aux_layers"]) * H, dtype=self.dtype)
-        fields["argmax"] = torch.zeros(B, T, dtype=torch.long)
+        fields = {EXTRA + name: torch.zeros(B, n, stored[name], dtype=self.dtype) for name in self.extra_fields}
+        fields["aux_hidden"] = torch.zeros(B, n, len(self.info["aux_layers"]) * H, dtype=self.dtype)
+        fields["argmax"] = torch.zeros(B, n, dtype=torch.long)
         if self.encoding == "hidden":
-            fields["final_hidden"] = torch.zeros(B, T, H, dtype=self.dtype)
-            fields["lse"] = torch.zeros(B, T, dtype=torch.float32)
+            fields["final_hidden"] = torch.zeros(B, n, H, dtype=self.dtype)
+            fields["lse"] = torch.zeros(B, n, dtype=torch.float32)
         else:
-            fields["target_p"] = torch.zeros(B, T, self.selected.numel(), dtype=torch.float32)
-            fields["target_mass"] = torch.zeros(B, T, dtype=torch.float32)
+            fields["target_p"] = torch.zeros(B, n, self.selected.numel(), dtype=torch.float32)
+            fields["target_mass"] = torch.zeros(B, n, dtype=torch.float32)
         for b, a, e in self._segments(attention_mask, seq_lens):
             where = self._where.get(_key(input_ids[b, a:e].cpu()))
             if where is None:
                 raise ArtifactError("a training sample is not in the feature cache",
                                     "train from the cache's own data, or precompute this data")
-            shard, s, t = where
-            for name, value in fields.items():
-                value[b, a:e] = self.reader.read(shard, name, s, t)
+            shard, s, _ = where
+            offset = 0
+            for lo, hi in ranges:  # the part of the document [a, e) in each range, where the range sits
+                x, y = max(a, lo), min(e, hi)
+                if x < y:
+                    for name, value in fields.items():
+                        value[b, offset + x - lo:offset + y - lo] = self.reader.read(shard, name, s + x - a, s + y - a)
+                offset += hi - lo
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-                  "position_ids": position_ids, "seq_lens": seq_lens}
+                  "position_ids": position_ids, "seq_lens": seq_lens,
+                  "slots": None if slots is None else torch.cat([torch.arange(a, b) for a, b in ranges])}
         return HostBatch({**fields, **{k: v for k, v in inputs.items() if v is not None}})
 
     def finish(self, host: "HostBatch") -> TargetBatch:
@@ -166,7 +179,7 @@ class CacheBackend(TargetBackend):
         extras = {name: f[EXTRA + name] for name in self.extra_fields}
         return assemble_batch(f["aux_hidden"], f["input_ids"], f["attention_mask"], f["loss_mask"], target_p,
                               target_mass, f["argmax"], self.t2d, f.get("position_ids"), f.get("seq_lens"),
-                              f["final_hidden"] if self.keep_final_hidden else None, extras)
+                              f["final_hidden"] if self.keep_final_hidden else None, extras, f.get("slots"))
 
     def close(self) -> None:
         self.reader.close()

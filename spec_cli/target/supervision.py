@@ -70,11 +70,17 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
                    loss_mask: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
                    argmax: torch.Tensor, t2d: torch.Tensor, position_ids: torch.Tensor | None = None,
                    seq_lens: torch.Tensor | None = None, final_hidden: torch.Tensor | None = None,
-                   extras: dict[str, torch.Tensor] | None = None) -> TargetBatch:
+                   extras: dict[str, torch.Tensor] | None = None, slots: torch.Tensor | None = None) -> TargetBatch:
     """Shift the per-token supervision left by one and zero everything at invalid positions.
 
     All inputs are unshifted and position-aligned: [B, T] (+ [n*H] / [Vd] / [H] trailing dims); the
     hidden states (aux, final) and the extra fields ([B, T, W]) stay position-aligned.
+
+    slots [n]: the stored fields (aux_hidden, target_p, target_mass, argmax, final_hidden, extras) hold
+    only these slots of the rows, as ranges back to back (a context-parallel rank's; input_ids,
+    attention_mask, loss_mask, position_ids and seq_lens are whole rows). A slot's shifted value comes
+    from the next slot of its range, so the last slot of each range gets none: the reader reads one slot
+    more than the objective uses (kept_ranges).
     """
     real = attention_mask.bool()  # [B, T]
     valid = shift_left(real) & real  # position t has a next token t+1
@@ -82,13 +88,16 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
         # nothing: the token after it starts the next document, whose first token may carry loss)
         docs, _ = document_ids(seq_lens.to(real.device), real.shape[1])
         valid &= torch.cat([docs[:, 1:] == docs[:, :-1], torch.zeros_like(real[:, :1])], 1)
-    vf = valid.unsqueeze(-1)
     loss = shift_left(loss_mask.long()) * valid
+    ids = shift_left(input_ids.long()) * valid
+    if slots is not None:  # the rank's slots of the whole rows' masks and inputs
+        real, valid, loss, ids = (x[:, slots] for x in (real, valid, loss, ids))
+    vf = valid.unsqueeze(-1)
     target_ids = shift_left(argmax.long()) * valid
     zero = torch.zeros((), dtype=aux_hidden.dtype, device=aux_hidden.device)
     return TargetBatch(
         aux_hidden=torch.where(real.unsqueeze(-1), aux_hidden, zero),  # pad rows carry no state
-        input_ids=shift_left(input_ids.long()) * valid,
+        input_ids=ids,
         attention_mask=attention_mask.long(),
         loss_mask=loss,
         target_p=torch.where(vf, shift_left(target_p.float()), 0.0),
@@ -100,4 +109,5 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
         final_hidden=None if final_hidden is None else torch.where(real.unsqueeze(-1), final_hidden, zero),
         extras={name: torch.where(real.unsqueeze(-1), value, torch.zeros((), dtype=value.dtype, device=value.device))
                 for name, value in (extras or {}).items()},
+        slots=slots,
     )

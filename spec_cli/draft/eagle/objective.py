@@ -68,7 +68,7 @@ def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: fl
                           "or a server")
     head = partial(_chunked_head if checkpoint else _head, feature_weight=feature_weight, token_weight=token_weight)
     head.recomputes = checkpoint
-    features = batch.final_hidden if shard is None else shard.owned(batch.final_hidden)
+    features = batch.final_hidden if shard is None else shard.local(batch.final_hidden)
     return unroll(draft, batch, draft.project(features), head, batch.loss_mask, ttt_steps, step_weight,
                   checkpoint, shard)
 
@@ -85,7 +85,8 @@ class EagleObjective(Objective):
         self.kw = dict(ttt_steps=options.ttt_steps, step_weight=options.step_weight,
                        feature_weight=options.feature_weight, token_weight=options.token_weight,
                        checkpoint=activation_checkpointing)
+        self.context_halo = options.ttt_steps + 1  # slots past its own it reads: features at t + k + 1
 
     def forward(self, batch, unit=None):
-        batch, shard = self.context_shard(batch)
+        batch, shard = self.context_shard(batch, halo=self.context_halo)
         return eagle_forward(self.draft, batch, **self.kw, shard=shard)

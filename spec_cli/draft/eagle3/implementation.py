@@ -25,9 +25,10 @@ class TTTObjective(Objective):
         self.kw = dict(ttt_steps=options.ttt_steps, step_weight=options.step_weight, loss=options.loss,
                        lk_kl_scale=options.lk_kl_scale, lk_kl_decay=options.lk_kl_decay,
                        checkpoint=activation_checkpointing)
+        self.context_halo = options.ttt_steps  # slots past its own a TTT step reads (t + k, k < K)
 
     def forward(self, batch, unit=None):
-        batch, shard = self.context_shard(batch)
+        batch, shard = self.context_shard(batch, halo=self.context_halo)
         return ttt_forward(self.draft, batch, **self.kw, shard=shard)
 
 

@@ -55,6 +55,6 @@ def ttt_forward(draft: Eagle3Draft, batch: TargetBatch, ttt_steps: int = 7, step
     else:
         head = partial(_head, loss=loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay,
                        group_mean=None if shard is None else shard.mean)
-    aux = batch.aux_hidden if shard is None else shard.owned(batch.aux_hidden)
+    aux = batch.aux_hidden if shard is None else shard.local(batch.aux_hidden)
     return unroll(draft, batch, draft.project(aux), head, batch.position_mask, ttt_steps, step_weight,
                   checkpoint, shard)
