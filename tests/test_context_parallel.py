@@ -13,7 +13,7 @@ from spec_cli.cli import main
 from spec_cli.stages import train as stage
 from tests.launch import torchrun
 from tests.stages.test_train import config, weights
-from tests.test_distributed import eagle3_args, eagle_args, stopped_then_resumed, trainer_state
+from tests.test_distributed import eagle3_args, eagle_args, live_args, stopped_then_resumed, trainer_state
 
 pytestmark = pytest.mark.slow
 FP32 = ("--precision", "fp32")  # both sides in fp32: their difference is then fp32 rounding, not bf16's
@@ -31,13 +31,14 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, train_setup, eagle_pipeline) -> dict:
     root = tmp_path_factory.mktemp("context")
-    out = {name: root / name for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2")}
+    out = {name: root / name for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2", "live-cp")}
     cp = ("--context-parallel", "2", *FP32)
     torchrun([eagle3_args(train_setup, out["cp"], *cp),
               eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
               eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
               eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
-              eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume")], root / "launch")
+              eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume"),
+              [*live_args(train_setup, out["live-cp"], "replica"), *cp]], root / "launch")
     torchrun([eagle3_args(train_setup, out["cp2x2"], *cp)], root / "launch-4", processes=4)
     return out
 
@@ -50,7 +51,9 @@ def singles(train_setup, eagle_pipeline, tmp_path_factory) -> dict:
         assert stage.run(config(train_setup, root / name, max_steps=3, grad_accum=accum, eval_every=0,
                                 save_every=3, log_every=2, precision="fp32")).steps == 3
     assert main(eagle_args(eagle_pipeline, root / "eagle", *FP32)) == 0
-    return {"one": root / "one", "two": root / "two", "eagle": root / "eagle"}
+    live = [a for a in live_args(train_setup, root / "live", "replica") if a not in ("--target-parallel", "replica")]
+    assert main([*live, *FP32]) == 0
+    return {"one": root / "one", "two": root / "two", "eagle": root / "eagle", "live": root / "live"}
 
 
 def logged(run) -> list[dict]:
@@ -84,6 +87,11 @@ def test_context_parallel_resumes_as_the_straight_run(cp_runs):
 
 def test_eagle_under_context_parallelism(cp_runs, singles):
     assert_same(weights(singles["eagle"]), weights(cp_runs["eagle-cp"]))
+
+
+def test_a_live_target_under_context_parallelism(cp_runs, singles):
+    """A live target (on every rank, whole rows; the objective takes each rank's slots of them)."""
+    assert_same(weights(singles["live"]), weights(cp_runs["live-cp"]))
 
 
 def test_two_by_two_context_and_data_parallel(cp_runs, singles):
