@@ -302,7 +302,7 @@ def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
     """`--aux-layers "1,14,26"` (0-indexed layer OUTPUTS), or the algorithm's default; validated
     against N and the number of layers the algorithm reads."""
     if text in (None, "", "auto"):
-        ids = default_aux_layers(n, algorithm)  # may repeat a layer on a shallow target (vLLM serves it)
+        ids = default_aux_layers(n, algorithm)  # distinct layers (vLLM captures each once)
     else:
         try:
             ids = [int(part) for part in str(text).split(",")]
@@ -311,8 +311,9 @@ def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
                               "write e.g. --aux-layers 1,14,26") from exc
     validate_aux_layers(ids, n, algorithm)
     if text not in (None, "", "auto") and len(set(ids)) != len(ids):
-        warn(f"--aux-layers {ids} repeats a layer: the draft reads the same hidden state twice "
-             "(vLLM serves it; distinct layers usually train a better draft)")
+        warn(f"--aux-layers {ids} repeats a layer: the draft reads the same hidden state twice, which "
+             "vLLM cannot serve (it captures each layer once, and fc would be short of an input); "
+             "spec eval in PyTorch runs it")
     return ids
 
 
@@ -333,8 +334,8 @@ def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
 
 def check_layer_ids(ids: list[int], n: int) -> None:
     """Aux layer ids of any algorithm: outputs of layers 0..n-2 (the serving engines capture a layer's
-    input, so the last layer's output is never available to a draft). A layer may repeat: EAGLE-3's own default
-    does on a 6-layer target ([1, 2, 2]), and vLLM serves it; parse_aux_layers warns when a user typed one."""
+    input, so the last layer's output is never available to a draft). A layer may repeat (parse_aux_layers
+    warns: vLLM captures each layer once and cannot serve such a draft); the defaults never do."""
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",

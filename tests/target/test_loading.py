@@ -65,9 +65,12 @@ def test_aux_layer_defaults_and_validation():
     assert loading.parse_aux_layers("0,14,28", 30) == [0, 14, 28]
     with pytest.raises(ConfigError, match="out of range"):
         loading.parse_aux_layers("-1,14,20", 30)
-    assert loading.parse_aux_layers("1,14,14", 30) == [1, 14, 14]  # vLLM serves a repeat: a warning only
-    assert loading.default_aux_layers(6) == [1, 2, 2]  # EAGLE-3's rule on a 6-layer target repeats one
-    assert loading.parse_aux_layers(None, 6) == [1, 2, 2]
+    assert loading.parse_aux_layers("1,14,14", 30) == [1, 14, 14]  # typed: a warning (vLLM cannot serve it)
+    # EAGLE-3's rule [1, N//2-1, N-4] repeats a layer at N = 5, 6; vLLM captures each layer once
+    # (sorted(set(...))), so the default spreads three distinct layers there instead
+    assert loading.default_aux_layers(6) == [1, 2, 4] and loading.default_aux_layers(5) == [1, 2, 3]
+    assert loading.parse_aux_layers(None, 6) == [1, 2, 4]
+    assert all(len(set(loading.default_aux_layers(n))) == 3 for n in range(4, 200))
     with pytest.raises(ConfigError, match="exactly 3"):
         loading.parse_aux_layers("1,14", 30)
     with pytest.raises(ConfigError, match="comma-separated"):

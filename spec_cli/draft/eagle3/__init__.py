@@ -10,8 +10,15 @@ from spec_cli.draft.algorithm import Algorithm, ExportFormat
 
 def default_aux_layers(n: int) -> list[int]:
     """Outputs of 0-indexed layers 1, N//2-1, N-4 (= inputs of layers 2, N//2, N-3): low, middle and
-    high features, the layers vLLM and SGLang capture by default."""
-    return [1, n // 2 - 1, n - 4]
+    high features, the layers vLLM and SGLang capture by default. Three distinct layers always: vLLM
+    captures each layer once (interfaces.py: sorted(set(layers))), so on a target where the rule repeats
+    one (N = 5, 6) fc would be short of an input; such targets spread three over layers 1 .. N - 2
+    (0 .. N - 2 when that is too few)."""
+    ids = [1, n // 2 - 1, n - 4]
+    if len(set(ids)) < 3 or min(ids) < 0:
+        lo = 1 if n - 2 >= 3 else 0
+        ids = sorted({round(lo + i * (n - 2 - lo) / 2) for i in range(3)})
+    return ids
 
 
 EAGLE3 = Algorithm(
