@@ -160,7 +160,9 @@ def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, s
     window the chunks' key ranges overlap, so their key gradients add up."""
     overlap = segments.window_binds
     dq = torch.empty_like(q)
-    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if overlap else (torch.empty_like(k), torch.empty_like(v))
+    acc = _acc_dtype(q.dtype)  # overlapping chunks' key gradients add up: in fp32, cast once
+    dk, dv = ((torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+              if overlap else (torch.empty_like(k), torch.empty_like(v)))
     for (b, qs, qe, ks, bias), state in zip(_pieces(segments, q), states):
         def rows(x):
             return x[b:b + 1, :, qs:qe].contiguous()
@@ -173,7 +175,7 @@ def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, s
             dv[b:b + 1, :, ks:qe] += gv
         else:
             dk[b:b + 1, :, ks:qe], dv[b:b + 1, :, ks:qe] = gk, gv
-    return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def with_window(bias, window: int | None, B: int, T: int):
@@ -622,12 +624,18 @@ def _agree(pairs, tol: float) -> None:
 
 def _compare_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
                      tol: float) -> None:
-    """Raise when `kernel`'s forward or backward differs from the math kernel's beyond `tol`."""
-    for bias in (None, block_causal_bias(seq_lens, T, dtype)):
-        out, lse, state = kernel.fwd(q, k, v, bias, d ** -0.5)
-        ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
-        grads = kernel.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, state)
-        ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
+    """Raise when `kernel`'s forward or backward differs from the math kernel's beyond `tol`: causal rows,
+    packed documents, and the calls a sliding window and context parallelism make (the last queries of
+    more keys under a window's bias; queries against keys all before them, unmasked)."""
+    cases = [(slice(None), slice(None), None), (slice(None), slice(None), block_causal_bias(seq_lens, T, dtype)),
+             (slice(11, T), slice(5, T), window_bias(T - 11, T - 5, 6, dtype, q.device)),
+             (slice(12, T), slice(0, 9), FULL)]
+    for rows, keys, bias in cases:
+        q_, dout_, k_, v_ = q[:, :, rows], dout[:, :, rows], k[:, :, keys], v[:, :, keys]
+        out, lse, state = kernel.fwd(q_, k_, v_, bias, d ** -0.5)
+        ref_out, ref_lse, _ = MATH.fwd(q_, k_, v_, bias, d ** -0.5)
+        grads = kernel.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d ** -0.5, state)
+        ref_grads = MATH.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d ** -0.5, None)
         _agree([(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)], tol)
 
 

@@ -92,14 +92,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # blocks
 
 
-def feature_noise(x: torch.Tensor, std: float, parts: int = 1) -> torch.Tensor:
+def feature_noise(x: torch.Tensor, std: float, parts: int = 1, offset: int | None = None) -> torch.Tensor:
     """x + std * RMS * N(0, 1): Gaussian noise on the target's states, relative to each state's size
     (the RMS per token over each of `parts` equal slices of the last dim: EAGLE-3's aux states are
     three layers' states side by side, of different sizes). Training only: the draft learns to
-    continue from states a little off, as its own predictions are when it drafts."""
+    continue from states a little off, as its own predictions are when it drafts.
+
+    offset: a context-parallel rank's place in its group. Its ranks share the global RNG's state (one
+    seed, one checkpointed state), so each draws from a generator seeded with one draw of it plus the
+    offset: different noise for each rank's slots, the same on a resume."""
     slices = x.unflatten(-1, (parts, -1))  # [..., parts, H]
     rms = slices.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(slices.shape, device=x.device, dtype=torch.float32) * rms * std
+    generator = None
+    if offset is not None:  # (a host draw from the CPU generator: no device sync)
+        generator = torch.Generator(x.device).manual_seed(int(torch.randint(2 ** 62, (1,))) + offset)
+    noise = torch.randn(slices.shape, device=x.device, dtype=torch.float32, generator=generator) * rms * std
     return (slices + noise.to(x.dtype)).flatten(-2)
 
 

@@ -21,6 +21,7 @@ from spec_cli.draft.layers import KVCache, rope_attention_scale, rope_inv_freq
 class SteppedDraft(nn.Module):
     attn_impl = "auto"  # TTT attention kernel: auto | fused | math
     hidden_noise = 0.0  # --hidden-noise: relative noise on the target's states in training (project)
+    noise_offset = None  # --context-parallel: this rank's place in its group (layers.feature_noise)
 
     def new_cache(self) -> KVCache:
         """An empty decoding cache for this draft's layers."""

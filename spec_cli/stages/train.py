@@ -145,7 +145,10 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                 losses.append(out.loss.detach().double().reshape(1))
                 tokens.append(batch.attention_mask.sum().double().reshape(1))
                 window.add(out, tokens[-1])
-            *losses, step_tokens = torch.cat([*losses, torch.cat(tokens).sum().reshape(1)]).tolist()
+            losses = torch.cat(losses)
+            if schedule.context > 1:  # a group's ranks hold shares of one batch: a NaN in any stops them all
+                torch.distributed.all_reduce(losses, group=trainer.objective.context.group)
+            *losses, step_tokens = torch.cat([losses, torch.cat(tokens).sum().reshape(1)]).tolist()
             step_tokens = int(step_tokens)  # the host's one wait of the step: losses and tokens together
             bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
             if bad is not None:  # before the optimizer step: the weights stay the last good ones
@@ -317,6 +320,7 @@ class Trainer:
             from spec_cli.draft.context import Context, kept_ranges, padded_length
 
             context = self.objective.context = Context(schedule.context, *distributed.context_group(schedule.context))
+            self.draft.noise_offset = context.rank  # --hidden-noise: each rank its own draws for its slots
             if getattr(source.backend, "reads_slots", False):  # a cache: read only this rank's slots of a row
                 halo = self.objective.context_halo
                 source.slots_for = lambda T: (padded_length(T, context.size),

@@ -113,7 +113,7 @@ class EagleDraft(SteppedDraft):
         a noisy copy in training: the feature loss's targets stay clean)."""
         features = features.to(self.fc.weight.dtype)
         if self.training and self.hidden_noise > 0:
-            features = feature_noise(features, self.hidden_noise)
+            features = feature_noise(features, self.hidden_noise, offset=self.noise_offset)
         return features
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:

@@ -144,7 +144,8 @@ class Eagle3Draft(SteppedDraft):
         """[B, T, 3*H_t] target aux states -> [B, T, H]: (noise) fc_norm (EAGLE-3.1) then fc."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
         if self.training and self.hidden_noise > 0:  # --hidden-noise: training only
-            aux_hidden = feature_noise(aux_hidden, self.hidden_noise, len(self.config.aux_layer_ids))
+            aux_hidden = feature_noise(aux_hidden, self.hidden_noise, len(self.config.aux_layer_ids),
+                                       offset=self.noise_offset)
         if self.config.fc_norm:
             chunks = aux_hidden.chunk(len(self.config.aux_layer_ids), dim=-1)
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)

@@ -193,3 +193,20 @@ def test_sliding_window_ttt_equals_windowed_decoding(layers, window, packed):
 def test_sliding_window_must_be_positive():
     with pytest.raises(ConfigError, match="sliding window"):
         tiny_config(sliding_window=0)
+
+
+def test_context_parallel_ranks_draw_their_own_noise():
+    """--hidden-noise under --context-parallel: the group's ranks share the global RNG's state, so each draws
+    from a generator seeded by one draw of it plus its place in the group: different noise on each rank's
+    slots, the same again from the same state (a resume), and the global RNG advances alike on every rank."""
+    x = torch.ones(2, 5, 12)
+    draws = {}
+    for offset in (0, 1, 0):
+        torch.manual_seed(3)
+        noisy = feature_noise(x, 0.1, 3, offset=offset)
+        draws.setdefault(offset, []).append(noisy)
+        after = torch.rand(1)
+    torch.manual_seed(3)
+    feature_noise(x, 0.1, 3, offset=5)
+    assert torch.equal(torch.rand(1), after)  # one draw of the global RNG whatever the offset
+    assert torch.equal(draws[0][0], draws[0][1]) and not torch.allclose(draws[0][0], draws[1][0])
