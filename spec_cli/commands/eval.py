@@ -25,8 +25,9 @@ def eval_cmd(
         "--output", "-o", help="Folder for eval.json, outputs.jsonl and acceptance.png. Default: RUN/eval/"
                                "step-N for a run or checkpoint, EXPORT-eval beside an export.",
         rich_help_panel=INPUTS)] = None,
-    depth: Annotated[int, typer.Option(
-        "--depth", help="Draft tokens per target forward (a tree's depth).", min=1, rich_help_panel=DECODING)] = 3,
+    depth: Annotated[Optional[int], typer.Option(
+        "--depth", help="Draft tokens per target forward (a tree's depth). Default: 3; a DFlash draft's block "
+                        "size - 1 (what one forward proposes).", min=1, rich_help_panel=DECODING)] = None,
     topk: Annotated[int, typer.Option(
         "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1,
         rich_help_panel=DECODING)] = 1,

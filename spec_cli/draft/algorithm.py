@@ -38,7 +38,8 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              part of the draft's config), "steps"/"steps_name" (the metric steps its
                              objective reports), "sliding_window" (True: it trains, decodes and exports
                              a --draft-window), "context_parallel" (True: its objective runs
-                             Objective.context_shard, so --context-parallel splits its rows)
+                             Objective.context_shard, so --context-parallel splits its rows),
+                             "eval_depth" (config -> `spec eval`'s default --depth; else 3)
 
 This module imports no torch: `spec --help` and the CLI read the declarations without loading models.
 """

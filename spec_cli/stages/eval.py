@@ -25,6 +25,7 @@ eval.json and acceptance.png come at the end (a folder without eval.json is an i
 
 from __future__ import annotations
 
+
 import json
 import time
 from dataclasses import dataclass, replace
@@ -63,7 +64,7 @@ class EvalConfig:
     draft: Path  # run folder, checkpoint folder or export folder
     prompts: str = "mt-bench"  # `mt-bench` or a chat data file
     output: Path | None = None  # default: beside the draft (see default_output)
-    depth: int = 3  # draft tokens per verification (tree: depth)
+    depth: int | None = None  # draft tokens per verification (tree: depth); None: the draft's (natural_depth)
     topk: int = 1  # 1: chain; > 1: EAGLE-2 tree
     num_tokens: int | None = None  # tree nodes verified per step (default 16, at most all candidates)
     temperature: float = 0.0  # 0: greedy
@@ -111,8 +112,18 @@ def default_output(draft: drafts.LoadedDraft) -> Path:
     return draft.path / "eval"
 
 
+DEFAULT_DEPTH = 3  # a chain of 3: SGLang's usual EAGLE-3 setting, and what the exports' READMEs serve
+
+
+def natural_depth(config) -> int:
+    """--depth when none is given: the algorithm's (Algorithm.extra["eval_depth"](config): DFlash proposes
+    block_size - 1 tokens per forward), else a chain of 3."""
+    rule = algorithms.get(config.algorithm).extra.get("eval_depth")
+    return int(rule(config)) if rule else DEFAULT_DEPTH
+
+
 def _validate(cfg: EvalConfig) -> None:
-    if cfg.depth < 1 or cfg.topk < 1 or cfg.max_new_tokens < 1:
+    if (cfg.depth is not None and cfg.depth < 1) or cfg.topk < 1 or cfg.max_new_tokens < 1:
         raise ConfigError("--depth, --topk and --max-new-tokens must be at least 1",
                           "e.g. --depth 3 --topk 1")
     if cfg.temperature < 0:
@@ -141,6 +152,8 @@ def run(cfg: EvalConfig) -> EvalResult:
     loaded = drafts.load_draft(Path(cfg.draft), target_config)
     drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint, template)
     c = loaded.model.config
+    if cfg.depth is None:
+        cfg = replace(cfg, depth=natural_depth(c))
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")

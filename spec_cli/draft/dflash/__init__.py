@@ -61,5 +61,6 @@ DFLASH = Algorithm(
     # draft_options: the options build_draft passes to config() (kept in the draft's config);
     # steps: the objective's metric steps (block offsets 1 .. block_size - 1), named in the train log
     extra={"draft_options": ("block_size",), "steps": lambda options: options.block_size - 1,
+           "eval_depth": lambda config: config.extra["block_size"] - 1,  # spec eval's default --depth
            "steps_name": "block offsets"},
 )

@@ -300,3 +300,14 @@ def test_training_scores_each_offset_on_the_token_decoding_proposes_there():
                     want[j - 1] += int(tokens[j - 1] == x[t + 1 + j])
     assert all(w >= 1 for w in want)  # at least slot t0's
     assert out.correct.tolist() == want, (out.correct.tolist(), want)
+
+
+def test_spec_eval_depth_defaults_to_what_one_block_forward_proposes():
+    """`spec eval` without --depth: a DFlash draft of block size B proposes B - 1 tokens per forward (what
+    its export's serve command uses); every other draft a chain of 3."""
+    from spec_cli.stages.eval import natural_depth
+    from tests.draft import tiny_config
+
+    assert natural_depth(tiny_config(algorithm="dflash", extra={"block_size": 8})) == 7
+    assert natural_depth(tiny_config(algorithm="dflash", extra={"block_size": 4})) == 3
+    assert natural_depth(tiny_config()) == 3

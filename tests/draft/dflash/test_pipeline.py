@@ -107,8 +107,9 @@ def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_pa
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     out = tmp_path / "eval"
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
-                 str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "10", "--depth", "3",
-                 "-o", str(out), "-q"]) == 0
+                 str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "10",
+                 "-o", str(out), "-q"]) == 0  # (no --depth: the block's 4 - 1)
+    assert json.loads((out / "eval.json").read_text())["settings"]["depth"] == 3
     overall = json.loads((out / "eval.json").read_text())["overall"]
     assert overall["same_as_target"] == overall["turns"] > 0 and sum(overall["verified"]) > 0
     assert overall["draft_ms_per_cycle"] > 0
