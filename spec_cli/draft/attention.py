@@ -122,10 +122,17 @@ def _pieces(segments: Segments, like: torch.Tensor):
         if window is None or e - s <= window:
             yield b, s, e, s, None
             continue
-        chunk = max(window, WINDOW_CHUNK)
-        for qs in range(s, e, chunk):
-            qe, ks = min(qs + chunk, e), max(s, qs - window + 1)
+        for qs, qe, ks in window_chunks(s, s, e, window):
             yield b, qs, qe, ks, window_bias(qe - qs, qe - ks, window, like.dtype, like.device)
+
+
+def window_chunks(start: int, qs: int, qe: int, window: int):
+    """Queries qs .. qe - 1 of a document starting at `start`, under a sliding window, as kernel calls of
+    max(window, WINDOW_CHUNK) queries: (query start, query end, key start), the keys running from the
+    first one the chunk's window reaches to its last query."""
+    chunk = max(window, WINDOW_CHUNK)
+    for a in range(qs, qe, chunk):
+        yield a, min(a + chunk, qe), max(start, a - window + 1)
 
 
 def window_bias(n_q: int, n_k: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -225,9 +225,7 @@ class ContextBias:
                     if qs > s:
                         yield b, local + qs - cs, qs, qe - qs, s, qs, attention.FULL
                     continue
-                step = max(window, attention.WINDOW_CHUNK)
-                for a in range(qs, qe, step):
-                    z, ks = min(a + step, qe), max(s, a - window + 1)
+                for a, z, ks in attention.window_chunks(s, qs, qe, window):
                     yield b, local + a - cs, a, z - a, ks, z, "window"
 
     def causal_fwd(self, kernel, q, k, v, scale):
@@ -239,7 +237,7 @@ class ContextBias:
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         states = []
         for b, lq, gq, n, ks, ke, bias in self.pieces():
-            bias = self._bias(bias, gq, n, ks, ke, q)
+            bias = self._bias(bias, n, ks, ke, q)
             o, l, state = kernel.fwd(q[b:b + 1, :, lq:lq + n].contiguous(), keys[b:b + 1, :, ks:ke].contiguous(),
                                      values[b:b + 1, :, ks:ke].contiguous(), bias, scale)
             rows = (slice(b, b + 1), slice(None), slice(lq, lq + n))
@@ -258,7 +256,7 @@ class ContextBias:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dv = torch.zeros(keys.shape, dtype=acc, device=q.device), torch.zeros(values.shape, dtype=acc, device=q.device)
         for (b, lq, gq, n, ks, ke, bias), state in zip(self.pieces(), states):
-            bias = self._bias(bias, gq, n, ks, ke, q)
+            bias = self._bias(bias, n, ks, ke, q)
 
             def rows(x):
                 return x[b:b + 1, :, lq:lq + n].contiguous()
@@ -271,7 +269,7 @@ class ContextBias:
         return (dq.to(q.dtype), self.shard.scatter_sum(dk, 2).to(k.dtype),
                 self.shard.scatter_sum(dv, 2).to(v.dtype))
 
-    def _bias(self, kind, gq: int, n: int, ks: int, ke: int, like: torch.Tensor):
+    def _bias(self, kind, n: int, ks: int, ke: int, like: torch.Tensor):
         if kind != "window":
             return kind
         return attention.window_bias(n, ke - ks, self.segments.window, like.dtype, like.device)

@@ -45,7 +45,10 @@ def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gr
 def optimizer_step(params: list, optimizer, grad_clip: float) -> torch.Tensor:
     """Clip (grad_clip > 0), step and zero the gradients; returns their global norm before clipping, on the
     device (no host wait: the trainer logs it with the metrics)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:  # the norm alone (no pass multiplying every gradient by 1)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (FSDP2: a replicated DTensor)

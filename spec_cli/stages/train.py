@@ -81,8 +81,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
     batches = logger = stream_report = None
     try:
         source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
-        schedule = Schedule.plan(source, cfg)
         algorithm = _algorithm(cfg, source)
+        schedule = Schedule.plan(source, cfg)
         source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
         source.backend.extra_fields = algorithm_fields(algorithm)  # the algorithm's own per-token fields
         trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device,
@@ -217,9 +217,6 @@ def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
             raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks yet (its "
                               "objective attends across whole blocks or segments of a row)",
                               "drop --context-parallel, or train --algorithm eagle3 or eagle")
-        if distributed.world_size() % n:
-            raise ConfigError(f"--context-parallel {n} does not divide the {distributed.world_size()} torchrun "
-                              "processes", "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")
     if len(source.aux_layers) != algorithm.aux_layers:
         made = "the feature cache holds" if cfg.data.cache is not None else "the target serves"
         raise ConfigError(f"{made} {len(source.aux_layers)} aux layers {source.aux_layers}; {algorithm.name} "

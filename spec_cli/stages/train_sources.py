@@ -278,6 +278,9 @@ class Schedule:
         if not train:
             raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
         world, context = distributed.world_size(), cfg.runtime.context_parallel
+        if world % context:
+            raise ConfigError(f"--context-parallel {context} does not divide the {world} torchrun processes",
+                              "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")
         per_step = cfg.optim.grad_accum * (world // context)
         total = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train)) // per_step)
         return cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world, context)

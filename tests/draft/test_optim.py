@@ -149,3 +149,27 @@ def test_make_optimizer_takes_a_namespace_for_plain_adamw():
     p = nn.Parameter(torch.zeros(3))
     optimizer = make_optimizer([p], SimpleNamespace(lr=1e-4, weight_decay=0.0))
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05, 100.0])
+def test_the_step_returns_the_gradient_norm_before_clipping(grad_clip):
+    """optimizer_step's norm (logged as grad_norm) is the global L2 norm of the gradients before clipping,
+    with clipping on or off; with it on, the optimizer sees gradients of at most that norm."""
+    from spec_cli.draft.step import optimizer_step
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    want = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params))
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)))
+            return super().step(closure)
+
+    norm = optimizer_step(params, Spy(params, lr=0.1), grad_clip)
+    assert float(norm) == pytest.approx(want, rel=1e-6)
+    assert seen[0] == pytest.approx(min(want, grad_clip) if grad_clip > 0 else want, rel=1e-5)
+    assert all(p.grad is None for p in params)
