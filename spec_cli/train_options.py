@@ -46,6 +46,11 @@ class DataOptions:
     token: str | None = option(  # never written to run.json
         None, "--token", help="--remote: the servers' token. Default: $SPEC_SERVE_TOKEN.", panel=TARGET,
         envvar="SPEC_SERVE_TOKEN", resumable=True)
+    tensor_plane: bool = option(
+        True, "--tensor-plane/--no-tensor-plane", help="--remote: take the supervision over the servers' "
+        "tensor plane (torch.distributed send/recv: NCCL onto this GPU, else gloo) when they offer one and "
+        "it can be joined; else, or with --no-tensor-plane, in HTTP bodies. Same tensors either way.",
+        panel=TARGET, resumable=True)
     chat_template: str | None = option(
         None, "--chat-template", help="Live --target / --remote: render conversations with this chat "
                                       "template (a Jinja file or chatml, llama3, gemma, mistral) instead of "

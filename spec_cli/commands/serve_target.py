@@ -48,6 +48,14 @@ def serve_target_cmd(
     exit_on_disconnect: Annotated[bool, typer.Option(
         "--exit-on-disconnect", help="Stop when the last trainer that connected disconnects.",
         rich_help_panel=SERVER)] = False,
+    plane_port: Annotated[int, typer.Option(
+        "--plane-port", help="TCP port of the tensor plane's rendezvous (0: any free port; trainers learn it "
+                             "from /v1/info). Supervision tensors go over torch.distributed send/recv "
+                             "(NCCL between GPU hosts, gloo otherwise) when a trainer can join.",
+        min=0, max=65535, rich_help_panel=SERVER)] = 0,
+    tensor_plane: Annotated[bool, typer.Option(
+        "--tensor-plane/--no-tensor-plane", help="Offer the tensor plane; without it every answer "
+                                                 "travels in the HTTP body.", rich_help_panel=SERVER)] = True,
     chat_template: Annotated[Optional[str], typer.Option(
         "--chat-template", help="The chat template the trainers' data is rendered with (a Jinja file or "
                                 "chatml, llama3, gemma, mistral): sent with the tokenizer, and part of the "
@@ -65,4 +73,4 @@ def serve_target_cmd(
           max_body_bytes=max_body_bytes, request_timeout=request_timeout,
           exit_on_disconnect=exit_on_disconnect, target_engine=target_engine, chat_template=chat_template,
           target_memory=target_memory, target_tensor_parallel=target_tensor_parallel,
-          algorithm=algorithm)
+          algorithm=algorithm, tensor_plane=tensor_plane, plane_port=plane_port)

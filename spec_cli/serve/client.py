@@ -9,6 +9,10 @@ crosses the wire (the TargetBatch tensors), never full-vocab logits.
 - `generate_batch` may be called from several threads at once (each has its own connections): the
   trainer's producer threads (spec_cli/stream) keep `--prefetch` N requests in flight, so target
   inference overlaps draft training.
+- The tensor plane (plane.py): when a server offers one and this process can join it, each thread
+  opens its own channel and a generate's tensors come over torch.distributed (NCCL onto this
+  process's GPU, gloo otherwise) after a JSON header; HTTP bodies are the fallback, chosen per server
+  (`transport` says which, and why). A transfer that fails drops its channel and retries the request.
 - Timeouts on every socket operation, bounded retries with exponential backoff on connection errors,
   and a RemoteError (message + hint) when a server is gone, refuses a request, or serves a different
   target than the trainer expects (RemoteMismatchError).
@@ -16,6 +20,7 @@ crosses the wire (the TargetBatch tensors), never full-vocab logits.
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import logging
 import os
@@ -28,10 +33,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
+import torch.distributed as dist
 
 from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.errors import TargetError
-from spec_cli.serve import wire
+from spec_cli.serve import plane, wire
 from spec_cli.serve.wire import TOKEN_ENV
 from spec_cli.target.backend import TargetBackend
 
@@ -72,6 +78,8 @@ class _Server:
         self.url = f"{parts.scheme}://{parts.netloc}"
         self.in_flight = 0
         self.info: dict = {}
+        self.plane_off: str | None = None  # why this server's answers come in HTTP bodies
+        self.plane_failures = 0
 
 
 class _Retry(Exception):
@@ -95,11 +103,16 @@ class RemoteBackend(TargetBackend):
     retries, backoff: attempts after a connection error, waiting backoff * 2**k seconds before each.
     expect: identity the trainer requires, e.g. {"target_fingerprint": ..., "tokenizer_fingerprint":
         ..., "aux_layers": [...]} (any key of `info`); a difference raises RemoteMismatchError.
+    tensor_plane: join the servers' tensor plane when they offer one (False: HTTP bodies only).
+    device: where the trainer wants the supervision; a CUDA device asks for an NCCL channel.
     """
+
+    PLANE_FAILURES = 3  # failed transfers after which a server's answers come in HTTP bodies
 
     def __init__(self, urls: list[str] | str, token: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, expect: dict | None = None,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, tensor_plane: bool = True,
+                 device: torch.device | str | None = None):
         if isinstance(urls, str):
             urls = urls.split(",")
         urls = [u for u in (u.strip() for u in urls) if u]
@@ -121,8 +134,13 @@ class RemoteBackend(TargetBackend):
         self._closing = self._closed = False
         self._embeddings: torch.Tensor | None = None
         self._vocab: tuple[str, wire.Encoded, int] | None = None  # (vocab_id, message, Vd)
+        self.tensor_plane = tensor_plane
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._channels: list[plane.Channel] = []
+        self.received = {"plane": 0, "http": 0}  # generate answers by how their tensors came
         try:
             self._connect_all(expect or {})
+            self._probe_plane()
         except BaseException:
             self._close_connections()
             raise
@@ -152,7 +170,7 @@ class RemoteBackend(TargetBackend):
             conn.close()
 
     def _exchange(self, server: _Server, method: str, path: str, body,
-                  timeout: float) -> tuple[int, str, bytearray]:
+                  timeout: float, headers: dict | None = None) -> tuple[int, str, bytearray]:
         """One request on this thread's keep-alive connection -> (status, content type, body)."""
         parts, nbytes = (body.parts, body.nbytes) if isinstance(body, wire.Encoded) else \
             ([body], len(body))
@@ -170,6 +188,8 @@ class RemoteBackend(TargetBackend):
                 conn.putheader("X-Spec-Client", self.client_id)
                 if self.token:
                     conn.putheader("Authorization", f"Bearer {self.token}")
+                for key, value in (headers or {}).items():
+                    conn.putheader(key, value)
                 conn.endheaders()
                 for part in parts:
                     conn.send(part)
@@ -207,10 +227,11 @@ class RemoteBackend(TargetBackend):
 
     def _call(self, method: str, path: str, body=b"", server: _Server | None = None,
               what: str = "the request", retries: int | None = None,
-              timeout: float | None = None) -> tuple[_Server, dict | tuple]:
+              timeout: float | None = None, plane_ok: bool = False) -> tuple[_Server, dict | tuple]:
         """Send with retries; (server, JSON object) or (server, (tensors, metadata)).
 
-        `server` pins the request to one server; otherwise a failed attempt moves to another."""
+        `server` pins the request to one server; otherwise a failed attempt moves to another.
+        `plane_ok`: the answer's tensors may come over this thread's tensor-plane channel."""
         retries = self.retries if retries is None else retries
         avoid: set[str] = set()
         last, srv = "", server
@@ -218,15 +239,22 @@ class RemoteBackend(TargetBackend):
             if self._closed:
                 raise RemoteError("the remote backend is closed", "this is a bug in the caller")
             srv = server or self._pick(avoid)
+            channel = self._channel(srv) if plane_ok else None
             with self._lock:
                 srv.in_flight += 1
             try:
-                status, ctype, data = self._exchange(srv, method, path, body, timeout or self.timeout)
+                status, ctype, data = self._exchange(srv, method, path, body, timeout or self.timeout,
+                                                     {"X-Spec-Plane": channel.name} if channel else None)
+                if status == 200 and channel is not None and ctype.startswith(wire.JSON_TYPE):
+                    return srv, self._receive(srv, channel, data, what)
             except (TimeoutError, socket.timeout):
                 raise RemoteError(f"the target server {srv.url} gave no answer to {what} within "
                                   f"{timeout or self.timeout:g} s",
                                   "check the server's log (a batch too large for it?) or raise the "
                                   "client timeout") from None
+            except plane.PlaneError as exc:  # the channel is dead: retry on a new one (or over HTTP)
+                self._plane_failed(srv, exc)
+                last, status = f"tensor plane: {exc}", None
             except (_Retry, OSError) as exc:
                 last = str(exc)
                 status = None
@@ -270,6 +298,105 @@ class RemoteBackend(TargetBackend):
                 "see the server's log" if status >= 500 else
                 "check that server and trainer run the same spec_cli version")
         raise RemoteError(f"the target server {server.url} answered {status} to {what}: {message}", hint)
+
+    # ------------------------------------------------------------------ tensor plane
+    def _plane_backend(self, server: _Server) -> str:
+        """NCCL when the trainer's device is a GPU and both ends run NCCL (the tensors then go GPU to
+        GPU), else gloo (host memory)."""
+        offer = server.info.get("plane") or {}
+        both = "nccl" in (offer.get("backends") or []) and "nccl" in plane.backends()
+        return "nccl" if self.device.type == "cuda" and both else "gloo"
+
+    def _probe_plane(self) -> None:
+        """Open this thread's channel to each server now, so `transport` says how answers will come."""
+        for server in self.servers:
+            self._channel(server)
+
+    def _channel(self, server: _Server) -> plane.Channel | None:
+        """This thread's channel to `server` (opened on first use), or None: HTTP bodies."""
+        if not self.tensor_plane:
+            server.plane_off = server.plane_off or "--no-tensor-plane"
+        offer = server.info.get("plane")
+        if server.plane_off is None and not (isinstance(offer, dict) and offer.get("backends")):
+            server.plane_off = "the server offers no tensor plane"
+        if server.plane_off is not None:
+            return None
+        channels = getattr(self._local, "channels", None)
+        if channels is None:
+            channels = self._local.channels = {}
+        if server.url in channels:
+            return channels[server.url]
+        backend = self._plane_backend(server)
+        try:
+            _, answer = self._call("POST", "/v1/plane", wire.dumps({"backend": backend}), server=server,
+                                   retries=0, what="the tensor-plane request")
+            name, port = answer.get("channel"), answer.get("port")
+            if not isinstance(name, str) or not isinstance(port, int):
+                raise plane.PlaneError(str(answer.get("reason") or "the server opened no channel"))
+            conn = getattr(self._local, "conns", {}).get(server.url)
+            address = conn.sock.getsockname()[0] if conn is not None and conn.sock is not None else \
+                "127.0.0.1"  # this process as the server reaches it: the HTTP connection's own end
+            wait = datetime.timedelta(seconds=self.connect_timeout)
+            store = dist.TCPStore(server.host, port, None, False, wait)
+            group = plane.pair(dist.PrefixStore(plane.PREFIX + name, store), 1, backend, address,
+                               datetime.timedelta(seconds=self.timeout))
+        except RemoteError:  # the server is unreachable: this attempt goes over HTTP (and fails there)
+            return None
+        except (plane.PlaneError, RuntimeError, OSError, ValueError) as exc:
+            server.plane_off = f"could not join its tensor plane: {str(exc).splitlines()[0][:200]}"
+            log.warning("%s: %s; its answers come in HTTP bodies", server.url, server.plane_off)
+            return None
+        channel = plane.Channel(name, group, backend, self.device if backend == "nccl" else torch.device("cpu"),
+                                self.timeout)
+        channels[server.url] = channel
+        with self._lock:
+            self._channels.append(channel)
+        return channel
+
+    def _drop_channel(self, server: _Server) -> None:
+        channel = getattr(self._local, "channels", {}).pop(server.url, None)
+        if channel is not None:
+            channel.close()
+
+    def _plane_failed(self, server: _Server, exc: Exception) -> None:
+        self._drop_channel(server)
+        with self._lock:
+            server.plane_failures += 1
+            if server.plane_failures >= self.PLANE_FAILURES and server.plane_off is None:
+                server.plane_off = f"{server.plane_failures} transfers over its tensor plane failed"
+                log.warning("%s: %s (last: %s); its answers come in HTTP bodies", server.url,
+                            server.plane_off, exc)
+
+    def _receive(self, server: _Server, channel: plane.Channel, data: bytearray, what: str) -> tuple:
+        """The tensors a plane answer announces, received over `channel`: (tensors, metadata, "plane")."""
+        try:
+            header = wire.loads(data)
+            specs = plane.parse_header(header.get("tensors"))
+            tag = header.get("tag")
+            if header.get("plane") != channel.name or not isinstance(tag, int) or isinstance(tag, bool):
+                raise wire.WireError("the answer names another channel or no tag")
+        except wire.WireError as exc:
+            self._drop_channel(server)  # whatever the server sends now would be unmatched
+            raise RemoteError(f"the target server {server.url} sent a malformed tensor-plane answer to "
+                              f"{what}: {exc}", "check that server and trainer run the same spec_cli") from None
+        return channel.recv(specs, tag), {"vocab_id": header.get("vocab_id")}, "plane"
+
+    @property
+    def lands_on(self) -> torch.device:
+        """Where received batches are: this process's GPU when a server's channel is NCCL, else the host."""
+        nccl = any(s.plane_off is None and self._plane_backend(s) == "nccl" for s in self.servers)
+        return self.device if nccl else torch.device("cpu")
+
+    @property
+    def transport(self) -> str:
+        """How the servers' answers travel, in words (the training log prints it)."""
+        parts = []
+        for server in self.servers:
+            if server.plane_off is None:
+                parts.append(f"{server.url}: tensor plane ({self._plane_backend(server)}, after a JSON header)")
+            else:
+                parts.append(f"{server.url}: HTTP bodies ({server.plane_off})")
+        return "; ".join(parts)
 
     # ------------------------------------------------------------------ identity
     def _connect_all(self, expect: dict) -> None:
@@ -410,9 +537,13 @@ class RemoteBackend(TargetBackend):
         resent: set[str] = set()
         for _ in range(len(self.servers) + 1):  # each server may need our vocab mapping once more
             try:
-                server, answer = self._call("POST", "/v1/generate", message, what="a generate request")
+                server, answer = self._call("POST", "/v1/generate", message, what="a generate request",
+                                            plane_ok=True)
             except _Conflict as exc:
                 server = exc.server
+                if exc.code == "plane":  # the server lost this thread's channel: a new one (or HTTP)
+                    self._plane_failed(server, exc)
+                    continue
                 if exc.code != "vocab" or server.url in resent:
                     raise RemoteError(f"the target server {server.url} refused a generate request: "
                                       f"{exc}", "check the server's log") from None
@@ -422,7 +553,10 @@ class RemoteBackend(TargetBackend):
             if not isinstance(answer, tuple):
                 raise RemoteError(f"the target server {server.url} answered without tensors",
                                   "check that server and trainer run the same spec_cli version")
-            return self._batch(server, answer[0], shape)
+            batch = self._batch(server, answer[0], shape)
+            with self._lock:
+                self.received["plane" if len(answer) == 3 else "http"] += 1
+            return batch
         raise RemoteError("the target servers keep refusing generate requests", "check the servers")
 
     def _batch(self, server: _Server, tensors: dict[str, torch.Tensor], shape) -> TargetBatch:
@@ -463,6 +597,9 @@ class RemoteBackend(TargetBackend):
     def _close_connections(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
+            channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
         for conn in conns:
             try:
                 conn.close()

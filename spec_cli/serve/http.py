@@ -117,7 +117,11 @@ class _Handler(BaseHTTPRequestHandler):
             return _error(400, f"could not read the body: {exc}")
         if got < length:
             return _error(400, f"truncated body: {got} of {length} bytes")
-        return logic.handle(self.command, self.path, self.headers, body)
+        try:
+            address = self.connection.getsockname()[0]  # this server as the client reached it
+        except OSError:
+            address = None
+        return logic.handle(self.command, self.path, self.headers, body, address)
 
     def _write(self, response: Response) -> None:
         self._answered = True

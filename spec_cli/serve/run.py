@@ -19,6 +19,7 @@ from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError
 from spec_cli.serve.http import HTTPHandle
+from spec_cli.serve.plane import PlaneHost
 from spec_cli.serve.server import Limits, TargetServer
 from spec_cli.serve.wire import TOKEN_ENV
 from spec_cli.target import loading, local
@@ -40,7 +41,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
           exit_on_disconnect: bool = False,
           on_ready: Callable[[str], None] | None = None, target_engine: str = "transformers",
           target_memory: float | None = None, target_tensor_parallel: int = 1,
-          chat_template: str | None = None, algorithm: str | None = None) -> None:
+          chat_template: str | None = None, algorithm: str | None = None, tensor_plane: bool = True,
+          plane_port: int = 0) -> None:
     """Serve `target` over HTTP until Ctrl-C / SIGTERM (or the last client's disconnect).
 
     `token` (default: $SPEC_SERVE_TOKEN) is then required on every request. `port` 0 picks a free
@@ -48,7 +50,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     transformers or vLLM (the same supervision and target identity either way). `chat_template`
     (--chat-template) replaces the target's own in the tokenizer sent to trainers and in its fingerprint.
     `algorithm` (--algorithm) is the draft algorithm trained from it: it decides the aux layers and the
-    per-token fields trainers may ask for (its TargetFields).
+    per-token fields trainers may ask for (its TargetFields). `tensor_plane` offers trainers the
+    supervision over torch.distributed (plane.py), its rendezvous on `host`:`plane_port`.
     """
     token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
     for name, value in (("max-batch-tokens", max_batch_tokens), ("max-batch-size", max_batch_size),
@@ -56,8 +59,9 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
                         ("request-timeout", request_timeout)):
         if value <= 0:
             raise ConfigError(f"--{name} must be positive, got {value}", f"pass a positive --{name}")
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--port {port} is not a TCP port", "use 1..65535 (0: any free port)")
+    for name, value in (("port", port), ("plane-port", plane_port)):
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"--{name} {value} is not a TCP port", "use 1..65535 (0: any free port)")
     local.check_engine(target_engine)
     template = chat_templates.resolve(chat_template)
     target_dir = loading.resolve_target(assets.resolve_target_arg(str(target)))
@@ -66,12 +70,22 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
                                               algorithm)
     backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template,
                                  memory=target_memory, vllm_tensor_parallel=target_tensor_parallel)
+    plane = None
     try:
+        if tensor_plane:
+            try:
+                plane = PlaneHost(host, plane_port, timeout=request_timeout,
+                                  device=getattr(backend, "device", None))
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {host}:{plane_port} for the tensor plane: "
+                                  f"{exc.strerror or exc}", "choose another --plane-port (0: any free "
+                                  "port), or --no-tensor-plane") from exc
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),
             tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
-            exit_on_disconnect=exit_on_disconnect, fields=algorithms.get(algorithm).target_fields)
+            exit_on_disconnect=exit_on_disconnect, fields=algorithms.get(algorithm).target_fields,
+            plane=plane)
         try:
             handle = HTTPHandle(logic, host, port, request_timeout)
         except OSError as exc:
@@ -79,6 +93,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
                               "choose another --port (0: any free port) or stop what holds it") from exc
         _serve_until_stopped(handle, target_dir, token, on_ready)
     finally:
+        if plane is not None:
+            plane.close()
         backend.close()
 
 
@@ -97,6 +113,8 @@ def _serve_until_stopped(handle: HTTPHandle, target_dir: Path, token: str | None
             info("[bold yellow]warning:[/] listening beyond this machine without a token: anyone who "
                  f"reaches port {handle.port} can use the target (set --token or ${TOKEN_ENV})", markup=True)
         info(f"listening on {handle.url}")
+        if logic.plane is not None:
+            info(f"tensor plane: rendezvous on port {logic.plane.port} ({', '.join(logic.plane.backends)})")
         if on_ready is not None:
             on_ready(handle.url)
         while not stop.wait(0.2):

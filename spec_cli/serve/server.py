@@ -17,7 +17,12 @@ Endpoints (all under /v1; every request carries `Authorization: Bearer TOKEN` wh
 | POST | /output_head      | JSON {"vocab_id"} -> tensors {"lm_head_selected" [Vd, H] [, "final_norm" [H]]} |
 | POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens]} |
 |      |                   | + {"vocab_id"} -> tensors: exactly the TargetBatch (draft-vocab supervision) |
+| POST | /plane            | JSON {"backend"} -> JSON {"channel", "port", "backend"} (or {"channel": null, |
+|      |                   |    "reason"}): a tensor-plane channel for one client thread (plane.py) |
 | POST | /disconnect       | -> JSON {"ok": true}; with exit_on_disconnect the last client's stops it |
+
+A generate sent with `X-Spec-Plane: CHANNEL` is answered with JSON {"plane", "tag", "tensors": [[name,
+dtype, shape], ...]} and the tensors follow over that channel once the answer is flushed (plane.py).
 
 One generate runs on the model at a time (a lock); requests wait their turn.
 """
@@ -34,6 +39,7 @@ from typing import Callable
 import torch
 
 from spec_cli.errors import SpecError
+from spec_cli.serve import plane as plane_module
 from spec_cli.serve import wire
 
 log = logging.getLogger(__name__)
@@ -186,8 +192,10 @@ class TargetServer:
 
     def __init__(self, backend, *, target_config: dict | None = None,
                  tokenizer_files: dict[str, str] | None = None, token: str | None = None,
-                 limits: Limits | None = None, exit_on_disconnect: bool = False, fields: dict | None = None):
+                 limits: Limits | None = None, exit_on_disconnect: bool = False, fields: dict | None = None,
+                 plane=None):
         self.backend = backend
+        self.plane = plane  # a PlaneHost: supervision tensors over torch.distributed (None: HTTP bodies only)
         self.fields = dict(fields or {})  # name -> TargetField: the per-token fields a trainer may ask for
         self.target_config = target_config
         self.tokenizer_files = tokenizer_files
@@ -213,14 +221,18 @@ class TargetServer:
             "/v1/vocab_mapping": ("POST", self.set_vocab_mapping),
             "/v1/output_head": ("POST", self.output_head),
             "/v1/generate": ("POST", self.generate),
+            "/v1/plane": ("POST", self.open_plane),
             "/v1/disconnect": ("POST", self.disconnect),
         }
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, method: str, path: str, headers, body: bytes | bytearray) -> Response:
-        """One request -> one response. Never raises: errors become 4xx/5xx JSON answers."""
+    def handle(self, method: str, path: str, headers, body: bytes | bytearray,
+               address: str | None = None) -> Response:
+        """One request -> one response. Never raises: errors become 4xx/5xx JSON answers.
+
+        `address`: this server's address as the client reached it (a tensor-plane channel binds it)."""
         try:
-            return self._handle(method, path.split("?", 1)[0], headers, body)
+            return self._handle(method, path.split("?", 1)[0], headers, body, address)
         except RequestError as exc:
             log.info("%s %s -> %d %s", method, path, exc.status, exc.message)
             extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
@@ -235,7 +247,7 @@ class TargetServer:
             return Response.json({"error": f"internal error: {type(exc).__name__}: {exc}",
                                   "status": 500}, 500, close=True)
 
-    def _handle(self, method, path, headers, body) -> Response:
+    def _handle(self, method, path, headers, body, address=None) -> Response:
         lowered = {str(k).lower(): v for k, v in headers.items()}  # header names ignore case
 
         def get(name: str) -> str | None:
@@ -260,7 +272,7 @@ class TargetServer:
             with self._state_lock:
                 if path != "/v1/disconnect" and len(self._clients) < MAX_CLIENTS:
                     self._clients.add(client)
-        return handler(body, client=client)
+        return handler(body, client=client, address=address, plane=get("X-Spec-Plane"))
 
     def authorized(self, header: str | None) -> bool:
         """Whether an Authorization header carries the token (always, when none is set)."""
@@ -277,6 +289,7 @@ class TargetServer:
     def info(self) -> dict:
         return {"protocol": wire.PROTOCOL, **self.backend.info, "target_config": self.target_config,
                 "limits": asdict(self.limits), "has_tokenizer": self.tokenizer_files is not None,
+                "plane": self.plane.info() if self.plane is not None else None,
                 "vocab_ids": list(self._vocab_maps)}
 
     def model_info(self, body, **_) -> Response:
@@ -344,7 +357,16 @@ class TargetServer:
             except SpecError as exc:  # a request this target cannot answer exactly (e.g. packing)
                 raise RequestError(422, exc.message, hint=exc.hint) from None
 
-    def generate(self, body, **_) -> Response:
+    def open_plane(self, body, client=None, address=None, **_) -> Response:
+        if self.plane is None:
+            return Response.json({"channel": None, "reason": "the server runs without a tensor plane "
+                                                             "(--no-tensor-plane)"})
+        backend = wire.loads(body).get("backend", "gloo")
+        if not isinstance(backend, str):
+            raise _bad("backend must be a string (gloo or nccl)")
+        return Response.json(self.plane.open(client, backend, address or self.plane.host))
+
+    def generate(self, body, plane=None, **_) -> Response:
         tensors, meta = wire.decode(body if isinstance(body, bytearray) else bytearray(body))
         if not isinstance(meta, dict):
             raise _bad(f"the request's metadata must be a JSON object, got {type(meta).__name__}")
@@ -353,14 +375,34 @@ class TargetServer:
         extras = meta.get("extras", [])
         if not isinstance(extras, list) or not all(isinstance(name, str) for name in extras):
             raise _bad("extras must be a list of field names")
+        channel = None
+        if plane is not None:  # checked before the target runs: a lost channel costs no forward
+            channel = self.plane.get(plane) if self.plane is not None else None
+            if channel is None:
+                raise RequestError(409, f"no tensor-plane channel {plane[:16]!r} (the server restarted, or "
+                                        "the channel failed): open a new one", code="plane")
         out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True,
                              extras=tuple(extras))
-        return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
+        if channel is None:
+            return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
+        tag = self.plane.next_tag(channel.name)
+
+        def send() -> None:  # after the answer is flushed: the client posts its receives on reading it
+            try:
+                channel.send(out, tag)
+            except plane_module.PlaneError as exc:
+                log.info("tensor plane: %s; channel %s closed", exc, channel.name[:8])
+                self.plane.drop(channel.name)
+
+        return Response.json({"plane": channel.name, "tag": tag, "tensors": plane_module.header(out),
+                              "vocab_id": meta.get("vocab_id")}, after=send)
 
     def disconnect(self, body, client=None, **_) -> Response:
         with self._state_lock:
             self._clients.discard(client)
             last = not self._clients
+        if self.plane is not None:
+            self.plane.drop_client(client)
         if self.exit_on_disconnect and last:
             log.info("the last client disconnected: shutting down")
             return Response.json({"ok": True, "shutting_down": True}, close=True,
@@ -369,3 +411,5 @@ class TargetServer:
 
     def close(self) -> None:
         self.shutdown_event.set()
+        if self.plane is not None:
+            self.plane.close()

@@ -117,6 +117,10 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
                 _save_stream_report(cfg, stream_report)
         if logger is not None:
             logger.close()
+        received = getattr(getattr(source.backend, "backend", source.backend), "received", None)
+        if received:  # --remote: how the answers came (the tensor plane, or HTTP bodies)
+            info(f"remote supervision: {received['plane']} batch(es) over the tensor plane, "
+                 f"{received['http']} in HTTP bodies")
         source.backend.close()
     distributed.barrier()
     plot = plot_curves(cfg.runtime.output) if distributed.is_main() else None

@@ -186,7 +186,9 @@ def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Tar
     # With --chat-template the trainer's own template replaces the server's, so the tokenizer is checked
     # once it is here (below), not against what the server reports.
     expect = {} if template else {"tokenizer_fingerprint": vocab_map.metadata.get("tokenizer_fingerprint")}
-    backend = RemoteBackend(cfg.data.remote, token=cfg.data.token, expect=expect)
+    backend = RemoteBackend(cfg.data.remote, token=cfg.data.token, expect=expect,
+                            tensor_plane=cfg.data.tensor_plane, device=device)
+    info(f"remote supervision: {backend.transport}")
     try:
         aux_layers = backend.info["aux_layers"]
         if _other_aux_layers(cfg, backend.info["num_layers"], aux_layers):
@@ -229,8 +231,9 @@ def _stream_bound(cfg: TrainConfig, target: _Target, vocab_map, tokens, plan: li
                             algorithm.final_hidden, widths, docs)
 
     largest = max((nbytes(b) for b in plan), default=0)
-    # the samples live where the target made them: a live target's device, a served one's host memory
-    held_on = device if cfg.data.remote is None else torch.device("cpu")
+    # the samples live where the target made them: a live target's device; a served one's host memory,
+    # or this GPU when its tensor plane is NCCL
+    held_on = device if cfg.data.remote is None else target.backend.lands_on
     free, where = free_room(cfg.runtime.stream_dir, held_on)
     if free is not None and cfg.runtime.stream_dir is None and held_on.type == "cuda":
         free = max(0, free - target.on_device)  # measured before the target loads: its share is not free

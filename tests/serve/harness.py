@@ -41,10 +41,12 @@ def start_server(backend, target_dir: Path, token: str | None = None, limits: Li
 class ServerProcess:
     """`spec_cli.serve.run.serve(...)` in a subprocess; its URL is read from its output."""
 
-    def __init__(self, target_dir: Path, token: str | None = None, startup_s: float = 60.0, **options):
+    def __init__(self, target_dir: Path, token: str | None = None, startup_s: float = 60.0,
+                 code: str | None = None, **options):
+        """`code`: a script to run instead (it serves sys.argv[1] itself)."""
         kwargs = ", ".join(f"{k}={v!r}" for k, v in {"port": 0, "device": "cpu", "dtype": "fp32",
                                                       **options}.items())
-        code = f"import sys; from spec_cli.serve.run import serve; serve(sys.argv[1], {kwargs})"
+        code = code or f"import sys; from spec_cli.serve.run import serve; serve(sys.argv[1], {kwargs})"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "COLUMNS": "200",
                "PYTHONPATH": str(ROOT)}
         env.pop("SPEC_SERVE_TOKEN", None)

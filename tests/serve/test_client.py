@@ -24,14 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def local(tiny_llama_dir):
-    backend = load_backend(tiny_llama_dir)
-    backend.set_vocab_mapping(draft_vocab())
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
 def servers(tiny_llama_dir):
     """Two servers, each with its own copy of the target."""
     handles = [start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok")

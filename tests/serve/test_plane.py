@@ -1,0 +1,231 @@
+"""The tensor plane (spec_cli/serve/plane.py): supervision over torch.distributed send/recv (gloo here)
+after a JSON header, bit-identical to the HTTP body and to the in-process target; the fallback to HTTP
+bodies, chosen per server and said in `transport`; a server killed mid-transfer."""
+
+import re
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from spec_cli.serve import plane, wire
+from spec_cli.serve.client import RemoteBackend, RemoteError
+from spec_cli.serve.plane import PlaneHost
+from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
+from tests.serve.test_client import assert_same_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def planes(tiny_llama_dir):
+    """A server with a tensor plane and one without (the same target)."""
+    with_plane = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok",
+                              plane=PlaneHost("127.0.0.1", 0, timeout=20))
+    without = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok")
+    yield with_plane, without
+    for h in (with_plane, without):
+        h.stop(grace=5)
+        h.logic.backend.close()
+
+
+def sent_bodies(monkeypatch, handle) -> list:
+    """The generate answers' content types (JSON: tensors over the plane; safetensors: in the body)."""
+    seen = []
+    real = handle.logic.generate
+    monkeypatch.setattr(handle.logic, "generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    handle.logic.routes["/v1/generate"] = ("POST", handle.logic.generate)
+    return seen
+
+
+def test_the_plane_carries_the_same_tensors_as_the_body_and_the_target(planes, local, monkeypatch):
+    with_plane, without = planes
+    answers = sent_bodies(monkeypatch, with_plane)
+    over_plane = RemoteBackend(with_plane.url, token="tok")
+    over_http = RemoteBackend(with_plane.url, token="tok", tensor_plane=False)
+    old_server = RemoteBackend(without.url, token="tok")
+    assert over_plane.transport == f"{with_plane.url}: tensor plane (gloo, after a JSON header)"
+    assert over_http.transport == f"{with_plane.url}: HTTP bodies (--no-tensor-plane)"
+    assert old_server.transport == f"{without.url}: HTTP bodies (the server offers no tensor plane)"
+    for remote in (over_plane, over_http, old_server):
+        remote.keep_final_hidden = True  # every field a trainer may ask for
+        remote.set_vocab_mapping(draft_vocab())
+    local.keep_final_hidden = True
+    packed = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(9))
+    ones = torch.ones_like(packed)
+    requests = [(random_batch(B, T, seed), {}) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33)])]
+    requests.append(((packed, ones, ones), {"seq_lens": torch.tensor([[11, 12, 7]])}))
+    try:
+        tensor_bytes = []
+        for args, kw in requests:
+            want = local.generate_batch(*args, **kw)
+            tensor_bytes.append(sum(t.numel() * t.element_size() for t in want.tensors().values()))
+            via_plane = over_plane.generate_batch(*args, **kw)
+            assert_same_batch(via_plane, want)
+            assert_same_batch(over_http.generate_batch(*args, **kw), via_plane)
+            assert_same_batch(old_server.generate_batch(*args, **kw), via_plane)
+        assert over_plane.received == {"plane": 4, "http": 0}
+        assert over_http.received == old_server.received == {"plane": 0, "http": 4}
+        kinds = [a.content_type for a in answers]
+        assert kinds == [wire.JSON_TYPE, wire.TENSOR_TYPE] * 4  # the plane's answers carry no tensor bytes
+        assert all(a.nbytes < 1500 for a in answers[::2])
+        assert all(a.nbytes > n for a, n in zip(answers[1::2], tensor_bytes))
+        with ThreadPoolExecutor(3) as pool:  # producer threads: a channel each, three transfers at once
+            futures = [pool.submit(over_plane.generate_batch, *requests[i % 3][0]) for i in range(9)]
+            for i, future in enumerate(futures):
+                assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 3][0]))
+        assert over_plane.received["plane"] == 13 and len(over_plane._channels) == 4
+    finally:
+        local.keep_final_hidden = False
+        for remote in (over_plane, over_http, old_server):
+            remote.close()
+    time.sleep(0.2)
+    assert with_plane.logic.plane._channels == {}  # the goodbye closed the client's channels
+
+
+def test_a_lost_channel_is_reopened_and_a_failing_plane_falls_back_to_http(planes, local):
+    with_plane = planes[0]
+    remote = RemoteBackend(with_plane.url, token="tok", timeout=2, backoff=0.05)
+    remote.set_vocab_mapping(draft_vocab())
+    ids, am, lm = random_batch(seed=3)
+    want = local.generate_batch(ids, am, lm)
+    try:
+        with_plane.logic.plane.close()  # as after a restart: the server knows none of our channels
+        assert_same_batch(remote.generate_batch(ids, am, lm), want)  # 409 "plane": a new channel
+        assert remote.received == {"plane": 1, "http": 0} and remote.servers[0].plane_failures == 1
+        real = plane.Channel.send
+
+        def broken(self, tensors, tag):
+            raise plane.PlaneError("sending the supervision over the tensor plane failed: test")
+
+        plane.Channel.send = broken  # the server's sends fail (it stays up): the client's receive
+        try:  # times out (its --timeout, 2 s here), and each retry opens a new channel
+            start = time.monotonic()
+            for _ in range(2):
+                assert_same_batch(remote.generate_batch(ids, am, lm), want)
+            assert time.monotonic() - start < 15
+        finally:
+            plane.Channel.send = real
+        assert remote.servers[0].plane_off == "3 transfers over its tensor plane failed"
+        assert remote.transport.endswith("HTTP bodies (3 transfers over its tensor plane failed)")
+        assert remote.received["http"] == 2
+    finally:
+        remote.close()
+
+
+def test_plane_answers_are_checked(planes):
+    with pytest.raises(wire.WireError, match="unknown dtype"):
+        plane.parse_header([["a", "F99", [2]]])
+    with pytest.raises(wire.WireError, match="listed twice"):
+        plane.parse_header([["a", "F32", [2]], ["a", "F32", [2]]])
+    with pytest.raises(wire.WireError, match="shape must be"):
+        plane.parse_header([["a", "F32", [-1]]])
+    logic = planes[0].logic
+    answer = logic.handle("POST", "/v1/plane", {"Authorization": "Bearer tok"}, b'{"backend": "mpi"}')
+    assert wire.loads(answer.body()) == {"channel": None,
+                                         "reason": "this server runs no mpi tensor plane (it has gloo)"}
+    refused = logic.handle("POST", "/v1/generate", {"Authorization": "Bearer tok", "X-Spec-Plane": "nope"},
+                           wire.encode(dict(zip(("input_ids", "attention_mask", "loss_mask"),
+                                                random_batch()))).tobytes())
+    assert refused.status == 409 and wire.loads(refused.body())["code"] == "plane"
+
+
+KILLER = textwrap.dedent("""
+    import os, sys
+    from spec_cli.serve import plane
+    real = plane.Channel.send
+    def send_half(self, tensors, tag):  # the first tensor goes out, then the process dies
+        first = dict(list(tensors.items())[:1])
+        real(self, first, tag)
+        os._exit(9)
+    plane.Channel.send = send_half
+    from spec_cli.serve.run import serve
+    serve(sys.argv[1], port=0, device="cpu", dtype="fp32")
+""")
+
+
+def test_a_server_killed_mid_transfer_is_a_clear_error_and_a_restarted_one_serves_again(
+        tiny_llama_dir, local):
+    dying = ServerProcess(tiny_llama_dir, code=KILLER)
+    port = int(dying.url.rsplit(":", 1)[1])
+    try:
+        remote = RemoteBackend(dying.url, retries=1, backoff=0.2, timeout=30)
+        assert "tensor plane (gloo" in remote.transport
+        remote.set_vocab_mapping(draft_vocab())
+        ids, am, lm = random_batch(4, 64, seed=1)
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match="cannot be reached .*tensor plane|cannot be reached") as err:
+            remote.generate_batch(ids, am, lm)
+        assert time.monotonic() - start < 20  # no hang: the receive fails when the peer goes
+        assert "--resume" in err.value.hint
+        assert dying.proc.wait(timeout=10) == 9
+        again = ServerProcess(tiny_llama_dir, port=port)  # a restart on the same address
+        try:
+            batch = remote.generate_batch(ids, am, lm)  # our vocab is resent, a new channel opened
+            assert_same_batch(batch, local.generate_batch(ids, am, lm))
+            assert remote.received["plane"] == 1
+        finally:
+            remote.close()
+            again.kill()
+    finally:
+        dying.kill()
+
+
+def test_spec_train_takes_the_plane_and_says_so(train_setup, tmp_path, capsys):
+    """`spec serve-target` (its tensor plane on by default) and `spec train --remote` through the CLI:
+    the log says how the supervision came, and the weights equal those trained from HTTP bodies."""
+    from safetensors.torch import load_file
+
+    from spec_cli.artifacts import checkpoint as ckpt
+    from spec_cli.cli import main
+
+    server = ServerProcess(train_setup["target"])
+    try:
+        common = ["train", "--vocab-map", str(train_setup["vm"]), "--remote", server.url,
+                  "--data", str(train_setup["data"]), "--dtype", "fp32", "--ttt-steps", "3", "--lr", "3e-3",
+                  "--max-steps", "3", "--batch-tokens", "256", "--eval-fraction", "0.2", "--save-every", "3"]
+        capsys.readouterr()
+        assert main([*common, "-o", str(tmp_path / "plane"), "--prefetch", "2"]) == 0
+        said = capsys.readouterr()
+        text = " ".join((said.out + said.err).split())
+        assert f"remote supervision: {server.url}: tensor plane (gloo, after a JSON header)" in text
+        assert (found := re.search(r"(\d+) batch\(es\) over the tensor plane, 0 in HTTP bodies",
+                                                 text)) and int(found.group(1)) >= 3
+        assert main([*common, "-o", str(tmp_path / "http"), "--no-tensor-plane"]) == 0
+        said = capsys.readouterr()
+        text = " ".join((said.out + said.err).split())
+        assert "HTTP bodies (--no-tensor-plane)" in text and "0 batch(es) over the tensor plane" in text
+    finally:
+        server.kill()
+    a = load_file(str(ckpt.latest_checkpoint(tmp_path / "plane") / "model.safetensors"))
+    b = load_file(str(ckpt.latest_checkpoint(tmp_path / "http") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nccl_is_chosen_only_gpu_to_gpu(monkeypatch):
+    """The CUDA choice, emulated: an NCCL channel only when the trainer's device is a GPU and both ends run
+    NCCL; batches then land on that GPU (the stream's bound is measured there)."""
+    from spec_cli.serve.client import _Server
+
+    monkeypatch.setattr(plane, "backends", lambda: ["gloo", "nccl"])
+    gpu_server = PlaneHost("127.0.0.1", 0, timeout=5, device="cuda:0")
+    cpu_server = PlaneHost("127.0.0.1", 0, timeout=5, device="cpu")
+    assert gpu_server.backends == ["gloo", "nccl"] and cpu_server.backends == ["gloo"]
+    offers = {"gpu": gpu_server.info(), "cpu": cpu_server.info()}
+    for host in (gpu_server, cpu_server):
+        host.close()
+    remote = RemoteBackend.__new__(RemoteBackend)
+    for trainer, served, want in [("cuda:1", "gpu", "nccl"), ("cuda:1", "cpu", "gloo"), ("cpu", "gpu", "gloo")]:
+        server = _Server("127.0.0.1:1")
+        server.info = {"plane": offers[served]}
+        remote.device, remote.servers = torch.device(trainer), [server]
+        assert remote._plane_backend(server) == want, (trainer, served)
+        assert remote.lands_on == (torch.device(trainer) if want == "nccl" else torch.device("cpu"))
+        server.plane_off = "--no-tensor-plane"
+        assert remote.lands_on == torch.device("cpu")
+    monkeypatch.setattr(plane, "backends", lambda: ["gloo"])  # a trainer without NCCL
+    server.plane_off, remote.device = None, torch.device("cuda:0")
+    server.info = {"plane": offers["gpu"]}
+    assert remote._plane_backend(server) == "gloo"
