@@ -90,7 +90,7 @@ def test_eagle_under_context_parallelism(cp_runs, singles):
 
 
 def test_a_live_target_under_context_parallelism(cp_runs, singles):
-    """A live target (on every rank, whole rows; the objective takes each rank's slots of them)."""
+    """A live target, run once per group on its first rank, which sends the other its slots (target/group.py)."""
     assert_same(weights(singles["live"]), weights(cp_runs["live-cp"]))
 
 

@@ -127,6 +127,7 @@ def make_plan(s: PlanSettings) -> Plan:
     from spec_cli.draft import algorithms
     from spec_cli.draft.algorithm import LM_HEAD
     from spec_cli.plan.step import measure_step
+    from spec_cli.target.supervision import LOGITS_CHUNK_BYTES
     from spec_cli.train_options import ObjectiveOptions
 
     if s.gpu not in GPUS and (s.gpu_memory is None or s.gpu_tflops is None):
@@ -166,9 +167,15 @@ def make_plan(s: PlanSettings) -> Plan:
                          target_dtype=torch.bfloat16 if half else torch.float32, context=cp)
         trained, frozen = m.trained, m.frozen
         need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
-        # the live target's forward at training: its logits [B, T, V] in fp32 and the hidden states it
-        # keeps (the aux layers and the last), by formula; its weights exactly
-        forward = s.batch_size * T * (V * 4 + (len(draft_config.aux_layer_ids) + 2) * H * (2 if half else 4))
+        # the live target's forward at training, by formula (spec_cli/target/hf_backend.py): the hidden
+        # states it keeps (the aux layers and the last), one MLP's [T, 2 x intermediate] at a time, the
+        # draft-vocab logits and distribution [T, Vd] in fp32, and the full vocab scanned a chunk of tokens
+        # at a time (never [T, V]); its weights exactly. Added to the step's peak: an upper bound (its
+        # transients are gone before the step runs)
+        width = 2 if half else 4
+        forward = (s.batch_size * T * (2 * vd * 4 + (len(draft_config.aux_layer_ids) + 2) * H * width
+                                       + 2 * getattr(text, "intermediate_size", 4 * H) * width)
+                   + 3 * LOGITS_CHUNK_BYTES)
         need_live = need + per_gpu_target + forward
         rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
                             (m.peak + per_gpu_target + forward) / 1e9,
@@ -202,8 +209,10 @@ def make_plan(s: PlanSettings) -> Plan:
     if s.context_parallel > 1:
         notes.append(f"with --context-parallel {s.context_parallel} each rank holds 1/{s.context_parallel} of a "
                      "row's activations and all-gathers the step-0 keys and values (its step's peak above); from "
-                     "a feature cache it reads only its slots of the rows (counted so); a live target runs the "
-                     "whole rows on every rank (its share above)")
+                     "a feature cache it reads only its slots of the rows (counted so); a live target runs once "
+                     "per group, on its first rank: 'needs (live target)' is that rank's (the target's weights "
+                     "and its forward over the whole rows), the group's other ranks hold none of it and need "
+                     "what a cache run needs")
     for r in rows:
         if not r.fits and not r.activation_checkpointing:
             other = next(o for o in rows if o.seq_len == r.seq_len and o.activation_checkpointing

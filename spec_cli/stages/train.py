@@ -322,8 +322,10 @@ class Trainer:
 
             context = self.objective.context = Context(schedule.context, *distributed.context_group(schedule.context))
             self.draft.noise_offset = context.rank  # --hidden-noise: each rank its own draws for its slots
-            if getattr(source.backend, "reads_slots", False):  # a cache: read only this rank's slots of a row
-                halo = self.objective.context_halo
+            if getattr(source.backend, "reads_slots", False):  # a cache, or a live target run once per group:
+                halo = self.objective.context_halo  # this rank reads, or is sent, only its slots of a row
+                if hasattr(source.backend, "halo"):  # a target run once per group: it sends every rank's slots
+                    source.backend.halo = halo
                 source.slots_for = lambda T: (padded_length(T, context.size),
                                               kept_ranges(context.size, context.rank, padded_length(T, context.size), halo))
         self.sharded = cfg.runtime.fsdp and schedule.world > 1  # FSDP2; else DDP replicates the draft

@@ -99,6 +99,13 @@ def _check_options(cfg: TrainConfig) -> None:
     if rt.stream_dir is not None and not rt.stream:
         raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
                           "--stream-dir")
+    if rt.context_parallel > 1 and d.target is not None and (rt.stream or rt.target_parallel == "tensor"):
+        raise ConfigError("with --context-parallel a live target runs once per group, on its first rank, "
+                          "in step with the others: " + ("--stream's producer threads run each rank at its "
+                                                        "own pace" if rt.stream else
+                                                        "--target-parallel tensor shards it over every rank"),
+                          "drop " + ("--stream" if rt.stream else "--target-parallel tensor") +
+                          ", or precompute a feature cache")
     if rt.target_parallel not in local.PARALLEL:
         raise ConfigError(f"unknown --target-parallel {rt.target_parallel!r}",
                           f"use one of {', '.join(local.PARALLEL)}")
@@ -162,12 +169,24 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
                                           "rebuild it with `spec build-vocab-map` for this target")
     dtype = loading.choose_dtype(cfg.runtime.dtype, device)
 
-    def load() -> TargetBackend:
+    cp, world = cfg.runtime.context_parallel, distributed.world_size()
+    grouped = cp > 1 and world > 1 and world % cp == 0  # (else Schedule.plan says what is wrong)
+
+    def open_local(parallel: str) -> TargetBackend:
         return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template,
-                                  parallel=cfg.runtime.target_parallel,
-                                  vllm_tensor_parallel=cfg.runtime.target_tensor_parallel,
+                                  parallel=parallel, vllm_tensor_parallel=cfg.runtime.target_tensor_parallel,
                                   memory=TRAIN_TARGET_MEMORY if cfg.runtime.target_memory is None
                                   else cfg.runtime.target_memory)
+
+    def load() -> TargetBackend:
+        if not grouped:
+            return open_local(cfg.runtime.target_parallel)
+        from spec_cli.target.group import GroupTarget  # once per context-parallel group, on its first rank
+
+        rank, group = distributed.context_group(cp)
+        info(f"target: runs once per context-parallel group of {cp} ranks, on its first rank, which sends each "
+             "other rank its slots of the rows (the others hold none of the target)")
+        return GroupTarget(open_local("replica") if rank == 0 else None, group, rank, cp, device)
 
     record = chat_templates.identity(tokenizer, template)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)

@@ -477,3 +477,12 @@ def test_context_parallel_that_cannot_run_is_one_line_before_anything_is_written
     assert error_line(capsys) == ("error: --context-parallel 2 does not divide the 1 torchrun processes; launch "
                                   "a multiple of it (torchrun --nproc-per-node), or choose a divisor")
     assert not run.exists()
+    live = ["train", "-v", str(setup["vm"]), "--target", str(setup["target"]), "--data", str(setup["data"]),
+            "-o", str(run), "-q", "--context-parallel", "2"]
+    assert main([*live, "--stream"]) == 1  # the target runs once per group, in step with the ranks
+    assert error_line(capsys) == ("error: with --context-parallel a live target runs once per group, on its first "
+                                  "rank, in step with the others: --stream's producer threads run each rank at "
+                                  "its own pace; drop --stream, or precompute a feature cache")
+    assert main([*live, "--target-parallel", "tensor"]) == 1
+    assert "--target-parallel tensor shards it over every rank; drop --target-parallel tensor" in error_line(capsys)
+    assert not run.exists()
