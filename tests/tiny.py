@@ -161,3 +161,56 @@ def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
         model.lm_head.weight.mul_(scale)
     model.save_pretrained(str(dst))
     return dst
+
+
+# ----------------------------------------------------------------------------- vision-language targets
+
+VLM_FAMILIES = ("llava", "qwen2_vl", "idefics3", "gemma3")
+
+
+def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
+    """A tiny vision-language config of `family`, its language model under text_config and the image
+    placeholder the last id of the vocab (the tokenizer adds it as a special token)."""
+    import transformers as T
+
+    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                tie_word_embeddings=False)
+    image = vocab_size - 1
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=16, patch_size=4)
+    if family == "llava":
+        return T.LlavaConfig(text_config=T.LlamaConfig(**text), vision_config=T.CLIPVisionConfig(**vision),
+                             image_token_index=image, tie_word_embeddings=False)
+    if family == "qwen2_vl":
+        return T.Qwen2VLConfig(text_config=dict(model_type="qwen2_vl_text", **text,
+                                                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+                                                bos_token_id=None, eos_token_id=None),
+                               vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4,
+                                                  spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+                               image_token_id=image, video_token_id=image - 1, vision_start_token_id=image - 2,
+                               vision_end_token_id=image - 3, tie_word_embeddings=False)
+    if family == "idefics3":
+        return T.Idefics3Config(text_config=T.LlamaConfig(**text, pad_token_id=0), vision_config=vision, image_token_id=image, pad_token_id=0,
+                                scale_factor=2, tie_word_embeddings=False)
+    if family == "gemma3":
+        return T.Gemma3Config(text_config=dict(**text, sliding_window=16), vision_config=vision,
+                              mm_tokens_per_image=4, image_token_index=image, tie_word_embeddings=False)
+    raise ValueError(f"unknown VLM family {family!r}")
+
+
+def save_tiny_vlm(path: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random vision-language target folder: the llama3 chat tokenizer with the image placeholder
+    tokens added, the config and random weights (AutoModelForImageTextToText)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    tokenizer = build_tokenizer("llama3")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>",
+                                                                "<|video_pad|>", "<image>"]})
+    config = tiny_vlm_config(family, len(tokenizer))
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
+    return path

@@ -92,6 +92,21 @@ def engine_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
+def _unloadable(registry, architecture: str) -> str:
+    """Why vLLM's registry gave no class: it has none, or its module does not import in this install
+    (vLLM's multimodal model modules import torchvision, which a CPU install without a matching build lacks)."""
+    entry = getattr(registry, "models", {}).get(architecture)
+    module = getattr(entry, "module_name", None)
+    if module is None:
+        return f"vLLM {version()} has no model class for the target architecture {architecture}"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 (any import failure: say which)
+        return (f"vLLM {version()} serves {architecture} with {module}, which does not import in this install "
+                f"({engine_reason(exc)}), so the engine cannot be asked here")
+    return f"vLLM {version()} could not load its class for {architecture}"
+
+
 def target_supports_eagle3(architecture: str) -> tuple[bool, str]:
     """Does vLLM's model class for this target architecture capture aux hidden states (SupportsEagle3)?
     -> (ok, the engine's reason when not)."""
@@ -104,7 +119,7 @@ def target_supports_eagle3(architecture: str) -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001
         return False, f"vLLM cannot load the target class {architecture}: {engine_reason(exc)}"
     if cls is None:
-        return False, f"vLLM {version()} has no model class for the target architecture {architecture}"
+        return False, _unloadable(ModelRegistry, architecture)
     if not supports_eagle3(cls):
         return False, (f"vLLM {version()}'s {cls.__name__} does not implement SupportsEagle3 (it cannot "
                        "capture the aux hidden states an EAGLE-3 draft reads)")

@@ -87,6 +87,11 @@ def refuse_unservable(target_config) -> None:
 
     arch = (getattr(target_config, "architectures", None) or [""])[0]
     ok, why = vllm.target_supports_eagle3(arch)
+    if not ok and "cannot be asked here" in why:  # the engine serves it, but not in this install
+        raise ArtifactError(f"the vLLM engine check cannot load this target here: {why}",
+                            "--engine-check none writes the export with the checks that need no engine (the "
+                            "engine's own loader and the predictions); or run the engine check where vLLM "
+                            "imports its class (a vLLM install with its torchvision)")
     if not ok:
         raise ArtifactError(f"vLLM cannot serve a draft that reads aux states (EAGLE-3, P-EAGLE) for this target: {why}",
                             "export for another engine (--format sglang), or --engine-check none to write it "

@@ -187,18 +187,32 @@ def supervision_attention(device: torch.device, dtype: torch.dtype) -> str | Non
     return "flash_attention_2" if is_flash_attn_2_available() else None
 
 
+def auto_model_class(config):
+    """The transformers auto class that loads a target of this config: a causal LM, or a vision-language
+    model whose language model sits inside (Llava, Qwen2-VL, Idefics3 / SmolVLM, ...; its text decoder is
+    what spec_cli runs and reads, with the weights as the model's own checkpoint names them)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None,
                attention: str | None = None) -> nn.Module:
     """The target as a frozen causal LM in eval mode. `mesh` (a device mesh of ranks): sharded over it
     by transformers' tensor-parallel plan for the architecture, each rank loading only its shards.
     attention: the attn_implementation to ask for (None: transformers' default); an architecture that
     does not take it loads with the default, with a warning."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    config = load_config(path)
+    AutoModelForCausalLM = auto_model_class(config)  # noqa: N806 (the auto class this target loads with)
     if mesh is not None:
-        config = load_config(path)
         if not getattr(config, "base_model_tp_plan", None):
             raise TargetError(f"transformers has no tensor-parallel plan for {(config.architectures or ['this'])[0]}",
                               "use --target-parallel replica, or serve the target (`spec serve-target`)")

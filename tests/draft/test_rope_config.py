@@ -57,6 +57,19 @@ def test_gemma3_multimodal_reads_its_text_config():
     assert (c.rope_theta, c.rope_scaling["factor"]) == (1_000_000.0, 8.0)
 
 
+@pytest.mark.parametrize("layout", ["published", "transformers-5"])
+def test_qwen_vl_mrope_is_plain_rope_at_its_theta(layout):
+    """Qwen2-VL's M-RoPE: on text its three position sections are the token's index, and vLLM hands a
+    plain-rope draft the first one, so the draft is plain rope at the target's theta (not an error)."""
+    mrope = {"type": "mrope", "mrope_section": [16, 24, 24]}
+    text = {"model_type": "qwen2_vl_text", **SMALL, "rope_theta": 1_000_000.0, "rope_scaling": mrope}
+    config = (config_from_dict({"model_type": "qwen2_vl", "text_config": text}) if layout == "published" else
+              transformers.Qwen2VLConfig(text_config=text))
+    c = draft_of(config)
+    assert (c.rope_theta, c.rope_scaling) == (1_000_000.0, None)
+    assert "M-RoPE" in c.rope_source and "first (temporal)" in c.rope_source
+
+
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 
