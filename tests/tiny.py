@@ -165,7 +165,7 @@ def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
 
 # ----------------------------------------------------------------------------- vision-language targets
 
-VLM_FAMILIES = ("llava", "qwen2_vl", "idefics3", "gemma3")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3")
 
 
 def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
@@ -190,6 +190,26 @@ def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
                                                   spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
                                image_token_id=image, video_token_id=image - 1, vision_start_token_id=image - 2,
                                vision_end_token_id=image - 3, tie_word_embeddings=False)
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        mrope = {"type": "mrope", "mrope_section": [1, 1, 2]} if family == "qwen2_5_vl" else \
+            {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+        cls = T.Qwen2_5_VLConfig if family == "qwen2_5_vl" else T.Qwen3VLConfig
+        vision_fields = (dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                              spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32)
+                         | ({"fullatt_block_indexes": [0], "window_size": 16} if family == "qwen2_5_vl" else
+                            {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]}))
+        return cls(text_config=dict(model_type=f"{family}_text", **text, rope_scaling=mrope, bos_token_id=None,
+                                    eos_token_id=None),
+                   vision_config=vision_fields, image_token_id=image, video_token_id=image - 1,
+                   vision_start_token_id=image - 2, vision_end_token_id=image - 3, tie_word_embeddings=False)
+    if family == "smolvlm":
+        return T.SmolVLMConfig(text_config=T.LlamaConfig(**text, pad_token_id=0), vision_config=vision,
+                               image_token_id=image, scale_factor=2, pad_token_id=0, tie_word_embeddings=False)
+    if family == "mistral3":
+        return T.Mistral3Config(text_config=T.MistralConfig(**text), vision_config=dict(
+            model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            image_size=16, patch_size=4, head_dim=8), image_token_index=image, spatial_merge_size=2,
+            tie_word_embeddings=False)
     if family == "idefics3":
         return T.Idefics3Config(text_config=T.LlamaConfig(**text, pad_token_id=0), vision_config=vision, image_token_id=image, pad_token_id=0,
                                 scale_factor=2, tie_word_embeddings=False)
