@@ -32,6 +32,8 @@ TEMPLATE = "chat template rejected it"
 ASSISTANT_FIRST = "begins with an assistant turn (the chat template refuses it)"
 NO_TEMPLATE = "no chat template"  # never in a summary: tokenize_data stops with one error instead
 TRUNCATED = "no supervised token after truncation"
+IMAGES = "holds images (not trained on yet: docs/vlm.md)"
+IMAGE_PARTS = ("image", "image_url", "input_image")  # OpenAI-style content parts that carry an image
 
 
 def _blank(path: Path) -> bool:
@@ -82,6 +84,16 @@ def load_records(path: str | Path):
         datasets.logging.set_verbosity(verbosity)
 
 
+def has_images(record: dict) -> bool:
+    """An image-text record: OpenAI-style image content parts, or ShareGPT's `image` / `images` field."""
+    if record.get("image") or record.get("images"):
+        return True
+    turns = record.get("messages") or record.get("conversations") or []
+    contents = [turn.get("content") for turn in turns if isinstance(turn, dict)] if isinstance(turns, list) else []
+    return any(isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+               for content in contents if isinstance(content, list) for part in content)
+
+
 def _content_text(content: Any) -> str | None:
     if isinstance(content, str):
         return content
@@ -100,6 +112,8 @@ def _content_text(content: Any) -> str | None:
 def normalise(record: dict, require_assistant: bool = True) -> tuple[str, Any]:
     """("chat", messages) | ("text", str) | ("skip", reason). `require_assistant=False` keeps chats
     without an assistant turn (prompts for `spec regenerate`)."""
+    if has_images(record):  # counted apart: a vision-language draft needs the images (not built yet)
+        return "skip", IMAGES
     turns = None
     if record.get("conversations") is not None:
         turns, role_key, text_key = record["conversations"], "from", "value"

@@ -27,7 +27,8 @@ from spec_cli.paths import spec_home
 # Bump when the masking or truncation rules change: old caches are then not reused.
 # 2: answers cut at the length limit do not supervise the end-of-turn token
 # 3: records a template refuses because they begin with an assistant turn are counted apart
-TOKENIZE_VERSION = "3"
+# 4: image-text records are counted apart (records.IMAGES), not as malformed
+TOKENIZE_VERSION = "4"
 CHUNK = 256  # records per work item
 # The slowest tokenising to plan a wait for: ShareGPT (121 MB) went through SmolLM2's tokenizer at
 # 0.32 MB/s in one process on a 2-core machine another job kept busy; a tenth of a slow rate's speed.
