@@ -131,3 +131,34 @@ def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
         for name, value in padded.items():
             torch.testing.assert_close(getattr(part, name)[:, places], value[:, rows], msg=name, rtol=0, atol=0)
     source.backend.close()
+
+
+def test_a_served_target_is_asked_once_per_group(train_setup, singles, tmp_path):
+    """--remote under --context-parallel 2: the group's first rank asks the server (over its tensor plane)
+    and sends the other rank its slots: the server runs each batch once, as for one process, and the
+    draft is the one the live target trains."""
+    from spec_cli.serve.plane import PlaneHost
+    from tests.serve.harness import load_backend, start_server
+
+    server = start_server(load_backend(train_setup["target"]), train_setup["target"],
+                          plane=PlaneHost("127.0.0.1", 0, timeout=60))
+    calls = []
+    real = server.logic.backend.generate_batch
+    server.logic.backend.generate_batch = lambda *a, **k: calls.append(a[0].shape if a else k["input_ids"].shape) \
+        or real(*a, **k)
+    args = [a if a != str(train_setup["target"]) else server.url
+            for a in live_args(train_setup, tmp_path / "one", "replica")
+            if a not in ("--target-parallel", "replica", "--dtype", "fp32")]
+    args[args.index("--target")] = "--remote"
+    try:
+        assert main([*args, *FP32]) == 0
+        alone = list(calls)
+        calls.clear()
+        grouped = [a if a != str(tmp_path / "one") else str(tmp_path / "cp") for a in args]
+        torchrun([[*grouped, "--context-parallel", "2", *FP32]], tmp_path / "launch")
+    finally:
+        server.stop(grace=5)
+        server.logic.backend.close()
+    assert calls == alone and len(alone) >= 2  # each batch once, whole rows, as one process asks
+    assert_same(weights(singles["live"]), weights(tmp_path / "cp"))
+    assert_same(weights(tmp_path / "one"), weights(tmp_path / "cp"))

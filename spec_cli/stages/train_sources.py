@@ -73,6 +73,15 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
         bound = _stream_bound(cfg, target, vocab_map, tokens, plan, device) if cfg.runtime.stream else None
         backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
+        if d.remote is not None and _grouped(cfg):  # one rank of each context-parallel group asks the servers
+            from spec_cli.target.group import GroupTarget
+
+            rank, group = distributed.context_group(cfg.runtime.context_parallel)
+            if rank != 0:
+                backend.close()
+            info("remote supervision: asked once per context-parallel group, by its first rank, which sends each "
+                 "other rank its slots of the rows")
+            backend = GroupTarget(backend if rank == 0 else None, group, rank, cfg.runtime.context_parallel, device)
         if cfg.runtime.stream and getattr(backend, "group", None) is not None:
             backend.close()
             raise ConfigError("--stream runs the target in producer threads, each rank at its own pace; a "
@@ -87,6 +96,12 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound)
 
 
+def _grouped(cfg: TrainConfig) -> bool:
+    """Context parallelism over torchrun ranks (else Schedule.plan says what is wrong with the option)."""
+    cp, world = cfg.runtime.context_parallel, distributed.world_size()
+    return cp > 1 and world > 1 and world % cp == 0
+
+
 def _check_options(cfg: TrainConfig) -> None:
     d, rt = cfg.data, cfg.runtime
     if sum(x is not None for x in (d.cache, d.target, d.remote)) != 1:
@@ -99,11 +114,11 @@ def _check_options(cfg: TrainConfig) -> None:
     if rt.stream_dir is not None and not rt.stream:
         raise ConfigError("--stream-dir is where --stream keeps its samples", "add --stream, or drop "
                           "--stream-dir")
-    if rt.context_parallel > 1 and d.target is not None and (rt.stream or rt.target_parallel == "tensor"):
-        raise ConfigError("with --context-parallel a live target runs once per group, on its first rank, "
-                          "in step with the others: " + ("--stream's producer threads run each rank at its "
-                                                        "own pace" if rt.stream else
-                                                        "--target-parallel tensor shards it over every rank"),
+    if rt.context_parallel > 1 and d.cache is None and (rt.stream or (d.target and rt.target_parallel == "tensor")):
+        raise ConfigError(f"with --context-parallel a {'live' if d.target else 'served'} target runs once per "
+                          "group, on its first rank, in step with the others: " +
+                          ("--stream's producer threads run each rank at its own pace" if rt.stream else
+                           "--target-parallel tensor shards it over every rank"),
                           "drop " + ("--stream" if rt.stream else "--target-parallel tensor") +
                           ", or precompute a feature cache")
     if rt.target_parallel not in local.PARALLEL:
@@ -169,8 +184,7 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
                                           "rebuild it with `spec build-vocab-map` for this target")
     dtype = loading.choose_dtype(cfg.runtime.dtype, device)
 
-    cp, world = cfg.runtime.context_parallel, distributed.world_size()
-    grouped = cp > 1 and world > 1 and world % cp == 0  # (else Schedule.plan says what is wrong)
+    cp, grouped = cfg.runtime.context_parallel, _grouped(cfg)
 
     def open_local(parallel: str) -> TargetBackend:
         return local.open_backend(cfg.runtime.target_engine, target_dir, aux_layers, device, dtype, template,
@@ -434,6 +448,11 @@ def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: in
             with source.backend.lock:
                 return cache.read_host(**inputs_for(source, schedule.indices(i), cfg.data.pack))
         return _ReadAhead(read, cache.finish, device, start, end, rt.prefetch)
+    if getattr(source.backend, "in_step", False):  # a context-parallel group's target: asked on every rank alike
+        if remote and rt.prefetch > 0:
+            info("--prefetch: a context-parallel group asks its target in step, on every rank's main thread: "
+                 "each batch is asked for when the loop needs it")
+        return _WhenAsked(source, schedule, cfg.data.pack, device)
     if not (rt.stream or (remote and rt.prefetch > 0)):
         return _WhenAsked(source, schedule, cfg.data.pack, device)
 

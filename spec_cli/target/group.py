@@ -1,12 +1,13 @@
-"""A live target under --context-parallel: run once per group, each rank handed only its slots.
+"""A live or served target under --context-parallel: asked once per group, each rank handed only its
+slots.
 
-The group's first rank loads the target and runs it over the group's whole rows (as one process
-would: the rows at their own length, then padded to the group's chunks); it keeps its own slots of the
-supervision and sends every other rank of the group its slots (spec_cli/draft/context.py kept_ranges:
-its two chunks and the TTT depth it reads ahead), point to point over the group. The other ranks hold
-none of the target: its weights, its forward and the whole rows' supervision (target_p over the draft
-vocab, the aux states) live on the first rank only. What every rank needs of the target besides
-(its facts, the input embeddings, the output head) is broadcast once.
+The group's first rank loads the target (or, with --remote, asks the servers) for the group's whole
+rows (as one process would: the rows at their own length, then padded to the group's chunks); it keeps
+its own slots of the supervision and sends every other rank of the group its slots
+(spec_cli/draft/context.py kept_ranges: its two chunks and the TTT depth it reads ahead), point to point
+over the group. The other ranks hold none of the target: its weights, its forward and the whole rows'
+supervision (target_p over the draft vocab, the aux states) live on the first rank only. What every
+rank needs of the target besides (its facts, the input embeddings, the output head) is broadcast once.
 
 Every rank calls the same methods in the same order (the trainer's loop asks for each batch on its
 main thread, on every rank alike), so the transfers match on NCCL as on gloo: this is why `--stream`
@@ -43,6 +44,7 @@ class GroupTarget(TargetBackend):
     """The target of a context-parallel group: `backend` on the group's first rank (None elsewhere)."""
 
     reads_slots = True  # generate_batch(slots=...): the trainer asks for this rank's slots only
+    in_step = True  # every rank asks for each batch on its main thread, in the same order (no read-ahead)
 
     def __init__(self, backend: TargetBackend | None, group, rank: int, size: int, device: torch.device):
         self.backend, self.group, self.rank, self.size = backend, group, rank, size
