@@ -148,6 +148,8 @@ class PlaneHost:
                  device: torch.device | str | None = None):
         self.host, self.timeout = host, timeout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # set_device needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, backlog=128)
         self.port = sock.getsockname()[1]

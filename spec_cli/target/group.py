@@ -85,8 +85,8 @@ class GroupTarget(TargetBackend):
         data = json.dumps(tensor_header(tensors)).encode()
         dist.send(torch.tensor([len(data)], dtype=torch.int64, device=self.device), dst, group=self.group)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), dst, group=self.group)
-        for t in tensors.values():
-            dist.send(t.contiguous(), dst, group=self.group)
+        for t in tensors.values():  # on this rank's device: the receiver waits on that device's backend
+            dist.send(t.to(self.device).contiguous(), dst, group=self.group)
 
     def _recv(self) -> dict[str, torch.Tensor]:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
