@@ -18,6 +18,45 @@ import torch
 
 
 EXTRA = "extra."  # the prefix of an extra field's name in a flat dict of tensors
+MAX_TENSORS = 64  # tensors in one message or transfer
+MAX_DIMS = 8
+# safetensors' dtype codes: how every message and transfer names a tensor's dtype
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8, "BOOL": torch.bool}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def check_shape(name: str, value) -> list[int]:
+    """`value` as a tensor's shape (ValueError naming the tensor when it is not one)."""
+    if not isinstance(value, list) or len(value) > MAX_DIMS or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        raise ValueError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    return value
+
+
+def tensor_header(tensors: dict[str, torch.Tensor]) -> list[list]:
+    """Tensors described without their data, [[name, dtype code, shape], ...] in order: what a transfer
+    of them sends first (JSON), so the receiver can allocate each."""
+    return [[name, CODES[t.dtype], list(t.shape)] for name, t in tensors.items()]
+
+
+def parse_tensor_header(entries) -> list[tuple[str, torch.dtype, list[int]]]:
+    """`tensor_header()`'s output, checked entry by entry (ValueError on anything else)."""
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise ValueError(f"the tensor list must be a list of at most {MAX_TENSORS} entries")
+    out, names = [], set()
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise ValueError("each tensor entry must be [name, dtype, shape]")
+        name, code, shape = entry
+        if name in names:
+            raise ValueError(f"tensor {name!r} is listed twice")
+        if code not in DTYPES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {code!r}")
+        names.add(name)
+        out.append((name, DTYPES[code], check_shape(name, shape)))
+    return out
 
 
 @dataclass

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spec_cli.batch import parse_tensor_header, tensor_header
 from spec_cli.serve import wire
 
 log = logging.getLogger(__name__)
@@ -72,26 +73,16 @@ def pair(store: dist.Store, rank: int, backend: str, address: str,
 
 
 def header(tensors: dict[str, torch.Tensor]) -> list[list]:
-    """The tensor message's header without data: [[name, dtype code, shape], ...] in send order."""
-    return [[name, wire.CODES[t.dtype], list(t.shape)] for name, t in tensors.items()]
+    """The tensor message's header without data (batch.tensor_header): what an answer announces."""
+    return tensor_header(tensors)
 
 
 def parse_header(entries) -> list[tuple[str, torch.dtype, list[int]]]:
-    """`header()`'s output, checked as wire.decode checks a message (WireError on anything else)."""
-    if not isinstance(entries, list) or len(entries) > wire.MAX_TENSORS:
-        raise wire.WireError(f"the tensor list must be a list of at most {wire.MAX_TENSORS} entries")
-    out, names = [], set()
-    for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
-            raise wire.WireError("each tensor entry must be [name, dtype, shape]")
-        name, code, shape = entry
-        if name in names:
-            raise wire.WireError(f"tensor {name!r} is listed twice")
-        if code not in wire.DTYPES:
-            raise wire.WireError(f"tensor {name!r}: unknown dtype {code!r}")
-        names.add(name)
-        out.append((name, wire.DTYPES[code], wire._shape(name, shape)))
-    return out
+    """An answer's announced tensors, checked (WireError, as wire.decode raises, on anything else)."""
+    try:
+        return parse_tensor_header(entries)
+    except ValueError as exc:
+        raise wire.WireError(str(exc)) from None
 
 
 @dataclass

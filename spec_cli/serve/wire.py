@@ -24,19 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_cli.batch import CODES, DTYPES, MAX_TENSORS, check_shape  # noqa: F401 (re-exported)
+
 PROTOCOL = 1  # bumped whenever a message changes meaning
 TOKEN_ENV = "SPEC_SERVE_TOKEN"  # the token both sides read when none is passed
 TENSOR_TYPE = "application/x-safetensors"
 JSON_TYPE = "application/json"
 
 MAX_HEADER_BYTES = 1 << 20
-MAX_TENSORS = 64
-MAX_DIMS = 8
-
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-          "U8": torch.uint8, "BOOL": torch.bool}
-CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class WireError(ValueError):
@@ -94,11 +89,10 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> Encode
 
 
 def _shape(name: str, value) -> list[int]:
-    if not isinstance(value, list) or len(value) > MAX_DIMS or \
-            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise WireError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} "
-                        "non-negative integers")
-    return value
+    try:
+        return check_shape(name, value)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
 
 
 def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict]:

@@ -23,10 +23,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from spec_cli.batch import TargetBatch
+from spec_cli.batch import TargetBatch, parse_tensor_header, tensor_header
 from spec_cli.draft.context import kept_ranges, pad_rows
-from spec_cli.serve.plane import header as tensor_header
-from spec_cli.serve.plane import parse_header
 from spec_cli.target.backend import TargetBackend
 
 WHOLE = ("attention_mask", "position_ids", "seq_lens")  # fields that stay whole rows in a slot batch
@@ -73,7 +71,7 @@ class GroupTarget(TargetBackend):
         if specs is None:
             return None
         out = {}
-        for name, dtype, shape in parse_header(specs):
+        for name, dtype, shape in parse_tensor_header(specs):
             t = (tensors[name].to(self.device).contiguous() if self.rank == 0
                  else torch.empty(shape, dtype=dtype, device=self.device))
             dist.broadcast(t, self.leader, group=self.group)
@@ -94,7 +92,7 @@ class GroupTarget(TargetBackend):
         data = torch.empty(int(length), dtype=torch.uint8, device=self.device)
         dist.recv(data, self.leader, group=self.group)
         out = {}
-        for name, dtype, shape in parse_header(json.loads(bytes(data.cpu().numpy()).decode())):
+        for name, dtype, shape in parse_tensor_header(json.loads(bytes(data.cpu().numpy()).decode())):
             out[name] = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(out[name], self.leader, group=self.group)
         return out

@@ -79,6 +79,6 @@ def test_the_train_command_has_one_option_per_field():
     assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None
     assert resumable_options() == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
                          "device", "num_proc", "activation_checkpointing", "remote", "prefetch", "token",
-                         "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp",
+                         "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp", "tensor_plane",
                          "target_engine", "target_parallel", "target_memory", "target_tensor_parallel",
                          "attention", "precision", "peagle_segments"}
