@@ -159,6 +159,7 @@ def test_a_served_target_is_asked_once_per_group(train_setup, singles, tmp_path)
     finally:
         server.stop(grace=5)
         server.logic.backend.close()
-    assert calls == alone and len(alone) >= 2  # each batch once, whole rows, as one process asks
+    # each batch once, whole rows, as one process asks (the prefetched next batch may reach the server first)
+    assert sorted(map(tuple, calls)) == sorted(map(tuple, alone)) and len(alone) >= 2
     assert_same(weights(singles["live"]), weights(tmp_path / "cp"))
     assert_same(weights(tmp_path / "one"), weights(tmp_path / "cp"))
