@@ -258,6 +258,8 @@ class RemoteBackend(TargetBackend):
             except (_Retry, OSError) as exc:
                 last = str(exc)
                 status = None
+                if channel is not None:  # the server may send this answer's tensors into it still
+                    self._drop_channel(srv)
             finally:
                 with self._lock:
                     srv.in_flight -= 1
@@ -305,7 +307,11 @@ class RemoteBackend(TargetBackend):
         GPU), else gloo (host memory)."""
         offer = server.info.get("plane") or {}
         both = "nccl" in (offer.get("backends") or []) and "nccl" in plane.backends()
-        return "nccl" if self.device.type == "cuda" and both else "gloo"
+        if not (self.device.type == "cuda" and both):
+            return "gloo"
+        # trainer and server on one GPU: NCCL cannot pair a device with itself
+        same = offer.get("gpu") is not None and offer.get("gpu") == plane.gpu_identity(self.device)
+        return "gloo" if same else "nccl"
 
     def _probe_plane(self) -> None:
         """Open this thread's channel to each server now, so `transport` says how answers will come."""
@@ -339,7 +345,7 @@ class RemoteBackend(TargetBackend):
             wait = datetime.timedelta(seconds=self.connect_timeout)
             store = dist.TCPStore(server.host, port, None, False, wait)
             group = plane.pair(dist.PrefixStore(plane.PREFIX + name, store), 1, backend, address,
-                               datetime.timedelta(seconds=self.timeout))
+                               datetime.timedelta(seconds=self.timeout), connect=wait)
         except RemoteError:  # the server is unreachable: this attempt goes over HTTP (and fails there)
             return None
         except (plane.PlaneError, RuntimeError, OSError, ValueError) as exc:
@@ -379,7 +385,9 @@ class RemoteBackend(TargetBackend):
             self._drop_channel(server)  # whatever the server sends now would be unmatched
             raise RemoteError(f"the target server {server.url} sent a malformed tensor-plane answer to "
                               f"{what}: {exc}", "check that server and trainer run the same spec_cli") from None
-        return channel.recv(specs, tag), {"vocab_id": header.get("vocab_id")}, "plane"
+        tensors = channel.recv(specs, tag)
+        server.plane_failures = 0  # failures in a row turn the plane off: one transfer worked
+        return tensors, {"vocab_id": header.get("vocab_id")}, "plane"
 
     @property
     def lands_on(self) -> torch.device:
@@ -535,14 +543,21 @@ class RemoteBackend(TargetBackend):
 
     def _generate(self, message: wire.Encoded, shape: tuple[int, int]) -> TargetBatch:
         resent: set[str] = set()
-        for _ in range(len(self.servers) + 1):  # each server may need our vocab mapping once more
+        reopened: set[str] = set()
+        # each server may need our vocab mapping once more and a new channel (a restarted server needs
+        # both: neither uses up the other's tries), and its plane may fail until it is turned off
+        for _ in range(len(self.servers) * (2 + self.PLANE_FAILURES) + 1):
             try:
                 server, answer = self._call("POST", "/v1/generate", message, what="a generate request",
                                             plane_ok=True)
             except _Conflict as exc:
                 server = exc.server
-                if exc.code == "plane":  # the server lost this thread's channel: a new one (or HTTP)
-                    self._plane_failed(server, exc)
+                if exc.code == "plane":  # the server lost this thread's channel (restarted, or closed an
+                    if server.url in reopened:  # idle one): a new one; a failure only when it repeats
+                        self._plane_failed(server, exc)
+                    else:
+                        reopened.add(server.url)
+                        self._drop_channel(server)
                     continue
                 if exc.code != "vocab" or server.url in resent:
                     raise RemoteError(f"the target server {server.url} refused a generate request: "

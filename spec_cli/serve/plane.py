@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import secrets
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,11 @@ PREFIX = "spec-plane/"
 MAX_CHANNELS = 256  # open channels per server (each is a two-rank process group)
 TAG_STRIDE = wire.MAX_TENSORS  # tag of tensor i of request n: n * TAG_STRIDE + i
 TAG_WRAP = 1 << 20
+IDLE_SECONDS = 3600.0  # a channel unused this long is closed (its client is gone, or will reopen one)
+# NCCL's watchdog on a failed or timed-out transfer: 2 aborts the channel's communicator and leaves the
+# process up (the default, 3, ends the process: a trainer gone mid-transfer would take the server with it)
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+_ENV_LOCK = threading.Lock()
 
 
 class PlaneError(RuntimeError):
@@ -57,19 +64,43 @@ def backends() -> list[str]:
     return out
 
 
-def pair(store: dist.Store, rank: int, backend: str, address: str,
-         timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A two-rank process group of `backend` through `store`; gloo's sockets bind `address`."""
+def pair(store: dist.Store, rank: int, backend: str, address: str, timeout: datetime.timedelta,
+         connect: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A two-rank process group of `backend` through `store`; gloo's sockets bind `address`.
+
+    `connect` bounds the rendezvous (gloo connects in the constructor; default `timeout`), `timeout`
+    each transfer after it. An NCCL group is made with NCCL_ERROR_HANDLING, so that a failed transfer
+    aborts this group only, never the process (the server's other clients, the trainer's run)."""
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = connect or timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-        return dist.ProcessGroupGloo(store, rank, 2, options)
+        group = dist.ProcessGroupGloo(store, rank, 2, options)
+        if connect is not None and connect != timeout:
+            group.set_timeout(timeout)
+        return group
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
+        name, value = NCCL_ERROR_HANDLING
+        with _ENV_LOCK:  # read by the group's constructor; the process's own groups keep theirs
+            before = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return dist.ProcessGroupNCCL(store, rank, 2, options)
+            finally:
+                if before is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = before
     raise ValueError(f"unknown tensor-plane backend {backend!r}")
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """The GPU's UUID (two ranks of one NCCL group cannot share a GPU), or None off CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def header(tensors: dict[str, torch.Tensor]) -> list[list]:
@@ -94,30 +125,54 @@ class Channel:
     backend: str
     device: torch.device  # where tensors travel: CPU for gloo, the GPU for NCCL
     timeout: float
+    last_used: float = field(default_factory=time.monotonic)  # the server closes long-idle channels
+
+    def _failed(self, what: str, exc: Exception) -> PlaneError:
+        return PlaneError(f"{what} failed: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}")
 
     def _wait(self, works, what: str) -> None:
+        """Wait for every posted transfer, `timeout` seconds at most. On NCCL, wait() only orders the
+        current stream after the transfer, so completion is polled on the host instead: a peer gone
+        mid-transfer is an error after the timeout, not a stream that never finishes."""
+        deadline = time.monotonic() + self.timeout
         try:
+            if self.backend == "nccl":
+                while not all(work.is_completed() for work in works):
+                    if time.monotonic() > deadline:
+                        raise PlaneError(f"{what} did not finish within {self.timeout:g} s")
+                    time.sleep(0.0005)
+                for work in works:  # raises the communicator's error, if it failed
+                    work.wait()
+                return
             for work in works:
-                if not work.wait(datetime.timedelta(seconds=self.timeout)):
+                if not work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))):
                     raise PlaneError(f"{what} did not finish within {self.timeout:g} s")
         except PlaneError:
             raise
         except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout; NCCL: an abort
-            raise PlaneError(f"{what} failed: {str(exc).splitlines()[0][:300]}") from None
+            raise self._failed(what, exc) from None
+
+    def _post(self, post, peer: int, tensors: list[torch.Tensor], base: int, what: str) -> list:
+        """One send or recv per non-empty tensor; an error while posting (NCCL's communicator
+        refusing, an aborted group) is a failed channel like an error while waiting."""
+        try:
+            return [post([t], peer, base + i) for i, t in enumerate(tensors) if t.numel()]
+        except RuntimeError as exc:
+            raise self._failed(what, exc) from None
 
     def send(self, tensors: dict[str, torch.Tensor], tag: int) -> None:
         """Send every tensor (contiguous, on this channel's device) to the client, in order."""
+        self.last_used = time.monotonic()
+        what = "sending the supervision over the tensor plane"
         buffers = [t.detach().to(self.device).contiguous() for t in tensors.values()]
-        base = (tag % TAG_WRAP) * TAG_STRIDE
-        works = [self.group.send([t], 1, base + i) for i, t in enumerate(buffers) if t.numel()]
-        self._wait(works, "sending the supervision over the tensor plane")
+        self._wait(self._post(self.group.send, 1, buffers, (tag % TAG_WRAP) * TAG_STRIDE, what), what)
 
     def recv(self, specs: list[tuple[str, torch.dtype, list[int]]], tag: int) -> dict[str, torch.Tensor]:
         """Receive the tensors `specs` names (the answer's header), sent by `send` with the same tag."""
+        self.last_used = time.monotonic()
+        what = "receiving the supervision over the tensor plane"
         out = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, dtype, shape in specs}
-        base = (tag % TAG_WRAP) * TAG_STRIDE
-        works = [self.group.recv([t], 0, base + i) for i, t in enumerate(out.values()) if t.numel()]
-        self._wait(works, "receiving the supervision over the tensor plane")
+        self._wait(self._post(self.group.recv, 0, list(out.values()), (tag % TAG_WRAP) * TAG_STRIDE, what), what)
         if self.device.type == "cuda":  # the batch is read by the trainer's thread, on its own stream
             torch.cuda.current_stream(self.device).synchronize()
         return out
@@ -153,7 +208,24 @@ class PlaneHost:
         self._tags: dict[str, int] = {}
 
     def info(self) -> dict:
-        return {"port": self.port, "backends": self.backends}
+        """What /v1/info offers: the rendezvous port, the backends, and the GPU an NCCL channel's
+        end would use (a trainer on that same GPU takes gloo: NCCL cannot pair a GPU with itself)."""
+        return {"port": self.port, "backends": self.backends,
+                "gpu": gpu_identity(self.device) if "nccl" in self.backends else None}
+
+    def _reap(self) -> None:
+        """Close channels unused for IDLE_SECONDS (a trainer gone without its goodbye), and when the
+        server is full the least recently used one idle past `timeout` (its client reopens one)."""
+        now = time.monotonic()
+        with self._lock:
+            idle = sorted((holder[0].last_used, name) for name, (_, _, holder) in self._channels.items()
+                          if holder)
+        gone = [(used, name) for used, name in idle if now - used > IDLE_SECONDS]
+        if len(self._channels) - len(gone) >= MAX_CHANNELS:
+            gone += [(used, name) for used, name in idle if IDLE_SECONDS >= now - used > self.timeout][:1]
+        for used, name in gone:
+            log.info("tensor-plane channel %s closed: unused for %.0f s", name[:8], now - used)
+            self.drop(name)
 
     def open(self, client: str | None, backend: str, address: str) -> dict:
         """Start a channel for one client thread; `address` is this server's address as the client
@@ -161,6 +233,7 @@ class PlaneHost:
         if backend not in self.backends:
             return {"channel": None, "reason": f"this server runs no {backend} tensor plane "
                                                f"(it has {', '.join(self.backends) or 'none'})"}
+        self._reap()
         with self._lock:
             if len(self._channels) >= MAX_CHANNELS:
                 return {"channel": None, "reason": f"the server has {MAX_CHANNELS} channels open"}

@@ -115,6 +115,11 @@ def _serve_until_stopped(handle: HTTPHandle, target_dir: Path, token: str | None
         info(f"listening on {handle.url}")
         if logic.plane is not None:
             info(f"tensor plane: rendezvous on port {logic.plane.port} ({', '.join(logic.plane.backends)})")
+            if handle.host not in LOOPBACK:
+                info("[bold yellow]warning:[/] the tensor plane's port "
+                     f"{logic.plane.port} takes connections without the token (a channel's random name, "
+                     "handed out over HTTP, is what a client joins with): keep that port inside the "
+                     "cluster's network, or serve with --no-tensor-plane", markup=True)
         if on_ready is not None:
             on_ready(handle.url)
         while not stop.wait(0.2):

@@ -30,12 +30,12 @@ def load_backend(target_dir: Path, aux_layers=None) -> HFTargetBackend:
 
 
 def start_server(backend, target_dir: Path, token: str | None = None, limits: Limits | None = None,
-                 request_timeout: float = 10.0, **kw) -> HTTPHandle:
-    """A TargetServer behind HTTP on 127.0.0.1:<free port>, served from a background thread."""
+                 request_timeout: float = 10.0, host: str = "127.0.0.1", **kw) -> HTTPHandle:
+    """A TargetServer behind HTTP on `host`:<free port>, served from a background thread."""
     logic = TargetServer(backend, target_config=loading.load_config(target_dir).to_dict(),
                          tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir)),
                          token=token, limits=limits, **kw)
-    return HTTPHandle(logic, "127.0.0.1", 0, request_timeout=request_timeout)
+    return HTTPHandle(logic, host, 0, request_timeout=request_timeout)
 
 
 class ServerProcess:

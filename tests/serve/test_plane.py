@@ -2,6 +2,7 @@
 after a JSON header, bit-identical to the HTTP body and to the in-process target; the fallback to HTTP
 bodies, chosen per server and said in `transport`; a server killed mid-transfer."""
 
+import os
 import re
 import textwrap
 import time
@@ -94,11 +95,11 @@ def test_a_lost_channel_is_reopened_and_a_failing_plane_falls_back_to_http(plane
     try:
         with_plane.logic.plane.close()  # as after a restart: the server knows none of our channels
         assert_same_batch(remote.generate_batch(ids, am, lm), want)  # 409 "plane": a new channel
-        assert remote.received == {"plane": 1, "http": 0} and remote.servers[0].plane_failures == 1
+        assert remote.received == {"plane": 1, "http": 0} and remote.servers[0].plane_failures == 0
         real = plane.Channel.send
 
-        def broken(self, tensors, tag):
-            raise plane.PlaneError("sending the supervision over the tensor plane failed: test")
+        def broken(self, tensors, tag):  # not a PlaneError: whatever fails, the server drops the channel
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         plane.Channel.send = broken  # the server's sends fail (it stays up): the client's receive
         try:  # times out (its --timeout, 2 s here), and each retry opens a new channel
@@ -109,6 +110,7 @@ def test_a_lost_channel_is_reopened_and_a_failing_plane_falls_back_to_http(plane
         finally:
             plane.Channel.send = real
         assert remote.servers[0].plane_off == "3 transfers over its tensor plane failed"
+        assert with_plane.logic.plane._channels == {}  # each failed one closed on the server too
         assert remote.transport.endswith("HTTP bodies (3 transfers over its tensor plane failed)")
         assert remote.received["http"] == 2
     finally:
@@ -229,3 +231,218 @@ def test_nccl_is_chosen_only_gpu_to_gpu(monkeypatch):
     server.plane_off, remote.device = None, torch.device("cuda:0")
     server.info = {"plane": offers["gpu"]}
     assert remote._plane_backend(server) == "gloo"
+
+
+def test_a_trainer_on_the_servers_own_gpu_takes_gloo(monkeypatch):
+    """NCCL cannot pair a GPU with itself: the server offers its GPU's UUID, and a trainer on that same
+    GPU (one machine, one card) takes gloo; on another GPU, NCCL."""
+    from spec_cli.serve.client import _Server
+
+    monkeypatch.setattr(plane, "backends", lambda: ["gloo", "nccl"])
+    uuids = {0: "GPU-aaaa", 1: "GPU-bbbb"}
+    monkeypatch.setattr(plane, "gpu_identity", lambda d: uuids.get(d.index) if d.type == "cuda" else None)
+    host = PlaneHost("127.0.0.1", 0, timeout=5, device="cuda:0")
+    offer = host.info()
+    host.close()
+    assert offer["gpu"] == "GPU-aaaa"
+    remote = RemoteBackend.__new__(RemoteBackend)
+    server = _Server("127.0.0.1:1")
+    server.info = {"plane": offer}
+    for trainer, want in [("cuda:0", "gloo"), ("cuda:1", "nccl")]:
+        remote.device, remote.servers = torch.device(trainer), [server]
+        assert remote._plane_backend(server) == want, trainer
+
+
+def test_a_server_restarted_between_batches_costs_no_try(planes, local):
+    """A restarted server knows neither this thread's channel nor its vocab mapping: the next generate
+    opens a new channel and resends the mapping (two 409s), even with no retries left for failures."""
+    with_plane = planes[0]
+    remote = RemoteBackend(with_plane.url, token="tok", retries=0)
+    remote.set_vocab_mapping(draft_vocab())
+    ids, am, lm = random_batch(seed=5)
+    try:
+        assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
+        with_plane.logic.plane.close()
+        with_plane.logic._vocab_maps.clear()
+        with_plane.logic._active_vocab = None
+        assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
+        assert remote.received == {"plane": 2, "http": 0} and remote.servers[0].plane_failures == 0
+    finally:
+        remote.close()
+
+
+def test_a_connection_lost_with_a_channel_in_use_drops_that_channel(planes, local, monkeypatch):
+    """The server may still send a lost request's tensors into its channel: the retry takes a new one, so
+    no answer is matched with another request's tensors."""
+    from spec_cli.serve import client as client_module
+
+    with_plane = planes[0]
+    remote = RemoteBackend(with_plane.url, token="tok", backoff=0.01)
+    remote.set_vocab_mapping(draft_vocab())
+    used, real = [], remote._exchange
+
+    def flaky(server, method, path, body, timeout, headers=None):
+        if headers and "X-Spec-Plane" in headers:
+            used.append(headers["X-Spec-Plane"])
+            if len(used) == 1:
+                raise client_module._Retry("connection reset by peer")
+        return real(server, method, path, body, timeout, headers)
+
+    monkeypatch.setattr(remote, "_exchange", flaky)
+    ids, am, lm = random_batch(seed=6)
+    try:
+        assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
+        assert len(used) == 2 and used[0] != used[1] and remote.received["plane"] == 1
+    finally:
+        remote.close()
+
+
+class _Work:
+    """A posted transfer as NCCL's Work answers: `done` after `polls` queries, or an error."""
+
+    def __init__(self, polls=0, error=None):
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self):
+        if self.error:
+            raise RuntimeError(self.error)
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return True
+
+
+class _Group:
+    def __init__(self, works=(), post_error=None):
+        self.works, self.post_error, self.closed = list(works), post_error, False
+
+    def send(self, tensors, peer, tag):
+        if self.post_error:
+            raise RuntimeError(self.post_error)
+        return self.works.pop(0)
+
+    recv = send
+
+    def abort(self):
+        self.closed = True
+
+
+def test_nccl_transfers_are_polled_on_the_host_and_every_error_is_a_plane_error():
+    """The NCCL path's logic, emulated: wait() there only orders the stream, so completion is polled on
+    the host and bounded by the channel's timeout; errors while posting or completing, as NCCL raises
+    them, are PlaneErrors (the client then retries on a new channel) rather than a crash."""
+    def channel(group, timeout=0.3):
+        return plane.Channel("c", group, "nccl", torch.device("cpu"), timeout)
+
+    done = [_Work(polls=3), _Work(polls=1)]
+    channel(_Group(done)).send({"a": torch.ones(2), "b": torch.ones(3)}, tag=1)
+    assert all(w.waited for w in done)
+    start = time.monotonic()
+    with pytest.raises(plane.PlaneError, match="did not finish within 0.3 s"):
+        channel(_Group([_Work(polls=10**9)])).send({"a": torch.ones(2)}, tag=1)
+    assert time.monotonic() - start < 2
+    with pytest.raises(plane.PlaneError, match="receiving .* failed: NCCL error: remote process exited"):
+        channel(_Group([_Work(error="NCCL error: remote process exited\nmore")])).recv(
+            [("a", torch.float32, [2])], tag=1)
+    with pytest.raises(plane.PlaneError, match="sending .* failed: NCCL communicator was aborted"):
+        channel(_Group(post_error="NCCL communicator was aborted on rank 0")).send({"a": torch.ones(2)}, tag=1)
+
+
+def test_nccl_channels_abort_themselves_not_the_process(monkeypatch):
+    """An NCCL channel is made with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the
+    process): with torch's default (3) a trainer gone mid-transfer would end the server. The process's
+    own setting is left as it was."""
+    import datetime
+
+    import torch.distributed as dist
+
+    seen = []
+
+    class FakeNCCL:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options):
+            seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size, options._timeout))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    for before in (None, "3"):
+        if before is None:
+            monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
+        plane.pair(None, 1, "nccl", "127.0.0.1", datetime.timedelta(seconds=7))
+        assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
+    assert seen == [("2", 1, 2, datetime.timedelta(seconds=7))] * 2
+
+
+def test_the_gloo_join_is_bounded_by_the_connect_timeout():
+    """A client whose server never makes its end waits --connect-timeout, not the transfer timeout."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        plane.pair(dist.PrefixStore("lonely", store), 1, "gloo", "127.0.0.1", datetime.timedelta(seconds=600),
+                   connect=datetime.timedelta(seconds=1))
+    assert time.monotonic() - start < 10
+
+
+def test_idle_channels_are_closed(monkeypatch):
+    """A trainer gone without its goodbye leaves channels: those unused for IDLE_SECONDS are closed when
+    a channel is opened, and a full server closes its least recently used one idle past its timeout."""
+    host = PlaneHost("127.0.0.1", 0, timeout=5)
+    monkeypatch.setattr(plane.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
+    now = time.monotonic()
+
+    def add(name, idle):
+        group = _Group()
+        group.shutdown = lambda: setattr(group, "closed", True)
+        channel = plane.Channel(name, group, "gloo", torch.device("cpu"), 5, last_used=now - idle)
+        host._channels[name] = ("client", None, [channel])
+        return group
+
+    try:
+        old, recent = add("old", plane.IDLE_SECONDS + 10), add("recent", 1)
+        host.open("c", "gloo", "127.0.0.1")
+        assert old.closed and not recent.closed and "old" not in host._channels
+        quiet = add("quiet", 60)
+        monkeypatch.setattr(plane, "MAX_CHANNELS", len(host._channels))  # full
+        answer = host.open("c", "gloo", "127.0.0.1")
+        assert answer["channel"] and quiet.closed and not recent.closed
+        add("busy", 0)
+        assert host.open("c", "gloo", "127.0.0.1")["channel"] is None  # all in use: refused, none closed
+        assert not recent.closed
+    finally:
+        host._channels.clear()
+        host.close()
+
+
+def test_a_plane_beyond_this_machine_is_announced_with_its_exposure(tiny_llama_dir, capsys):
+    """Served beyond loopback, the start-up says the rendezvous port takes connections without the token
+    (the case the plane exists for is between hosts, so it stays on; the user decides)."""
+    from spec_cli.serve.run import _serve_until_stopped
+
+    said = {}
+    for host in ("127.0.0.1", "0.0.0.0"):
+        handle = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok", host=host,
+                              plane=PlaneHost(host, 0, timeout=5))
+        try:
+            capsys.readouterr()
+            _serve_until_stopped(handle, tiny_llama_dir, "tok", lambda url, h=handle: h.logic.shutdown_event.set())
+            out = capsys.readouterr()
+            said[host] = " ".join((out.out + out.err).split())
+        finally:
+            handle.logic.plane.close()
+            handle.logic.backend.close()
+    port = "takes connections without the token"
+    assert port not in said["127.0.0.1"]
+    assert port in said["0.0.0.0"] and "--no-tensor-plane" in said["0.0.0.0"]
