@@ -87,11 +87,15 @@ def target_rope(text) -> RopeChoice:
         note += f"; the target config names no rope theta, so transformers' default {DEFAULT_THETA:g} is used"
     scaling = _scaling_of(entry, max_positions)
     kind = (scaling or {}).get("rope_type", "default")
-    if kind == "mrope" or "mrope_section" in entry:  # Qwen2-VL / 2.5-VL / 3-VL's multimodal rope
-        scaling, kind = None, "default"
+    if kind == "mrope" or "mrope_section" in entry or "mrope_section" in (scaling or {}):
+        # Qwen2-VL / 2.5-VL / 3-VL's multimodal rope: the sections go, a scaling on top of it (yarn) stays
+        scaling = {k: v for k, v in (scaling or {}).items() if k not in ("mrope_section", "mrope_interleaved")}
+        kind = scaling.get("rope_type", "default")
+        if kind in ("mrope", "default"):
+            scaling, kind = None, "default"
         note += ("; the target's M-RoPE rotates by (temporal, height, width) positions, which are all the "
                  "token's index on text; vLLM hands a plain-rope draft the first (temporal) one, so the draft "
-                 "is plain rope at the target's theta")
+                 f"is {'plain' if scaling is None else kind} rope at the target's theta")
     if kind not in ROPE_TYPES:
         raise ConfigError(f"the target's rope scaling {kind!r} ({where}) is not one the draft computes "
                           f"({', '.join(ROPE_TYPES)})",

@@ -70,6 +70,19 @@ def test_qwen_vl_mrope_is_plain_rope_at_its_theta(layout):
     assert "M-RoPE" in c.rope_source and "first (temporal)" in c.rope_source
 
 
+def test_qwen_vl_mrope_with_yarn_keeps_the_yarn():
+    """Qwen2.5-VL served past its trained length carries yarn on top of M-RoPE: the sections go (the
+    draft's positions are the token's index), the yarn stays, as the target's own rotation scales."""
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+               "mrope_section": [16, 24, 24]}
+    text = {"model_type": "qwen2_5_vl_text", **SMALL, "rope_theta": 1_000_000.0, "rope_scaling": scaling,
+            "max_position_embeddings": 131072}
+    c = draft_of(config_from_dict({"model_type": "qwen2_5_vl", "text_config": text}))
+    assert c.rope_theta == 1_000_000.0
+    assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert "yarn rope at the target's theta" in c.rope_source
+
+
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 
