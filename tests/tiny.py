@@ -165,7 +165,8 @@ def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
 
 # ----------------------------------------------------------------------------- vision-language targets
 
-VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3", "gemma4",
+                "llama4")
 
 
 def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
@@ -216,6 +217,29 @@ def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
     if family == "gemma3":
         return T.Gemma3Config(text_config=dict(**text, sliding_window=16), vision_config=vision,
                               mm_tokens_per_image=4, image_token_index=image, tie_word_embeddings=False)
+    if family == "gemma4":
+        return T.Gemma4Config(text_config=dict(**text), tie_word_embeddings=False, image_token_id=image,
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, head_dim=8, num_key_value_heads=2,
+                                                 patch_size=4))
+    if family == "llama4":  # every layer a mixture of two experts, as Llama 4 Scout's
+        return T.Llama4Config(text_config=dict(**text, num_local_experts=2, num_experts_per_tok=1,
+                                               interleave_moe_layer_step=1, intermediate_size_mlp=64,
+                                               no_rope_layers=[], attention_chunk_size=64, pad_token_id=0),
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=16, patch_size=4,
+                                                 vision_output_dim=32, projector_input_dim=32,
+                                                 projector_output_dim=32),
+                              image_token_index=image, tie_word_embeddings=False)
+    if family == "mllama":  # Llama 3.2 Vision: the image reaches the text through cross-attention layers
+        text = {k: v for k, v in text.items() if k != "head_dim"}
+        return T.MllamaConfig(text_config=dict(**text, cross_attention_layers=[2], pad_token_id=0, bos_token_id=1,
+                                               eos_token_id=2),
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                 num_global_layers=1, attention_heads=2, image_size=16,
+                                                 patch_size=4, vision_output_dim=32,
+                                                 intermediate_layers_indices=[0]),
+                              image_token_index=image, tie_word_embeddings=False)
     raise ValueError(f"unknown VLM family {family!r}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def _scaling_of(entry: dict, max_positions: int | None) -> dict | None:
     if kind == "yarn" and out.get("factor") is None and max_positions:
         out["factor"] = max_positions / out["original_max_position_embeddings"]  # _compute_yarn_parameters
     return out
+
+
+def _text_attr(text, name: str):
+    """A text config's attribute; where it differs between layers (Gemma 4: its full-attention layers'
+    head_dim is twice the sliding ones') the value most layers have: the draft is one uniform layer."""
+    try:
+        return getattr(text, name, None)
+    except Exception as exc:  # noqa: BLE001 (transformers' AmbiguousGlobalPerLayerAttributeError)
+        layers = getattr(text, "per_layer_config", None)
+        if layers is None:
+            raise
+        values = [getattr(layers[i], name, None) for i in range(text.num_hidden_layers)]
+        if not any(v is not None for v in values):
+            raise exc from None
+        return Counter(v for v in values if v is not None).most_common(1)[0][0]
 
 
 def target_rope(text) -> RopeChoice:
@@ -96,6 +112,9 @@ def target_rope(text) -> RopeChoice:
         note += ("; the target's M-RoPE rotates by (temporal, height, width) positions, which are all the "
                  "token's index on text; vLLM hands a plain-rope draft the first (temporal) one, so the draft "
                  f"is {'plain' if scaling is None else kind} rope at the target's theta")
+    if kind == "proportional":  # Gemma 4's full-attention layers: rope on a part of each head, the rest
+        scaling, kind = None, "default"  # unrotated; the draft (a Llama layer) rotates all of its head
+        note += "; its proportional rope is plain rope at this theta on a part of each head"
     if kind not in ROPE_TYPES:
         raise ConfigError(f"the target's rope scaling {kind!r} ({where}) is not one the draft computes "
                           f"({', '.join(ROPE_TYPES)})",
@@ -181,8 +200,8 @@ class DraftConfig:
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            num_key_value_heads=_text_attr(text, "num_key_value_heads") or heads,
+            head_dim=_text_attr(text, "head_dim") or text.hidden_size // heads,
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_theta=rope.theta,

@@ -24,6 +24,7 @@ import inspect
 import torch
 from torch import nn
 
+from spec_cli.target import loading
 from spec_cli.target.capture import AuxCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 
@@ -38,7 +39,7 @@ class Target:
         self._final: list[torch.Tensor] = []
         self._final_hook = None
         if final_hidden:  # the draft reads the target's post-norm last hidden state (EAGLE-1/2)
-            norm = getattr(model.get_decoder(), "norm", None)
+            norm = getattr(loading.text_decoder(model), "norm", None)
             if norm is None:
                 raise ValueError(f"{type(model).__name__} has no final norm to read the draft's feature from")
             self._final_hook = norm.register_forward_hook(

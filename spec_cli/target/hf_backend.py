@@ -164,7 +164,7 @@ class HFTargetBackend(LocalTargetBackend):
                      if Layout.from_config(config).packs_by_positions() else None)
         self.model = loading.load_model(target_dir, self.device, self.dtype, mesh, attention)
         self.group = None if mesh is None else mesh.get_group()  # the ranks a forward runs on together
-        self.decoder = self.model.get_decoder()
+        self.decoder = loading.text_decoder(self.model)
         self.final_norm = getattr(self.decoder, "norm", None)
         head = self.model.get_output_embeddings()
         weight = head.weight

@@ -196,7 +196,10 @@ def auto_model_class(config):
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     kind = getattr(config, "model_type", None)
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and (
+            kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "vision_config", None) is not None):
+        # (Llama 4 and Mllama map to a text-only causal LM too, whose weight names are not those of their
+        # published, multimodal checkpoints: a config with a vision part loads as the whole model)
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
@@ -273,6 +276,15 @@ def num_layers(config) -> int:
 
 
 _NON_TEXT = ("vision", "visual", "audio", "image", "encoder")
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The base text decoder (embeddings, layers, final norm; its output `last_hidden_state`), also where a
+    VLM's get_decoder() answers its whole causal LM (Llama 4: language_model is a Llama4ForCausalLM)."""
+    decoder = model.get_decoder()
+    while getattr(decoder, "lm_head", None) is not None and isinstance(getattr(decoder, "model", None), nn.Module):
+        decoder = decoder.model
+    return decoder
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -174,3 +174,18 @@ def test_the_target_rope_reaches_the_exported_config(tmp_path, fmt):
     readme = (result.output / "README.md").read_text()
     assert "yarn" in readme and "target rope_parameters: theta 1e+06, yarn scaling" in readme
     assert written["spec_cli"]["rope_source"] == c.rope_source
+
+
+def test_gemma4_proportional_rope_and_per_layer_head_dim():
+    """Gemma 4: its full-attention layers' proportional rope is plain rope on part of each head (the draft,
+    one Llama layer, rotates all of its head at that theta), and its head_dim differs per layer kind (a
+    per-layer attribute transformers refuses to read globally): the draft takes the one most layers have."""
+    from tests import tiny
+
+    config = tiny.tiny_vlm_config("gemma4", 300)
+    text = config.text_config
+    assert text.per_layer_config[5].head_dim != text.per_layer_config[0].head_dim  # full vs sliding
+    c = draft_of(config)
+    assert (c.rope_theta, c.rope_scaling, c.head_dim) == (text.rope_parameters["full_attention"]["rope_theta"],
+                                                          None, text.per_layer_config[0].head_dim)
+    assert "proportional rope is plain rope" in c.rope_source

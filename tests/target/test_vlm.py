@@ -1,4 +1,5 @@
-"""Vision-language targets (Llava, Qwen2-VL, Idefics3 / SmolVLM, Gemma 3) on text: their language model,
+"""Vision-language targets (Llava, Qwen2-VL / 2.5 / 3, Idefics3 / SmolVLM, Gemma 3 and 4, Mistral 3,
+Llama 4) on text: their language model,
 under `text_config`, is what every stage runs and reads. Tiny random VLMs built here (tests/tiny.py).
 
 - The supervision a VLM target gives for text rows equals an independent forward of the whole
@@ -88,7 +89,7 @@ def test_the_pipeline_runs_on_a_vlm_target(vlms, family, tmp_path, capsys):
     # cannot load them in this install (no torchvision), so the export is checked without it
     architecture = loading.load_config(target).architectures[0]
     served = architecture in VLLM_SERVED
-    assert served == (family in ("llava", "qwen2_5_vl", "qwen3_vl", "mistral3"))
+    assert served == (family in ("llava", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma4", "llama4"))
     out = tmp_path / "export"
     assert main(["export", str(run), "-f", "vllm", "-o", str(out), "--engine-check", "none", "-q"]) == (0 if served else 1)
     if served:
