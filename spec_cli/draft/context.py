@@ -9,15 +9,16 @@ contiguous runs (`ContextShard.owned`).
 Attention. The draft's TTT attention needs, at every step, the step-0 keys and values of the whole row
 (each slot's later-step keys are its own and stay local). They are small next to the activations (GQA:
 hkv * d per slot, e.g. 1,024 values for Llama-3-8B against its 4,096-wide hidden state and 14,336-wide
-MLP), so each rank all-gathers them (one collective per layer and step), runs its own queries against
+MLP), so each rank all-gathers them once per layer and batch (the TTT steps all read the same step-0
+keys: `ContextBias.whole_rows` keeps the gathered ones for the unroll), runs its own queries against
 them with the same masks as a single process (causal by the slot's index in the row, documents,
-sliding window) and, in backward, gathers them again and reduce-scatters their gradients back to the
-owners. This is the all-gather form of context parallelism (as in Llama 3's training), chosen over
-ring attention (N - 1 exchanges of K/V per layer, each overlapped with a block of work: its gain is
-overlap, which needs streams and is not measurable here) and Ulysses all-to-all (needs the heads
-divisible by N: a draft of 32 query and 8 KV heads caps N at 8, and TTT's per-slot extra keys would be
-re-sharded by head as well). Exact: each query's softmax is merged from its kernel calls by their
-log-sum-exp, and backward runs the fused kernel with the merged output (the split-KV identity).
+sliding window) and, in backward, reduce-scatters their gradients (summed over the steps by autograd)
+to the owners once, in fp32. This is the all-gather form of context parallelism (as in Llama 3's
+training); kept for the unroll, it sends less than Ulysses all-to-all (queries and outputs re-sharded
+at every step; heads divisible by N) and ring attention (the keys re-circulated at every step; its gain
+is overlap on CUDA streams): bench/cp_attention.py, docs/context-parallel.md. Exact: each query's
+softmax is merged from its kernel calls by their log-sum-exp, and backward runs the fused kernel with
+the merged output (the split-KV identity).
 
 Normalisation. Every masked mean of the objective is over the supervised slots of the whole batch: the
 per-step counts are summed over the group (in the step's one host sync) and each rank's share of a
@@ -198,12 +199,40 @@ class LocalShard(ContextShard):
         return x.clone()
 
 
+class _GatherRows(torch.autograd.Function):
+    """Whole rows of this rank's slots of x [B, hkv, 2c, d] (all-gather); backward, the rows' gradients
+    (summed over every TTT step that read them) summed over the group into their owners, in fp32."""
+
+    @staticmethod
+    def forward(ctx, shard: ContextShard, x: torch.Tensor) -> torch.Tensor:
+        ctx.shard = shard
+        return shard.gather(x, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        wide = torch.promote_types(grad.dtype, torch.float32)  # bf16/fp16 -> fp32; fp32/fp64 as they are
+        return None, ctx.shard.scatter_sum(grad.to(wide), 2).to(grad.dtype)
+
+
 @dataclass(frozen=True)
 class ContextBias:
     """The attention structure of a CP shard: whole rows' documents (`segments`, maybe windowed), whose
-    queries this rank holds in part. `ttt_attention` takes it where it takes a Segments."""
+    queries this rank holds in part. `ttt_attention` takes it where it takes a Segments, and hands its
+    causal part the whole rows' keys (`whole_rows`)."""
     shard: ContextShard
     segments: Segments
+    gathered: dict = field(default_factory=dict, compare=False, repr=False)  # id(keys) -> (keys, rows)
+
+    def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole rows of this rank's keys or values x, gathered once per tensor: every TTT step of an
+        unroll passes the same step-0 keys, so the later ones reuse the first step's gather (shared by
+        the windowed copies of this bias, which `dataclasses.replace` hands the same dict)."""
+        held = self.gathered.get(id(x))
+        if held is not None and held[0] is x:
+            return held[1]
+        rows = _GatherRows.apply(self.shard, x)
+        self.gathered[id(x)] = (x, rows)
+        return rows
 
     def windowed(self, window: int) -> "ContextBias":
         return dataclasses.replace(self, segments=attention.with_window(
@@ -229,9 +258,9 @@ class ContextBias:
                     yield b, local + a - cs, a, z - a, ks, z, "window"
 
     def causal_fwd(self, kernel, q, k, v, scale):
-        """(out, lse, states) of this rank's queries q [B, h, 2c, d] against the row's keys: k, v are this
-        rank's [B, hkv, 2c, d], gathered here."""
-        keys, values = self.shard.gather(k, 2), self.shard.gather(v, 2)
+        """(out, lse, states) of this rank's queries q [B, h, 2c, d] against the row's keys: k, v are the
+        whole rows' [B, hkv, T, d] (`whole_rows`)."""
+        keys, values = k, v
         acc = attention._acc_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -250,8 +279,8 @@ class ContextBias:
 
     def causal_bwd(self, kernel, dout, q, k, v, out, lse, scale, states):
         """dq, dk, dv of `causal_fwd`, given the merged out and lse: each call's backward (exact, the split-KV
-        identity), the keys' gradients summed over the group into their owners."""
-        keys, values = self.shard.gather(k, 2), self.shard.gather(v, 2)
+        identity); dk, dv are the whole rows' (the gather's backward sums them into their owners)."""
+        keys, values = k, v
         acc = attention._acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dv = torch.zeros(keys.shape, dtype=acc, device=q.device), torch.zeros(values.shape, dtype=acc, device=q.device)
@@ -266,8 +295,7 @@ class ContextBias:
             dq[b:b + 1, :, lq:lq + n] += gq_.to(acc)
             dk[b:b + 1, :, ks:ke] += gk.to(acc)
             dv[b:b + 1, :, ks:ke] += gv.to(acc)
-        return (dq.to(q.dtype), self.shard.scatter_sum(dk, 2).to(k.dtype),
-                self.shard.scatter_sum(dv, 2).to(v.dtype))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def _bias(self, kind, n: int, ks: int, ke: int, like: torch.Tensor):
         if kind != "window":

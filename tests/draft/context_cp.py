@@ -53,8 +53,31 @@ def _compare(whole, parts, draft_whole, draft_cp) -> dict:
     return diffs
 
 
+COLLECTIVES = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+
+
+def _count_collectives() -> None:
+    """Count the key traffic's collectives (the all-gathers of keys and values, the reduce-scatters of
+    their gradients) as spec_cli/draft/context.py calls them."""
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            COLLECTIVES[_name] += 1
+            return _real(*args, **kwargs)
+        setattr(dist, name, counted)
+
+
+def _counts() -> dict:
+    out = dict(COLLECTIVES)
+    for name in COLLECTIVES:
+        COLLECTIVES[name] = 0
+    return out
+
+
 def main(out: str) -> None:
     distributed.init(torch.device("cpu"))
+    _count_collectives()
     rank = dist.get_rank()
     shard = ContextShard(size=2, rank=rank, length=T)
     results = {}
@@ -66,17 +89,23 @@ def main(out: str) -> None:
             batch = random_batch(whole_draft.config, lengths, T, docs, dtype=torch.float64)
             whole = ttt_forward(whole_draft, batch, **objective)
             whole.loss.backward()
+            _counts()
             parts = ttt_forward(cp_draft, batch, shard=shard, **objective)
             parts.loss.backward()
             results[f"eagle3-{name}-{impl}"] = _compare(whole, parts, whole_draft, cp_draft)
+            results[f"eagle3-{name}-{impl}"].update(_counts(), layers=options.get("num_hidden_layers", 1),
+                                                     steps=objective["ttt_steps"],
+                                                     checkpoint=objective.get("checkpoint", False))
     # EAGLE-1/2: the same unroll, its head reading the final hidden state one slot further on
     whole_draft, cp_draft = eagle_draft().double(), eagle_draft().double()
     batch = batch_of([24, 19], T).map(lambda t: t.double() if t.is_floating_point() else t)
     whole = eagle_forward(whole_draft, batch, ttt_steps=3)
     whole.loss.backward()
+    _counts()
     parts = eagle_forward(cp_draft, batch, ttt_steps=3, shard=shard)
     parts.loss.backward()
     results["eagle"] = _compare(whole, parts, whole_draft, cp_draft)
+    results["eagle"].update(_counts(), layers=1, steps=3, checkpoint=False)
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "context.json").write_text(json.dumps(results, indent=1))

@@ -36,3 +36,10 @@ def test_context_parallel_objective_equals_the_whole_rows(tmp_path):
         assert d["loss"] < tol * max(1.0, d["loss_value"]) and d["step_loss"] < tol, (case, d)
         assert d["correct"] == 0 and d["total"] == 0 and d["supervised"] == 0, (case, d)
         assert d["grad_rel"] < 100 * tol, (case, d)
+    # the keys' traffic: per layer one all-gather of the keys and one of the values for the whole unroll
+    # (the TTT steps reuse them; activation checkpointing gathers again once, in its recompute), one
+    # reduce-scatter of each's gradients; not per TTT step
+    for case, d in results.items():
+        forwards = 2 if d["checkpoint"] else 1
+        assert d["all_gather_into_tensor"] == 2 * d["layers"] * forwards, (case, d)
+        assert d["reduce_scatter_tensor"] == 2 * d["layers"], (case, d)
