@@ -261,8 +261,15 @@ def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> s
     return "resumed" if outcome.reused_parts else "ran"
 
 
+def _jsonl_lines(path: Path) -> list[str]:
+    """A JSON-lines file's lines, cut at newlines only: str.splitlines() also cuts at U+2028 and the
+    other Unicode line breaks, which JSON strings written with ensure_ascii=False hold as they are
+    (ShareGPT has them)."""
+    return path.read_text(encoding="utf-8").split("\n")
+
+
 def _last_source_index(data: Path) -> int:
-    return max((json.loads(line).get("source_index", -1) for line in data.read_text().splitlines()
+    return max((json.loads(line).get("source_index", -1) for line in _jsonl_lines(data)
                 if line.strip()), default=-1)
 
 
@@ -299,7 +306,7 @@ def _sharegpt_after(found: dict, used: int, count: int, keep_users: int | None =
 def _training_data(profile: Profile, found: dict, regenerated: Path, path: Path) -> str:
     """The regenerated conversations, then `original_samples` further ShareGPT conversations with
     their original answers (written once; a rerun with the same inputs reuses it)."""
-    lines = [line for line in regenerated.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in _jsonl_lines(regenerated) if line.strip()]
     used = _last_source_index(regenerated)
     lines += [json.dumps({**r, "source": "sharegpt"}, ensure_ascii=False)
               for r in _sharegpt_after(found, used, profile.original_samples)]

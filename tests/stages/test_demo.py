@@ -232,3 +232,28 @@ def test_an_unknown_engine_is_one_line_before_the_folder_is_claimed(tmp_path, ca
     assert main(["demo", "--engine", "tgi", "--quick", "-o", str(out)]) == 1
     assert capsys.readouterr().err.strip() == "error: unknown --engine 'tgi'; use auto, transformers or vllm"
     assert not out.exists()
+
+
+def test_conversations_with_unicode_line_separators_stay_whole(tmp_path):
+    """ShareGPT text holds U+2028 (written as it is, ensure_ascii=False): the training data and the
+    held-out prompts are cut at newlines only (the default demo's held-out stage once failed on it)."""
+    tricky = {"conversations": [{"from": "human", "value": "first\u2028second\u0085third"},
+                                {"from": "gpt", "value": "ok\u2029done"}]}
+    plain = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    sharegpt.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [plain, tricky, plain, plain]),
+                        encoding="utf-8")
+    regenerated = tmp_path / "regenerated.jsonl"
+    regenerated.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"},
+                                                    {"role": "assistant", "content": "c"}], "source_index": 0},
+                                      ensure_ascii=False) + "\n", encoding="utf-8")
+    profile = demo.Profile("t", samples=1, original_samples=1, max_length=8, regen_max_new_tokens=1,
+                           draft_vocab_size=8, ttt_steps=1, batch_tokens=8, steps=1, lr=1e-3, eval_prompts=1,
+                           eval_max_new_tokens=1, heldout_prompts=1, expected_minutes=1)
+    data = tmp_path / "train.jsonl"
+    demo._training_data(profile, {"sharegpt": sharegpt}, regenerated, data)
+    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").split("\n") if line]
+    assert [r["source_index"] for r in rows] == [0, 1]
+    assert rows[1]["messages"][0]["content"] == "first\u2028second\u0085third"
+    held = demo._heldout_prompts(profile, {"sharegpt": sharegpt}, data, tmp_path)
+    assert [json.loads(line)["source_index"] for line in held.read_text(encoding="utf-8").split("\n") if line] == [2]
