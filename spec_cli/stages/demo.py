@@ -67,9 +67,9 @@ PROFILES = {
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
                      eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
                      schedule="wsd"),
-    "full": Profile("full", samples=320, original_samples=400, max_length=256, regen_max_new_tokens=192,
+    "full": Profile("full", samples=320, original_samples=1300, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=45,
+                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=50,
                     schedule="wsd"),
 }
 
