@@ -745,4 +745,5 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
         bias = bias.to(q.dtype)
     if hasattr(bias, "whole_rows"):  # a context-parallel shard: the causal part reads whole rows' keys
         k0, v0 = bias.whole_rows(k0), bias.whole_rows(v0)
+        bias = bias.without_rows()  # (the graph keeps this copy: the gathered rows must not be in it)
     return _TTTAttention.apply(kernel, bias, scale, len(extra_k), q, k0, v0, *extra_k, *extra_v)

@@ -231,8 +231,15 @@ class ContextBias:
         if held is not None and held[0] is x:
             return held[1]
         rows = _GatherRows.apply(self.shard, x)
-        self.gathered[id(x)] = (x, rows)
+        if torch._C._current_graph_task_id() == -1:  # not in backward: an activation checkpoint's
+            self.gathered[id(x)] = (x, rows)  # recompute gathers its step-0 keys for itself, unkept
         return rows
+
+    def without_rows(self) -> "ContextBias":
+        """This bias without the kept rows, for the attention's saved state: the rows' autograd history
+        reaches back to the attention calls below, and a bias holding them there would be a reference
+        cycle that keeps every step's gathered keys alive."""
+        return dataclasses.replace(self, gathered={})
 
     def windowed(self, window: int) -> "ContextBias":
         return dataclasses.replace(self, segments=attention.with_window(

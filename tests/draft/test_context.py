@@ -43,3 +43,22 @@ def test_context_parallel_objective_equals_the_whole_rows(tmp_path):
         forwards = 2 if d["checkpoint"] else 1
         assert d["all_gather_into_tensor"] == 2 * d["layers"] * forwards, (case, d)
         assert d["reduce_scatter_tensor"] == 2 * d["layers"], (case, d)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_kept_keys_are_freed_after_each_step(checkpoint):
+    """The whole rows' keys kept for a TTT unroll are freed with it: a draft of two layers once kept every
+    step's (the attention's saved bias held them, their history held the attention: a cycle)."""
+    import gc
+
+    from spec_cli.draft.context import ContextBias, LocalShard
+    from spec_cli.draft.eagle3.ttt import ttt_forward
+    from tests.draft import random_batch, tiny_draft
+
+    draft = tiny_draft(num_hidden_layers=2)
+    batch = random_batch(draft.config, [24, 17], 24, None)
+    shard = LocalShard(size=2, rank=0, length=24)
+    for _ in range(3):
+        ttt_forward(draft, batch, shard=shard, ttt_steps=3, checkpoint=checkpoint).loss.backward()
+    gc.collect()
+    assert sum(isinstance(o, ContextBias) and o.gathered for o in gc.get_objects()) == 0
