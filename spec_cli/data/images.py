@@ -110,13 +110,17 @@ def image_bytes(source: str, base: Path | None) -> bytes:
     if source.startswith(_REMOTE):
         raise DataError(f"the image {source!r} is remote; spec_cli reads training data offline",
                         "download the images and give their local paths (relative to the data file)")
+    if len(source) > 256 and (data := _decode_base64(source)) is not None:  # bare base64, not a path
+        return data  # (a path this long would fail the OS's name limits before it was looked for)
     path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
-    if path.is_file():
-        return path.read_bytes()
-    if len(source) > 256 and (data := _decode_base64(source)) is not None:  # bare base64, not a path
-        return data
+    try:
+        if path.is_file():
+            return path.read_bytes()
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        raise DataError(f"the image {source[:60]!r} is not a readable file: {exc}",
+                        "give a path relative to the data file's folder, an absolute path, or a data URL") from None
     raise DataError(f"the image {source!r} is not a file" + (f" (looked for {path})" if path.as_posix() != source
                                                              else ""),
                     "give a path relative to the data file's folder, an absolute path, or a data URL")
@@ -131,7 +135,7 @@ def open_image(source: str, base: Path | None = None):
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # decode it all now: a truncated file fails here
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
         shown = source if len(source) <= 80 else source[:60] + "..."
         raise DataError(f"the image {shown!r} cannot be read: {exc}",
                         "check the file is a PNG, JPEG, WebP or GIF image that opens") from None

@@ -5,6 +5,7 @@ The images are drawn here with PIL."""
 import base64
 import io
 import json
+import random
 
 import pytest
 from PIL import Image
@@ -50,6 +51,13 @@ def test_every_place_an_image_can_be(folder):
                                   {"from": "gpt", "value": "no"}]}
     assert [r.where for r in images.image_refs(sharegpt)] == ["images[0]", "images[1]"]
     assert images.check_images([openai, sharegpt, {"image": "imgs/red.png", "conversations": []}], folder) == 6
+    big = Image.frombytes("RGB", (64, 64), random.Random(3).randbytes(64 * 64 * 3))  # noise: PNG keeps it big
+    encoded = io.BytesIO()
+    big.save(encoded, format="PNG")
+    bare = base64.b64encode(encoded.getvalue()).decode()  # longer than a file name may be
+    assert len(bare) > 4096 and images.open_image(bare, folder).tobytes() == big.tobytes()
+    with pytest.raises(DataError, match="not a readable file|is not a file"):
+        images.open_image("x" * 5000 + ".png", folder)
     assert images.image_refs({"messages": [{"role": "user", "content": "text only"}]}) == []
 
 
