@@ -46,9 +46,11 @@ MAX_CHANNELS = 256  # open channels per server (each is a two-rank process group
 TAG_STRIDE = wire.MAX_TENSORS  # tag of tensor i of request n: n * TAG_STRIDE + i
 TAG_WRAP = 1 << 20
 IDLE_SECONDS = 3600.0  # a channel unused this long is closed (its client is gone, or will reopen one)
-# NCCL's watchdog on a failed or timed-out transfer: 2 aborts the channel's communicator and leaves the
-# process up (the default, 3, ends the process: a trainer gone mid-transfer would take the server with it)
-NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+# How a channel's NCCL group meets a failed or timed-out transfer: abort that communicator and leave the
+# process up (torch's default, 3, ends the process: a trainer gone mid-transfer would take the server with
+# it), and no flight-recorder dump or heartbeat monitor (a monitor may end the process after a dump)
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0"}
 _ENV_LOCK = threading.Lock()
 
 
@@ -69,8 +71,8 @@ def pair(store: dist.Store, rank: int, backend: str, address: str, timeout: date
     """A two-rank process group of `backend` through `store`; gloo's sockets bind `address`.
 
     `connect` bounds the rendezvous (gloo connects in the constructor; default `timeout`), `timeout`
-    each transfer after it. An NCCL group is made with NCCL_ERROR_HANDLING, so that a failed transfer
-    aborts this group only, never the process (the server's other clients, the trainer's run)."""
+    each transfer after it. An NCCL group is made with NCCL_ENV, so that a failed transfer aborts this
+    group only, never the process (the server's other clients, the trainer's run)."""
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = connect or timeout
@@ -82,17 +84,17 @@ def pair(store: dist.Store, rank: int, backend: str, address: str, timeout: date
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        name, value = NCCL_ERROR_HANDLING
         with _ENV_LOCK:  # read by the group's constructor; the process's own groups keep theirs
-            before = os.environ.get(name)
-            os.environ[name] = value
+            before = {name: os.environ.get(name) for name in NCCL_ENV}
+            os.environ.update(NCCL_ENV)
             try:
                 return dist.ProcessGroupNCCL(store, rank, 2, options)
             finally:
-                if before is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = before
+                for name, value in before.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
     raise ValueError(f"unknown tensor-plane backend {backend!r}")
 
 
@@ -266,7 +268,10 @@ class PlaneHost:
             return None
         _, ready, holder = entry
         ready.wait(self.timeout)
-        return holder[0] if holder else None
+        if not holder:
+            return None
+        holder[0].last_used = time.monotonic()  # in use from here: not idle while the target runs
+        return holder[0]
 
     def next_tag(self, name: str) -> int:
         with self._lock:

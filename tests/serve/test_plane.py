@@ -298,19 +298,20 @@ def test_a_connection_lost_with_a_channel_in_use_drops_that_channel(planes, loca
 
 
 class _Work:
-    """A posted transfer as NCCL's Work answers: `done` after `polls` queries, or an error."""
+    """A posted transfer as NCCL's Work answers: completed after `polls` queries; a failed one reports
+    itself completed and raises its error from wait()."""
 
     def __init__(self, polls=0, error=None):
         self.polls, self.error, self.waited = polls, error, False
 
     def is_completed(self):
-        if self.error:
-            raise RuntimeError(self.error)
         self.polls -= 1
-        return self.polls < 0
+        return self.error is not None or self.polls < 0
 
     def wait(self, timeout=None):
         self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
         return True
 
 
@@ -365,17 +366,20 @@ def test_nccl_channels_abort_themselves_not_the_process(monkeypatch):
             pass
 
         def __init__(self, store, rank, size, options):
-            seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size, options._timeout))
+            seen.append(({k: os.environ.get(k) for k in plane.NCCL_ENV}, rank, size, options._timeout))
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     for before in (None, "3"):
-        if before is None:
-            monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-        else:
-            monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
+        for name in plane.NCCL_ENV:
+            if before is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, before)
         plane.pair(None, 1, "nccl", "127.0.0.1", datetime.timedelta(seconds=7))
-        assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == before
-    assert seen == [("2", 1, 2, datetime.timedelta(seconds=7))] * 2
+        assert all(os.environ.get(name) == before for name in plane.NCCL_ENV)
+    want = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    assert seen == [(want, 1, 2, datetime.timedelta(seconds=7))] * 2
 
 
 def test_the_gloo_join_is_bounded_by_the_connect_timeout():
