@@ -243,18 +243,109 @@ def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):
     raise ValueError(f"unknown VLM family {family!r}")
 
 
-def save_tiny_vlm(path: Path, family: str, seed: int = 0) -> Path:
+def save_tiny_vlm(path: Path, family: str, seed: int = 0, processor: bool = True) -> Path:
     """A tiny random vision-language target folder: the llama3 chat tokenizer with the image placeholder
     tokens added, the config and random weights (AutoModelForImageTextToText)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     tokenizer = build_tokenizer("llama3")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_end|>", "<|vision_start|>",
+    tokenizer.add_special_tokens({"additional_special_tokens": [*IMAGE_MARKERS, "<|vision_end|>", "<|vision_start|>",
                                                                 "<|video_pad|>", "<image>"]})
     config = tiny_vlm_config(family, len(tokenizer))
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
+    if processor and family in PROCESSOR_FAMILIES:
+        save_tiny_processor(path, family)
     return path
+
+
+# The special tokens image markers use besides the placeholder (Gemma 3's begin/end of image, Idefics3's
+# frame and global-image tokens); every tiny VLM tokenizer has them, so the ids are the same in each.
+IMAGE_MARKERS = ("<start_of_image>", "<end_of_image>", "<fake_token_around_image>", "<global-img>")
+# Families whose real processor transformers builds without torchvision (Qwen-VL's needs its video
+# processor, which needs torchvision).
+PROCESSOR_FAMILIES = ("llava", "gemma3", "idefics3")
+
+
+def vlm_chat_template(image: str) -> str:
+    """The llama3 chat template that also renders OpenAI-style content parts, an image part as `image`."""
+    return ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+            "{% if c['type'] == 'image' %}" + image + "{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+            "{% endif %}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def save_tiny_processor(path: Path, family: str) -> None:
+    """The family's real processor (its image processor at the tiny vision tower's size, the folder's
+    tokenizer, a chat template that places images), saved beside the model."""
+    import transformers as T
+
+    if family == "llava":
+        tokenizer = T.AutoTokenizer.from_pretrained(str(path))
+        processor = T.LlavaProcessor(
+            image_processor=T.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+            tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1, chat_template=vlm_chat_template("<image>"))
+    elif family == "gemma3":
+        tokenizer = T.AutoTokenizer.from_pretrained(str(path), extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image>"})
+        processor = T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": 16, "width": 16}),
+                                      tokenizer=tokenizer, image_seq_length=4,
+                                      chat_template=vlm_chat_template("<start_of_image>"))
+    elif family == "idefics3":
+        tokenizer = T.AutoTokenizer.from_pretrained(str(path))
+        processor = T.Idefics3Processor(
+            image_processor=T.Idefics3ImageProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 16}),
+            tokenizer=tokenizer, image_seq_len=4, chat_template=vlm_chat_template("<image>"))
+    else:
+        raise ValueError(f"no tiny processor for {family!r}")
+    processor.save_pretrained(str(path))
+
+
+# ----------------------------------------------------------------------------- image-text chats
+
+def draw_image(folder, name: str, size: tuple[int, int], seed: int) -> str:
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    Image.fromarray(pixels).save(folder / name)
+    return name
+
+
+def image_chat_records(folder) -> list[dict]:
+    """Each place an image can be, with the images the processor's own call takes (paths in its parts)."""
+    a, b, c = draw_image(folder, "a.png", (20, 28), 0), draw_image(folder, "b.png", (40, 16), 1), draw_image(folder, "c.png", (16, 16), 2)
+    return [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": a}},
+                                                   {"type": "text", "text": "what is this?"}]},
+                      {"role": "assistant", "content": "a cat on a mat"}]},
+        {"conversations": [{"from": "human", "value": "<image>\nand this one"}, {"from": "gpt", "value": "a dog"},
+                           {"from": "human", "value": "compare <image> please"},
+                           {"from": "gpt", "value": "both animals"}], "images": [b, c]},
+        {"conversations": [{"from": "human", "value": "describe it"}, {"from": "gpt", "value": "red and blue"}],
+         "image": c},  # no marker: LLaVA's convention puts it before the first user text
+        {"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "hi, how are you"}]},
+    ]
+
+
+def processor_messages(folder) -> list[list[dict]]:
+    """The same four chats as the processor's apply_chat_template takes them (images as paths)."""
+    path = lambda name: {"type": "image", "path": str(folder / name)}
+    text = lambda t: {"type": "text", "text": t}
+    return [
+        [{"role": "user", "content": [path("a.png"), text("what is this?")]},
+         {"role": "assistant", "content": "a cat on a mat"}],
+        [{"role": "user", "content": [path("b.png"), text("\nand this one")]}, {"role": "assistant", "content": "a dog"},
+         {"role": "user", "content": [text("compare "), path("c.png"), text(" please")]},
+         {"role": "assistant", "content": "both animals"}],
+        [{"role": "user", "content": [path("c.png"), text("describe it")]}, {"role": "assistant", "content": "red and blue"}],
+        [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you"}],
+    ]
+
+
+IMAGE_CHAT_ANSWERS = ["a cat on a mat" + "<|eot_id|>", "a dog" + "<|eot_id|>" + "both animals" + "<|eot_id|>", "red and blue" + "<|eot_id|>", "hi, how are you" + "<|eot_id|>"]

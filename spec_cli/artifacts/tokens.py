@@ -20,6 +20,11 @@ class TokenizedData:
     offsets: torch.Tensor  # [N_samples + 1] int64: sample i is input_ids[offsets[i]:offsets[i+1]]
     source_index: torch.Tensor  # [N_samples] int64: the record each sample came from
     metadata: dict = field(default_factory=dict)
+    # image-text data (data/vlm.py): each sample's image count, and the per-token types the model reads
+    # beside the ids where its processor gives them (metadata["token_type_key"] names the argument)
+    num_images: torch.Tensor | None = None  # [N_samples] int32
+    token_types: torch.Tensor | None = None  # [N_tokens] uint8
+    images: object = None  # at run time: data.vlm.ImageInputs, the model inputs for a batch's images
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -43,8 +48,12 @@ class TokenizedData:
 
 def save_tokenized(data: TokenizedData, path: Path) -> None:
     meta = {**data.metadata, "kind": KIND, "schema_version": SCHEMA_VERSION}
-    write_safetensors(path, {"input_ids": data.input_ids, "loss_mask": data.loss_mask,
-                             "offsets": data.offsets, "source_index": data.source_index}, meta)
+    tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
+               "source_index": data.source_index}
+    for name in ("num_images", "token_types"):
+        if getattr(data, name) is not None:
+            tensors[name] = getattr(data, name)
+    write_safetensors(path, tensors, meta)
 
 
 def load_tokenized(path: Path) -> TokenizedData:
@@ -53,4 +62,4 @@ def load_tokenized(path: Path) -> TokenizedData:
         raise ArtifactError(f"{path} is not tokenised data of schema {SCHEMA_VERSION}",
                             "delete it; it is rebuilt from the chat data")
     return TokenizedData(tensors["input_ids"], tensors["loss_mask"], tensors["offsets"],
-                         tensors["source_index"], meta)
+                         tensors["source_index"], meta, tensors.get("num_images"), tensors.get("token_types"))

@@ -147,6 +147,7 @@ def apply(tokenizer, template: ChatTemplate | None):
     if template is None:
         return tokenizer
     tokenizer.chat_template = template.text
+    tokenizer.spec_chat_template_override = True  # image-text chats then render with it too (data/vlm.py)
     split = [m for m in template.markers if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
     if split:
         from spec_cli.console import warn

@@ -128,9 +128,13 @@ def image_bytes(source: str, base: Path | None) -> bytes:
 
 def open_image(source: str, base: Path | None = None):
     """The image as RGB (PIL), read in full; DataError naming the source when it cannot be."""
+    return decode_image(image_bytes(source, base), source)
+
+
+def decode_image(data: bytes, source: str):
+    """Encoded image bytes as RGB (PIL), decoded in full; DataError naming `source` when they cannot be."""
     from PIL import Image, UnidentifiedImageError
 
-    data = image_bytes(source, base)
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # decode it all now: a truncated file fails here
@@ -141,17 +145,21 @@ def open_image(source: str, base: Path | None = None):
                         "check the file is a PNG, JPEG, WebP or GIF image that opens") from None
 
 
-def check_images(records, base: Path | None, limit: int = 5) -> int:
+def check_images(records, base: Path | None, limit: int = 5, digest=None) -> int:
     """Open every image of every record (`records`: an iterable of dicts, e.g. a datasets.Dataset) before
     a stage writes anything. Returns the number of images; raises one DataError naming the first
-    `limit` records whose images are missing, unreadable or malformed (record index and place)."""
+    `limit` records whose images are missing, unreadable or malformed (record index and place).
+    `digest` (a hashlib object) is fed every image's bytes in order: the images' fingerprint."""
     problems, count = [], 0
     for index, record in enumerate(records):
         try:
             refs = image_refs(record)
             for ref in refs:
                 try:
-                    open_image(ref.source, base)
+                    data = image_bytes(ref.source, base)
+                    decode_image(data, ref.source)
+                    if digest is not None:
+                        digest.update(len(data).to_bytes(8, "little") + data)
                 except DataError as exc:
                     raise DataError(f"{ref.where}: {exc.message}", exc.hint) from None
             count += len(refs)

@@ -32,7 +32,7 @@ TEMPLATE = "chat template rejected it"
 ASSISTANT_FIRST = "begins with an assistant turn (the chat template refuses it)"
 NO_TEMPLATE = "no chat template"  # never in a summary: tokenize_data stops with one error instead
 TRUNCATED = "no supervised token after truncation"
-IMAGES = "holds images (not trained on yet: docs/vlm.md)"
+IMAGES = "holds images (read with a vision-language target's processor: docs/vlm.md)"
 IMAGE_PARTS = ("image", "image_url", "input_image")  # OpenAI-style content parts that carry an image
 
 

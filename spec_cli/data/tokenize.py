@@ -18,7 +18,8 @@ import torch
 from spec_cli.artifacts.io import sha256_path
 from spec_cli.artifacts.tokens import TokenizedData, load_tokenized, save_tokenized
 from spec_cli.console import info, progress
-from spec_cli.data import chat_templates, records
+from spec_cli.data import chat_templates, records, vlm
+from spec_cli.data.images import check_images
 from spec_cli.data.records import load_records
 from spec_cli.data.template import encode_record, special_token_strings
 from spec_cli.errors import DataError
@@ -28,7 +29,8 @@ from spec_cli.paths import spec_home
 # 2: answers cut at the length limit do not supervise the end-of-turn token
 # 3: records a template refuses because they begin with an assistant turn are counted apart
 # 4: image-text records are counted apart (records.IMAGES), not as malformed
-TOKENIZE_VERSION = "4"
+# 5: image-text records through the target's processor (data/vlm.py)
+TOKENIZE_VERSION = "5"
 CHUNK = 256  # records per work item
 # The slowest tokenising to plan a wait for: ShareGPT (121 MB) went through SmolLM2's tokenizer at
 # 0.32 MB/s in one process on a 2-core machine another job kept busy; a tenth of a slow rate's speed.
@@ -38,9 +40,10 @@ MIN_BYTES_PER_S = 50e3
 _worker: dict = {}
 
 
-def _init_worker(tokenizer, dataset, max_length: int) -> None:
+def _init_worker(tokenizer, dataset, max_length: int, processor=None, base: Path | None = None) -> None:
     _worker.update(tokenizer=tokenizer, dataset=dataset, max_length=max_length,
-                   specials=special_token_strings(tokenizer))
+                   specials=special_token_strings(tokenizer), processor=processor, base=base,
+                   renderer=None if processor is None else vlm.chat_template_tokenizer(processor, tokenizer))
 
 
 def _encode_range(bounds: tuple[int, int]) -> list:
@@ -50,6 +53,10 @@ def _encode_range(bounds: tuple[int, int]) -> list:
     out = []
     for j in range(stop - start):
         record = {name: rows[name][j] for name in names}
+        if _worker["processor"] is not None and records.has_images(record):
+            out.append(vlm.encode_image_record(_worker["processor"], _worker["renderer"], record, _worker["base"],
+                                               _worker["max_length"], _worker["specials"]))
+            continue
         out.append(encode_record(_worker["tokenizer"], record, _worker["max_length"],
                                  _worker["specials"]))
     return out
@@ -64,8 +71,8 @@ def has_conversations(dataset, probe: int = 1000) -> bool:
     return False
 
 
-def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int) -> str:
-    text = f"{TOKENIZE_VERSION}|{data_fingerprint}|{tokenizer_fp}|{max_length}"
+def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int, images_fp: str = "") -> str:
+    text = f"{TOKENIZE_VERSION}|{data_fingerprint}|{tokenizer_fp}|{max_length}" + (f"|{images_fp}" if images_fp else "")
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -77,8 +84,10 @@ def tokenize_seconds_bound(data_path: Path) -> float:
 
 
 def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int = 2048,
-                  num_proc: int = 1, use_cache: bool = True) -> TokenizedData:
-    """Token ids + loss masks for every usable record; skip counts in `.metadata["skipped"]`."""
+                  num_proc: int = 1, use_cache: bool = True, processor=None) -> TokenizedData:
+    """Token ids + loss masks for every usable record; skip counts in `.metadata["skipped"]`.
+    `processor` (a vision-language target's, loading.load_processor): image-text records go through it
+    (data/vlm.py), their images all opened first; without one they are counted apart and skipped."""
     if max_length < 2:
         raise DataError(f"--max-length {max_length} is too small", "use at least 2 (default 2048)")
     data_path = Path(data_path).expanduser()
@@ -86,30 +95,36 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
         raise DataError(f"data not found: {data_path}",
                         "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
     data_fp = sha256_path(data_path)[:20]
-    cache_file = spec_home() / "tokenized" / f"{cache_key(data_fp, tokenizer_fp, max_length)}.safetensors"
+    dataset, images_fp = None, ""
+    if processor is not None:  # the images are part of the data: checked, and their bytes in the key
+        dataset = load_records(data_path)
+        digest = hashlib.sha256(vlm.processor_fingerprint(processor).encode())
+        if check_images(dataset, vlm.image_base(data_path), digest=digest):
+            images_fp = digest.hexdigest()[:20]
+    cache_file = spec_home() / "tokenized" / f"{cache_key(data_fp, tokenizer_fp, max_length, images_fp)}.safetensors"
     if use_cache and cache_file.is_file():
         info(f"tokenised data: reusing cache {cache_file}")
         data = load_tokenized(cache_file)
         data.metadata["cache_hit"] = True
-        return data
+        return _with_images(data, processor)
 
-    dataset = load_records(data_path)
+    dataset = load_records(data_path) if dataset is None else dataset
     if has_conversations(dataset):  # before tokenising: one error, not every record skipped
         chat_templates.require(tokenizer, getattr(tokenizer, "name_or_path", "") or "the target",
                                f"the conversations in {data_path.name}")
     n = len(dataset)
     ranges = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
     results: list = []
+    work = (tokenizer, dataset, max_length, processor if images_fp else None, vlm.image_base(data_path))
     with progress("tokenising", total=n, unit="records") as bar:
         if num_proc <= 1 or len(ranges) <= 1:
-            _init_worker(tokenizer, dataset, max_length)
+            _init_worker(*work)
             for bounds in ranges:
                 results.extend(_encode_range(bounds))
                 bar.advance(bounds[1] - bounds[0])
         else:
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(num_proc, initializer=_init_worker,
-                          initargs=(tokenizer, dataset, max_length)) as pool:
+            with ctx.Pool(num_proc, initializer=_init_worker, initargs=work) as pool:
                 # imap keeps record order, so the result does not depend on num_proc
                 for chunk in pool.imap(_encode_range, ranges):
                     results.extend(chunk)
@@ -128,6 +143,7 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
                 if refused * 2 > sum(skipped.values()) else
                 "records need an assistant turn (ShareGPT `conversations`, OpenAI `messages`) or a `text` field")
         raise DataError(f"{data_path} has no usable records ({reasons})", hint)
+    images = _image_fields([r for _, r in kept])
     lengths = np.array([len(r[0]) for _, r in kept], dtype=np.int64)
     offsets = np.zeros(len(kept) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -136,6 +152,7 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
         loss_mask=torch.from_numpy(np.concatenate([r[1] for _, r in kept]).astype(np.uint8)),
         offsets=torch.from_numpy(offsets),
         source_index=torch.tensor([i for i, _ in kept], dtype=torch.int64),
+        **{k: v for k, v in images.items() if k != "type_key"},
         metadata={
             "data_path": str(data_path.resolve()),
             "data_fingerprint": data_fp,
@@ -148,7 +165,31 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
         },
     )
     data.metadata.update(num_tokens=data.num_tokens, num_supervised=data.num_supervised)
+    if data.num_images is not None:
+        data.metadata.update(num_images=int(data.num_images.sum()), images_fingerprint=images_fp,
+                             token_type_key=images["type_key"])
     if use_cache:
         save_tokenized(data, cache_file)
     data.metadata["cache_hit"] = False
+    return _with_images(data, processor)
+
+
+def _image_fields(kept: list[tuple]) -> dict:
+    """TokenizedData's image fields from the kept samples (ids, mask[, (type key, types) or None, number
+    of images]): none when no sample has an image."""
+    if not any(len(r) > 2 for r in kept):
+        return {}
+    typed = [r[2] for r in kept if len(r) > 2 and r[2] is not None]
+    types = [r[2][1] if len(r) > 2 and r[2] is not None else np.zeros(len(r[0]), dtype=np.uint8) for r in kept]
+    return {"num_images": torch.tensor([r[3] if len(r) > 2 else 0 for r in kept], dtype=torch.int32),
+            "token_types": torch.from_numpy(np.concatenate(types).astype(np.uint8)) if typed else None,
+            "type_key": typed[0][0] if typed else None}
+
+
+def _with_images(data: TokenizedData, processor) -> TokenizedData:
+    """Attach the reader of the samples' images (data.vlm.ImageInputs) when the data has any."""
+    if data.num_images is not None and int(data.num_images.sum()) and processor is not None:
+        data.images = vlm.ImageInputs(processor, Path(data.metadata["data_path"]), data.source_index,
+                                      data.num_images, data.token_types, data.metadata.get("token_type_key"),
+                                      data.offsets)
     return data

@@ -6,11 +6,14 @@ model's own answers to turns 0..j-1 (MT-bench's protocol). Records read:
     {"conversations": [...]} / {"messages": [...]}          ShareGPT / OpenAI chats: their user turns
                                                             (and a leading system message)
     {"prompt" | "instruction" | "question" | "text": str}   one turn
+A chat with images (data/images.py's places) keeps its user turns' image parts; its prompts are then made
+by the target's processor, each image expanded as the processor expands it (`prompt_ids`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from spec_cli import assets
 from spec_cli.data import records
@@ -22,10 +25,12 @@ SINGLE_TURN_KEYS = ("prompt", "instruction", "question", "text")
 @dataclass
 class Conversation:
     id: str
-    turns: list[str]  # user turns, asked in order
+    turns: list  # user turns, asked in order: text, or OpenAI parts with {"type": "image"} where images go
     category: str | None = None
     system: str | None = None
     answers: list[str] = field(default_factory=list)  # the model's, filled in as they are generated
+    images: list[str] = field(default_factory=list)  # the sources of the turns' images, in order
+    base: Path | None = None  # the folder relative image paths start from
 
     def messages(self, turn: int) -> list[dict]:
         """The chat up to user turn `turn`, with the model's earlier answers."""
@@ -61,17 +66,36 @@ def _user_turns(record: dict) -> tuple[list[str], str | None]:
     return [], None
 
 
+def _image_turns(record: dict) -> tuple[list, str | None, list[str]]:
+    """(user turns with their image parts, system prompt, image sources) of an image-text record."""
+    from spec_cli.data import vlm
+    from spec_cli.data.images import image_refs
+
+    kind, messages = vlm.image_chat(record)
+    if kind == "skip":
+        return [], None, []
+    turns = [m["content"] for m in messages if m["role"] == "user"]
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    return turns, system, [ref.source for ref in image_refs(record)]
+
+
 def load_conversations(prompts: str, num_prompts: int | None = None) -> list[Conversation]:
     """`mt-bench`, `sharegpt` (both built in) or a chat data file -> conversations. With `num_prompts`,
     that many are taken round-robin over the categories (so a few prompts still cover them), in file order."""
     path = assets.resolve_data_arg(prompts)  # `mt-bench` / `sharegpt` name the built-in files
     found = []
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
     for i, record in enumerate(records.load_records(path)):
-        turns, system = _user_turns(record)
+        sources = []
+        if records.has_images(record):
+            turns, system, sources = _image_turns(record)
+        else:
+            turns, system = _user_turns(record)
         if turns:
             category = record.get("category")
             found.append(Conversation(id=str(record.get("question_id", record.get("id", i))), turns=turns,
-                                      category=str(category) if category else None, system=system))
+                                      category=str(category) if category else None, system=system,
+                                      images=sources, base=base))
     if not found:
         raise DataError(f"no user turns found in {prompts}",
                         "each record needs `turns`, `conversations`/`messages` with user turns, or `prompt`")
@@ -88,12 +112,43 @@ def load_conversations(prompts: str, num_prompts: int | None = None) -> list[Con
     return [found[i] for i in sorted(chosen)]
 
 
-def prompt_ids(tokenizer, conv: Conversation, turn: int) -> list[int]:
-    """Token ids of the chat up to user turn `turn`, ending with the assistant's generation prompt."""
+class ImagePrompt(list):
+    """A prompt's token ids with the model inputs of its images (`images`: pixel values and what else
+    the processor gives), which the target's first forward takes."""
+
+    def __init__(self, ids: list[int], images: dict):
+        super().__init__(ids)
+        self.images = images
+
+
+def prompt_ids(tokenizer, conv: Conversation, turn: int, processor=None) -> list[int]:
+    """Token ids of the chat up to user turn `turn`, ending with the assistant's generation prompt (an
+    ImagePrompt when the chat has images: made by the target's `processor`)."""
     messages = conv.messages(turn)
+    if conv.images:
+        return _image_prompt(tokenizer, processor, conv, messages)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     # no chat template (a base model): the turns as plain text, one paragraph each
     text = "\n\n".join(m["content"] for m in messages) + "\n\n"
     return tokenizer(text)["input_ids"]
+
+
+def _image_prompt(tokenizer, processor, conv: Conversation, messages: list[dict]) -> ImagePrompt:
+    from spec_cli.data import vlm
+    from spec_cli.data.images import open_image
+
+    if processor is None:
+        raise DataError(f"prompt {conv.id!r} has images, and the target folder has no processor",
+                        "evaluate a vision-language target saved with its processor (preprocessor_config.json), "
+                        "or use prompts without images")
+    shown = sum(1 for m in messages if isinstance(m["content"], list) for part in m["content"]
+                if part["type"] == "image")
+    text = vlm.chat_template_tokenizer(processor, tokenizer).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    pictures = [open_image(source, conv.base) for source in conv.images[:shown]]
+    out = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False,
+                    return_tensors="pt")
+    return ImagePrompt(out["input_ids"][0].tolist(),
+                       {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})

@@ -78,10 +78,11 @@ def next_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
 
 # ----------------------------------------------------------------------------- the target
 
-def prefill(target: Target, cache, prompt: torch.Tensor):
-    """The prompt [P] through the target: (logits of the last position [V], aux states [P, 3*H_t])."""
+def prefill(target: Target, cache, prompt: torch.Tensor, images: dict | None = None):
+    """The prompt [P] through the target: (logits of the last position [V], aux states [P, 3*H_t]).
+    `images`: an image prompt's image inputs (prompts.ImagePrompt), their features in place."""
     positions = torch.arange(prompt.numel(), device=prompt.device)[None]
-    logits, aux = target.forward(prompt[None], positions, cache, last_only=True)
+    logits, aux = target.forward(prompt[None], positions, cache, last_only=True, images=images)
     return logits[-1], aux
 
 
@@ -155,7 +156,8 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
     device = next(draft.parameters()).device
     target.capture = True
     t_cache, d_cache = target.new_cache(), draft.new_cache()
-    logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device))  # pending [P, 3*H_t]
+    logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device),  # pending [P, 3*H_t]
+                              getattr(prompt, "images", None))
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
     steps, drafts, appended = [], [], tokens[-1:]
     draft_seconds = 0.0
@@ -200,7 +202,7 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     device = target.model.device
     target.capture = False
     cache = target.new_cache(rollback=False)  # the model's own: nothing is ever taken back
-    row, _ = prefill(target, cache, torch.tensor(prompt, device=device))  # [V]
+    row, _ = prefill(target, cache, torch.tensor(prompt, device=device), getattr(prompt, "images", None))  # [V]
     greedy = settings.temperature == 0
     new, top, keeping = [], [], 0.0
     while True:

@@ -100,18 +100,20 @@ class Target:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache,
-                tree_mask: torch.Tensor | None = None, last_only: bool = False):
-        """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal).
+                tree_mask: torch.Tensor | None = None, last_only: bool = False, images: dict | None = None):
+        """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal);
+        `images`: a prompt's image inputs (the prefill of an image prompt).
         Returns (logits fp32 [n, V] ([1, V] with last_only), what the draft reads [n, ...] or None: the
         aux layers' outputs, then the final hidden state when asked)."""
         mask = None
         if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
             mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
                              self.model.dtype, "tree verification (--topk 2 or more)")
+        extra = {} if images is None else self._image_inputs(images, ids.device)
         self.aux_capture.clear()
         self._final.clear()
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache})
+                         logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache}, **extra)
         logits = out.logits[0].float()
         if not self.capture:
             return logits, None
@@ -120,6 +122,18 @@ class Target:
         if final is not None:
             aux = torch.cat([aux, final[0].to(aux.dtype)], dim=-1)
         return logits, aux
+
+
+    def _image_inputs(self, images: dict, device) -> dict:
+        """The processor's image inputs the model's forward takes, floats in the model's dtype."""
+        if hasattr(self.model.base_model, "get_rope_index"):  # Qwen-VL: positions come from the image grid
+            from spec_cli.errors import ConfigError
+
+            raise ConfigError(f"{type(self.model).__name__} places image tokens by M-RoPE positions from the image "
+                              "grid, which spec eval does not compute yet", "evaluate it on text prompts")
+        accepted = inspect.signature(self.model.forward).parameters
+        return {name: value.to(device, self.model.dtype if value.is_floating_point() else None)
+                for name, value in images.items() if name in accepted}
 
 
 def tree_attention(parents: torch.Tensor, past: int) -> torch.Tensor:

@@ -163,6 +163,12 @@ def run(cfg: EvalConfig) -> EvalResult:
                           f"pass a {' or '.join(vllm_formats) or 'vLLM'} export, or the run / checkpoint (exported for vLLM "
                           "on the fly)")
     conversations = prompts.load_conversations(cfg.prompts, cfg.num_prompts)
+    processor = None
+    if any(conv.images for conv in conversations):  # image prompts: made by the target's processor
+        if cfg.engine == "vllm":
+            raise ConfigError(f"{sum(bool(conv.images) for conv in conversations)} prompts have images; spec eval "
+                              "runs image prompts in PyTorch only for now", "pass --engine torch")
+        processor = loading.load_processor(target_dir)
     output = Path(cfg.output) if cfg.output else default_output(loaded)
 
     device = loading.choose_device(cfg.device)
@@ -184,7 +190,7 @@ def run(cfg: EvalConfig) -> EvalResult:
         info(f"timing on {used} thread{'s' if used != 1 else ''}: {reason}")
         seeds = _Seeds(cfg.seed) if cfg.temperature > 0 else None
         warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
-        first = prompts.prompt_ids(tokenizer, conversations[0], 0)
+        first = prompts.prompt_ids(tokenizer, conversations[0], 0, processor)
         try:
             spec(first, seeds and seeds(0, 0, 0), warm)
             base(first, seeds and seeds(0, 0, 1), warm)
@@ -195,7 +201,7 @@ def run(cfg: EvalConfig) -> EvalResult:
         meter = threads.Meter()
         overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,
                                                   cfg.timing_repeats, outputs=output / "outputs.jsonl",
-                                                  eps=torch.finfo(dtype).eps)
+                                                  eps=torch.finfo(dtype).eps, processor=processor)
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
@@ -301,7 +307,7 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
                settings: Settings, seeds: _Seeds | None, repeats: int = 1, outputs: Path | None = None,
-               eps: float = torch.finfo(torch.float32).eps):
+               eps: float = torch.finfo(torch.float32).eps, processor=None):
     """Every turn of every conversation, speculative then target alone on the same prompt (`repeats`
     times, alternating); turn j is asked after the speculative decoder's answer to turn j-1.
     `outputs` (outputs.jsonl) is rewritten after every turn; a turn that fails raises an error naming
@@ -313,7 +319,7 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
         for i, conv in enumerate(conversations):
             for turn in range(len(conv.turns)):
                 try:
-                    ids = prompts.prompt_ids(tokenizer, conv, turn)
+                    ids = prompts.prompt_ids(tokenizer, conv, turn, processor)
                     s, b, record = timed_turn(spec, base, ids, seeds and seeds(i, turn, 0),
                                               seeds and seeds(i, turn, 1), repeats)
                 except Exception as exc:

@@ -29,6 +29,7 @@ from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.target import loading, local
+from spec_cli.target.backend import require_images
 
 
 _TEST_SHARD_DELAY = float(os.environ.get("SPEC_TEST_SHARD_DELAY", "0") or 0)
@@ -153,11 +154,16 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         raise ArtifactError(f"the vocab map covers {vocab_map.target_vocab_size} target ids, the target "
                             f"has {loading.vocab_size(config, tokenizer)}", "rebuild the vocab map")
     data_path = Path(assets.resolve_data_arg(cfg.data))
+    processor = loading.load_processor(target_dir)  # a vision-language target's: its image-text records are read
     if rank == 0:  # rank 0 tokenises (cached); the others then read the cache
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc)
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc, processor=processor)
     distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(data_path))
     if rank != 0:
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1)
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1, processor=processor)
+    if tokens.images is not None and cfg.target_engine != "transformers":
+        raise ConfigError(f"image-text rows ({tokens.metadata['num_images']} images) need the target's vision "
+                          f"encoder, which the {cfg.target_engine} target backend does not run here",
+                          "precompute them with --target-engine transformers")
     n_samples = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
     lengths = tokens.lengths[:n_samples]
     batches = plan_batches(lengths, cfg.batch_tokens)
@@ -175,7 +181,8 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         "encoding": cfg.encoding,
         "dtype": dtype_name,
         "storage_dtype": storage_name,
-        "data_fingerprint": f"{tokens.metadata['data_fingerprint']}:{n_samples}",
+        "data_fingerprint": f"{tokens.metadata['data_fingerprint']}:{n_samples}" + (
+            f":images {tokens.metadata['images_fingerprint']}" if tokens.images is not None else ""),
         "max_length": cfg.max_length,
         "batch_tokens": cfg.batch_tokens,
         "shard_tokens": cfg.shard_tokens,
@@ -250,6 +257,8 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
                                          memory=cfg.target_memory, parallel=cfg.target_parallel,
                                          vllm_tensor_parallel=cfg.target_tensor_parallel)
             backend.set_vocab_mapping(vocab_map.selected_token_ids)
+            if tokens.images is not None:
+                require_images(backend)
             if rank == 0:
                 fc.write_head(out, backend.lm_head_selected, backend.bias_selected,
                               vocab_map.selected_token_ids, vocab_map.t2d, backend.softcap,
@@ -352,7 +361,11 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
     sample_lengths, batch_sizes, sample_index = [], [], []
     for indices in shard_batches:
         input_ids, attention_mask, loss_mask = collate(tokens, indices)
-        aux, hidden = backend.run_target(input_ids, attention_mask)
+        images = None if tokens.images is None else tokens.images(indices, input_ids.shape[1])
+        if images is None:
+            aux, hidden = backend.run_target(input_ids, attention_mask)
+        else:  # image-text rows: the image features in place of their placeholders (data/vlm.py)
+            aux, hidden = backend.run_target(input_ids, attention_mask, images=images)
         argmax, lse = backend.full_vocab_stats(hidden)
         if encoding == "probs":
             with torch.no_grad():

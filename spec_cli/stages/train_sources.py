@@ -33,7 +33,7 @@ from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stream.bound import StoreBound, free_room, size_text, store_bound
 from spec_cli.train_options import TrainConfig
 from spec_cli.target import loading, local
-from spec_cli.target.backend import TargetBackend
+from spec_cli.target.backend import TargetBackend, require_images
 
 # --target-engine vllm in spec train: the share of the GPU vLLM may take when --target-memory is not
 # given (vLLM's own default, 0.9, would leave the draft a tenth of the GPU)
@@ -68,7 +68,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     target = (_served if d.remote is not None else _live)(cfg, vocab_map, template, device)
     try:
         data_path = Path(assets.resolve_data_arg(d.data))
-        tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc)
+        tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc,
+                           target.processor)
+        _check_image_rows(cfg, tokens)
         n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
         plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
         bound = _stream_bound(cfg, target, vocab_map, tokens, plan, device) if cfg.runtime.stream else None
@@ -87,6 +89,8 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
             raise ConfigError("--stream runs the target in producer threads, each rank at its own pace; a "
                               "target sharded over the ranks (--target-parallel) runs in step with them",
                               "drop --stream, or pass --target-parallel replica if the target fits one device")
+        if getattr(tokens, "images", None) is not None:
+            require_images(backend)
     except BaseException:
         if target.backend is not None:
             target.backend.close()
@@ -94,6 +98,17 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     identity = {"target_fingerprint": backend.info["target_fingerprint"],
                 "tokenizer_fingerprint": target.tokenizer_fingerprint, "aux_layers": backend.info["aux_layers"]}
     return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound)
+
+
+def _check_image_rows(cfg: TrainConfig, tokens) -> None:
+    """What image-text rows (data/vlm.py) do not run with yet, refused before the target loads."""
+    if getattr(tokens, "images", None) is None:
+        return
+    for given, what in ((cfg.data.pack, "--pack"), (cfg.runtime.context_parallel > 1, "--context-parallel"),
+                        (cfg.runtime.stream, "--stream")):
+        if given:
+            raise ConfigError(f"{what} does not take image-text rows yet ({int(tokens.num_images.sum())} images in "
+                              "the data)", f"drop {what}, or train on text-only records")
 
 
 def _grouped(cfg: TrainConfig) -> bool:
@@ -172,6 +187,7 @@ class _Target:
     backend: TargetBackend | None = None  # served: connected already
     load: Callable[[], TargetBackend] | None = None  # live: loads the model
     on_device: int = 0  # bytes a live target will take on its device once loaded
+    processor: object = None  # a vision-language target's (data/vlm.py): its image-text records are read
 
 
 def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -210,7 +226,7 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
         on_device = (int(share * torch.cuda.get_device_properties(device).total_memory)
                      if cfg.runtime.target_engine == "vllm" else loading.weights_bytes(target_dir))
     return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, hidden_size, dtype, load=load,
-                   on_device=on_device)
+                   on_device=on_device, processor=loading.load_processor(target_dir))
 
 
 def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -274,15 +290,15 @@ def _stream_bound(cfg: TrainConfig, target: _Target, vocab_map, tokens, plan: li
     return store_bound(cfg.runtime.stream_max_bytes, largest, cfg.runtime.prefetch + 1, free, where)
 
 
-def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc: int):
+def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc: int, processor=None):
     """The data's tokens: rank 0 tokenises (and caches) them, the other ranks then read its cache."""
     from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 
     if distributed.is_main():
-        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc)
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc, processor=processor)
     distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(path))
     if not distributed.is_main():
-        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1)
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1, processor=processor)
     return tokens
 
 
@@ -360,6 +376,10 @@ def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
     else:
         ids, am, lm = collate(source.tokens, indices)
         inputs = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+        reader = getattr(source.tokens, "images", None)
+        images = None if reader is None else reader(indices, ids.shape[1])
+        if images is not None:  # image-text rows: the target runs its vision part on them (data/vlm.py)
+            inputs["images"] = images
     if source.slots_for is not None:
         length, slots = source.slots_for(ids.shape[1])
         extra = length - ids.shape[1]

@@ -98,6 +98,7 @@ class SerializedBackend(TargetBackend):
     def __init__(self, backend: TargetBackend):
         self.backend = backend
         self.info = backend.info
+        self.reads_images = getattr(backend, "reads_images", False)
         self.lock = threading.Lock()  # held by every call; a caller of the backend's own methods takes it too
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None, **slots):

@@ -8,6 +8,18 @@ from __future__ import annotations
 import torch
 
 from spec_cli.batch import TargetBatch
+from spec_cli.errors import ConfigError
+
+IMAGE_ROWS = "image-text rows"
+
+
+def require_images(backend) -> None:
+    """ConfigError unless `backend` runs the target's vision part on image-text rows (data/vlm.py): the
+    in-process transformers target does; a served target, the vLLM engine and a feature cache do not."""
+    if not getattr(backend, "reads_images", False):
+        raise ConfigError(f"{IMAGE_ROWS} need the target's vision encoder, which {type(backend).__name__} does "
+                          "not run", "supervise image-text data with the in-process transformers target "
+                          "(--target-engine transformers, not --remote), or precompute it that way")
 
 
 class TargetBackend:
@@ -22,6 +34,8 @@ class TargetBackend:
     #: what the draft algorithm asks for beyond the built-in supervision; set by the trainer (and the
     #: server) before the first batch. A backend that cannot give one raises a ConfigError naming it.
     extra_fields: dict = {}
+    #: generate_batch takes `images` (the model inputs of image-text rows) and runs the vision part on them
+    reads_images: bool = False
 
     def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,

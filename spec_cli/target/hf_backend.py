@@ -10,6 +10,7 @@ into supervision with the same code.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
-from spec_cli.target.backend import TargetBackend
+from spec_cli.target.backend import IMAGE_ROWS, TargetBackend, require_images
 from spec_cli.target.capture import AuxCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
@@ -114,10 +115,14 @@ class LocalTargetBackend(TargetBackend):
         return selected_logits(hidden, self.lm_head_selected, self.bias_selected, self.softcap)
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
-                       seq_lens=None) -> TargetBatch:
+                       seq_lens=None, images: dict | None = None) -> TargetBatch:
         if self.selected is None:
             raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
-        aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens)
+        if images is None:
+            aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens)
+        else:  # image-text rows (data/vlm.py): only a target that runs its vision part takes them
+            require_images(self)
+            aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens, images=images)
         with torch.no_grad():
             argmax, lse = self.full_vocab_stats(hidden)
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
@@ -150,6 +155,8 @@ class HFTargetBackend(LocalTargetBackend):
     side) and run them one after another, each keeping the outputs of its own; the cost per rank is
     that of a replica, the weights per rank 1/ranks of them (the language head is kept whole on
     each rank for the supervision's full-vocabulary statistics: V x H, 2.1 GB for Llama-3.1-70B)."""
+
+    reads_images = True  # image-text rows run through the whole model: the image features in place
 
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
@@ -184,17 +191,18 @@ class HFTargetBackend(LocalTargetBackend):
         return self.model.get_input_embeddings().weight
 
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype. Sharded over
-        ranks (`mesh`), every rank of the group calls it as often as the others: one with nothing to
-        run passes input_ids None (`idle`) and gets None."""
+                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                   images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype. `images`: the
+        rows' image inputs (data.vlm.ImageInputs). Sharded over ranks (`mesh`), every rank of the group
+        calls it as often as the others: one with nothing to run passes input_ids None (`idle`) and gets
+        None."""
         if self.group is None:
-            return self._forward(input_ids, attention_mask, position_ids, seq_lens)
+            return self._forward(input_ids, attention_mask, position_ids, seq_lens, images)
         import torch.distributed as dist
 
-        mine = None if input_ids is None else tuple(
-            None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens))
+        mine = None if input_ids is None else (*(
+            None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens)), images)
         batches = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(batches, mine, group=self.group)  # every rank's batch, in rank order
         me, kept = dist.get_rank(self.group), None
@@ -213,10 +221,14 @@ class HFTargetBackend(LocalTargetBackend):
 
     @torch.no_grad()
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                 images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = input_ids.to(self.device)
         mask = attention_mask.to(self.device)
+        if images is not None:
+            if seq_lens is not None:
+                raise ConfigError(f"{PACKING} is not supported for {IMAGE_ROWS} yet", "train without --pack")
+            return self._with_images(input_ids, mask, position_ids, images)
         if seq_lens is not None:  # packed rows: each layer kind's mask per document, positions restart
             self.layout.require(PACKING, "train without --pack (one document per row)")
             masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
@@ -230,6 +242,20 @@ class HFTargetBackend(LocalTargetBackend):
         self.aux_capture.clear()
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            use_cache=False)
+        return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
+
+    def _with_images(self, input_ids, mask, position_ids, images: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole model's forward (vision tower, projector, language model): each image's features
+        replace its placeholder tokens' embeddings, as the engine computes them when it serves the
+        target; positions the model's own (Qwen-VL's M-RoPE reads the image grid)."""
+        model = self.model.base_model
+        accepted = inspect.signature(model.forward).parameters
+        inputs = {name: value.to(self.device, self.dtype if value.is_floating_point() else None)
+                  for name, value in images.items() if name in accepted}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids.to(self.device)
+        self.aux_capture.clear()
+        out = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **inputs)
         return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
 
     def _packed_rows(self, input_ids, seq_lens, positions) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,6 +151,27 @@ def load_tokenizer(path: Path, chat_template=None):
     return chat_templates.apply(tokenizer, chat_template)
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processor(path: Path):
+    """A vision-language target's processor (its image processor, tokenizer and chat template), or None
+    for a folder without one (a text model, or a VLM saved without its processor: its image-text records
+    are then skipped and counted)."""
+    if not any((Path(path) / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 (transformers raises many types here)
+        hint = ("install torchvision built for this torch (this processor's image or video part needs it)"
+                if "torchvision" in str(exc).lower() or "_extra_content" in str(exc) else
+                "check the folder's processor files, or remove them to train on its text records only")
+        raise TargetError(f"cannot load the image processor in {path}: {exc}", hint) from exc
+    return processor if getattr(processor, "image_processor", None) is not None else None
+
+
 def load_config(path: Path):
     from transformers import AutoConfig
 

@@ -7,6 +7,10 @@ under `text_config`, is what every stage runs and reads. Tiny random VLMs built 
   outputs, the draft-vocab distribution its logits' softmax, shifted as for any target.
 - The pipeline through the CLI: build-vocab-map -> precompute -> train -> eval (greedy output identical
   to the target's) for each family.
+- Image-text rows (Llava, Gemma 3, Idefics3: real processors built in tests/tiny.py): the supervision
+  equals the whole model's forward on the processor's own inputs, chat by chat; the CLI pipeline on image
+  chats (cache == live, training from both, eval on image prompts identical to the target's greedy output,
+  chain and tree; vLLM export written); an image prompt's first forward is the whole model's.
 """
 
 import json
@@ -15,9 +19,14 @@ import random
 import pytest
 import torch
 
+from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.cli import main
+from spec_cli.data.batching import collate
+from spec_cli.data.tokenize import tokenize_data
 from spec_cli.export.support import VLLM_SERVED
+from spec_cli.errors import DataError
 from spec_cli.target import loading
+from spec_cli.target.cache_backend import CacheBackend
 from spec_cli.target.hf_backend import HFTargetBackend
 from tests import tiny
 from tests.conftest import write_jsonl
@@ -97,3 +106,130 @@ def test_the_pipeline_runs_on_a_vlm_target(vlms, family, tmp_path, capsys):
         assert config["target_hidden_size"] == 32 and config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
     else:
         assert f"{architecture} does not implement SupportsEagle3" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- image-text rows
+
+def image_tokens(folder, data):
+    return tokenize_data(data, loading.load_tokenizer(folder), "fp", 512, use_cache=False,
+                         processor=loading.load_processor(folder))
+
+
+@pytest.mark.parametrize("family", tiny.PROCESSOR_FAMILIES)
+def test_image_rows_get_the_whole_models_own_supervision(vlms, family, tmp_path):
+    """Aux states with each image's features in place of its placeholders, equal to the whole model's
+    forward on the processor's own inputs (one chat at a time); a batch mixes image and text rows."""
+    folder = vlms[family]
+    data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path))
+    tokens = image_tokens(folder, data)
+    backend = HFTargetBackend(folder, [1, 2, 4], device="cpu", dtype="fp32")
+    vocab = backend.info["vocab_size"]
+    selected = torch.arange(0, vocab, 3)
+    backend.set_vocab_mapping(selected)
+    order = [1, 3, 0, 2]  # longest first as the planner would, a text row among them
+    ids, am, lm = collate(tokens, order)
+    batch = backend.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1]))
+    model = loading.load_model(folder, torch.device("cpu"), torch.float32)
+    processor = loading.load_processor(folder)
+    H = backend.info["hidden_size"]
+    for row, i in enumerate(order):
+        want = processor.apply_chat_template(tiny.processor_messages(tmp_path)[i], tokenize=True, return_dict=True,
+                                             return_tensors="pt")
+        with torch.no_grad():
+            out = model(**want, output_hidden_states=True)
+        n = want["input_ids"].shape[1]
+        assert int(am[row].sum()) == n and torch.equal(ids[row, :n], want["input_ids"][0])
+        for k, layer in enumerate([1, 2, 4]):
+            torch.testing.assert_close(batch.aux_hidden[row, :n, k * H:(k + 1) * H], out.hidden_states[layer + 1][0],
+                                       rtol=1e-5, atol=2e-5)
+        p = torch.softmax(out.logits[0].float(), -1)[:, selected]
+        torch.testing.assert_close(batch.target_p[row, :n - 1], (p / p.sum(-1, keepdim=True))[1:], rtol=1e-4,
+                                   atol=1e-6)
+        assert torch.equal(batch.target_ids[row, :n - 1], out.logits[0].argmax(-1)[1:])
+    text_only = backend.generate_batch(ids, am, lm)  # the placeholders' own embeddings instead of the images
+    image_rows = torch.tensor([bool(tokens.num_images[i]) for i in order])
+    assert not torch.allclose(text_only.aux_hidden[image_rows], batch.aux_hidden[image_rows])
+    torch.testing.assert_close(text_only.aux_hidden[~image_rows], batch.aux_hidden[~image_rows])
+    backend.close()
+
+
+@pytest.mark.slow
+def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
+    """Llava (vLLM serves EAGLE-3 on it) through the CLI on image-text chats: the vocab map counts their
+    answers, precompute stores the supervision with the images in place (== the live target's), training
+    runs from that cache and live, and the vLLM export is written."""
+    rng = random.Random(3)
+    records = tiny.image_chat_records(tmp_path) * 3 + [tiny.random_sharegpt(rng) for _ in range(6)]
+    data = write_jsonl(tmp_path / "chat.jsonl", records)
+    target, vm, cache = vlms["llava"], tmp_path / "vm.safetensors", tmp_path / "cache"
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
+                 "-q"]) == 0
+    assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
+                 "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert ":images " in manifest["data_fingerprint"]
+    tokens = image_tokens(target, data)
+    live = HFTargetBackend(target, manifest["aux_layers"], device="cpu", dtype="fp32")
+    cached = CacheBackend(cache)
+    live.set_vocab_mapping(load_vocab_map(vm).selected_token_ids)
+    order = [1, 0, 13, 2]
+    ids, am, lm = collate(tokens, order)
+    want, got = live.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1])), cached.generate_batch(ids, am, lm)
+    torch.testing.assert_close(got.aux_hidden[am.bool()], want.aux_hidden[am.bool()])
+    for i, run in enumerate(("from-cache", "live")):
+        source = ["--cache", str(cache)] if i == 0 else ["-t", str(target), "-d", str(data)]
+        assert main(["train", *source, "-v", str(vm), "-o", str(tmp_path / run), "--max-steps", "2", "--ttt-steps",
+                     "2", "--batch-tokens", "512", "--eval-every", "0", "-q"]) == 0
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
+    processor = loading.load_processor(target)
+    for shape in (["--depth", "3"], ["--depth", "3", "--topk", "2"]):  # a chain and a tree of candidates
+        out = tmp_path / f"eval{len(shape)}"
+        assert main(["eval", "--draft", str(tmp_path / "live"), "-t", str(target), "-p", str(prompts), *shape,
+                     "--max-new-tokens", "12", "-o", str(out), "-q"]) == 0
+        overall = json.loads((out / "eval.json").read_text())["overall"]
+        assert overall["same_as_target"] == overall["turns"] == 5  # greedy: the target's own output
+        lengths = [r["prompt_tokens"] for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())]
+        first = processor.apply_chat_template(tiny.processor_messages(tmp_path)[0][:1], tokenize=True,
+                                              add_generation_prompt=True, return_dict=True)
+        assert lengths[0] == len(first["input_ids"][0])  # the image's placeholders expanded, as the processor does
+    assert main(["eval", "--draft", str(tmp_path / "live"), "-t", str(target), "-p", str(prompts), "--engine", "vllm",
+                 "-o", str(tmp_path / "no"), "-q"]) == 1
+    assert "runs image prompts in PyTorch only" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "live"), "-f", "vllm", "-o", str(tmp_path / "export"), "--engine-check",
+                 "none", "-q"]) == 0
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["draft_vocab_size"] == 64
+    assert main(["train", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(tmp_path / "packed"), "--pack",
+                 "--max-steps", "1", "-q"]) == 1
+    assert "--pack does not take image-text rows yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_an_image_prompts_first_forward_is_the_whole_models(vlms, family, tmp_path):
+    """spec eval's prompt for a chat with images (two images by the second turn) is the processor's, and
+    the target's first forward takes the images: logits and aux states equal the whole model's forward."""
+    from spec_cli.eval import prompts, speculative
+    from spec_cli.eval.target import Target
+
+    folder = vlms[family]
+    path = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
+    conv = prompts.load_conversations(str(path))[1]
+    assert len(conv.turns) == 2 and len(conv.images) == 2
+    conv.answers.append("a dog")
+    processor = loading.load_processor(folder)
+    ids = prompts.prompt_ids(loading.load_tokenizer(folder), conv, 1, processor)
+    want = processor.apply_chat_template(tiny.processor_messages(tmp_path)[1][:3], tokenize=True,
+                                         add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    assert ids == want["input_ids"][0].tolist()
+    model = loading.load_model(folder, torch.device("cpu"), torch.float32)
+    target = Target(model, [1, 2, 4])
+    target.capture = True
+    logits, aux = speculative.prefill(target, target.new_cache(), torch.tensor(ids), ids.images)
+    with torch.no_grad():
+        out = model(**want, output_hidden_states=True)
+    torch.testing.assert_close(logits, out.logits[0, -1].float(), rtol=1e-5, atol=1e-5)
+    H = out.hidden_states[0].shape[-1]
+    torch.testing.assert_close(aux[:, H:2 * H], out.hidden_states[3][0], rtol=1e-5, atol=2e-5)
+    blind, _ = speculative.prefill(target, target.new_cache(), torch.tensor(ids))
+    assert not torch.allclose(blind, logits)
+    with pytest.raises(DataError, match="has no processor"):
+        prompts.prompt_ids(loading.load_tokenizer(folder), conv, 1, None)

@@ -1,0 +1,233 @@
+"""Image-text chats through the target's own processor (docs/vlm.md).
+
+A record with images is rendered with the processor's chat template (each image part becomes the
+template's image marker) and its assistant spans are found as for text (data/template.py). The
+rendered text is then tokenised twice: alone, with character offsets (the loss mask), and by the
+processor with the record's images, which expands each marker into the image's placeholder tokens
+(how many depends on the image for tiling processors such as Idefics3's). The expansion only inserts
+or rewrites tokens around the markers, so aligning the two token lists carries the mask over to the
+expanded ids: the assistant's text is supervised, never an image token. The expanded length is what
+batch planning counts.
+
+At training time the images are read again from the data (`ImageInputs`), by the record each sample
+came from, and the processor's image processor turns a batch's images into the model's inputs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spec_cli.data import records
+from spec_cli.data.images import MARKER, image_refs, open_image
+from spec_cli.data.template import TemplateMismatch, assistant_spans, _mask_from_spans, render
+from spec_cli.errors import DataError
+
+# Why an image record was skipped (keys of the tokenising summary's skip table)
+IMAGE_IN_ANSWER = "an image in an assistant turn (the draft is trained on the assistant's text)"
+IMAGES_CUT = "its images do not fit in --max-length (an image is never cut)"
+# Per-token ids some processors return beside the tokens, that the model reads (Gemma 3's token types
+# let an image's tokens attend to each other both ways; Qwen3-VL's mark image and video tokens).
+TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+def processor_fingerprint(processor) -> str:
+    """The processor's settings and chat template: they decide the tokens an image-text record gets."""
+    described = {"class": type(processor).__name__,
+                 "image_processor": processor.image_processor.to_dict(),
+                 "chat_template": getattr(processor, "chat_template", None)}
+    for name in ("image_seq_length", "image_seq_len", "num_image_tokens", "patch_size", "image_token"):
+        described[name] = getattr(processor, name, None)
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def chat_template_tokenizer(processor, tokenizer):
+    """The tokenizer that renders image-text chats: the processor's own, with the processor's chat
+    template unless --chat-template replaced the target's (then that one, as for text records)."""
+    renderer = processor.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    if getattr(tokenizer, "spec_chat_template_override", False) or not getattr(processor, "chat_template", None):
+        renderer.chat_template = template
+    else:
+        renderer.chat_template = processor.chat_template
+    return renderer
+
+
+def _parts(content, listed: bool) -> list[dict] | None:
+    """A turn's content as OpenAI parts with every image a bare {"type": "image"} (its source is read
+    apart, in image_refs' order); ShareGPT text splits at its <image> markers when the record lists
+    images. None: malformed."""
+    if isinstance(content, str):
+        if not listed or MARKER not in content:
+            return [{"type": "text", "text": content}]
+        parts = []
+        for i, piece in enumerate(content.split(MARKER)):
+            if i:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        return parts
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        if not isinstance(part, dict):
+            return None
+        kind = part.get("type", "text")
+        if kind in records.IMAGE_PARTS:
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            return None
+    return parts
+
+
+def image_chat(record: dict) -> tuple[str, list[dict] | str]:
+    """("chat", messages) for an image-text record, the images as {"type": "image"} parts where the
+    model sees them (a user turn's content a list of parts; an assistant's its text), or ("skip",
+    reason)."""
+    listed = record.get("images") is not None or record.get("image") is not None
+    key = "conversations" if record.get("conversations") is not None else "messages"
+    turns = record.get(key)
+    if not isinstance(turns, list) or not turns:
+        return "skip", records.MALFORMED
+    inline = any(isinstance(t, dict) and isinstance(t.get("content", t.get("value")), list) and any(
+        isinstance(p, dict) and p.get("type") in records.IMAGE_PARTS for p in t.get("content", t.get("value")))
+        for t in turns)
+    if listed and inline:  # two orders for the images: which goes where is not written down
+        return "skip", records.MALFORMED
+    messages, markers = [], 0
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return "skip", records.MALFORMED
+        role = turn.get("role", turn.get("from"))
+        role = records.ROLES.get(str(role).strip().lower()) if role is not None else None
+        parts = _parts(turn.get("content", turn.get("value")), listed)
+        if role is None or parts is None:
+            return "skip", records.MALFORMED
+        images = sum(p["type"] == "image" for p in parts)
+        markers += images
+        if role == "assistant":
+            if images:
+                return "skip", IMAGE_IN_ANSWER
+            message = {"role": role, "content": "".join(p["text"] for p in parts)}
+            if turn.get("finish_reason") in ("stop", "length"):
+                message["finish_reason"] = turn["finish_reason"]
+        else:
+            message = {"role": role, "content": parts if images else "".join(p["text"] for p in parts)}
+        messages.append(message)
+    if listed and not markers:  # LLaVA's convention: the images come before the first user turn's text
+        count = len(image_refs(record))
+        first = next((m for m in messages if m["role"] == "user"), None)
+        if first is None:
+            return "skip", records.MALFORMED
+        text = first["content"]
+        first["content"] = [{"type": "image"}] * count + ([{"type": "text", "text": text}] if text else [])
+    if not any(m["role"] == "assistant" for m in messages):
+        return "skip", records.NO_ASSISTANT
+    return "chat", messages
+
+
+def align_mask(plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mask over `expanded`, 1 where a token came from the expansion) by aligning the tokens of the
+    rendered text (`plain`, with `mask`) to the processor's (`expanded`): tokens the two share keep their
+    mask; tokens the processor inserted or rewrote (the image's) are never supervised. TemplateMismatch
+    when a supervised token was rewritten (an image next to the assistant's text)."""
+    matcher = difflib.SequenceMatcher(None, plain.tolist(), expanded.tolist(), autojunk=False)
+    out = np.zeros(len(expanded), dtype=np.uint8)
+    added = np.ones(len(expanded), dtype=np.uint8)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            out[b0:b1] = mask[a0:a1]
+            added[b0:b1] = 0
+        elif mask[a0:a1].any():
+            raise TemplateMismatch("the processor rewrote supervised tokens")
+    return out, added
+
+
+def encode_image_chat(processor, renderer, messages: list[dict], images: list, specials: list[str]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """(input_ids [T] int32, loss_mask [T] uint8, (argument name, token types [T] uint8) or None,
+    image-token flags [T]) for one image-text conversation, the images expanded as the processor
+    expands them."""
+    full = render(renderer, messages)
+    spans = assistant_spans(renderer, messages, full, specials)
+    enc = renderer(full, add_special_tokens=False, return_offsets_mapping=True)
+    plain = np.asarray(enc["input_ids"], dtype=np.int64)
+    mask = _mask_from_spans(np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2), spans)
+    out = processor(text=[full], images=[images], add_special_tokens=False)
+    expanded = np.asarray(out["input_ids"][0], dtype=np.int64)
+    loss_mask, added = align_mask(plain, mask, expanded)
+    types = next(((k, np.asarray(out[k][0], dtype=np.uint8)) for k in TOKEN_TYPE_KEYS if k in out), None)
+    return expanded.astype(np.int32), loss_mask, types, added
+
+
+def encode_image_record(processor, renderer, record: dict, base: Path | None, max_length: int,
+                        specials: list[str]):
+    """(ids, mask, (type key, types) or None, number of images) for one image-text record, or the reason
+    it is skipped.
+    The images were checked before (images.check_images): a failure to open one here is a DataError."""
+    kind, messages = image_chat(record)
+    if kind == "skip":
+        return messages
+    pictures = [open_image(ref.source, base) for ref in image_refs(record)]
+    try:
+        ids, mask, types, added = encode_image_chat(processor, renderer, messages, pictures, specials)
+    except TemplateMismatch:
+        return records.TEMPLATE
+    except DataError:
+        raise
+    except Exception:  # jinja errors, a processor refusing the record
+        return records.TEMPLATE
+    if not mask.any():
+        return records.EMPTY
+    if added[max_length:].any():
+        return IMAGES_CUT
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not mask.any():
+        return records.TRUNCATED
+    return ids, mask, None if types is None else (types[0], types[1][:max_length]), len(pictures)
+
+
+def image_base(data_path: Path) -> Path:
+    """The folder a record's relative image paths start from: the data file's, or a saved data set's."""
+    path = Path(data_path).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+class ImageInputs:
+    """The model inputs for a batch's images: each sample's images read again from the record it came
+    from, through the processor's image processor (one call per batch: it pads and stacks as the
+    model expects), plus the per-token types some models read, right-padded like the tokens."""
+
+    def __init__(self, processor, data_path: Path, source_index: torch.Tensor, num_images: torch.Tensor,
+                 token_types: torch.Tensor | None, type_key: str | None, offsets: torch.Tensor):
+        from spec_cli.data.records import load_records
+
+        self.processor, self.base = processor, image_base(data_path)
+        self.dataset = load_records(data_path)
+        self.source_index, self.num_images = source_index, num_images
+        self.token_types, self.type_key, self.offsets = token_types, type_key, offsets
+
+    def __call__(self, indices: list[int], length: int) -> dict | None:
+        """Keyword arguments for the model's forward over the samples `indices` right-padded to
+        `length` tokens; None when none of them has an image."""
+        chosen = [i for i in indices if int(self.num_images[i])]
+        if not chosen:
+            return None
+        pictures = [[open_image(ref.source, self.base) for ref in image_refs(self.dataset[int(self.source_index[i])])]
+                    for i in chosen]
+        inputs = dict(self.processor.image_processor(images=pictures, return_tensors="pt"))
+        if self.type_key is not None:
+            types = torch.zeros(len(indices), length, dtype=torch.long)
+            for row, i in enumerate(indices):
+                a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+                types[row, :b - a] = self.token_types[a:b].long()
+            inputs[self.type_key] = types
+        return inputs
