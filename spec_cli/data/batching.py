@@ -39,6 +39,20 @@ def plan_batches(lengths: torch.Tensor, batch_tokens: int, max_batch_size: int |
     return batches
 
 
+def plan_by_source(lengths: torch.Tensor, batch_tokens: int, num_images: torch.Tensor | None = None
+                   ) -> list[list[int]]:
+    """plan_batches, with image-text samples (num_images > 0) and text samples never in one batch: the
+    text batches first, then the image-text ones (each planned as plan_batches plans)."""
+    if num_images is None or not bool((num_images[:lengths.numel()] > 0).any()):
+        return plan_batches(lengths, batch_tokens)
+    images = num_images[:lengths.numel()] > 0
+    batches = []
+    for chosen in (~images, images):
+        index = torch.nonzero(chosen).squeeze(1)
+        batches += [[int(index[j]) for j in b] for b in plan_batches(lengths[index], batch_tokens)] if len(index) else []
+    return batches
+
+
 def collate(tokens: TokenizedData, indices: list[int], pad_id: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, loss_mask), each [B, T] long."""

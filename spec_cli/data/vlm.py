@@ -25,7 +25,12 @@ import torch
 
 from spec_cli.data import records
 from spec_cli.data.images import MARKER, image_refs, open_image
-from spec_cli.data.template import TemplateMismatch, assistant_spans, _mask_from_spans, render
+from spec_cli.data.template import (
+    TemplateMismatch,
+    _mask_from_spans,
+    assistant_spans,
+    render,
+)
 from spec_cli.errors import DataError
 
 # Why an image record was skipped (keys of the tokenising summary's skip table)
@@ -183,7 +188,7 @@ def encode_image_record(processor, renderer, record: dict, base: Path | None, ma
         return records.TEMPLATE
     except DataError:
         raise
-    except Exception:  # jinja errors, a processor refusing the record
+    except Exception:  # noqa: BLE001 (jinja errors, a processor refusing the record)
         return records.TEMPLATE
     if not mask.any():
         return records.EMPTY

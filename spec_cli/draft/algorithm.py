@@ -64,6 +64,7 @@ class ExportFormat:
 
 
 FINAL_HIDDEN = "final_hidden"  # a need: the target's last hidden state after its final norm
+INPUT_EMBEDS = "input_embeds"  # a need: what the target's first decoder layer reads (MSD's token inputs)
 LM_HEAD = "lm_head"  # a need: the target's output head (the draft proposes through it)
 
 

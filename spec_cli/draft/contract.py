@@ -12,6 +12,7 @@ import torch
 
 from spec_cli import __version__
 from spec_cli.artifacts.io import SCHEMA_VERSION
+from spec_cli.draft.algorithm import INPUT_EMBEDS  # noqa: F401 (TargetField.reads' other value)
 from spec_cli.draft.config import DraftConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,6 +89,10 @@ class TargetField:
     name: str
     width: Callable[[int], int]  # the target's hidden size -> the field's last dimension
     compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # compute's first argument: the final hidden state, or INPUT_EMBEDS: what the target's first decoder
+    # layer reads (the token embeddings as the model scales them, each image's features in place of its
+    # placeholder tokens), captured by the in-process backends
+    reads: str = "final_hidden"
 
 
 # the need every backend knows: the target's final hidden state (EAGLE-1/2's feature)

@@ -72,7 +72,7 @@ class SteppedDraft(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """Step 0 over whole rows (causal): [B, T] ids, what `project` reads [B, T, ...] -> state [B, T, H]."""
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]  # (ids [B, T], or embeddings [B, T, H]: MSD)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self.rope(position_ids)

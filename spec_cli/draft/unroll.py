@@ -149,7 +149,8 @@ def positions(batch: TargetBatch) -> torch.Tensor:
 
 
 def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, supervised: torch.Tensor,
-           ttt_steps: int, step_weight: float, checkpoint: bool = False, shard=None) -> ObjectiveOutput:
+           ttt_steps: int, step_weight: float, checkpoint: bool = False, shard=None,
+           inputs: torch.Tensor | None = None) -> ObjectiveOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
     with the step). checkpoint: recompute each step's decoder layers and head in backward (a head with a
@@ -159,7 +160,10 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     `state` this rank's slots of them [B, 2c, H]; the draft runs on those slots only, its attention over
     the whole rows' keys, and each step's loss is this rank's share of the mean over the whole rows'
     supervised slots (the shares of the group add up to the single-process loss, as the metrics' sums
-    do). The head is called with a seventh argument, the scored slots' indices in the rows."""
+    do). The head is called with a seventh argument, the scored slots' indices in the rows.
+
+    inputs: what the slots read besides the state, [B, T] or [B, T, H] (MSD: the target's input embeddings),
+    rolled with the step as the ids are; default the batch's input_ids."""
     B, T = batch.attention_mask.shape  # (whole rows: under context parallelism the other fields may not be)
     if shard is None:
         own = lambda x: x  # noqa: E731
@@ -192,7 +196,7 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
     total_loss = state.new_zeros((), dtype=torch.float32)
     losses, correct = [], []
     for k in range(ttt_steps):
-        ids = ahead(batch.input_ids, k)  # slot t reads token t + k
+        ids = ahead(batch.input_ids if inputs is None else inputs, k)  # slot t reads token t + k
         cos, sin = draft.rope(position_ids + k)  # [B, T, d], at position t + k (serving's)
         state = draft.ttt_step(ids, state, cos, sin, caches, bias, checkpoint)  # [B, T, H]
         sup_b, sup_t = slots[k]

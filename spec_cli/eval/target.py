@@ -25,17 +25,21 @@ import torch
 from torch import nn
 
 from spec_cli.target import loading
-from spec_cli.target.capture import AuxCapture
+from spec_cli.target.capture import AuxCapture, InputCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 
 TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a custom 4D mask as is
 
 
 class Target:
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int], final_hidden: bool = False):
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int], final_hidden: bool = False,
+                 input_embeds: bool = False):
+        """final_hidden: what the draft reads ends with the final hidden state (EAGLE-1/2); input_embeds:
+        and then with the first decoder layer's input (MSD: token embeddings, image features in place)."""
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
         self.aux_capture = AuxCapture(model, self.aux_layer_ids)
+        self.input_capture = InputCapture(model) if input_embeds else None
         self._final: list[torch.Tensor] = []
         self._final_hook = None
         if final_hidden:  # the draft reads the target's post-norm last hidden state (EAGLE-1/2)
@@ -57,9 +61,13 @@ class Target:
     @capture.setter
     def capture(self, on: bool) -> None:
         self.aux_capture.enabled = on
+        if self.input_capture is not None:
+            self.input_capture.enabled = on
 
     def close(self) -> None:
         self.aux_capture.close()
+        if self.input_capture is not None:
+            self.input_capture.close()
         if self._final_hook is not None:
             self._final_hook.remove()
 
@@ -121,6 +129,8 @@ class Target:
         aux = self.aux_capture.take(final if final is not None else out.logits)[0]  # [n, n_aux * H_t]
         if final is not None:
             aux = torch.cat([aux, final[0].to(aux.dtype)], dim=-1)
+        if self.input_capture is not None:
+            aux = torch.cat([aux, self.input_capture.take()[0].to(aux.dtype)], dim=-1)
         return logits, aux
 
 

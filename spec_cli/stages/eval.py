@@ -43,6 +43,7 @@ from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
+from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, parting, plot_acceptance, turn_speedup
@@ -245,7 +246,11 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
     if loaded.needs_head:  # EAGLE-1/2 proposes through the target's lm_head (the engines share it)
         draft.copy_head(model.get_output_embeddings().weight.float().cpu())
     draft.to(device=device, dtype=dtype).eval()
-    target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithms.get(draft.config.algorithm).final_hidden)
+    algorithm = algorithms.get(draft.config.algorithm)
+    if hasattr(draft, "use_target_embeddings"):  # MSD: drafted tokens go through the target's embedding
+        draft.use_target_embeddings(model.get_input_embeddings())
+    target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithm.final_hidden,
+                    input_embeds=INPUT_EMBEDS in algorithm.needs)
     if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
         raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
                           f"{target.attn_implementation}", "use a chain (--topk 1)")

@@ -23,7 +23,7 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.batch import EXTRA
 from spec_cli.console import human_bytes, info, progress
 from spec_cli.data import chat_templates
-from spec_cli.data.batching import collate, padding_fraction, plan_batches
+from spec_cli.data.batching import collate, padding_fraction, plan_by_source
 from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
@@ -166,7 +166,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
                           "precompute them with --target-engine transformers")
     n_samples = len(tokens) if cfg.max_samples is None else min(cfg.max_samples, len(tokens))
     lengths = tokens.lengths[:n_samples]
-    batches = plan_batches(lengths, cfg.batch_tokens)
+    batches = plan_by_source(lengths, cfg.batch_tokens, tokens.num_images)  # image-text rows batched apart
     shards = plan_shards(batches, lengths, cfg.shard_tokens)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
     fields = stored_fields(cfg.algorithm)
@@ -316,6 +316,9 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
                 "target_engine": cfg.target_engine,  # provenance only: not part of the identity
                 "chat_template_source": chat_templates.source_of(tokenizer, template),
                 "tokenizer_base_fingerprint": loading.tokenizer_fingerprint(tokenizer, chat_template=None),
+                # the samples with images (tokenised indices): training tells image-text batches apart
+                **({"image_samples": torch.nonzero(tokens.num_images[:n_samples]).squeeze(1).tolist()}
+                   if tokens.images is not None else {}),
             }, entries)
         distributed.barrier()
     finally:  # also on an error or Ctrl-C: the target engine holds the model (vLLM also its KV cache)
@@ -355,6 +358,7 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
     """Run the target on each batch and keep the real tokens only (ragged); float features in the
     storage dtype; `fields` (name -> TargetField) stored as `extra.NAME`."""
     fields = fields or {}
+    backend.extra_fields = fields  # (a field reading the input embeddings turns their capture on)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "input_ids", "loss_mask", "aux_hidden", "argmax", "final_hidden", "lse", "target_p",
         "target_mass", *(EXTRA + name for name in fields))}
@@ -383,8 +387,8 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
         else:
             parts["target_p"].append(_stored(target_p[real], storage))
             parts["target_mass"].append(target_mass[real].cpu())
-        for name, f in fields.items():
-            value = f.compute(hidden, aux, input_ids.to(aux.device))[real]
+        for name, value in backend.field_values(fields, hidden, aux, input_ids.to(aux.device)).items():
+            value = value[real]
             parts[EXTRA + name].append(_stored(value, storage) if value.is_floating_point() else value.cpu())
         sample_lengths.extend(attention_mask.sum(1).tolist())
         batch_sizes.append(len(indices))

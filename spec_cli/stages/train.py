@@ -107,6 +107,9 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
                 if schedule.world > 1 else "")
              + (f" (context parallel: each row split over {schedule.context} of them, {schedule.data_world} "
                 "data-parallel replica(s))" if schedule.context > 1 else ""))
+        if schedule.curriculum is not None:
+            info(f"curriculum: {schedule.curriculum.describe()}; {len(schedule.pools[0])} text and "
+                 f"{len(schedule.pools[1])} image-text train batches")
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
         step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step)
     finally:
@@ -272,12 +275,13 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     info(f"draft rope: {draft_config.rope_source}")
     draft = algorithm.build(draft_config)
     draft.hidden_noise = cfg.objective.hidden_noise  # not in its config: export and eval never see it
-    embed = source.backend.get_input_embeddings()
-    draft.copy_embeddings(embed)
     draft.set_vocab_map(vocab_map.selected_token_ids)
     # The frozen weights (copied from the target, never trained) are stored once per run, as the target
     # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
-    frozen = {"embed_tokens.weight": embed}
+    frozen = {}
+    if algorithm.extra.get("own_embeddings", True):  # (MSD reads the target's input embeddings instead)
+        frozen["embed_tokens.weight"] = source.backend.get_input_embeddings()
+        draft.copy_embeddings(frozen["embed_tokens.weight"])
     if LM_HEAD in algorithm.needs:  # the draft proposes through the target's own lm_head (EAGLE-1/2)
         head = source.backend.get_output_head()
         if head is None:
@@ -379,6 +383,11 @@ class Trainer:
                                      sharded=self.sharded, frozen=parts["frozen_keys"])
         _restore_rng(parts["rng"])
         step = parts["trainer_state"]["step"]
+        if self.schedule.curriculum is not None:  # MSD: the steps so far drew the sources this run would
+            recorded, now = parts["trainer_state"].get("curriculum"), self.schedule.curriculum.state(step)
+            if recorded != now:
+                raise ArtifactError(f"{checkpoint} was trained on another curriculum ({recorded}; this run's "
+                                    f"at step {step}: {now})", "resume with the options it was started with")
         info(f"resuming from {checkpoint} (step {step})")
         return step
 
@@ -455,7 +464,8 @@ class Trainer:
             {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
              "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
              "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
-             "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single")},
+             "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single"),
+             **({"curriculum": s.curriculum.state(step)} if s.curriculum is not None else {})},
             keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record, staged=staged, shards=shards)
 
 

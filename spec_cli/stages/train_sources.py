@@ -26,7 +26,7 @@ from spec_cli import assets, distributed
 from spec_cli.batch import batch_nbytes
 from spec_cli.console import info
 from spec_cli.data import chat_templates
-from spec_cli.data.batching import collate, collate_packed, plan_batches, plan_packed
+from spec_cli.data.batching import collate, collate_packed, plan_by_source, plan_packed
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
@@ -72,7 +72,8 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
                            target.processor)
         _check_image_rows(cfg, tokens)
         n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
-        plan = (plan_packed if d.pack else plan_batches)(tokens.lengths[:n], d.batch_tokens)
+        plan = plan_packed(tokens.lengths[:n], d.batch_tokens) if d.pack else \
+            plan_by_source(tokens.lengths[:n], d.batch_tokens, tokens.num_images)
         bound = _stream_bound(cfg, target, vocab_map, tokens, plan, device) if cfg.runtime.stream else None
         backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
         if d.remote is not None and _grouped(cfg):  # one rank of each context-parallel group asks the servers
@@ -323,6 +324,10 @@ class Schedule:
     rank: int
     world: int
     context: int = 1  # --context-parallel: consecutive ranks that share each batch (a row's slots split)
+    # MSD's curriculum (spec_cli/draft/msd/curriculum.py): each step's source, and the train batches of
+    # each source (text, image-text)
+    curriculum: object = None
+    pools: tuple = ()
 
     @classmethod
     def plan(cls, source: Source, cfg: TrainConfig) -> Schedule:
@@ -335,7 +340,32 @@ class Schedule:
                               "launch a multiple of it (torchrun --nproc-per-node), or choose a divisor")
         per_step = cfg.optim.grad_accum * (world // context)
         total = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train)) // per_step)
-        return cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world, context)
+        schedule = cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world, context)
+        if algorithms.get(cfg.draft.algorithm).extra.get("curriculum"):
+            schedule.follow_curriculum(source, cfg)
+        return schedule
+
+    def follow_curriculum(self, source: Source, cfg: TrainConfig) -> None:
+        """Split the train batches by source (a batch with an image is an image-text batch) and check that
+        the curriculum's steps find batches of each source they draw."""
+        from spec_cli.draft.msd.curriculum import Curriculum
+
+        o = cfg.objective
+        self.curriculum = Curriculum(o.text_steps, o.multimodal_ratio, o.multimodal_ramp_steps, self.seed)
+        images = getattr(source.tokens, "num_images", None)
+        image_text = [b for b in self.train if images is not None and any(int(images[i]) for i in b)]
+        text = [b for b in self.train if images is None or not any(int(images[i]) for i in b)]
+        self.pools = (text, image_text)
+        wants_text, wants_images = self.curriculum.uses(self.total_steps)
+        if wants_images and not image_text:
+            raise ConfigError(f"the MSD curriculum trains {self.curriculum.steps_before(self.total_steps, 1)} of "
+                              f"{self.total_steps} steps on image-text batches and the data has none",
+                              "train on image-text chats with a target saved with its processor (docs/vlm.md), or "
+                              "pass --multimodal-ratio 0")
+        if wants_text and not text:
+            raise ConfigError(f"the MSD curriculum trains {self.curriculum.steps_before(self.total_steps, 0)} of "
+                              f"{self.total_steps} steps on text batches and the data has none",
+                              "add text chats, or pass --text-steps 0 --multimodal-ratio 1")
 
     @property
     def data_rank(self) -> int:
@@ -359,10 +389,19 @@ class Schedule:
 
     def indices(self, i: int) -> list[int]:
         """The samples of this rank's i-th micro-batch (global micro-batch i * data_world + data_rank: the
-        ranks of a context-parallel group get the same ones)."""
-        epoch, pos = divmod(i * self.data_world + self.data_rank, len(self.train))
-        order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.train[int(order[pos])]
+        ranks of a context-parallel group get the same ones). Under a curriculum, step i // grad_accum
+        draws its source, and its micro-batches are that source's next ones, in its own epochs."""
+        if self.curriculum is None:
+            epoch, pos = divmod(i * self.data_world + self.data_rank, len(self.train))
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed + epoch))
+            return self.train[int(order[pos])]
+        step, micro = divmod(i, self.grad_accum)
+        kind = self.curriculum.source(step)
+        pool = self.pools[kind]
+        n = self.curriculum.steps_before(step, kind)  # the steps on this source before this one
+        epoch, pos = divmod((n * self.grad_accum + micro) * self.data_world + self.data_rank, len(pool))
+        order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(self.seed + epoch + 7919 * kind))
+        return pool[int(order[pos])]
 
 
 # ----------------------------------------------------------------------------- batches

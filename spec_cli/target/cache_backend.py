@@ -79,6 +79,9 @@ class CacheBackend(TargetBackend):
         torch.cumsum(lengths, 0, out=offsets[1:])
         self._tokens = TokenizedData(ids, torch.cat(mask_parts), offsets, torch.cat(sample_index),
                                      {"source": str(folder)})
+        if m.get("image_samples"):  # which samples hold images (MSD's curriculum tells batches apart by it)
+            images = torch.isin(self._tokens.source_index, torch.tensor(m["image_samples"], dtype=torch.int64))
+            self._tokens.num_images = images.to(torch.int32)
 
     # ------------------------------------------------------------------ cache-specific
     def tokens(self) -> TokenizedData:

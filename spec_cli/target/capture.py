@@ -49,3 +49,30 @@ class AuxCapture:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+class InputCapture:
+    """A hook on the first decoder layer keeping what it reads: the language model's input embeddings
+    (scaled as the model scales them; in a vision-language model each image's features in place of its
+    placeholders). Off unless `enabled`; `take()` gives the last forward's [B, T, H] and forgets it."""
+
+    def __init__(self, model: nn.Module):
+        self.enabled = False
+        self._captured: torch.Tensor | None = None
+        first = loading.decoder_layers(model)[0]
+        self._hook = first.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _keep(self, _module, args, kwargs):
+        if self.enabled:
+            self._captured = args[0] if args else kwargs["hidden_states"]
+
+    def take(self) -> torch.Tensor | None:
+        captured, self._captured = self._captured, None
+        return captured
+
+    def put(self, embeds: torch.Tensor) -> None:
+        """What `take` gives next (a forward made of several, e.g. one per packed row)."""
+        self._captured = embeds
+
+    def close(self) -> None:
+        self._hook.remove()

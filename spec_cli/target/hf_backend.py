@@ -21,7 +21,8 @@ from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
 from spec_cli.target.backend import IMAGE_ROWS, TargetBackend, require_images
-from spec_cli.target.capture import AuxCapture
+from spec_cli.draft.contract import INPUT_EMBEDS
+from spec_cli.target.capture import AuxCapture, InputCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
@@ -80,6 +81,25 @@ class LocalTargetBackend(TargetBackend):
     final_norm = None
     norm_scale: torch.Tensor | None = None  # the final norm's scale where the module is elsewhere (vLLM TP)
     selected: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None  # the last forward's, when a field reads them (INPUT_EMBEDS)
+
+    @property
+    def wants_input_embeds(self) -> bool:
+        return any(f.reads == INPUT_EMBEDS for f in self.extra_fields.values())
+
+    def field_values(self, fields: dict, hidden: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor) -> dict:
+        """name -> the field computed from the last forward (TargetField.compute)."""
+        out = {}
+        for name, f in fields.items():
+            first = hidden
+            if f.reads == INPUT_EMBEDS:
+                if self.input_embeds is None:
+                    raise ConfigError(f"the target field {name!r} reads the target's input embeddings, which "
+                                      f"{type(self).__name__} does not capture",
+                                      "use the in-process transformers target (--target-engine transformers)")
+                first = self.input_embeds
+            out[name] = f.compute(first, aux, ids)
+        return out
 
     def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
@@ -127,7 +147,7 @@ class LocalTargetBackend(TargetBackend):
             argmax, lse = self.full_vocab_stats(hidden)
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
             ids = input_ids.to(self.device)
-            extras = {name: f.compute(hidden, aux, ids) for name, f in self.extra_fields.items()}
+            extras = self.field_values(self.extra_fields, hidden, aux, ids)
             return assemble_batch(aux, ids, attention_mask.to(self.device),
                                   loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
                                   position_ids, seq_lens, hidden if self.keep_final_hidden else None, extras)
@@ -180,6 +200,7 @@ class HFTargetBackend(LocalTargetBackend):
         text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.aux_capture = AuxCapture(self.model, self.aux_layers)
+        self.input_capture = InputCapture(self.model)  # on when a field reads the input embeddings
         self.selected = None
         self.layout = Layout.from_config(self.model.config)  # the attention each layer runs (--pack)
         self.info = describe_target(target_dir, config,
@@ -225,6 +246,12 @@ class HFTargetBackend(LocalTargetBackend):
                  images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = input_ids.to(self.device)
         mask = attention_mask.to(self.device)
+        self.input_capture.enabled = self.wants_input_embeds
+        aux, last = self._run(input_ids, mask, position_ids, seq_lens, images)
+        self.input_embeds = self.input_capture.take()
+        return aux, last
+
+    def _run(self, input_ids, mask, position_ids, seq_lens, images) -> tuple[torch.Tensor, torch.Tensor]:
         if images is not None:
             if seq_lens is not None:
                 raise ConfigError(f"{PACKING} is not supported for {IMAGE_ROWS} yet", "train without --pack")
@@ -261,7 +288,7 @@ class HFTargetBackend(LocalTargetBackend):
     def _packed_rows(self, input_ids, seq_lens, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed rows for an attention that takes no mask: row by row (the varlen call cuts one row),
         each as its documents' offsets and positions restarting per document (padding tokens one each)."""
-        aux, last = [], []
+        aux, last, embeds = [], [], []
         for b in range(input_ids.shape[0]):
             cu, longest = varlen_offsets(seq_lens[b].tolist(), input_ids.shape[1])
             cu = torch.tensor(cu, dtype=torch.int32).to(self.device)
@@ -271,8 +298,12 @@ class HFTargetBackend(LocalTargetBackend):
                                max_length_k=longest)
             aux.append(self.aux_capture.take(out.last_hidden_state))
             last.append(out.last_hidden_state)
+            embeds.append(self.input_capture.take())
+        if self.input_capture.enabled:
+            self.input_capture.put(torch.cat(embeds))
         return torch.cat(aux), torch.cat(last)
 
     def close(self) -> None:
         self.aux_capture.close()
+        self.input_capture.close()
         self.model = None

@@ -17,10 +17,10 @@ from spec_cli.options import NON_NEGATIVE, option
 class EagleOptions:
     """`spec train --algorithm eagle`'s own options (its objective: spec_cli/draft/eagle/objective.py)."""
     feature_weight: float = option(
-        1.0, "--feature-weight", help="--algorithm eagle: weight of SmoothL1 on the predicted next feature.",
+        1.0, "--feature-weight", help="--algorithm eagle and msd: weight of SmoothL1 on the predicted next feature.",
         panel=OBJECTIVE, allowed=NON_NEGATIVE)
     token_weight: float = option(
-        0.1, "--token-weight", help="--algorithm eagle: weight of soft-CE between the target's next-token "
+        0.1, "--token-weight", help="--algorithm eagle and msd: weight of soft-CE between the target's next-token "
                                     "distribution and the draft's (through the target's lm_head).",
         panel=OBJECTIVE, allowed=NON_NEGATIVE)
 

@@ -50,14 +50,16 @@ class EagleLayer(nn.Module):
 
 
 class EagleDraft(SteppedDraft):
+    title = "EAGLE-1/2"  # (errors name the algorithm: MSD's draft is this one)
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         if config.hidden_size != config.target_hidden_size:
-            raise ConfigError(f"an EAGLE-1/2 draft predicts the target's {config.target_hidden_size}-wide "
+            raise ConfigError(f"an {self.title} draft predicts the target's {config.target_hidden_size}-wide "
                               f"feature; its hidden size {config.hidden_size} must be the same",
                               "drop --draft-hidden-size")
         if config.draft_vocab_size != config.vocab_size:
-            raise ConfigError(f"an EAGLE-1/2 draft proposes from the target's whole vocabulary "
+            raise ConfigError(f"an {self.title} draft proposes from the target's whole vocabulary "
                               f"({config.vocab_size} tokens, through the target's lm_head); the vocab map "
                               f"has {config.draft_vocab_size}",
                               f"build one with `spec build-vocab-map --draft-vocab-size {config.vocab_size}`")
@@ -95,7 +97,7 @@ class EagleDraft(SteppedDraft):
         """The whole vocabulary, in order: an EAGLE-1/2 draft has no id map of its own."""
         ids = torch.as_tensor(selected_token_ids).long().cpu()
         if not torch.equal(ids, torch.arange(self.config.vocab_size)):
-            raise ConfigError("an EAGLE-1/2 draft proposes from the target's whole vocabulary; this vocab "
+            raise ConfigError(f"an {self.title} draft proposes from the target's whole vocabulary; this vocab "
                               "map selects a subset", f"build one with `spec build-vocab-map "
                               f"--draft-vocab-size {self.config.vocab_size}`")
 

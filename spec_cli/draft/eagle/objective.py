@@ -60,8 +60,9 @@ def _chunked_head(draft, state, batch: TargetBatch, b, t, k: int, g=None, *, fea
 
 def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: float = 0.8,
                   feature_weight: float = 1.0, token_weight: float = 0.1, checkpoint: bool = False,
-                  shard=None) -> ObjectiveOutput:
-    """shard: context parallelism (spec_cli/draft/unroll.py unroll)."""
+                  shard=None, inputs=None) -> ObjectiveOutput:
+    """shard: context parallelism, inputs: what the slots read instead of the token ids (MSD), both as
+    spec_cli/draft/unroll.py's unroll takes them."""
     if batch.final_hidden is None:
         raise ConfigError("EAGLE-1/2 trains on the target's final hidden states and this supervision has "
                           "none", "train from a `spec precompute --algorithm eagle` cache, a live --target "
@@ -70,7 +71,7 @@ def eagle_forward(draft, batch: TargetBatch, ttt_steps: int = 1, step_weight: fl
     head.recomputes = checkpoint
     features = batch.final_hidden if shard is None else shard.local(batch.final_hidden)
     return unroll(draft, batch, draft.project(features), head, batch.loss_mask, ttt_steps, step_weight,
-                  checkpoint, shard)
+                  checkpoint, shard, inputs)
 
 
 class EagleObjective(Objective):
