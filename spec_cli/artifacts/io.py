@@ -97,16 +97,22 @@ def atomic_dir_from(staged: Path, path: Path) -> Iterator[Path]:
             shutil.rmtree(staged, ignore_errors=True)
 
 
+# safetensors' save_file writes through a temporary file of its own beside the target (Rust's tempfile:
+# `.tmp` + 6 characters) and renames it: a process killed mid-save leaves that behind
+SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}$")
+
+
 def remove_temporaries(folder: Path, names: str = r"[^/]+") -> list[str]:
     """Remove what killed atomic writes left in `folder`: atomic_path's and atomic_dir's temporaries
-    (`.NAME.XXXX.tmp`, files or folders) and atomic_dir's replaced folder (`.NAME.old`), for NAMEs
-    matching the regex `names`. Call it only while holding the folder's lock (no live writer owns them).
+    (`.NAME.XXXX.tmp`, files or folders), atomic_dir's replaced folder (`.NAME.old`), for NAMEs
+    matching the regex `names`, and safetensors' own temporary files (SAFETENSORS_TMP). Call it only while holding the folder's lock (no live writer owns them).
     The names removed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     pattern = re.compile(rf"\.({names})(\.[^./]+\.tmp|\.old)$")
-    removed = sorted(p for p in folder.iterdir() if pattern.match(p.name))
+    removed = sorted(p for p in folder.iterdir()
+                     if pattern.match(p.name) or (SAFETENSORS_TMP.match(p.name) and p.is_file()))
     for path in removed:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

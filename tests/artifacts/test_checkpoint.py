@@ -142,12 +142,13 @@ def test_a_resumed_run_removes_what_a_killed_one_left_half_written(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     (tmp_path / ".run.json.oyc4pbr7.tmp").write_text("{")
     (tmp_path / ".frozen.safetensors.5yxh4t0y.tmp").write_bytes(b"\0")
+    (tmp_path / ".tmpaMo6FA").write_bytes(b"\0")  # safetensors' own temporary (its save_file writes through one)
     (tmp_path / ".notes").write_text("the user's")
     checkpoints = tmp_path / "checkpoints"
     for name in ("step-00000002", ".step-00000004.ab_cd123.tmp", ".step-00000002.old",
                  ".step-00000006.shards.tmp"):  # (the last: FSDP2 ranks' shards, the folder unfinished)
         (checkpoints / name).mkdir(parents=True)
-    assert remove_temporaries(tmp_path) == [".frozen.safetensors.5yxh4t0y.tmp", ".run.json.oyc4pbr7.tmp",
+    assert remove_temporaries(tmp_path) == [".frozen.safetensors.5yxh4t0y.tmp", ".run.json.oyc4pbr7.tmp", ".tmpaMo6FA",
                                             ".step-00000002.old", ".step-00000004.ab_cd123.tmp",
                                             ".step-00000006.shards.tmp"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == [".notes", "checkpoints", "run.json", "step-00000002"]
