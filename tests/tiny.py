@@ -270,6 +270,35 @@ IMAGE_MARKERS = ("<start_of_image>", "<end_of_image>", "<fake_token_around_image
 PROCESSOR_FAMILIES = ("llava", "gemma3", "idefics3")
 
 
+QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def qwen_vl_processor(path: Path, family: str):
+    """The Qwen-VL family's real processor for the tiny model in `path`, built in memory: transformers
+    refuses to make it without its video processor, which needs torchvision (not installed here), so the
+    constructor's type check is passed over for that one argument (images only). Not saved: loading
+    it back (AutoProcessor) would need torchvision again."""
+    import transformers as T
+    from transformers import processing_utils
+
+    tokenizer = T.AutoTokenizer.from_pretrained(str(path), extra_special_tokens={
+        "image_token": "<image>", "video_token": "<|video_pad|>"})
+    image_processor = T.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                              min_pixels=16 * 16, max_pixels=32 * 32)
+    cls = {"qwen2_vl": T.Qwen2VLProcessor, "qwen2_5_vl": T.Qwen2_5_VLProcessor, "qwen3_vl": T.Qwen3VLProcessor}[family]
+    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, name, value):
+        return None if name == "video_processor" and value is None else check(self, name, value)
+
+    processing_utils.ProcessorMixin.check_argument_for_proper_class = lenient
+    try:
+        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                   chat_template=vlm_chat_template("<|vision_start|><image><|vision_end|>"))
+    finally:
+        processing_utils.ProcessorMixin.check_argument_for_proper_class = check
+
+
 def vlm_chat_template(image: str) -> str:
     """The llama3 chat template that also renders OpenAI-style content parts, an image part as `image`."""
     return ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

@@ -118,10 +118,16 @@ class Target:
             mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
                              self.model.dtype, "tree verification (--topk 2 or more)")
         extra = {} if images is None else self._image_inputs(images, ids.device)
+        # M-RoPE (Qwen-VL): an image prompt's positions come from its images' grids, and the model computes
+        # them when given none; every later token sits `delta` past its index (kept with the cache)
+        grid = images is not None and hasattr(self.model.base_model, "get_rope_index")
+        position_ids = None if grid else positions + getattr(cache, "spec_rope_delta", 0)
         self.aux_capture.clear()
         self._final.clear()
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+        out = self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
                          logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache}, **extra)
+        if grid:
+            cache.spec_rope_delta = int(self.model.base_model.rope_deltas.reshape(-1)[0])
         logits = out.logits[0].float()
         if not self.capture:
             return logits, None
@@ -136,11 +142,6 @@ class Target:
 
     def _image_inputs(self, images: dict, device) -> dict:
         """The processor's image inputs the model's forward takes, floats in the model's dtype."""
-        if hasattr(self.model.base_model, "get_rope_index"):  # Qwen-VL: positions come from the image grid
-            from spec_cli.errors import ConfigError
-
-            raise ConfigError(f"{type(self.model).__name__} places image tokens by M-RoPE positions from the image "
-                              "grid, which spec eval does not compute yet", "evaluate it on text prompts")
         accepted = inspect.signature(self.model.forward).parameters
         return {name: value.to(device, self.model.dtype if value.is_floating_point() else None)
                 for name, value in images.items() if name in accepted}

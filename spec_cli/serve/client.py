@@ -38,8 +38,9 @@ import torch.distributed as dist
 from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.errors import TargetError
 from spec_cli.serve import plane, wire
+from spec_cli.serve.server import IMAGES
 from spec_cli.serve.wire import TOKEN_ENV
-from spec_cli.target.backend import TargetBackend
+from spec_cli.target.backend import TargetBackend, require_images
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +434,7 @@ class RemoteBackend(TargetBackend):
                     "start `spec serve-target` with the target and --aux-layers this run (or its "
                     "vocab map / cache) was made with, or point --remote at the right server")
         self.info = {k: first.info.get(k) for k in IDENTITY_KEYS}
+        self.reads_images = all(s.info.get("reads_images") for s in self.servers)  # their targets run images
         self.target_config: dict | None = first.info.get("target_config")
         self.limits = {k: min(s.info["limits"][k] for s in self.servers) for k in first.info["limits"]}
 
@@ -462,6 +464,7 @@ class RemoteBackend(TargetBackend):
             except OSError:
                 if not folder.is_dir():  # else another process (rank) saved it meanwhile
                     raise
+        self.tokenizer_folder = folder  # (with a vision-language target's processor files: load_processor)
         tokenizer = loading.load_tokenizer(folder)
         if loading.tokenizer_fingerprint(tokenizer) != fingerprint:
             raise RemoteMismatchError("the tokenizer the server sent does not reproduce its fingerprint",
@@ -519,13 +522,15 @@ class RemoteBackend(TargetBackend):
             raise RemoteError(f"the target server {server.url} stored a different vocab mapping",
                               "check that server and trainer run the same spec_cli version")
 
-    def _request(self, input_ids, attention_mask, loss_mask, position_ids, seq_lens) -> wire.Encoded:
+    def _request(self, input_ids, attention_mask, loss_mask, position_ids, seq_lens, images=None) -> wire.Encoded:
         if self._vocab is None:
             raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
                    "position_ids": position_ids, "seq_lens": seq_lens}
-        message = wire.encode({k: v.detach().to("cpu", torch.int64)  # int64 on the wire
-                               for k, v in tensors.items() if v is not None},
+        tensors = {k: v.detach().to("cpu", torch.int64) for k, v in tensors.items() if v is not None}  # int64 on the wire
+        for name, value in (images or {}).items():  # image-text rows: pixel values as fp32, the rest int64
+            tensors[IMAGES + name] = value.detach().to("cpu", torch.float32 if value.is_floating_point() else torch.int64)
+        message = wire.encode(tensors,
                               {"vocab_id": self._vocab[0], "final_hidden": self.keep_final_hidden,
                                **({"extras": sorted(self.extra_fields)} if self.extra_fields else {})})
         B, T = input_ids.shape if input_ids.dim() == 2 else (1, input_ids.numel())
@@ -590,8 +595,12 @@ class RemoteBackend(TargetBackend):
         return TargetBatch.from_tensors(tensors)
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
-                       seq_lens=None) -> TargetBatch:
-        message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+                       seq_lens=None, images: dict | None = None) -> TargetBatch:
+        """`images`: an image-text batch's image inputs (data/vlm.py), sent along; the server's target
+        runs its vision part on them (`reads_images`: every server says it does)."""
+        if images is not None:
+            require_images(self)
+        message = self._request(input_ids, attention_mask, loss_mask, position_ids, seq_lens, images)
         return self._generate(message, tuple(input_ids.shape))
 
     def close(self) -> None:

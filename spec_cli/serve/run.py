@@ -27,11 +27,20 @@ from spec_cli.target import loading, local
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def tokenizer_files(tokenizer) -> dict[str, str]:
-    """The tokenizer as the text files save_pretrained writes ({name: text})."""
+def tokenizer_files(tokenizer, processor=None) -> dict[str, str]:
+    """The tokenizer as the text files save_pretrained writes ({name: text}); with a vision-language
+    target's `processor`, its own files too (image processor settings, its chat template where the
+    tokenizer has none): the trainer reads image-text chats with them (data/vlm.py)."""
     with tempfile.TemporaryDirectory(prefix="spec-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
-        return {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    if processor is not None:
+        with tempfile.TemporaryDirectory(prefix="spec-proc-") as tmp:
+            processor.save_pretrained(tmp)
+            for p in sorted(Path(tmp).iterdir()):
+                if p.is_file() and p.name not in files:  # the tokenizer's (e.g. --chat-template) stay
+                    files[p.name] = p.read_text(encoding="utf-8")
+    return files
 
 
 def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -82,7 +91,8 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
                                   "port), or --no-tensor-plane") from exc
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),
-            tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template)), token=token,
+            tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template),
+                                            loading.load_processor(target_dir)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
             exit_on_disconnect=exit_on_disconnect, fields=algorithms.get(algorithm).target_fields,
             plane=plane)

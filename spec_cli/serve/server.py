@@ -11,11 +11,13 @@ Endpoints (all under /v1; every request carries `Authorization: Bearer TOKEN` wh
 | GET  | /health           | -> JSON {"status": "ok", "protocol"} |
 | GET  | /info             | -> JSON: architecture, vocab/hidden size, aux layers, fingerprints, |
 |      |                   |    target config, limits |
-| GET  | /tokenizer        | -> JSON {"files": {name: text}} (the trainer tokenises its data with it) |
+| GET  | /tokenizer        | -> JSON {"files": {name: text}} (the trainer tokenises its data with it; a |
+|      |                   |    vision-language target's processor files too) |
 | GET  | /input_embeddings | -> tensors {"weight": [V, H]} (seeds the draft, once) |
 | POST | /vocab_mapping    | tensors {"selected_token_ids": [Vd] int64} -> JSON {"vocab_id"} |
 | POST | /output_head      | JSON {"vocab_id"} -> tensors {"lm_head_selected" [Vd, H] [, "final_norm" [H]]} |
-| POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens]} |
+| POST | /generate         | tensors {input_ids, attention_mask, loss_mask [, position_ids, seq_lens] |
+|      |                   |    [, images.NAME: an image-text batch's image inputs]} |
 |      |                   | + {"vocab_id"} -> tensors: exactly the TargetBatch (draft-vocab supervision) |
 | POST | /plane            | JSON {"backend"} -> JSON {"channel", "port", "backend"} (or {"channel": null, |
 |      |                   |    "reason"}): a tensor-plane channel for one client thread (plane.py) |
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
@@ -45,6 +48,7 @@ from spec_cli.serve import wire
 log = logging.getLogger(__name__)
 
 GENERATE_TENSORS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "seq_lens")
+IMAGES = "images."  # the prefix of an image-text batch's image inputs (pixel values, grids, token types)
 KEPT_VOCAB_MAPS = 8  # draft vocabs remembered at once (several trainers may share a server)
 MAX_CLIENTS = 4096  # client ids tracked for exit_on_disconnect
 
@@ -115,7 +119,13 @@ def _binary(name: str, t: torch.Tensor) -> None:
 def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits: Limits,
                       max_positions: int | None) -> dict[str, torch.Tensor | None]:
     """The keyword arguments of generate_batch, or RequestError(400) naming the first problem."""
-    unknown = sorted(set(tensors) - set(GENERATE_TENSORS))
+    images = {name[len(IMAGES):]: t for name, t in tensors.items() if name.startswith(IMAGES)}
+    for name, t in images.items():  # image-text rows: the model inputs of their images (data/vlm.py)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name):
+            raise _bad(f"bad image input name {name[:40]!r}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise _bad(f"image input {name} holds NaN or infinite values")
+    unknown = sorted(set(tensors) - set(GENERATE_TENSORS) - {IMAGES + n for n in images})
     if unknown:
         raise _bad(f"unknown tensor(s) {unknown}; a generate request holds {list(GENERATE_TENSORS)}")
     missing = [n for n in GENERATE_TENSORS[:3] if n not in tensors]
@@ -165,7 +175,7 @@ def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits:
         if not torch.equal(real.long(), am):
             raise _bad("attention_mask must be 1 exactly on the first sum(seq_lens) tokens of each row")
     return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "position_ids": position_ids,
-            "seq_lens": seq_lens}
+            "seq_lens": seq_lens, **({"images": images} if images else {})}
 
 
 def validate_vocab_mapping(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor:
@@ -289,6 +299,7 @@ class TargetServer:
     def info(self) -> dict:
         return {"protocol": wire.PROTOCOL, **self.backend.info, "target_config": self.target_config,
                 "limits": asdict(self.limits), "has_tokenizer": self.tokenizer_files is not None,
+                "reads_images": bool(getattr(self.backend, "reads_images", False)),
                 "plane": self.plane.info() if self.plane is not None else None,
                 "vocab_ids": list(self._vocab_maps)}
 
@@ -344,6 +355,9 @@ class TargetServer:
         final_hidden the answer carries the target's final hidden states too (EAGLE-1/2 trainers), and
         each of `extras` as `extra.NAME` (the per-token fields of the draft algorithm served)."""
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
+        if "images" in kwargs and not getattr(self.backend, "reads_images", False):
+            raise RequestError(422, "this server's target does not run its vision encoder on image-text rows",
+                               hint="serve the target with --target-engine transformers")
         unknown = [name for name in extras if name not in self.fields]
         if unknown:
             raise RequestError(422, f"this server computes no per-token field {', '.join(unknown)}",

@@ -259,8 +259,10 @@ def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Tar
         record["chat_template_source"] = backend.servers[0].info["chat_template_source"]
     dtype = getattr(torch, str(backend.info.get("dtype")), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # not said: the widest it sends
+    folder = getattr(backend, "tokenizer_folder", None)  # the server's files: a VLM's processor among them
+    processor = loading.load_processor(folder) if folder is not None else None
     return _Target(tokenizer, fingerprint, aux_layers, backend.target_config, record,
-                   int(backend.info["hidden_size"]), dtype, backend=backend)
+                   int(backend.info["hidden_size"]), dtype, backend=backend, processor=processor)
 
 
 def _stream_bound(cfg: TrainConfig, target: _Target, vocab_map, tokens, plan: list[list[int]],

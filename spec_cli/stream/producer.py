@@ -63,9 +63,11 @@ class Producer:
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                  position_ids: torch.Tensor | None = None,
-                 seq_lens: torch.Tensor | None = None) -> TargetBatch:
+                 seq_lens: torch.Tensor | None = None, images: dict | None = None) -> TargetBatch:
+        """`images`: an image-text batch's image inputs (data/vlm.py), for a backend that reads them."""
+        more = {} if images is None else {"images": images}
         return self.backend.generate_batch(input_ids, attention_mask, loss_mask,
-                                           position_ids=position_ids, seq_lens=seq_lens)
+                                           position_ids=position_ids, seq_lens=seq_lens, **more)
 
     def publish(self, index: int, batch: TargetBatch, block: bool = True,
                 timeout: float | None = None) -> SampleRef:
@@ -81,9 +83,9 @@ class Producer:
     def produce(self, index: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
                 seq_lens: torch.Tensor | None = None, block: bool = True,
-                timeout: float | None = None) -> SampleRef:
+                timeout: float | None = None, images: dict | None = None) -> SampleRef:
         """Run the target on one batch and store its supervision."""
-        batch = self.generate(input_ids, attention_mask, loss_mask, position_ids, seq_lens)
+        batch = self.generate(input_ids, attention_mask, loss_mask, position_ids, seq_lens, images)
         return self.publish(index, batch, block, timeout)
 
     def discard(self, ref: SampleRef) -> None:

@@ -18,8 +18,8 @@ def require_images(backend) -> None:
     in-process transformers target does; a served target, the vLLM engine and a feature cache do not."""
     if not getattr(backend, "reads_images", False):
         raise ConfigError(f"{IMAGE_ROWS} need the target's vision encoder, which {type(backend).__name__} does "
-                          "not run", "supervise image-text data with the in-process transformers target "
-                          "(--target-engine transformers, not --remote), or precompute it that way")
+                          "not run", "supervise image-text data with the transformers target (--target-engine "
+                          "transformers, in this process or in `spec serve-target`), or precompute it that way")
 
 
 class TargetBackend:

@@ -233,3 +233,130 @@ def test_an_image_prompts_first_forward_is_the_whole_models(vlms, family, tmp_pa
     assert not torch.allclose(blind, logits)
     with pytest.raises(DataError, match="has no processor"):
         prompts.prompt_ids(loading.load_tokenizer(folder), conv, 1, None)
+
+
+@pytest.mark.parametrize("family", tiny.QWEN_VL_FAMILIES)
+def test_qwen_vl_image_rows_get_m_rope_supervision(vlms, family, tmp_path):
+    """Qwen-VL (M-RoPE: an image's tokens take (time, height, width) positions from its grid, the text
+    after it continues from the largest): the aux states of image rows equal the whole model's forward,
+    which places them so; a batch of an image row and a text row, right-padded. The processor is built in
+    memory (tests/tiny.py: its video part needs torchvision)."""
+    folder = vlms[family]
+    processor = tiny.qwen_vl_processor(folder, family)
+    data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path))
+    tokens = tokenize_data(data, loading.load_tokenizer(folder), "fp", 512, use_cache=False, processor=processor)
+    assert tokens.num_images.tolist() == [1, 2, 1, 0]
+    backend = HFTargetBackend(folder, [1, 2, 4], device="cpu", dtype="fp32")
+    backend.set_vocab_mapping(torch.arange(backend.info["vocab_size"]))
+    order = [1, 3, 2]
+    ids, am, lm = collate(tokens, order)
+    batch = backend.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1]))
+    model = loading.load_model(folder, torch.device("cpu"), torch.float32)
+    H = backend.info["hidden_size"]
+    for row, i in enumerate(order):
+        want = processor.apply_chat_template(tiny.processor_messages(tmp_path)[i], tokenize=True, return_dict=True,
+                                             return_tensors="pt")
+        n = want["input_ids"].shape[1]
+        assert torch.equal(ids[row, :n], want["input_ids"][0])
+        with torch.no_grad():
+            out = model(**want, output_hidden_states=True)
+        for k, layer in enumerate([1, 2, 4]):
+            torch.testing.assert_close(batch.aux_hidden[row, :n, k * H:(k + 1) * H], out.hidden_states[layer + 1][0],
+                                       rtol=1e-5, atol=2e-5)
+    # with plain positions (0..T-1) the image row's states differ: the grid's positions are in use
+    with torch.no_grad():
+        plain = model(**processor.apply_chat_template(tiny.processor_messages(tmp_path)[1], tokenize=True,
+                                                      return_dict=True, return_tensors="pt"),
+                      position_ids=torch.arange(int(am[0].sum()))[None], output_hidden_states=True)
+    assert not torch.allclose(plain.hidden_states[2][0], batch.aux_hidden[0, :int(am[0].sum()), :H], atol=1e-4)
+    backend.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_qwen_vl_image_prompts_decode_as_the_model_generates(vlms, family, tmp_path):
+    """spec eval on a Qwen-VL image prompt: the prefill lets the model place the image by its grid, and every
+    later token sits past its index by the model's own offset (kept with the cache), so the target alone
+    decodes what transformers' generate() decodes, and speculative decoding (an EAGLE-3 chain and tree from
+    a random draft, which verification corrects) gives the same tokens."""
+    from spec_cli.draft.eagle3.model import Eagle3Draft
+    from spec_cli.eval import prompts, speculative
+    from spec_cli.eval.target import Target
+
+    folder = vlms[family]
+    processor = tiny.qwen_vl_processor(folder, family)
+    path = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
+    conv = prompts.load_conversations(str(path))[1]
+    conv.answers.append("a dog")
+    prompt = prompts.prompt_ids(loading.load_tokenizer(folder), conv, 1, processor)  # two images by now
+    model = loading.load_model(folder, torch.device("cpu"), torch.float32)
+    want = processor.apply_chat_template(tiny.processor_messages(tmp_path)[1][:3], tokenize=True,
+                                         add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    assert prompt == want["input_ids"][0].tolist()
+    with torch.no_grad():
+        out = model.generate(**want, max_new_tokens=10, do_sample=False, min_new_tokens=10, output_logits=True,
+                             return_dict_in_generate=True)
+    generated = out.sequences[0, len(prompt):]
+    target = Target(model, [1, 2, 4])
+    alone = speculative.generate_target(target, prompt, speculative.Settings(max_new_tokens=10))
+    assert alone.tokens == generated.tolist()
+    cache = target.new_cache()  # step by step: each step's logits are generate()'s
+    logits, _ = speculative.prefill(target, cache, torch.tensor(prompt), prompt.images)
+    for j, token in enumerate(generated[:4].tolist()):
+        torch.testing.assert_close(logits.reshape(-1), out.logits[j][0].float(), rtol=1e-4, atol=1e-4)
+        logits, _ = target.forward(torch.tensor([[token]]), torch.tensor([[len(prompt) + j]]), cache)
+    config = loading.load_config(folder)
+    from spec_cli.draft.config import DraftConfig
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(config, loading.vocab_size(config, loading.load_tokenizer(folder)),
+                                                [1, 2, 4], num_hidden_layers=1)).eval()
+    draft.copy_embeddings(model.get_input_embeddings().weight.detach())
+    for settings in (speculative.Settings(max_new_tokens=10), speculative.Settings(max_new_tokens=10, topk=2, depth=3)):
+        assert speculative.generate(target, draft, prompt, settings).tokens == alone.tokens
+
+
+def test_a_served_target_supervises_image_rows_as_the_live_one(vlms, tmp_path, capsys):
+    """`spec serve-target` of a VLM sends its processor's files with its tokenizer's; a trainer reads the
+    image chats with them and sends each batch's image inputs along: the answer equals the in-process
+    target's bit for bit, and `spec train --remote` trains on image chats."""
+    from spec_cli.serve.client import RemoteBackend
+    from spec_cli.serve.http import HTTPHandle
+    from spec_cli.serve.run import tokenizer_files
+    from spec_cli.serve.server import TargetServer
+
+    folder = vlms["gemma3"]  # (its token types go along too)
+    live = HFTargetBackend(folder, [1, 2, 4], device="cpu", dtype="fp32")
+    files = tokenizer_files(loading.load_tokenizer(folder), loading.load_processor(folder))
+    assert "processor_config.json" in files  # (the image processor's settings in it)
+    handle = HTTPHandle(TargetServer(live, target_config=loading.load_config(folder).to_dict(), tokenizer_files=files),
+                        "127.0.0.1", 0, request_timeout=30.0)
+    try:
+        remote = RemoteBackend(handle.url, tensor_plane=False)
+        tokenizer = remote.load_tokenizer(tmp_path / "tok")
+        processor = loading.load_processor(remote.tokenizer_folder)
+        assert remote.reads_images and processor is not None
+        data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path) * 2)
+        tokens = tokenize_data(data, tokenizer, remote.info["tokenizer_fingerprint"], 512, use_cache=False,
+                               processor=processor)
+        local = image_tokens(folder, data)
+        assert torch.equal(tokens.input_ids, local.input_ids) and torch.equal(tokens.loss_mask, local.loss_mask)
+        selected = torch.arange(0, live.info["vocab_size"], 3)
+        remote.set_vocab_mapping(selected)
+        order = [1, 3, 0]
+        ids, am, lm = collate(tokens, order)
+        images = tokens.images(order, ids.shape[1])
+        served = remote.generate_batch(ids, am, lm, images=images)
+        live.set_vocab_mapping(selected)
+        here = live.generate_batch(ids, am, lm, images=images)
+        for name, value in here.tensors().items():
+            assert torch.equal(served.tensors()[name], value), name
+        vm = tmp_path / "vm.safetensors"
+        assert main(["build-vocab-map", "-t", str(folder), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
+                     "-q"]) == 0
+        assert main(["train", "--remote", handle.url, "-d", str(data), "-v", str(vm), "-o", str(tmp_path / "run"),
+                     "--max-steps", "2", "--ttt-steps", "2", "--batch-tokens", "512", "--eval-every", "0",
+                     "--no-tensor-plane", "-q"]) == 0
+        remote.close()
+    finally:
+        handle.stop(grace=1.0)
+        live.close()
