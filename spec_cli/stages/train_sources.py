@@ -105,8 +105,7 @@ def _check_image_rows(cfg: TrainConfig, tokens) -> None:
     """What image-text rows (data/vlm.py) do not run with yet, refused before the target loads."""
     if getattr(tokens, "images", None) is None:
         return
-    for given, what in ((cfg.data.pack, "--pack"), (cfg.runtime.context_parallel > 1, "--context-parallel"),
-                        (cfg.runtime.stream, "--stream")):
+    for given, what in ((cfg.data.pack, "--pack"), (cfg.runtime.context_parallel > 1, "--context-parallel")):
         if given:
             raise ConfigError(f"{what} does not take image-text rows yet ({int(tokens.num_images.sum())} images in "
                               "the data)", f"drop {what}, or train on text-only records")

@@ -30,6 +30,7 @@ from spec_cli.target.cache_backend import CacheBackend
 from spec_cli.target.hf_backend import HFTargetBackend
 from tests import tiny
 from tests.conftest import write_jsonl
+from tests.draft.runs import weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,10 +177,12 @@ def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
     ids, am, lm = collate(tokens, order)
     want, got = live.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1])), cached.generate_batch(ids, am, lm)
     torch.testing.assert_close(got.aux_hidden[am.bool()], want.aux_hidden[am.bool()])
-    for i, run in enumerate(("from-cache", "live")):
-        source = ["--cache", str(cache)] if i == 0 else ["-t", str(target), "-d", str(data)]
+    for run, source in (("from-cache", ["--cache", str(cache)]), ("live", ["-t", str(target), "-d", str(data)]),
+                        ("stream", ["-t", str(target), "-d", str(data), "--stream"])):
         assert main(["train", *source, "-v", str(vm), "-o", str(tmp_path / run), "--max-steps", "2", "--ttt-steps",
                      "2", "--batch-tokens", "512", "--eval-every", "0", "-q"]) == 0
+    streamed = weights(tmp_path / "stream")  # producer threads feed the same batches: the same draft
+    assert all(torch.equal(value, streamed[name]) for name, value in weights(tmp_path / "live").items())
     prompts = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
     processor = loading.load_processor(target)
     for shape in (["--depth", "3"], ["--depth", "3", "--topk", "2"]):  # a chain and a tree of candidates
