@@ -166,7 +166,7 @@ def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
 # ----------------------------------------------------------------------------- vision-language targets
 
 VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3", "gemma4",
-                "llama4")
+                "llama4", "mllama")
 
 
 def tiny_vlm_config(family: str, vocab_size: int, num_layers: int = 6):

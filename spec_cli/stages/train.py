@@ -281,6 +281,11 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     frozen = {}
     if algorithm.extra.get("own_embeddings", True):  # (MSD reads the target's input embeddings instead)
         frozen["embed_tokens.weight"] = source.backend.get_input_embeddings()
+        rows = frozen["embed_tokens.weight"].shape[0]
+        if rows != draft_config.vocab_size:
+            raise ConfigError(f"the target's input embedding has {rows} rows for its {draft_config.vocab_size}-token "
+                              "vocabulary (Mllama keeps its image tokens past the vocabulary), and a draft "
+                              "shares that table with it", "spec_cli does not train drafts for such a target yet")
         draft.copy_embeddings(frozen["embed_tokens.weight"])
     if LM_HEAD in algorithm.needs:  # the draft proposes through the target's own lm_head (EAGLE-1/2)
         head = source.backend.get_output_head()

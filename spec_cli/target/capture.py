@@ -23,7 +23,18 @@ class AuxCapture:
         self.enabled = True  # off: the hooks keep nothing (a forward whose aux states are not needed)
         self._captured: dict[int, torch.Tensor] = {}
         layers = loading.decoder_layers(model)
-        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+        # Layers a forward may skip (Mllama's cross-attention layers, on rows without an image): one that
+        # did not run passes its input on unchanged, so its output is the last earlier layer's that ran
+        skippable = set(loading.cross_attention_layers(model.config))
+        self._fallback = {}
+        for i in self.layer_ids:
+            j = i
+            while j in skippable:
+                j -= 1
+            if j != i and j >= 0:
+                self._fallback[i] = j
+        watched = sorted(set(self.layer_ids) | set(self._fallback.values()))
+        self._hooks = [layers[i].register_forward_hook(self._hook(i)) for i in watched]
 
     def _hook(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -41,7 +52,8 @@ class AuxCapture:
             if like is None:
                 raise ValueError("AuxCapture of no layers: pass `like` to shape the empty result")
             return like.new_zeros(*like.shape[:-1], 0)
-        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        aux = torch.cat([self._captured[i] if i in self._captured else self._captured[self._fallback[i]]
+                         for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return aux
 

@@ -308,6 +308,13 @@ def text_decoder(model: nn.Module) -> nn.Module:
     return decoder
 
 
+def cross_attention_layers(config) -> list[int]:
+    """The decoder layers that attend to the image only (Mllama's cross-attention layers): a row without
+    an image skips them. [] for other models."""
+    text = getattr(config, "text_config", None) or config
+    return list(getattr(text, "cross_attention_layers", None) or [])
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers as an integer-indexed list (ModuleList or ModuleDict keyed by str(i))."""
     n = num_layers(model.config)
