@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing as mp
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -84,10 +85,13 @@ def tokenize_seconds_bound(data_path: Path) -> float:
 
 
 def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int = 2048,
-                  num_proc: int = 1, use_cache: bool = True, processor=None) -> TokenizedData:
+                  num_proc: int = 1, use_cache: bool = True, processor=None,
+                  load_processor: Callable[[], object] | None = None) -> TokenizedData:
     """Token ids + loss masks for every usable record; skip counts in `.metadata["skipped"]`.
     `processor` (a vision-language target's, loading.load_processor): image-text records go through it
-    (data/vlm.py), their images all opened first; without one they are counted apart and skipped."""
+    (data/vlm.py), their images all opened first; without one they are counted apart and skipped.
+    `load_processor`: makes it, called only when the data holds image-text records (a processor may need
+    packages text data does not, e.g. Qwen-VL's torchvision)."""
     if max_length < 2:
         raise DataError(f"--max-length {max_length} is too small", "use at least 2 (default 2048)")
     data_path = Path(data_path).expanduser()
@@ -96,8 +100,12 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
                         "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
     data_fp = sha256_path(data_path)[:20]
     dataset, images_fp = None, ""
-    if processor is not None:  # the images are part of the data: checked, and their bytes in the key
+    if processor is None and load_processor is not None:
         dataset = load_records(data_path)
+        if any(records.has_images(record) for record in dataset):
+            processor = load_processor()
+    if processor is not None:  # the images are part of the data: checked, and their bytes in the key
+        dataset = load_records(data_path) if dataset is None else dataset
         digest = hashlib.sha256(vlm.processor_fingerprint(processor).encode())
         if check_images(dataset, vlm.image_base(data_path), digest=digest):
             images_fp = digest.hexdigest()[:20]
@@ -106,7 +114,7 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
         info(f"tokenised data: reusing cache {cache_file}")
         data = load_tokenized(cache_file)
         data.metadata["cache_hit"] = True
-        return _with_images(data, processor)
+        return _with_images(data, processor, data_path)
 
     dataset = load_records(data_path) if dataset is None else dataset
     if has_conversations(dataset):  # before tokenising: one error, not every record skipped
@@ -115,6 +123,8 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
     n = len(dataset)
     ranges = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
     results: list = []
+    if images_fp:  # one clear error before any record, not every image record skipped as "rejected"
+        vlm.check_renders_images(processor, vlm.chat_template_tokenizer(processor, tokenizer))
     work = (tokenizer, dataset, max_length, processor if images_fp else None, vlm.image_base(data_path))
     with progress("tokenising", total=n, unit="records") as bar:
         if num_proc <= 1 or len(ranges) <= 1:
@@ -171,7 +181,7 @@ def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int
     if use_cache:
         save_tokenized(data, cache_file)
     data.metadata["cache_hit"] = False
-    return _with_images(data, processor)
+    return _with_images(data, processor, data_path)
 
 
 def _image_fields(kept: list[tuple]) -> dict:
@@ -186,10 +196,11 @@ def _image_fields(kept: list[tuple]) -> dict:
             "type_key": typed[0][0] if typed else None}
 
 
-def _with_images(data: TokenizedData, processor) -> TokenizedData:
-    """Attach the reader of the samples' images (data.vlm.ImageInputs) when the data has any."""
+def _with_images(data: TokenizedData, processor, data_path: Path) -> TokenizedData:
+    """Attach the reader of the samples' images (data.vlm.ImageInputs) when the data has any: read from
+    `data_path` as given now (a cache hit may have been made from a copy elsewhere)."""
     if data.num_images is not None and int(data.num_images.sum()) and processor is not None:
-        data.images = vlm.ImageInputs(processor, Path(data.metadata["data_path"]), data.source_index,
+        data.images = vlm.ImageInputs(processor, data_path, data.source_index,
                                       data.num_images, data.token_types, data.metadata.get("token_type_key"),
                                       data.offsets)
     return data

@@ -36,6 +36,7 @@ from spec_cli.errors import DataError
 # Why an image record was skipped (keys of the tokenising summary's skip table)
 IMAGE_IN_ANSWER = "an image in an assistant turn (the draft is trained on the assistant's text)"
 IMAGES_CUT = "its images do not fit in --max-length (an image is never cut)"
+IMAGES_TWICE = "images both in its turns' parts and in an images field (which goes where is not written)"
 # Per-token ids some processors return beside the tokens, that the model reads (Gemma 3's token types
 # let an image's tokens attend to each other both ways; Qwen3-VL's mark image and video tokens).
 TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
@@ -55,12 +56,31 @@ def chat_template_tokenizer(processor, tokenizer):
     """The tokenizer that renders image-text chats: the processor's own, with the processor's chat
     template unless --chat-template replaced the target's (then that one, as for text records)."""
     renderer = processor.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
-    if getattr(tokenizer, "spec_chat_template_override", False) or not getattr(processor, "chat_template", None):
-        renderer.chat_template = template
+    override = bool(getattr(tokenizer, "spec_chat_template_override", False))
+    if override or not getattr(processor, "chat_template", None):
+        renderer.chat_template = getattr(tokenizer, "chat_template", None)
     else:
         renderer.chat_template = processor.chat_template
+    renderer.spec_chat_template_override = override
     return renderer
+
+
+def check_renders_images(processor, renderer) -> None:
+    """DataError unless the chat template `renderer` holds places an image where the processor expands one
+    (a text family's --chat-template writes no image marker, or fails on a message of parts): a probe chat
+    with one drawn image goes through both, before any record does."""
+    from PIL import Image
+
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+             {"role": "assistant", "content": "A gray square."}]
+    try:
+        processor(text=[render(renderer, probe)], images=[[Image.new("RGB", (64, 64), (128, 128, 128))]])
+    except Exception as exc:  # noqa: BLE001 (jinja's errors, the processor's count check)
+        override = getattr(renderer, "spec_chat_template_override", False)
+        raise DataError(f"the chat template{' from --chat-template' if override else ''} does not place an image "
+                        f"where the target's processor expects it ({type(exc).__name__}: {str(exc)[:160]})",
+                        "drop --chat-template for image-text data: the target's own template renders images"
+                        if override else "check the target's chat template renders image content parts") from None
 
 
 def _parts(content, listed: bool) -> list[dict] | None:
@@ -98,7 +118,7 @@ def image_chat(record: dict) -> tuple[str, list[dict] | str]:
     model sees them (a user turn's content a list of parts; an assistant's its text), or ("skip",
     reason)."""
     listed = record.get("images") is not None or record.get("image") is not None
-    key = "conversations" if record.get("conversations") is not None else "messages"
+    key = "messages" if isinstance(record.get("messages"), list) else "conversations"  # (images.image_refs' order)
     turns = record.get(key)
     if not isinstance(turns, list) or not turns:
         return "skip", records.MALFORMED
@@ -106,7 +126,7 @@ def image_chat(record: dict) -> tuple[str, list[dict] | str]:
         isinstance(p, dict) and p.get("type") in records.IMAGE_PARTS for p in t.get("content", t.get("value")))
         for t in turns)
     if listed and inline:  # two orders for the images: which goes where is not written down
-        return "skip", records.MALFORMED
+        return "skip", IMAGES_TWICE
     messages, markers = [], 0
     for turn in turns:
         if not isinstance(turn, dict):
@@ -158,9 +178,9 @@ def align_mask(plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray) -> tup
 
 def encode_image_chat(processor, renderer, messages: list[dict], images: list, specials: list[str]
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-    """(input_ids [T] int32, loss_mask [T] uint8, (argument name, token types [T] uint8) or None,
-    image-token flags [T]) for one image-text conversation, the images expanded as the processor
-    expands them."""
+    """(input_ids [T] int32, loss_mask [T] uint8, (argument name, token types [T] uint8) or None, how
+    many leading tokens hold every image token) for one image-text conversation, the images expanded as
+    the processor expands them."""
     full = render(renderer, messages)
     spans = assistant_spans(renderer, messages, full, specials)
     enc = renderer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -170,7 +190,22 @@ def encode_image_chat(processor, renderer, messages: list[dict], images: list, s
     expanded = np.asarray(out["input_ids"][0], dtype=np.int64)
     loss_mask, added = align_mask(plain, mask, expanded)
     types = next(((k, np.asarray(out[k][0], dtype=np.uint8)) for k in TOKEN_TYPE_KEYS if k in out), None)
-    return expanded.astype(np.int32), loss_mask, types, added
+    return expanded.astype(np.int32), loss_mask, types, image_reach(renderer, expanded, added)
+
+
+def image_reach(tokenizer, expanded: np.ndarray, added: np.ndarray) -> int:
+    """How many leading tokens a cut must keep for no image to lose a token: past the last inserted token
+    and the last of any special token the expansion uses (its placeholder and frame tokens: the alignment
+    may pair the rendered text's one placeholder with any copy of it)."""
+    inserted = np.flatnonzero(added)
+    if not len(inserted):
+        return 0
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    marks = [t for t in set(expanded[inserted].tolist()) if t in special]
+    last = int(inserted[-1])
+    if marks:
+        last = max(last, int(np.flatnonzero(np.isin(expanded, marks))[-1]))
+    return last + 1
 
 
 def encode_image_record(processor, renderer, record: dict, base: Path | None, max_length: int,
@@ -183,7 +218,7 @@ def encode_image_record(processor, renderer, record: dict, base: Path | None, ma
         return messages
     pictures = [open_image(ref.source, base) for ref in image_refs(record)]
     try:
-        ids, mask, types, added = encode_image_chat(processor, renderer, messages, pictures, specials)
+        ids, mask, types, reach = encode_image_chat(processor, renderer, messages, pictures, specials)
     except TemplateMismatch:
         return records.TEMPLATE
     except DataError:
@@ -192,7 +227,7 @@ def encode_image_record(processor, renderer, record: dict, base: Path | None, ma
         return records.TEMPLATE
     if not mask.any():
         return records.EMPTY
-    if added[max_length:].any():
+    if reach > max_length:
         return IMAGES_CUT
     ids, mask = ids[:max_length], mask[:max_length]
     if not mask.any():

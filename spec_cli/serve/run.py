@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from spec_cli import assets
-from spec_cli.console import info
+from spec_cli.console import info, warn
 from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
-from spec_cli.errors import ConfigError
+from spec_cli.errors import ConfigError, TargetError
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.plane import PlaneHost
 from spec_cli.serve.server import Limits, TargetServer
@@ -41,6 +41,16 @@ def tokenizer_files(tokenizer, processor=None) -> dict[str, str]:
                 if p.is_file() and p.name not in files:  # the tokenizer's (e.g. --chat-template) stay
                     files[p.name] = p.read_text(encoding="utf-8")
     return files
+
+
+def _processor_or_none(target_dir: Path):
+    """The target's processor to send trainers (image-text chats), or None; one that cannot load here
+    (Qwen-VL's needs torchvision) leaves the server serving text, said once."""
+    try:
+        return loading.load_processor(target_dir)
+    except TargetError as exc:
+        warn(f"{exc.message}: trainers get the tokenizer only (text records); {exc.hint}")
+        return None
 
 
 def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -77,6 +87,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
     if not isinstance(aux_layers, list):
         aux_layers = loading.parse_aux_layers(aux_layers, loading.num_layers(loading.load_config(target_dir)),
                                               algorithm)
+    local.check_reads_input_embeds(target_engine, algorithms.get(algorithm), "serve it")
     backend = local.open_backend(target_engine, target_dir, aux_layers, device, dtype, template,
                                  memory=target_memory, vllm_tensor_parallel=target_tensor_parallel)
     plane = None
@@ -92,7 +103,7 @@ def serve(target: str | Path, host: str = "127.0.0.1", port: int = 8000, token: 
         logic = TargetServer(
             backend, target_config=loading.load_config(target_dir).to_dict(),
             tokenizer_files=tokenizer_files(loading.load_tokenizer(target_dir, template),
-                                            loading.load_processor(target_dir)), token=token,
+                                            _processor_or_none(target_dir)), token=token,
             limits=Limits(max_batch_tokens, max_batch_size, max_seq_len, max_body_bytes),
             exit_on_disconnect=exit_on_disconnect, fields=algorithms.get(algorithm).target_fields,
             plane=plane)

@@ -15,7 +15,7 @@ from spec_cli.console import progress
 from spec_cli.data import chat_templates
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ArtifactError, ConfigError, SpecError
-from spec_cli.target.loading import (load_config, load_processor, load_tokenizer, resolve_target,
+from spec_cli.target.loading import (load_config, load_tokenizer, processor_loader, resolve_target,
                                       tokenizer_fingerprint, vocab_size)
 
 COUNT_CHUNK = 1 << 24  # tokens per bincount call
@@ -93,7 +93,7 @@ def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
                           f"({v})", f"use at most {v}")
     tok_fp = tokenizer_fingerprint(tokenizer)
     tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc,
-                           processor=load_processor(target_dir))  # image-text records: their answers count
+                           load_processor=processor_loader(target_dir))  # image-text records: their answers count
     counts = count_supervised(tokens, v)
     vocab_map = build_vocab_map(counts, cfg.draft_vocab_size, {
         "tokenizer_fingerprint": tok_fp,

@@ -159,6 +159,11 @@ def run(cfg: EvalConfig) -> EvalResult:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")
     vllm_formats = [f.name for f in algorithms.get(c.algorithm).formats if f.engine == "vllm"]
+    if cfg.engine == "vllm" and not vllm_formats:
+        title = algorithms.get(c.algorithm).title
+        raise ConfigError(f"vLLM does not serve {title} drafts" + (
+            f": {algorithms.get(c.algorithm).extra['not_served']}" if algorithms.get(c.algorithm).extra.get("not_served")
+            else ""), "evaluate it in PyTorch: --engine torch")
     if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in vllm_formats:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
                           f"pass a {' or '.join(vllm_formats) or 'vLLM'} export, or the run / checkpoint (exported for vLLM "

@@ -154,12 +154,12 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
         raise ArtifactError(f"the vocab map covers {vocab_map.target_vocab_size} target ids, the target "
                             f"has {loading.vocab_size(config, tokenizer)}", "rebuild the vocab map")
     data_path = Path(assets.resolve_data_arg(cfg.data))
-    processor = loading.load_processor(target_dir)  # a vision-language target's: its image-text records are read
+    processor = loading.processor_loader(target_dir)  # a vision-language target's, for image-text records
     if rank == 0:  # rank 0 tokenises (cached); the others then read the cache
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc, processor=processor)
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc, load_processor=processor)
     distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(data_path))
     if rank != 0:
-        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1, processor=processor)
+        tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, 1, load_processor=processor)
     if tokens.images is not None and cfg.target_engine != "transformers":
         raise ConfigError(f"image-text rows ({tokens.metadata['num_images']} images) need the target's vision "
                           f"encoder, which the {cfg.target_engine} target backend does not run here",
@@ -170,6 +170,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     shards = plan_shards(batches, lengths, cfg.shard_tokens)
     hidden_size = int(getattr(config, "hidden_size", None) or config.text_config.hidden_size)
     fields = stored_fields(cfg.algorithm)
+    local.check_reads_input_embeds(cfg.target_engine, algorithms.get(cfg.algorithm), "precompute")
     dtype_name = str(dtype).replace("torch.", "")
     storage_name = str(storage).replace("torch.", "")
     identity = {

@@ -53,6 +53,7 @@ class Source:
     # --context-parallel from a feature cache: rows of T slots -> (their padded length, the ranges of their
     # slots this rank reads); None: whole rows
     slots_for: object = None
+    by_index: bool = False  # a feature cache with image rows: its samples are read by id (CacheBackend.read_host)
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
@@ -164,7 +165,9 @@ def _cache_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
                 if k in m}  # the data too: a cache may move, a --resume checks it is the same one
     template = {k: m[k] for k in ("chat_template_sha256", "chat_template_source", "tokenizer_base_fingerprint")
                 if k in m}
-    return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template)
+    images = getattr(tokens, "num_images", None)
+    return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template,
+                  by_index=images is not None and bool(images.any()))
 
 
 def _other_aux_layers(cfg: TrainConfig, num_layers: int, given: list[int]) -> bool:
@@ -187,13 +190,14 @@ class _Target:
     backend: TargetBackend | None = None  # served: connected already
     load: Callable[[], TargetBackend] | None = None  # live: loads the model
     on_device: int = 0  # bytes a live target will take on its device once loaded
-    processor: object = None  # a vision-language target's (data/vlm.py): its image-text records are read
+    processor: object = None  # loads a vision-language target's processor (data/vlm.py), for image-text data
 
 
 def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.data.target))
     config = loading.load_config(target_dir)
     aux_layers = loading.parse_aux_layers(cfg.draft.aux_layers, loading.num_layers(config), cfg.draft.algorithm)
+    local.check_reads_input_embeds(cfg.runtime.target_engine, algorithms.get(cfg.draft.algorithm), "train")
     tokenizer = loading.load_tokenizer(target_dir, template)
     fingerprint = loading.check_tokenizer(vocab_map.metadata, tokenizer, template,
                                           f"the vocab map {cfg.data.vocab_map}",
@@ -226,7 +230,7 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
         on_device = (int(share * torch.cuda.get_device_properties(device).total_memory)
                      if cfg.runtime.target_engine == "vllm" else loading.weights_bytes(target_dir))
     return _Target(tokenizer, fingerprint, aux_layers, config.to_dict(), record, hidden_size, dtype, load=load,
-                   on_device=on_device, processor=loading.load_processor(target_dir))
+                   on_device=on_device, processor=loading.processor_loader(target_dir))
 
 
 def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Target:
@@ -259,7 +263,7 @@ def _served(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Tar
     dtype = getattr(torch, str(backend.info.get("dtype")), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # not said: the widest it sends
     folder = getattr(backend, "tokenizer_folder", None)  # the server's files: a VLM's processor among them
-    processor = loading.load_processor(folder) if folder is not None else None
+    processor = loading.processor_loader(folder)
     return _Target(tokenizer, fingerprint, aux_layers, backend.target_config, record,
                    int(backend.info["hidden_size"]), dtype, backend=backend, processor=processor)
 
@@ -297,14 +301,21 @@ def _tokenize(path: Path, tokenizer, fingerprint: str, max_length: int, num_proc
     from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 
     if distributed.is_main():
-        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc, processor=processor)
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, num_proc, load_processor=processor)
     distributed.wait_for_main("tokenising the data", tokenize_seconds_bound(path))
     if not distributed.is_main():
-        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1, processor=processor)
+        tokens = tokenize_data(path, tokenizer, fingerprint, max_length, 1, load_processor=processor)
     return tokens
 
 
 # ----------------------------------------------------------------------------- the schedule
+
+def by_source(batches: list[list[int]], tokens) -> tuple[list, list]:
+    """(text batches, image-text batches): a batch with an image sample is an image-text one."""
+    images = getattr(tokens, "num_images", None)
+    multimodal = [images is not None and any(int(images[i]) for i in b) for b in batches]
+    return [b for b, m in zip(batches, multimodal) if not m], [b for b, m in zip(batches, multimodal) if m]
+
 
 def split_eval(plan: list[list[int]], fraction: float, seed: int) -> tuple[list, list]:
     """(train batches, held-out eval batches): a seeded choice of whole batches."""
@@ -332,7 +343,13 @@ class Schedule:
 
     @classmethod
     def plan(cls, source: Source, cfg: TrainConfig) -> Schedule:
-        train, held = split_eval(source.plan, cfg.data.eval_fraction, cfg.optim.seed)
+        curriculum = algorithms.get(cfg.draft.algorithm).extra.get("curriculum")
+        if curriculum:  # each source keeps its share of train and held-out batches
+            parts = [split_eval(pool, cfg.data.eval_fraction, cfg.optim.seed + 31 * kind)
+                     for kind, pool in enumerate(by_source(source.plan, source.tokens))]
+            train, held = parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
+        else:
+            train, held = split_eval(source.plan, cfg.data.eval_fraction, cfg.optim.seed)
         if not train:
             raise ConfigError("no training batches", "use more data or a smaller --eval-fraction")
         world, context = distributed.world_size(), cfg.runtime.context_parallel
@@ -342,7 +359,7 @@ class Schedule:
         per_step = cfg.optim.grad_accum * (world // context)
         total = cfg.optim.max_steps or max(1, int(cfg.optim.epochs * len(train)) // per_step)
         schedule = cls(train, held, total, cfg.optim.grad_accum, cfg.optim.seed, distributed.rank(), world, context)
-        if algorithms.get(cfg.draft.algorithm).extra.get("curriculum"):
+        if curriculum:
             schedule.follow_curriculum(source, cfg)
         return schedule
 
@@ -354,9 +371,10 @@ class Schedule:
         o = cfg.objective
         self.curriculum = Curriculum(o.text_steps, o.multimodal_ratio, o.multimodal_ramp_steps, self.seed)
         images = getattr(source.tokens, "num_images", None)
-        image_text = [b for b in self.train if images is not None and any(int(images[i]) for i in b)]
-        text = [b for b in self.train if images is None or not any(int(images[i]) for i in b)]
-        self.pools = (text, image_text)
+        if cfg.data.pack and images is not None and bool(images.any()):
+            raise ConfigError("--pack puts image-text and text chats in one row; the MSD curriculum trains on "
+                              "each source's batches apart", "drop --pack")
+        self.pools = text, image_text = by_source(self.train, source.tokens)
         wants_text, wants_images = self.curriculum.uses(self.total_steps)
         if wants_images and not image_text:
             raise ConfigError(f"the MSD curriculum trains {self.curriculum.steps_before(self.total_steps, 1)} of "
@@ -420,6 +438,8 @@ def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
         images = None if reader is None else reader(indices, ids.shape[1])
         if images is not None:  # image-text rows: the target runs its vision part on them (data/vlm.py)
             inputs["images"] = images
+    if source.by_index:
+        inputs["samples"] = list(indices)
     if source.slots_for is not None:
         length, slots = source.slots_for(ids.shape[1])
         extra = length - ids.shape[1]

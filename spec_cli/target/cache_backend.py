@@ -64,6 +64,7 @@ class CacheBackend(TargetBackend):
         if self.bias_selected is not None:
             self.bias_selected = self.bias_selected.to(self.device)
         self._where: dict[bytes, tuple[int, int, int]] = {}
+        self._locations: list[tuple[int, int, int]] = []  # cache sample id -> (shard, start, end)
         ids_parts, mask_parts, sample_index = [], [], []
         for shard, index in enumerate(self.reader.shards):
             ids = self.reader.read(shard, "input_ids", 0, int(index.sample_offsets[-1]))
@@ -73,6 +74,7 @@ class CacheBackend(TargetBackend):
             offs = index.sample_offsets.tolist()
             for j in range(len(offs) - 1):
                 self._where.setdefault(_key(ids[offs[j]:offs[j + 1]]), (shard, offs[j], offs[j + 1]))
+                self._locations.append((shard, offs[j], offs[j + 1]))
         ids = torch.cat(ids_parts)
         lengths = torch.cat([ix.sample_offsets[1:] - ix.sample_offsets[:-1] for ix in self.reader.shards])
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
@@ -120,16 +122,18 @@ class CacheBackend(TargetBackend):
     reads_slots = True  # read_host(slots=...): a context-parallel rank's ranges of the rows only
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
-                       seq_lens=None, slots=None) -> TargetBatch:
-        return self.finish(self.read_host(input_ids, attention_mask, loss_mask, position_ids, seq_lens, slots)
-                           .to(self.device))
+                       seq_lens=None, slots=None, samples=None) -> TargetBatch:
+        return self.finish(self.read_host(input_ids, attention_mask, loss_mask, position_ids, seq_lens, slots,
+                                          samples).to(self.device))
 
     def read_host(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None,
-                  slots: list[tuple[int, int]] | None = None) -> "HostBatch":
+                  slots: list[tuple[int, int]] | None = None, samples: list[int] | None = None) -> "HostBatch":
         """The batch's stored features laid into padded host tensors: file reads and copies only, no
         device work (a reading thread runs this while the device trains; `finish` decodes on the device).
         slots: read only these ranges of the rows' slots, back to back (context parallelism: what one rank
-        trains on; spec_cli/draft/context.py kept_ranges); the inputs stay whole rows."""
+        trains on; spec_cli/draft/context.py kept_ranges); the inputs stay whole rows. samples: the cache's
+        sample ids of the rows' documents, in order: each is read by its id, not found by its tokens (image
+        rows: two images of one size give the same placeholder ids and different features)."""
         B, T = input_ids.shape
         ranges = [(0, T)] if slots is None else [(int(a), int(b)) for a, b in slots]
         n = sum(b - a for a, b in ranges)
@@ -152,8 +156,10 @@ class CacheBackend(TargetBackend):
         else:
             fields["target_p"] = torch.zeros(B, n, self.selected.numel(), dtype=torch.float32)
             fields["target_mass"] = torch.zeros(B, n, dtype=torch.float32)
-        for b, a, e in self._segments(attention_mask, seq_lens):
-            where = self._where.get(_key(input_ids[b, a:e].cpu()))
+        for k, (b, a, e) in enumerate(self._segments(attention_mask, seq_lens)):
+            where = self._locations[samples[k]] if samples is not None else self._where.get(_key(input_ids[b, a:e].cpu()))
+            if samples is not None and not torch.equal(self._tokens.sample(samples[k])[0].long(), input_ids[b, a:e].cpu().long()):
+                raise ArtifactError(f"cache sample {samples[k]} does not hold this row's tokens", "precompute again")
             if where is None:
                 raise ArtifactError("a training sample is not in the feature cache",
                                     "train from the cache's own data, or precompute this data")

@@ -226,13 +226,14 @@ class HFTargetBackend(LocalTargetBackend):
             None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens)), images)
         batches = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(batches, mine, group=self.group)  # every rank's batch, in rank order
-        me, kept = dist.get_rank(self.group), None
+        me, kept, embeds = dist.get_rank(self.group), None, None
         for r, batch in enumerate(batches):
             if batch is None:  # that rank has nothing to run this time (precompute: its shards are done)
                 continue
             out = self._forward(*batch)  # together: each layer's all-reduce spans the ranks
             if r == me:
-                kept = out  # the others' outputs are dropped as soon as they are made
+                kept, embeds = out, self.input_embeds  # the others' outputs are dropped as soon as they are made
+        self.input_embeds = embeds  # this rank's (each forward overwrote it)
         return kept
 
     def idle(self) -> None:

@@ -172,6 +172,14 @@ def load_processor(path: Path):
     return processor if getattr(processor, "image_processor", None) is not None else None
 
 
+def processor_loader(path: Path | None):
+    """A function that loads the folder's processor (load_processor), or None for a folder without one:
+    the stages call it only for data with image-text records."""
+    if path is None or not any((Path(path) / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    return lambda: load_processor(path)
+
+
 def load_config(path: Path):
     from transformers import AutoConfig
 

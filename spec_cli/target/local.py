@@ -94,3 +94,13 @@ def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None
         backend.info["tokenizer_fingerprint"] = loading.tokenizer_fingerprint(tokenizer)
         backend.info["chat_template_source"] = chat_template.source  # provenance (a server reports it)
     return backend
+
+
+def check_reads_input_embeds(engine: str, algorithm, what: str) -> None:
+    """ConfigError (before any model loads) when `algorithm` reads the target's input embeddings (MSD)
+    and the target runs in an engine whose backend does not capture them (vLLM)."""
+    from spec_cli.draft.algorithm import INPUT_EMBEDS
+
+    if engine != "transformers" and INPUT_EMBEDS in algorithm.needs:
+        raise ConfigError(f"{algorithm.title} reads the target's input embeddings (its first layer's input), which "
+                          f"the {engine} target backend does not capture", f"{what} with --target-engine transformers")

@@ -147,3 +147,56 @@ def test_the_alignment_keeps_supervised_tokens_and_refuses_rewritten_ones():
     assert out.tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1] and added.tolist() == [0, 0, 1, 0, 1, 1, 1, 0, 0]
     with pytest.raises(vlm.TemplateMismatch):
         vlm.align_mask(plain, mask, np.array([5, 6, 9, 9, 4, 8]))  # a supervised token rewritten
+
+
+def test_an_image_reaches_to_its_last_special_token_whichever_copy_the_alignment_kept():
+    class Tok:  # the one special token: the image placeholder, 9
+        all_special_ids = [9]
+        added_tokens_decoder = {}
+
+    plain, mask = np.array([5, 9, 7, 8]), np.array([0, 0, 1, 1], dtype=np.uint8)
+    expanded = np.array([5, 9, 9, 9, 7, 8])
+    out, added = vlm.align_mask(plain, mask, expanded)
+    assert out.tolist() == [0, 0, 0, 0, 1, 1] and added.sum() == 2
+    assert vlm.image_reach(Tok, expanded, added) == 4  # a cut at 3 would drop a copy, whichever was "kept"
+    assert vlm.image_reach(Tok, plain, np.zeros(4, dtype=np.uint8)) == 0  # nothing inserted: no image
+
+
+def test_a_cache_hit_reads_the_images_where_the_data_is_now(world, tmp_path):
+    targets, _ = world
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    (first / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tiny.image_chat_records(first)))
+    made = tokenize(targets["llava"], first / "chat.jsonl")
+    first.rename(second)  # the data moved: same bytes, same key
+    again = tokenize(targets["llava"], second / "chat.jsonl")
+    assert again.metadata["cache_hit"] and torch.equal(again.input_ids, made.input_ids)
+    assert again.images([0], int(again.lengths[0]))["pixel_values"].shape[0] == 1
+
+
+def test_the_processor_is_made_only_for_data_with_images(world, tmp_path):
+    targets, data = world
+    tokenizer = loading.load_tokenizer(targets["llava"])
+
+    def cannot():  # as Qwen-VL's processor without torchvision
+        raise DataError("cannot load the image processor", "install torchvision")
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps(tiny.random_sharegpt(__import__("random").Random(0))) + "\n")
+    assert len(tokenize_data(text, tokenizer, "fp", 512, use_cache=False, load_processor=cannot)) == 1
+    with pytest.raises(DataError, match="cannot load the image processor"):
+        tokenize_data(data / "chat.jsonl", tokenizer, "fp", 512, use_cache=False, load_processor=cannot)
+    made = tokenize_data(data / "chat.jsonl", tokenizer, "fp", 512, use_cache=False,
+                         load_processor=lambda: loading.load_processor(targets["llava"]))
+    assert made.metadata["num_images"] == 4
+
+
+def test_a_text_familys_chat_template_is_refused_for_image_data(world):
+    from spec_cli.data import chat_templates
+
+    targets, data = world
+    tokenizer = loading.load_tokenizer(targets["llava"], chat_templates.resolve("chatml"))
+    with pytest.raises(DataError, match="from --chat-template does not place an image") as failure:
+        tokenize_data(data / "chat.jsonl", tokenizer, "fp", 512, use_cache=False,
+                      processor=loading.load_processor(targets["llava"]))
+    assert "drop --chat-template for image-text data" in failure.value.hint

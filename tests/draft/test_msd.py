@@ -259,6 +259,10 @@ def test_the_pipeline_on_image_chats(vlm, tmp_path, capsys):
         overall = json.loads((out / "eval.json").read_text())["overall"]
         assert overall["same_as_target"] == overall["turns"] == 5
     capsys.readouterr()
+    text = write_jsonl(tmp_path / "plain.jsonl", [tiny.random_sharegpt(random.Random(2)) for _ in range(4)])
+    assert main(["precompute", "--algorithm", "msd", "--target-engine", "vllm", "-t", str(target), "-d", str(text),
+                 "-v", str(vm), "-o", str(tmp_path / "no-cache"), "-q"]) == 1
+    assert "the vllm target backend does not capture" in capsys.readouterr().err  # before vLLM loads anything
     assert main(["export", str(straight), "-f", "vllm", "-o", str(tmp_path / "export"), "-q"]) == 1
     assert "MSD drafts have no export: no serving engine runs MSD drafts" in capsys.readouterr().err
     text_only = ["-t", str(target), "-d", str(data / "prompts.jsonl"), "-v", str(vm), "--algorithm", "msd",
@@ -267,3 +271,39 @@ def test_the_pipeline_on_image_chats(vlm, tmp_path, capsys):
     text_only[3] = str(tmp_path / "text.jsonl")
     assert main(["train", *text_only]) == 1
     assert "steps on image-text batches and the data has none" in capsys.readouterr().err
+
+
+def test_a_served_target_gives_the_input_embeddings(vlm, tmp_path):
+    """`spec serve-target --algorithm msd` computes the input_embeds field on request, images in place:
+    the same tensors as the in-process target."""
+    from spec_cli.serve.client import RemoteBackend
+    from spec_cli.serve.http import HTTPHandle
+    from spec_cli.serve.run import tokenizer_files
+    from spec_cli.serve.server import TargetServer
+
+    targets, data = vlm
+    folder = targets["gemma3"]
+    live = HFTargetBackend(folder, [], device="cpu", dtype="fp32")
+    files = tokenizer_files(loading.load_tokenizer(folder), loading.load_processor(folder))
+    handle = HTTPHandle(TargetServer(live, target_config=loading.load_config(folder).to_dict(), tokenizer_files=files,
+                                     fields=algorithms.get("msd").target_fields), "127.0.0.1", 0, request_timeout=30.0)
+    try:
+        remote = RemoteBackend(handle.url, tensor_plane=False)
+        tokens = tokenize_data(data / "prompts.jsonl", loading.load_tokenizer(folder), "fp", 512, use_cache=False,
+                               processor=loading.load_processor(folder))
+        selected = torch.arange(live.info["vocab_size"])
+        order = [1, 3]
+        ids, am, lm = collate(tokens, order)
+        images = tokens.images(order, ids.shape[1])
+        remote.set_vocab_mapping(selected)
+        remote.keep_final_hidden, remote.extra_fields = True, dict(target_fields)
+        served = remote.generate_batch(ids, am, lm, images=images)
+        live.set_vocab_mapping(selected)
+        live.keep_final_hidden, live.extra_fields = True, dict(target_fields)
+        here = live.generate_batch(ids, am, lm, images=images)
+        assert torch.equal(served.extras[INPUT_EMBEDS], here.extras[INPUT_EMBEDS])
+        assert torch.equal(served.final_hidden, here.final_hidden)
+        remote.close()
+    finally:
+        handle.stop(grace=1.0)
+        live.close()

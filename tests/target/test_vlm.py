@@ -188,7 +188,8 @@ def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
     want, got = live.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1])), cached.generate_batch(ids, am, lm)
     torch.testing.assert_close(got.aux_hidden[am.bool()], want.aux_hidden[am.bool()])
     for run, source in (("from-cache", ["--cache", str(cache)]), ("live", ["-t", str(target), "-d", str(data)]),
-                        ("stream", ["-t", str(target), "-d", str(data), "--stream"])):
+                        ("stream", ["-t", str(target), "-d", str(data), "--stream"]),
+                        ("packed-cache", ["--cache", str(cache), "--pack"])):  # (chats' supervision, packed)
         assert main(["train", *source, "-v", str(vm), "-o", str(tmp_path / run), "--max-steps", "2", "--ttt-steps",
                      "2", "--batch-tokens", "512", "--eval-every", "0", "-q"]) == 0
     streamed = weights(tmp_path / "stream")  # producer threads feed the same batches: the same draft
@@ -373,3 +374,36 @@ def test_a_served_target_supervises_image_rows_as_the_live_one(vlms, tmp_path, c
     finally:
         handle.stop(grace=1.0)
         live.close()
+
+
+@pytest.mark.slow
+def test_a_cache_reads_image_rows_by_sample_not_by_tokens(vlms, tmp_path):
+    """Two chats with the same words about two images of one size have the same token ids (the same
+    number of placeholders) and different supervision: a feature cache hands each its own."""
+    target = vlms["llava"]
+    chats = [{"messages": [{"role": "user", "content": [{"type": "image", "image": tiny.draw_image(tmp_path, f"{s}.png",
+                                                                                                   (16, 16), s)},
+                                                        {"type": "text", "text": "what is it?"}]},
+                           {"role": "assistant", "content": "a square"}]} for s in (1, 2)]
+    data = write_jsonl(tmp_path / "chat.jsonl", chats + [tiny.random_sharegpt(random.Random(0))])
+    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
+                 "-q"]) == 0
+    assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
+                 "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    tokens = image_tokens(target, data)
+    assert torch.equal(tokens.sample(0)[0], tokens.sample(1)[0])
+    cached = CacheBackend(cache)
+    live = HFTargetBackend(target, json.loads((cache / "manifest.json").read_text())["aux_layers"], device="cpu",
+                           dtype="fp32")
+    live.set_vocab_mapping(load_vocab_map(vm).selected_token_ids)
+    in_cache = cached.tokens().source_index.tolist()
+    found = []
+    for i in (0, 1):
+        ids, am, lm = collate(tokens, [i])
+        want = live.generate_batch(ids, am, lm, images=tokens.images([i], ids.shape[1]))
+        got = cached.generate_batch(ids, am, lm, samples=[in_cache.index(i)])
+        torch.testing.assert_close(got.aux_hidden, want.aux_hidden)
+        found.append(cached.generate_batch(ids, am, lm).aux_hidden)  # by tokens: one of the two, for both
+    assert torch.equal(found[0], found[1])
+    live.close()

@@ -39,8 +39,9 @@ class MsdOptions:
                                         "once the ramp is done.", panel=OBJECTIVE, allowed=FRACTION)
     multimodal_ramp_steps: int = option(
         0, "--multimodal-ramp-steps", help="--algorithm msd: optimizer steps over which the image-text share "
-                                           "rises linearly from 0 to --multimodal-ratio after --text-steps "
-                                           "(0: at once).", panel=OBJECTIVE, min=0)
+                                           "rises linearly to --multimodal-ratio after --text-steps (step k of "
+                                           "the ramp: ratio x k / this; 0: the whole ratio at once).",
+        panel=OBJECTIVE, min=0)
 
 
 MSD = Algorithm(
