@@ -211,9 +211,10 @@ def test_decoding_reads_what_training_read(vlm):
 
 
 @pytest.mark.slow
-def test_the_pipeline_on_image_chats(vlm, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_the_pipeline_on_image_chats(vlm, family, tmp_path, capsys):
     targets, data = vlm
-    target = targets["llava"]
+    target = targets[family]
     chat, vm, cache = data / "chat.jsonl", tmp_path / "vm.safetensors", tmp_path / "cache"
     vocab = loading.load_config(target).text_config.vocab_size
     assert main(["build-vocab-map", "-t", str(target), "-d", str(chat), "--draft-vocab-size", str(vocab),

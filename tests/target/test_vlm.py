@@ -165,14 +165,16 @@ def test_image_rows_get_the_whole_models_own_supervision(vlms, family, tmp_path)
 
 
 @pytest.mark.slow
-def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
-    """Llava (vLLM serves EAGLE-3 on it) through the CLI on image-text chats: the vocab map counts their
+@pytest.mark.parametrize("family", tiny.PROCESSOR_FAMILIES)
+def test_the_pipeline_trains_on_image_chats(vlms, family, tmp_path, capsys):
+    """Each family with a real processor through the CLI on image-text chats: the vocab map counts their
     answers, precompute stores the supervision with the images in place (== the live target's), training
-    runs from that cache and live, and the vLLM export is written."""
+    runs from that cache and live (Llava also streamed and packed from the cache), eval is the target's
+    greedy output, and the vLLM export is written where vLLM serves EAGLE-3 on the class (Llava)."""
     rng = random.Random(3)
     records = tiny.image_chat_records(tmp_path) * 3 + [tiny.random_sharegpt(rng) for _ in range(6)]
     data = write_jsonl(tmp_path / "chat.jsonl", records)
-    target, vm, cache = vlms["llava"], tmp_path / "vm.safetensors", tmp_path / "cache"
+    target, vm, cache = vlms[family], tmp_path / "vm.safetensors", tmp_path / "cache"
     assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
                  "-q"]) == 0
     assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
@@ -187,13 +189,16 @@ def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
     ids, am, lm = collate(tokens, order)
     want, got = live.generate_batch(ids, am, lm, images=tokens.images(order, ids.shape[1])), cached.generate_batch(ids, am, lm)
     torch.testing.assert_close(got.aux_hidden[am.bool()], want.aux_hidden[am.bool()])
-    for run, source in (("from-cache", ["--cache", str(cache)]), ("live", ["-t", str(target), "-d", str(data)]),
-                        ("stream", ["-t", str(target), "-d", str(data), "--stream"]),
-                        ("packed-cache", ["--cache", str(cache), "--pack"])):  # (chats' supervision, packed)
+    runs = [("from-cache", ["--cache", str(cache)]), ("live", ["-t", str(target), "-d", str(data)])]
+    if family == "llava":
+        runs += [("stream", ["-t", str(target), "-d", str(data), "--stream"]),
+                 ("packed-cache", ["--cache", str(cache), "--pack"])]  # (chats' supervision, packed)
+    for run, source in runs:
         assert main(["train", *source, "-v", str(vm), "-o", str(tmp_path / run), "--max-steps", "2", "--ttt-steps",
                      "2", "--batch-tokens", "512", "--eval-every", "0", "-q"]) == 0
-    streamed = weights(tmp_path / "stream")  # producer threads feed the same batches: the same draft
-    assert all(torch.equal(value, streamed[name]) for name, value in weights(tmp_path / "live").items())
+    if family == "llava":
+        streamed = weights(tmp_path / "stream")  # producer threads feed the same batches: the same draft
+        assert all(torch.equal(value, streamed[name]) for name, value in weights(tmp_path / "live").items())
     prompts = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
     processor = loading.load_processor(target)
     for shape in (["--depth", "3"], ["--depth", "3", "--topk", "2"]):  # a chain and a tree of candidates
@@ -209,9 +214,14 @@ def test_the_pipeline_trains_on_image_chats(vlms, tmp_path, capsys):
     assert main(["eval", "--draft", str(tmp_path / "live"), "-t", str(target), "-p", str(prompts), "--engine", "vllm",
                  "-o", str(tmp_path / "no"), "-q"]) == 1
     assert "runs image prompts in PyTorch only" in capsys.readouterr().err
+    served = loading.load_config(target).architectures[0] in VLLM_SERVED
+    assert served == (family == "llava")
     assert main(["export", str(tmp_path / "live"), "-f", "vllm", "-o", str(tmp_path / "export"), "--engine-check",
-                 "none", "-q"]) == 0
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["draft_vocab_size"] == 64
+                 "none", "-q"]) == (0 if served else 1)
+    if served:
+        assert json.loads((tmp_path / "export" / "config.json").read_text())["draft_vocab_size"] == 64
+    else:
+        assert "does not implement SupportsEagle3" in capsys.readouterr().err
     assert main(["train", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(tmp_path / "packed"), "--pack",
                  "--max-steps", "1", "-q"]) == 1
     assert "--pack does not take image-text rows yet" in capsys.readouterr().err
