@@ -113,10 +113,10 @@ def _parts(content, listed: bool) -> list[dict] | None:
     return parts
 
 
-def image_chat(record: dict) -> tuple[str, list[dict] | str]:
+def image_chat(record: dict, require_assistant: bool = True) -> tuple[str, list[dict] | str]:
     """("chat", messages) for an image-text record, the images as {"type": "image"} parts where the
     model sees them (a user turn's content a list of parts; an assistant's its text), or ("skip",
-    reason)."""
+    reason). `require_assistant=False` keeps chats without an answer (prompts for `spec regenerate`)."""
     listed = record.get("images") is not None or record.get("image") is not None
     key = "messages" if isinstance(record.get("messages"), list) else "conversations"  # (images.image_refs' order)
     turns = record.get(key)
@@ -154,9 +154,58 @@ def image_chat(record: dict) -> tuple[str, list[dict] | str]:
             return "skip", records.MALFORMED
         text = first["content"]
         first["content"] = [{"type": "image"}] * count + ([{"type": "text", "text": text}] if text else [])
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return "skip", records.NO_ASSISTANT
     return "chat", messages
+
+
+def resolved_source(source: str, base: Path | None) -> str:
+    """An image source that reads the same from anywhere: a relative path made absolute against `base`
+    (the data file's folder); data URLs, base64 and absolute paths as they are."""
+    if source.startswith("data:") or len(source) > 256:
+        return source
+    path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    return str(path.resolve()) if path.is_absolute() else source
+
+
+def sourced_image_chat(record: dict, base: Path | None, require_assistant: bool = True):
+    """image_chat with each image part naming its image ({"type": "image", "image": source}, sources made
+    absolute): such messages can be written to another file and read from there."""
+    kind, messages = image_chat(record, require_assistant)
+    if kind == "skip":
+        return kind, messages
+    sources = iter(image_refs(record))
+    for message in messages:
+        if isinstance(message["content"], list):
+            message["content"] = [{"type": "image", "image": resolved_source(next(sources).source, base)}
+                                  if part["type"] == "image" else part for part in message["content"]]
+    return kind, messages
+
+
+class ImagePrompt(list):
+    """A prompt's token ids with the model inputs of its images (`images`: pixel values and what else
+    the processor gives), which the target's first forward takes."""
+
+    def __init__(self, ids: list[int], images: dict):
+        super().__init__(ids)
+        self.images = images
+
+
+def image_prompt(processor, renderer, messages: list[dict], pictures: list) -> ImagePrompt:
+    """The prompt of a chat with images (`pictures`: those of its image parts, in order), ending with the
+    assistant's generation prompt, as the processor expands them."""
+    text = render(renderer, messages, add_generation_prompt=True)
+    out = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False,
+                    return_tensors="pt")
+    return ImagePrompt(out["input_ids"][0].tolist(),
+                       {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+
+
+def has_image_parts(messages: list[dict]) -> bool:
+    return any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
 
 
 def align_mask(plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -112,18 +112,9 @@ def load_conversations(prompts: str, num_prompts: int | None = None) -> list[Con
     return [found[i] for i in sorted(chosen)]
 
 
-class ImagePrompt(list):
-    """A prompt's token ids with the model inputs of its images (`images`: pixel values and what else
-    the processor gives), which the target's first forward takes."""
-
-    def __init__(self, ids: list[int], images: dict):
-        super().__init__(ids)
-        self.images = images
-
-
 def prompt_ids(tokenizer, conv: Conversation, turn: int, processor=None) -> list[int]:
     """Token ids of the chat up to user turn `turn`, ending with the assistant's generation prompt (an
-    ImagePrompt when the chat has images: made by the target's `processor`)."""
+    data.vlm.ImagePrompt when the chat has images: made by the target's `processor`)."""
     messages = conv.messages(turn)
     if conv.images:
         return _image_prompt(tokenizer, processor, conv, messages)
@@ -135,7 +126,7 @@ def prompt_ids(tokenizer, conv: Conversation, turn: int, processor=None) -> list
     return tokenizer(text)["input_ids"]
 
 
-def _image_prompt(tokenizer, processor, conv: Conversation, messages: list[dict]) -> ImagePrompt:
+def _image_prompt(tokenizer, processor, conv: Conversation, messages: list[dict]):
     from spec_cli.data import vlm
     from spec_cli.data.images import open_image
 
@@ -145,10 +136,5 @@ def _image_prompt(tokenizer, processor, conv: Conversation, messages: list[dict]
                         "or use prompts without images")
     shown = sum(1 for m in messages if isinstance(m["content"], list) for part in m["content"]
                 if part["type"] == "image")
-    text = vlm.chat_template_tokenizer(processor, tokenizer).apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
     pictures = [open_image(source, conv.base) for source in conv.images[:shown]]
-    out = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False,
-                    return_tensors="pt")
-    return ImagePrompt(out["input_ids"][0].tolist(),
-                       {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+    return vlm.image_prompt(processor, vlm.chat_template_tokenizer(processor, tokenizer), messages, pictures)

@@ -80,7 +80,7 @@ def next_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
 
 def prefill(target: Target, cache, prompt: torch.Tensor, images: dict | None = None):
     """The prompt [P] through the target: (logits of the last position [V], aux states [P, 3*H_t]).
-    `images`: an image prompt's image inputs (prompts.ImagePrompt), their features in place."""
+    `images`: an image prompt's image inputs (data.vlm.ImagePrompt), their features in place."""
     positions = torch.arange(prompt.numel(), device=prompt.device)[None]
     logits, aux = target.forward(prompt[None], positions, cache, last_only=True, images=images)
     return logits[-1], aux

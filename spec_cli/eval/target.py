@@ -117,7 +117,7 @@ class Target:
         if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
             mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
                              self.model.dtype, "tree verification (--topk 2 or more)")
-        extra = {} if images is None else self._image_inputs(images, ids.device)
+        extra = {} if images is None else loading.image_inputs(self.model, images, ids.device)
         # M-RoPE (Qwen-VL): an image prompt's positions come from its images' grids, and the model computes
         # them when given none; every later token sits `delta` past its index (kept with the cache)
         grid = images is not None and hasattr(self.model.base_model, "get_rope_index")
@@ -139,12 +139,6 @@ class Target:
             aux = torch.cat([aux, self.input_capture.take()[0].to(aux.dtype)], dim=-1)
         return logits, aux
 
-
-    def _image_inputs(self, images: dict, device) -> dict:
-        """The processor's image inputs the model's forward takes, floats in the model's dtype."""
-        accepted = inspect.signature(self.model.forward).parameters
-        return {name: value.to(device, self.model.dtype if value.is_floating_point() else None)
-                for name, value in images.items() if name in accepted}
 
 
 def tree_attention(parents: torch.Tensor, past: int) -> torch.Tensor:

@@ -44,7 +44,8 @@ from spec_cli import __version__, assets, threads
 from spec_cli.artifacts import guard
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
-from spec_cli.data import chat_templates, records
+from spec_cli.data import chat_templates, records, vlm
+from spec_cli.data.images import check_images, open_image
 from spec_cli.data.template import render
 from spec_cli.errors import ArtifactError, ConfigError, DataError, TargetError
 from spec_cli.eval.speculative import eos_ids
@@ -122,29 +123,42 @@ def plan_asks(messages: list[dict]) -> tuple[list[list[dict]], int]:
     return asks, leading
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], processor=None) -> list[int]:
     """The chat template's rendering with the generation prompt, tokenised as the stages tokenise it
-    (the template writes any bos itself, so no special tokens are added twice)."""
+    (the template writes any bos itself, so no special tokens are added twice). A chat with image parts
+    ({"type": "image", "image": source}) goes through the target's `processor` (data.vlm.ImagePrompt)."""
+    if processor is not None and vlm.has_image_parts(messages):
+        pictures = [open_image(part["image"]) for m in messages if isinstance(m["content"], list)
+                    for part in m["content"] if part["type"] == "image"]
+        return vlm.image_prompt(processor, vlm.chat_template_tokenizer(processor, tokenizer), messages, pictures)
     return tokenizer(render(tokenizer, messages, add_generation_prompt=True),
                      add_special_tokens=False)["input_ids"]
 
 
 def read_conversations(data_path: Path, tokenizer, max_length: int,
-                       max_samples: int | None) -> tuple[list[Conversation], dict]:
-    """The first `max_samples` usable records as conversations, and the counts of what was read."""
+                       max_samples: int | None, processor=None) -> tuple[list[Conversation], dict]:
+    """The first `max_samples` usable records as conversations, and the counts of what was read. With a
+    vision-language target's `processor`, image-text records are asked with their images (each image
+    part naming its file by an absolute path, so the output reads them from wherever it is)."""
     conversations, skipped, read, leading = [], Counter(), 0, 0
+    base = vlm.image_base(data_path)
     for i, record in enumerate(records.load_records(data_path)):
         if max_samples is not None and len(conversations) >= max_samples:
             break
         read += 1
-        kind, value = records.normalise(record, require_assistant=False)
+        if processor is not None and records.has_images(record):
+            kind, value = vlm.sourced_image_chat(record, base, require_assistant=False)
+        else:
+            kind, value = records.normalise(record, require_assistant=False)
         reason = value if kind == "skip" else PLAIN_TEXT if kind == "text" else None
         if reason is None:
             asks, dropped = plan_asks(value)
             reason = NO_USER if not asks else None
         if reason is None:
             try:
-                first = prompt_ids(tokenizer, asks[0])
+                first = prompt_ids(tokenizer, asks[0], processor)
+            except DataError:
+                raise
             except Exception:  # jinja errors: e.g. roles that do not alternate, unsupported system turn
                 reason = records.TEMPLATE
             else:
@@ -177,19 +191,31 @@ class TransformersEngine:
     def __init__(self, target_dir: Path, device: torch.device, dtype: torch.dtype, pad_id: int):
         self.model = loading.load_model(target_dir, device, dtype)
         self.device, self.pad_id = device, pad_id
+        self.rope_delta = 0  # M-RoPE (Qwen-VL): how far past its index a token after an image prompt sits
 
-    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+    def _forward(self, ids, mask, positions, cache, images: dict | None = None) -> torch.Tensor:
+        """`images`: an image prompt's image inputs (its prefill); M-RoPE models then place the prompt by
+        its images' grids themselves, and every later token sits rope_delta past its index."""
+        extra = {} if images is None else loading.image_inputs(self.model, images, self.device)
+        grid = images is not None and hasattr(self.model.base_model, "get_rope_index")
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=None if grid else positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        if grid:
+            self.rope_delta = int(self.model.base_model.rope_deltas.reshape(-1)[0])
         return out.logits[:, -1].float()  # [B, V]
 
     @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
                        top_p: float = 1.0, seeds: list[int] | None = None,
                        eos_ids: frozenset[int] = frozenset()) -> list[list[int]]:
-        """Each prompt's new tokens, cut after the first eos (kept) or at its max_tokens."""
+        """Each prompt's new tokens, cut after the first eos (kept) or at its max_tokens. Prompts with
+        images (data.vlm.ImagePrompt) run one at a time (their image inputs are per prompt)."""
         from transformers import DynamicCache
 
+        if len(prompts) > 1 and any(getattr(p, "images", None) for p in prompts):
+            return [self.generate_batch([p], [m], temperature, top_p, None if seeds is None else [seeds[i]],
+                                        eos_ids)[0] for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        images = getattr(prompts[0], "images", None)
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.long)
@@ -200,8 +226,9 @@ class TransformersEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [torch.Generator().manual_seed(s) for s in seeds] if temperature > 0 else None
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)  # [B, V]
-        position = positions[:, -1:]  # [B, 1]
+        self.rope_delta = 0
+        logits = self._forward(ids, mask, positions, cache, images)  # [B, V]
+        position = positions[:, -1:] + self.rope_delta  # [B, 1]
         rows = list(range(B))  # the prompts still generating, in the cache's row order
         new: list[list[int]] = [[] for _ in prompts]
         while True:
@@ -257,7 +284,7 @@ def answer_seed(seed: int, index: int, turn: int) -> int:
 
 
 def answer_chunk(engine, tokenizer, chunk: list[Conversation], cfg: RegenerateConfig,
-                 eos: frozenset[int], bar) -> dict:
+                 eos: frozenset[int], bar, processor=None) -> dict:
     """Answer every turn of the chunk's conversations, turn by turn -> the part file's content."""
     counts = Counter({"turns_answered": 0, "tokens_generated": 0, "answers_cut_by_length": 0})
     ended = Counter()  # conversations that end before their last turn, by why (beyond a cut answer)
@@ -269,7 +296,9 @@ def answer_chunk(engine, tokenizer, chunk: list[Conversation], cfg: RegenerateCo
                 continue
             messages = c.messages + c.asks[turn]
             try:
-                prompt = prompt_ids(tokenizer, messages)
+                prompt = prompt_ids(tokenizer, messages, processor)
+            except DataError:
+                raise
             except Exception:  # a template that refuses the longer chat (turn 0 passed when read)
                 prompt = None
             if prompt is None or len(prompt) >= cfg.max_length:
@@ -451,6 +480,19 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         raise TargetError(f"the target in {target_dir} names no eos / end-of-turn token",
                           "its tokenizer or generation_config.json needs an eos_token_id")
 
+    # ---- image-text records: asked with their images through the target's processor (transformers only)
+    processor, images_sha = None, None
+    load = loading.processor_loader(target_dir)
+    if load is not None:
+        dataset = records.load_records(data_path)
+        if any(records.has_images(record) for record in dataset):
+            if cfg.engine == "vllm":
+                raise ConfigError("the data holds image-text chats, which spec regenerate asks through the "
+                                  "transformers target only", "pass --engine transformers")
+            processor = load()
+            digest = hashlib.sha256()
+            check_images(dataset, vlm.image_base(data_path), digest=digest)  # one error, before anything runs
+            images_sha = digest.hexdigest()
     identity = {
         "kind": KIND, "version": REGENERATE_VERSION,
         "target_fingerprint": loading.target_fingerprint(target_dir),
@@ -460,6 +502,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
         "max_new_tokens": cfg.max_new_tokens, "max_length": cfg.max_length, "max_samples": cfg.max_samples,
         "chunk_size": cfg.chunk_size,
+        **({"images_sha256": images_sha} if images_sha else {}),
     }
 
     # ---- a finished file is reused; another one is never replaced without --overwrite
@@ -474,7 +517,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
                             f"({_difference(identity, (meta or {}).get('identity'))})",
                             "pass --overwrite to replace it, or another -o")
 
-    conversations, read = read_conversations(data_path, tokenizer, cfg.max_length, cfg.max_samples)
+    conversations, read = read_conversations(data_path, tokenizer, cfg.max_length, cfg.max_samples, processor)
     if not conversations:
         reasons = ", ".join(f"{k}: {v}" for k, v in read["skipped"].items()) or "no records"
         raise DataError(f"{data_path} has no records to answer ({reasons})",
@@ -502,7 +545,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
         with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
-                parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar)
+                parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar, processor)
                 _write_part(folder, k, parts[k])
                 if _TEST_CHUNK_DELAY:  # lets tests interrupt a tiny run between chunks
                     time.sleep(_TEST_CHUNK_DELAY)

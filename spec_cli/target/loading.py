@@ -180,6 +180,16 @@ def processor_loader(path: Path | None):
     return lambda: load_processor(path)
 
 
+def image_inputs(model, images: dict, device) -> dict:
+    """A processor's image inputs that `model`'s forward takes, on `device`, floats in the model's dtype
+    (the rest of what a processor returns, e.g. Gemma 3's num_crops, is left out)."""
+    import inspect
+
+    accepted = inspect.signature(model.forward).parameters
+    return {name: value.to(device, model.dtype if value.is_floating_point() else None)
+            for name, value in images.items() if name in accepted}
+
+
 def load_config(path: Path):
     from transformers import AutoConfig
 

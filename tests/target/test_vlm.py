@@ -417,3 +417,42 @@ def test_a_cache_reads_image_rows_by_sample_not_by_tokens(vlms, tmp_path):
         found.append(cached.generate_batch(ids, am, lm).aux_hidden)  # by tokens: one of the two, for both
     assert torch.equal(found[0], found[1])
     live.close()
+
+
+@pytest.mark.slow
+def test_regenerate_answers_image_chats_with_their_images(vlms, tmp_path):
+    """`spec regenerate` asks image chats with their images: each answer is transformers' own greedy
+    generation from the processor's inputs, the output names its images by absolute paths (read from
+    wherever it is), and it trains as image-text data (the same images per record)."""
+    from spec_cli.eval.speculative import eos_ids
+
+    target = vlms["llava"]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    data = write_jsonl(folder / "chat.jsonl", tiny.image_chat_records(folder))
+    out = tmp_path / "elsewhere" / "regenerated.jsonl"
+    assert main(["regenerate", "-t", str(target), "-d", str(data), "-o", str(out), "--max-new-tokens", "8",
+                 "--dtype", "fp32", "-q"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source_index"] for r in rows] == [0, 1, 2, 3]
+    def images_of(row):
+        return [p["image"] for m in row["messages"] if isinstance(m["content"], list) for p in m["content"]
+                if p["type"] == "image"]
+
+    # (an answer cut at --max-new-tokens ends its chat: record 1 may stop before its second image)
+    assert images_of(rows[1]) == [str(folder / "b.png"), str(folder / "c.png")][:len(images_of(rows[1]))]
+    assert images_of(rows[0]) == [str(folder / "a.png")] and images_of(rows[1])
+    processor, tokenizer = loading.load_processor(target), loading.load_tokenizer(target)
+    model = loading.load_model(target, torch.device("cpu"), torch.float32)
+    stop = eos_ids(tokenizer, loading.generation_config(target))
+    for i in (0, 2):  # one user turn with an image: the answer is the model's own greedy continuation
+        want = processor.apply_chat_template(tiny.processor_messages(folder)[i][:1], tokenize=True,
+                                             add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            new = model.generate(**want, max_new_tokens=8, do_sample=False)[0, want["input_ids"].shape[1]:].tolist()
+        cut = next((k for k, t in enumerate(new) if t in stop), len(new))
+        assert rows[i]["messages"][-1]["content"] == tokenizer.decode(new[:cut], skip_special_tokens=False,
+                                                                       clean_up_tokenization_spaces=False)
+    (folder / "chat.jsonl").unlink()  # the output stands on its own
+    tokens = tokenize_data(out, tokenizer, "fp", 512, use_cache=False, processor=processor)
+    assert tokens.num_images.tolist() == [len(images_of(r)) for r in rows] and tokens.metadata["skipped"] == {}
