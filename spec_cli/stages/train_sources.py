@@ -106,10 +106,13 @@ def _check_image_rows(cfg: TrainConfig, tokens) -> None:
     """What image-text rows (data/vlm.py) do not run with yet, refused before the target loads."""
     if getattr(tokens, "images", None) is None:
         return
-    for given, what in ((cfg.data.pack, "--pack"), (cfg.runtime.context_parallel > 1, "--context-parallel")):
-        if given:
-            raise ConfigError(f"{what} does not take image-text rows yet ({int(tokens.num_images.sum())} images in "
-                              "the data)", f"drop {what}, or train on text-only records")
+    if cfg.runtime.context_parallel > 1:
+        raise ConfigError(f"--context-parallel does not take image-text rows yet ({int(tokens.num_images.sum())} "
+                          "images in the data)", "drop --context-parallel, or train on text-only records")
+    if cfg.data.pack and tokens.token_types is not None:  # (the model reads per-token types: Gemma 3, Qwen-VL)
+        raise ConfigError(f"--pack: this target's processor gives its image rows per-token types "
+                          f"({tokens.metadata.get('token_type_key')}) that place or mask image tokens by the image, "
+                          "which a packed row's per-document positions would not", "drop --pack")
 
 
 def _grouped(cfg: TrainConfig) -> bool:
@@ -428,13 +431,16 @@ class Schedule:
 def inputs_for(source: Source, indices: list[int], pack: bool) -> dict:
     """The keyword arguments of generate_batch for one batch of samples (under --context-parallel from a
     cache: rows padded to the group's chunks, and the slots this rank reads)."""
+    reader = getattr(source.tokens, "images", None)
     if pack:
         ids, am, lm, seq_lens = collate_packed(source.tokens, indices)
         inputs = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "seq_lens": seq_lens}
+        images = None if reader is None else reader(indices, ids.shape[1])  # (the row's documents' images, in order)
+        if images is not None:
+            inputs["images"] = images
     else:
         ids, am, lm = collate(source.tokens, indices)
         inputs = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
-        reader = getattr(source.tokens, "images", None)
         images = None if reader is None else reader(indices, ids.shape[1])
         if images is not None:  # image-text rows: the target runs its vision part on them (data/vlm.py)
             inputs["images"] = images

@@ -21,6 +21,7 @@ from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
 from spec_cli.target import loading
 from spec_cli.target.backend import IMAGE_ROWS, TargetBackend, require_images
+from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.contract import INPUT_EMBEDS
 from spec_cli.target.capture import AuxCapture, InputCapture
 from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
@@ -254,8 +255,8 @@ class HFTargetBackend(LocalTargetBackend):
 
     def _run(self, input_ids, mask, position_ids, seq_lens, images) -> tuple[torch.Tensor, torch.Tensor]:
         if images is not None:
-            if seq_lens is not None:
-                raise ConfigError(f"{PACKING} is not supported for {IMAGE_ROWS} yet", "train without --pack")
+            if seq_lens is not None:  # packed image rows: the documents' masks and positions, as for text
+                mask, position_ids = self._packed_images(input_ids, seq_lens, position_ids, images)
             return self._with_images(input_ids, mask, position_ids, images)
         if seq_lens is not None:  # packed rows: each layer kind's mask per document, positions restart
             self.layout.require(PACKING, "train without --pack (one document per row)")
@@ -271,6 +272,23 @@ class HFTargetBackend(LocalTargetBackend):
         out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                            use_cache=False)
         return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
+
+    def _packed_images(self, input_ids, seq_lens, position_ids, images: dict):
+        """(mask, positions) of packed image rows: each document's mask and positions from 0, as text rows
+        get them. Not for a model whose image tokens take positions from the image's grid (M-RoPE) or a
+        mask from per-token types (Gemma 3): those need the model's own per-document computation."""
+        what = f"{PACKING} of {IMAGE_ROWS}"
+        if hasattr(self.model.base_model, "get_rope_index") or any(k in images for k in TOKEN_TYPE_KEYS):
+            raise ConfigError(f"{what}: {type(self.model).__name__} places or masks image tokens by the image "
+                              "itself, which a packed row's per-document positions would not", "train without --pack")
+        self.layout.require(what, "train without --pack (one document per row)")
+        implementation = self.model.config._attn_implementation or "sdpa"
+        if implementation not in CUSTOM_MASK_ATTENTION:
+            raise ConfigError(f"{what} needs the documents' masks, which {implementation} does not take",
+                              "train without --pack, or load the target with sdpa attention")
+        masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
+        mask = for_model(masks, implementation, self.dtype, what)
+        return mask, doc_positions if position_ids is None else position_ids
 
     def _with_images(self, input_ids, mask, position_ids, images: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole model's forward (vision tower, projector, language model): each image's features
