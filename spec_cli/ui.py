@@ -140,6 +140,12 @@ def print_demo_summary(result) -> None:
         per_turn = f"; per turn {note}" if note else ""
         rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run"
                                  f"{per_turn})"))
+        best = getattr(result, "fastest", None)
+        if best and best["depth"] != p.eval_depth:
+            rows.append(("fastest chain here", f"{best['depth']}: speed-up {best['speedup']:.2f}x, acceptance "
+                                               f"length {best['acceptance_length']:.2f} (same run; chains of "
+                                               f"{', '.join(str(d) for d in best['compared'])} compared with "
+                                               f"{p.eval_depth}; docs/recipe.md says why it differs by machine)"))
     if result.heldout_acceptance_length is not None:
         note = getattr(result, "heldout_speed_note", "")
         per_turn = f"; per turn {note}" if note else ""

@@ -28,6 +28,14 @@ def eval_cmd(
     depth: Annotated[Optional[int], typer.Option(
         "--depth", help="Draft tokens per target forward (a tree's depth). Default: 3; a DFlash draft's block "
                         "size - 1 (what one forward proposes).", min=1, rich_help_panel=DECODING)] = None,
+    compare_depths: Annotated[Optional[str], typer.Option(
+        "--compare-depths", help="Also decode every turn with chains of these depths (comma-separated, e.g. "
+                                 "1,2), after the target alone in the same run, and report each depth's "
+                                 "acceptance length and speed-up over that same baseline: which "
+                                 "num_speculative_tokens is fastest on this hardware. `auto`: the shorter chains "
+                                 "whose verification forward this machine runs measurably cheaper (timed "
+                                 "first). PyTorch, chains only.",
+        rich_help_panel=DECODING)] = None,
     topk: Annotated[int, typer.Option(
         "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1,
         rich_help_panel=DECODING)] = 1,
@@ -73,5 +81,21 @@ def eval_cmd(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
-        engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template))
+        engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template,
+        compare_depths=parse_depths(compare_depths)))
     print_table(result)
+
+
+def parse_depths(text: str | None) -> tuple[int, ...] | str:
+    """"1,2" -> (1, 2); "auto" stays; a bad list is one clear error."""
+    from spec_cli.errors import ConfigError
+
+    if not text:
+        return ()
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--compare-depths {text!r} is not a list of whole numbers",
+                          "e.g. --compare-depths 1,2") from None

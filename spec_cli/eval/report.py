@@ -45,6 +45,7 @@ class Tally:
     parted_not_tie: int = 0  # ... and where its logits do not tie (not rounding)
     tie_margins: list[float] = field(default_factory=list)  # the margins at those ties
     ratios: list[float] = field(default_factory=list)  # each turn's speed-up (tokens on both sides)
+    by_depth: dict[int, Tally] = field(default_factory=dict)  # the same turns as chains of other depths
 
     def add(self, spec: Generation, base: Generation | None, parted: dict | None = None) -> None:
         self.turns += 1
@@ -198,6 +199,8 @@ def print_table(result) -> None:
                       f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
                       style="bold" if name == "all" else None, end_section=i == len(rows) - 1)
     console.print(table)
+    if getattr(result, "depths", None):
+        print_depths(result.depths, s.get("dtype", "its dtype"))
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
@@ -220,6 +223,26 @@ def print_table(result) -> None:
     if busy.get("warning"):
         console.print(Text(f"WARNING: {busy['warning']}", style="bold yellow"))
     console.print(f"written: {result.json_path}, {result.plot_path}")
+
+
+def print_depths(depths: dict[int, dict], dtype: str) -> None:
+    """--compare-depths: each chain's acceptance and speed-up over the same baseline, the fastest marked."""
+    from rich.table import Table
+
+    from spec_cli.console import console
+
+    fastest = max(sorted(depths), key=lambda d: depths[d]["speedup"])
+    table = Table(title="chains of each depth, same turns, same target-alone timing", title_justify="left")
+    for name in ("depth", "accept len", "spec tok/s", "speed-up", "per turn", "same as target"):
+        table.add_column(name, justify="right")
+    for d, m in depths.items():
+        q = m.get("speedup_spread")
+        table.add_row(str(d), f"{m['acceptance_length']:.2f}", f"{m['spec_tokens_per_s']:.1f}",
+                      f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
+                      f"{m['same_as_target']}/{m['turns']}", style="bold" if d == fastest else None)
+    console.print(table)
+    console.print(f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x over the target "
+                  f"alone, {dtype}, this machine)", markup=False)
 
 
 def plot_acceptance(path: Path, overall: dict, categories: dict, title: str) -> Path:

@@ -187,6 +187,26 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
                       steps=steps, drafts=drafts, draft_seconds=draft_seconds)
 
 
+@torch.no_grad()
+def verify_costs(target: Target, prompt: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward over n tokens (a verification of n - 1 drafts), for each n in
+    `sizes`, after the prompt's prefill, the tokens taken back each time: the median of `repeats`,
+    the sizes interleaved so that a change in the machine's load hits all. -> {n: seconds}."""
+    device = target.model.device
+    cache = target.new_cache()
+    prefill(target, cache, torch.tensor(prompt, device=device), getattr(prompt, "images", None))
+    past = Target.cache_length(cache)
+    ids = torch.tensor(prompt, device=device)[-1:].repeat(max(sizes))[None]
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
+            t0 = _clock(device)
+            target.forward(ids[:, :n], torch.arange(past, past + n, device=device)[None], cache)
+            times[n].append(_clock(device) - t0)
+            target.keep(cache, past, [])
+    return {n: sorted(t[1:])[len(t[1:]) // 2] for n, t in times.items()}
+
+
 def _clock(device: torch.device) -> float:
     """perf_counter after the device's queued work (CUDA runs asynchronously)."""
     if device.type == "cuda":

@@ -53,6 +53,9 @@ class Profile:
     expected_minutes_avx2: float = 0.0  # ... and on 2 cores with AVX2 only (help text)
     schedule: str = "cosine"  # spec train --schedule (docs/recipe.md: what the levers measured)
     optimizer: str = "adamw"  # spec train --optimizer
+    # the MT-bench eval also decodes chains of these depths (spec eval --compare-depths; "auto": the
+    # shorter ones this machine verifies measurably cheaper): which is fastest depends on the hardware
+    eval_compare_depths: tuple[int, ...] | str = "auto"
 
     def describe(self) -> str:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
@@ -114,6 +117,7 @@ class DemoResult:
     heldout_speedup: float | None = None
     speed_note: str = ""  # the per-turn spread of each eval's speed-up (report.spread_text)
     heldout_speed_note: str = ""
+    fastest: dict | None = None  # MT-bench: the fastest chain of those compared {"depth", "acceptance_length", "speedup"}
     train_steps: str = ""
     eval_json: Path | None = None
     serve_command: str = ""
@@ -203,9 +207,11 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     speeds = demo_clock.measure(loading.resolve_target(found["smollm2"]), device,
                                 loading.choose_dtype(data_dtype(cfg), device), loading.choose_dtype(cfg.dtype, device),
                                 profile.draft_vocab_size, profile.batch_tokens, profile.ttt_steps)
-    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg))
-    per_stage["eval-heldout"] = per_stage["eval"] / 2  # one eval's seconds cover both evals
-    per_stage["eval"] /= 2
+    compared = None
+    if "eval" in left and profile.eval_compare_depths == "auto":
+        compared = demo_clock.chains_compared(loading.resolve_target(found["smollm2"]), device,
+                                              loading.choose_dtype(cfg.dtype, device), profile.eval_depth)
+    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg), compared)
     seconds = {name: per_stage[name] for name in left}
     total = (sum(seconds.values()) + per_stage["fixed"]) / 60
     info(f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
@@ -419,14 +425,22 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
 
     prompts = str(heldout) if heldout is not None else str(found["mt-bench"])
     count = profile.heldout_prompts if heldout is not None else profile.eval_prompts
+    compare = () if heldout is not None else profile.eval_compare_depths
     settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
                 "num_prompts": count, "prompts": prompts,
+                **({"compare_depths_asked": compare} if compare == "auto" else
+                   {"compare_depths": sorted(d for d in set(compare) if d != profile.eval_depth)}),
                 "dtype": str(loading.choose_dtype(cfg.dtype, loading.choose_device(cfg.device))).replace("torch.", "")}
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
 
-    def keep(overall: dict, busy: dict | None) -> None:
+    def keep(overall: dict, busy: dict | None, depths: dict | None = None) -> None:
         note = spread_text(overall.get("speedup_spread"))
+        if depths:
+            best = evaluate.fastest_depth(depths)
+            result.fastest = {"depth": best, "acceptance_length": depths[best]["acceptance_length"],
+                              "speedup": depths[best]["speedup"],
+                              "compared": sorted(d for d in depths if d != profile.eval_depth)}
         if heldout is not None:
             result.heldout_acceptance_length, result.heldout_speedup = overall["acceptance_length"], \
                 overall["speedup"]
@@ -441,15 +455,17 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
 
     if report.is_file():
         done = json.loads(report.read_text())
-        if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
-            keep(done["overall"], done.get("busy"))
+        before = {"compare_depths": [], **done["settings"]}  # an eval.json from before --compare-depths
+        if done["draft"]["step"] == step and all(before.get(k) == v for k, v in settings.items()):
+            keep(done["overall"], done.get("busy"), {int(d): m for d, m in (done.get("depths") or {}).items()})
             return "reused"
     outcome = evaluate.run(evaluate.EvalConfig(
         target=str(found["smollm2"]), draft=export_dir, prompts=prompts, output=eval_dir,
         depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
-        num_prompts=count, device=cfg.device, dtype=cfg.dtype))
+        num_prompts=count, device=cfg.device, dtype=cfg.dtype,
+        compare_depths=compare if compare == "auto" else tuple(compare)))
     print_table(outcome)
-    keep(outcome.overall, outcome.busy)
+    keep(outcome.overall, outcome.busy, outcome.depths)
     return "ran"
 
 
@@ -482,9 +498,11 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
 
 
 def _shaping(profile: dict) -> dict:
-    """A profile's fields that shape its artifacts: all but the stated duration, so that a new estimate
-    in a release does not disown a folder whose stages it would make the same."""
-    return {k: v for k, v in profile.items() if not k.startswith("expected_minutes")}
+    """A profile's fields that shape its artifacts: all but the stated duration and the depths the eval
+    compares (the eval reruns when its own settings differ), so that a new estimate or comparison in a
+    release does not disown a folder whose stages it would make the same."""
+    return {k: v for k, v in profile.items()
+            if not k.startswith("expected_minutes") and k != "eval_compare_depths"}
 
 
 def _produced(folder: Path) -> dict[str, dict]:
@@ -507,4 +525,5 @@ def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
                     "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
         "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
+        "fastest_chain": result.fastest,
         "estimate": result.estimate, "seconds": round(result.seconds, 1)})

@@ -143,15 +143,44 @@ def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eva
                                                         ttt_steps))
 
 
-def stage_seconds(profile, speeds: Speeds, engine: str = "transformers") -> dict[str, float]:
-    """The profile's stages on a machine of these speeds (seconds); engine: what regenerates."""
+@torch.no_grad()
+def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, depth: int) -> int:
+    """How many shorter chains `spec eval --compare-depths auto` will decode beside a chain of `depth` on
+    this machine: its own rule (stages/eval.cheaper_depths) on the target's forward times over 1 ..
+    depth + 1 tokens, measured as it measures them."""
+    from spec_cli.eval.speculative import verify_costs
+    from spec_cli.eval.target import Target
+    from spec_cli.stages.eval import cheaper_depths
+
+    model = loading.load_model(target_dir, device, dtype)
+    prompt = torch.randint(0, model.get_input_embeddings().weight.shape[0], (64,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    target = Target(model, [])
+    try:
+        return len(cheaper_depths(verify_costs(target, prompt, list(range(1, depth + 2)), repeats=3), depth))
+    finally:
+        target.close()
+
+
+def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compared: int | None = None
+                  ) -> dict[str, float]:
+    """The profile's stages on a machine of these speeds (seconds); engine: what regenerates; compared:
+    the shorter chains the MT-bench eval decodes too (default: the profile's list, or none for auto)."""
     conversations = profile.samples + profile.original_samples
-    eval_tokens = (profile.eval_prompts + profile.heldout_prompts) * 2 * profile.eval_max_new_tokens * 2
+    # tokens each eval decodes: both turns, the target alone and the draft's chain (MT-bench: and the
+    # chains of the depths it compares)
+    if compared is None:
+        listed = profile.eval_compare_depths
+        compared = 0 if isinstance(listed, str) else len(set(listed) - {profile.eval_depth})
+    passes = 2 + compared
+    eval_tokens = profile.eval_prompts * 2 * profile.eval_max_new_tokens * passes
+    heldout_tokens = profile.heldout_prompts * 2 * profile.eval_max_new_tokens * 2
     return {
         "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode
         * OVERHEAD[f"regenerate/{engine}"],
         "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * OVERHEAD["precompute"],
         "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"],
         "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
+        "eval-heldout": heldout_tokens / speeds.decode * OVERHEAD["eval"],
         "fixed": FIXED_SECONDS,
     }

@@ -47,7 +47,7 @@ from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, parting, plot_acceptance, turn_speedup
-from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target
+from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target, verify_costs
 from spec_cli.eval.target import TREE_ATTENTION, Target
 from spec_cli.target import loading
 
@@ -79,6 +79,8 @@ class EvalConfig:
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     timing_repeats: int = 1  # times each decoder answers each turn (alternating); the median is kept
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
+    compare_depths: tuple[int, ...] | str = ()  # chains also decoded in the same run, against the same
+    # baseline; "auto": the shorter chains whose verification this machine runs measurably cheaper
 
 
 @dataclass
@@ -95,6 +97,7 @@ class EvalResult:
     seconds: float
     engine: str = "torch"
     busy: dict | None = None  # spec_cli.threads.Meter.stop: how much of the machine the timing got
+    depths: dict[int, dict] | None = None  # with --compare-depths: each chain depth's overall metrics
 
 
 def tree_size(depth: int, topk: int, num_tokens: int | None) -> int:
@@ -138,6 +141,16 @@ def _validate(cfg: EvalConfig) -> None:
         raise ConfigError("--num-tokens must be at least 1", "e.g. --num-tokens 16")
     if cfg.engine not in ENGINES:
         raise ConfigError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}", "e.g. --engine vllm")
+    if cfg.compare_depths:
+        if cfg.compare_depths != AUTO and min(cfg.compare_depths) < 1:
+            raise ConfigError(f"--compare-depths {','.join(map(str, cfg.compare_depths))}: a depth is at least 1",
+                              "e.g. --compare-depths 1,2")
+        if cfg.topk > 1:
+            raise ConfigError("--compare-depths compares chains; an EAGLE-2 tree's size depends on its depth, "
+                              "top-k and node count together", "use --topk 1, or run one tree per spec eval")
+        if cfg.engine == "vllm":
+            raise ConfigError("--compare-depths runs in PyTorch only: vLLM fixes num_speculative_tokens when "
+                              "its engine starts", "run spec eval --engine vllm once per --depth")
     if cfg.engine == "vllm" and cfg.topk > 1:
         raise ConfigError("vLLM serves drafts as a chain of num_speculative_tokens here, not an "
                           "EAGLE-2 tree", "use --topk 1 with --engine vllm (or --engine torch for trees)")
@@ -155,6 +168,12 @@ def run(cfg: EvalConfig) -> EvalResult:
     c = loaded.model.config
     if cfg.depth is None:
         cfg = replace(cfg, depth=natural_depth(c))
+    compared = [] if cfg.compare_depths == AUTO else [d for d in dict.fromkeys(cfg.compare_depths) if d != cfg.depth]
+    rule = algorithms.get(c.algorithm).extra.get("eval_depth")
+    if compared and rule and max(compared) > int(rule(c)):
+        raise ConfigError(f"--compare-depths {max(compared)}: this {algorithms.get(c.algorithm).title} draft "
+                          f"proposes at most {int(rule(c))} tokens per forward",
+                          f"compare depths up to {int(rule(c))}")
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")
@@ -189,7 +208,7 @@ def run(cfg: EvalConfig) -> EvalResult:
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
     choice = threads.choose_for_run(cfg.threads)  # before the models load (vLLM then sets its own)
     with threads.applied(choice.threads, restore=cfg.engine == "torch"), \
-            opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info):
+            opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info, probe):
         used = torch.get_num_threads()
         reason = choice.reason if used == choice.threads else \
             f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"
@@ -197,9 +216,17 @@ def run(cfg: EvalConfig) -> EvalResult:
         seeds = _Seeds(cfg.seed) if cfg.temperature > 0 else None
         warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
         first = prompts.prompt_ids(tokenizer, conversations[0], 0, processor)
+        costs = None
+        if cfg.compare_depths == AUTO:
+            costs = probe(first, list(range(1, cfg.depth + 2)))
+            compared = cheaper_depths(costs, cfg.depth)
+            info(cost_text(costs, cfg.depth, compared))
+        others = {d: _at_depth(spec, replace(settings, depth=d, num_tokens=d)) for d in compared}
         try:
             spec(first, seeds and seeds(0, 0, 0), warm)
             base(first, seeds and seeds(0, 0, 1), warm)
+            for d in compared:
+                spec(first, seeds and seeds(0, 0, 0), replace(warm, depth=d, num_tokens=d))
         except Exception as exc:
             raise turn_failed(exc, f"the warm-up on prompt {conversations[0].id!r}, turn 1") from exc
         output.mkdir(parents=True, exist_ok=True)
@@ -207,7 +234,8 @@ def run(cfg: EvalConfig) -> EvalResult:
         meter = threads.Meter()
         overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,
                                                   cfg.timing_repeats, outputs=output / "outputs.jsonl",
-                                                  eps=torch.finfo(dtype).eps, processor=processor)
+                                                  eps=torch.finfo(dtype).eps, processor=processor,
+                                                  others=others)
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
@@ -216,8 +244,13 @@ def run(cfg: EvalConfig) -> EvalResult:
                      "turns": sum(len(conv.turns) for conv in conversations), "seed": cfg.seed,
                      "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                      "eos_ids": sorted(settings.eos_ids), "engine": cfg.engine,
-                     "threads": used, "threads_reason": reason, "timing_repeats": cfg.timing_repeats}
+                     "threads": used, "threads_reason": reason, "timing_repeats": cfg.timing_repeats,
+                     "compare_depths": sorted(compared),
+                     **({"compare_depths_asked": AUTO} if cfg.compare_depths == AUTO else {})}
     overall_m = overall.metrics()
+    depths = None
+    if compared:  # every chain decoded, the run's own depth among them, against the same baseline
+        depths = dict(sorted({cfg.depth: overall_m, **{d: t.metrics() for d, t in overall.by_depth.items()}}.items()))
     category_m = {name: t.metrics() for name, t in categories.items()}
     json_path, outputs_path = output / "eval.json", output / "outputs.jsonl"  # outputs: by decode_all
     plot_path = output / "acceptance.png"
@@ -228,6 +261,9 @@ def run(cfg: EvalConfig) -> EvalResult:
                                              "aux_layer_outputs": list(c.aux_layer_ids)},
         "engine": engine_info, "settings": settings_json, "overall": overall_m, "categories": category_m,
         "busy": busy,
+        **({"depths": {str(d): m for d, m in depths.items()}, "fastest_depth": fastest_depth(depths)}
+           if depths else {}),
+        **({"verify_seconds": {str(n): round(t, 6) for n, t in costs.items()}} if costs else {}),
     })
     shape = f"chain {cfg.depth}" if cfg.topk == 1 else f"tree {cfg.depth}x{cfg.topk}/{settings.num_tokens}"
     where = " in vLLM" if cfg.engine == "vllm" else ""
@@ -237,7 +273,38 @@ def run(cfg: EvalConfig) -> EvalResult:
     return EvalResult(output=output, json_path=json_path, plot_path=plot_path, outputs_path=outputs_path,
                       draft=loaded.describe(), target_name=target_dir.name, settings=settings_json,
                       overall=overall_m, categories=category_m, seconds=time.perf_counter() - start,
-                      engine=cfg.engine, busy=busy)
+                      engine=cfg.engine, busy=busy, depths=depths)
+
+
+AUTO = "auto"
+CHEAPER = 0.9  # --compare-depths auto: a shorter chain is compared when its forward costs <= this x the longest's
+
+
+def cheaper_depths(costs: dict[int, float], depth: int) -> list[int]:
+    """The chain depths below `depth` whose verification forward (d + 1 tokens) is measurably cheaper
+    than the chain's own (depth + 1): only those can be faster (the drafts they skip cost little)."""
+    return [d for d in range(1, depth) if costs[d + 1] <= CHEAPER * costs[depth + 1]]
+
+
+def cost_text(costs: dict[int, float], depth: int, compared: list[int]) -> str:
+    """The measured verification cost curve and what it decided, in one line."""
+    curve = ", ".join(f"{n} tokens {costs[n] / costs[1]:.2f}x" for n in sorted(costs) if n > 1)
+    decided = (f"comparing chains of {', '.join(map(str, compared))} with {depth}" if compared else
+               f"no shorter chain verifies measurably cheaper than {depth}: comparing none")
+    return (f"the target's forward on this machine, against one token ({1000 * costs[1]:.1f} ms): {curve}; "
+            f"{decided}")
+
+
+def fastest_depth(depths: dict[int, dict]) -> int:
+    """The chain depth with the highest speed-up (the shorter one on a tie)."""
+    return max(sorted(depths), key=lambda d: depths[d]["speedup"])
+
+
+def _at_depth(spec: Decoder, settings: Settings) -> Decoder:
+    """The speculative decoder with a chain of settings.depth (its warm-up passes shorter settings)."""
+    def decode(ids, seed, s=settings):
+        return spec(ids, seed, s)
+    return decode
 
 
 @contextlib.contextmanager
@@ -270,7 +337,8 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
         return generate_target(target, ids, s, generator(seed))
 
     try:
-        yield spec, base, {"name": "torch", "version": torch.__version__}
+        yield spec, base, {"name": "torch", "version": torch.__version__}, \
+            lambda ids, sizes: verify_costs(target, ids, sizes)
     finally:
         target.close()
 
@@ -312,17 +380,22 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
             return base_engine.generate(ids, s.max_new_tokens, s.temperature, s.eos_ids, seed)
 
         yield spec, base, {"name": "vllm", "version": vllm.version(), "draft_folder": str(folder),
-                           "load_problems": problems}
+                           "load_problems": problems}, None
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],
                settings: Settings, seeds: _Seeds | None, repeats: int = 1, outputs: Path | None = None,
-               eps: float = torch.finfo(torch.float32).eps, processor=None):
+               eps: float = torch.finfo(torch.float32).eps, processor=None,
+               others: dict[int, Decoder] | None = None):
     """Every turn of every conversation, speculative then target alone on the same prompt (`repeats`
     times, alternating); turn j is asked after the speculative decoder's answer to turn j-1.
-    `outputs` (outputs.jsonl) is rewritten after every turn; a turn that fails raises an error naming
-    its prompt and turn, the turns before it kept there. -> (overall, per-category Tally, records)."""
+    `others`: chains of other depths, each decoding every turn after those two (the same baseline),
+    tallied in overall.by_depth. `outputs` (outputs.jsonl) is rewritten after every turn; a turn that
+    fails raises an error naming its prompt and turn, the turns before it kept there.
+    -> (overall, per-category Tally, records)."""
     overall, categories, records = Tally(settings.depth), {}, []
+    others = others or {}
+    overall.by_depth = {d: Tally(d) for d in others}
     if outputs is not None:
         write_records(outputs, records)
     with progress("eval", sum(len(conv.turns) for conv in conversations), unit="turns") as bar:
@@ -331,13 +404,19 @@ def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prom
                 try:
                     ids = prompts.prompt_ids(tokenizer, conv, turn, processor)
                     s, b, record = timed_turn(spec, base, ids, seeds and seeds(i, turn, 0),
-                                              seeds and seeds(i, turn, 1), repeats)
+                                              seeds and seeds(i, turn, 1), repeats, others)
                 except Exception as exc:
                     kept = outputs and f"the turns before it ({len(records)}) are in {outputs}"
                     raise turn_failed(exc, f"prompt {conv.id!r} ({i + 1} of {len(conversations)}), "
                                            f"turn {turn + 1}", kept) from exc
                 parted = parting(s, b, eps) if settings.temperature == 0 else None
                 overall.add(s, b, parted)
+                for d, g in record.pop("by_depth", {}).items():
+                    overall.by_depth[d].add(g, b, parting(g, b, eps) if settings.temperature == 0 else None)
+                    record.setdefault("depths", {})[str(d)] = {
+                        "acceptance_length": round(g.acceptance_length, 4), "spec_seconds": round(g.seconds, 4),
+                        "speedup": None if turn_speedup(g, b) is None else round(turn_speedup(g, b), 4),
+                        "same_as_target": g.tokens == b.tokens}
                 if conv.category:
                     categories.setdefault(conv.category, Tally(settings.depth)).add(s, b, parted)
                 answer = tokenizer.decode(s.tokens, skip_special_tokens=True).strip()
@@ -374,17 +453,18 @@ def turn_failed(exc: Exception, where: str, kept: str | None = None) -> Exceptio
 
 
 def timed_turn(spec: Decoder, base: Decoder, ids: list[int], spec_seed: int | None, base_seed: int | None,
-               repeats: int) -> tuple[Generation, Generation, dict]:
-    """One turn decoded `repeats` times by each decoder, alternating (spec, base, spec, base, ...) so that
-    a change in the machine's load hits both; the same seeds each time, so the same output.
-    -> (spec, base) with their median seconds, and the turn's timing fields for outputs.jsonl."""
-    spec_runs, base_runs = [], []
+               repeats: int, others: dict[int, Decoder] | None = None) -> tuple[Generation, Generation, dict]:
+    """One turn decoded `repeats` times by each decoder, alternating (spec, base, [the other depths,]
+    spec, base, ...) so that a change in the machine's load hits all; the same seeds each time, so the
+    same output. -> (spec, base) with their median seconds, and the turn's timing fields for
+    outputs.jsonl (with `others`, "by_depth": {depth: its Generation, median seconds}, for the caller)."""
+    spec_runs, base_runs, other_runs = [], [], {d: [] for d in others or {}}
     for _ in range(repeats):
         spec_runs.append(spec(ids, spec_seed))
         base_runs.append(base(ids, base_seed))
-    s = replace(spec_runs[0], seconds=statistics.median(g.seconds for g in spec_runs),
-                draft_seconds=statistics.median(g.draft_seconds for g in spec_runs))
-    b = replace(base_runs[0], seconds=statistics.median(g.seconds for g in base_runs))
+        for d, decode in (others or {}).items():
+            other_runs[d].append(decode(ids, spec_seed))
+    s, b = _median(spec_runs), _median(base_runs)
     ratio = turn_speedup(s, b)
     record = {"spec_seconds": round(s.seconds, 4), "target_seconds": round(b.seconds, 4),
               "speedup": None if ratio is None else round(ratio, 4)}
@@ -396,7 +476,15 @@ def timed_turn(spec: Decoder, base: Decoder, ids: list[int], spec_seed: int | No
         # the median is of the same work only if every run gave the same tokens
         record["repeats_same_output"] = all(g.tokens == s.tokens for g in spec_runs) and \
             all(g.tokens == b.tokens for g in base_runs)
+    if others:
+        record["by_depth"] = {d: _median(runs) for d, runs in other_runs.items()}
     return s, b, record
+
+
+def _median(runs: list[Generation]) -> Generation:
+    """The first run with the median seconds (and draft seconds) of all (the same seeds: the same tokens)."""
+    return replace(runs[0], seconds=statistics.median(g.seconds for g in runs),
+                   draft_seconds=statistics.median(g.draft_seconds for g in runs))
 
 
 class _Seeds:

@@ -17,7 +17,7 @@ from tests.conftest import write_jsonl
 TINY = demo.Profile("quick", samples=24, max_length=64, regen_max_new_tokens=12, draft_vocab_size=96,
                     ttt_steps=2, batch_tokens=256, steps=6, lr=3e-3, eval_prompts=2, eval_max_new_tokens=6,
                     heldout_prompts=2, expected_minutes=1,
-                    eval_depth=2, original_samples=5)
+                    eval_depth=2, original_samples=5, eval_compare_depths=(1,))
 
 
 @pytest.fixture
@@ -90,7 +90,15 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert report["settings"]["num_prompts"] == 2 and set(report["categories"]) == {"writing", "math"}
     assert report["overall"]["same_as_target"] == report["overall"]["turns"] == 4  # greedy: exact
     assert record(out)["acceptance_length"] == pytest.approx(report["overall"]["acceptance_length"])
+    # MT-bench also decodes the shorter chain against the same baseline; the fastest is recorded
+    assert report["settings"]["compare_depths"] == [1] and list(report["depths"]) == ["1", "2"]
+    assert held_report["settings"]["compare_depths"] == []
+    fastest = report["depths"][str(report["fastest_depth"])]
+    assert record(out)["fastest_chain"] == {"depth": report["fastest_depth"], "speedup": fastest["speedup"],
+                                            "acceptance_length": fastest["acceptance_length"], "compared": [1]}
     printed = capsys.readouterr().out
+    if report["fastest_depth"] != TINY.eval_depth:
+        assert "fastest chain here" in printed
     assert "acceptance length" in printed and "speed-up" in printed
     # the time was estimated from this machine's speeds, measured before the first stage
     estimate = record(out)["estimate"]
@@ -99,6 +107,13 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     from spec_cli.stages.demo_clock import OVERHEAD
     assert estimate["stages"]["train"] == pytest.approx(  # the steps at the measured training speed
         TINY.steps * TINY.batch_tokens / estimate["speeds"]["train"] * OVERHEAD["train"], rel=0.01, abs=0.01)
+    passes = 3  # the target alone, the chain of 2 and the compared chain of 1
+    assert estimate["stages"]["eval"] == pytest.approx(
+        TINY.eval_prompts * 2 * TINY.eval_max_new_tokens * passes / estimate["speeds"]["decode"]
+        * OVERHEAD["eval"], rel=0.01, abs=0.01)
+    assert estimate["stages"]["eval-heldout"] == pytest.approx(
+        TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / estimate["speeds"]["decode"]
+        * OVERHEAD["eval"], rel=0.01, abs=0.01)
     assert f"estimated {estimate['minutes']:g} min at the start" in " ".join(printed.split())
     # once regenerate ran, the total is stated again with its real minutes in place of its estimate
     stages = {s["name"]: s for s in record(out)["stages"]}
@@ -128,6 +143,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert "it ran in" in " ".join(capsys.readouterr().out.split())
     assert (latest / "model.safetensors").stat().st_mtime_ns == stamp
     assert (out / "eval" / "eval.json").stat().st_mtime_ns == eval_stamp
+    assert record(out)["fastest_chain"]["depth"] == report["fastest_depth"]  # reused with the eval
 
 
 def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp_path, capsys):
@@ -163,8 +179,11 @@ def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(t
     (eval_dir / "eval.json").write_text(json.dumps({
         "draft": {"step": 5},
         "settings": {"depth": TINY.eval_depth, "topk": 1, "max_new_tokens": TINY.eval_max_new_tokens,
-                     "num_prompts": TINY.eval_prompts, "prompts": str(mt_bench), "dtype": "float32"},
+                     "num_prompts": TINY.eval_prompts, "prompts": str(mt_bench), "dtype": "float32",
+                     "compare_depths": [1]},
         "overall": {"acceptance_length": 1.5, "speedup": 0.31, "speedup_spread": spread},
+        "depths": {"1": {"acceptance_length": 1.3, "speedup": 0.9},
+                   "2": {"acceptance_length": 1.5, "speedup": 0.31}},
         "busy": {"too_busy": True, "warning": "the machine was too busy for these speeds to mean much: "
                                               "this process got 40% of the 2 core(s) it used"}}))
     result = demo.DemoResult(folder=tmp_path, profile=TINY)
@@ -173,6 +192,8 @@ def test_the_final_table_gives_the_speed_ups_spread_and_a_busy_machine_warning(t
     printed = " ".join(capsys.readouterr().out.split())
     assert "0.31x over the target alone (same prompts, same run; per turn median 0.30x, middle half " \
            "0.25-0.40x, range 0.20-0.90x over 4 turns)" in printed
+    assert "fastest chain here 1: speed-up 0.90x, acceptance length 1.30 (same run; chains of 1 compared " \
+           "with 2" in printed
     assert "WARNING MT-bench eval: the machine was too busy for these speeds to mean much: this process " \
            "got 40% of the 2 core(s) it used" in printed
 
@@ -184,7 +205,8 @@ def test_a_new_duration_estimate_keeps_the_folder_but_other_settings_do_not(tmp_
     demo._claim_folder(folder, TINY)
     demo._claim_folder(folder, replace(TINY, expected_minutes=TINY.expected_minutes + 3))  # same artifacts
     record = json.loads((folder / demo.DEMO_JSON).read_text())
-    assert record["profile"] == asdict(replace(TINY, expected_minutes=TINY.expected_minutes + 3))
+    assert record["profile"] == json.loads(json.dumps(asdict(replace(TINY, expected_minutes=TINY.expected_minutes + 3))))
+    demo._claim_folder(folder, replace(TINY, eval_compare_depths=(1,)))  # the eval reruns on its own settings
     with pytest.raises(demo.ConfigError, match="holds a demo with other settings"):
         demo._claim_folder(folder, replace(TINY, steps=TINY.steps + 1))
 
@@ -257,3 +279,21 @@ def test_conversations_with_unicode_line_separators_stay_whole(tmp_path):
     assert rows[1]["messages"][0]["content"] == "first\u2028second\u0085third"
     held = demo._heldout_prompts(profile, {"sharegpt": sharegpt}, data, tmp_path)
     assert [json.loads(line)["source_index"] for line in held.read_text(encoding="utf-8").split("\n") if line] == [2]
+
+
+def test_the_estimate_counts_the_chains_the_mt_bench_eval_compares():
+    """Each compared chain decodes every MT-bench turn once more (the baseline is shared); auto's count is
+    what the machine measured (demo_clock.chains_compared), a list's is its length."""
+    from dataclasses import replace
+
+    from spec_cli.stages.demo_clock import OVERHEAD, Speeds, stage_seconds
+
+    speeds = Speeds(batched_decode=100.0, prefill=1000.0, decode=10.0, train=500.0)
+    one_pass = TINY.eval_prompts * 2 * TINY.eval_max_new_tokens / 10.0 * OVERHEAD["eval"]
+    auto = replace(TINY, eval_compare_depths="auto", eval_depth=3)
+    assert stage_seconds(auto, speeds)["eval"] == pytest.approx(2 * one_pass)
+    assert stage_seconds(auto, speeds, compared=2)["eval"] == pytest.approx(4 * one_pass)
+    assert stage_seconds(replace(TINY, eval_compare_depths=(1, 2), eval_depth=2), speeds)["eval"] == \
+        pytest.approx(3 * one_pass)
+    assert stage_seconds(auto, speeds, compared=2)["eval-heldout"] == pytest.approx(
+        TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / 10.0 * OVERHEAD["eval"])

@@ -123,6 +123,94 @@ def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(train
     assert "frozen weights: frozen.safetensors" in capsys.readouterr().out
 
 
+def test_compare_depths_decodes_each_chain_against_the_same_baseline(trained, tmp_path, capsys):
+    """--compare-depths 1,2 beside --depth 3: each chain's counts equal its own spec eval --depth run (the
+    same greedy decoding, an independent run), all against the one target-alone timing of each turn."""
+    common = ["-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+              str(trained["prompts"]), "--num-prompts", "2", "--max-new-tokens", "10"]
+    assert main(["eval", *common, "--depth", "3", "--compare-depths", "2,1,3", "-o", str(tmp_path / "all")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    report = json.loads((tmp_path / "all" / "eval.json").read_text())
+    _consistent(report)
+    assert report["settings"]["compare_depths"] == [1, 2]  # the run's own depth is not repeated
+    depths = report["depths"]
+    assert list(depths) == ["1", "2", "3"] and depths["3"] == report["overall"]
+    for d in ("1", "2"):
+        alone = _eval([*common, "--depth", d, "-o", str(tmp_path / f"depth-{d}")])["overall"]
+        for key in ("accepted", "verified", "tokens_produced", "target_forwards", "same_as_target", "spec_tokens"):
+            assert depths[d][key] == alone[key], (d, key)
+        assert len(depths[d]["acceptance_rate"]) == int(d)
+        # the speed-up is over the same baseline as depth 3's
+        assert depths[d]["target_seconds"] == report["overall"]["target_seconds"]
+        assert depths[d]["speedup"] == pytest.approx(depths[d]["spec_tokens_per_s"] /
+                                                     report["overall"]["target_tokens_per_s"])
+    fastest = max(depths, key=lambda d: depths[d]["speedup"])
+    assert report["fastest_depth"] == int(fastest)
+    assert f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x" in printed
+    records = [json.loads(line) for line in (tmp_path / "all" / "outputs.jsonl").read_text().splitlines()]
+    assert all(set(r["depths"]) == {"1", "2"} for r in records)
+    assert sum(r["depths"]["1"]["spec_seconds"] for r in records) == pytest.approx(depths["1"]["spec_seconds"],
+                                                                                  abs=1e-3)
+
+    for extra, says in ((["--compare-depths", "1,x"], "is not a list of whole numbers"),
+                        (["--compare-depths", "0"], "a depth is at least 1"),
+                        (["--compare-depths", "1", "--topk", "2"], "--compare-depths compares chains"),
+                        (["--compare-depths", "1", "--engine", "vllm"], "runs in PyTorch only")):
+        assert main(["eval", *common, *extra, "-o", str(tmp_path / "bad"), "-q"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) <= 2, err
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("costs, compared", [
+    ({1: 1.0, 2: 1.04, 3: 1.08, 4: 1.49}, [1, 2]),  # measured on 2 AVX-512 cores, SmolLM2 fp32
+    ({1: 1.0, 2: 1.91, 3: 1.85, 4: 1.90}, []),  # the same capped to AVX2: every forward of 2+ costs alike
+    ({1: 1.0, 2: 1.0, 3: 1.4, 4: 1.5}, [1])])
+def test_compare_depths_auto_follows_the_measured_forward_costs(trained, tmp_path, capsys, monkeypatch,
+                                                                costs, compared):
+    """auto compares the shorter chains whose forward is <= 0.9x the chain's own: the decision and the
+    printed curve come from the times the probe measured (here injected; the probe itself: below)."""
+    from spec_cli.stages import eval as evaluate
+
+    monkeypatch.setattr(evaluate, "verify_costs", lambda target, ids, sizes: {n: costs[n] / 100 for n in sizes})
+    out = tmp_path / "auto"
+    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+                 str(trained["prompts"]), "--num-prompts", "1", "--max-new-tokens", "4", "--depth", "3",
+                 "--compare-depths", "auto", "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    report = json.loads((out / "eval.json").read_text())
+    assert report["settings"]["compare_depths"] == compared
+    assert report["settings"]["compare_depths_asked"] == "auto"
+    assert {int(n): t for n, t in report["verify_seconds"].items()} == pytest.approx({n: c / 100 for n, c in costs.items()})
+    assert f"against one token (10.0 ms): 2 tokens {costs[2]:.2f}x, 3 tokens {costs[3]:.2f}x, 4 tokens " \
+           f"{costs[4]:.2f}x" in printed
+    assert ("depths" in report) == bool(compared)
+
+
+def test_the_forward_cost_probe_times_each_size_and_leaves_the_cache_as_it_found_it(trained):
+    """verify_costs: every size timed on the target's real forward after the prefill, the cache cut back
+    to the prompt after each (a later size runs at the same length)."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.eval import speculative
+    from spec_cli.eval.target import Target
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained["target"]))
+    target = Target(model, [1, 3, 5])
+    lengths, forward = [], target.forward
+
+    def counting(ids, positions, cache, **kw):
+        lengths.append((Target.cache_length(cache), ids.shape[1], positions[0, 0].item()))
+        return forward(ids, positions, cache, **kw)
+
+    target.forward = counting
+    costs = speculative.verify_costs(target, list(range(5, 25)), [1, 2, 4], repeats=3)
+    assert set(costs) == {1, 2, 4} and all(t > 0 for t in costs.values())
+    assert lengths[0] == (0, 20, 0)  # the prefill
+    assert lengths[1:] == [(20, n, 20) for n in (1, 2, 4)] * 4  # a warm-up round, then 3 timed
+    target.close()
+
+
 @pytest.mark.real  # the installed MT-bench
 def test_eval_tree_on_mt_bench_with_default_output(trained, real_home, capsys):
     _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "2",
