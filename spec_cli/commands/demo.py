@@ -36,10 +36,11 @@ def demo_cmd(
     precompute, train (a fixed number of steps), export for
     vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Regenerate and precompute run
     the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
-    Rerunning reuses finished stages. Expected on 2 quiet CPU cores with native bf16 (AVX512-BF16 or
-    AMX): --quick about 8 minutes, the default about 40; with AVX2 only: --quick about 9 minutes, the
-    default about 50 (both measured on AMD EPYC cores capped to AVX2). Before
-    its first stage the demo measures this machine's speeds (about 15 s) and prints its own estimate."""
+    Rerunning reuses finished stages. Expected on 2 quiet CPU cores with native bf16 through
+    AVX512-BF16 (AMD EPYC): --quick about 8 minutes, the default about 40; through AMX (Intel Xeon):
+    --quick 4.3, the default 21; with AVX2 only: --quick about 9 minutes, the default about 50 (measured
+    on the EPYC cores capped to AVX2). Before its first stage the demo measures this machine's speeds
+    (about 15 s) and prints its own estimate."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

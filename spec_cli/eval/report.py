@@ -225,13 +225,18 @@ def print_table(result) -> None:
     console.print(f"written: {result.json_path}, {result.plot_path}")
 
 
+def fastest_depth(depths: dict[int, dict]) -> int:
+    """The chain depth with the highest speed-up (the shorter one on a tie)."""
+    return max(sorted(depths), key=lambda d: depths[d]["speedup"])
+
+
 def print_depths(depths: dict[int, dict], dtype: str) -> None:
     """--compare-depths: each chain's acceptance and speed-up over the same baseline, the fastest marked."""
     from rich.table import Table
 
     from spec_cli.console import console
 
-    fastest = max(sorted(depths), key=lambda d: depths[d]["speedup"])
+    fastest = fastest_depth(depths)
     table = Table(title="chains of each depth, same turns, same target-alone timing", title_justify="left")
     for name in ("depth", "accept len", "spec tok/s", "speed-up", "per turn", "same as target"):
         table.add_column(name, justify="right")

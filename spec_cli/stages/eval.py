@@ -46,7 +46,7 @@ from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
-from spec_cli.eval.report import Tally, parting, plot_acceptance, turn_speedup
+from spec_cli.eval.report import Tally, fastest_depth, parting, plot_acceptance, turn_speedup
 from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target, verify_costs
 from spec_cli.eval.target import TREE_ATTENTION, Target
 from spec_cli.target import loading
@@ -168,7 +168,8 @@ def run(cfg: EvalConfig) -> EvalResult:
     c = loaded.model.config
     if cfg.depth is None:
         cfg = replace(cfg, depth=natural_depth(c))
-    compared = [] if cfg.compare_depths == AUTO else [d for d in dict.fromkeys(cfg.compare_depths) if d != cfg.depth]
+    listed = () if cfg.compare_depths == AUTO else cfg.compare_depths
+    compared = [d for d in dict.fromkeys(listed) if d != cfg.depth]  # auto: chosen once the target is timed
     rule = algorithms.get(c.algorithm).extra.get("eval_depth")
     if compared and rule and max(compared) > int(rule(c)):
         raise ConfigError(f"--compare-depths {max(compared)}: this {algorithms.get(c.algorithm).title} draft "
@@ -293,11 +294,6 @@ def cost_text(costs: dict[int, float], depth: int, compared: list[int]) -> str:
                f"no shorter chain verifies measurably cheaper than {depth}: comparing none")
     return (f"the target's forward on this machine, against one token ({1000 * costs[1]:.1f} ms): {curve}; "
             f"{decided}")
-
-
-def fastest_depth(depths: dict[int, dict]) -> int:
-    """The chain depth with the highest speed-up (the shorter one on a tie)."""
-    return max(sorted(depths), key=lambda d: depths[d]["speedup"])
 
 
 def _at_depth(spec: Decoder, settings: Settings) -> Decoder:

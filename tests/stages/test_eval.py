@@ -482,3 +482,25 @@ def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, ca
     records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert [(r["turn"], r["same_as_target"]) for r in records] == [(0, True), (1, True)]
     assert not (out / "eval.json").exists()
+
+
+def test_compared_chains_decode_after_the_two_decoders_each_repeat_and_keep_their_median():
+    """timed_turn with other depths: spec, base, chain 1, chain 2 in every repeat (a load change hits
+    all alike), each chain's median time, the same seed as the run's own chain."""
+    from spec_cli.eval.speculative import Generation
+    from spec_cli.stages import eval as evaluate
+
+    calls, times = [], {"spec": iter([0.5, 0.7, 0.6]), "base": iter([1.0, 1.2, 1.1]), 1: iter([0.3, 0.9, 0.4]),
+                        2: iter([0.45, 0.4, 0.5])}
+
+    def decoder(name):
+        def decode(ids, seed):
+            calls.append((name, seed))
+            return Generation([1, 2, 3], next(times[name]))
+        return decode
+
+    s, b, record = evaluate.timed_turn(decoder("spec"), decoder("base"), [3], 7, 8, 3,
+                                       {1: decoder(1), 2: decoder(2)})
+    assert calls == [("spec", 7), ("base", 8), (1, 7), (2, 7)] * 3
+    assert (s.seconds, b.seconds) == (0.6, 1.1)
+    assert {d: g.seconds for d, g in record["by_depth"].items()} == {1: 0.4, 2: 0.45}
