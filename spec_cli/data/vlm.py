@@ -304,9 +304,9 @@ class ImageInputs:
         self.source_index, self.num_images = source_index, num_images
         self.token_types, self.type_key, self.offsets = token_types, type_key, offsets
 
-    def __call__(self, indices: list[int], length: int) -> dict | None:
+    def __call__(self, indices: list[int], length: int, packed: bool = False) -> dict | None:
         """Keyword arguments for the model's forward over the samples `indices` right-padded to
-        `length` tokens; None when none of them has an image."""
+        `length` tokens (packed: all of them in one row, in order); None when none of them has an image."""
         chosen = [i for i in indices if int(self.num_images[i])]
         if not chosen:
             return None
@@ -314,9 +314,14 @@ class ImageInputs:
                     for i in chosen]
         inputs = dict(self.processor.image_processor(images=pictures, return_tensors="pt"))
         if self.type_key is not None:
-            types = torch.zeros(len(indices), length, dtype=torch.long)
+            types = torch.zeros(1 if packed else len(indices), length, dtype=torch.long)
+            at = 0
             for row, i in enumerate(indices):
                 a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-                types[row, :b - a] = self.token_types[a:b].long()
+                if packed:
+                    types[0, at:at + b - a] = self.token_types[a:b].long()
+                    at += b - a
+                else:
+                    types[row, :b - a] = self.token_types[a:b].long()
             inputs[self.type_key] = types
         return inputs

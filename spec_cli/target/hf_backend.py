@@ -275,12 +275,14 @@ class HFTargetBackend(LocalTargetBackend):
 
     def _packed_images(self, input_ids, seq_lens, position_ids, images: dict):
         """(mask, positions) of packed image rows: each document's mask and positions from 0, as text rows
-        get them. Not for a model whose image tokens take positions from the image's grid (M-RoPE) or a
-        mask from per-token types (Gemma 3): those need the model's own per-document computation."""
+        get them; for M-RoPE (Qwen-VL) each document's (time, height, width) positions as the model places
+        them for that chat alone (`_m_rope_positions`). Not for a model that masks image tokens by per-token
+        types (Gemma 3: an image's tokens see each other both ways), which a document mask would not."""
         what = f"{PACKING} of {IMAGE_ROWS}"
-        if hasattr(self.model.base_model, "get_rope_index") or any(k in images for k in TOKEN_TYPE_KEYS):
-            raise ConfigError(f"{what}: {type(self.model).__name__} places or masks image tokens by the image "
-                              "itself, which a packed row's per-document positions would not", "train without --pack")
+        m_rope = hasattr(self.model.base_model, "get_rope_index")
+        if any(k in images for k in TOKEN_TYPE_KEYS if not (m_rope and k == "mm_token_type_ids")):
+            raise ConfigError(f"{what}: {type(self.model).__name__} masks image tokens by the image itself, "
+                              "which a packed row's per-document mask would not", "train without --pack")
         self.layout.require(what, "train without --pack (one document per row)")
         implementation = self.model.config._attn_implementation or "sdpa"
         if implementation not in CUSTOM_MASK_ATTENTION:
@@ -288,7 +290,42 @@ class HFTargetBackend(LocalTargetBackend):
                               "train without --pack, or load the target with sdpa attention")
         masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
         mask = for_model(masks, implementation, self.dtype, what)
+        if m_rope:
+            doc_positions = self._m_rope_positions(input_ids, seq_lens, images)
         return mask, doc_positions if position_ids is None else position_ids
+
+    def _m_rope_positions(self, input_ids, seq_lens, images: dict) -> torch.Tensor:
+        """[3, B, T] M-RoPE positions of packed rows: each document's from the model's own get_rope_index
+        on that document alone, with its images' grids (taken in order: an image spans t*h*w / merge^2
+        tokens); text-only documents and the padding count 0, 1, 2, ... on all three axes."""
+        base = self.model.base_model
+        types, grids = images["mm_token_type_ids"], images.get("image_grid_thw")
+        merge = getattr(getattr(self.model.config, "vision_config", None), "spatial_merge_size", 1)
+        spans = [] if grids is None else (grids.prod(-1) // merge ** 2).tolist()
+        B, T = input_ids.shape
+        out = torch.arange(T).expand(3, B, T).clone()
+        taken = 0  # images already placed
+        for b in range(B):
+            start = 0
+            for n in [*seq_lens[b].tolist(), T - int(seq_lens[b].sum())]:
+                if n <= 0:
+                    continue
+                doc_types = types[b, start:start + n]
+                count, mine = int((doc_types == 1).sum()), 0  # 1: an image's token (2 would be a video's)
+                while count > 0:
+                    count -= spans[taken + mine]
+                    mine += 1
+                if mine:
+                    pos, _ = base.get_rope_index(input_ids[b:b + 1, start:start + n].to(self.device),
+                                                 mm_token_type_ids=doc_types[None].to(self.device),
+                                                 image_grid_thw=grids[taken:taken + mine].to(self.device),
+                                                 attention_mask=torch.ones(1, n, dtype=torch.long, device=self.device))
+                    out[:, b, start:start + n] = pos[:, 0].cpu()
+                else:
+                    out[:, b, start:start + n] = torch.arange(n)
+                taken += mine
+                start += n
+        return out.to(self.device)
 
     def _with_images(self, input_ids, mask, position_ids, images: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole model's forward (vision tower, projector, language model): each image's features
