@@ -109,13 +109,6 @@ def _check_image_rows(cfg: TrainConfig, tokens) -> None:
     if cfg.runtime.context_parallel > 1:
         raise ConfigError(f"--context-parallel does not take image-text rows yet ({int(tokens.num_images.sum())} "
                           "images in the data)", "drop --context-parallel, or train on text-only records")
-    key = tokens.metadata.get("token_type_key")
-    if cfg.data.pack and tokens.token_types is not None and key != "mm_token_type_ids":
-        # Gemma 3's token types give an image's tokens attention both ways; Qwen-VL's (mm_token_type_ids) only
-        # place them (M-RoPE), which the target computes per packed document (hf_backend._m_rope_positions)
-        raise ConfigError(f"--pack: this target's processor gives its image rows per-token types ({key}) that "
-                          "mask image tokens by the image, which a packed row's per-document mask would not",
-                          "drop --pack")
 
 
 def _grouped(cfg: TrainConfig) -> bool:

@@ -24,11 +24,13 @@ from spec_cli.target.backend import IMAGE_ROWS, TargetBackend, require_images
 from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.contract import INPUT_EMBEDS
 from spec_cli.target.capture import AuxCapture, InputCapture
-from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
+from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model, image_blocks
 from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
 
 PACKING = "packing several documents into one row (--pack)"
+# models whose token_type_ids mark image tokens that attend each other both ways (and nothing else)
+BIDIRECTIONAL_IMAGES = ("gemma3",)
 
 
 def final_norm_scale(norm, hidden_size: int) -> torch.Tensor | None:
@@ -275,20 +277,23 @@ class HFTargetBackend(LocalTargetBackend):
 
     def _packed_images(self, input_ids, seq_lens, position_ids, images: dict):
         """(mask, positions) of packed image rows: each document's mask and positions from 0, as text rows
-        get them; for M-RoPE (Qwen-VL) each document's (time, height, width) positions as the model places
-        them for that chat alone (`_m_rope_positions`). Not for a model that masks image tokens by per-token
-        types (Gemma 3: an image's tokens see each other both ways), which a document mask would not."""
+        get them; Gemma 3's images' tokens also see each other both ways (its own mask's rule); for M-RoPE
+        (Qwen-VL) each document's (time, height, width) positions as the model places them for that chat
+        alone (`_m_rope_positions`). Refused for other per-token types (e.g. PaliGemma's prefix)."""
         what = f"{PACKING} of {IMAGE_ROWS}"
         m_rope = hasattr(self.model.base_model, "get_rope_index")
-        if any(k in images for k in TOKEN_TYPE_KEYS if not (m_rope and k == "mm_token_type_ids")):
-            raise ConfigError(f"{what}: {type(self.model).__name__} masks image tokens by the image itself, "
-                              "which a packed row's per-document mask would not", "train without --pack")
+        blocks = None
+        if "token_type_ids" in images and getattr(self.model.config, "model_type", "") in BIDIRECTIONAL_IMAGES:
+            blocks = image_blocks(images["token_type_ids"])  # Gemma 3: an image's tokens see each other both ways
+        elif any(k in images for k in TOKEN_TYPE_KEYS if not (m_rope and k == "mm_token_type_ids")):
+            raise ConfigError(f"{what}: {type(self.model).__name__} masks image tokens by per-token types this "
+                              "packing does not know", "train without --pack")
         self.layout.require(what, "train without --pack (one document per row)")
         implementation = self.model.config._attn_implementation or "sdpa"
         if implementation not in CUSTOM_MASK_ATTENTION:
             raise ConfigError(f"{what} needs the documents' masks, which {implementation} does not take",
                               "train without --pack, or load the target with sdpa attention")
-        masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
+        masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1], blocks)
         mask = for_model(masks, implementation, self.dtype, what)
         if m_rope:
             doc_positions = self._m_rope_positions(input_ids, seq_lens, images)

@@ -110,12 +110,19 @@ class Layout:
             masks[kind] = allowed if rule is None else allowed & rule
         return masks
 
-    def packed(self, seq_lens: torch.Tensor, T: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def packed(self, seq_lens: torch.Tensor, T: int, blocks: torch.Tensor | None = None
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({kind: mask [B, 1, T, T] bool}, position_ids [B, T]) for rows of documents of seq_lens [B, D]:
-        causal within each document, positions restart per document; padding sees only itself."""
+        causal within each document, positions restart per document; padding sees only itself.
+        blocks [B, T]: tokens of one block (>= 0; -1: none) also see each other both ways, inside
+        their document and each kind's rule (Gemma 3's images: AND(window, OR(causal, block)))."""
         docs, positions = document_ids(seq_lens, T)  # [B, T] each
         index = torch.arange(T, device=seq_lens.device)
-        same = (docs[:, :, None] == docs[:, None, :]) & (index[None, :, None] >= index[None, None, :])
+        causal = index[None, :, None] >= index[None, None, :]
+        if blocks is not None:
+            blocks = blocks.to(seq_lens.device)
+            causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+        same = (docs[:, :, None] == docs[:, None, :]) & causal
         return self.restrict(same[:, None], positions, positions), positions
 
     def tree(self, allowed: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -155,3 +162,12 @@ def for_model(masks: dict[str, torch.Tensor], implementation: str, dtype: torch.
                           "attention does not take",
                           f"load the target with {' or '.join(CUSTOM_MASK_ATTENTION)} attention")
     return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def image_blocks(token_types: torch.Tensor) -> torch.Tensor:
+    """[B, T] block index of each run of image tokens (type 1), -1 elsewhere: the tokens a Gemma 3 image
+    spans, which attend each other both ways."""
+    image = token_types == 1
+    before = torch.nn.functional.pad(image, (1, 0), value=False)[:, :-1]
+    starts = torch.cumsum((image & ~before).long(), dim=1) - 1
+    return torch.where(image, starts, torch.full_like(starts, -1))
