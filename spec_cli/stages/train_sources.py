@@ -71,7 +71,6 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         data_path = Path(assets.resolve_data_arg(d.data))
         tokens = _tokenize(data_path, target.tokenizer, target.tokenizer_fingerprint, d.max_length, d.num_proc,
                            target.processor)
-        _check_image_rows(cfg, tokens)
         n = len(tokens) if d.max_samples is None else min(d.max_samples, len(tokens))
         plan = plan_packed(tokens.lengths[:n], d.batch_tokens) if d.pack else \
             plan_by_source(tokens.lengths[:n], d.batch_tokens, tokens.num_images)
@@ -100,15 +99,6 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
     identity = {"target_fingerprint": backend.info["target_fingerprint"],
                 "tokenizer_fingerprint": target.tokenizer_fingerprint, "aux_layers": backend.info["aux_layers"]}
     return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound)
-
-
-def _check_image_rows(cfg: TrainConfig, tokens) -> None:
-    """What image-text rows (data/vlm.py) do not run with yet, refused before the target loads."""
-    if getattr(tokens, "images", None) is None:
-        return
-    if cfg.runtime.context_parallel > 1:
-        raise ConfigError(f"--context-parallel does not take image-text rows yet ({int(tokens.num_images.sum())} "
-                          "images in the data)", "drop --context-parallel, or train on text-only records")
 
 
 def _grouped(cfg: TrainConfig) -> bool:

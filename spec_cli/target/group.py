@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spec_cli.batch import TargetBatch, parse_tensor_header, tensor_header
+from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.context import kept_ranges, pad_rows
 from spec_cli.target.backend import TargetBackend
 
@@ -51,6 +52,8 @@ class GroupTarget(TargetBackend):
         self.halo = 0  # the TTT depth each rank reads ahead of its chunks (set by the trainer)
         self.keep_final_hidden, self.extra_fields = False, {}
         self.info = self._json(backend.info if rank == 0 else None)
+        # image-text rows: the first rank's target runs its vision part over the whole rows
+        self.reads_images = bool(self._json(getattr(backend, "reads_images", False) if rank == 0 else None))
         self._embeddings: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ collectives over the group
@@ -112,9 +115,10 @@ class GroupTarget(TargetBackend):
         return self._tensors(self.backend.get_output_head() if self.rank == 0 else None)
 
     def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None,
-                       slots=None) -> TargetBatch:
+                       slots=None, images=None) -> TargetBatch:
         """This rank's slots of the batch's rows (`slots`: its kept_ranges of rows padded to the group's
-        chunks, as inputs_for gives them); the first rank runs the target over the whole rows."""
+        chunks, as inputs_for gives them); the first rank runs the target over the whole rows (`images`:
+        their image inputs, data/vlm.py; per-token types cut to the rows' length with the tokens)."""
         if slots is None:
             raise ValueError("a context-parallel target hands out slots: pass this rank's (inputs_for)")
         if self.rank != 0:
@@ -123,8 +127,10 @@ class GroupTarget(TargetBackend):
         real = int(attention_mask.sum(1).max()) if seq_lens is None else int(seq_lens.sum(1).max())
         cut = (lambda t: None if t is None else t[:, :real])  # the rows as one process collates them
         self.backend.keep_final_hidden, self.backend.extra_fields = self.keep_final_hidden, self.extra_fields
+        extra = {} if images is None else {"images": {
+            name: cut(value) if name in TOKEN_TYPE_KEYS else value for name, value in images.items()}}
         whole = self.backend.generate_batch(cut(input_ids), cut(attention_mask), cut(loss_mask), cut(position_ids),
-                                            seq_lens)
+                                            seq_lens, **extra)
         whole = pad_rows(whole, T)
         for rank in range(1, self.size):
             self._send(take_slots(whole, kept_ranges(self.size, rank, T, self.halo)).tensors(), rank)

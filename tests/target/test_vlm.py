@@ -500,6 +500,20 @@ def test_packed_image_rows_get_each_chats_own_supervision(vlms, family, tmp_path
     backend.close()
 
 
+def chats_vocab_and_cache(target, tmp_path):
+    """Image chats (3 copies of tiny's 4, 3 with images) and 4 text chats, their vocab map (64) and an fp32
+    feature cache: (data, vocab map, cache)."""
+    rng = random.Random(3)
+    data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path) * 3 +
+                       [tiny.random_sharegpt(rng) for _ in range(4)])
+    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
+                 "-q"]) == 0
+    assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
+                 "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    return data, vm, cache
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl"])
 def test_qwen_vl_trains_packed_live_as_from_its_per_chat_cache(vlms, family, tmp_path, monkeypatch):
     """spec train --pack on Qwen-VL image chats through the CLI: live, each packed chat gets its own M-RoPE
@@ -508,14 +522,7 @@ def test_qwen_vl_trains_packed_live_as_from_its_per_chat_cache(vlms, family, tmp
     the CLI: Qwen-VL's saved processor needs torchvision for its video part.)"""
     folder = vlms[family]
     monkeypatch.setattr(loading, "processor_loader", lambda path: lambda: tiny.qwen_vl_processor(folder, family))
-    rng = random.Random(3)
-    data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path) * 3 +
-                       [tiny.random_sharegpt(rng) for _ in range(4)])
-    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
-    assert main(["build-vocab-map", "-t", str(folder), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
-                 "-q"]) == 0
-    assert main(["precompute", "-t", str(folder), "-d", str(data), "-v", str(vm), "-o", str(cache),
-                 "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    data, vm, cache = chats_vocab_and_cache(folder, tmp_path)
     assert len(json.loads((cache / "manifest.json").read_text())["image_samples"]) == 9  # 3 copies of 3 chats with images
     common = ["-v", str(vm), "--pack", "--max-steps", "2", "--ttt-steps", "2", "--batch-tokens", "512",
               "--eval-every", "0", "-q"]
@@ -525,3 +532,29 @@ def test_qwen_vl_trains_packed_live_as_from_its_per_chat_cache(vlms, family, tmp
     live, cached = weights(tmp_path / "live"), weights(tmp_path / "cached")
     for name, value in live.items():  # (the same packing with M-RoPE positions 0, 1, 2, ... misses by 4e-4)
         torch.testing.assert_close(value, cached[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_image_rows_under_context_parallelism_train_what_one_process_trains(vlms, tmp_path):
+    """torchrun x2, --context-parallel 2 on Llava image chats: from a live target (the group's first rank
+    runs the whole model, its vision part included, over the whole rows and sends the other rank its
+    slots), packed live, and from a cache (each rank reads its slots of each chat by sample id): each
+    trains the draft one process trains on the same batches."""
+    from tests.launch import torchrun
+
+    target = vlms["llava"]
+    data, vm, cache = chats_vocab_and_cache(target, tmp_path)
+    common = ["-v", str(vm), "--max-steps", "3", "--ttt-steps", "2", "--batch-tokens", "512", "--eval-every", "0",
+              "--precision", "fp32", "--lr", "3e-3", "-q"]
+    runs = {"live": ["-t", str(target), "-d", str(data), "--dtype", "fp32"],
+            "packed": ["-t", str(target), "-d", str(data), "--dtype", "fp32", "--pack"],
+            "cache": ["--cache", str(cache)]}
+    torchrun([["train", *source, "-o", str(tmp_path / f"cp-{name}"), "--context-parallel", "2", *common]
+              for name, source in runs.items()], tmp_path / "launch")
+    for name, source in runs.items():
+        assert main(["train", *source, "-o", str(tmp_path / f"one-{name}"), *common]) == 0
+        one, cp = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"cp-{name}")
+        for key, value in one.items():
+            torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    logged = [json.loads(line) for line in (tmp_path / "cp-live" / "log.jsonl").read_text().splitlines()]
+    assert any(r.get("split") == "train" for r in logged)
