@@ -6,6 +6,7 @@ import contextlib
 
 import json
 import shutil
+from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
@@ -104,3 +105,26 @@ def pipeline(root, target, algorithm: str) -> dict:
         else:
             assert main(peagle_train_args(root, vm, root / "run", "--peagle-segments", "2")) == 0
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}
+
+
+def context_parallel_equals_one_process(runs: dict[str, list], common: list, folder: Path) -> None:
+    """Each of `runs` (name -> its source options) trained under torchrun x2 with --context-parallel 2 and
+    in one process, both with `common`: the same weights (fp32 rounding: the attention is summed in other
+    pieces) and the same logged training losses and token counts."""
+    import pytest
+    import torch
+
+    from spec_cli.cli import main
+    from tests.launch import torchrun
+
+    torchrun([["train", *source, "-o", str(folder / f"cp-{name}"), "--context-parallel", "2", *common]
+              for name, source in runs.items()], folder / "launch")
+    for name, source in runs.items():
+        assert main(["train", *source, "-o", str(folder / f"one-{name}"), *common]) == 0
+        one, cp = weights(folder / f"one-{name}"), weights(folder / f"cp-{name}")
+        for key, value in one.items():
+            torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        train = [[r for r in log(folder / f"{kind}-{name}") if r["split"] == "train"] for kind in ("one", "cp")]
+        assert [r["step"] for r in train[0]] == [r["step"] for r in train[1]] and train[0]
+        for a, b in zip(*train):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["tokens"] == a["tokens"]

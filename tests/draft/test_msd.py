@@ -42,7 +42,7 @@ from tests.conftest import write_jsonl
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft.eagle.test_model import H, V, eagle_config, reference
 from tests.draft.eagle.test_objective import batch_of
-from tests.draft.runs import log, weights
+from tests.draft.runs import context_parallel_equals_one_process, log, weights
 
 
 def msd_draft(seed: int = 0, **overrides) -> MsdDraft:
@@ -308,3 +308,24 @@ def test_a_served_target_gives_the_input_embeddings(vlm, tmp_path):
     finally:
         handle.stop(grace=1.0)
         live.close()
+
+
+@pytest.mark.slow
+def test_msd_under_context_parallelism_trains_what_one_process_trains(vlm, tmp_path):
+    """torchrun x2, --context-parallel 2, MSD on Llava image and text chats through the curriculum (text
+    steps, then image-text batches): each rank reads the input embeddings of its slots (live: sent by the
+    group's first rank; cached: read for it), shifted one slot within its ranges' halo, and the group
+    trains the draft one process trains on the same batches, step for step."""
+    targets, data = vlm
+    target, chat = targets["llava"], data / "chat.jsonl"
+    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
+    vocab = loading.load_config(target).text_config.vocab_size
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(chat), "--draft-vocab-size", str(vocab),
+                 "-o", str(vm), "-q"]) == 0
+    assert main(["precompute", "--algorithm", "msd", "--encoding", "hidden", "-t", str(target), "-d", str(chat),
+                 "-v", str(vm), "-o", str(cache), "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    common = ["-v", str(vm), "--algorithm", "msd", "--max-steps", "4", "--text-steps", "1", "--multimodal-ratio",
+              "0.5", "--ttt-steps", "2", "--batch-tokens", "256", "--eval-every", "0", "--precision", "fp32",
+              "--lr", "3e-3", "-q"]
+    runs = {"live": ["-t", str(target), "-d", str(chat), "--dtype", "fp32"], "cache": ["--cache", str(cache)]}
+    context_parallel_equals_one_process(runs, common, tmp_path)

@@ -30,7 +30,7 @@ from spec_cli.target.cache_backend import CacheBackend
 from spec_cli.target.hf_backend import HFTargetBackend
 from tests import tiny
 from tests.conftest import write_jsonl
-from tests.draft.runs import weights
+from tests.draft.runs import context_parallel_equals_one_process, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -540,8 +540,6 @@ def test_image_rows_under_context_parallelism_train_what_one_process_trains(vlms
     runs the whole model, its vision part included, over the whole rows and sends the other rank its
     slots), packed live, and from a cache (each rank reads its slots of each chat by sample id): each
     trains the draft one process trains on the same batches."""
-    from tests.launch import torchrun
-
     target = vlms["llava"]
     data, vm, cache = chats_vocab_and_cache(target, tmp_path)
     common = ["-v", str(vm), "--max-steps", "3", "--ttt-steps", "2", "--batch-tokens", "512", "--eval-every", "0",
@@ -549,12 +547,4 @@ def test_image_rows_under_context_parallelism_train_what_one_process_trains(vlms
     runs = {"live": ["-t", str(target), "-d", str(data), "--dtype", "fp32"],
             "packed": ["-t", str(target), "-d", str(data), "--dtype", "fp32", "--pack"],
             "cache": ["--cache", str(cache)]}
-    torchrun([["train", *source, "-o", str(tmp_path / f"cp-{name}"), "--context-parallel", "2", *common]
-              for name, source in runs.items()], tmp_path / "launch")
-    for name, source in runs.items():
-        assert main(["train", *source, "-o", str(tmp_path / f"one-{name}"), *common]) == 0
-        one, cp = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"cp-{name}")
-        for key, value in one.items():
-            torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
-    logged = [json.loads(line) for line in (tmp_path / "cp-live" / "log.jsonl").read_text().splitlines()]
-    assert any(r.get("split") == "train" for r in logged)
+    context_parallel_equals_one_process(runs, common, tmp_path)
