@@ -36,6 +36,10 @@ CHUNK = 256  # records per work item
 # The slowest tokenising to plan a wait for: ShareGPT (121 MB) went through SmolLM2's tokenizer at
 # 0.32 MB/s in one process on a 2-core machine another job kept busy; a tenth of a slow rate's speed.
 MIN_BYTES_PER_S = 50e3
+# ... and per image an image-text record refers to (opened and run through the processor's image part,
+# data/vlm.py): a generous bound for one image on a slow core; a reference costs a few bytes of the file
+SECONDS_PER_IMAGE = 0.5
+IMAGE_MARKS = (b'"image', b"<image>")  # image parts and keys ("image", "images", "image_url"), ShareGPT markers
 
 # Worker state (set in the parent before forking, or by the pool initializer).
 _worker: dict = {}
@@ -78,10 +82,26 @@ def cache_key(data_fingerprint: str, tokenizer_fp: str, max_length: int, images_
 
 
 def tokenize_seconds_bound(data_path: Path) -> float:
-    """How long tokenising `data_path` may take at most (MIN_BYTES_PER_S): what other ranks wait for."""
+    """How long tokenising `data_path` may take at most (MIN_BYTES_PER_S, and SECONDS_PER_IMAGE for each
+    image a JSON file refers to; images stored in a parquet file count by their bytes): what other ranks
+    wait for."""
     path = Path(data_path).expanduser()
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
-    return sum(f.stat().st_size for f in files) / MIN_BYTES_PER_S
+    images = sum(_image_marks(f) for f in files if f.suffix in (".json", ".jsonl"))
+    return sum(f.stat().st_size for f in files) / MIN_BYTES_PER_S + images * SECONDS_PER_IMAGE
+
+
+def _image_marks(path: Path, chunk: int = 1 << 24) -> int:
+    """How many IMAGE_MARKS the file holds (an upper bound on its image references), read in chunks."""
+    count, tail = 0, b""
+    keep = max(len(m) for m in IMAGE_MARKS) - 1  # a mark split across two chunks is counted once
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            data = tail + block
+            count += sum(data.count(m) for m in IMAGE_MARKS)
+            tail = data[-keep:]
+            count -= sum(tail.count(m) for m in IMAGE_MARKS)  # whole marks in the tail: counted next time
+    return count + sum(tail.count(m) for m in IMAGE_MARKS)
 
 
 def tokenize_data(data_path: Path, tokenizer, tokenizer_fp: str, max_length: int = 2048,

@@ -200,3 +200,24 @@ def test_a_text_familys_chat_template_is_refused_for_image_data(world):
         tokenize_data(data / "chat.jsonl", tokenizer, "fp", 512, use_cache=False,
                       processor=loading.load_processor(targets["llava"]))
     assert "drop --chat-template for image-text data" in failure.value.hint
+
+
+def test_the_wait_for_tokenising_counts_the_images_a_file_refers_to(tmp_path):
+    """Other ranks wait for rank 0's tokenising up to a bound: image-text records add SECONDS_PER_IMAGE per
+    image (opened and preprocessed), however few bytes their references take; text files as before; a
+    mark split across the reading chunks counts once."""
+    import random
+
+    from spec_cli.data import tokenize as tok
+    from tests.conftest import write_jsonl
+
+    rng = random.Random(0)
+    text = write_jsonl(tmp_path / "text.jsonl", [tiny.random_sharegpt(rng) for _ in range(20)])
+    assert tok.tokenize_seconds_bound(text) == pytest.approx(text.stat().st_size / tok.MIN_BYTES_PER_S)
+    records = tiny.image_chat_records(tmp_path)  # OpenAI image parts and ShareGPT <image> markers
+    chats = write_jsonl(tmp_path / "chat.jsonl", records * 50)
+    marks = sum(chats.read_bytes().count(m) for m in tok.IMAGE_MARKS)
+    assert marks >= 50 * 4  # the records' images: 1, 2, 1 and none
+    assert tok.tokenize_seconds_bound(chats) == pytest.approx(
+        chats.stat().st_size / tok.MIN_BYTES_PER_S + marks * tok.SECONDS_PER_IMAGE)
+    assert tok._image_marks(chats, chunk=7) == marks  # marks across chunk edges
