@@ -200,7 +200,7 @@ def print_table(result) -> None:
                       style="bold" if name == "all" else None, end_section=i == len(rows) - 1)
     console.print(table)
     if getattr(result, "depths", None):
-        print_depths(result.depths, s.get("dtype", "its dtype"))
+        print_depths(result.depths, s.get("dtype", "its dtype"), greedy=s["temperature"] == 0)
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
@@ -230,8 +230,9 @@ def fastest_depth(depths: dict[int, dict]) -> int:
     return max(sorted(depths), key=lambda d: depths[d]["speedup"])
 
 
-def print_depths(depths: dict[int, dict], dtype: str) -> None:
-    """--compare-depths: each chain's acceptance and speed-up over the same baseline, the fastest marked."""
+def print_depths(depths: dict[int, dict], dtype: str, greedy: bool = True) -> None:
+    """--compare-depths: each chain's acceptance and speed-up over the same baseline, the fastest marked
+    (identity with the target's output only under greedy: sampling draws other tokens)."""
     from rich.table import Table
 
     from spec_cli.console import console
@@ -244,7 +245,8 @@ def print_depths(depths: dict[int, dict], dtype: str) -> None:
         q = m.get("speedup_spread")
         table.add_row(str(d), f"{m['acceptance_length']:.2f}", f"{m['spec_tokens_per_s']:.1f}",
                       f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
-                      f"{m['same_as_target']}/{m['turns']}", style="bold" if d == fastest else None)
+                      f"{m['same_as_target']}/{m['turns']}" if greedy else "-",
+                      style="bold" if d == fastest else None)
     console.print(table)
     console.print(f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x over the target "
                   f"alone, {dtype}, this machine)", markup=False)

@@ -504,3 +504,17 @@ def test_compared_chains_decode_after_the_two_decoders_each_repeat_and_keep_thei
     assert calls == [("spec", 7), ("base", 8), (1, 7), (2, 7)] * 3
     assert (s.seconds, b.seconds) == (0.6, 1.1)
     assert {d: g.seconds for d, g in record["by_depth"].items()} == {1: 0.4, 2: 0.45}
+
+
+def test_the_depth_table_claims_identity_only_under_greedy(capsys):
+    from spec_cli.eval.report import print_depths
+
+    depths = {1: {"acceptance_length": 1.2, "spec_tokens_per_s": 30.0, "speedup": 1.1, "speedup_spread": None,
+                  "same_as_target": 0, "turns": 4},
+              3: {"acceptance_length": 1.3, "spec_tokens_per_s": 20.0, "speedup": 0.7, "speedup_spread": None,
+                  "same_as_target": 4, "turns": 4}}
+    print_depths(depths, "float32", greedy=False)
+    out = capsys.readouterr().out
+    assert "0/4" not in out and "4/4" not in out and "fastest here: a chain of 1 (1.10x" in " ".join(out.split())
+    print_depths(depths, "float32")
+    assert "0/4" in capsys.readouterr().out
