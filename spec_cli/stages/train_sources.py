@@ -16,6 +16,7 @@ open_batches  micro-batch number -> TargetBatch: made when the loop asks, or ahe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -374,6 +375,22 @@ class Schedule:
             raise ConfigError(f"the MSD curriculum trains {self.curriculum.steps_before(self.total_steps, 0)} of "
                               f"{self.total_steps} steps on text batches and the data has none",
                               "add text chats, or pass --text-steps 0 --multimodal-ratio 1")
+        self.check_curriculum_agrees()
+
+    def check_curriculum_agrees(self) -> None:
+        """Under torchrun every rank must draw the same source at every step (a DDP step averages gradients
+        of batches of one source; a context-parallel group shares its batches): the sources of all steps
+        and the pools' sizes, hashed, compared over the ranks. They agree by construction (the seed and the
+        step alone choose); what this catches is ranks that read other data or options."""
+        if distributed.world_size() <= 1:
+            return
+        plan = ",".join(str(self.curriculum.source(step)) for step in range(self.total_steps))
+        text = f"{plan}|{len(self.pools[0])}|{len(self.pools[1])}|{self.curriculum.seed}"
+        mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")  # < 2^56: exact in int64
+        if distributed.max_over_ranks(mine) != -distributed.max_over_ranks(-mine):
+            raise ConfigError(f"the MSD curriculum differs between ranks (rank {distributed.rank()}: "
+                              f"{len(self.pools[0])} text and {len(self.pools[1])} image-text batches, seed "
+                              f"{self.curriculum.seed})", "give every rank the same data, options and seed")
 
     @property
     def data_rank(self) -> int:

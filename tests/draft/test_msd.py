@@ -310,6 +310,17 @@ def test_a_served_target_gives_the_input_embeddings(vlm, tmp_path):
         live.close()
 
 
+def msd_vocab_and_cache(target, chat, tmp_path):
+    """The full-vocabulary map MSD proposes through and an fp32 `--algorithm msd` cache of `chat`."""
+    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
+    vocab = loading.load_config(target).text_config.vocab_size
+    assert main(["build-vocab-map", "-t", str(target), "-d", str(chat), "--draft-vocab-size", str(vocab),
+                 "-o", str(vm), "-q"]) == 0
+    assert main(["precompute", "--algorithm", "msd", "--encoding", "hidden", "-t", str(target), "-d", str(chat),
+                 "-v", str(vm), "-o", str(cache), "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    return vm, cache
+
+
 @pytest.mark.slow
 def test_msd_under_context_parallelism_trains_what_one_process_trains(vlm, tmp_path):
     """torchrun x2, --context-parallel 2, MSD on Llava image and text chats through the curriculum (text
@@ -318,14 +329,29 @@ def test_msd_under_context_parallelism_trains_what_one_process_trains(vlm, tmp_p
     trains the draft one process trains on the same batches, step for step."""
     targets, data = vlm
     target, chat = targets["llava"], data / "chat.jsonl"
-    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
-    vocab = loading.load_config(target).text_config.vocab_size
-    assert main(["build-vocab-map", "-t", str(target), "-d", str(chat), "--draft-vocab-size", str(vocab),
-                 "-o", str(vm), "-q"]) == 0
-    assert main(["precompute", "--algorithm", "msd", "--encoding", "hidden", "-t", str(target), "-d", str(chat),
-                 "-v", str(vm), "-o", str(cache), "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+    vm, cache = msd_vocab_and_cache(target, chat, tmp_path)
     common = ["-v", str(vm), "--algorithm", "msd", "--max-steps", "4", "--text-steps", "1", "--multimodal-ratio",
               "0.5", "--ttt-steps", "2", "--batch-tokens", "256", "--eval-every", "0", "--precision", "fp32",
               "--lr", "3e-3", "-q"]
     runs = {"live": ["-t", str(target), "-d", str(chat), "--dtype", "fp32"], "cache": ["--cache", str(cache)]}
     context_parallel_equals_one_process(runs, common, tmp_path)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_draw_the_same_curriculum_or_stop(vlm, tmp_path, capfd):
+    """DDP x2 under torchrun on Llava chats: every rank draws the same source at every step (checked over
+    the ranks at the start: the sources of all steps and the pools, hashed) and the run trains; a rank
+    whose curriculum differs at one step makes the run stop with one line on every rank, before a step."""
+    from tests.launch import torchrun
+
+    targets, data = vlm
+    target, chat = targets["llava"], data / "chat.jsonl"
+    vm, cache = msd_vocab_and_cache(target, chat, tmp_path)
+    common = ["--cache", str(cache), "-v", str(vm), "--algorithm", "msd", "--max-steps", "4", "--text-steps", "1",
+              "--multimodal-ratio", "0.5", "--ttt-steps", "2", "--batch-tokens", "256", "--eval-every", "0", "-q"]
+    torchrun([["train", *common, "-o", str(tmp_path / "ddp")],
+              ["-m", "tests.draft.curriculum_rank_skew", "train", *common, "-o", str(tmp_path / "skewed")]],
+             tmp_path / "launch")
+    state = json.loads((sorted((tmp_path / "ddp" / "checkpoints").iterdir())[-1] / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["curriculum"]["steps_on_image_text"] > 0
+    assert not (tmp_path / "skewed" / "checkpoints").exists()
