@@ -500,9 +500,9 @@ def test_packed_image_rows_get_each_chats_own_supervision(vlms, family, tmp_path
     backend.close()
 
 
-def chats_vocab_and_cache(target, tmp_path):
+def chats_vocab_and_cache(target, tmp_path, *precompute: str):
     """Image chats (3 copies of tiny's 4, 3 with images) and 4 text chats, their vocab map (64) and an fp32
-    feature cache: (data, vocab map, cache)."""
+    feature cache (`precompute`: more options for it): (data, vocab map, cache)."""
     rng = random.Random(3)
     data = write_jsonl(tmp_path / "chat.jsonl", tiny.image_chat_records(tmp_path) * 3 +
                        [tiny.random_sharegpt(rng) for _ in range(4)])
@@ -510,7 +510,7 @@ def chats_vocab_and_cache(target, tmp_path):
     assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", str(vm),
                  "-q"]) == 0
     assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
-                 "--storage-dtype", "fp32", "--dtype", "fp32", "-q"]) == 0
+                 "--storage-dtype", "fp32", "--dtype", "fp32", *precompute, "-q"]) == 0
     return data, vm, cache
 
 
@@ -548,3 +548,27 @@ def test_image_rows_under_context_parallelism_train_what_one_process_trains(vlms
             "packed": ["-t", str(target), "-d", str(data), "--dtype", "fp32", "--pack"],
             "cache": ["--cache", str(cache)]}
     context_parallel_equals_one_process(runs, common, tmp_path)
+
+
+def test_p_eagle_trains_on_image_chats_and_decodes_as_the_target(vlms, tmp_path):
+    """P-EAGLE on a VLM target (Llava): the same aux states as EAGLE-3 with the images in place, so a packed
+    run from the live target trains what a packed run from its cache trains; greedy eval on image prompts is the
+    target's own output; the vLLM export (P-EAGLE's parallel EAGLE-3 format) is written and self-checked."""
+    target = vlms["llava"]
+    data, vm, cache = chats_vocab_and_cache(target, tmp_path, "--algorithm", "peagle")
+    common = ["-v", str(vm), "--algorithm", "peagle", "--pack", "--max-steps", "2", "--batch-tokens", "512",
+              "--eval-every", "0", "--precision", "fp32", "-q"]  # (packed: both read the same rows)
+    assert main(["train", "--cache", str(cache), "-o", str(tmp_path / "cached"), *common]) == 0
+    assert main(["train", "-t", str(target), "-d", str(data), "--dtype", "fp32", "-o", str(tmp_path / "live"),
+                 *common]) == 0
+    cached = weights(tmp_path / "cached")
+    for name, value in weights(tmp_path / "live").items():
+        torch.testing.assert_close(value, cached[name], rtol=1e-5, atol=1e-6, msg=name)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", tiny.image_chat_records(tmp_path))
+    assert main(["eval", "--draft", str(tmp_path / "live"), "-t", str(target), "-p", str(prompts), "--max-new-tokens",
+                 "12", "-o", str(tmp_path / "eval"), "-q"]) == 0
+    overall = json.loads((tmp_path / "eval" / "eval.json").read_text())["overall"]
+    assert overall["same_as_target"] == overall["turns"] == 5
+    assert main(["export", str(tmp_path / "live"), "-f", "vllm", "-o", str(tmp_path / "export"), "--engine-check",
+                 "none", "-q"]) == 0
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["draft_vocab_size"] == 64
