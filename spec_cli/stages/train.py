@@ -221,9 +221,10 @@ def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
     n = cfg.runtime.context_parallel
     if n > 1:
         if not algorithm.extra.get("context_parallel"):
+            able = [a.name for a in algorithms.ALGORITHMS.values() if a.extra.get("context_parallel")]
             raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks yet (its "
-                              "objective attends across whole blocks or segments of a row)",
-                              "drop --context-parallel, or train --algorithm eagle3 or eagle")
+                              "objective attends across whole blocks of a row)",
+                              f"drop --context-parallel, or train --algorithm {', '.join(able)}")
     if len(source.aux_layers) != algorithm.aux_layers:
         made = "the feature cache holds" if cfg.data.cache is not None else "the target serves"
         raise ConfigError(f"{made} {len(source.aux_layers)} aux layers {source.aux_layers}; {algorithm.name} "

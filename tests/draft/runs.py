@@ -107,10 +107,12 @@ def pipeline(root, target, algorithm: str) -> dict:
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}
 
 
-def context_parallel_equals_one_process(runs: dict[str, list], common: list, folder: Path) -> None:
+def context_parallel_equals_one_process(runs: dict[str, list], common: list, folder: Path,
+                                        atol: float = 1e-5) -> None:
     """Each of `runs` (name -> its source options) trained under torchrun x2 with --context-parallel 2 and
     in one process, both with `common`: the same weights (fp32 rounding: the attention is summed in other
-    pieces) and the same logged training losses and token counts."""
+    pieces, and Adam divides a tiny gradient's rounding by its tiny RMS: `atol` of weights moved by a few
+    steps at lr 3e-3) and the same logged training losses and token counts."""
     import pytest
     import torch
 
@@ -123,7 +125,7 @@ def context_parallel_equals_one_process(runs: dict[str, list], common: list, fol
         assert main(["train", *source, "-o", str(folder / f"one-{name}"), *common]) == 0
         one, cp = weights(folder / f"one-{name}"), weights(folder / f"cp-{name}")
         for key, value in one.items():
-            torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+            torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=atol, msg=f"{name}: {key}")
         train = [[r for r in log(folder / f"{kind}-{name}") if r["split"] == "train"] for kind in ("one", "cp")]
         assert [r["step"] for r in train[0]] == [r["step"] for r in train[1]] and train[0]
         for a, b in zip(*train):

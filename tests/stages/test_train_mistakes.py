@@ -471,8 +471,10 @@ def test_a_draft_window_is_part_of_the_draft(setup, tmp_path, capsys):
 
 def test_context_parallel_that_cannot_run_is_one_line_before_anything_is_written(setup, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(train_args(setup, run, "--context-parallel", "2", "--algorithm", "peagle")) == 1
-    assert error_line(capsys).startswith("error: --context-parallel: P-EAGLE does not split its rows over ranks")
+    assert main(train_args(setup, run, "--context-parallel", "2", "--algorithm", "dflash")) == 1
+    assert error_line(capsys) == ("error: --context-parallel: DFlash does not split its rows over ranks yet (its "
+                                  "objective attends across whole blocks of a row); drop --context-parallel, or "
+                                  "train --algorithm eagle3, eagle, peagle, msd")
     assert main(train_args(setup, run, "--context-parallel", "2")) == 1  # one process: nothing to split over
     assert error_line(capsys) == ("error: --context-parallel 2 does not divide the 1 torchrun processes; launch "
                                   "a multiple of it (torchrun --nproc-per-node), or choose a divisor")

@@ -9,9 +9,16 @@ d < doc_remaining[t] (the target stays in t's document, packing and padding alik
 
 COD sampling (Conditional-On-Distribution). Depth 0 keeps every slot. Depth d >= 1 keeps, per row,
 int(max(cod_ratio**d, cod_min) * n_d) elements, n_d being the row's anchors that are valid at depth d
-(target in the document, loss_mask set); they are drawn uniformly (torch's RNG, so a resumed run
-draws the same) from the anchors kept at depth d - 1 that are still valid, so every kept element has
-its whole rollout below it. Evaluation keeps every valid element (exact metrics, no sampling).
+(target in the document, loss_mask set); they are drawn uniformly from the anchors kept at depth d - 1
+that are still valid, so every kept element has its whole rollout below it. The draw of an anchor is a
+hash of (the batch's seed, one draw of torch's RNG, so a resumed run draws the same; depth; row; slot):
+it does not depend on the row's padded width, so a row split over a context-parallel group (padded to
+its chunks, each rank sampling the whole rows and keeping its anchors) keeps the elements one process
+keeps. Evaluation keeps every valid element (exact metrics, no sampling).
+
+Context parallelism (spec_cli/draft/context.py). An anchor's rollout lives on the rank holding the
+anchor; its depth-0 keys are gathered once per layer (ContextBias), the depths' grids stay local, and
+the loss and per-depth losses are the rank's shares over the whole batch's counts.
 
 Loss. Every supervised element (position_mask) contributes its per-element loss (soft-CE, i.e. KL
 up to the target's entropy, or lk-alpha's -log alpha); the batch loss is their sum over
@@ -59,27 +66,60 @@ class Unit:
     segments: Segments | None = None  # the packed documents of the slots [0, end) (None: not packed)
 
 
-def valid_depths(batch: TargetBatch, depths: int) -> torch.Tensor:
+def valid_depths(batch: TargetBatch, depths: int, shard=None) -> torch.Tensor:
     """[K, B, T] bool: the depth-d element of anchor t has a scored target (t + d in t's document,
-    loss_mask at t + d)."""
-    remaining = doc_remaining(batch.attention_mask, batch.seq_lens)
-    return torch.stack([(remaining > d) & shift_left(batch.loss_mask, d).bool() for d in range(depths)])
+    loss_mask at t + d). shard (context parallelism): [K, B, 2c] of this rank's anchors."""
+    return _depth_masks(batch, depths, batch.loss_mask, shard)
+
+
+def _depth_masks(batch: TargetBatch, depths: int, mask: torch.Tensor, shard=None) -> torch.Tensor:
+    """[K, B, T] (or this rank's [K, B, 2c]): t + d in t's document and mask at t + d."""
+    remaining = doc_remaining(batch.attention_mask, batch.seq_lens)  # (whole rows, also in a rank's batch)
+    if shard is None:
+        return torch.stack([(remaining > d) & shift_left(mask, d).bool() for d in range(depths)])
+    remaining = shard.owned(remaining)
+    return torch.stack([(remaining > d) & shard.local(mask, d).bool() for d in range(depths)])
+
+
+P = 2147483647  # 2**31 - 1: COD's scores are integers modulo this prime (products stay below 2**63)
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """An integer hash step on [0, P): modular multiplies (bijective on [1, P)) with xor-shifts between
+    them, so that neighbouring inputs give unrelated outputs. int64 arithmetic, the same on every device."""
+    for multiplier, shift in ((48271, 15), (69621, 13), (16807, 16)):
+        h = (h * multiplier) % P
+        h = h ^ (h >> shift)
+    return h % P
+
+
+def cod_scores(seed: torch.Tensor, depth: int, rows: int, length: int) -> torch.Tensor:
+    """[rows, length] float64 in [0, 1): COD's draw for each (row, anchor) at `depth`, a hash of
+    (seed, depth, row, anchor). A slot's draw depends on its place in the row only, never on the row's
+    padded width or on which rank holds it, so a row split over a context-parallel group, or padded
+    to its chunks, keeps the same elements as the whole row in one process."""
+    device = seed.device
+    h = _mix((_mix(seed % P) + depth) % P)
+    h = _mix((h + torch.arange(rows, device=device)[:, None]) % P)
+    h = _mix((h + torch.arange(length, device=device)[None]) % P)
+    return h.double() / P
 
 
 def rollout_masks(valid: torch.Tensor, ratio: float, floor: float, sample: bool = True,
                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """COD sampling (module docstring). valid [K, B, T] -> the kept elements [B, T] of depths 1..K-1,
-    on the device (no host sync)."""
+    on the device (no host sync). One seed per call from torch's RNG (`generator`, else the default one
+    of valid's device); each anchor's draw is `cod_scores`'s."""
     K, B, T = valid.shape
     kept = valid[1] if K > 1 else None
     out = []
+    seed = torch.randint(0, P, (), generator=generator, device=valid.device) if sample and K > 1 else None
     for d in range(1, K):
         candidates = valid[d] if d == 1 else kept & valid[d]  # [B, T]
         if sample:
             want = (valid[d].sum(1).double() * max(ratio ** d, floor)).long()  # [B] per row
-            score = torch.rand(B, T, generator=generator, device=valid.device)
-            score = torch.where(candidates, score, torch.full_like(score, 2.0))  # candidates first
-            rank = score.argsort(1).argsort(1)  # [B, T] each slot's rank in its row
+            score = torch.where(candidates, cod_scores(seed, d, B, T), 2.0)  # candidates first
+            rank = score.argsort(dim=1, stable=True).argsort(1)  # [B, T] each slot's rank in its row
             kept = candidates & (rank < want[:, None])
         else:
             kept = candidates
@@ -94,18 +134,25 @@ def sample_rollouts(valid: torch.Tensor, ratio: float, floor: float, sample: boo
 
 
 def plan_units(batch: TargetBatch, valid: torch.Tensor, kept: list[torch.Tensor], supervised: torch.Tensor,
-               segments: int) -> list[Unit]:
+               segments: int, whole: tuple | None = None) -> list[Unit]:
     """The batch's units (module docstring "Segments") with one host sync for all their sizes, the
-    supervised counts and the packed documents. valid / supervised [K, B, T]; kept [B, T] per depth >= 1."""
+    supervised counts and the packed documents. valid / supervised [K, B, T]; kept [B, T] per depth >= 1.
+    whole (context parallelism): (supervised, kept) of the whole rows, which count the denominators; the
+    other masks are this rank's anchors, its one unit charges them all, and its documents are the whole
+    rows' (the ContextBias the forward makes)."""
     K, B, T = valid.shape
     bounds = [round(i * T / max(segments, 1)) for i in range(max(segments, 1) + 1)]
     ranges = [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
     t = torch.arange(T, device=valid.device)
     charged = []  # per unit: its depth-0 anchors, then its deep elements by depth
     for a, e in ranges:
+        if whole is not None:  # a rank's one unit: all its anchors (their slots are not contiguous)
+            charged.append([valid[0]] + list(kept))
+            continue
         owned = (t + 1 >= a) & (t + 1 < e)  # by its depth-1 element's position (anchor + 1)
         charged.append([valid[0] & (t >= a) & (t < e)] + [k & owned for k in kept])
-    den = [supervised[0]] + [supervised[d] & kept[d - 1] for d in range(1, K)]
+    every_sup, every_kept = whole if whole is not None else (supervised, kept)
+    den = [every_sup[0]] + [every_sup[d] & every_kept[d - 1] for d in range(1, K)]
     counts = torch.stack([m.sum() for unit in charged for m in unit] + [m.sum() for m in den])
     host = [counts] + ([] if batch.seq_lens is None else [batch.seq_lens.long().flatten()])
     sizes = torch.cat(host).tolist()  # the one sync: element sets and documents have data-dependent sizes
@@ -113,8 +160,15 @@ def plan_units(batch: TargetBatch, valid: torch.Tensor, kept: list[torch.Tensor]
     units = []
     for i, ((a, e), masks) in enumerate(zip(ranges, charged)):
         picked = [_elements(m, n) for m, n in zip(masks, sizes[i * per_unit:(i + 1) * per_unit])]
-        units.append(Unit(a, e, picked[1:], depth_den, sum(depth_den), picked[0],
-                          None if batch.seq_lens is None else _clipped_segments(lengths, B, e)))
+        if batch.seq_lens is None:
+            documents = None
+        elif whole is not None:
+            D = batch.seq_lens.shape[1]
+            documents = Segments.from_lengths([lengths[b * D:(b + 1) * D] for b in range(B)],
+                                              batch.attention_mask.shape[1])
+        else:
+            documents = _clipped_segments(lengths, B, e)
+        units.append(Unit(a, e, picked[1:], depth_den, sum(depth_den), picked[0], documents))
     return units
 
 
@@ -140,7 +194,8 @@ def _clipped_segments(lengths: list[int], B: int, end: int) -> Segments:
 
 def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int, supervised, loss: str):
     """Depth d's (loss sum over its supervised elements, top-1 hits over all of them): states [N, H] of
-    the scored elements (rows, anchors), supervised [N] bool. The loss runs over all N with the
+    the scored elements (rows, anchors), supervised [N] bool; `anchors` index the batch's slots (under
+    context parallelism: where the rank's anchors sit in it, its targets d slots on). The loss runs over all N with the
     unsupervised elements' target zeroed, which adds exactly nothing (soft-CE: no mass to match;
     lk-alpha: alpha 0 is skipped), so that no host sync picks the supervised ones."""
     logits = draft.logits(states)  # [N, Vd]
@@ -153,7 +208,7 @@ def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int,
 
 def _chunked_head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int, supervised):
     """_head's soft-CE for long rows (with activation checkpointing): chunk by chunk of elements,
-    recomputed in backward, never an [N, Vd] tensor (losses.chunked_soft_ce)."""
+    recomputed in backward, never an [N, Vd] tensor (losses.chunked_soft_ce). Anchors as _head's."""
     n = rows.shape[0]
     value, argmax = chunked_soft_ce(draft.logits, states, (torch.arange(n, device=rows.device),), batch.target_p,
                                     (rows, anchors + d), draft.config.draft_vocab_size,
@@ -179,14 +234,39 @@ class PEagleObjective(Objective):
         self.options = options
         self.depths = options.ttt_steps
         self.checkpoint = activation_checkpointing
+        self.context_halo = max(options.ttt_steps - 1, 0)  # slots past its own an anchor reads (t + d, d < K)
+
+    @property
+    def context(self):
+        return getattr(self, "_context", None)
+
+    @context.setter
+    def context(self, value) -> None:
+        """--context-parallel (set by the trainer): segments would cut a rank's slots again, below the
+        split the group already makes, so the two are not combined."""
+        if value is not None and value.size > 1 and self.options.peagle_segments > 1:
+            raise ConfigError(f"--peagle-segments {self.options.peagle_segments} with --context-parallel "
+                              f"{value.size}: both cut a row to hold fewer activations, and P-EAGLE splits a row "
+                              "one way at a time", "drop --peagle-segments (context parallelism already "
+                              "divides each rank's activations by the group's size)")
+        object.__setattr__(self, "_context", value)
 
     def plan(self, batch: TargetBatch, sample: bool | None = None) -> list[Unit]:
-        """COD-sample the batch's rollouts once and cut them into segments (one host sync)."""
+        """COD-sample the batch's rollouts once and cut them into segments (one host sync). Under context
+        parallelism each rank samples the whole rows (their masks gathered once, a byte per slot and
+        depth), so the group keeps the elements one process keeps; a rank's one unit holds its anchors'."""
         sample = self.training if sample is None else sample
-        valid = valid_depths(batch, self.depths)
-        kept = rollout_masks(valid, self.options.cod_ratio, self.options.cod_min, sample)
-        supervised = valid & torch.stack([shift_left(batch.position_mask, d).bool() for d in range(self.depths)])
-        return plan_units(batch, valid, kept, supervised, self.options.peagle_segments if sample else 1)
+        K, options = self.depths, self.options
+        batch, shard = self.context_shard(batch, halo=self.context_halo)
+        valid = valid_depths(batch, K, shard)
+        supervised = valid & _depth_masks(batch, K, batch.position_mask, shard)
+        if shard is None:
+            kept = rollout_masks(valid, options.cod_ratio, options.cod_min, sample)
+            return plan_units(batch, valid, kept, supervised, options.peagle_segments if sample else 1)
+        rows = shard.gather(torch.cat([valid, supervised]).to(torch.uint8), 2).bool()  # [2K, B, T] whole rows
+        every = rollout_masks(rows[:K], options.cod_ratio, options.cod_min, sample)
+        kept = [shard.owned(k) for k in every]
+        return plan_units(batch, valid, kept, supervised, 1, whole=(rows[K:], every))
 
     def forward(self, batch: TargetBatch, unit: Unit | None = None) -> ObjectiveOutput:
         if unit is None:  # one forward over the whole batch (evaluation, direct calls)
@@ -196,9 +276,19 @@ class PEagleObjective(Objective):
 
     def _run(self, batch: TargetBatch, unit: Unit) -> ObjectiveOutput:
         draft, K, end = self.draft, self.depths, unit.end
+        batch, shard = self.context_shard(batch, halo=self.context_halo)
         position_ids = positions(batch)
-        state0, deep = draft.parallel_forward(batch.input_ids[:, :end], batch.aux_hidden[:, :end],
-                                              position_ids[:, :end], unit.segments, unit.rollouts)
+        if shard is None:
+            ids, aux, position_ids, bias = (batch.input_ids[:, :end], batch.aux_hidden[:, :end],
+                                            position_ids[:, :end], unit.segments)
+        else:  # this rank's anchors; the attention reads the whole rows' depth-0 keys (context.py)
+            from spec_cli.draft.context import ContextBias, whole_rows
+
+            ids, aux, position_ids = shard.local(batch.input_ids), shard.local(batch.aux_hidden), shard.owned(position_ids)
+            bias = ContextBias(shard, unit.segments if unit.segments is not None
+                               else whole_rows(*batch.attention_mask.shape))
+            where = shard.in_batch(ids.device)  # each local anchor's slot in the batch
+        state0, deep = draft.parallel_forward(ids, aux, position_ids, bias, unit.rollouts)
         rows0, anchors0 = unit.depth0  # the depth-0 elements it charges: anchors in [start, end)
         if self.checkpoint and self.options.loss == "soft-ce":
             score = _chunked_head  # recomputes its chunks itself
@@ -214,8 +304,9 @@ class PEagleObjective(Objective):
             else:
                 rows, anchors = unit.rollouts[d - 1] if d - 1 < len(unit.rollouts) else (rows0[:0], anchors0[:0])
                 states = deep[d - 1] if d - 1 < len(deep) else state0.new_zeros(0, state0.shape[-1])
-            supervised = batch.position_mask[rows, anchors + d].bool()
-            value, hits = score(draft, states, batch, rows, anchors, d, supervised)
+            at = anchors if shard is None else where[anchors]
+            supervised = batch.position_mask[rows, at + d].bool()
+            value, hits = score(draft, states, batch, rows, at, d, supervised)
             total = total + value / max(unit.total_den, 1)
             losses.append(value.detach() / max(unit.depth_den[d], 1))
             correct.append(hits)
