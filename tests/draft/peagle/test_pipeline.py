@@ -94,8 +94,11 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
     """torchrun x2, --context-parallel 2: each rank runs its anchors' rollouts against the whole rows'
     depth-0 keys and keeps the COD elements one process keeps (whole rows sampled from the same seed), from
     the cache (rows and packed) and from a live target run once per group; weights and logged losses equal
-    one process's, and the evaluation too (every valid element)."""
+    one process's, and the evaluation too (every valid element); a run stopped after its first step and
+    resumed under the group equals the straight one bit for bit."""
     from tests.draft.runs import context_parallel_equals_one_process
+    from tests.launch import torchrun
+    from tests.test_distributed import stopped_then_resumed
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     common = ["-v", pipeline["vm"], "--algorithm", "peagle", "--ttt-steps", "4", "--max-steps", "3", "--lr",
@@ -111,6 +114,13 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
         one, cp = ([r for r in log(tmp_path / f"{kind}-{name}") if r["split"] == "eval"] for kind in ("one", "cp"))
         assert one and cp[-1]["loss"] == pytest.approx(one[-1]["loss"], rel=1e-5)
         assert cp[-1]["acc"] == pytest.approx(one[-1]["acc"], abs=1e-12)
+    # stopped after its first step and resumed under the group: the COD seeds come from the restored RNG
+    stopped = ["train", *cache, "-o", str(tmp_path / "stopped"), "--context-parallel", "2", *common]
+    torchrun([[*stopped, "--max-time", "0.001s", "--save-every", "1"], [*stopped, "--resume"]],
+             tmp_path / "launch-resume")
+    stopped_then_resumed(tmp_path / "stopped")
+    straight = weights(tmp_path / "cp-cache")
+    assert all(torch.equal(v, straight[k]) for k, v in weights(tmp_path / "stopped").items())
 
 
 def test_segments_are_refused_under_context_parallelism():
