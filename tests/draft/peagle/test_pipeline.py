@@ -93,7 +93,7 @@ def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cach
 def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, monkeypatch):
     """torchrun x2, --context-parallel 2: each rank runs its anchors' rollouts against the whole rows'
     depth-0 keys and keeps the COD elements one process keeps (whole rows sampled from the same seed), from
-    the cache (rows and packed) and from a live target run once per group; weights and logged losses equal
+    the cache (rows, packed, FSDP2 over the group) and from a live target run once per group; weights and logged losses equal
     one process's, and the evaluation too (every valid element); a run stopped after its first step and
     resumed under the group equals the straight one bit for bit."""
     from tests.draft.runs import context_parallel_equals_one_process
@@ -105,7 +105,7 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
               "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "3", "--save-every", "3",
               "--precision", "fp32", "-q"]
     cache = ["--cache", str(pipeline["root"] / "cache")]
-    runs = {"cache": cache, "packed": [*cache, "--pack"],
+    runs = {"cache": cache, "packed": [*cache, "--pack"], "fsdp": [*cache, "--fsdp"],
             "live": ["--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--dtype", "fp32"]}
     # (the same losses and gradient norms to 1e-7; the depth-0 keys' gradients are summed from each depth's
     # grid and the gathered rows, so Adam shows their rounding in k_proj up to ~2e-5, 0.6% of one step)
