@@ -270,6 +270,10 @@ def main() -> None:
     eos = eos_ids(tokenizer, loading.generation_config(target_dir))
     baseline = {}
     if args.timed:  # the target alone, measured in this process (the speed-ups below divide by it)
+        from spec_cli.eval import kernels  # spec eval's default: the faster CPU kernel per layer and size
+
+        deepest = max(settings_of(v, profile).get("depth", args.depth) for v, _, _ in runs)
+        print(kernels.choose(model, list(range(1, deepest + 2))).text(), flush=True)
         plain = Settings(max_new_tokens=args.max_new_tokens, eos_ids=eos)
         alone = Target(model, [])
         baseline = {"mt_bench": target_alone(alone, tokenizer, mt, plain),

@@ -30,6 +30,7 @@ from spec_cli.target import loading
 # for the quick profile's 48 samples), tokens per training conversation after templating (31,948 for 148)
 ANSWER_TOKENS_PER_SAMPLE = 163
 TOKENS_PER_CONVERSATION = 216
+SUPERVISED_SHARE = 0.68  # of a training conversation's tokens, its answers' (the default demo's cache: 0.680)
 # each stage's time over what its measured kind of step predicts, fitted on whole quick demos on 2 AMD
 # EPYC cores (one run capped to AVX2: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; one in bf16):
 # regenerate 1.0 min (vLLM, start-up included) / 2.1x in transformers, precompute 1.2 min (the head's
@@ -95,7 +96,10 @@ def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
 def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, batch_tokens: int,
                 ttt_steps: int, precision: str = "auto") -> float:
     """Tokens/s of the demo's EAGLE-3 draft trained as `spec train` steps it (forward, backward, AdamW)
-    on one packed row of `batch_tokens` random supervision."""
+    on one row of `batch_tokens` random supervision laid out as the demo's rows are: conversations of
+    TOKENS_PER_CONVERSATION packed back to back, the last SUPERVISED_SHARE of each (its answers) scored.
+    The head's cost follows the scored slots and the attention's the documents, and how much each weighs
+    differs by CPU (a matrix unit makes the head cheap), so the layout is the data's, not a full row's."""
     from spec_cli.batch import TargetBatch
     from spec_cli.draft.config import DraftConfig
     from spec_cli.draft.eagle3.model import Eagle3Draft
@@ -112,15 +116,22 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     draft.set_vocab_map(torch.sort(torch.randperm(draft_config.vocab_size, generator=gen)[:draft_vocab_size]).values)
     draft.to(device)
     T, Vd = batch_tokens, draft_vocab_size
-    mask = torch.ones(1, T, dtype=torch.long)
-    mask[:, -1] = 0
+    lengths = [TOKENS_PER_CONVERSATION] * (T // TOKENS_PER_CONVERSATION)
+    lengths += [T - sum(lengths)] if T > sum(lengths) else []
+    mask = torch.zeros(1, T, dtype=torch.long)
+    positions = torch.zeros(1, T, dtype=torch.long)
+    start = 0
+    for n in lengths:
+        mask[0, start + n - max(1, round(n * SUPERVISED_SHARE)):start + n - 1] = 1  # answers; not the last
+        positions[0, start:start + n] = torch.arange(n)
+        start += n
     batch = TargetBatch(
         aux_hidden=torch.randn(1, T, 3 * draft_config.target_hidden_size, generator=gen),
         input_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
         attention_mask=torch.ones(1, T, dtype=torch.long), loss_mask=mask,
         target_p=torch.randn(1, T, Vd, generator=gen).softmax(-1), position_mask=mask.bool(),
         target_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
-        target_mass=torch.ones(1, T)).to(device)
+        target_mass=torch.ones(1, T), position_ids=positions, seq_lens=torch.tensor([lengths])).to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, OptimOptions(lr=1e-4))
     autocast = _autocast(device, step_precision(precision, device))
@@ -152,7 +163,11 @@ def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, 
     from spec_cli.eval.target import Target
     from spec_cli.stages.eval import cheaper_depths
 
+    from spec_cli.eval import kernels
+
     model = loading.load_model(target_dir, device, dtype)
+    if kernels.supported(model) is None:  # the eval's default (--kernels auto) on the same sizes
+        kernels.choose(model, list(range(1, depth + 2)))
     prompt = torch.randint(0, model.get_input_embeddings().weight.shape[0], (64,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     target = Target(model, [])
