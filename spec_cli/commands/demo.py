@@ -14,7 +14,8 @@ from spec_cli.train_options import parse_duration
 
 def demo_cmd(
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run (8-9 minutes on 2 CPU cores) that exercises every stage.")] = False,
+        "--quick", help="A smaller run that exercises every stage (about a fifth of the default's time; the "
+                        "demo prints this machine's estimate before it starts).")] = False,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
