@@ -195,9 +195,9 @@ def _clipped_segments(lengths: list[int], B: int, end: int) -> Segments:
 def _head(draft: PEagleDraft, states, batch: TargetBatch, rows, anchors, d: int, supervised, loss: str):
     """Depth d's (loss sum over its supervised elements, top-1 hits over all of them): states [N, H] of
     the scored elements (rows, anchors), supervised [N] bool; `anchors` index the batch's slots (under
-    context parallelism: where the rank's anchors sit in it, its targets d slots on). The loss runs over all N with the
-    unsupervised elements' target zeroed, which adds exactly nothing (soft-CE: no mass to match;
-    lk-alpha: alpha 0 is skipped), so that no host sync picks the supervised ones."""
+    context parallelism: where the rank's anchors sit in it, its targets d slots on). The loss runs over
+    all N with the unsupervised elements' target zeroed, which adds exactly nothing (soft-CE: no mass to
+    match; lk-alpha: alpha 0 is skipped), so that no host sync picks the supervised ones."""
     logits = draft.logits(states)  # [N, Vd]
     t = anchors + d
     n = rows.shape[0]
