@@ -124,7 +124,7 @@ class ContextShard:
         kept = self._index.get(device)
         if kept is None:
             (a, b), (c, d) = self.chunks()
-            kept = torch.cat([torch.arange(a, b), torch.arange(c, d)]).to(device)
+            kept = torch.cat([torch.arange(a, b, device=device), torch.arange(c, d, device=device)])
             self._index[device] = kept
         return kept
 
@@ -146,7 +146,7 @@ class ContextShard:
         kept = self._index.get(key)
         if kept is None:
             first = self.kept[0][1] - self.kept[0][0]
-            kept = torch.cat([torch.arange(self.chunk), first + torch.arange(self.chunk)]).to(device)
+            kept = torch.cat([torch.arange(self.chunk, device=device), first + torch.arange(self.chunk, device=device)])
             self._index[key] = kept
         return kept
 

@@ -10,21 +10,22 @@ oneDNN's linear on weights packed once for it (`torch.ops.mkldnn._linear_pointwi
 torch.compile's CPU backend and vLLM's CPU build run) costs about the same for 1-4 rows, but carries a
 fixed overhead that loses on small matrices at one row. Which wins depends on the CPU (AMX, AVX-512,
 AVX2), the matrix and the row count, so it is measured here, on this machine, per weight shape and per
-row count, before decoding (about 2 s for SmolLM2); a kernel is kept only where it is at least
-`MARGIN` faster, so that timing noise does not flip choices.
+row count, before decoding (about 2 s for SmolLM2, more for a larger model or vocabulary); a kernel is
+kept only where it is at least `MARGIN` faster, so that timing noise does not flip choices.
 
 Both the target alone and the speculative decoder run the same modules, so the baseline gets the same
 choice at one token that verification gets at k + 1: the speed-up compares two decodings on the best
 kernels this evaluator has, not a handicapped baseline. The kernels round differently (a few 1e-6 on
-fp32 logits), as MKL's one-row and many-row paths already do; greedy output stays the target's own
-decoding (checked per turn by `spec eval`: `identical`).
+fp32 logits), as MKL's one-row and many-row paths already do, so a near-tie between two tokens can
+in principle resolve differently; `spec eval` checks every greedy turn against the target alone
+(`identical`) and says where they part.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ class KernelChoice:
     milliseconds: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # -> n -> [default, packed]
     modules: int = 0  # linear layers that run packed at some row count
     skipped: list[str] = field(default_factory=list)  # shapes faster packed, left out for memory
+    refused: dict[str, str] = field(default_factory=dict)  # shapes oneDNN would not run: why
 
     def text(self) -> str:
         if not self.packed:
@@ -58,7 +60,7 @@ class KernelChoice:
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "packed": self.packed, "milliseconds": self.milliseconds,
-                "skipped_for_memory": self.skipped}
+                "skipped_for_memory": self.skipped, "refused": self.refused}
 
 
 def supported(model: nn.Module) -> str | None:
@@ -69,6 +71,11 @@ def supported(model: nn.Module) -> str | None:
     if device.type != "cpu":
         return f"the target is on {device.type} (the choice is between CPU kernels)"
     return None
+
+
+def _dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def _median_ms(fn) -> float:
@@ -90,11 +97,22 @@ def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def available_bytes() -> int | None:
-    """Memory the system has free now (Linux), or None where it cannot tell."""
+    """Memory this process can still take (Linux): MemAvailable (free plus reclaimable page cache, which
+    loading the weights has just filled), capped by the cgroup's limit less its use; None where unknown."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line.split()[1] for line in meminfo.splitlines()
+                             if line.startswith("MemAvailable:"))) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
         return None
+    try:  # cgroup v2 (a container's limit)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 @torch.no_grad()
@@ -106,27 +124,32 @@ def choose(model: nn.Module, rows: list[int], memory: int | None = None) -> Kern
     `memory` (default: what the system has free). Undo with `restore(model)`."""
     choice = KernelChoice(sorted(set(rows)))
     layers: dict[tuple, list[nn.Linear]] = {}
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.dtype in DTYPES:
+    dtypes = _dtypes()
+    for module in model.modules():  # plain linears only: a subclass's or a hook's own forward is kept
+        if type(module) is nn.Linear and module.weight.dtype in dtypes and "forward" not in module.__dict__:
             key = (*module.weight.shape, module.weight.dtype, module.bias is not None)
             layers.setdefault(key, []).append(module)
     gen = torch.Generator().manual_seed(0)
     wins = []  # (saving per byte, bytes, name, modules, counts)
     for (out_features, in_features, dtype, _), modules in layers.items():
         sample = modules[0]
-        packed = _packed(sample.weight)
         name = f"{out_features}x{in_features}"
         fast, times, saved = [], {}, 0.0
-        for n in choice.rows:
-            x = torch.randn(1, n, in_features, generator=gen).to(dtype)
-            plain = _median_ms(lambda x=x, w=sample.weight, b=sample.bias: F.linear(x, w, b))
-            onednn = _median_ms(lambda x=x, w=packed, b=sample.bias: _run_packed(x, w, b))
-            times[n] = [round(plain, 4), round(onednn, 4)]
-            same = torch.allclose(_run_packed(x, packed, sample.bias).float(),
-                                  F.linear(x, sample.weight, sample.bias).float(), rtol=1e-2, atol=1e-3)
-            if same and onednn <= MARGIN * plain:
-                fast.append(n)
-                saved += plain - onednn
+        try:
+            packed = _packed(sample.weight)
+            for n in choice.rows:
+                x = torch.randn(1, n, in_features, generator=gen).to(dtype)
+                plain = _median_ms(lambda x=x, w=sample.weight, b=sample.bias: F.linear(x, w, b))
+                onednn = _median_ms(lambda x=x, w=packed, b=sample.bias: _run_packed(x, w, b))
+                times[n] = [round(plain, 4), round(onednn, 4)]
+                same = torch.allclose(_run_packed(x, packed, sample.bias).float(),
+                                      F.linear(x, sample.weight, sample.bias).float(), rtol=1e-2, atol=1e-3)
+                if same and onednn <= MARGIN * plain:
+                    fast.append(n)
+                    saved += plain - onednn
+        except RuntimeError as exc:  # oneDNN refused this shape or dtype here: PyTorch's own kernel
+            choice.refused[name] = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            continue
         choice.milliseconds[name] = times
         if fast:
             size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
@@ -145,11 +168,13 @@ def choose(model: nn.Module, rows: list[int], memory: int | None = None) -> Kern
 
 
 def _install(module: nn.Linear, packed: torch.Tensor, counts: set[int]) -> None:
-    """module.forward runs the packed weights for inputs of `counts` rows, else nn.Linear's own."""
+    """module.forward runs the packed weights for CPU inputs of `counts` rows without autograd, else
+    nn.Linear's own. (A deep copy of the model would keep calling the original module's weights.)"""
     plain = nn.Linear.forward.__get__(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and x.numel() // x.shape[-1] in counts and x.dtype == module.weight.dtype:
+        if (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == module.weight.dtype
+                and module.weight.device.type == "cpu" and x.numel() // x.shape[-1] in counts):
             return _run_packed(x, packed, module.bias)
         return plain(x)
     module.forward = forward
@@ -157,8 +182,8 @@ def _install(module: nn.Linear, packed: torch.Tensor, counts: set[int]) -> None:
 
 
 def restore(model: nn.Module) -> None:
-    """Every linear layer back on nn.Linear.forward."""
+    """Every linear layer `choose` changed back on nn.Linear.forward."""
     for module in model.modules():
-        if isinstance(module, nn.Linear) and "forward" in module.__dict__:
+        if "_spec_packed" in module.__dict__:
             del module.forward
-            module.__dict__.pop("_spec_packed", None)
+            del module._spec_packed

@@ -312,7 +312,8 @@ def linear_kernels(cfg: EvalConfig, model, settings: Settings) -> dict:
     why = "--kernels plain" if cfg.kernels == "plain" else kernels.supported(model)
     if why:
         return {"mode": "plain", "why": why}
-    verified = settings.num_tokens + 1 if settings.tree else settings.depth + 1
+    listed = () if cfg.compare_depths == AUTO else cfg.compare_depths  # (auto compares shorter chains)
+    verified = settings.num_tokens + 1 if settings.tree else max((settings.depth, *listed)) + 1
     choice = kernels.choose(model, list(range(1, verified + 1)))
     info(choice.text())
     return {"mode": "auto", **choice.to_json()}

@@ -387,7 +387,7 @@ class Trainer:
             optimizer_state = ckpt.unflatten_optimizer(parts["optimizer"], groups, self.names)
             sharding.load_full_state(self.draft, self.optimizer, parts["model"], optimizer_state, self.names,
                                      sharded=self.sharded, frozen=parts["frozen_keys"])
-        _restore_rng(parts["rng"])
+        _restore_rng(parts["rng"], self.device)
         step = parts["trainer_state"]["step"]
         if self.schedule.curriculum is not None:  # MSD: the steps so far drew the sources this run would
             recorded, now = parts["trainer_state"].get("curriculum"), self.schedule.curriculum.state(step)
@@ -466,7 +466,7 @@ class Trainer:
         else:
             opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, self.names)
         return ckpt.save_checkpoint(
-            output, step, model_state, opt_tensors, _rng_state(), self.draft_config.to_dict(),
+            output, step, model_state, opt_tensors, _rng_state(self.device), self.draft_config.to_dict(),
             {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
              "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
              "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
@@ -618,19 +618,32 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a run draws from, as the saving rank (rank 0) holds them: the CPU's and, on CUDA,
+    the one of the GPU it trains on (`torch_cuda`)."""
     state = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"torch_cuda_{i}"] = s
+    if device.type == "cuda":
+        state["torch_cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _restore_rng(state: dict[str, torch.Tensor]) -> None:
+def _restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Every rank takes the saved states, the CUDA one into the generator of the GPU it trains on.
+
+    The ranks start from one seed and draw alike (the same shapes: P-EAGLE's COD seed, a context-parallel
+    group's shared batch), so rank r's cuda:r generator is where rank 0's cuda:0 is; setting each rank's
+    own device from rank 0's device is what resumes them all where they were. (Checkpoints before this
+    stored every visible GPU's generator from rank 0's process, whose cuda:r it never drew from: rank r
+    got a fresh generator.)"""
     torch.set_rng_state(state["torch_cpu"])
-    cuda = [state[k] for k in sorted(state) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    if device.type != "cuda":
+        return
+    if "torch_cuda" in state:
+        torch.cuda.set_rng_state(state["torch_cuda"], device)
+        return
+    older = {int(k.rsplit("_", 1)[1]): v for k, v in state.items() if k.startswith("torch_cuda_")}
+    if 0 in older:  # rank 0 drew from its device's generator, cuda:0 on one machine
+        torch.cuda.set_rng_state(older[0], device)
 
 
 def _run_json(cfg: TrainConfig, source: Source, vocab_map) -> dict:

@@ -105,6 +105,55 @@ def test_packed_copies_stay_within_the_memory_given(model, monkeypatch):
     assert kernels.choose(model, [1, 4], memory=0).packed == {}
 
 
+def test_a_shape_onednn_refuses_keeps_pytorchs_kernel(model, monkeypatch):
+    """Where oneDNN will not pack (bf16 on a CPU without AVX-512 BW/VL/DQ: "bf16 path needs the cpu
+    support avx_ne_convert or avx512bw, avx512vl and avx512dq"), that shape stays plain, and says why."""
+    def refuse(weight):
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+    monkeypatch.setattr(kernels, "_packed", refuse)
+    choice = kernels.choose(model, [1, 2])
+    assert choice.packed == {} and choice.modules == 0
+    assert all("bf16 path needs" in why for why in choice.refused.values()) and choice.refused
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert kernels._dtypes() == (torch.float32,)
+
+
+def test_a_subclass_or_an_existing_override_keeps_its_forward(model, monkeypatch):
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    model.lm_head.__class__ = Scaled
+    hooked = model.model.layers[0].mlp.down_proj
+    hooked.forward = lambda x: x  # (as accelerate's hooks replace forward on the instance)
+    rigged.rows = [1]
+    monkeypatch.setattr(kernels, "_median_ms", rigged({1}))
+    kernels.choose(model, [1])
+    assert "_spec_packed" not in model.lm_head.__dict__ and "forward" not in model.lm_head.__dict__
+    assert "_spec_packed" not in hooked.__dict__
+    kernels.restore(model)
+    assert "forward" in hooked.__dict__  # not taken away by restore
+
+
+def test_the_counts_timed_cover_every_chain_the_eval_decodes(model, monkeypatch):
+    """A chain of d verifies d + 1 tokens: --compare-depths deeper than --depth are timed too; a tree its
+    nodes plus the root; --kernels plain times nothing."""
+    from pathlib import Path
+
+    from spec_cli.stages import eval as evaluate
+
+    asked = []
+    monkeypatch.setattr(kernels, "choose", lambda m, rows: asked.append(rows) or kernels.KernelChoice(rows))
+    cfg = evaluate.EvalConfig(target="t", draft=Path("d"), depth=2, compare_depths=(3, 1))
+    assert evaluate.linear_kernels(cfg, model, spec.Settings(depth=2))["mode"] == "auto"
+    evaluate.linear_kernels(evaluate.EvalConfig(target="t", draft=Path("d"), compare_depths="auto"), model,
+                            spec.Settings(depth=3))
+    evaluate.linear_kernels(cfg, model, spec.Settings(depth=3, topk=2, num_tokens=8))
+    assert asked == [[1, 2, 3, 4], [1, 2, 3, 4], list(range(1, 10))]
+    plain = evaluate.linear_kernels(evaluate.EvalConfig(target="t", draft=Path("d"), kernels="plain"), model,
+                                    spec.Settings())
+    assert plain == {"mode": "plain", "why": "--kernels plain"} and len(asked) == 3
+
+
 def test_not_on_another_device(model):
     assert kernels.supported(model) is None
     assert "meta" in kernels.supported(model.to("meta"))

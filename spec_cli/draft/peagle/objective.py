@@ -108,8 +108,9 @@ def cod_scores(seed: torch.Tensor, depth: int, rows: int, length: int) -> torch.
 def rollout_masks(valid: torch.Tensor, ratio: float, floor: float, sample: bool = True,
                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """COD sampling (module docstring). valid [K, B, T] -> the kept elements [B, T] of depths 1..K-1,
-    on the device (no host sync). One seed per call from torch's RNG (`generator`, else the default one
-    of valid's device); each anchor's draw is `cod_scores`'s."""
+    on the device (no host sync). One seed per call from torch's RNG on valid's device (`generator`,
+    else that device's default one: the ranks of a group draw alike, and a checkpoint restores it on
+    each rank's own device); each anchor's draw is `cod_scores`'s."""
     K, B, T = valid.shape
     kept = valid[1] if K > 1 else None
     out = []
