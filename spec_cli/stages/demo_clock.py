@@ -94,12 +94,15 @@ def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
 
 
 def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, batch_tokens: int,
-                ttt_steps: int, precision: str = "auto") -> float:
+                ttt_steps: int, precision: str = "auto", data_dtype: torch.dtype = torch.float32) -> float:
     """Tokens/s of the demo's EAGLE-3 draft trained as `spec train` steps it (forward, backward, AdamW)
     on one row of `batch_tokens` random supervision laid out as the demo's rows are: conversations of
     TOKENS_PER_CONVERSATION packed back to back, the last SUPERVISED_SHARE of each (its answers) scored.
     The head's cost follows the scored slots and the attention's the documents, and how much each weighs
-    differs by CPU (a matrix unit makes the head cheap), so the layout is the data's, not a full row's."""
+    differs by CPU (a matrix unit makes the head cheap), so the layout is the data's, not a full row's.
+    Each step also reads its batch from the feature cache, which rebuilds the target's distribution over
+    the draft vocab from the stored final states (`data_dtype`, as precompute stores them) with the
+    target's head: timed too and added (the reader and the step share the cores)."""
     from spec_cli.batch import TargetBatch
     from spec_cli.draft.config import DraftConfig
     from spec_cli.draft.eagle3.model import Eagle3Draft
@@ -142,7 +145,18 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return T / _best(step, 1)
+    from spec_cli.target.supervision import draft_distribution, selected_logits
+
+    hidden = torch.randn(1, T, config.hidden_size, generator=gen).to(device, data_dtype)
+    head = (torch.randn(Vd, config.hidden_size, generator=gen) / config.hidden_size ** 0.5).to(device, data_dtype)
+    lse = torch.zeros(1, T, device=device)
+
+    def decode():
+        draft_distribution(selected_logits(hidden, head), lse)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return T / (_best(step, 1) + _best(decode, 2))
 
 
 def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eval_dtype: torch.dtype,
@@ -151,7 +165,7 @@ def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eva
     if eval_dtype != data_dtype:
         single = target_speeds(target_dir, device, eval_dtype, only_decode=True)[2]
     return Speeds(batched, prefill, single, train_speed(target_dir, device, draft_vocab_size, batch_tokens,
-                                                        ttt_steps))
+                                                        ttt_steps, data_dtype=data_dtype))
 
 
 @torch.no_grad()
