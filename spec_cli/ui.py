@@ -160,6 +160,8 @@ def print_demo_summary(result) -> None:
     estimated = f" (estimated {estimate['minutes']:g} min at the start" if estimate else ""
     if estimate and estimate.get("revised_minutes") is not None:
         estimated += f", {estimate['revised_minutes']:g} after regenerate"
+    if estimate and estimate.get("paced_minutes") is not None:
+        estimated += f", {estimate['paced_minutes']:g} at training's measured pace"
     estimated += ")" if estimate else ""
     rows.append(("total", f"{result.seconds / 60:.1f} min{estimated}; rerun `spec demo` to reuse the finished "
                           "stages"))

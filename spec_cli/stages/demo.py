@@ -234,6 +234,40 @@ def _revise(result: DemoResult) -> None:
          f"take about {left:.0f} min, the whole demo about {estimate['revised_minutes']:g}")
 
 
+class TrainPace:
+    """The demo's `after_step` in training: once PACE_STEPS steps (or a third of those left) have run,
+    the stage's time at the pace measured (its start, the evals and checkpoints every 50 steps included)
+    and the demo's total with it, printed and kept in the estimate (`train_paced_minutes`,
+    `paced_minutes`). The clock's calibration before the first stage cannot see how fast this machine
+    reads the feature cache beside the step (fitted once per CPU class); the stage itself can."""
+
+    def __init__(self, result: "DemoResult", total: int, first: int, clock=time.perf_counter):
+        self.result, self.total, self.first, self.clock = result, total, first, clock
+        self.start = clock()
+        self.at = first + min(PACE_STEPS, max(1, (total - first) // 3))
+
+    def __call__(self, step: int) -> None:
+        if step != self.at or step >= self.total:
+            return
+        ran = self.clock() - self.start
+        stage = ran * (self.total - self.first) / (step - self.first)
+        estimate = self.result.estimate
+        line = (f"training: {step - self.first} steps in {ran / 60:.1f} min, so the stage takes about "
+                f"{stage / 60:.1f} min at this pace")
+        if estimate and "train" in estimate["stages"]:
+            done = sum(s.seconds for s in self.result.stages)  # the stages before this one, as they ran
+            later = estimate["minutes"] * 60 - sum(estimate["stages"].get(n, 0.0) for n in EARLIER_THAN_EVAL)
+            estimate["train_paced_minutes"] = round(stage / 60, 1)
+            estimate["paced_minutes"] = round((done + stage + later) / 60, 1)
+            line += (f" (estimated {estimate['stages']['train'] / 60:.1f}); the whole demo about "
+                     f"{estimate['paced_minutes']:g} min")
+        info(line)
+
+
+PACE_STEPS = 50  # training steps timed before the demo states its total again (one eval and save among them)
+EARLIER_THAN_EVAL = ("regenerate", "precompute", "train")  # the estimate's stages that run before train ends
+
+
 def regen_engine(cfg: DemoConfig) -> str:
     """--engine auto: vLLM where it is installed (the `vllm` extra: it answers the demo's prompts faster
     than transformers' generate), else transformers."""
@@ -384,12 +418,14 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
         if state["step"] >= state["total_steps"]:
             result.train_steps = f"{state['step']} of {state['total_steps']}"
             return "reused"
+    first = json.loads((latest / "trainer_state.json").read_text())["step"] if latest is not None else 0
     outcome = train.run(train.TrainConfig.from_options(
         vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
         ttt_steps=profile.ttt_steps, lr=profile.lr, max_steps=profile.steps, fc_norm=True,
         schedule=profile.schedule, optimizer=profile.optimizer,
         eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,
-        max_time=cfg.max_time, resume=latest is not None, device=cfg.device, dtype=cfg.dtype))
+        max_time=cfg.max_time, resume=latest is not None, device=cfg.device, dtype=cfg.dtype),
+        after_step=TrainPace(result, profile.steps, first))
     print_train_summary(outcome)
     result.train_steps = f"{outcome.steps} of {outcome.total_steps}"
     if outcome.steps < outcome.total_steps:  # the draft is weaker than the profile's: say so loudly

@@ -121,6 +121,9 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert estimate["revised_minutes"] == pytest.approx(
         ran + estimate["minutes"] - estimate["stages"]["regenerate"] / 60, abs=0.06)
     assert f"{estimate['revised_minutes']:g} after regenerate" in " ".join(printed.split())
+    # and once training has run a third of its 6 steps, at the pace it measured (TrainPace, below)
+    assert estimate["train_paced_minutes"] >= 0 and estimate["paced_minutes"] > 0
+    assert f"{estimate['paced_minutes']:g} at training's measured pace" in " ".join(printed.split())
     assert "regenerate took" in " ".join(printed.split())
     assert str(out / "export-vllm") in "".join(printed.split())  # a long path wraps at 80 columns
     assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
@@ -297,3 +300,34 @@ def test_the_estimate_counts_the_chains_the_mt_bench_eval_compares():
         pytest.approx(3 * one_pass)
     assert stage_seconds(auto, speeds, compared=2)["eval-heldout"] == pytest.approx(
         TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / 10.0 * OVERHEAD["eval"])
+
+
+def test_training_states_the_demo_total_again_at_the_pace_it_measured(capsys):
+    """After 50 steps (or a third of those left) the stage's time at the measured pace replaces its
+    estimate: the stages done as they ran + training at that pace + what the estimate gave the rest."""
+    from pathlib import Path
+
+    from spec_cli.console import set_quiet
+
+    set_quiet(False)
+    result = demo.DemoResult(Path("f"), TINY, stages=[
+        demo.StageRecord("assets", "ran", 6.0, Path("a"), {}), demo.StageRecord("regenerate", "ran", 54.0, Path("r"), {}),
+        demo.StageRecord("precompute", "ran", 120.0, Path("p"), {})])
+    result.estimate = {"minutes": 20.0, "stages": {"regenerate": 60.0, "precompute": 150.0, "train": 600.0,
+                                                  "eval": 200.0, "eval-heldout": 100.0}}
+    now = [1000.0]
+    pace = demo.TrainPace(result, total=1000, first=0, clock=lambda: now[0])
+    for step in range(1, 50):
+        now[0] += 1.5
+        pace(step)
+    assert "train_paced_minutes" not in result.estimate  # not before the 50th step
+    now[0] += 1.5
+    pace(50)  # 50 steps in 75 s: 1,000 in 1,500 s
+    assert result.estimate["train_paced_minutes"] == 25.0
+    later = 20.0 * 60 - (60.0 + 150.0 + 600.0)  # the evals and the fixed part, as estimated
+    assert result.estimate["paced_minutes"] == round((180.0 + 1500.0 + later) / 60, 1)
+    captured = capsys.readouterr()
+    printed = " ".join((captured.out + captured.err).split())
+    assert "50 steps in 1.2 min, so the stage takes about 25.0 min at this pace (estimated 10.0)" in printed
+    resumed = demo.TrainPace(result, total=1000, first=960, clock=lambda: now[0])
+    assert resumed.at == 973  # a third of the 40 steps left
