@@ -241,7 +241,7 @@ class TrainPace:
     `paced_minutes`). The clock's calibration before the first stage cannot see how fast this machine
     reads the feature cache beside the step (fitted once per CPU class); the stage itself can."""
 
-    def __init__(self, result: "DemoResult", total: int, first: int, clock=time.perf_counter):
+    def __init__(self, result: DemoResult, total: int, first: int, clock=time.perf_counter):
         self.result, self.total, self.first, self.clock = result, total, first, clock
         self.start = clock()
         self.at = first + min(PACE_STEPS, max(1, (total - first) // 3))
