@@ -270,12 +270,6 @@ def main() -> None:
     eos = eos_ids(tokenizer, loading.generation_config(target_dir))
     baseline = {}
     if args.timed:  # the target alone, measured in this process (the speed-ups below divide by it)
-        from spec_cli.eval import kernels  # spec eval's default: the faster CPU kernel per layer and size
-
-        deepest = max(settings_of(v, profile).get("depth", args.depth) for v, _, _ in runs)
-        chosen = kernels.choose(model, list(range(1, deepest + 2)))
-        print(chosen.text(), flush=True)
-        timed_with = {"kernels": "auto", "packed": chosen.packed}
         plain = Settings(max_new_tokens=args.max_new_tokens, eos_ids=eos)
         alone = Target(model, [])
         baseline = {"mt_bench": target_alone(alone, tokenizer, mt, plain),
@@ -291,8 +285,7 @@ def main() -> None:
                               options.get("algorithm", "eagle3"))
         checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
         if run_name in results and results[run_name]["steps"] == steps and \
-                (not args.timed or (results[run_name]["mt_bench"].get("speedup")
-                                    and results[run_name].get("timed_with") == timed_with)):
+                (not args.timed or results[run_name]["mt_bench"].get("speedup")):
             continue
         settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0,
                             max_new_tokens=args.max_new_tokens, eos_ids=eos)
@@ -303,8 +296,6 @@ def main() -> None:
                "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings),
                "heldout": acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings)}
         row["eval_seconds"] = round(time.perf_counter() - t0, 1)
-        if args.timed:  # speed-ups are only comparable between rows timed on the same kernels
-            row["timed_with"] = timed_with
         target_m.close()
         for part in ("mt_bench", "heldout"):
             outputs = row[part].pop("outputs")

@@ -61,11 +61,6 @@ def eval_cmd(
                          "(target alone and target + draft, vLLM's own acceptance counters; chain only; "
                          "needs the vllm extra).", rich_help_panel=RUNTIME)] = "torch",
     threads: Threads = None,
-    kernels: Annotated[str, typer.Option(
-        "--kernels", help="torch engine on CPU: auto runs each of the target's linear layers on the faster of "
-                          "PyTorch's default and oneDNN's pre-packed kernel for every token count decoding "
-                          "uses (timed first, ~2 s; the target alone gets the same choice at one token); "
-                          "plain: PyTorch's default everywhere.", rich_help_panel=RUNTIME)] = "auto",
     timing_repeats: Annotated[int, typer.Option(
         "--timing-repeats", help="Decode each turn this many times with each decoder, alternating, and "
                                  "keep each turn's median time (same seeds: the same output).", min=1,
@@ -87,7 +82,7 @@ def eval_cmd(
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
         engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template,
-        compare_depths=parse_depths(compare_depths), kernels=kernels))
+        compare_depths=parse_depths(compare_depths)))
     print_table(result)
 
 

@@ -181,11 +181,7 @@ def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, 
     from spec_cli.eval.target import Target
     from spec_cli.stages.eval import cheaper_depths
 
-    from spec_cli.eval import kernels
-
     model = loading.load_model(target_dir, device, dtype)
-    if kernels.supported(model) is None:  # the eval's default (--kernels auto) on the same sizes
-        kernels.choose(model, list(range(1, depth + 2)))
     prompt = torch.randint(0, model.get_input_embeddings().weight.shape[0], (64,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     target = Target(model, [])

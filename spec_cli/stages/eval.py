@@ -81,7 +81,6 @@ class EvalConfig:
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
     compare_depths: tuple[int, ...] | str = ()  # chains also decoded in the same run, against the same
     # baseline; "auto": the shorter chains whose verification this machine runs measurably cheaper
-    kernels: str = "auto"  # the target's CPU linears: auto (the faster kernel per shape and token count) or plain
 
 
 @dataclass
@@ -155,9 +154,6 @@ def _validate(cfg: EvalConfig) -> None:
     if cfg.engine == "vllm" and cfg.topk > 1:
         raise ConfigError("vLLM serves drafts as a chain of num_speculative_tokens here, not an "
                           "EAGLE-2 tree", "use --topk 1 with --engine vllm (or --engine torch for trees)")
-    if cfg.kernels not in KERNELS:
-        raise ConfigError(f"--kernels {cfg.kernels!r} is not one of {', '.join(KERNELS)}",
-                          "auto picks the faster CPU kernel per layer; plain keeps PyTorch's default")
 
 
 def run(cfg: EvalConfig) -> EvalResult:
@@ -300,25 +296,6 @@ def cost_text(costs: dict[int, float], depth: int, compared: list[int]) -> str:
             f"{decided}")
 
 
-KERNELS = ("auto", "plain")
-
-
-def linear_kernels(cfg: EvalConfig, model, settings: Settings) -> dict:
-    """--kernels: with auto on CPU, each of the target's linear layers runs on the faster kernel for every
-    token count decoding runs (spec_cli/eval/kernels.py: 1 for the target alone, up to the verified
-    chain or tree plus its root); what was chosen, for eval.json."""
-    from spec_cli.eval import kernels
-
-    why = "--kernels plain" if cfg.kernels == "plain" else kernels.supported(model)
-    if why:
-        return {"mode": "plain", "why": why}
-    listed = () if cfg.compare_depths == AUTO else cfg.compare_depths  # (auto compares shorter chains)
-    verified = settings.num_tokens + 1 if settings.tree else max((settings.depth, *listed)) + 1
-    choice = kernels.choose(model, list(range(1, verified + 1)))
-    info(choice.text())
-    return {"mode": "auto", **choice.to_json()}
-
-
 def _at_depth(spec: Decoder, settings: Settings) -> Decoder:
     """The speculative decoder with a chain of settings.depth (its warm-up passes shorter settings)."""
     def decode(ids, seed, s=settings):
@@ -342,7 +319,6 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
         draft.use_target_embeddings(model.get_input_embeddings())
     target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithm.final_hidden,
                     input_embeds=INPUT_EMBEDS in algorithm.needs)
-    engine_info = {"name": "torch", "version": torch.__version__, "kernels": linear_kernels(cfg, model, settings)}
     if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
         raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
                           f"{target.attn_implementation}", "use a chain (--topk 1)")
@@ -357,7 +333,7 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
         return generate_target(target, ids, s, generator(seed))
 
     try:
-        yield spec, base, engine_info, \
+        yield spec, base, {"name": "torch", "version": torch.__version__}, \
             lambda ids, sizes: verify_costs(target, ids, sizes)
     finally:
         target.close()
