@@ -52,6 +52,8 @@ def test_segments_do_not_change_the_training_numbers(pipeline, tmp_path, monkeyp
     two = [r["loss"] for r in log(pipeline["root"] / "run") if r["split"] == "train"]
     one = [r["loss"] for r in log(tmp_path / "one") if r["split"] == "train"]
     assert one == pytest.approx(two, rel=1e-5)
+    norms = [[r["grad_norm"] for r in log(run) if r["split"] == "train"] for run in (tmp_path / "one", pipeline["root"] / "run")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # the step's gradient itself, before Adam
     # (gradients equal to fp32 rounding, tests/draft/peagle/test_objective.py; where one is tiny, Adam's
     # division by its RMS shows that rounding: up to ~1e-5 after 4 steps at lr 3e-3, 0.4% of one step)
     for key, value in weights(tmp_path / "one").items():
