@@ -7,14 +7,18 @@ SmolLM2 target, greedy, a chain of --depth, both turns) on MT-bench and on held-
         --variants base,muon,noise,wsd,init,layers2,vd2048,lr3e-3
     python bench/recipe.py ... --variants base,wsd --seeds 0,1           # noise between seeds
     python bench/recipe.py ... --variants wsd+orig300 --scales 0.5,1,2,4  # AL against training compute
+    python bench/recipe.py ... --variants wsd+regen2560,wsd+written2560 --scales 1,2
+                                          # the target's own answers against the same prompts as written
     python bench/recipe.py ... --variants wsd,wsd+peagle,wsd+dflash4,wsd+dflash8,wsd+dflash16 --timed
                                                                          # the algorithms, with speed-ups
 
 Every variant trains on the demo's training data (its regenerated and original conversations, packed)
 for the demo profile's steps x --scale of its batch_tokens, with the profile's settings unless the
 variant changes one: equal budgets, one lever at a time ("base" is AdamW with a cosine schedule,
-whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations as written). "a+b" combines variants. The vocab map and
-cache for Vd 4096 are the demo's; other sizes are built once into OUT. Finished runs are reused (rerun
+whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations as written, "regen2560"
+2,560 more ShareGPT prompts answered by the target, "written2560" the same conversations as written).
+"a+b" combines variants. The vocab map and cache for Vd 4096 are the demo's; other sizes and data are
+built once into OUT. Finished runs are reused (rerun
 with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json.
 Algorithms are levers too: `peagle` (K = --depth mask slots, the EAGLE-3 cache) and `dflashN` (blocks of
 N, one layer like the EAGLE-3 draft, its own five-layer cache built once into OUT, decoded with a chain
@@ -70,19 +74,26 @@ LEVERS = {
     # more ShareGPT conversations with their original answers after the demo's (prefill only, no generation)
     "orig300": dict(extra=300),
     "orig900": dict(extra=900),
+    # more conversations answered by the target itself (regenerated, in vLLM when installed: generation,
+    # not only a prefill), ShareGPT prompts from REGEN_FROM on, appended to the demo's data
+    "regen640": dict(regen=640),
+    "regen2560": dict(regen=2560),
+    # the control: the conversations regen2560 answered, with their answers as ShareGPT wrote them
+    "written2560": dict(written=2560),
     # other draft algorithms at the same budget ("depth": the chain each proposes per cycle)
     "peagle": dict(algorithm="peagle"),
     "dflash4": dict(algorithm="dflash", block_size=4, depth=3, fc_norm=False),
     "dflash8": dict(algorithm="dflash", block_size=8, depth=7, fc_norm=False),
     "dflash16": dict(algorithm="dflash", block_size=16, depth=15, fc_norm=False),
 }
-NOT_TRAIN_OPTIONS = ("vocab", "extra", "depth")
+NOT_TRAIN_OPTIONS = ("vocab", "extra", "regen", "written", "depth")
 HELDOUT_FROM = 3000  # ShareGPT conversations from here on: after anything a demo profile trains on
+REGEN_FROM = 4000  # the prompts a regenN lever has the target answer: after the held-out chats
 
 
 def settings_of(name: str, profile: demo.Profile) -> dict:
     """A variant's options: the demo profile's, then each "+"-joined lever's."""
-    options = dict(vocab=profile.draft_vocab_size, extra=0, lr=profile.lr, ttt_steps=profile.ttt_steps)
+    options = dict(vocab=profile.draft_vocab_size, extra=0, regen=0, written=0, lr=profile.lr, ttt_steps=profile.ttt_steps)
     for part in name.split("+"):
         if part not in LEVERS:
             raise SystemExit(f"unknown variant {part!r}: use {', '.join(LEVERS)} (joined with +)")
@@ -90,38 +101,78 @@ def settings_of(name: str, profile: demo.Profile) -> dict:
     return options
 
 
-def training_data(out: Path, folder: Path, extra: int) -> Path:
-    """The demo's training data, plus `extra` further ShareGPT conversations as written (after the last
-    one the demo used; the held-out prompts come later still)."""
-    if not extra:
-        return folder / "train.jsonl"
-    path = out / f"train+{extra}.jsonl"
-    if not path.is_file():
-        base = folder / "train.jsonl"
+def regenerated_more(out: Path, profile: demo.Profile, target: str, count: int) -> Path:
+    """`count` ShareGPT prompts from REGEN_FROM on, answered by the target as the demo's regenerate stage
+    answers its own (greedy, the profile's lengths; vLLM when installed). Resumes like `spec regenerate`."""
+    from spec_cli.stages import regenerate
+
+    path = out / f"regen-{count}.jsonl"
+    prompts_path = out / f"regen-{count}-prompts.jsonl"
+    if not prompts_path.is_file():
         found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
-        more = demo._sharegpt_after(found, demo._last_source_index(base), extra)
-        path.write_text(base.read_text() + "".join(json.dumps({**r, "source": "sharegpt"}) + "\n" for r in more))
+        chosen = list(demo._sharegpt_after(found, REGEN_FROM - 1, count))
+        prompts_path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in chosen))
+    engine = demo.regen_engine(demo.DemoConfig())
+    t0 = time.perf_counter()
+    outcome = regenerate.run(regenerate.RegenerateConfig(
+        target=target, data=str(prompts_path), output=path, temperature=0.0,
+        max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length, max_samples=count,
+        engine=engine, dtype=demo.data_dtype(demo.DemoConfig())))
+    if not outcome.already_complete:
+        print(f"regenerated {count} answers in {engine}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def data_key(extra: int, regen: int = 0, written: int = 0) -> str:
+    return f"{extra}" + (f"+r{regen}" if regen else "") + (f"+w{written}" if written else "")
+
+
+def training_data(out: Path, folder: Path, extra: int, regen: int = 0, profile: demo.Profile | None = None,
+                  target: str | None = None, written: int = 0) -> Path:
+    """The demo's training data, plus `extra` further ShareGPT conversations as written (after the last
+    one the demo used; the held-out prompts come later still), `regen` further ones answered by the
+    target (from REGEN_FROM on) and `written` ones from REGEN_FROM on as written (the same prompts)."""
+    if not extra and not regen and not written:
+        return folder / "train.jsonl"
+    path = out / f"train+{data_key(extra, regen, written)}.jsonl"
+    if not path.is_file():
+        text = (folder / "train.jsonl").read_text()
+        if extra:
+            found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
+            more = demo._sharegpt_after(found, demo._last_source_index(folder / "train.jsonl"), extra)
+            text += "".join(json.dumps({**r, "source": "sharegpt"}) + "\n" for r in more)
+        if regen:
+            text += regenerated_more(out, profile, target, regen).read_text()
+        if written:  # the prompts regen{written} answered (regenerate skips a prompt over --max-length)
+            found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
+            chosen = list(demo._sharegpt_after(found, REGEN_FROM - 1, written))
+            answered = [json.loads(line)["source_index"]
+                        for line in regenerated_more(out, profile, target, written).read_text().splitlines()]
+            text += "".join(json.dumps({**chosen[i], "source": "sharegpt"}) + "\n" for i in answered)
+        path.write_text(text)
     return path
 
 
 def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: int,
-            target: str, algorithm: str = "eagle3") -> tuple[Path, Path]:
+            target: str, algorithm: str = "eagle3", regen: int = 0, written: int = 0) -> tuple[Path, Path]:
     """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
     this vocabulary size, for the algorithm's aux layers (EAGLE-3 and P-EAGLE read the same three)."""
     own = folder / f"vocab-{vocab}.safetensors"
     kind = "dflash" if algorithm == "dflash" else "eagle3"
-    if own.is_file() and (folder / "cache").is_dir() and not extra and kind == "eagle3":
+    if own.is_file() and (folder / "cache").is_dir() and not extra and not regen and not written \
+            and kind == "eagle3":
         return own, folder / "cache"
     vmap = own if own.is_file() else out / "maps" / f"vocab-{vocab}.safetensors"
-    cache = out / "caches" / (f"vocab-{vocab}+{extra}" + ("-dflash" if kind == "dflash" else ""))
-    data = str(training_data(out, folder, extra))
+    cache = out / "caches" / (f"vocab-{vocab}+{data_key(extra, regen, written)}" + ("-dflash" if kind == "dflash" else ""))
+    data = str(training_data(out, folder, extra, regen, profile, target, written))
     if not vmap.is_file():
         build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
             target=target, data=str(folder / "regenerated.jsonl"), output=vmap, draft_vocab_size=vocab,
             max_length=profile.max_length, num_proc=2))
     precompute.run(precompute.PrecomputeConfig(
         target=target, data=data, vocab_map=vmap, output=cache, max_length=profile.max_length,
-        batch_tokens=8192, num_proc=2, resume=True, algorithm=kind))
+        batch_tokens=8192, num_proc=2, resume=True, algorithm=kind,
+        dtype=demo.data_dtype(demo.DemoConfig())))  # as the demo's precompute: bf16 where it is native
     return vmap, cache
 
 
@@ -282,7 +333,7 @@ def main() -> None:
         depth = options.get("depth", args.depth)
         steps = max(1, round(profile.steps * scale))
         vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target,
-                              options.get("algorithm", "eagle3"))
+                              options.get("algorithm", "eagle3"), options.get("regen", 0), options.get("written", 0))
         checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
         if run_name in results and results[run_name]["steps"] == steps and \
                 (not args.timed or results[run_name]["mt_bench"].get("speedup")):
