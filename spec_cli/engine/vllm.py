@@ -42,6 +42,14 @@ SENTINEL = -(2 ** 62)  # fill for integer parameters before loading (no real id 
 # What vLLM fills in itself when the file lacks it (llm_base_proposer.py: the target's embedding is
 # shared; the target's lm_head is shared when the draft has none).
 SHARED_FROM_TARGET = ("embed_tokens", "lm_head")
+# vLLM's CPU worker lowers this process's torch threads to 1 for serving and then replaces
+# torch.set_num_threads with a no-op for good. Kept here (this module is imported before any engine
+# starts) so that closing the last engine gives the process back its own setter and thread count: a
+# demo whose regenerate ran in vLLM otherwise precomputed, trained and timed the PyTorch evaluator on
+# one of its two cores.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+_OPEN_ENGINES = 0
+_THREADS_BEFORE: list[int] = []  # the thread count when the first open engine started
 
 
 def version() -> str | None:
@@ -283,14 +291,17 @@ class Engine:
         # any PyTorch measurement that must not share that setting before building an engine.
         what = f"the draft {draft}" if draft is not None else f"the target {target}"
         self.what = what
+        _engine_opened()
         try:
             with (_tracking(self.load_report, draft_class) if self.load_report is not None
                   else contextlib.nullcontext()), _bind_cpu_workers(int(tensor_parallel_size)), _torchrun_env():
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):
+            _engine_closed()
             raise
         except Exception as exc:  # the engine's refusal, in its own words
             _free()
+            _engine_closed()
             raise ArtifactError(f"vLLM {version()} would not load {what}: {engine_reason(exc)}",
                                 "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
         self._sampling = vllm.SamplingParams
@@ -298,12 +309,17 @@ class Engine:
         if draft is not None:
             self._record_proposals()
 
+    def _runner(self):
+        """vLLM's model runner in this process (the uni-process executor), or None in another layout."""
+        try:
+            return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        except AttributeError:
+            return None
+
     def _record_proposals(self) -> None:
         """Keep the token ids vLLM's drafter proposes (one row per verify step; batch size 1 here)."""
-        try:
-            runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            drafter = runner.drafter
-        except AttributeError:  # not the in-process layout: acceptance counts only
+        drafter = getattr(self._runner(), "drafter", None)
+        if drafter is None:  # not the in-process layout: acceptance counts only
             return
         propose = drafter.propose
 
@@ -315,6 +331,57 @@ class Engine:
             return out
 
         drafter.propose = recording
+
+    def reload_draft(self, folder: Path) -> None:
+        """The draft's weights replaced by those of another export of the same draft (same config), with
+        vLLM's own in-place reload: the file's keys go through the drafter's load_weights, then vLLM
+        processes the layers again (its CPU build packs linear weights after loading). Measured: the
+        reloaded engine proposes and accepts exactly what an engine started on `folder` does. This is
+        what keeps one engine for every evaluation of a training run."""
+        from safetensors.torch import load_file
+
+        drafter = getattr(self._runner(), "drafter", None)
+        if self.draft is None or getattr(drafter, "model", None) is None:
+            raise ConfigError("this vLLM engine has no draft to reload in this process",
+                              "start the engine with a draft, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        weights = load_file(str(Path(folder) / "model.safetensors"))
+        try:
+            reload_weights(self._runner().vllm_config, drafter.model, weights_iterator=list(weights.items()),
+                           weights_path=None, is_checkpoint_format=True)
+        except Exception as exc:  # noqa: BLE001 (the engine's words)
+            raise ArtifactError(f"vLLM {version()} could not reload the draft from {folder}: {engine_reason(exc)}",
+                                "the export must be of the same draft (config) the engine started with") from exc
+        self.draft = Path(folder)
+        self.what = f"the draft {folder}"
+
+    def set_speculative_tokens(self, k: int) -> None:
+        """Draft k tokens per step at every batch size from now on (0: none), through vLLM's own
+        dynamic-speculation lookup (`num_speculative_tokens_per_batch_size`, which the engine must have
+        been started with; k at most its num_speculative_tokens). The drafter then proposes k tokens a
+        step, as a server started with that schedule does."""
+        try:
+            scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        except AttributeError:
+            scheduler = None
+        lookup = getattr(scheduler, "dynamic_sd_lookup", None)
+        if lookup is None:
+            raise ConfigError("this vLLM engine was started without num_speculative_tokens_per_batch_size",
+                              "start it with a batch-size schedule to change k while it runs")
+        most = self.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens
+        if not 0 <= k <= most:
+            raise ConfigError(f"{k} draft tokens: the engine was started with num_speculative_tokens {most}",
+                              f"use 0 .. {most}")
+        scheduler.dynamic_sd_lookup = [0] + [int(k)] * (len(lookup) - 1)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (its blocks x block size), None when vLLM does not say."""
+        try:
+            cache = self.llm.llm_engine.vllm_config.cache_config
+            return int(cache.num_gpu_blocks) * int(cache.block_size)
+        except (AttributeError, TypeError):
+            return None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                  eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Generation:
@@ -367,6 +434,7 @@ class Engine:
             llm.llm_engine.engine_core.shutdown()
         del llm
         _free()
+        _engine_closed()
 
     def __enter__(self):
         return self
@@ -377,6 +445,24 @@ class Engine:
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _engine_opened() -> None:
+    global _OPEN_ENGINES
+    if _OPEN_ENGINES == 0:
+        _THREADS_BEFORE[:] = [torch.get_num_threads()]
+    _OPEN_ENGINES += 1
+
+
+def _engine_closed() -> None:
+    """The last engine of this process gone: torch's own set_num_threads and the thread count from
+    before the first engine started."""
+    global _OPEN_ENGINES
+    _OPEN_ENGINES = max(0, _OPEN_ENGINES - 1)
+    if _OPEN_ENGINES == 0:
+        torch.set_num_threads = _TORCH_SET_NUM_THREADS
+        if _THREADS_BEFORE:
+            torch.set_num_threads(_THREADS_BEFORE[0])
 
 
 def _free() -> None:

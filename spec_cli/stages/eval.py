@@ -39,16 +39,17 @@ import statistics
 import tempfile
 from typing import Callable
 
+from spec_cli.artifacts.checkpoint import choice_note
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
-from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, fastest_depth, parting, plot_acceptance, turn_speedup
-from spec_cli.eval.speculative import Generation, Settings, eos_ids, generate, generate_target, verify_costs
-from spec_cli.eval.target import TREE_ATTENTION, Target
+from spec_cli.eval.speculative import Generation, Settings, eos_ids
+from spec_cli.eval.session import TorchSession, VllmSession
+from spec_cli.eval.target import TREE_ATTENTION
 from spec_cli.target import loading
 
 WARMUP_TOKENS = 8  # one untimed generation of each decoder first (allocator, kernels, lazy init)
@@ -163,6 +164,9 @@ def run(cfg: EvalConfig) -> EvalResult:
     target_config = loading.load_config(target_dir)
     template = chat_templates.resolve(cfg.chat_template)
     tokenizer = loading.load_tokenizer(target_dir, template)
+    note = choice_note(cfg.draft) if Path(cfg.draft).is_dir() else None
+    if note:  # a run that kept RUN/best: say that it is evaluated, not the latest checkpoint
+        info(note)
     loaded = drafts.load_draft(Path(cfg.draft), target_config)
     drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint, template)
     c = loaded.model.config
@@ -307,36 +311,15 @@ def _at_depth(spec: Decoder, settings: Settings) -> Decoder:
 def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path, device, dtype,
                     settings: Settings):
     """spec_cli's decoder and the target alone (plain decoding with its KV cache), both in PyTorch."""
-    model = loading.load_model(target_dir, device, dtype)
-    draft = loaded.model
-    if loaded.needs_embeddings:  # engines share the target's table with the draft
-        draft.copy_embeddings(model.get_input_embeddings().weight.float().cpu())
-    if loaded.needs_head:  # EAGLE-1/2 proposes through the target's lm_head (the engines share it)
-        draft.copy_head(model.get_output_embeddings().weight.float().cpu())
-    draft.to(device=device, dtype=dtype).eval()
-    algorithm = algorithms.get(draft.config.algorithm)
-    if hasattr(draft, "use_target_embeddings"):  # MSD: drafted tokens go through the target's embedding
-        draft.use_target_embeddings(model.get_input_embeddings())
-    target = Target(model, draft.config.aux_layer_ids, final_hidden=algorithm.final_hidden,
-                    input_embeds=INPUT_EMBEDS in algorithm.needs)
-    if cfg.topk > 1 and target.attn_implementation not in TREE_ATTENTION:
-        raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
-                          f"{target.attn_implementation}", "use a chain (--topk 1)")
-
-    def generator(seed: int | None):
-        return None if seed is None else torch.Generator(device=device).manual_seed(seed)
-
-    def spec(ids, seed, s=settings):
-        return generate(target, draft, ids, s, generator(seed))
-
-    def base(ids, seed, s=settings):
-        return generate_target(target, ids, s, generator(seed))
-
+    session = TorchSession(target_dir, device, dtype)
     try:
-        yield spec, base, {"name": "torch", "version": torch.__version__}, \
-            lambda ids, sizes: verify_costs(target, ids, sizes)
+        spec, base = session.decoders(loaded, settings)
+        if cfg.topk > 1 and session.target.attn_implementation not in TREE_ATTENTION:
+            raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
+                              f"{session.target.attn_implementation}", "use a chain (--topk 1)")
+        yield spec, base, session.info, session.verify_costs
     finally:
-        target.close()
+        session.close()
 
 
 @contextlib.contextmanager
@@ -357,26 +340,12 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
             folder = export.run(export.ExportConfig(source=loaded.path, format="vllm", output=tmp / "draft",
                                                     dtype="fp32", engine_check="none",
                                                     target=str(target_dir))).output
-        length = loading.max_positions(loading.load_config(target_dir))
-        algorithm = algorithms.get(loaded.model.config.algorithm)
-        spec_engine = stack.enter_context(vllm.Engine(
-            target_dir, folder, cfg.depth, dtype, length, cfg.seed, track_loading=True,
-            method=algorithm.engine_format("vllm").method, draft_class=algorithm.vllm_draft_class,
-            speculative_options=dict(algorithm.engine_format("vllm").engine_options)))
-        problems = spec_engine.load_report.problems()
-        if problems:
-            info("warning: " + "; ".join(problems))
-        base_engine = stack.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
-                                                      seed=cfg.seed))
-
-        def spec(ids, seed, s=settings):
-            return spec_engine.generate(ids, s.max_new_tokens, s.temperature, s.eos_ids, seed)
-
-        def base(ids, seed, s=settings):
-            return base_engine.generate(ids, s.max_new_tokens, s.temperature, s.eos_ids, seed)
-
-        yield spec, base, {"name": "vllm", "version": vllm.version(), "draft_folder": str(folder),
-                           "load_problems": problems}, None
+        session = VllmSession(target_dir, dtype, cfg.depth, loaded.model.config.algorithm, cfg.seed)
+        stack.callback(session.close)
+        spec, base = session.decoders(folder, settings)
+        if session.load_problems:
+            info("warning: " + "; ".join(session.load_problems))
+        yield spec, base, session.info, None
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],

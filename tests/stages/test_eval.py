@@ -170,9 +170,9 @@ def test_compare_depths_auto_follows_the_measured_forward_costs(trained, tmp_pat
                                                                 costs, compared):
     """auto compares the shorter chains whose forward is <= 0.9x the chain's own: the decision and the
     printed curve come from the times the probe measured (here injected; the probe itself: below)."""
-    from spec_cli.stages import eval as evaluate
+    from spec_cli.eval import session
 
-    monkeypatch.setattr(evaluate, "verify_costs", lambda target, ids, sizes: {n: costs[n] / 100 for n in sizes})
+    monkeypatch.setattr(session, "verify_costs", lambda target, ids, sizes: {n: costs[n] / 100 for n in sizes})
     out = tmp_path / "auto"
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
                  str(trained["prompts"]), "--num-prompts", "1", "--max-new-tokens", "4", "--depth", "3",
@@ -460,12 +460,12 @@ def test_a_failing_turn_keeps_the_finished_ones_and_names_its_prompt(tmp_path):
 
 
 def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, capsys, monkeypatch):
-    from spec_cli.stages import eval as evaluate
+    from spec_cli.eval import session
 
     out = tmp_path / "failed"
     out.mkdir()
     (out / "eval.json").write_text("{}")  # an earlier run's report must not sit beside new outputs
-    real, calls = evaluate.generate, []
+    real, calls = session.generate, []
 
     def flaky(*args, **kwargs):  # the warm-up, then turns 1 and 2 of prompt 0; turn 1 of prompt 1 fails
         calls.append(1)
@@ -473,7 +473,7 @@ def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, ca
             raise RuntimeError("out of memory")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "generate", flaky)
+    monkeypatch.setattr(session, "generate", flaky)
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
                  str(trained["prompts"]), "--max-new-tokens", "4", "-o", str(out), "-q"]) == 2
     err = " ".join(capsys.readouterr().err.split())
