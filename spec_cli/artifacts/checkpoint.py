@@ -40,6 +40,9 @@ from spec_cli.errors import ArtifactError
 
 CHECKPOINTS = "checkpoints"
 FROZEN = "frozen.safetensors"
+BEST = "best"  # RUN/best: the checkpoint that accepted best in the engine (`spec train --keep best`)
+BEST_JSON = "best.json"  # inside it: the step and what the engine measured
+ENGINE_EVAL = "engine-eval"  # RUN/engine-eval/step-N/{checkpoint,eval.json,...}: the in-loop evaluations
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -58,15 +61,63 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder from a run folder (its latest) or a checkpoint folder."""
+    """A checkpoint folder from a run folder (RUN/best when the run kept one, else its latest) or a
+    checkpoint folder."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return path
+    best = best_checkpoint(path)
+    if best is not None:
+        return best
     latest = latest_checkpoint(path)
     if latest is None:
         raise ArtifactError(f"{path} holds no draft checkpoint",
                             "pass a run folder written by `spec train` or one of its checkpoints/step-* folders")
     return latest
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """RUN/best when `spec train --keep best` kept one (complete: its record and weights), else None."""
+    best = Path(run_dir) / BEST
+    return best if (best / BEST_JSON).is_file() and (best / "model.safetensors").is_file() else None
+
+
+def best_record(run_dir: Path) -> dict | None:
+    """RUN/best/best.json: the step the best checkpoint was saved at and what the engine measured."""
+    best = best_checkpoint(run_dir)
+    if best is None:
+        return None
+    try:
+        return json.loads((best / BEST_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def choice_note(path: Path) -> str | None:
+    """What a command that was given a run folder says when it takes RUN/best instead of the latest
+    checkpoint (None when it does not)."""
+    record = best_record(path) if not (Path(path) / "model.safetensors").is_file() else None
+    if record is None:
+        return None
+    latest = latest_checkpoint(path)
+    last = (f"; the last checkpoint is step {int(latest.name.split('-')[1])} ({latest})"
+            if latest is not None else "")
+    return (f"{path} kept its best checkpoint: taking {Path(path) / BEST} (step {record['step']}, acceptance "
+            f"length {record['acceptance_length']:.3f} in {record['engine']}, the best of the steps the engine "
+            f"measured){last}")
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run folder a checkpoint belongs to: RUN for RUN/checkpoints/step-N, RUN/best and the in-loop
+    evaluations' RUN/engine-eval/step-N/checkpoint; None for a checkpoint outside a run."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == CHECKPOINTS:
+        return checkpoint.parent.parent
+    if checkpoint.name == BEST and (checkpoint.parent / "run.json").is_file():
+        return checkpoint.parent
+    if checkpoint.parent.parent.name == ENGINE_EVAL:
+        return checkpoint.parent.parent.parent
+    return None
 
 
 def flatten_optimizer(state_dict: dict, names: list[str]) -> tuple[dict[str, torch.Tensor], list]:
@@ -137,8 +188,9 @@ def frozen_candidates(checkpoint: Path) -> list[Path]:
     """Where a checkpoint's frozen weights may be: beside it, then in its run folder."""
     checkpoint = Path(checkpoint)
     found = [checkpoint / FROZEN]
-    if checkpoint.parent.name == CHECKPOINTS:
-        found.append(checkpoint.parent.parent / FROZEN)
+    run_dir = run_dir_of(checkpoint)
+    if run_dir is not None:
+        found.append(run_dir / FROZEN)
     return found
 
 
@@ -259,6 +311,36 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
     run's frozen.safetensors, written by save_frozen). `staged`: the folder of a sharded save, holding
     the ranks' `shards` optimizer files already (optimizer_tensors None); it becomes the checkpoint."""
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
+    if shards is not None:
+        trainer_state = {**trainer_state, "optimizer_shards": shards}
+    with (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
+        _write_weights(tmp, step, model_state, draft_config, trainer_state, frozen)
+        if optimizer_tensors is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
+                      str(tmp / "optimizer.safetensors"))
+        elif shards is None or sorted(p.name for p in tmp.glob("optimizer-*")) != \
+                [optimizer_shard_name(r, shards) for r in range(shards)]:
+            raise RuntimeError(f"a sharded checkpoint needs the {shards} ranks' optimizer files in {tmp}")
+        save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+    if keep_last:
+        for old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], draft_config: dict,
+                 trainer_state: dict, frozen: dict | None = None) -> Path:
+    """A checkpoint of the weights alone (model.safetensors, config.json, trainer_state.json; no optimizer
+    or RNG state: export and eval read it, a resume does not), written atomically into `folder`."""
+    with atomic_dir(Path(folder)) as tmp:
+        _write_weights(tmp, step, model_state, draft_config, {**trainer_state, "weights_only": True}, frozen)
+    return Path(folder)
+
+
+def _write_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], draft_config: dict,
+                   trainer_state: dict, frozen: dict | None) -> None:
+    """model.safetensors (its spec_cli record: step, config digest, the frozen weights it leaves out),
+    config.json and trainer_state.json into `folder`."""
     record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step,
               "config_sha256": config_digest(draft_config)}  # config.json edited later is caught on read
     if frozen:
@@ -267,26 +349,11 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
             raise ValueError(f"frozen weights {overlap} are also in model_state")
         record["frozen"] = {"keys": sorted(frozen["keys"]), "fingerprint": frozen["fingerprint"],
                             "file": FROZEN}
-    meta = {"spec_cli": json.dumps(record)}
-    if shards is not None:
-        trainer_state = {**trainer_state, "optimizer_shards": shards}
-    with (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
-                  str(tmp / "model.safetensors"), metadata=meta)
-        if optimizer_tensors is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
-                      str(tmp / "optimizer.safetensors"))
-        elif shards is None or sorted(p.name for p in tmp.glob("optimizer-*")) != \
-                [optimizer_shard_name(r, shards) for r in range(shards)]:
-            raise RuntimeError(f"a sharded checkpoint needs the {shards} ranks' optimizer files in {tmp}")
-        save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
-        (tmp / "trainer_state.json").write_text(
-            json.dumps({"schema_version": SCHEMA_VERSION, **trainer_state}, indent=2, sort_keys=True) + "\n")
-    if keep_last:
-        for old in checkpoint_dirs(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
+              str(folder / "model.safetensors"), metadata={"spec_cli": json.dumps(record)})
+    (folder / "config.json").write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
+    (folder / "trainer_state.json").write_text(
+        json.dumps({"schema_version": SCHEMA_VERSION, **trainer_state}, indent=2, sort_keys=True) + "\n")
 
 
 def config_digest(config: dict) -> str:

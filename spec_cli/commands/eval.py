@@ -15,7 +15,8 @@ from spec_cli.help import DECODING, INPUTS, RUNTIME
 def eval_cmd(
     target: Target,
     draft: Annotated[Path, typer.Option(
-        "--draft", help="A `spec train` run folder (its latest checkpoint), a checkpoints/step-* folder, or "
+        "--draft", help="A `spec train` run folder (RUN/best when training kept one, else its latest "
+                        "checkpoint), a checkpoints/step-* folder, or "
                         "a `spec export` folder of any format (read as its serving engine reads it).",
         rich_help_panel=INPUTS)],
     prompts: Annotated[str, typer.Option(

@@ -14,7 +14,8 @@ from spec_cli.help import CHECKS, INPUTS
 
 def export_cmd(
     source: Annotated[Path, typer.Argument(
-        help="A run folder (its latest checkpoint) or one of its checkpoints/step-* folders.")],
+        help="A run folder (RUN/best when training kept one with --keep best, else its latest checkpoint) or "
+             "one of its checkpoints/step-* folders.")],
     format: Annotated[str, typer.Option(  # noqa: A002 (the option's name; YAML key `format`)
         "--format", "-f", help="vllm, sglang or speculators (vLLM's speculators format).", rich_help_panel=INPUTS)],
     output: Annotated[Path, typer.Option(

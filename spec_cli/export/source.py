@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from spec_cli.artifacts import vocab_map
-from spec_cli.artifacts.checkpoint import CHECKPOINTS, check_config, load_frozen, resolve_checkpoint
+from spec_cli.artifacts.checkpoint import check_config, load_frozen, resolve_checkpoint, run_dir_of
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError
 
@@ -36,7 +36,8 @@ class DraftSource:
 
 
 def load_source(path: Path, target: str | None = None, frozen_required: bool = True) -> DraftSource:
-    """A run folder (its latest checkpoint) or a checkpoints/step-* folder -> DraftSource, with the
+    """A run folder (RUN/best when the run kept one, else its latest checkpoint) or a checkpoint folder
+    (checkpoints/step-*, best) -> DraftSource, with the
     frozen weights (embed_tokens) the checkpoint was saved without read back from the run's
     frozen.safetensors. frozen_required=False: a checkpoint whose run file is gone loads without them
     (listed in `missing_frozen`; eval takes the target's own)."""
@@ -59,7 +60,7 @@ def load_source(path: Path, target: str | None = None, frozen_required: bool = T
     state.update(frozen)
     missing = _check_state(checkpoint, config, state, optional=() if frozen_required else _FROZEN)
 
-    run_dir = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+    run_dir = run_dir_of(checkpoint)
     run = _read_json(run_dir / "run.json") if run_dir else {}
     options = run.get("options", {})
     step = int(trainer_state.get("step", 0))

@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from spec_cli import assets
+from spec_cli.artifacts.checkpoint import choice_note
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms
@@ -32,7 +33,7 @@ from spec_cli.target import loading
 
 @dataclass
 class ExportConfig:
-    source: Path  # a run folder (its latest checkpoint) or a checkpoints/step-* folder
+    source: Path  # a run folder (RUN/best when kept, else its latest checkpoint) or a checkpoint folder
     format: str  # vllm | sglang | speculators
     output: Path
     dtype: str = "bf16"  # float weights are cast to this
@@ -102,6 +103,9 @@ def run(cfg: ExportConfig) -> ExportResult:
         raise ConfigError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}",
                           "use bf16 (the default)")
     dtype = DTYPES[cfg.dtype]
+    note = choice_note(cfg.source)  # a run that kept RUN/best: say that it is exported, not the latest
+    if note:
+        info(note)
     src = load_source(cfg.source, target=cfg.target)
     algorithm = algorithms.get(src.config.algorithm)
     if fmt not in algorithm.format_names and algorithm.extra.get("not_served"):  # (MSD: no engine runs it)
