@@ -28,13 +28,15 @@ DRAFT = "Draft"
 OBJECTIVE = "Objective"
 OPTIMISATION = "Optimisation"
 CHECKPOINTS = "Checkpoints & logging"
+ENGINE_LOOP = "Engine in the loop"
 DECODING = "Decoding"
 CHECKS = "Checks"
 SERVER = "Server"
 LIMITS = "Request limits"
 RUNTIME = "Runtime"
 OPTIONS = "Options"
-ORDER = (ARGUMENTS, INPUTS, TARGET, DATA, GENERATION, DRAFT, OBJECTIVE, OPTIMISATION, CHECKPOINTS, DECODING, CHECKS,
+ORDER = (ARGUMENTS, INPUTS, TARGET, DATA, GENERATION, DRAFT, OBJECTIVE, OPTIMISATION, CHECKPOINTS, ENGINE_LOOP,
+         DECODING, CHECKS,
          SERVER, LIMITS, RUNTIME, OPTIONS)
 
 _ONE_LINE = 28  # `--x / --no-x` longer than this puts `/ --no-x` on a line of its own

@@ -23,7 +23,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
-from spec_cli.help import CHECKPOINTS, DATA, DRAFT, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
+from spec_cli.help import CHECKPOINTS, DATA, DRAFT, ENGINE_LOOP, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
 from spec_cli.options import (FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, check_range, option,  # noqa: F401
                               parse_duration, parse_size, parse_size_or_auto, shared)
 
@@ -240,6 +240,51 @@ class RuntimeOptions:
     resume: bool = option(
         False, "--resume", help="Continue the run in --output from its latest checkpoint.", panel=CHECKPOINTS,
         resumable=True)
+    eval_engine: str | None = option(
+        None, "--eval-engine", help="Every --eval-engine-every steps and at the last, export the current weights "
+                                    "through `spec export` (self-check included) and decode held-out prompts "
+                                    "with this engine, greedy, beside the target alone, in a process of its own "
+                                    "started once: the real acceptance length, acceptance per draft position "
+                                    "and speed-up go into log.jsonl, the console and training.png while "
+                                    "training goes on.", panel=ENGINE_LOOP, allowed=("vllm", "torch"),
+        resumable=True)
+    eval_engine_every: int = option(
+        200, "--eval-engine-every", help="Steps between engine evaluations (the last step is always one).",
+        panel=ENGINE_LOOP, min=1, resumable=True)
+    eval_engine_wait: bool = option(
+        False, "--eval-engine-wait/--no-eval-engine-wait", help="Wait for each engine evaluation before training "
+                                                                 "on (every one is made, none skipped, at the cost "
+                                                                 "of its time). Default: train while it decodes; "
+                                                                 "an evaluation asked for while two are in flight "
+                                                                 "is skipped (said).",
+        panel=ENGINE_LOOP, resumable=True)
+    keep: str = option(
+        "last", "--keep", help="best: keep the checkpoint whose engine acceptance length was the best (ties: the "
+                               "later step) as RUN/best, which `spec export RUN` and `spec eval RUN` then take "
+                               "(and say so); needs --eval-engine. last: only the checkpoints.",
+        panel=ENGINE_LOOP, allowed=("last", "best"), resumable=True)
+    eval_prompts: str | None = option(
+        None, "--eval-prompts", help="The engine's prompts: a chat data file or mt-bench (the user turns of each "
+                                     "record; --eval-engine-prompts of them). Default: conversations of the "
+                                     "batches held out from training (--eval-fraction), first two user turns, "
+                                     "chosen once into RUN/engine-eval/prompts.jsonl.", panel=ENGINE_LOOP)
+    eval_engine_prompts: int = option(
+        8, "--eval-engine-prompts", help="Conversations the engine decodes (both turns each).", panel=ENGINE_LOOP,
+        min=1)
+    eval_engine_tokens: int = option(
+        64, "--eval-engine-tokens", help="Tokens generated per turn at most.", panel=ENGINE_LOOP, min=1)
+    eval_engine_depth: int | None = option(
+        None, "--eval-engine-depth", help="Draft tokens per target forward (a chain). Default: spec eval's, 3 "
+                                          "(a DFlash draft: its block size - 1).", panel=ENGINE_LOOP, min=1)
+    eval_engine_target: str | None = option(
+        None, "--eval-engine-target", help="The target the engine runs. Default: the run's --target, or the "
+                                           "one its cache was made from (--remote: required).",
+        panel=ENGINE_LOOP, resumable=True)
+    eval_engine_memory: float = option(
+        0.2, "--eval-engine-memory", help="On a GPU: the share of its memory the engine process may take "
+                                          "(vLLM's gpu_memory_utilization, split between the target-alone and "
+                                          "the speculative engine; PyTorch's per-process fraction).",
+        panel=ENGINE_LOOP, allowed=Range(0, 1, lo_open=True), resumable=True)
 
 
 class ObjectiveOptions:

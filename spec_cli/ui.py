@@ -115,6 +115,20 @@ def print_train_summary(result) -> None:
         e = result.final_eval
         rows.append(("eval", f"loss {e['loss']:.4f}  acc " + " ".join(f"{a:.3f}" for a in e["acc"])
                      + f"  sim. accept len {e['acceptance_length']:.3f}"))
+    engine = getattr(result, "engine", None)
+    if engine:
+        answered = [e for e in engine["evaluations"] if "error" not in e]
+        failed = len(engine["evaluations"]) - len(answered)
+        if answered:
+            last = answered[-1]
+            text = (f"{len(answered)} evaluation(s) in {last['engine']}: acceptance length "
+                    + ", ".join(f"{e['acceptance_length']:.3f} @ {e['step']}" for e in answered[-6:]))
+            best = engine.get("best")
+            if best:
+                text += f"; best step {best['step']} ({best['acceptance_length']:.3f}), kept as {result.run_dir}/best"
+            rows.append(("engine in the loop", text))
+        if failed:
+            rows.append(("engine in the loop", f"{failed} evaluation(s) failed: see log.jsonl (split engine)"))
     if result.plot:
         rows.append(("curves", str(result.plot)))
     summary("train", rows)
@@ -130,6 +144,20 @@ def print_demo_summary(result) -> None:
     rows = [(s.name, when(s)) for s in result.stages]
     if result.train_steps:
         rows.append(("train steps", result.train_steps))
+    curve = getattr(result, "engine_curve", None) or []
+    if curve:
+        engine = curve[0]["engine"]
+        rows.append((f"acceptance in {engine} while training", ", ".join(
+            f"{c['step']}: {c['acceptance_length']:.2f}" + ("*" if c.get("best") else "") for c in curve)
+            + " (held-out chats; * kept as the best so far)"))
+    exported, last = getattr(result, "exported_step", None), getattr(result, "last_step", None)
+    if exported is not None:
+        by_step = {c["step"]: c for c in curve}
+        measured = lambda step: (f", acceptance {by_step[step]['acceptance_length']:.2f} in {by_step[step]['engine']}"  # noqa: E731
+                                 if step in by_step else "")
+        rows.append(("checkpoint exported", f"step {exported}{measured(exported)}"
+                     + (f" (the best the engine measured; the last, step {last}{measured(last)})"
+                        if last is not None and last != exported else " (the last step)")))
     for warning in result.warnings:
         rows.append(("WARNING", warning))
     if result.acceptance_length is not None:
@@ -152,6 +180,9 @@ def print_demo_summary(result) -> None:
         rows.append(("held-out prompts", f"acceptance length {result.heldout_acceptance_length:.2f}, speed-up "
                                          f"{result.heldout_speedup:.2f}x ({result.profile.heldout_prompts} "
                                          f"ShareGPT conversations the draft never saw{per_turn})"))
+    tuned = getattr(result, "tune", None)
+    if tuned:
+        rows.append(("how to serve it (spec tune)", tune_text(tuned)))
     if result.eval_json is not None:
         rows.append(("eval report", str(result.eval_json)))
     if result.serve_command:
@@ -166,6 +197,23 @@ def print_demo_summary(result) -> None:
     rows.append(("total", f"{result.seconds / 60:.1f} min{estimated}; rerun `spec demo` to reuse the finished "
                           "stages"))
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
+
+
+def tune_text(report: dict) -> str:
+    """One paragraph of a serving.json: the fastest k at each batch size with its speed-up, and what is
+    recommended."""
+    rows = [r for r in report.get("table", []) if r.get("fastest")]
+    if report.get("engine") == "vllm":
+        sizes = ", ".join(f"batch {r['batch_size']}: k {r['k']} {r['speedup']:.2f}x" for r in rows)
+        config = report.get("speculative_config")
+        if config is None:
+            advice = report.get("why", "")
+        else:
+            advice = "schedule " + json.dumps(config["num_speculative_tokens_per_batch_size"])
+        return f"{sizes} over the target alone (vLLM); {advice}"
+    r = rows[0] if rows else None
+    return (f"batch 1 in PyTorch: {r['config']} {r['speedup']:.2f}x over the target alone"
+            if r else report.get("why", ""))
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -39,7 +39,7 @@ def test_commands_with_many_options_group_them_into_panels(monkeypatch, capsys):
     out = _help_at_80(monkeypatch, capsys, ["train"])
     panels = re.findall(r"╭─ (.+?) ─", out)
     assert panels == ["Inputs and output", "Live target", "Data", "Draft", "Objective", "Optimisation",
-                      "Checkpoints & logging", "Runtime", "Options"]
+                      "Checkpoints & logging", "Engine in the loop", "Runtime", "Options"]
     for name in ("precompute", "regenerate", "eval", "serve-target", "export"):
         assert len(re.findall(r"╭─ ", _help_at_80(monkeypatch, capsys, [name]))) >= 3, name
 

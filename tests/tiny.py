@@ -163,6 +163,30 @@ def peaked_copy(src: Path, dst: Path, scale: float = 40.0) -> Path:
     return dst
 
 
+def save_vllm_sized_target(path: Path) -> Path:
+    """A Llama target sized for vLLM's CPU attention (head_dim 32: the CPU kernels take 32, 64, 80, ...
+    only). Random weights with the attention and MLP outputs scaled up, so that each layer changes the
+    residual stream a lot (at the default init neighbouring layers' states are nearly the same, and a
+    draft reading the wrong layers would still accept)."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer("llama3")
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    path.mkdir(parents=True)
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(8)
+            layer.mlp.down_proj.weight.mul_(8)
+    model.save_pretrained(str(path))
+    return path
+
+
 # ----------------------------------------------------------------------------- vision-language targets
 
 VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "mistral3", "gemma4",

@@ -2,7 +2,7 @@
 
 A conversation is a list of user turns. Turn j is asked, through the target's chat template, after the
 model's own answers to turns 0..j-1 (MT-bench's protocol). Records read:
-    {"turns": [str, ...], "category": ...}                  MT-bench questions
+    {"turns": [str, ...], "category": ...[, "system": str]} MT-bench questions
     {"conversations": [...]} / {"messages": [...]}          ShareGPT / OpenAI chats: their user turns
                                                             (and a leading system message)
     {"prompt" | "instruction" | "question" | "text": str}   one turn
@@ -43,8 +43,10 @@ class Conversation:
 
 def _user_turns(record: dict) -> tuple[list[str], str | None]:
     """(user turns, system prompt) of one record."""
-    if isinstance(record.get("turns"), list):
-        return [t for t in record["turns"] if isinstance(t, str) and t.strip()], None
+    if isinstance(record.get("turns"), list):  # MT-bench; spec train's held-out prompts add a "system"
+        system = record.get("system")
+        return ([t for t in record["turns"] if isinstance(t, str) and t.strip()],
+                system if isinstance(system, str) and system.strip() else None)
     chat = record.get("conversations") if record.get("conversations") is not None else record.get("messages")
     if isinstance(chat, list):
         turns, system = [], None

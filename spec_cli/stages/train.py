@@ -39,6 +39,7 @@ from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_grou
 from spec_cli.draft.losses import acceptance_length
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
 from spec_cli.plan.auto import needs_checkpointing
+from spec_cli.stages import engine_eval
 from spec_cli.stages.train_log import TrainLogger, plot_curves
 from spec_cli.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
@@ -57,6 +58,7 @@ class TrainResult:
     plot: Path | None
     total_steps: int | None = None  # the planned steps (> steps when --max-time stopped the run)
     stream: dict | None = None  # the stream store's health report (--stream)
+    engine: dict | None = None  # --eval-engine: {"evaluations": [answers], "best": RUN/best's record or None}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -77,8 +79,9 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
 def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack,
          given: set[str] | None) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
+    _check_engine_options(cfg)  # before the target loads
     source = open_source(cfg, device, vocab_map)
-    batches = logger = stream_report = None
+    batches = logger = stream_report = evaluator = None
     try:
         source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
         algorithm = _algorithm(cfg, source)
@@ -87,9 +90,11 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         source.backend.extra_fields = algorithm_fields(algorithm)  # the algorithm's own per-token fields
         trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device,
                           auto_checkpointing=given is not None and "activation_checkpointing" not in given)
+        engine = _plan_engine(cfg, source, schedule, trainer) if cfg.runtime.eval_engine else None
         run_json = _run_json(cfg, source, vocab_map)
         if distributed.is_main():  # the run folder is one, shared by the ranks
             lock.enter_context(FolderLock(cfg.runtime.output, "spec train"))
+            engine_eval.recover_best(cfg.runtime.output)  # (a RUN/best being replaced when the run was killed)
             ckpt.remove_temporaries(cfg.runtime.output)  # a killed run's half-written files
         _check_run_dir(cfg, run_json)
         distributed.check_shared_folder(cfg.runtime.output, "the run folder")  # torchrun: one folder for all
@@ -110,9 +115,13 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         if schedule.curriculum is not None:
             info(f"curriculum: {schedule.curriculum.describe()}; {len(schedule.pools[0])} text and "
                  f"{len(schedule.pools[1])} image-text train batches")
+        if engine is not None and distributed.is_main():
+            evaluator = _start_engine(cfg, engine, logger)
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
-        step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step)
+        step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step, evaluator)
     finally:
+        if evaluator is not None:  # the worker stops (killed when it does not); unanswered snapshots go
+            evaluator.close()
         if batches is not None:  # stop the producers and free the store before the target goes
             batches.close()
             if cfg.runtime.stream:
@@ -129,16 +138,23 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
     plot = plot_curves(cfg.runtime.output) if distributed.is_main() else None
     checkpoint_dir = ckpt.latest_checkpoint(cfg.runtime.output)
     distributed.shutdown()
+    engine_report = None
+    if evaluator is not None:
+        engine_report = {"evaluations": evaluator.done, "best": ckpt.best_record(cfg.runtime.output)
+                         if cfg.runtime.keep == "best" else None, "seconds": evaluator.seconds}
     return TrainResult(Path(cfg.runtime.output), checkpoint_dir, step, time.perf_counter() - start_time,
-                       final_train, final_eval, plot, schedule.total_steps, stream_report)
+                       final_train, final_eval, plot, schedule.total_steps, stream_report, engine_report)
 
 
 def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
-               after_step=None) -> tuple[int, dict | None, dict | None]:
+               after_step=None, engine=None) -> tuple[int, dict | None, dict | None]:
     """Optimizer steps from `step` to the end of the schedule, or until --max-time; (the step reached,
-    the last train and eval records). Ctrl-C saves the steps done since the last checkpoint."""
+    the last train and eval records). Ctrl-C saves the steps done since the last checkpoint. `engine`
+    (rank 0, --eval-engine): the EngineEvaluator the weights are handed to every --eval-engine-every
+    steps; its answers are logged as they come, and the last step's is waited for."""
     cfg, schedule = trainer.cfg, trainer.schedule
     o, rt, total = cfg.optim, cfg.runtime, schedule.total_steps
+    engine_every = rt.eval_engine_every if rt.eval_engine else 0
     window, window_start, last_saved = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter(), step
     loop_start, out_of_time = time.perf_counter(), False
     final_train = final_eval = None
@@ -179,6 +195,8 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                                "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
                                "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
                                "peak_memory_gb": peak_memory_gb(trainer.device)}
+                if engine is not None:  # how much of the window the engine was decoding beside training
+                    final_train["engine_busy"] = round(engine.busy_share(window_start, time.perf_counter()), 3)
                 logger.log(final_train)
                 window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter()
             if (rt.eval_every and step % rt.eval_every == 0) or last:
@@ -188,6 +206,12 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             if step % rt.save_every == 0 or last:
                 trainer.save(step)
                 last_saved = step
+            if engine_every and (step % engine_every == 0 or last):
+                trainer.hand_to_engine(step, engine, last)
+            if engine is not None:
+                engine.poll()  # answers that came back meanwhile: logged, RUN/best kept (never waits)
+                if last or rt.eval_engine_wait:
+                    engine.finish()  # the last checkpoint's evaluation, and any before it, come back first
     except TrainingError:
         raise  # nothing saved: the state after a non-finite loss is not worth keeping
     except KeyboardInterrupt:
@@ -213,6 +237,84 @@ def _start(cfg: TrainConfig) -> torch.device:
         raise ConfigError(f"--target-engine {cfg.runtime.target_engine} runs a live --target in this process",
                           "drop --target-engine (a cache or a server decides), or train from --target")
     return device
+
+
+def _check_engine_options(cfg: TrainConfig) -> None:
+    """--eval-engine / --keep / --eval-prompts, refused before anything loads or is written."""
+    rt = cfg.runtime
+    if rt.keep == "best" and not rt.eval_engine:
+        raise ConfigError("--keep best keeps the checkpoint the engine measured best, and no --eval-engine is "
+                          "given", "add --eval-engine vllm (or torch), or drop --keep best")
+    if not rt.eval_engine:
+        return
+    engine_eval.check_available(rt.eval_engine, algorithms.get(cfg.draft.algorithm))
+    if rt.eval_prompts:
+        from spec_cli.eval import prompts
+
+        found = prompts.load_conversations(rt.eval_prompts)  # one line when it holds no user turn
+        if any(conv.images for conv in found):
+            raise ConfigError(f"--eval-prompts {rt.eval_prompts} has image prompts; the engine decodes text",
+                              "pass text chats")
+
+
+@dataclass
+class EnginePlan:
+    """What the engine in the loop runs with, decided (and checked) before the run folder is touched."""
+    worker: object  # engine_eval.WorkerConfig
+    prompts: list[dict] | None  # the held-out conversations to write to RUN/engine-eval/prompts.jsonl
+    device: torch.device  # the trainer's (rank 0's): on a GPU the worker shares it
+
+
+def _plan_engine(cfg: TrainConfig, source: Source, schedule: Schedule, trainer: Trainer) -> EnginePlan:
+    """The worker's config (the target it runs, its device and threads, the depth) and its prompts."""
+    from spec_cli.stages.eval import natural_depth
+
+    rt = cfg.runtime
+    target = engine_eval.eval_target(cfg, source)
+    written = None
+    prompts_path = rt.eval_prompts
+    if not prompts_path:
+        prompts_path = str(Path(rt.output) / ckpt.ENGINE_EVAL / engine_eval.PROMPTS)
+        if not Path(prompts_path).is_file():  # chosen once: the same prompts at every evaluation and on --resume
+            written = engine_eval.held_out_records(cfg, source, schedule)
+    device = trainer.device
+    template = cfg.data.chat_template
+    if cfg.data.cache is not None:
+        template = engine_eval.template_arg(source.chat_template.get("chat_template_source"))
+    worker = engine_eval.WorkerConfig(
+        run_dir=str(rt.output), engine=rt.eval_engine, target=str(target), prompts=prompts_path,
+        depth=rt.eval_engine_depth or natural_depth(trainer.draft_config), max_new_tokens=rt.eval_engine_tokens,
+        num_prompts=rt.eval_engine_prompts if rt.eval_prompts else None,
+        export_format=trainer.algorithm.engine_format("vllm").name,
+        device="cuda:0" if device.type == "cuda" else device.type, dtype=None,
+        memory=rt.eval_engine_memory if device.type == "cuda" else None,
+        threads=max(1, threads.available_cores() // 2), chat_template=template)
+    return EnginePlan(worker, written, device)
+
+
+def _start_engine(cfg: TrainConfig, plan: EnginePlan, logger: TrainLogger):
+    """Rank 0: the held-out prompts written (once), the snapshots an interrupted run left removed, and the
+    engine's worker process started; its answers go to the log as they come."""
+    rt = cfg.runtime
+    if plan.prompts is not None:
+        engine_eval.write_prompts(Path(rt.output), plan.prompts)
+    engine_eval.remove_unanswered(rt.output)
+    env = dict(os.environ)
+    if plan.worker.device.startswith("cuda"):  # the trainer's GPU, shared under --eval-engine-memory
+        env["CUDA_VISIBLE_DEVICES"] = engine_eval.visible_device(plan.device)
+    depth = plan.worker.depth
+
+    def on_result(record: dict) -> None:
+        logger.log(record, engine_eval.result_text(record, depth))
+
+    evaluator = engine_eval.EngineEvaluator(plan.worker, rt.keep == "best", on_result, env)
+    evaluator.start()
+    where = (f"{plan.worker.prompts}" + (f" ({rt.eval_engine_prompts} of them)" if rt.eval_prompts else ""))
+    info(f"engine in the loop: {rt.eval_engine} decodes {where}, chain {depth}, {rt.eval_engine_tokens} tokens a "
+         f"turn, every {rt.eval_engine_every} steps, in its own process (log: "
+         f"{Path(rt.output) / ckpt.ENGINE_EVAL / engine_eval.WORKER_LOG})"
+         + ("; the best checkpoint is kept as RUN/best" if rt.keep == "best" else ""))
+    return evaluator
 
 
 def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
@@ -438,6 +540,30 @@ class Trainer:
     def evaluate(self) -> dict | None:
         return evaluate(self.objective, self.source, self.schedule.eval, self.cfg, self.device, self.autocast_dtype,
                         metric_steps(self.cfg, self.algorithm))
+
+    def hand_to_engine(self, step: int, engine, last: bool) -> None:
+        """The weights after `step` steps to the engine in the loop: every rank takes part in gathering them
+        (FSDP2), rank 0 writes them (RUN/engine-eval/step-N/checkpoint, weights only) and hands the step to
+        the worker, unless its backlog is full (then this step is skipped, and said; never the last)."""
+        from spec_cli.stages import engine_eval
+
+        model_state, _ = sharding.full_state(self.draft, self.optimizer, self.names, sharded=self.sharded,
+                                             with_optimizer=False)
+        if engine is None:  # ranks > 0
+            return
+        if last and not engine.ready():  # the last step is always evaluated: wait for room
+            engine.finish()
+        if not engine.ready():
+            if engine.dead is None:
+                info(f"engine @ {step}: skipped, the engine is still on step(s) "
+                     f"{', '.join(map(str, sorted(engine.pending)))} (raise --eval-engine-every)")
+            return
+        folder = engine_eval.step_dir(self.cfg.runtime.output, step) / "checkpoint"
+        s = self.schedule
+        ckpt.save_weights(folder, step, model_state, self.draft_config.to_dict(),
+                          {"step": step, "epoch": s.epoch(step), "total_steps": s.total_steps},
+                          frozen=self.frozen_record)
+        engine.submit(step, folder)
 
     def save(self, step: int) -> Path | None:
         """A checkpoint after `step` steps (every rank takes part; rank 0 writes it): its folder.

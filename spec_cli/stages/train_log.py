@@ -33,6 +33,7 @@ class TrainLogger:
         self.live: Live | None = None
         self.bar: Bar | None = None
         self.last_eval: dict | None = None
+        self.last_engine: dict | None = None  # --eval-engine's last answer
         self.tb = None
         if not enabled:
             return
@@ -58,17 +59,28 @@ class TrainLogger:
 
     def _table(self, record: dict | None) -> Table:
         table = Table(title="spec train", show_header=True, title_justify="left")
-        for col in ("step", "loss", "acc per TTT step", "sim. accept len", "tokens/s", "eval acc0 / accept len"):
+        columns = ["step", "loss", "acc per TTT step", "sim. accept len", "tokens/s", "eval acc0 / accept len"]
+        engine = self.last_engine
+        if engine is not None:
+            columns.append(f"{engine['engine']} accept len @ step")
+        for col in columns:
             table.add_column(col, overflow="fold")
         if record:
             ev = self.last_eval
-            table.add_row(f"{record['step']}/{self.total}", f"{record['loss']:.4f}", _fmt_acc(record["acc"]),
-                          f"{record['acceptance_length']:.3f}", f"{record['tokens_per_s']:.0f}",
-                          f"{ev['acc'][0]:.3f} / {ev['acceptance_length']:.3f}" if ev else "-")
+            row = [f"{record['step']}/{self.total}", f"{record['loss']:.4f}", _fmt_acc(record["acc"]),
+                   f"{record['acceptance_length']:.3f}", f"{record['tokens_per_s']:.0f}",
+                   f"{ev['acc'][0]:.3f} / {ev['acceptance_length']:.3f}" if ev else "-"]
+            if engine is not None:
+                row.append(f"{engine['acceptance_length']:.3f} @ {engine['step']}")
+            table.add_row(*row)
         return table
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, text: str | None = None) -> None:
+        """Append `record` to log.jsonl (and TensorBoard) and show it; `text`: an engine answer's line."""
         if not self.enabled:
+            return
+        if record["split"] == "engine":
+            self._engine(record, text)
             return
         if record["split"] == "train":
             if self.first_step is None:
@@ -99,6 +111,22 @@ class TrainLogger:
                 info(f"eval @ {record['step']}  loss {record['loss']:.4f}  acc {_fmt_acc(record['acc'])}  "
                      f"accept len {record['acceptance_length']:.3f}")
 
+    def _engine(self, record: dict, text: str | None) -> None:
+        """An answer of the engine in the loop (spec_cli/stages/engine_eval.py): logged when it arrives,
+        after the train records of the steps run meanwhile; its line is printed above the live view."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if "error" not in record:
+            self.last_engine = record
+            if self.tb is not None:
+                self.tb.add_scalar("engine/acceptance_length", record["acceptance_length"], record["step"])
+                self.tb.add_scalar("engine/speedup", record["speedup"], record["step"])
+                for j, rate in enumerate(record.get("acceptance_rate") or []):
+                    if rate is not None:
+                        self.tb.add_scalar(f"engine/acceptance_rate_pos{j + 1}", rate, record["step"])
+        if text and not is_quiet():
+            info(text)
+
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
@@ -124,7 +152,8 @@ def plot_curves(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    engine = [r for r in records if r["split"] == "engine" and "error" not in r]
+    fig, axes = plt.subplots(1, 4 if engine else 3, figsize=(20 if engine else 15, 4))
     for split, style in (("train", "-"), ("eval", "o-")):
         rows = [r for r in records if r["split"] == split]
         if not rows:
@@ -136,7 +165,22 @@ def plot_curves(run_dir: Path) -> Path | None:
                 axes[1].plot(steps, [r["acc"][k] for r in rows], style,
                              label=f"{split} step {k}", alpha=1.0 if k == 0 else 0.5)
         axes[2].plot(steps, [r["acceptance_length"] for r in rows], style, label=split)
-    for ax, title in zip(axes, ("loss", "top-1 accuracy per TTT step", "simulated acceptance length")):
+    titles = ["loss", "top-1 accuracy per TTT step", "simulated acceptance length"]
+    if engine:  # the engine's real acceptance beside the teacher-forced simulation, and per position
+        engine.sort(key=lambda r: r["step"])
+        name, steps = engine[0]["engine"], [r["step"] for r in engine]
+        axes[2].plot(steps, [r["acceptance_length"] for r in engine], "s-", color="black",
+                     label=f"{name}, decoded")
+        best = [r for r in engine if r.get("best")]
+        if best:
+            axes[2].plot([best[-1]["step"]], [best[-1]["acceptance_length"]], "*", color="red", markersize=14,
+                         label=f"RUN/best (step {best[-1]['step']})")
+        for j in range(max(len(r.get("acceptance_rate") or []) for r in engine)):
+            axes[3].plot(steps, [(r.get("acceptance_rate") or [None] * (j + 1))[j] if j < len(r.get("acceptance_rate") or [])
+                                 else None for r in engine], "o-", label=f"position {j + 1}")
+        titles[2] = f"acceptance length: simulated, and decoded in {name}"
+        titles.append(f"{name}: acceptance rate per draft position")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

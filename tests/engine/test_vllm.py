@@ -17,31 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from spec_cli.cli import main
 from tests import tiny
+from tests.tiny import save_vllm_sized_target  # noqa: F401 (the other engine tests import it from here)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
-
-
-def save_vllm_sized_target(path: Path) -> Path:
-    """Random Llama weights with the attention and MLP outputs scaled up, so that each layer changes the
-    residual stream a lot (at the default init neighbouring layers' states are nearly the same, and a
-    draft reading the wrong layers would still accept)."""
-    import transformers
-
-    tokenizer = tiny.build_tokenizer("llama3")
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
-                                      head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
-    path.mkdir(parents=True)
-    tokenizer.save_pretrained(str(path))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(8)
-            layer.mlp.down_proj.weight.mul_(8)
-    model.save_pretrained(str(path))
-    return path
 
 
 def train_on_sized_target(root: Path, *train_args: str) -> dict:
