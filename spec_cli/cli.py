@@ -25,6 +25,7 @@ from spec_cli.commands.plan import plan_cmd
 from spec_cli.commands.precompute import precompute_cmd
 from spec_cli.commands.regenerate import regenerate_cmd
 from spec_cli.commands.serve_target import serve_target_cmd
+from spec_cli.commands.tune import tune_cmd
 from spec_cli.console import err_console
 from spec_cli.errors import SpecError
 from spec_cli.help import Command, Group
@@ -47,8 +48,8 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         name="spec",
         cls=Group,
-        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash) for a target LLM and export "
-             "them for vLLM/SGLang.",
+        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash) for a target LLM, export "
+             "them for vLLM/SGLang, and measure how to serve them.",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
@@ -57,7 +58,8 @@ def build_app() -> typer.Typer:
     app.callback()(_root)
     commands = [("assets", assets_cmd), ("regenerate", regenerate_cmd), ("build-vocab-map", build_vocab_map_cmd),
                 ("precompute", precompute_cmd), ("train", train.command()), ("export", export_cmd),
-                ("eval", eval_cmd), ("serve-target", serve_target_cmd), ("demo", demo_cmd), ("inspect", inspect_cmd),
+                ("eval", eval_cmd), ("tune", tune_cmd), ("serve-target", serve_target_cmd), ("demo", demo_cmd),
+                ("inspect", inspect_cmd),
                 ("plan", plan_cmd)]
     for name, function in commands:
         app.command(name, cls=Command)(function)

@@ -34,6 +34,25 @@ def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algori
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
+def tune_lines(fmt: str, folder: Path, target: str | None, algorithm: str) -> list[str]:
+    """How to measure the speculation length that serves this draft fastest at each batch size."""
+    served_as = algorithms.get(algorithm).format(fmt)
+    if served_as.engine not in ("vllm", "sglang"):
+        return []
+    where = shlex.quote(str(folder))
+    target = shlex.quote(target or "TARGET")
+    if served_as.engine == "vllm":
+        return ["## Tune for your batch sizes", "",
+                "A draft that speeds up one request can slow a busy server. Measure vLLM's output tokens/s "
+                "with 0 .. 5 draft tokens at batch sizes 1 .. 16 on your hardware; `serving.json` then holds "
+                "the `speculative_config` (a `num_speculative_tokens_per_batch_size` schedule) that was "
+                "fastest at each size:", "", "```bash", f"spec tune {where} --target {target}", "```", ""]
+    return ["## Tune the draft tree", "",
+            "SGLang serves EAGLE-2 trees; measure chains and trees (depth, top-k, nodes) at batch 1 in "
+            "spec_cli's decoder on your hardware:", "", "```bash",
+            f"spec tune {where} --target {target} --engine torch", "```", ""]
+
+
 def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, support=None) -> str:
     c = src.config
     fmt, steps = files.format, files.num_speculative_tokens
@@ -47,6 +66,7 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
                   f"vllm serve {shlex.quote(str(folder))}", "```", ""]
     if src.target is None:
         lines += ["Replace `TARGET` with the target model the draft was trained for (see below).", ""]
+    lines += tune_lines(fmt, folder, src.target, c.algorithm)
     unknown = "unknown"
     lines += [f"`{steps}` draft tokens per step; the draft was trained with --ttt-steps "
               f"{src.ttt_steps or unknown}, so deeper settings see states it never trained on.", ""]

@@ -1,0 +1,550 @@
+"""`spec tune`: how to serve a draft on this machine, measured: the speculation length per batch size.
+
+A draft that helps one request at a time can slow a busy server: verification makes every request's
+forward longer, and at a large batch the target is no longer waiting on memory. vLLM takes a batch-size
+schedule for the number of draft tokens (`speculative_config.num_speculative_tokens_per_batch_size`:
+`[(first, last, k), ...]`, inclusive ranges, k 0 meaning no drafts at those sizes). This stage measures
+the user's own draft on their own target and writes the schedule that was fastest.
+
+vLLM (`--engine vllm`, the default): two engines in this process, the target alone and the target with
+the draft started with num_speculative_tokens --max-k and a schedule. k is set between measurements
+through the same lookup vLLM's scheduler reads for a schedule, so each k is measured as a server started
+with that schedule runs it (the drafter proposes k tokens a step). For every batch size b the same
+--requests prompts (MT-bench first turns by default; b of them when b is larger) are sent in waves of b;
+output tokens / wall time of the waves is the throughput. Every configuration runs in every repeat, in
+turn, so that a change in the machine's load hits all of them; each keeps its median and its range.
+
+The recommendation at each batch size is the fastest measured k (k 0 included). A schedule is written
+when some batch size is fastest with drafts, none at all when none is. It is refused as a recommendation
+when the busy meter says the machine was too busy for the speeds to mean much. A fresh engine started
+with the recommended config then decodes the prompts at every batch size, and its greedy outputs must
+equal the target alone's.
+
+`--engine torch`: spec_cli's PyTorch evaluator at batch 1 (it decodes one request): chains of 1..--max-k
+and EAGLE-2 trees (vLLM serves chains only), the fastest recommended for `spec eval` / SGLang's
+`--speculative-eagle-topk`. DFlash drafts are swept by how many of their block's tokens are drafted.
+
+Written to --output (default EXPORT-tune beside the export): serving.json, speedup.png.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from spec_cli import assets, threads
+from spec_cli.artifacts.io import SCHEMA_VERSION, write_json
+from spec_cli.console import info, progress, warn
+from spec_cli.data import chat_templates
+from spec_cli.draft import algorithms
+from spec_cli.errors import ConfigError
+from spec_cli.eval import drafts, prompts
+from spec_cli.eval.speculative import Settings, eos_ids
+from spec_cli.target import loading
+
+ENGINES = ("vllm", "torch")
+BATCH_SIZES = (1, 2, 4, 8, 16)
+TREES = ((2, 8), (4, 16))
+BLOCK = 16  # vLLM's KV cache block (tokens), what a request's room is rounded up to  # --engine torch: (top-k, nodes verified) of the EAGLE-2 trees swept at each depth
+
+
+@dataclass
+class TuneConfig:
+    draft: Path  # an export folder (or a run / checkpoint, exported for vLLM into a temporary folder)
+    target: str
+    output: Path | None = None  # default: EXPORT-tune beside the export
+    engine: str = "vllm"
+    max_k: int | None = None  # default: 5 (a DFlash draft: its block size - 1)
+    batch_sizes: tuple[int, ...] | None = None  # None: BATCH_SIZES, those the engine's KV cache holds
+    prompts: str = "mt-bench"
+    requests: int = 8  # prompts decoded at every batch size (b of them when b is larger)
+    max_new_tokens: int = 64
+    repeats: int = 3
+    dtype: str | None = None
+    device: str | None = None
+    check_fingerprint: bool = True
+    verify: bool = True  # start vLLM with the recommended config and check its greedy outputs
+
+
+@dataclass
+class Measured:
+    """One configuration at one batch size: tokens/s of each repeat, and whether its outputs were the
+    target alone's."""
+    tokens_per_s: list[float] = field(default_factory=list)
+    same: list[bool] = field(default_factory=list)
+    acceptance_length: float | None = None  # --engine torch: the decoder's own count
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s) if self.tokens_per_s else 0.0
+
+
+@dataclass
+class TuneResult:
+    output: Path
+    json_path: Path
+    plot_path: Path | None
+    engine: str
+    table: list[dict]
+    recommended: dict | None  # the speculative_config (vLLM) or the decoding settings (torch)
+    refused: str | None  # why nothing was recommended although measured
+    serve: str
+    verified: dict | None
+    busy: dict
+    seconds: float
+    settings: dict = field(default_factory=dict)
+
+
+def default_output(draft: Path) -> Path:
+    draft = Path(draft)
+    return draft.parent / f"{draft.name}-tune"
+
+
+def schedule_for(best: dict[int, int]) -> list[list[int]]:
+    """{batch size: fastest k} of the measured sizes -> vLLM's inclusive ranges: each measured size's k
+    holds until the next measured size (vLLM carries the last range's k past its end)."""
+    sizes = sorted(best)
+    ranges: list[list[int]] = []
+    for i, b in enumerate(sizes):
+        last = sizes[i + 1] - 1 if i + 1 < len(sizes) else b
+        first = 1 if i == 0 else b
+        if ranges and ranges[-1][2] == best[b]:
+            ranges[-1][1] = last
+        else:
+            ranges.append([first, last, best[b]])
+    return ranges
+
+
+def recommend(table: dict[int, dict[str, Measured]], configs: list[str]) -> dict[int, str]:
+    """Each batch size's fastest configuration by median tokens/s (ties: the first in `configs` order,
+    the fewer draft tokens)."""
+    return {b: max(configs, key=lambda c: (row[c].median, -configs.index(c))) for b, row in table.items()
+            if all(c in row for c in configs)}
+
+
+def run(cfg: TuneConfig) -> TuneResult:
+    start = time.perf_counter()
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}", "e.g. --engine vllm")
+    if cfg.repeats < 1 or cfg.requests < 1 or cfg.max_new_tokens < 1 or (cfg.max_k is not None and cfg.max_k < 1):
+        raise ConfigError("--repeats, --requests, --max-new-tokens and --max-k must be at least 1", "e.g. --repeats 3")
+    if cfg.batch_sizes is not None and (not cfg.batch_sizes or min(cfg.batch_sizes) < 1):
+        raise ConfigError("--batch-sizes must be whole numbers of at least 1", "e.g. --batch-sizes 1,2,4,8")
+    target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
+    target_config = loading.load_config(target_dir)
+    tokenizer = loading.load_tokenizer(target_dir, None)
+    loaded = drafts.load_draft(Path(cfg.draft), target_config)
+    drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint)
+    c = loaded.model.config
+    algorithm = algorithms.get(c.algorithm)
+    block = algorithm.extra.get("eval_depth")
+    most = int(block(c)) if block else None  # a DFlash draft proposes at most its block size - 1 tokens
+    max_k = cfg.max_k or (most or 5)
+    if most is not None and max_k > most:
+        raise ConfigError(f"--max-k {max_k}: this {algorithm.title} draft proposes at most {most} tokens per "
+                          "forward", f"use --max-k {most} or less")
+    conversations = prompts.load_conversations(cfg.prompts)
+    ids = [prompts.prompt_ids(tokenizer, conv, 0) for conv in conversations if not conv.images]
+    if not ids:
+        raise ConfigError(f"--prompts {cfg.prompts} has no text prompt", "pass chat prompts without images")
+    stop = eos_ids(tokenizer, loading.generation_config(target_dir)) | chat_templates.end_of_turn_ids(tokenizer, None)
+    output = Path(cfg.output) if cfg.output else default_output(loaded.path)
+    if cfg.engine == "torch":
+        return _run_torch(cfg, loaded, target_dir, ids, stop, max_k, output, start)
+    return _run_vllm(cfg, loaded, target_dir, ids, stop, max_k, output, start)
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], stop, max_k: int,
+              output: Path, start: float) -> TuneResult:
+    from spec_cli.engine import vllm
+
+    vllm.require("spec tune")
+    algorithm = algorithms.get(loaded.model.config.algorithm)
+    fmt = algorithm.engine_format("vllm") if any(f.engine == "vllm" for f in algorithm.formats) else None
+    if fmt is None:
+        raise ConfigError(f"vLLM does not serve {algorithm.title} drafts", "tune it in PyTorch: --engine torch")
+    if loaded.kind == "export" and loaded.format != fmt.name:
+        raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
+                          f"pass a {fmt.name} export, or the run (exported for vLLM on the fly)")
+    sizes = list(cfg.batch_sizes or BATCH_SIZES)
+    biggest = max(sizes)
+    device = loading.choose_device(cfg.device)
+    dtype = loading.choose_dtype(cfg.dtype, device)
+    longest = max(len(p) for p in ids[:max(cfg.requests, biggest)])
+    length = min(loading.max_positions(loading.load_config(target_dir)), longest + cfg.max_new_tokens + max_k + 8)
+    with tempfile.TemporaryDirectory(prefix="spec-tune-") as tmp:
+        folder = loaded.path
+        if loaded.kind != "export":
+            from spec_cli.stages import export
+
+            info(f"exporting {loaded.path} for vLLM (fp32) into a temporary folder")
+            folder = export.run(export.ExportConfig(source=loaded.path, format=fmt.name, output=Path(tmp) / "draft",
+                                                    dtype="fp32", engine_check="none",
+                                                    target=str(target_dir))).output
+        schedule = [[1, biggest, max_k]]
+        info(f"loading {target_dir.name} twice in vLLM ({str(dtype).replace('torch.', '')}): alone, and with the "
+             f"draft {folder} (up to {max_k} draft tokens, batches up to {biggest})")
+        base = vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest)
+        try:
+            spec = vllm.Engine(target_dir, folder, max_k, dtype, length, method=fmt.method, max_num_seqs=biggest,
+                               draft_class=algorithm.vllm_draft_class,
+                               speculative_options={**dict(fmt.engine_options),
+                                                    "num_speculative_tokens_per_batch_size": schedule})
+        except BaseException:
+            base.close()
+            raise
+        try:
+            sizes = _held_sizes(cfg, sizes, [base, spec], longest + cfg.max_new_tokens + max_k + 1)
+            for engine in (base, spec):  # untimed: the engines' first steps (allocations, lazy set-up)
+                _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)
+            configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
+            table, busy = _measure(cfg, sizes, configs, ids, stop, base, spec)
+        finally:
+            spec.close()
+            base.close()
+        best = recommend(table, configs[1:])
+        refused = busy["warning"] if busy["too_busy"] else None
+        recommended = None
+        ks = {b: int(best[b][1:]) for b in best}
+        if refused is None and any(ks.values()):
+            rng = schedule_for(ks)
+            recommended = {"method": fmt.method, "model": None, "num_speculative_tokens": max(ks.values()),
+                           **dict(fmt.engine_options), "num_speculative_tokens_per_batch_size": rng}
+        verified = None
+        if recommended is not None and cfg.verify:
+            verified = _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length, sizes, ids,
+                               stop, biggest)
+    rows = _rows(table, configs, best)
+    # a server started with a draft pays for the drafter's machinery even at k 0: where the target alone
+    # was faster still, a server that sees mostly such batches is better off without speculation
+    alone = {b: round(table[b]["target"].median / table[b][best[b]].median, 4) for b in best
+             if table[b]["target"].median > table[b][best[b]].median}
+    path = loaded.path if loaded.kind == "export" else Path("DRAFT")
+    if recommended is not None:
+        recommended["model"] = str(path)
+    serve = _serve_command(target_dir, recommended, ks if refused is None else None)
+    return _write(cfg, output, "vllm", rows, recommended, refused, serve, verified, busy, start, loaded,
+                  {"batch_sizes": sizes, "max_k": max_k, "dtype": str(dtype).replace("torch.", ""),
+                   "max_model_len": length, "ks_fastest": {str(b): k for b, k in ks.items()},
+                   "target_alone_faster": {str(b): r for b, r in alone.items()}})
+
+
+def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) -> list[int]:
+    """The batch sizes both engines' KV caches hold at once (each request up to `per_request` tokens): a
+    size asked for by --batch-sizes that does not fit is refused, the default ones are left out (said)."""
+    capacity = min((c for c in (e.kv_capacity_tokens() for e in engines) if c is not None), default=None)
+    if capacity is None:
+        return sizes
+    per_request = -(-per_request // BLOCK) * BLOCK  # the cache is handed out in whole blocks
+    fits = [b for b in sizes if b * per_request <= capacity]
+    too_big = [b for b in sizes if b not in fits]
+    if too_big and cfg.batch_sizes is not None:
+        raise ConfigError(f"--batch-sizes {','.join(map(str, too_big))}: the engine's KV cache holds {capacity} "
+                          f"tokens here, and {max(too_big)} requests of up to {per_request} tokens need "
+                          f"{max(too_big) * per_request}", "drop the larger sizes, or give vLLM more KV cache "
+                          "(VLLM_CPU_KVCACHE_SPACE in GiB on a CPU)")
+    if too_big:
+        info(f"batch sizes {', '.join(map(str, too_big))} left out: the KV cache holds {capacity} tokens here")
+    if not fits:
+        raise ConfigError(f"not even one request of {per_request} tokens fits the engine's KV cache ({capacity})",
+                          "lower --max-new-tokens, or give vLLM more KV cache")
+    return fits
+
+
+def _wave_prompts(ids: list[list[int]], requests: int, b: int) -> list[list[int]]:
+    """The prompts decoded at batch size b: --requests of them, or b when b is larger."""
+    n = max(requests, b)
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, base, spec):
+    """Every configuration at every batch size, `repeats` times, in turn -> ({b: {config: Measured}}, the
+    busy meter's record)."""
+    table = {b: {c: Measured() for c in configs} for b in sizes}
+    reference: dict[int, list[list[int]]] = {}
+    meter = threads.Meter()
+    with progress("tune", cfg.repeats * len(sizes) * len(configs), unit="runs") as bar:
+        for _ in range(cfg.repeats):
+            for b in sizes:
+                batch = _wave_prompts(ids, cfg.requests, b)
+                for c in configs:
+                    engine = base if c == "target" else spec
+                    if c != "target":
+                        spec.set_speculative_tokens(int(c[1:]))
+                    outputs, seconds = _waves(engine, batch, b, cfg.max_new_tokens, stop)
+                    if c == "target":
+                        reference.setdefault(b, outputs)
+                    m = table[b][c]
+                    m.tokens_per_s.append(sum(len(o) for o in outputs) / seconds)
+                    m.same.append(outputs == reference.get(b))
+                    bar.advance()
+    busy = meter.stop(torch.get_num_threads(), threads.available_cores(),
+                      on_cpu=loading.choose_device(cfg.device).type == "cpu")
+    return table, busy
+
+
+def _waves(engine, batch: list[list[int]], b: int, max_new_tokens: int, stop) -> tuple[list[list[int]], float]:
+    """`batch` decoded b at a time (one generate call per wave: vLLM runs its requests together) -> the
+    outputs in order and the wall time of all waves."""
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(batch), b):
+        wave = batch[i:i + b]
+        outputs += engine.generate_batch(wave, [max_new_tokens] * len(wave), eos_ids=stop)
+    return outputs, time.perf_counter() - start
+
+
+def _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length, sizes, ids, stop,
+            biggest) -> dict:
+    """A fresh engine started with the recommended speculative_config decodes every batch size's prompts:
+    its greedy outputs against the target alone's (decoded again, in its own fresh engine)."""
+    from spec_cli.engine import vllm
+
+    options = {k: v for k, v in recommended.items() if k not in ("method", "model", "num_speculative_tokens")}
+    alone: dict[int, list] = {}
+    with vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest) as base:
+        for b in sizes:
+            alone[b] = _waves(base, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0]
+    same = {}
+    with vllm.Engine(target_dir, folder, recommended["num_speculative_tokens"], dtype, length, method=fmt.method,
+                     max_num_seqs=biggest, draft_class=algorithm.vllm_draft_class,
+                     speculative_options=options) as served:
+        for b in sizes:
+            same[str(b)] = _waves(served, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0] == alone[b]
+    return {"same_as_target": same, "all_same": all(same.values())}
+
+
+def _rows(table: dict[int, dict[str, Measured]], configs: list[str], best: dict[int, str]) -> list[dict]:
+    rows = []
+    for b, row in table.items():
+        base = row["target"].median
+        for c in configs:
+            m = row[c]
+            rows.append({"batch_size": b, "config": c, "k": int(c[1:]) if c[:1] == "k" and c[1:].isdigit() else None,
+                         "tokens_per_s": round(m.median, 2),
+                         "tokens_per_s_runs": [round(t, 2) for t in m.tokens_per_s],
+                         "speedup": round(m.median / base, 4) if base else None,
+                         "speedup_range": [round(min(m.tokens_per_s) / base, 4), round(max(m.tokens_per_s) / base, 4)]
+                         if base else None,
+                         "same_as_target": all(m.same), "fastest": best.get(b) == c})
+    return rows
+
+
+def _serve_command(target_dir: Path, recommended: dict | None, ks: dict | None) -> str:
+    import json
+
+    if recommended is None:
+        return (f"vllm serve {shlex.quote(str(target_dir))}  # no speculative decoding: no batch size measured "
+                "faster with this draft" if ks is not None else "")
+    return (f"vllm serve {shlex.quote(str(target_dir))} --speculative-config "
+            f"{shlex.quote(json.dumps(recommended))}")
+
+
+# ----------------------------------------------------------------------------- PyTorch (batch 1)
+
+def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int, output: Path,
+               start: float) -> TuneResult:
+    from spec_cli.eval.session import TorchSession
+    from spec_cli.eval.target import TREE_ATTENTION
+    from spec_cli.stages.eval import WARMUP_TOKENS
+
+    if cfg.batch_sizes not in (None, (1,)):
+        raise ConfigError("--engine torch decodes one request at a time (batch size 1)",
+                          "drop --batch-sizes, or tune in vLLM (--engine vllm)")
+    device = loading.choose_device(cfg.device)
+    dtype = loading.choose_dtype(cfg.dtype, device)
+    algorithm = algorithms.get(loaded.model.config.algorithm)
+    shapes = [("target", 0, 1, 0)] + [(f"chain {k}", k, 1, k) for k in range(1, max_k + 1)]
+    if not algorithm.extra.get("eval_depth"):  # a block drafter proposes a chain; the others can branch
+        shapes += [(f"tree {d}x{t}/{n}", d, t, n) for d in range(2, max_k + 1) for t, n in TREES]
+    session = TorchSession(target_dir, device, dtype)
+    try:
+        base_settings = Settings(depth=1, topk=1, num_tokens=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                                 eos_ids=stop)
+        spec, base = session.decoders(loaded, base_settings)
+        if session.target.attn_implementation not in TREE_ATTENTION:
+            shapes = [s for s in shapes if s[2] == 1]
+        batch = ids[:cfg.requests]
+        warm = replace(base_settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
+        base(batch[0], None, warm)
+        table = {1: {name: Measured() for name, *_ in shapes}}
+        reference = None
+        meter = threads.Meter()
+        with progress("tune", cfg.repeats * len(shapes), unit="runs") as bar:
+            for _ in range(cfg.repeats):
+                for name, depth, topk, nodes in shapes:
+                    settings = replace(base_settings, depth=max(depth, 1), topk=topk, num_tokens=max(nodes, 1))
+                    decode = base if name == "target" else spec
+                    t0, tokens, steps, produced = time.perf_counter(), [], 0, 0
+                    for p in batch:
+                        g = decode(p, None, settings)
+                        tokens.append(g.tokens)
+                        steps += len(g.steps)
+                        produced += sum(m + 1 for m, _ in g.steps)
+                    seconds = time.perf_counter() - t0
+                    reference = tokens if name == "target" else reference
+                    m = table[1][name]
+                    m.tokens_per_s.append(sum(len(t) for t in tokens) / seconds)
+                    m.same.append(tokens == reference)
+                    m.acceptance_length = produced / steps if steps else None
+                    bar.advance()
+        busy = meter.stop(torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu")
+    finally:
+        session.close()
+    names = [name for name, *_ in shapes]
+    best = recommend(table, names)
+    rows = _rows(table, names, best)
+    for row in rows:
+        row["acceptance_length"] = table[1][row["config"]].acceptance_length
+        shape = next(s for s in shapes if s[0] == row["config"])
+        row.update(depth=shape[1], topk=shape[2], num_tokens=shape[3])
+    refused = busy["warning"] if busy["too_busy"] else None
+    fastest = next(s for s in shapes if s[0] == best[1])
+    recommended = None
+    if refused is None and fastest[0] != "target":
+        recommended = {"depth": fastest[1], "topk": fastest[2], "num_tokens": fastest[3]}
+    serve = ""
+    if recommended is not None:
+        serve = (f"spec eval -t {shlex.quote(str(target_dir))} --draft {shlex.quote(str(loaded.path))} --depth "
+                 f"{fastest[1]}" + (f" --topk {fastest[2]} --num-tokens {fastest[3]}" if fastest[2] > 1 else ""))
+        if fastest[2] > 1:
+            serve += (f"   # SGLang: --speculative-num-steps {fastest[1]} --speculative-eagle-topk {fastest[2]} "
+                      f"--speculative-num-draft-tokens {fastest[3]}")
+    return _write(cfg, output, "torch", rows, recommended, refused, serve, None, busy, start, loaded,
+                  {"batch_sizes": [1], "max_k": max_k, "dtype": str(dtype).replace("torch.", ""),
+                   "fastest": fastest[0]})
+
+
+# ----------------------------------------------------------------------------- output
+
+def _write(cfg: TuneConfig, output: Path, engine: str, rows: list[dict], recommended, refused, serve, verified,
+           busy, start: float, loaded, settings: dict) -> TuneResult:
+    from spec_cli import __version__
+
+    output.mkdir(parents=True, exist_ok=True)
+    json_path = output / "serving.json"
+    key = "speculative_config" if engine == "vllm" else "decoding"
+    why = ("refused: " + refused) if refused else (
+        "the fastest measured configuration at each batch size" if recommended is not None else
+        "no configuration with drafts was faster than none at any batch size measured")
+    write_json(json_path, {
+        "kind": "serving", "schema_version": SCHEMA_VERSION, "version": __version__, "engine": engine,
+        "draft": {"path": str(loaded.path), "kind": loaded.kind, "format": loaded.format, "step": loaded.step},
+        "target": str(cfg.target), key: recommended, "why": why, "serve": serve, "verified": verified,
+        "settings": {**settings, "prompts": cfg.prompts, "requests": cfg.requests,
+                     "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats},
+        "table": rows, "busy": busy})
+    plot = plot_speedup(output / "speedup.png", rows, f"{loaded.path.name}: speed-up over the target alone ({engine})")
+    return TuneResult(output, json_path, plot, engine, rows, recommended, refused, serve, verified, busy,
+                      time.perf_counter() - start, settings)
+
+
+def plot_speedup(path: Path, rows: list[dict], title: str) -> Path:
+    """speedup.png: speed-up over the target alone against batch size, one line per configuration (a bar
+    chart of the configurations at batch size 1 when only that was measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows if r["config"] != "target"))
+    sizes = sorted({r["batch_size"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if len(sizes) == 1:
+        values = [next(r["speedup"] for r in rows if r["config"] == c) for c in configs]
+        ax.bar(range(len(configs)), values, color="#4c72b0")
+        ax.set_xticks(range(len(configs)), configs, rotation=45, ha="right", fontsize=7)
+    else:
+        for c in configs:
+            points = [(r["batch_size"], r["speedup"]) for r in rows if r["config"] == c]
+            ax.plot([b for b, _ in points], [s for _, s in points], "o-", label=c.replace("k", "k = "))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (concurrent requests)")
+        ax.legend(fontsize=7)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel("tokens/s over the target alone")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_tune(result: TuneResult) -> None:
+    """The table (tokens/s and speed-up per configuration and batch size, the fastest in bold), the
+    recommendation and the serve command."""
+    from rich.table import Table
+
+    from spec_cli.console import console, is_quiet, summary
+
+    if is_quiet():
+        return
+    configs = list(dict.fromkeys(r["config"] for r in result.table))
+    sizes = sorted({r["batch_size"] for r in result.table})
+    table = Table(title=f"spec tune ({result.engine}): output tokens/s (speed-up over the target alone)",
+                  title_justify="left")
+    table.add_column("batch" if result.engine == "vllm" else "config", justify="right")
+    columns = configs if result.engine == "vllm" else [f"batch {b}" for b in sizes]
+    for c in columns:
+        table.add_column(c if result.engine != "vllm" else ("target alone" if c == "target" else f"k = {c[1:]}"),
+                         justify="right")
+    if result.engine == "vllm":
+        for b in sizes:
+            cells = []
+            for c in configs:
+                r = next(r for r in result.table if r["batch_size"] == b and r["config"] == c)
+                text = f"{r['tokens_per_s']:.1f}" + ("" if c == "target" else f" ({r['speedup']:.2f}x)")
+                if not r["same_as_target"]:
+                    text += " !"
+                cells.append(f"[bold]{text}[/bold]" if r["fastest"] else text)
+            table.add_row(str(b), *cells)
+    else:
+        for r in result.table:
+            al = f", AL {r['acceptance_length']:.2f}" if r.get("acceptance_length") else ""
+            text = f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x{al})"
+            table.add_row(r["config"], f"[bold]{text}[/bold]" if r["fastest"] else text)
+    console.print(table)
+    rows = [("written", f"{result.json_path}, {result.plot_path}")]
+    if result.refused:
+        warn(f"no recommendation: {result.refused}")
+        rows.append(("recommended", "none: the machine was too busy (see above)"))
+    elif result.recommended is None:
+        rows.append(("recommended", "no speculative decoding: nothing with drafts was faster at any size"))
+    else:
+        rows.append(("recommended", _recommended_text(result)))
+    if result.verified is not None:
+        rows.append(("verified", "greedy outputs identical to the target alone's at every batch size"
+                     if result.verified["all_same"] else
+                     f"outputs differ from the target alone's at sizes "
+                     f"{[b for b, same in result.verified['same_as_target'].items() if not same]}"))
+    alone = result.settings.get("target_alone_faster") or {}
+    if alone:
+        rows.append(("without a draft", "the target alone (no speculative_config) was faster still at batch "
+                     + ", ".join(f"{b} ({r:.2f}x the best k)" for b, r in alone.items())
+                     + ": a server that mostly sees such batches is better off without speculation"))
+    if result.serve:
+        rows.append(("serve", result.serve))
+    rows.append(("time", f"{result.seconds / 60:.1f} min"))
+    summary("tune", rows)
+
+
+def _recommended_text(result: TuneResult) -> str:
+    r = result.recommended
+    if result.engine == "vllm":
+        parts = [f"{a}-{b}: k {k}" if a != b else f"{a}: k {k}" for a, b, k in r["num_speculative_tokens_per_batch_size"]]
+        return "num_speculative_tokens_per_batch_size " + ", ".join(parts) + " (the last k holds above)"
+    return f"chain of {r['depth']}" if r["topk"] == 1 else f"tree depth {r['depth']}, top-{r['topk']}, {r['num_tokens']} nodes"
+
+
+def fastest_k(rows: list[dict]) -> dict[int, int]:
+    """{batch size: the fastest k} from a serving.json table (k 0: no drafts)."""
+    return {r["batch_size"]: r["k"] for r in rows if r["fastest"] and r["k"] is not None}

@@ -1,0 +1,118 @@
+"""spec tune: the schedule from what was measured (pure functions), PyTorch's sweep of chains and trees at
+batch 1, and what is refused: a busy machine's recommendation, a batch size the KV cache cannot hold, a
+missing engine. (vLLM's sweep and the served schedule: tests/engine/test_engine_loop.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spec_cli.cli import main
+from spec_cli.errors import ConfigError
+from spec_cli.stages import tune
+from tests.stages.test_engine_eval import sized  # noqa: F401 (the module fixture: target, data, cache)
+
+
+@pytest.mark.parametrize("fastest, schedule", [
+    ({1: 3, 2: 3, 4: 1, 8: 0, 16: 0}, [[1, 3, 3], [4, 7, 1], [8, 16, 0]]),
+    ({1: 2}, [[1, 1, 2]]),
+    ({1: 0, 4: 2}, [[1, 3, 0], [4, 4, 2]]),
+    ({2: 1, 4: 1}, [[1, 4, 1]]),  # the first range starts at 1 (vLLM requires it)
+])
+def test_schedule_keeps_each_measured_sizes_k_until_the_next(fastest, schedule):
+    assert tune.schedule_for(fastest) == schedule
+
+
+def test_recommend_takes_the_fastest_median_and_fewer_drafts_on_a_tie():
+    m = lambda *tps: tune.Measured(list(tps))  # noqa: E731
+    table = {1: {"k0": m(10, 11, 12), "k1": m(14, 13, 30), "k2": m(13, 13, 13)},
+             8: {"k0": m(50, 50), "k1": m(50, 50), "k2": m(40, 60)}}
+    assert tune.recommend(table, ["k0", "k1", "k2"]) == {1: "k1", 8: "k0"}  # medians 14 > 13 > 11; 50 = 50 = 50
+
+
+def test_a_batch_size_the_kv_cache_cannot_hold_is_refused_by_name():
+    class Engine:
+        def kv_capacity_tokens(self):
+            return 1000
+
+    asked = tune.TuneConfig(draft=None, target="t", batch_sizes=(1, 16, 32))
+    with pytest.raises(ConfigError, match=r"--batch-sizes 16,32: the engine's KV cache holds 1000 tokens here, "
+                                          r"and 32 requests of up to 112 tokens need 3584"):  # 100 in 16-token blocks
+        tune._held_sizes(asked, [1, 16, 32], [Engine()], 100)
+    default = tune.TuneConfig(draft=None, target="t")
+    assert tune._held_sizes(default, [1, 2, 4, 8, 16], [Engine()], 100) == [1, 2, 4, 8]  # said, not refused
+
+
+@pytest.fixture(scope="module")
+def trained(sized, tmp_path_factory):  # noqa: F811
+    run = tmp_path_factory.mktemp("tune") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPEC_HOME", str(sized["root"] / "home"))
+    try:
+        assert main(["train", "--cache", str(sized["cache"]), "-v", str(sized["vm"]), "-o", str(run), "--max-steps",
+                     "20", "--lr", "1e-2", "--ttt-steps", "2", "-q"]) == 0
+    finally:
+        mp.undo()
+    return {**sized, "run": run}
+
+
+class _Meter:
+    busy = False
+
+    def stop(self, threads, cores, on_cpu=True):
+        warning = "the machine was too busy for these speeds to mean much: test" if self.busy else None
+        return {"too_busy": self.busy, "warning": warning, "threads": threads, "cores": cores}
+
+
+def test_torch_sweeps_chains_and_trees_at_batch_1_and_recommends_the_fastest(trained, tmp_path, monkeypatch):
+    monkeypatch.setattr(tune.threads, "Meter", _Meter)
+    out = tmp_path / "tune"
+    assert main(["tune", str(trained["run"]), "-t", str(trained["target"]), "--engine", "torch", "--max-k", "2",
+                 "--requests", "2", "--max-new-tokens", "12", "--repeats", "1", "-o", str(out), "-q"]) == 0
+    report = json.loads((out / "serving.json").read_text())
+    rows = report["table"]
+    assert [r["config"] for r in rows] == ["target", "chain 1", "chain 2", "tree 2x2/8", "tree 2x4/16"]
+    assert all(r["batch_size"] == 1 and r["same_as_target"] for r in rows)
+    assert all(r["acceptance_length"] >= 1 for r in rows if r["config"] != "target")
+    fastest = max(rows, key=lambda r: r["tokens_per_s"])  # the target alone too: no drafts at all
+    assert [r["config"] for r in rows if r["fastest"]] == [fastest["config"]]
+    decoding = report["decoding"]
+    if fastest["config"] == "target":
+        assert decoding is None and report["why"].startswith("no configuration with drafts was faster")
+    else:
+        assert (decoding["depth"], decoding["topk"], decoding["num_tokens"]) == \
+            (fastest["depth"], fastest["topk"], fastest["num_tokens"])
+        assert report["serve"].startswith("spec eval") and f"--depth {fastest['depth']}" in report["serve"]
+
+
+def test_a_busy_machines_speeds_are_not_recommended(trained, tmp_path, monkeypatch, capsys):
+    busy = type("Busy", (_Meter,), {"busy": True})
+    monkeypatch.setattr(tune.threads, "Meter", busy)
+    out = tmp_path / "tune"
+    assert main(["tune", str(trained["run"]), "-t", str(trained["target"]), "--engine", "torch", "--max-k", "1",
+                 "--requests", "1", "--max-new-tokens", "4", "--repeats", "1", "-o", str(out)]) == 0
+    report = json.loads((out / "serving.json").read_text())
+    assert report["decoding"] is None and report["why"].startswith("refused: the machine was too busy")
+    assert report["table"]  # the measurements are kept, marked
+    assert "no recommendation: the machine was too busy" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--engine", "torch", "--batch-sizes", "4"], "--engine torch decodes one request at a time"),
+    (["--batch-sizes", "1,x"], "--batch-sizes '1,x' is not a list of whole numbers"),
+    (["--max-k", "9", "--engine", "torch", "--prompts", "EMPTY"], "no user turns found in"),
+    ([], "spec tune needs vLLM, which is not installed"),
+])
+def test_bad_tune_input_is_one_line(trained, tmp_path, capsys, monkeypatch, args, says):
+    from spec_cli.engine import vllm
+
+    monkeypatch.setattr(vllm, "available", lambda: False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "only an answer"}]}) + "\n")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    out = tmp_path / "tune"
+    assert main(["tune", str(trained["run"]), "-t", str(trained["target"]), "-o", str(out), *args]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err, err
+    assert not out.exists()
