@@ -26,16 +26,18 @@ def demo_cmd(
                            "Default: no cap (the schedule is fixed in steps, so the result does not depend "
                            "on the machine's speed).")] = None,
     engine: Annotated[str, typer.Option(
-        "--engine", help="What runs the target in regenerate: auto (vLLM where the `vllm` extra is installed, "
-                         "else transformers), transformers or vllm.")] = "auto",
+        "--engine", help="What runs the target in regenerate, in the training loop's evaluations and in the "
+                         "closing `spec tune`: auto (vLLM where the `vllm` extra is installed, else "
+                         "transformers / spec_cli's PyTorch decoder), transformers or vllm.")] = "auto",
     device: Device = None,
     dtype: Dtype = None,
     quiet: Quiet = False,
 ):
     """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
     ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
-    precompute, train (a fixed number of steps), export for
-    vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts. Regenerate and precompute run
+    precompute, train (a fixed number of steps; the checkpoint that accepts best in the engine is kept),
+    export it for vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts, and tune how to
+    serve it (spec tune). Regenerate and precompute run
     the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
     Rerunning reuses finished stages. Expected on 2 quiet CPU cores with native bf16 through
     AVX512-BF16 (AMD EPYC): --quick about 8 minutes, the default about 40; through AMX (Intel Xeon):

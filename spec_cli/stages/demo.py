@@ -28,7 +28,7 @@ from spec_cli.paths import spec_home
 from spec_cli.target import loading
 
 DEMO_JSON = "demo.json"
-STAGES = 9
+STAGES = 10
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,17 @@ class Profile:
     # the MT-bench eval also decodes chains of these depths (spec eval --compare-depths; "auto": the
     # shorter ones this machine verifies measurably cheaper): which is fastest depends on the hardware
     eval_compare_depths: tuple[int, ...] | str = "auto"
+    # the engine in the training loop (spec train --eval-engine, vLLM when installed): every this many
+    # steps it decodes these many held-out conversations (both turns, this many tokens a turn), and the
+    # checkpoint that accepted best is the one exported (--keep best)
+    engine_every: int = 200
+    engine_prompts: int = 8
+    engine_tokens: int = 48
+    # the closing `spec tune` (vLLM: 0 .. tune_max_k draft tokens at batch sizes 1 .. 16)
+    tune_max_k: int = 3
+    tune_requests: int = 4
+    tune_tokens: int = 32
+    tune_repeats: int = 2
 
     def describe(self) -> str:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
@@ -69,7 +80,7 @@ PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
                      eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
-                     schedule="wsd"),
+                     schedule="wsd", engine_every=50, engine_prompts=4, engine_tokens=32, tune_repeats=1),
     "full": Profile("full", samples=320, original_samples=1300, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
                     eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=50,
@@ -119,6 +130,11 @@ class DemoResult:
     heldout_speed_note: str = ""
     fastest: dict | None = None  # MT-bench: the fastest chain of those compared {"depth", "acceptance_length", "speedup"}
     train_steps: str = ""
+    # the engine in the loop: its answers ({"step", "acceptance_length", ...}), and the step exported
+    engine_curve: list[dict] = field(default_factory=list)
+    exported_step: int | None = None
+    last_step: int | None = None
+    tune: dict | None = None  # the closing spec tune: {"engine", "table", "recommended", "serve", ...}
     eval_json: Path | None = None
     serve_command: str = ""
     seconds: float = 0.0
@@ -174,6 +190,8 @@ def run(cfg: DemoConfig) -> DemoResult:
     heldout_dir = folder / "eval-heldout"
     stage("eval-heldout", heldout_dir, lambda: _eval(cfg, profile, found, export_dir, heldout_dir, result,
                                                      heldout=_heldout_prompts(profile, found, data, folder)))
+    tune_dir = folder / "tune"
+    stage("tune", tune_dir, lambda: _tune(cfg, profile, found, export_dir, tune_dir, result))
     result.seconds = time.perf_counter() - start
     _record(folder, profile, result)
     return result
@@ -199,7 +217,8 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     minutes the stages not yet done will take at it; None when every stage is done."""
     from spec_cli.stages import demo_clock
 
-    left = [name for name in ("regenerate", "precompute", "train", "eval", "eval-heldout") if name not in earlier]
+    left = [name for name in ("regenerate", "precompute", "train", "eval", "eval-heldout", "tune")
+            if name not in earlier]
     if not left:
         return None
     device = loading.choose_device(cfg.device)
@@ -211,7 +230,7 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     if "eval" in left and profile.eval_compare_depths == "auto":
         compared = demo_clock.chains_compared(loading.resolve_target(found["smollm2"]), device,
                                               loading.choose_dtype(cfg.dtype, device), profile.eval_depth)
-    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg), compared)
+    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg), compared, eval_engine(cfg))
     seconds = {name: per_stage[name] for name in left}
     total = (sum(seconds.values()) + per_stage["fixed"]) / 60
     info(f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
@@ -417,15 +436,23 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
         state = json.loads((latest / "trainer_state.json").read_text())
         if state["step"] >= state["total_steps"]:
             result.train_steps = f"{state['step']} of {state['total_steps']}"
+            result.engine_curve = engine_curve(run_dir)
             return "reused"
     first = json.loads((latest / "trainer_state.json").read_text())["step"] if latest is not None else 0
+    engine = eval_engine(cfg)
+    info(f"training keeps the checkpoint that accepts best in {engine} (every {profile.engine_every} steps: "
+         f"{profile.engine_prompts} held-out conversations, both turns), and exports that one")
     outcome = train.run(train.TrainConfig.from_options(
         vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
         ttt_steps=profile.ttt_steps, lr=profile.lr, max_steps=profile.steps, fc_norm=True,
         schedule=profile.schedule, optimizer=profile.optimizer,
         eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,
+        eval_engine=engine, eval_engine_every=profile.engine_every, keep="best",
+        eval_engine_prompts=profile.engine_prompts, eval_engine_tokens=profile.engine_tokens,
+        eval_engine_depth=profile.eval_depth,
         max_time=cfg.max_time, resume=latest is not None, device=cfg.device, dtype=cfg.dtype),
         after_step=TrainPace(result, profile.steps, first))
+    result.engine_curve = engine_curve(run_dir)
     print_train_summary(outcome)
     result.train_steps = f"{outcome.steps} of {outcome.total_steps}"
     if outcome.steps < outcome.total_steps:  # the draft is weaker than the profile's: say so loudly
@@ -436,20 +463,72 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
 
 
 def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) -> str:
+    """The run's best checkpoint (RUN/best: what the engine in the loop measured best), else its latest."""
     from spec_cli.console import summary
     from spec_cli.stages import export
 
+    chosen = ckpt.resolve_checkpoint(run_dir)
+    step = json.loads((chosen / "trainer_state.json").read_text())["step"]
     latest = ckpt.latest_checkpoint(run_dir)
+    result.exported_step = step
+    result.last_step = json.loads((latest / "trainer_state.json").read_text())["step"] if latest else step
     config = export_dir / "config.json"
     if config.is_file():
         recorded = json.loads(config.read_text()).get("spec_cli", {})
-        if recorded.get("checkpoint") == str(latest):
+        if recorded.get("checkpoint") == str(chosen) and recorded.get("step") == step:
             result.serve_command = _serve_command(export_dir)
             return "reused"
-    outcome = export.run(export.ExportConfig(source=latest, format="vllm", output=export_dir, check=True,
+    outcome = export.run(export.ExportConfig(source=run_dir, format="vllm", output=export_dir, check=True,
                                              target=str(found["smollm2"]), overwrite=True))
     summary("export", outcome.summary_rows())
     result.serve_command = outcome.serve_command
+    return "ran"
+
+
+def eval_engine(cfg: DemoConfig) -> str:
+    """The engine that measures acceptance in the training loop and tunes the export: vLLM as --engine
+    says (auto: where it is installed; it is what users deploy), else spec_cli's PyTorch decoder."""
+    return "vllm" if regen_engine(cfg) == "vllm" else "torch"
+
+
+def engine_curve(run_dir: Path) -> list[dict]:
+    """The engine's answers in the run's log.jsonl: step, acceptance length, speed-up, whether kept."""
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    curve = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("split") == "engine" and "error" not in record:
+            curve[record["step"]] = {k: record.get(k) for k in ("step", "engine", "acceptance_length", "speedup",
+                                                                "best", "seconds")}
+    return [curve[s] for s in sorted(curve)]
+
+
+def _tune(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, tune_dir: Path,
+          result: DemoResult) -> str:
+    """`spec tune` of the exported draft: vLLM's tokens/s with 0 .. tune_max_k draft tokens at batch sizes
+    1 .. 16 (the PyTorch decoder's chains at batch 1 without vLLM) and the schedule that was fastest."""
+    from spec_cli.stages import tune
+
+    step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
+    engine = eval_engine(cfg)
+    report = tune_dir / "serving.json"
+    settings = {"max_k": profile.tune_max_k, "requests": profile.tune_requests,
+                "max_new_tokens": profile.tune_tokens, "repeats": profile.tune_repeats}
+    if report.is_file():
+        done = json.loads(report.read_text())
+        if done["draft"]["step"] == step and done["engine"] == engine and \
+                all(done["settings"].get(k) == v for k, v in settings.items()):
+            result.tune = done
+            return "reused"
+    outcome = tune.run(tune.TuneConfig(draft=export_dir, target=str(found["smollm2"]), output=tune_dir,
+                                       engine=engine, device=cfg.device, dtype=cfg.dtype, **settings))
+    tune.print_tune(outcome)
+    result.tune = json.loads(report.read_text())
     return "ran"
 
 
@@ -534,11 +613,12 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
 
 
 def _shaping(profile: dict) -> dict:
-    """A profile's fields that shape its artifacts: all but the stated duration and the depths the eval
-    compares (the eval reruns when its own settings differ), so that a new estimate or comparison in a
-    release does not disown a folder whose stages it would make the same."""
+    """A profile's fields that shape its artifacts: all but the stated duration, the depths the eval
+    compares (the eval reruns when its own settings differ) and the engine's and tune's settings (a
+    finished run is kept; tune reruns when its settings differ), so that a new estimate or comparison in
+    a release does not disown a folder whose stages it would make the same."""
     return {k: v for k, v in profile.items()
-            if not k.startswith("expected_minutes") and k != "eval_compare_depths"}
+            if not k.startswith(("expected_minutes", "engine_", "tune_")) and k != "eval_compare_depths"}
 
 
 def _produced(folder: Path) -> dict[str, dict]:
@@ -562,4 +642,7 @@ def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
         "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
         "fastest_chain": result.fastest,
+        "engine_curve": result.engine_curve, "exported_step": result.exported_step, "last_step": result.last_step,
+        "tune": None if result.tune is None else {k: result.tune.get(k) for k in
+                                                  ("engine", "speculative_config", "decoding", "why", "verified")},
         "estimate": result.estimate, "seconds": round(result.seconds, 1)})

@@ -44,6 +44,15 @@ SUPERVISED_SHARE = 0.68  # of a training conversation's tokens, its answers' (th
 OVERHEAD = {"regenerate/vllm": 1.25, "regenerate/transformers": 2.1, "precompute": 1.15, "train": 1.25,
             "eval": 2.0}
 FIXED_SECONDS = 40.0  # assets, vocab map, the export and its checks (measured: 0.4-0.6 min)
+# The engine in the training loop decodes beside the training step on the same cores; the training
+# stage takes this share of each evaluation's decoding time longer (fitted on the default demo: see
+# docs/serving.md). The closing `spec tune`: its engines' loading, then its decoding, whose tokens/s at
+# batch b is the one-row decode's times b ** TUNE_BATCH_POWER (measured in vLLM on SmolLM2: batch 4 3.6x,
+# batch 16 6.9x one row's).
+ENGINE_SLOWDOWN = 0.5
+TUNE_FIXED_SECONDS = {"vllm": 60.0, "torch": 5.0}
+TUNE_BATCH_POWER = 0.7
+TUNE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -191,10 +200,11 @@ def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, 
         target.close()
 
 
-def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compared: int | None = None
-                  ) -> dict[str, float]:
+def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compared: int | None = None,
+                  eval_engine: str = "torch") -> dict[str, float]:
     """The profile's stages on a machine of these speeds (seconds); engine: what regenerates; compared:
-    the shorter chains the MT-bench eval decodes too (default: the profile's list, or none for auto)."""
+    the shorter chains the MT-bench eval decodes too (default: the profile's list, or none for auto);
+    eval_engine: what decodes in the training loop and in the closing tune."""
     conversations = profile.samples + profile.original_samples
     # tokens each eval decodes: both turns, the target alone and the draft's chain (MT-bench: and the
     # chains of the depths it compares)
@@ -204,12 +214,24 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
     passes = 2 + compared
     eval_tokens = profile.eval_prompts * 2 * profile.eval_max_new_tokens * passes
     heldout_tokens = profile.heldout_prompts * 2 * profile.eval_max_new_tokens * 2
+    # the engine in the loop: each evaluation decodes its prompts' both turns twice (draft, target alone)
+    evaluations = len(range(profile.engine_every, profile.steps, profile.engine_every)) + 1
+    engine_tokens = evaluations * profile.engine_prompts * 2 * profile.engine_tokens * 2
+    if eval_engine == "vllm":  # the target alone and k = 0 .. max_k at each batch size, `requests` prompts
+        configs, rate = profile.tune_max_k + 2, lambda b: speeds.decode * b ** TUNE_BATCH_POWER  # noqa: E731
+        tune_seconds = sum(configs * max(profile.tune_requests, b) * profile.tune_tokens / rate(b)
+                           for b in TUNE_BATCH_SIZES)
+    else:  # batch 1: the target alone, chains 1 .. max_k and two trees per depth from 2
+        configs = 1 + profile.tune_max_k + 2 * max(0, profile.tune_max_k - 1)
+        tune_seconds = configs * profile.tune_requests * profile.tune_tokens / speeds.decode
     return {
         "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode
         * OVERHEAD[f"regenerate/{engine}"],
         "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * OVERHEAD["precompute"],
-        "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"],
+        "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"]
+        + engine_tokens / speeds.decode * ENGINE_SLOWDOWN,
         "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
         "eval-heldout": heldout_tokens / speeds.decode * OVERHEAD["eval"],
+        "tune": TUNE_FIXED_SECONDS[eval_engine] + profile.tune_repeats * tune_seconds,
         "fixed": FIXED_SECONDS,
     }

@@ -17,7 +17,8 @@ from tests.conftest import write_jsonl
 TINY = demo.Profile("quick", samples=24, max_length=64, regen_max_new_tokens=12, draft_vocab_size=96,
                     ttt_steps=2, batch_tokens=256, steps=6, lr=3e-3, eval_prompts=2, eval_max_new_tokens=6,
                     heldout_prompts=2, expected_minutes=1,
-                    eval_depth=2, original_samples=5, eval_compare_depths=(1,))
+                    eval_depth=2, original_samples=5, eval_compare_depths=(1,), engine_every=3, engine_prompts=2,
+                    engine_tokens=6, tune_max_k=1, tune_requests=1, tune_tokens=4, tune_repeats=1)
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert statuses(out) == {"assets": "ready", "regenerate": "ran", "training data": "ran",
                              "build-vocab-map": "ran",
                              "precompute": "ran", "train": "ran", "export": "ran", "eval": "ran",
-                             "eval-heldout": "ran"}
+                             "eval-heldout": "ran", "tune": "ran"}
     # the draft trains on what the target itself answered: every record of the regenerated file
     regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
     assert len(regenerated) == TINY.samples
@@ -79,10 +80,18 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert held_report["settings"]["prompts"] == str(out / "heldout.jsonl")
     assert record(out)["heldout"]["acceptance_length"] == pytest.approx(
         held_report["overall"]["acceptance_length"])
-    # the export is what vLLM loads: its config names the draft vocab and the checkpoint it came from
+    # training kept the checkpoint the engine (here PyTorch: --engine transformers) measured best, and the
+    # export is that one: what vLLM loads, its config naming the draft vocab and the checkpoint it came from
+    curve = record(out)["engine_curve"]
+    assert [c["step"] for c in curve] == [3, 6] and all(c["engine"] == "torch" for c in curve)
+    best = json.loads((out / "run" / ckpt.BEST / ckpt.BEST_JSON).read_text())
+    assert best["step"] == max(c["step"] for c in curve if c["acceptance_length"] == max(
+        x["acceptance_length"] for x in curve))
     config = json.loads((out / "export-vllm" / "config.json").read_text())
     latest = ckpt.latest_checkpoint(out / "run")
-    assert config["spec_cli"]["checkpoint"] == str(latest) and config["draft_vocab_size"] == 96
+    assert config["spec_cli"]["checkpoint"] == str(out / "run" / ckpt.BEST) and config["draft_vocab_size"] == 96
+    assert config["spec_cli"]["step"] == best["step"] == record(out)["exported_step"]
+    assert record(out)["last_step"] == 6
     with safe_open(str(out / "export-vllm" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("d2t").shape == (96,)
     report = json.loads((out / "eval" / "eval.json").read_text())
@@ -102,11 +111,13 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert "acceptance length" in printed and "speed-up" in printed
     # the time was estimated from this machine's speeds, measured before the first stage
     estimate = record(out)["estimate"]
-    assert set(estimate["stages"]) == {"regenerate", "precompute", "train", "eval", "eval-heldout"}
+    assert set(estimate["stages"]) == {"regenerate", "precompute", "train", "eval", "eval-heldout", "tune"}
     assert all(v > 0 for v in estimate["speeds"].values()) and estimate["minutes"] > 0
-    from spec_cli.stages.demo_clock import OVERHEAD
+    from spec_cli.stages.demo_clock import ENGINE_SLOWDOWN, OVERHEAD
+    engine_tokens = 2 * TINY.engine_prompts * 2 * TINY.engine_tokens * 2  # 2 evaluations, 2 turns, 2 decoders
     assert estimate["stages"]["train"] == pytest.approx(  # the steps at the measured training speed
-        TINY.steps * TINY.batch_tokens / estimate["speeds"]["train"] * OVERHEAD["train"], rel=0.01, abs=0.01)
+        TINY.steps * TINY.batch_tokens / estimate["speeds"]["train"] * OVERHEAD["train"]
+        + engine_tokens / estimate["speeds"]["decode"] * ENGINE_SLOWDOWN, rel=0.01, abs=0.01)
     passes = 3  # the target alone, the chain of 2 and the compared chain of 1
     assert estimate["stages"]["eval"] == pytest.approx(
         TINY.eval_prompts * 2 * TINY.eval_max_new_tokens * passes / estimate["speeds"]["decode"]
@@ -127,6 +138,13 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert "regenerate took" in " ".join(printed.split())
     assert str(out / "export-vllm") in "".join(printed.split())  # a long path wraps at 80 columns
     assert "same run; per turn median" in " ".join(printed.split())  # the speed-up's per-turn spread
+    # the final table: the acceptance measured while training, the step exported, how to serve it
+    tuned = json.loads((out / "tune" / "serving.json").read_text())
+    assert tuned["engine"] == "torch" and tuned["draft"]["step"] == best["step"]
+    assert {r["config"] for r in tuned["table"]} == {"target", "chain 1"}
+    assert "acceptance in torch while training" in " ".join(printed.split())
+    assert "how to serve it (spec tune) batch 1 in PyTorch" in " ".join(printed.split())
+    assert f"checkpoint exported step {best['step']}" in " ".join(printed.split())
 
     stamp = (latest / "model.safetensors").stat().st_mtime_ns
     eval_stamp = (out / "eval" / "eval.json").stat().st_mtime_ns
@@ -136,7 +154,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     assert statuses(out) == {"assets": "ready", "regenerate": "reused", "training data": "reused",
                              "build-vocab-map": "reused",
                              "precompute": "reused", "train": "reused", "export": "reused", "eval": "reused",
-                             "eval-heldout": "reused"}
+                             "eval-heldout": "reused", "tune": "reused"}
     # the rerun keeps each stage's real time and result from the run that produced it
     again = {s["name"]: s["produced"] for s in record(out)["stages"]}
     assert {k: v for k, v in again.items() if k != "assets"} == {k: v for k, v in first.items() if k != "assets"}
@@ -163,7 +181,10 @@ def test_an_unfinished_training_resumes_and_later_stages_follow_it(builtins, tmp
     assert main(["demo", "--engine", "transformers", "--quick", "-o", str(out)]) == 0  # no cap: the rerun finishes the schedule
     assert statuses(out)["train"] == "resumed" and statuses(out)["export"] == "ran"
     assert ckpt.latest_checkpoint(out / "run").name == "step-00000006"
-    assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == 6
+    curve = record(out)["engine_curve"]  # the stopped run's last step, then the resumed run's
+    assert [c["step"] for c in curve] == [1, 3, 6]
+    best = json.loads((out / "run" / ckpt.BEST / ckpt.BEST_JSON).read_text())["step"]
+    assert json.loads((out / "eval" / "eval.json").read_text())["draft"]["step"] == best
     assert "WARNING training stopped" not in " ".join(capsys.readouterr().out.split())
 
 
