@@ -262,7 +262,7 @@ class RuntimeOptions:
         "last", "--keep", help="best: keep the checkpoint whose engine acceptance length was the best (ties: the "
                                "later step) as RUN/best, which `spec export RUN` and `spec eval RUN` then take "
                                "(and say so); needs --eval-engine. last: only the checkpoints.",
-        panel=ENGINE_LOOP, allowed=("last", "best"), resumable=True)
+        panel=ENGINE_LOOP, allowed=("last", "best"))
     eval_prompts: str | None = option(
         None, "--eval-prompts", help="The engine's prompts: a chat data file or mt-bench (the user turns of each "
                                      "record; --eval-engine-prompts of them). Default: conversations of the "

@@ -187,6 +187,8 @@ def print_demo_summary(result) -> None:
         rows.append(("eval report", str(result.eval_json)))
     if result.serve_command:
         rows.append(("serve with vLLM", result.serve_command))
+    if tuned and tuned.get("speculative_config") and tuned.get("serve"):
+        rows.append(("serve with vLLM, as tuned", tuned["serve"]))
     estimate = getattr(result, "estimate", None)
     estimated = f" (estimated {estimate['minutes']:g} min at the start" if estimate else ""
     if estimate and estimate.get("revised_minutes") is not None:

@@ -375,6 +375,14 @@ class Engine:
                               f"use 0 .. {most}")
         scheduler.dynamic_sd_lookup = [0] + [int(k)] * (len(lookup) - 1)
 
+    def kv_block_tokens(self) -> int:
+        """Tokens per KV-cache block: a request's room is handed out in whole blocks (16 on a GPU by
+        default, 128 on vLLM's CPU backend)."""
+        try:
+            return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        except (AttributeError, TypeError, ValueError):
+            return 16
+
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the engine's KV cache holds (its blocks x block size), None when vLLM does not say."""
         try:

@@ -112,13 +112,17 @@ class VllmSession:
         """(spec, base) for the draft in the vLLM export `folder`."""
         if self.spec_engine is None:
             fmt = self.algorithm.engine_format("vllm")
-            self.spec_engine = self.vllm.Engine(
-                self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
-                method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
-                speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory)
-            self.load_problems = self.spec_engine.load_report.problems()
-            self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
-                                                seed=self.seed, gpu_memory_utilization=self.memory)
+            try:
+                self.spec_engine = self.vllm.Engine(
+                    self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
+                    method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
+                    speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory)
+                self.load_problems = self.spec_engine.load_report.problems()
+                self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
+                                                    seed=self.seed, gpu_memory_utilization=self.memory)
+            except BaseException:  # both or neither: a later draft starts them again
+                self.close()
+                raise
         else:
             self.spec_engine.reload_draft(folder)
         self.folder = Path(folder)

@@ -21,6 +21,7 @@ RUN/engine-eval/prompts.jsonl (`spec eval --prompts` of that file gives the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +35,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from spec_cli.artifacts import checkpoint as ckpt
-from spec_cli.artifacts.io import atomic_dir_from, atomic_path, write_json
+from spec_cli.artifacts.io import atomic_dir_from, atomic_path, remove_temporaries, write_json
+from spec_cli.console import info
 from spec_cli.errors import ConfigError, DataError, SpecError
 
 ENGINES = ("vllm", "torch")
@@ -42,6 +44,7 @@ PROMPTS = "prompts.jsonl"
 WORKER_LOG = "worker.log"
 BACKLOG = 2  # evaluations handed to the worker and not answered; past it a step's evaluation is skipped
 RESULT_FD = "SPEC_ENGINE_EVAL_FD"  # the worker writes its answers to this file descriptor
+PARENT_PID = "SPEC_ENGINE_EVAL_PARENT"  # the trainer's pid: the worker ends itself when it is gone
 # torchrun's variables: the worker is one process of its own, not a rank of the trainer's group
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -188,24 +191,32 @@ def data_file(cfg) -> Path:
 # ----------------------------------------------------------------------------- the trainer's side
 
 class EngineEvaluator:
-    """The worker process (started once, rank 0), the evaluations in flight, and what comes back:
-    `submit` a checkpoint, `poll` for answers (never waits), `finish` waits for all."""
+    """The worker process (started once, rank 0; started again once if it dies), the evaluations in
+    flight, and what comes back: `submit` a checkpoint, `poll` for answers (never waits), `finish` waits
+    for all (up to a timeout, then the worker is stopped)."""
 
-    def __init__(self, config: WorkerConfig, keep_best: bool, on_result, env: dict | None = None):
+    command = (sys.executable, "-m", "spec_cli.stages.engine_eval")  # the worker, given its config's path
+
+    def __init__(self, config: WorkerConfig, keep_best: bool, on_result, env: dict | None = None,
+                 signature: dict | None = None, warn=None):
         """on_result(record) is called (in the trainer's thread, from poll/finish) for every answer, with
-        `best` set when it became RUN/best."""
+        `best` set when it became RUN/best; `signature`: what the measurements are comparable under (engine,
+        prompts, depth, tokens), kept in best.json; `warn(text)`: a line about the engine process."""
         self.config, self.keep_best, self.on_result = config, keep_best, on_result
         self.run_dir = Path(config.run_dir)
         self.folder = self.run_dir / ckpt.ENGINE_EVAL
-        self.best = BestKeeper(self.run_dir)
+        self.best = BestKeeper(self.run_dir, signature)
         self.pending: dict[int, float] = {}  # step -> when it was handed over
         self.answers: list[dict] = []  # come back, not yet handled
         self.done: list[dict] = []  # handled: the records logged
         self.busy: list[tuple[float, float]] = []  # (start, end) of each answered evaluation
         self.lock = threading.Lock()
-        self.dead: str | None = None
+        self.dead: str | None = None  # why the worker ended, while it is down
+        self._said: str | None = None  # the death already warned about
+        self.starts = 0
         self.process = None
         self.env = env
+        self.warn = warn or (lambda text: None)
         self.seconds: list[float] = []  # how long each evaluation took in the worker
 
     def start(self) -> None:
@@ -217,33 +228,43 @@ class EngineEvaluator:
         for name in TORCHRUN_ENV:
             env.pop(name, None)
         env[RESULT_FD] = str(write)
+        env[PARENT_PID] = str(os.getpid())  # the worker ends itself when this process is gone
         log = open(self.folder / WORKER_LOG, "ab")
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "spec_cli.stages.engine_eval", str(config_path)],
-                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                            pass_fds=(write,), env=env, start_new_session=True)
+            process = subprocess.Popen([*self.command, str(config_path)],
+                                       stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                       pass_fds=(write,), env=env, start_new_session=True)
+        except BaseException:
+            os.close(read)
+            raise
         finally:
             os.close(write)
             log.close()
-        self.reader = threading.Thread(target=self._read, args=(read,), daemon=True, name="engine-eval")
+        self.process, self.dead, self._said = process, None, None
+        self.starts += 1
+        self.reader = threading.Thread(target=self._read, args=(read, process), daemon=True, name="engine-eval")
         self.reader.start()
 
-    def _read(self, fd: int) -> None:
+    def _read(self, fd: int, process) -> None:
         with os.fdopen(fd, "r", encoding="utf-8") as answers:
             for line in answers:
                 try:
                     answer = json.loads(line)
                 except ValueError:
                     continue
-                with self.lock:
-                    self.answers.append(answer)
-        with self.lock:  # the worker ended: what was in flight will not come back
-            code = self.process.wait() if self.process is not None else None
-            self.dead = (f"the engine process ended (exit {code}); its log: "
-                         f"{self.folder / WORKER_LOG}")
+                if isinstance(answer, dict) and isinstance(answer.get("step"), int):
+                    with self.lock:
+                        self.answers.append(answer)
+        code = process.wait()  # the pipe closed: the worker is ending (outside the lock: it may take a while)
+        with self.lock:
+            self.dead = f"the engine process ended (exit {code}); its log: {self.folder / WORKER_LOG}"
 
     def ready(self) -> bool:
-        """Whether a new evaluation can be handed over now (the worker alive, its backlog short)."""
+        """Whether a new evaluation can be handed over now (the worker alive, its backlog short). A worker
+        that died is started again, once."""
+        if self.dead is not None and not self.pending and self.starts < 2 and self.process is not None:
+            self.warn(f"{self.dead}: starting it again")
+            self.start()
         return self.dead is None and self.process is not None and len(self.pending) < BACKLOG
 
     def submit(self, step: int, checkpoint: Path) -> None:
@@ -255,25 +276,38 @@ class EngineEvaluator:
             pass  # the reader sees the end and says why
 
     def poll(self) -> list[dict]:
-        """The answers that came back since the last call, handled (logged, RUN/best kept); and when the
-        worker died, one record saying so for what was in flight."""
+        """The answers that came back since the last call, handled (logged, RUN/best kept); when the worker
+        died, a record saying so for each evaluation that was in flight (and a line, once, when none was)."""
         with self.lock:
             answers, self.answers = self.answers, []
             dead = self.dead
         done = [self._handle(a) for a in answers]
-        if dead is not None and self.pending:
-            for step in sorted(self.pending):
-                done.append(self._handle({"step": step, "error": dead}))
+        if dead is not None:
+            if self.pending:
+                done += [self._handle({"step": step, "error": dead}) for step in sorted(self.pending)]
+            elif dead != self._said:
+                self.warn(dead + ("" if self.starts < 2 else "; no more engine evaluations in this run"))
+            self._said = dead
         return done
 
-    def finish(self, timeout: float | None = None) -> list[dict]:
-        """Wait until every evaluation handed over has come back (or the worker died), handling them."""
+    def finish(self, timeout: float = None) -> list[dict]:
+        """Wait until every evaluation handed over has come back (or the worker died), handling them; past
+        `timeout` seconds (default SPEC_ENGINE_EVAL_TIMEOUT, 1 h) the worker is stopped and what it had is
+        logged as not evaluated."""
+        timeout = wait_limit() if timeout is None else timeout
         done, start = [], time.perf_counter()
         while self.pending:
             done += self.poll()
             if not self.pending:
                 break
-            if timeout is not None and time.perf_counter() - start > timeout:
+            if time.perf_counter() - start > timeout:
+                self.warn(f"the engine took over {timeout:.0f} s for step(s) {sorted(self.pending)}: stopping it "
+                          "(SPEC_ENGINE_EVAL_TIMEOUT sets the limit)")
+                self.stop(hurry=True)
+                with self.lock:
+                    self.dead = self.dead or f"stopped after {timeout:.0f} s"
+                self.starts = 2  # not started again
+                done += self.poll()
                 break
             time.sleep(0.2)
         return done
@@ -294,61 +328,95 @@ class EngineEvaluator:
         started = self.pending.pop(step, None)
         if started is not None:
             self.busy.append((started, time.perf_counter()))
-        folder = step_dir(self.run_dir, step)
-        snapshot = folder / "checkpoint"
+        snapshot = step_dir(self.run_dir, step) / "checkpoint"
         record = {"split": "engine", "step": step, **{k: v for k, v in answer.items() if k != "step"}}
-        if "error" not in record:
-            self.seconds.append(float(record.get("seconds", 0.0)))
-            if self.keep_best:
-                record["best"] = self.best.consider(record, snapshot)
-        shutil.rmtree(snapshot, ignore_errors=True)  # kept as RUN/best (moved) or not needed
-        self.done.append(record)
-        self.on_result(record)
+        try:
+            if "error" not in record:
+                self.seconds.append(float(record.get("seconds", 0.0)))
+                if self.keep_best:
+                    record["best"] = self.best.consider(record, snapshot)
+            shutil.rmtree(snapshot, ignore_errors=True)  # kept as RUN/best (moved) or not needed
+            self.done.append(record)
+            self.on_result(record)
+        except Exception as exc:  # noqa: BLE001 (a full disk, say: training goes on, and says so)
+            self.warn(f"engine @ {step}: its answer could not be kept ({type(exc).__name__}: {exc})")
         return record
 
-    def close(self) -> None:
-        """Stop the worker (asking first; killed when it does not go) and drop unanswered snapshots."""
+    def stop(self, hurry: bool = False) -> None:
+        """End the worker: asked to stop (given 30 s, or 3 with `hurry`), then killed with its process group."""
+        import signal
+
         process, self.process = self.process, None
-        if process is not None:
+        if process is None:
+            return
+        try:
             try:
                 process.stdin.write(b'{"stop": true}\n')
                 process.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                import signal
+            if hurry:
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=3 if hurry else 30)
+        except BaseException:  # a timeout, or a second Ctrl-C while waiting: it goes now
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                process.kill()
+            process.wait()
 
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except OSError:
-                    process.kill()
-                process.wait()
+    def close(self, hurry: bool = False) -> None:
+        """Stop the worker, handle what it answered meanwhile, and drop the snapshots it never answered."""
+        self.stop(hurry)
+        with contextlib.suppress(Exception):
+            self.reader.join(timeout=5)
+        with self.lock:
+            answers, self.answers = self.answers, []
+        for answer in answers:
+            self._handle(answer)
         for step in list(self.pending):
             shutil.rmtree(step_dir(self.run_dir, step) / "checkpoint", ignore_errors=True)
 
 
+def wait_limit() -> float:
+    """How long the trainer waits for the engine (SPEC_ENGINE_EVAL_TIMEOUT seconds, default 1 h)."""
+    try:
+        return max(1.0, float(os.environ.get("SPEC_ENGINE_EVAL_TIMEOUT", "3600")))
+    except ValueError:
+        return 3600.0
+
+
 def remove_unanswered(run_dir: Path) -> None:
-    """At a run's start: snapshots an earlier, interrupted run handed over and never heard back about."""
+    """At a run's start: what an earlier, interrupted run left in RUN/engine-eval: snapshots it handed
+    over and never heard back about, exports the worker did not finish, half-written files."""
     folder = Path(run_dir) / ckpt.ENGINE_EVAL
-    if folder.is_dir():
-        for snapshot in folder.glob("step-*/checkpoint"):
-            shutil.rmtree(snapshot, ignore_errors=True)
+    if not folder.is_dir():
+        return
+    remove_temporaries(folder)
+    for step in folder.glob("step-*"):
+        for name in ("checkpoint", "export"):
+            shutil.rmtree(step / name, ignore_errors=True)
+        remove_temporaries(step)
 
 
 class BestKeeper:
     """RUN/best: the checkpoint with the best acceptance length so far (ties: the later step) and its
     best.json; read back on --resume."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, signature: dict | None = None):
+        """signature: what the run measures under (engine, prompts, depth, tokens a turn). A RUN/best
+        measured under another (a resume that changed --eval-engine, say) is not compared with: the
+        first new answer replaces it."""
         self.run_dir = Path(run_dir)
+        self.signature = signature
         self.record = ckpt.best_record(self.run_dir)
+        self.comparable = self.record is not None and (signature is None or self.record.get("signature") == signature)
 
     def consider(self, result: dict, snapshot: Path) -> bool:
         """Make `snapshot` (the evaluated step's weights) RUN/best when it accepts at least as well as
         the best so far; True when it did."""
-        best = self.record
+        best = self.record if self.comparable else None
         if best is not None and (result["acceptance_length"], result["step"]) < (best["acceptance_length"], best["step"]):
             return False
         if not (snapshot / "model.safetensors").is_file():
@@ -357,8 +425,10 @@ class BestKeeper:
                   "acceptance_length": result["acceptance_length"],
                   "acceptance_rate": result.get("acceptance_rate"), "speedup": result.get("speedup"),
                   "depth": result.get("depth"), "prompts": result.get("prompts"), "turns": result.get("turns"),
-                  "before": None if best is None else {"step": best["step"],
-                                                       "acceptance_length": best["acceptance_length"]}}
+                  "signature": self.signature,
+                  "before": None if self.record is None else {"step": self.record["step"],
+                                                              "acceptance_length": self.record["acceptance_length"],
+                                                              "comparable": self.comparable}}
         staged = Path(tempfile.mkdtemp(prefix=f".{ckpt.BEST}.", suffix=".tmp", dir=self.run_dir))
         try:
             for item in snapshot.iterdir():
@@ -369,8 +439,33 @@ class BestKeeper:
             raise
         with atomic_dir_from(staged, self.run_dir / ckpt.BEST):
             pass
-        self.record = record
+        self.record, self.comparable = record, True
         return True
+
+
+def clear_abandoned(run_dir: Path) -> None:
+    """A new run (not --resume) in a folder without checkpoints (spec train refuses one with them): what
+    an abandoned run there left of the engine in the loop is not this run's, and RUN/best would be
+    exported in its place."""
+    run_dir = Path(run_dir)
+    found = [p for p in (run_dir / ckpt.BEST, run_dir / ckpt.ENGINE_EVAL) if p.exists()]
+    if found:
+        info(f"removing {', '.join(str(p) for p in found)}: left by an earlier run in this folder that saved no "
+             "checkpoint")
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def prompts_digest(prompts: str, num_prompts: int | None) -> str:
+    """What identifies the engine's prompts: the file's content (sha256, 16 hex) and how many are taken."""
+    from spec_cli import assets
+    from spec_cli.artifacts.io import sha256_path
+
+    try:
+        digest = sha256_path(Path(assets.resolve_data_arg(prompts)))[:16]
+    except (OSError, SpecError):
+        digest = str(prompts)
+    return f"{digest}:{num_prompts}"
 
 
 def recover_best(run_dir: Path) -> None:
@@ -419,27 +514,50 @@ class Worker:
             torch.cuda.set_per_process_memory_fraction(cfg.memory, self.device)
         self.session = None
 
-    def _session(self, algorithm: str):
+    def _session(self, algorithm: str, conversations):
         from spec_cli.eval.session import TorchSession, VllmSession
 
         if self.session is None:
             if self.cfg.engine == "vllm":
                 share = None if self.cfg.memory is None or self.device.type != "cuda" else self.cfg.memory / 2
-                self.session = VllmSession(self.target_dir, self.dtype, self.cfg.depth, algorithm, memory=share)
+                self.session = VllmSession(self.target_dir, self.dtype, self.cfg.depth, algorithm, memory=share,
+                                           max_model_len=self._context(conversations))
             else:
                 self.session = TorchSession(self.target_dir, self.device, self.dtype)
         return self.session
 
+    def _context(self, conversations) -> int:
+        """vLLM's max_model_len: the longest conversation's prompt at its last turn, with every earlier
+        answer as long as it may be, and the draft tokens; not the target's whole context (a 128k context
+        would not fit the engine's KV cache beside training)."""
+        from spec_cli.eval import prompts
+        from spec_cli.target import loading
+
+        longest = 0
+        for conv in conversations:
+            last = len(conv.turns) - 1
+            conv.answers = [""] * last
+            longest = max(longest, len(prompts.prompt_ids(self.tokenizer, conv, last)) + last * self.cfg.max_new_tokens)
+            conv.answers = []
+        need = longest + self.cfg.max_new_tokens + self.cfg.depth + 64
+        return min(loading.max_positions(self.target_config), need)
+
     def evaluate(self, step: int, checkpoint: Path) -> dict:
+        start = time.perf_counter()
+        folder = Path(checkpoint).parent
+        export_dir = folder / "export"
+        try:
+            return self._evaluate(step, checkpoint, folder, export_dir, start)
+        finally:  # the metrics are kept; the weights are in the snapshot
+            shutil.rmtree(export_dir, ignore_errors=True)
+
+    def _evaluate(self, step: int, checkpoint: Path, folder: Path, export_dir: Path, start: float) -> dict:
         from spec_cli import threads
         from spec_cli.eval import drafts, prompts
         from spec_cli.eval.speculative import Settings
         from spec_cli.stages import eval as evaluation
         from spec_cli.stages import export
 
-        start = time.perf_counter()
-        folder = Path(checkpoint).parent
-        export_dir = folder / "export"
         exported = export.run(export.ExportConfig(
             source=Path(checkpoint), format=self.cfg.export_format, output=export_dir, dtype="fp32", check=True,
             target=str(self.target_dir), engine_check="none", overwrite=True))
@@ -448,9 +566,9 @@ class Worker:
         drafts.check_target(loaded, self.target_dir, self.target_config, self.tokenizer, True, self.template)
         settings = Settings(depth=self.cfg.depth, topk=1, num_tokens=self.cfg.depth, temperature=0.0,
                             max_new_tokens=self.cfg.max_new_tokens, eos_ids=self.eos)
-        session = self._session(loaded.model.config.algorithm)
-        spec, base = session.decoders(export_dir if self.cfg.engine == "vllm" else loaded, settings)
         conversations = prompts.load_conversations(self.cfg.prompts, self.cfg.num_prompts)
+        session = self._session(loaded.model.config.algorithm, conversations)
+        spec, base = session.decoders(export_dir if self.cfg.engine == "vllm" else loaded, settings)
         first = prompts.prompt_ids(self.tokenizer, conversations[0], 0)
         warm = replace(settings, max_new_tokens=min(evaluation.WARMUP_TOKENS, settings.max_new_tokens))
         spec(first, None, warm)
@@ -472,7 +590,6 @@ class Worker:
                          "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
                          "threads": used},
             "overall": metrics, "busy": busy, "seconds": round(seconds, 2)})
-        shutil.rmtree(export_dir, ignore_errors=True)  # the metrics are kept; the weights are in the snapshot
         return {"engine": self.cfg.engine, "depth": self.cfg.depth, "prompts": self.cfg.prompts,
                 "turns": metrics["turns"], "acceptance_length": metrics["acceptance_length"],
                 "acceptance_rate": metrics["acceptance_rate"], "accepted": metrics["accepted"],
@@ -495,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     cfg = WorkerConfig(**json.loads(Path(argv[0]).read_text()))
+    _watch_parent(int(os.environ.get(PARENT_PID, "0") or 0))
     answers = os.fdopen(int(os.environ[RESULT_FD]), "w", buffering=1, encoding="utf-8")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -526,6 +644,21 @@ def main(argv: list[str] | None = None) -> int:
             worker.close()
         answers.close()
     return 0
+
+
+def _watch_parent(parent: int) -> None:
+    """End this process when the trainer that started it is gone (killed, say, with no chance to stop
+    it): a worker left behind would hold its engine's memory and write into the run folder."""
+    if parent <= 0:
+        return
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 if __name__ == "__main__":

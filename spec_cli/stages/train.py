@@ -17,6 +17,7 @@ import bisect
 import json
 import math
 import os
+import sys
 import time
 import typing
 from contextlib import ExitStack
@@ -80,6 +81,9 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
          given: set[str] | None) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     _check_engine_options(cfg)  # before the target loads
+    if cfg.runtime.eval_engine and device.type == "cuda" and distributed.is_main():
+        # the engine's process takes --eval-engine-memory of this GPU: training keeps to the rest
+        torch.cuda.set_per_process_memory_fraction(1 - cfg.runtime.eval_engine_memory, device)
     source = open_source(cfg, device, vocab_map)
     batches = logger = stream_report = evaluator = None
     try:
@@ -97,6 +101,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
             engine_eval.recover_best(cfg.runtime.output)  # (a RUN/best being replaced when the run was killed)
             ckpt.remove_temporaries(cfg.runtime.output)  # a killed run's half-written files
         _check_run_dir(cfg, run_json)
+        if distributed.is_main() and not cfg.runtime.resume:  # an abandoned run's RUN/best is not this run's
+            engine_eval.clear_abandoned(cfg.runtime.output)
         distributed.check_shared_folder(cfg.runtime.output, "the run folder")  # torchrun: one folder for all
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = trainer.restore(latest) if latest is not None else 0
@@ -120,8 +126,11 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
         step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step, evaluator)
     finally:
-        if evaluator is not None:  # the worker stops (killed when it does not); unanswered snapshots go
-            evaluator.close()
+        if evaluator is not None:  # the worker stops (at once on an error or Ctrl-C); unanswered snapshots go
+            try:
+                evaluator.close(hurry=sys.exc_info()[0] is not None)
+            except Exception as exc:  # noqa: BLE001 (never hide the error that ended the run)
+                warn(f"could not stop the engine process cleanly: {exc}")
         if batches is not None:  # stop the producers and free the store before the target goes
             batches.close()
             if cfg.runtime.stream:
@@ -206,12 +215,17 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             if step % rt.save_every == 0 or last:
                 trainer.save(step)
                 last_saved = step
-            if engine_every and (step % engine_every == 0 or last):
+            evaluated = engine_every and (step % engine_every == 0 or last)
+            if evaluated:
                 trainer.hand_to_engine(step, engine, last)
             if engine is not None:
                 engine.poll()  # answers that came back meanwhile: logged, RUN/best kept (never waits)
-                if last or rt.eval_engine_wait:
-                    engine.finish()  # the last checkpoint's evaluation, and any before it, come back first
+            if evaluated and (last or rt.eval_engine_wait):
+                # the last checkpoint's evaluation (and any before it) comes back before the run ends; the
+                # other ranks wait for rank 0 on their own barrier, not in a collective's timeout
+                if engine is not None:
+                    engine.finish()
+                distributed.wait_for_main(f"the engine's evaluation of step {step}", engine_eval.wait_limit())
     except TrainingError:
         raise  # nothing saved: the state after a non-finite loss is not worth keeping
     except KeyboardInterrupt:
@@ -275,7 +289,7 @@ def _plan_engine(cfg: TrainConfig, source: Source, schedule: Schedule, trainer: 
     prompts_path = rt.eval_prompts
     if not prompts_path:
         prompts_path = str(Path(rt.output) / ckpt.ENGINE_EVAL / engine_eval.PROMPTS)
-        if not Path(prompts_path).is_file():  # chosen once: the same prompts at every evaluation and on --resume
+        if not (rt.resume and Path(prompts_path).is_file()):  # chosen once: the same ones on --resume
             written = engine_eval.held_out_records(cfg, source, schedule)
     device = trainer.device
     template = cfg.data.chat_template
@@ -307,7 +321,10 @@ def _start_engine(cfg: TrainConfig, plan: EnginePlan, logger: TrainLogger):
     def on_result(record: dict) -> None:
         logger.log(record, engine_eval.result_text(record, depth))
 
-    evaluator = engine_eval.EngineEvaluator(plan.worker, rt.keep == "best", on_result, env)
+    w = plan.worker
+    signature = {"engine": w.engine, "prompts": engine_eval.prompts_digest(w.prompts, w.num_prompts),
+                 "depth": w.depth, "max_new_tokens": w.max_new_tokens}
+    evaluator = engine_eval.EngineEvaluator(plan.worker, rt.keep == "best", on_result, env, signature, warn)
     evaluator.start()
     where = (f"{plan.worker.prompts}" + (f" ({rt.eval_engine_prompts} of them)" if rt.eval_prompts else ""))
     info(f"engine in the loop: {rt.eval_engine} decodes {where}, chain {depth}, {rt.eval_engine_tokens} tokens a "
@@ -422,7 +439,9 @@ class Trainer:
         self.attention = self._attention(cfg.runtime.attention, device)
         self.checkpointing = cfg.runtime.activation_checkpointing
         if not self.checkpointing and auto_checkpointing and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
+            free, total = torch.cuda.mem_get_info(device)
+            if cfg.runtime.eval_engine:  # the engine in the loop takes its share of this GPU (rank 0's)
+                free = min(free, int((1 - cfg.runtime.eval_engine_memory) * total))
             on_device = sum(t.numel() * t.element_size() for t in [*self.draft.parameters(), *self.draft.buffers()])
             self.checkpointing = distributed.any_rank(
                 needs_checkpointing(algorithm, self.draft_config, cfg, largest_batch(source, cfg), free, on_device,
@@ -547,16 +566,19 @@ class Trainer:
         the worker, unless its backlog is full (then this step is skipped, and said; never the last)."""
         from spec_cli.stages import engine_eval
 
+        if engine is not None and last and not engine.ready():  # the last step is always evaluated: wait for room
+            engine.finish()
+        ready = engine is not None and engine.ready()
+        if self.sharded:  # gathering the weights is collective: every rank takes part, or none
+            ready = distributed.any_rank(ready)
+        if not ready:
+            if engine is not None and engine.dead is None:
+                info(f"engine @ {step}: skipped, the engine is still on step(s) "
+                     f"{', '.join(map(str, sorted(engine.pending)))} (raise --eval-engine-every)")
+            return
         model_state, _ = sharding.full_state(self.draft, self.optimizer, self.names, sharded=self.sharded,
                                              with_optimizer=False)
         if engine is None:  # ranks > 0
-            return
-        if last and not engine.ready():  # the last step is always evaluated: wait for room
-            engine.finish()
-        if not engine.ready():
-            if engine.dead is None:
-                info(f"engine @ {step}: skipped, the engine is still on step(s) "
-                     f"{', '.join(map(str, sorted(engine.pending)))} (raise --eval-engine-every)")
             return
         folder = engine_eval.step_dir(self.cfg.runtime.output, step) / "checkpoint"
         s = self.schedule

@@ -50,8 +50,7 @@ from spec_cli.target import loading
 
 ENGINES = ("vllm", "torch")
 BATCH_SIZES = (1, 2, 4, 8, 16)
-TREES = ((2, 8), (4, 16))
-BLOCK = 16  # vLLM's KV cache block (tokens), what a request's room is rounded up to  # --engine torch: (top-k, nodes verified) of the EAGLE-2 trees swept at each depth
+TREES = ((2, 8), (4, 16))  # --engine torch: (top-k, nodes verified) of the EAGLE-2 trees swept at each depth
 
 
 @dataclass
@@ -123,9 +122,13 @@ def schedule_for(best: dict[int, int]) -> list[list[int]]:
 
 def recommend(table: dict[int, dict[str, Measured]], configs: list[str]) -> dict[int, str]:
     """Each batch size's fastest configuration by median tokens/s (ties: the first in `configs` order,
-    the fewer draft tokens)."""
-    return {b: max(configs, key=lambda c: (row[c].median, -configs.index(c))) for b, row in table.items()
-            if all(c in row for c in configs)}
+    the fewer draft tokens), among those whose greedy outputs were the target alone's in every round."""
+    out = {}
+    for b, row in table.items():
+        exact = [c for c in configs if c in row and all(row[c].same)]
+        if exact:
+            out[b] = max(exact, key=lambda c: (row[c].median, -configs.index(c)))
+    return out
 
 
 def run(cfg: TuneConfig) -> TuneResult:
@@ -222,6 +225,11 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
         if recommended is not None and cfg.verify:
             verified = _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length, sizes, ids,
                                stop, biggest)
+            if not verified["all_same"]:  # a config that changes greedy outputs is not one to serve
+                differ = [b for b, same in verified["same_as_target"].items() if not same]
+                refused = (f"vLLM started with the recommended config decoded other greedy outputs than the "
+                           f"target alone at batch size(s) {', '.join(differ)}")
+                recommended = None
     rows = _rows(table, configs, best)
     # a server started with a draft pays for the drafter's machinery even at k 0: where the target alone
     # was faster still, a server that sees mostly such batches is better off without speculation
@@ -234,7 +242,9 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
     return _write(cfg, output, "vllm", rows, recommended, refused, serve, verified, busy, start, loaded,
                   {"batch_sizes": sizes, "max_k": max_k, "dtype": str(dtype).replace("torch.", ""),
                    "max_model_len": length, "ks_fastest": {str(b): k for b, k in ks.items()},
-                   "target_alone_faster": {str(b): r for b, r in alone.items()}})
+                   "target_alone_faster": {str(b): r for b, r in alone.items()},
+                   # vLLM carries the last range's k up to its max_num_seqs: sizes past these were not measured
+                   "measured_up_to": max(sizes)})
 
 
 def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) -> list[int]:
@@ -243,7 +253,8 @@ def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) ->
     capacity = min((c for c in (e.kv_capacity_tokens() for e in engines) if c is not None), default=None)
     if capacity is None:
         return sizes
-    per_request = -(-per_request // BLOCK) * BLOCK  # the cache is handed out in whole blocks
+    block = max(getattr(e, "kv_block_tokens", lambda: 16)() for e in engines)
+    per_request = -(-per_request // block) * block  # the cache is handed out in whole blocks
     fits = [b for b in sizes if b * per_request <= capacity]
     too_big = [b for b in sizes if b not in fits]
     if too_big and cfg.batch_sizes is not None:
@@ -373,7 +384,8 @@ def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int,
             shapes = [s for s in shapes if s[2] == 1]
         batch = ids[:cfg.requests]
         warm = replace(base_settings, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
-        base(batch[0], None, warm)
+        base(batch[0], None, warm)  # untimed: allocations and lazy set-up, the target's and the draft's
+        spec(batch[0], None, replace(warm, depth=max_k, num_tokens=max_k))
         table = {1: {name: Measured() for name, *_ in shapes}}
         reference = None
         meter = threads.Meter()
@@ -531,6 +543,11 @@ def print_tune(result: TuneResult) -> None:
         rows.append(("without a draft", "the target alone (no speculative_config) was faster still at batch "
                      + ", ".join(f"{b} ({r:.2f}x the best k)" for b, r in alone.items())
                      + ": a server that mostly sees such batches is better off without speculation"))
+    if result.recommended is not None and result.engine == "vllm":
+        last = result.recommended["num_speculative_tokens_per_batch_size"][-1]
+        if last[2]:
+            rows.append(("above batch {}".format(last[1]), f"not measured: vLLM keeps k {last[2]} up to its "
+                         "max_num_seqs; tune with larger --batch-sizes if your server runs bigger batches"))
     if result.serve:
         rows.append(("serve", result.serve))
     rows.append(("time", f"{result.seconds / 60:.1f} min"))

@@ -226,8 +226,12 @@ def test_best_keeper_takes_ties_at_the_later_step_and_never_a_worse_one(tmp_path
     assert not keeper.consider(result(30, 1.4), snapshot(30))
     assert (run / "best" / "model.safetensors").read_bytes() == b"weights of 20"
     record = json.loads((run / "best" / "best.json").read_text())
-    assert record["step"] == 20 and record["before"] == {"step": 10, "acceptance_length": 1.5}
+    assert record["step"] == 20 and record["before"] == {"step": 10, "acceptance_length": 1.5, "comparable": True}
     assert engine_eval.BestKeeper(run).record["step"] == 20  # read back (--resume)
+    # measured under other settings (another engine, say): not compared with; the next answer replaces it
+    other = engine_eval.BestKeeper(run, signature={"engine": "vllm"})
+    assert not other.comparable and other.consider(result(40, 1.1), snapshot(40))
+    assert json.loads((run / "best" / "best.json").read_text())["before"]["comparable"] is False
     # a run killed between the two renames of a replacement: RUN/.best.old is put back
     (run / "best").rename(run / ".best.old")
     engine_eval.recover_best(run)
@@ -239,3 +243,89 @@ def test_busy_share_counts_each_moment_once():
     evaluator.busy, evaluator.pending = [(0.0, 4.0), (2.0, 6.0)], {3: 9.0}
     assert evaluator.busy_share(0.0, 10.0) == pytest.approx(0.7)  # [0, 6] and [9, 10]
     assert evaluator.busy_share(6.0, 9.0) == 0.0
+
+
+def _evaluator(tmp_path, command, warnings):
+    config = engine_eval.WorkerConfig(run_dir=str(tmp_path), engine="torch", target=str(tmp_path / "none"),
+                                      prompts="mt-bench", depth=3, max_new_tokens=8, num_prompts=None,
+                                      export_format="vllm")
+    evaluator = engine_eval.EngineEvaluator(config, True, lambda record: None, warn=warnings.append)
+    evaluator.command = command
+    evaluator.start()
+    return evaluator
+
+
+def test_a_worker_that_dies_is_said_and_started_again_once(tmp_path):
+    import sys
+    import time
+
+    warnings: list[str] = []
+    evaluator = _evaluator(tmp_path, (sys.executable, "-c", "import sys; sys.exit(7)"), warnings)
+
+    def died():
+        deadline = time.time() + 30
+        while evaluator.dead is None and time.time() < deadline:
+            time.sleep(0.1)
+        return evaluator.dead is not None
+
+    try:
+        assert died() and evaluator.poll() == []  # nothing was in flight: a line, not a record
+        assert "the engine process ended (exit 7)" in warnings[-1]
+        assert evaluator.ready() and evaluator.starts == 2  # started again, once ...
+        assert "starting it again" in warnings[-1]
+        assert died() and evaluator.poll() == []
+        assert warnings[-1].endswith("no more engine evaluations in this run")
+        assert not evaluator.ready() and evaluator.starts == 2  # ... and not a third time
+    finally:
+        evaluator.close()
+
+
+def test_an_engine_that_does_not_answer_is_stopped_after_the_limit(tmp_path):
+    import sys
+
+    warnings: list[str] = []
+    records: list[dict] = []
+    evaluator = _evaluator(tmp_path, (sys.executable, "-c", "import time; time.sleep(300)"), warnings)
+    evaluator.on_result = records.append
+    process = evaluator.process
+    evaluator.submit(5, tmp_path / "engine-eval" / "step-00000005" / "checkpoint")
+    evaluator.finish(timeout=1)
+    assert process.poll() is not None  # stopped, not left running
+    assert "the engine took over 1 s for step(s) [5]: stopping it" in warnings[0]
+    assert [(r["step"], "error" in r) for r in records] == [(5, True)] and not evaluator.pending
+    evaluator.close()
+
+
+def test_the_worker_ends_itself_when_the_trainer_is_gone(tmp_path):
+    """The worker watches its parent: started with another pid as its trainer's (as after the trainer was
+    killed and the worker re-parented), it exits within seconds, its stdin still open."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "worker.json"
+    config.write_text(json.dumps({"run_dir": str(tmp_path), "engine": "torch", "target": "x", "prompts": "mt-bench",
+                                  "depth": 3, "max_new_tokens": 8, "num_prompts": None, "export_format": "vllm"}))
+    read, write = os.pipe()
+    env = {**os.environ, engine_eval.RESULT_FD: str(write), engine_eval.PARENT_PID: "1"}
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli.stages.engine_eval", str(config)],
+                               stdin=subprocess.PIPE, pass_fds=(write,), env=env)
+    os.close(write)
+    try:
+        assert process.wait(timeout=60) == 3
+    finally:
+        process.kill()
+        os.close(read)
+
+
+def test_a_new_run_removes_what_an_abandoned_run_left(sized, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "best.json").write_text("{}")
+    (run / "best" / "model.safetensors").write_bytes(b"old")
+    (run / "engine-eval" / "step-00000005").mkdir(parents=True)
+    assert main(["train", "--cache", str(sized["cache"]), "-v", str(sized["vm"]), "-o", str(run), "--max-steps",
+                 "2", "--ttt-steps", "2"]) == 0
+    assert "left by an earlier run in this folder that saved no checkpoint" in " ".join(capsys.readouterr().out.split())
+    assert not (run / "best").exists() and not (run / "engine-eval").exists()
+    assert ckpt.resolve_checkpoint(run).name == "step-00000002"  # export and eval take the latest again

@@ -85,4 +85,4 @@ def test_the_train_command_has_one_option_per_field():
                          "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp", "tensor_plane",
                          "target_engine", "target_parallel", "target_memory", "target_tensor_parallel",
                          "attention", "precision", "peagle_segments", "eval_engine", "eval_engine_every",
-                         "eval_engine_wait", "keep", "eval_engine_target", "eval_engine_memory"}
+                         "eval_engine_wait", "eval_engine_target", "eval_engine_memory"}

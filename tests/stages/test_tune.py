@@ -36,6 +36,9 @@ def test_a_batch_size_the_kv_cache_cannot_hold_is_refused_by_name():
         def kv_capacity_tokens(self):
             return 1000
 
+        def kv_block_tokens(self):
+            return 16
+
     asked = tune.TuneConfig(draft=None, target="t", batch_sizes=(1, 16, 32))
     with pytest.raises(ConfigError, match=r"--batch-sizes 16,32: the engine's KV cache holds 1000 tokens here, "
                                           r"and 32 requests of up to 112 tokens need 3584"):  # 100 in 16-token blocks
