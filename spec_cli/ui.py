@@ -295,7 +295,7 @@ def _inspect_run(path: Path) -> None:
         meta = ckpt.frozen_meta(frozen)
         _line(f"  frozen weights: {frozen.name} ({human_bytes(frozen.stat().st_size)}, "
               f"{', '.join(meta.get('keys', []))}, fingerprint {meta.get('fingerprint')}), once for all checkpoints")
-    evals = []
+    evals, engine = [], []
     if (path / "log.jsonl").is_file():
         for line in (path / "log.jsonl").read_text().splitlines():
             try:
@@ -304,11 +304,20 @@ def _inspect_run(path: Path) -> None:
                 continue
             if record.get("split") == "eval":
                 evals.append(record)
+            elif record.get("split") == "engine" and "error" not in record:
+                engine.append(record)
     if evals:
         last = evals[-1]
         acc = " ".join(f"{a:.3f}" for a in last.get("acc", []))
         _line(f"  last eval: step {last.get('step')}, accuracy per TTT step {acc}, simulated acceptance "
               f"length {last.get('acceptance_length', 0):.2f}")
+    if engine:
+        _line(f"  engine ({engine[-1].get('engine')}) acceptance length: "
+              + ", ".join(f"{r.get('acceptance_length', 0):.3f} @ {r.get('step')}" for r in engine[-8:]))
+    best = ckpt.best_record(path)
+    if best:
+        _line(f"  best: {path / ckpt.BEST} (step {best.get('step')}, acceptance length "
+              f"{best.get('acceptance_length', 0):.3f} in {best.get('engine')}); export and eval take it")
 
 
 def _check_cache(path: Path, manifest: dict, verify: bool) -> None:

@@ -95,8 +95,10 @@ def require(purpose: str = "this command"):
 
 
 def engine_reason(exc: BaseException) -> str:
-    """The engine's own words for a failure: the last non-empty line of its message."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    """The engine's own words for a failure: the last non-empty line of its message (a pydantic
+    validation error's last line is a link; its reason is the line before)."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith("For further information visit")]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
@@ -262,7 +264,7 @@ class Engine:
                  track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
                  speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 worker_extension_cls: str | None = None):
+                 worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None):
         """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
         executor; on CPUs each worker takes its share of this process's cores), reached through
         `worker_extension_cls`'s methods (collective_rpc)."""
@@ -280,6 +282,8 @@ class Engine:
             kwargs["max_model_len"] = int(max_model_len)
         if max_num_seqs:
             kwargs["max_num_seqs"] = int(max_num_seqs)
+        if max_num_batched_tokens:  # tokens one step may schedule: at least max_num_seqs (vLLM checks)
+            kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
         if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if draft is not None:

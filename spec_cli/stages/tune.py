@@ -195,10 +195,14 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
         schedule = [[1, biggest, max_k]]
         info(f"loading {target_dir.name} twice in vLLM ({str(dtype).replace('torch.', '')}): alone, and with the "
              f"draft {folder} (up to {max_k} draft tokens, batches up to {biggest})")
-        base = vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest)
+        # one step of the biggest batch schedules biggest x (1 + max_k) tokens: room for it (vLLM's default
+        # budget, 4096, is below max_num_seqs past 4096 requests and refuses to start)
+        budget = max(4096, biggest * (max_k + 1))
+        base = vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest,
+                           max_num_batched_tokens=budget)
         try:
             spec = vllm.Engine(target_dir, folder, max_k, dtype, length, method=fmt.method, max_num_seqs=biggest,
-                               draft_class=algorithm.vllm_draft_class,
+                               max_num_batched_tokens=budget, draft_class=algorithm.vllm_draft_class,
                                speculative_options={**dict(fmt.engine_options),
                                                     "num_speculative_tokens_per_batch_size": schedule})
         except BaseException:
@@ -320,12 +324,14 @@ def _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length,
 
     options = {k: v for k, v in recommended.items() if k not in ("method", "model", "num_speculative_tokens")}
     alone: dict[int, list] = {}
-    with vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest) as base:
+    budget = max(4096, biggest * (recommended["num_speculative_tokens"] + 1))
+    with vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest,
+                     max_num_batched_tokens=budget) as base:
         for b in sizes:
             alone[b] = _waves(base, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0]
     same = {}
     with vllm.Engine(target_dir, folder, recommended["num_speculative_tokens"], dtype, length, method=fmt.method,
-                     max_num_seqs=biggest, draft_class=algorithm.vllm_draft_class,
+                     max_num_seqs=biggest, max_num_batched_tokens=budget, draft_class=algorithm.vllm_draft_class,
                      speculative_options=options) as served:
         for b in sizes:
             same[str(b)] = _waves(served, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0] == alone[b]

@@ -329,3 +329,13 @@ def test_a_new_run_removes_what_an_abandoned_run_left(sized, tmp_path, capsys):
     assert "left by an earlier run in this folder that saved no checkpoint" in " ".join(capsys.readouterr().out.split())
     assert not (run / "best").exists() and not (run / "engine-eval").exists()
     assert ckpt.resolve_checkpoint(run).name == "step-00000002"  # export and eval take the latest again
+
+
+def test_inspect_shows_the_engines_curve_and_the_best(peaked_run, capsys):
+    run = peaked_run["run"]
+    best = json.loads((run / ckpt.BEST / ckpt.BEST_JSON).read_text())
+    assert main(["inspect", str(run)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "engine (torch) acceptance length: " in printed and "@ 30" in printed
+    assert f"best: {run / 'best'} (step {best['step']}, acceptance length {best['acceptance_length']:.3f} in torch)" \
+        in printed
