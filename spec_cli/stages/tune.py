@@ -29,6 +29,7 @@ Written to --output (default EXPORT-tune beside the export): serving.json, speed
 
 from __future__ import annotations
 
+import os
 import shlex
 import statistics
 import tempfile
@@ -183,6 +184,8 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
     dtype = loading.choose_dtype(cfg.dtype, device)
     longest = max(len(p) for p in ids[:max(cfg.requests, biggest)])
     length = min(loading.max_positions(loading.load_config(target_dir)), longest + cfg.max_new_tokens + max_k + 8)
+    if cfg.batch_sizes is not None and device.type == "cpu":  # before a minute of loading: the hopeless sizes
+        _cpu_room_check(cfg, sizes, loading.load_config(target_dir), dtype, longest + cfg.max_new_tokens + max_k + 1)
     with tempfile.TemporaryDirectory(prefix="spec-tune-") as tmp:
         folder = loaded.path
         if loaded.kind != "export":
@@ -249,6 +252,30 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
                    "target_alone_faster": {str(b): r for b, r in alone.items()},
                    # vLLM carries the last range's k up to its max_num_seqs: sizes past these were not measured
                    "measured_up_to": max(sizes)})
+
+
+def _cpu_room_check(cfg: TuneConfig, sizes: list[int], config, dtype, per_request: int) -> None:
+    """On a CPU vLLM's KV cache is VLLM_CPU_KVCACHE_SPACE GiB; the target's own layers alone bound what
+    it holds (the draft's take more), so a batch size past that bound is refused before any engine
+    loads. The exact check (`_held_sizes`) follows once they have."""
+    from spec_cli.engine import vllm
+
+    vllm.configure_env()
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * loading.num_layers(config) * heads * head_dim * torch.finfo(dtype).bits // 8
+    try:
+        room = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30) // per_token
+    except (KeyError, ValueError):
+        return
+    too_big = [b for b in sizes if b * per_request > room]
+    if too_big:
+        raise ConfigError(f"--batch-sizes {','.join(map(str, too_big))}: vLLM's KV cache here "
+                          f"(VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB) holds at most {room} "
+                          f"tokens of this target, and {max(too_big)} requests of up to {per_request} tokens need "
+                          f"{max(too_big) * per_request}", "drop the larger sizes, or give vLLM more KV cache "
+                          "(VLLM_CPU_KVCACHE_SPACE in GiB)")
 
 
 def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) -> list[int]:

@@ -105,5 +105,5 @@ def test_tune_refuses_a_batch_size_the_kv_cache_cannot_hold_in_one_line(vllm_run
     assert main(["tune", str(vllm_run["run"]), "-t", str(vllm_run["target"]), "--max-k", "1", "--batch-sizes",
                  "1,100000", "--requests", "1", "--max-new-tokens", "4", "--repeats", "1", "-o", str(out)]) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "--batch-sizes 100000: the engine's KV cache holds" in err and "VLLM_CPU_KVCACHE_SPACE" in err, err
+    assert "--batch-sizes 100000: vLLM's KV cache here (VLLM_CPU_KVCACHE_SPACE=2 GiB) holds at most" in err, err
     assert err.count("error:") == 1 and not out.exists()
