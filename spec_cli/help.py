@@ -49,6 +49,18 @@ class Command(TyperCommand):
     def format_help(self, ctx, formatter) -> None:
         print_help(self, ctx)
 
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        """`[OPTIONS] TARGET`: arguments as click writes them (typer >= 0.29 writes `{target}`)."""
+        return [self.options_metavar, *(_argument(p) for p in self.get_params(ctx)
+                                        if p.param_type_name == "argument")]
+
+
+def _argument(param) -> str:
+    """An argument's name on the usage line and in its panel: TARGET, [TARGET] when optional."""
+    name = param.metavar or param.name.upper()
+    name += "..." if param.nargs != 1 else ""
+    return name if param.required else f"[{name}]"
+
 
 class Group(TyperGroup):
     """The `spec` group, whose --help is `print_help`'s."""
@@ -105,7 +117,7 @@ def _long_first(names: list[str]) -> list[str]:
 def _names(param, ctx) -> Text:
     """`--target, -t TEXT`, `--resume / --no-resume`, `--fsdp`; an argument as the usage line has it."""
     if param.param_type_name == "argument":
-        return Text(" ".join(param.get_usage_pieces(ctx)), style="bold cyan")
+        return Text(_argument(param), style="bold cyan")
     text = Text(", ".join(_long_first(param.opts)), style="bold cyan")
     if param.secondary_opts:
         off = ", ".join(_long_first(param.secondary_opts))

@@ -160,14 +160,26 @@ def print_demo_summary(result) -> None:
                         if last is not None and last != exported else " (the last step)")))
     for warning in result.warnings:
         rows.append(("WARNING", warning))
+    vllm = getattr(result, "vllm", None)
+    if vllm:  # the headline: what a vLLM server gets (MT-bench, the same turns as PyTorch's below)
+        note = f"; per turn {vllm['note']}" if vllm.get("note") else ""
+        rows.append(("speed-up in vLLM", f"{vllm['speedup']:.2f}x over vLLM's target alone ({vllm['spec_tokens_per_s']:.1f} "
+                                         f"vs {vllm['target_tokens_per_s']:.1f} tokens/s; acceptance length "
+                                         f"{vllm['acceptance_length']:.2f}, MT-bench, greedy, chain "
+                                         f"{result.profile.eval_depth}{note})"))
+    if getattr(result, "missing", ""):
+        rows.append(("without vLLM", result.missing))
     if result.acceptance_length is not None:
         p = result.profile
         rows.append(("acceptance length", f"{result.acceptance_length:.2f} tokens per target forward "
-                                          f"(MT-bench, greedy, chain {p.eval_depth})"))
+                                          f"(MT-bench, greedy, chain {p.eval_depth}, PyTorch)"))
         note = getattr(result, "speed_note", "")
         per_turn = f"; per turn {note}" if note else ""
-        rows.append(("speed-up", f"{result.speedup:.2f}x over the target alone (same prompts, same run"
-                                 f"{per_turn})"))
+        tps = getattr(result, "torch_tps", None) or {}
+        absolute = (f"{tps['spec_tokens_per_s']:.1f} vs {tps['target_tokens_per_s']:.1f} tokens/s; "
+                    if tps.get("spec_tokens_per_s") else "")
+        rows.append(("speed-up in PyTorch", f"{result.speedup:.2f}x over the target alone ({absolute}same prompts, "
+                                            f"same run{per_turn})"))
         best = getattr(result, "fastest", None)
         if best and best["depth"] != p.eval_depth:
             rows.append(("fastest chain here", f"{best['depth']}: speed-up {best['speedup']:.2f}x, acceptance "
@@ -191,6 +203,8 @@ def print_demo_summary(result) -> None:
         rows.append(("serve with vLLM, as tuned", tuned["serve"]))
     estimate = getattr(result, "estimate", None)
     estimated = f" (estimated {estimate['minutes']:g} min at the start" if estimate else ""
+    if estimate and (estimate.get("busy") or {}).get("too_busy"):
+        estimated += ", on a busy machine"
     if estimate and estimate.get("revised_minutes") is not None:
         estimated += f", {estimate['revised_minutes']:g} after regenerate"
     if estimate and estimate.get("paced_minutes") is not None:

@@ -47,6 +47,47 @@ def _isolated_home(tmp_path_factory, monkeypatch, request):
         monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")
 
 
+SPEC_CLI = str(Path(__file__).resolve().parent.parent / "spec_cli")
+
+
+@pytest.fixture(autouse=True)
+def _no_deprecated_calls_of_ours(monkeypatch):
+    """The test fails when spec_cli's own code makes a call that warns FutureWarning or DeprecationWarning
+    (a library's deprecated argument, say): whatever frame the library attributes the warning to, a
+    spec_cli frame on the stack at that moment means our call. Users see these in the middle of a
+    command's output; the next release of the library breaks the call."""
+    import sys
+    import warnings
+
+    ours: list[str] = []
+    real_warn, real_explicit = warnings.warn, warnings.warn_explicit
+
+    def check(message, category) -> None:
+        kind = type(message) if isinstance(message, Warning) else (category or UserWarning)
+        if not issubclass(kind, (FutureWarning, DeprecationWarning)):
+            return
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(SPEC_CLI):
+                ours.append(f"{kind.__name__}: {message} (from {frame.f_code.co_filename}:{frame.f_lineno})")
+                return
+            frame = frame.f_back
+
+    def warn(message, category=None, stacklevel=1, source=None, **kwargs):
+        check(message, category)
+        return real_warn(message, category, stacklevel + 1, source, **kwargs)
+
+    def warn_explicit(message, category, *args, **kwargs):
+        check(message, category)
+        return real_explicit(message, category, *args, **kwargs)
+
+    monkeypatch.setattr(warnings, "warn", warn)
+    monkeypatch.setattr(warnings, "warn_explicit", warn_explicit)
+    yield
+    if ours:
+        pytest.fail("spec_cli's own calls warned:\n" + "\n".join(dict.fromkeys(ours)), pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _loud_console():
     """`-q` sets a process-wide switch (spec_cli.console); a test that ran the CLI quietly must not

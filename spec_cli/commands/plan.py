@@ -14,10 +14,21 @@ from spec_cli.help import DRAFT, INPUTS
 HARDWARE = "Hardware"
 
 
+def plan_algorithms() -> str:
+    """--algorithm's help: the registered algorithms whose training step a plan can shape, and why not
+    the others (spec_cli.plan.plannable)."""
+    from spec_cli.draft.algorithms import ALGORITHMS  # (declarations only: no torch)
+    from spec_cli.plan import plannable
+
+    able = [f"{a.name} ({a.title})" for a in ALGORITHMS.values() if plannable(a) is None]
+    not_able = [f"{a.title}: {plannable(a)}" for a in ALGORITHMS.values() if plannable(a) is not None]
+    return (f"The draft algorithm: {', '.join(able[:-1])} or {able[-1]}." if len(able) > 1 else
+            f"The draft algorithm: {able[0]}.") + (f" Not planned: {'; '.join(not_able)}." if not_able else "")
+
+
 def plan_cmd(
     target: Annotated[Path, typer.Argument(help="The target: a model folder, or just its config.json.")],
-    algorithm: Annotated[str, typer.Option("--algorithm", help="The draft algorithm (eagle3, eagle).",
-                                           rich_help_panel=DRAFT)] = "eagle3",
+    algorithm: Annotated[str, typer.Option("--algorithm", help=plan_algorithms(), rich_help_panel=DRAFT)] = "eagle3",
     seq_len: Annotated[str, typer.Option(
         "--seq-len", help="Row lengths to plan, comma-separated (tokens per row, packed or not).",
         rich_help_panel=INPUTS)] = "8192,32768",

@@ -19,7 +19,6 @@ in the cache gathers its positions (they are not contiguous).
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 from torch import nn
@@ -48,8 +47,7 @@ class Target:
                 raise ValueError(f"{type(model).__name__} has no final norm to read the draft's feature from")
             self._final_hook = norm.register_forward_hook(
                 lambda _m, _i, out: self._final.append(out) if self.capture else None)
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
+        self._cache_arg = loading.cache_argument(model)
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.layout = Layout.from_config(model.config)
 

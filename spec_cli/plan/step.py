@@ -23,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from spec_cli.batch import TargetBatch
-from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
+from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm  # noqa: F401
+from spec_cli.plan import plannable  # noqa: F401 (where the plan's callers have it from)
 from spec_cli.draft.optim import ordered
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
 from spec_cli.errors import ConfigError
@@ -64,17 +65,6 @@ ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_fwd,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd,
 }
-
-
-def plannable(algorithm: Algorithm) -> str | None:
-    """Why `algorithm`'s step cannot be planned, or None."""
-    unknown = set(algorithm.needs) - {FINAL_HIDDEN, LM_HEAD}
-    if unknown:
-        return f"it reads target fields the planner cannot shape ({', '.join(sorted(unknown))})"
-    if algorithm.name == "peagle":
-        return ("P-EAGLE's step samples its elements from the data (COD), so its memory depends on the "
-                "batch's content, which a plan does not have")
-    return None
 
 
 def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: torch.device,

@@ -28,7 +28,7 @@ from spec_cli.paths import spec_home
 from spec_cli.target import loading
 
 DEMO_JSON = "demo.json"
-STAGES = 10
+STAGES = 11  # (10 without vLLM: no eval-vllm)
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,9 @@ class DemoResult:
     exported_step: int | None = None
     last_step: int | None = None
     tune: dict | None = None  # the closing spec tune: {"engine", "table", "recommended", "serve", ...}
+    vllm: dict | None = None  # MT-bench in vLLM: acceptance_length, speedup, both sides' tokens/s, note
+    torch_tps: dict | None = None  # MT-bench in PyTorch: both sides' tokens/s
+    missing: str = ""  # what the demo cannot show without vLLM (said at the start and in the table)
     eval_json: Path | None = None
     serve_command: str = ""
     seconds: float = 0.0
@@ -153,6 +156,12 @@ def run(cfg: DemoConfig) -> DemoResult:
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)
     info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
+    if eval_engine(cfg) == "torch" and cfg.engine == "auto":  # said once: what the demo cannot show here
+        result.missing = (f"vLLM is not installed, so regenerate runs in transformers (about 2x slower), the "
+                          "training loop's evaluations and the closing tune run spec_cli's PyTorch decoder (one "
+                          "request at a time), and the speed-ups are the PyTorch evaluator's, not what a vLLM "
+                          f"server gets; for those: {_VLLM_INSTALL}")
+        info(result.missing)
 
     def stage(name: str, artifact: Path, work) -> None:
         t0 = time.perf_counter()
@@ -187,6 +196,9 @@ def run(cfg: DemoConfig) -> DemoResult:
     stage("export", export_dir, lambda: _export(run_dir, export_dir, found, result))
     eval_dir = folder / "eval"
     stage("eval", eval_dir, lambda: _eval(cfg, profile, found, export_dir, eval_dir, result))
+    if eval_engine(cfg) == "vllm":  # the same MT-bench turns in vLLM: the speed-up a server gets
+        vllm_dir = folder / "eval-vllm"
+        stage("eval-vllm", vllm_dir, lambda: _eval_vllm(cfg, profile, found, export_dir, vllm_dir, result))
     heldout_dir = folder / "eval-heldout"
     stage("eval-heldout", heldout_dir, lambda: _eval(cfg, profile, found, export_dir, heldout_dir, result,
                                                      heldout=_heldout_prompts(profile, found, data, folder)))
@@ -217,12 +229,18 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     minutes the stages not yet done will take at it; None when every stage is done."""
     from spec_cli.stages import demo_clock
 
-    left = [name for name in ("regenerate", "precompute", "train", "eval", "eval-heldout", "tune")
-            if name not in earlier]
+    stages = ("regenerate", "precompute", "train", "eval", *(("eval-vllm",) if eval_engine(cfg) == "vllm" else ()),
+              "eval-heldout", "tune")
+    left = [name for name in stages if name not in earlier]
     if not left:
         return None
+    import torch
+
+    from spec_cli import threads
+
     device = loading.choose_device(cfg.device)
     t0 = time.perf_counter()
+    meter = threads.Meter()  # a crowded machine measures slow speeds, and so a long estimate: say so
     speeds = demo_clock.measure(loading.resolve_target(found["smollm2"]), device,
                                 loading.choose_dtype(data_dtype(cfg), device), loading.choose_dtype(cfg.dtype, device),
                                 profile.draft_vocab_size, profile.batch_tokens, profile.ttt_steps)
@@ -230,13 +248,17 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     if "eval" in left and profile.eval_compare_depths == "auto":
         compared = demo_clock.chains_compared(loading.resolve_target(found["smollm2"]), device,
                                               loading.choose_dtype(cfg.dtype, device), profile.eval_depth)
+    busy = meter.stop(torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu")
     per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg), compared, eval_engine(cfg))
-    seconds = {name: per_stage[name] for name in left}
+    seconds = {name: per_stage[name] for name in left if name in per_stage}
     total = (sum(seconds.values()) + per_stage["fixed"]) / 60
     info(f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
-         f"take about {total:.0f} min (" + ", ".join(f"{n} {s / 60:.1f}" for n, s in seconds.items()) + ")")
+         f"take about {total:.0f} min (" + ", ".join(f"{n} {s / 60:.1f}" for n, s in seconds.items()) + ")"
+         + (f". WARNING: {busy['warning']}; this estimate assumes the machine stays that busy (the demo "
+            "states its total again after regenerate and after 50 training steps)" if busy["too_busy"] else ""))
     return {"minutes": round(total, 1), "stages": {n: round(s, 2) for n, s in seconds.items()},
-            "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()}}
+            "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()},
+            "busy": {k: busy.get(k) for k in ("too_busy", "warning", "cpu_share", "other_load")}}
 
 
 def _revise(result: DemoResult) -> None:
@@ -485,6 +507,43 @@ def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) ->
     return "ran"
 
 
+_VLLM_INSTALL = ("pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec (a CPU "
+                 "machine; on a GPU machine, pip install vllm for your torch)")
+
+
+def _eval_vllm(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
+               result: DemoResult) -> str:
+    """MT-bench in vLLM: the PyTorch eval's turns, chain and tokens, the target alone beside the draft in
+    vLLM, acceptance from vLLM's own counters: the demo's headline speed-up."""
+    from spec_cli.eval.report import print_table, spread_text
+    from spec_cli.stages import eval as evaluate
+
+    settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
+                "num_prompts": profile.eval_prompts, "prompts": str(found["mt-bench"]), "engine": "vllm"}
+    step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
+    report = eval_dir / "eval.json"
+
+    def keep(overall: dict, busy: dict | None) -> None:
+        result.vllm = {k: overall[k] for k in ("acceptance_length", "speedup", "spec_tokens_per_s",
+                                               "target_tokens_per_s")}
+        result.vllm["note"] = spread_text(overall.get("speedup_spread"))
+        if (busy or {}).get("warning"):
+            result.warnings.append(f"MT-bench eval in vLLM: {busy['warning']}")
+
+    if report.is_file():
+        done = json.loads(report.read_text())
+        if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
+            keep(done["overall"], done.get("busy"))
+            return "reused"
+    outcome = evaluate.run(evaluate.EvalConfig(
+        target=str(found["smollm2"]), draft=export_dir, prompts=str(found["mt-bench"]), output=eval_dir,
+        depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
+        num_prompts=profile.eval_prompts, device=cfg.device, dtype=cfg.dtype, engine="vllm"))
+    print_table(outcome)
+    keep(outcome.overall, outcome.busy)
+    return "ran"
+
+
 def eval_engine(cfg: DemoConfig) -> str:
     """The engine that measures acceptance in the training loop and tunes the export: vLLM as --engine
     says (auto: where it is installed; it is what users deploy), else spec_cli's PyTorch decoder."""
@@ -564,6 +623,7 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
             result.eval_json = report
             result.acceptance_length, result.speedup = overall["acceptance_length"], overall["speedup"]
             result.speed_note = note
+            result.torch_tps = {k: overall.get(k) for k in ("spec_tokens_per_s", "target_tokens_per_s")}
         if (busy or {}).get("warning"):  # the speed-up above came from a crowded machine: say so
             which = "held-out" if heldout is not None else "MT-bench"
             result.warnings.append(f"{which} eval: {busy['warning']}")
@@ -641,7 +701,7 @@ def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
                     "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
         "acceptance_length": result.acceptance_length, "speedup": result.speedup,
         "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
-        "fastest_chain": result.fastest,
+        "fastest_chain": result.fastest, "vllm": result.vllm, "torch_tokens_per_s": result.torch_tps,
         "engine_curve": result.engine_curve, "exported_step": result.exported_step, "last_step": result.last_step,
         "tune": None if result.tune is None else {k: result.tune.get(k) for k in
                                                   ("engine", "speculative_config", "decoding", "why", "verified")},

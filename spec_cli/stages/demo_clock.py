@@ -56,6 +56,9 @@ ENGINE_SLOWDOWN = 0.4
 TUNE_FIXED_SECONDS = {"vllm": 75.0, "torch": 5.0}
 TUNE_BATCH_POWER = 0.7
 TUNE_OVERHEAD = 1.3
+# spec eval --engine vllm: two engines loaded, then the turns at the one-row speed (measured on the default
+# demo, AMX cores: 1.5 min, the engines 0.5 of it)
+VLLM_EVAL_FIXED_SECONDS = 30.0
 TUNE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -87,17 +90,21 @@ def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
                   only_decode: bool = False) -> tuple[float, float, float]:
     """(batched decode, prefill, one-row decode) tokens/s of the target at `dtype` (only_decode: the
     last alone; the others 0)."""
+    from transformers import DynamicCache
+
     model = loading.load_model(target_dir, device, dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = model.get_input_embeddings().weight.shape[0]
+    cache_arg = loading.cache_argument(model)
 
     def decode(rows: int, steps: int = 4) -> float:
         prompt = torch.randint(0, vocab, (rows, 64), generator=gen).to(device)
-        past = model(input_ids=prompt, use_cache=True).past_key_values
+        cache = DynamicCache(config=model.config)  # filled in place by each forward
+        model(input_ids=prompt, use_cache=True, **{cache_arg: cache})
         token = prompt[:, -1:]
         t0 = time.perf_counter()
         for _ in range(steps):
-            past = model(input_ids=token, past_key_values=past, use_cache=True).past_key_values
+            model(input_ids=token, use_cache=True, **{cache_arg: cache})
         return rows * steps / (time.perf_counter() - t0)
 
     decode(1, 2)  # warm-up
@@ -237,5 +244,8 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
         "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
         "eval-heldout": heldout_tokens / speeds.decode * OVERHEAD["eval"],
         "tune": TUNE_FIXED_SECONDS[eval_engine] + profile.tune_repeats * tune_seconds * TUNE_OVERHEAD,
+        # MT-bench again in vLLM (its two engines' loading, then the target alone and the chain)
+        **({"eval-vllm": VLLM_EVAL_FIXED_SECONDS + profile.eval_prompts * 2 * profile.eval_max_new_tokens * 2
+            / speeds.decode} if eval_engine == "vllm" else {}),
         "fixed": FIXED_SECONDS,
     }

@@ -190,6 +190,7 @@ class TransformersEngine:
 
     def __init__(self, target_dir: Path, device: torch.device, dtype: torch.dtype, pad_id: int):
         self.model = loading.load_model(target_dir, device, dtype)
+        self.cache_arg = loading.cache_argument(self.model)
         self.device, self.pad_id = device, pad_id
         self.rope_delta = 0  # M-RoPE (Qwen-VL): how far past its index a token after an image prompt sits
 
@@ -199,7 +200,7 @@ class TransformersEngine:
         extra = {} if images is None else loading.image_inputs(self.model, images, self.device)
         grid = images is not None and hasattr(self.model.base_model, "get_rope_index")
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=None if grid else positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+                         use_cache=True, logits_to_keep=1, **{self.cache_arg: cache}, **extra)
         if grid:
             self.rope_delta = int(self.model.base_model.rope_deltas.reshape(-1)[0])
         return out.logits[:, -1].float()  # [B, V]

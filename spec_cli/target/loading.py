@@ -294,6 +294,14 @@ def generation_config(path: Path):
         return None
 
 
+def cache_argument(model) -> str:
+    """The forward keyword a model takes its KV cache by: `cache` (transformers >= 5.20; `past_key_values`
+    there is deprecated and warns at every call) or `past_key_values` (before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def max_positions(config) -> int | None:
     """The target's context length (max_position_embeddings, also in `text_config`), if it says."""
     text = config if getattr(config, "max_position_embeddings", None) else getattr(config, "text_config", None)

@@ -352,3 +352,45 @@ def test_training_states_the_demo_total_again_at_the_pace_it_measured(capsys):
     assert "50 steps in 1.2 min, so the stage takes about 25.0 min at this pace (estimated 10.0)" in printed
     resumed = demo.TrainPace(result, total=1000, first=960, clock=lambda: now[0])
     assert resumed.at == 973  # a third of the 40 steps left
+
+
+def test_an_estimate_measured_on_a_busy_machine_says_so(tmp_path, capsys, monkeypatch):
+    """The start-of-run estimate comes from speeds measured now: on a crowded machine they are low and the
+    estimate long (625 minutes once, 30 when quiet), so the line says the machine was busy."""
+    from spec_cli import threads
+    from spec_cli.stages import demo_clock
+    from spec_cli.ui import print_demo_summary
+
+    class Busy:
+        def stop(self, threads, cores, on_cpu=True):
+            return {"too_busy": True, "warning": "the machine was too busy for these speeds to mean much: "
+                                                 "other processes kept 1.9 of 2 cores busy"}
+
+    monkeypatch.setattr(threads, "Meter", Busy)
+    monkeypatch.setattr(demo_clock, "measure", lambda *a, **k: demo_clock.Speeds(100.0, 1000.0, 10.0, 500.0))
+    monkeypatch.setattr(demo.loading, "resolve_target", lambda path: path)
+    estimate = demo._estimate(demo.DemoConfig(engine="transformers", device="cpu"), TINY, {"smollm2": tmp_path}, {})
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "WARNING: the machine was too busy for these speeds to mean much: other processes kept 1.9 of 2 " \
+           "cores busy; this estimate assumes the machine stays that busy" in printed
+    assert estimate["busy"]["too_busy"] is True
+    result = demo.DemoResult(folder=tmp_path, profile=TINY, estimate=estimate)
+    print_demo_summary(result)
+    assert "at the start, on a busy machine" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_final_table_heads_with_vllms_speed_up_and_gives_both_engines_tokens_per_second(tmp_path, capsys):
+    from spec_cli.ui import print_demo_summary
+
+    result = demo.DemoResult(folder=tmp_path, profile=TINY, acceptance_length=1.46, speedup=0.87)
+    result.vllm = {"acceptance_length": 1.46, "speedup": 1.04, "spec_tokens_per_s": 23.9, "target_tokens_per_s": 23.1,
+                   "note": ""}
+    result.torch_tps = {"spec_tokens_per_s": 20.9, "target_tokens_per_s": 23.9}
+    print_demo_summary(result)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "speed-up in vLLM 1.04x over vLLM's target alone (23.9 vs 23.1 tokens/s; acceptance length 1.46" in printed
+    assert "speed-up in PyTorch 0.87x over the target alone (20.9 vs 23.9 tokens/s;" in printed
+    assert printed.index("speed-up in vLLM") < printed.index("speed-up in PyTorch")
+    result = demo.DemoResult(folder=tmp_path, profile=TINY, missing="vLLM is not installed, so regenerate runs")
+    print_demo_summary(result)
+    assert "without vLLM vLLM is not installed, so regenerate runs" in " ".join(capsys.readouterr().out.split())

@@ -8,6 +8,7 @@ import pytest
 from spec_cli.cli import main
 
 vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture
