@@ -62,16 +62,24 @@ def _no_deprecated_calls_of_ours(monkeypatch):
     ours: list[str] = []
     real_warn, real_explicit = warnings.warn, warnings.warn_explicit
 
+    def package(frame) -> str:
+        return frame.f_globals.get("__name__", "").split(".")[0]
+
     def check(message, category) -> None:
+        """Ours when the first frame outside the warning library's own code (and torch's module-call
+        machinery, through which a model's forward is called) is spec_cli's: the call that made the
+        library warn. A library warning about its own internals, called from us, is not ours."""
         kind = type(message) if isinstance(message, Warning) else (category or UserWarning)
         if not issubclass(kind, (FutureWarning, DeprecationWarning)):
             return
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_filename.startswith(SPEC_CLI):
-                ours.append(f"{kind.__name__}: {message} (from {frame.f_code.co_filename}:{frame.f_lineno})")
-                return
+        frame = sys._getframe(2)  # the frame that called warnings.warn
+        library = package(frame)
+        while frame is not None and package(frame) in (library, "torch", "functools", "contextlib"):
             frame = frame.f_back
+        if frame is not None and frame.f_code.co_filename.startswith(SPEC_CLI) and library != "spec_cli":
+            ours.append(f"{kind.__name__}: {message} (our call at {frame.f_code.co_filename}:{frame.f_lineno})")
+        elif library == "spec_cli":  # spec_cli warning deprecation itself
+            ours.append(f"{kind.__name__}: {message} (raised by spec_cli)")
 
     def warn(message, category=None, stacklevel=1, source=None, **kwargs):
         check(message, category)
@@ -187,6 +195,15 @@ def _torch_threads_restored():
     torch.set_num_threads(threads)
 
 
+# What the newest transformers and datasets can change: data into token ids and loss masks, loading and
+# running targets, decoding, the stages around them. .ci/run runs these (but for the engine tests) in the
+# environment `pip install -e .` makes (the newest versions the project allows), the rest where the
+# README's main command installs (the vllm extra pins transformers): each test once, in the environment
+# its behaviour depends on (marker `latest`, given at collection).
+LATEST = ("tests/data/", "tests/target/", "tests/eval/", "tests/stages/test_regenerate.py",
+          "tests/stages/test_precompute.py", "tests/stages/test_demo.py", "tests/stages/test_chat_template.py",
+          "tests/test_real_smollm2.py", "tests/e2e/")
+
 # Modules that time the processes they start (kills at fractions of a measured run) or start many at once:
 # under xdist they run one after the other on one worker, never beside each other.
 TOGETHER = {"tests/stages/test_kills.py": "processes", "tests/test_distributed.py": "processes"}
@@ -205,6 +222,8 @@ def pytest_collection_modifyitems(config, items):
     by_module: dict = {}
     for item in items:
         by_module.setdefault(item.module, []).append(item)
+        if item.nodeid.startswith(LATEST) and item.get_closest_marker("engine") is None:
+            item.add_marker(pytest.mark.latest)
     items.sort(key=rank)
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:

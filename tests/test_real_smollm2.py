@@ -64,6 +64,7 @@ def test_real_loss_mask_decodes_to_assistant_text(real_assets, sharegpt_subset):
     assert checked > 20
 
 
+@pytest.mark.slow  # (21-30 s: the GGUF dequantised on load)
 def test_gguf_file_as_target(real_assets):
     from spec_cli import assets
     from spec_cli.target.loading import load_tokenizer, resolve_target, tokenizer_fingerprint
