@@ -44,9 +44,21 @@ def print_regenerate_summary(result) -> None:
         ("tokens/s", f"{meta['tokens_per_second']:.1f}" + _threads(meta)),
         *_busy(meta.get("busy")),
         ("engine", f"{engine['name']} {engine.get('version') or ''}".rstrip() + f", {meta['dtype']}"),
+        *_features(meta.get("features")),
         ("provenance", f"{result.output}.meta.json"),
         ("time", f"{result.seconds:.1f} s"),
     ])
+
+
+def _features(features: dict | None) -> list[tuple[str, str]]:
+    if not features:
+        return []
+    share = features.get("from_generation")
+    rows = f"{features['rows_replayed']} rows from the generation's states" + (
+        f", {features['rows_computed']} run again" if features["rows_computed"] else "")
+    return [("feature cache", f"{features['cache']} ({rows}"
+             + (f"; {share:.0%} of their positions computed while answering" if share is not None else "") + ")"),
+            ("train with", f"spec train --cache {features['cache']} --vocab-map {features['vocab_map']}")]
 
 
 def _template(meta: dict) -> str:

@@ -7,9 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from spec_cli.commands.options import ChatTemplate, Config, Data, Device, Dtype, MaxLength, Quiet, Target, Threads
+from spec_cli.commands.options import (AuxLayers, ChatTemplate, Config, Data, Device, DraftAlgorithm, Dtype, MaxLength,
+                                       Quiet, Target, Threads)
 from spec_cli.console import set_quiet
-from spec_cli.help import DATA, GENERATION, INPUTS, RUNTIME
+from spec_cli.help import DATA, DRAFT, GENERATION, INPUTS, RUNTIME
 
 
 def regenerate_cmd(
@@ -53,6 +54,20 @@ def regenerate_cmd(
         "--overwrite", help="Replace an -o made from other inputs or settings (or an unfinished run of "
                             "them) instead of refusing.", rich_help_panel=INPUTS)] = False,
     chat_template: ChatTemplate = None,
+    features: Annotated[Optional[Path], typer.Option(
+        "--features", help="Also write the feature cache of the output to this folder (vLLM): from the states "
+                           "vLLM computes while it answers, so the target does not run the text again in spec "
+                           "precompute. The same cache as `spec precompute -d OUT` with these settings.",
+        rich_help_panel=INPUTS)] = None,
+    vocab_map: Annotated[Optional[Path], typer.Option(
+        "--vocab-map", "-v", help="With --features: the cache's vocab map; a path that does not exist yet "
+                                  "gets the one built from the output (as spec build-vocab-map would).",
+        rich_help_panel=INPUTS)] = None,
+    draft_vocab_size: Annotated[int, typer.Option(
+        "--draft-vocab-size", help="With --features: the vocab map's size when it is built from the output.",
+        min=1, rich_help_panel=DRAFT)] = 32000,
+    algorithm: DraftAlgorithm = "eagle3",
+    aux_layers: AuxLayers = None,
     config: Config = None,
     quiet: Quiet = False,
 ):
@@ -66,5 +81,6 @@ def regenerate_cmd(
         target=target, data=data, output=output, temperature=temperature, top_p=top_p, seed=seed,
         max_new_tokens=max_new_tokens, max_length=max_length, max_samples=max_samples, batch_size=batch_size,
         batch_tokens=batch_tokens, chunk_size=chunk_size, engine=engine, device=device, dtype=dtype,
-        threads=threads, overwrite=overwrite, chat_template=chat_template))
+        threads=threads, overwrite=overwrite, chat_template=chat_template, features=features, vocab_map=vocab_map,
+        draft_vocab_size=draft_vocab_size, algorithm=algorithm, aux_layers=aux_layers))
     print_regenerate_summary(result)

@@ -264,16 +264,18 @@ class Engine:
                  track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
                  speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None):
+                 worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None,
+                 prefix_caching: bool = False, block_size: int | None = None):
         """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
         executor; on CPUs each worker takes its share of this process's cores), reached through
-        `worker_extension_cls`'s methods (collective_rpc)."""
+        `worker_extension_cls`'s methods (collective_rpc). `prefix_caching`: vLLM's (off by default: a
+        measurement or a capture of states must run every token's forward)."""
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
         kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
                       seed=seed, enforce_eager=True, distributed_executor_backend="uni",
-                      disable_log_stats=True, enable_prefix_caching=False, use_tqdm_on_load=False)
+                      disable_log_stats=True, enable_prefix_caching=bool(prefix_caching), use_tqdm_on_load=False)
         if tensor_parallel_size > 1:
             kwargs.update(tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp")
         if worker_extension_cls:
@@ -282,6 +284,8 @@ class Engine:
             kwargs["max_model_len"] = int(max_model_len)
         if max_num_seqs:
             kwargs["max_num_seqs"] = int(max_num_seqs)
+        if block_size:  # tokens per KV block: also the unit prefix caching reuses
+            kwargs["block_size"] = int(block_size)
         if max_num_batched_tokens:  # tokens one step may schedule: at least max_num_seqs (vLLM checks)
             kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
         if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default

@@ -115,9 +115,11 @@ def _storage_dtype(option: str | None, model_dtype: torch.dtype) -> torch.dtype:
     return loading.DTYPES[option]
 
 
-def run(cfg: PrecomputeConfig) -> PrecomputeResult:
+def run(cfg: PrecomputeConfig, target=None) -> PrecomputeResult:
+    """`target`: a LocalTargetBackend already open (spec regenerate --features hands its own, which
+    reads kept states back), used in place of opening cfg.target_engine's; its owner closes it."""
     with contextlib.ExitStack() as lock:  # the output folder's lock (rank 0), taken once the inputs are checked
-        return _run(cfg, lock)
+        return _run(cfg, lock, target)
 
 
 def _marker(out: Path) -> tuple[str]:
@@ -127,7 +129,7 @@ def _marker(out: Path) -> tuple[str]:
     return (fc.MANIFEST if (out / fc.MANIFEST).exists() or not own else own[0],)
 
 
-def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
+def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack, target=None) -> PrecomputeResult:
     start = time.perf_counter()
     if cfg.encoding not in fc.ENCODINGS:
         raise ConfigError(f"unknown --encoding {cfg.encoding!r}", f"use one of {', '.join(fc.ENCODINGS)}")
@@ -254,9 +256,9 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
     forwards = distributed.max_over_ranks(batches_left) if sharded else batches_left
     try:
         if todo or rank == 0 or sharded:
-            backend = local.open_backend(cfg.target_engine, target_dir, aux_layers, device, dtype,
-                                         memory=cfg.target_memory, parallel=cfg.target_parallel,
-                                         vllm_tensor_parallel=cfg.target_tensor_parallel)
+            backend = target if target is not None else local.open_backend(
+                cfg.target_engine, target_dir, aux_layers, device, dtype, memory=cfg.target_memory,
+                parallel=cfg.target_parallel, vllm_tensor_parallel=cfg.target_tensor_parallel)
             backend.set_vocab_mapping(vocab_map.selected_token_ids)
             if tokens.images is not None:
                 require_images(backend)
@@ -323,7 +325,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack) -> PrecomputeResult:
             }, entries)
         distributed.barrier()
     finally:  # also on an error or Ctrl-C: the target engine holds the model (vLLM also its KV cache)
-        if backend is not None:
+        if backend is not None and backend is not target:
             backend.close()
         if cfg.target_engine == "transformers":  # vLLM replaces torch.set_num_threads once loaded
             torch.set_num_threads(previous)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import __version__, assets, threads
-from spec_cli.artifacts import guard
+from spec_cli.artifacts import feature_cache as fc, guard
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates, records, vlm
@@ -84,6 +84,12 @@ class RegenerateConfig:
     overwrite: bool = False
     threads: int | None = None  # intra-op threads; None: auto (spec_cli.threads.choose)
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
+    # --features CACHE: also write OUT's feature cache from the generation's own states (vLLM)
+    features: Path | None = None
+    vocab_map: Path | None = None  # the cache's vocab map: read, or built from OUT when the file is absent
+    draft_vocab_size: int = 32000  # for the vocab map built from OUT
+    algorithm: str = "eagle3"  # the draft the cache is for (its aux layers and fields)
+    aux_layers: str | None = None
 
 
 @dataclass
@@ -94,6 +100,8 @@ class RegenerateResult:
     computed_parts: int
     reused_parts: int
     already_complete: bool = False
+    features: object | None = None  # --features: the PrecomputeResult of the cache
+    features_from_generation: float | None = None  # --features: share of the rows' positions vLLM skipped
 
 
 @dataclass
@@ -425,6 +433,17 @@ def _check(cfg: RegenerateConfig) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} is not positive", f"pass {name} 1 or more")
     _check_output(Path(cfg.output))
+    if cfg.features is not None:
+        if cfg.engine != "vllm":
+            raise ConfigError("--features keeps the states vLLM computes while it answers (--engine vllm)",
+                              "pass --engine vllm, or regenerate here and run spec precompute on the output")
+        if cfg.vocab_map is None:
+            raise ConfigError("--features writes a feature cache, which needs a vocab map",
+                              "pass --vocab-map PATH: an existing map, or where to write the one built from "
+                              "the regenerated text (--draft-vocab-size)")
+        if Path(cfg.features).is_file():
+            raise ConfigError(f"--features {cfg.features} is a file; a feature cache is a folder",
+                              "pass a folder path (e.g. --features cache)")
 
 
 def _check_output(output: Path) -> None:
@@ -443,7 +462,8 @@ def _check_output(output: Path) -> None:
 
 def _remove_parts(folder: Path) -> None:
     """Remove a work folder this stage made (state.json, part files, hidden temp files), nothing else."""
-    own = [p.name for p in folder.iterdir() if re.fullmatch(r"part-\d{5}\.json", p.name)] if folder.is_dir() else []
+    own = [p.name for p in folder.iterdir() if re.fullmatch(r"(part-\d{5}\.json|rows-\d{5}\.safetensors)", p.name)] \
+        if folder.is_dir() else []
     guard.replace_folder(folder, "state.json", "regenerate work folder", own=own)
     for leftover in folder.iterdir():  # replace_folder keeps a lock file
         leftover.unlink()
@@ -505,6 +525,10 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         "chunk_size": cfg.chunk_size,
         **({"images_sha256": images_sha} if images_sha else {}),
     }
+    aux_layers = None
+    if cfg.features is not None:  # the rows' states: these aux layers, from an engine with prefix caching
+        aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config), cfg.algorithm)
+        identity["features"] = {"aux_layers": aux_layers, "prefix_caching": True}
 
     # ---- a finished file is reused; another one is never replaced without --overwrite
     sidecar, folder = sidecar_path(output), parts_dir(output)
@@ -513,7 +537,16 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         if meta is not None and meta.get("identity") == identity and \
                 meta.get("output_sha256") == sha256_path(output):
             info(f"{output} is already complete (same inputs and settings)")
-            return RegenerateResult(output, meta, time.perf_counter() - start, 0, meta["parts"], True)
+            features = None
+            if cfg.features is not None and not (Path(cfg.features) / fc.MANIFEST).is_file():
+                info(f"its feature cache {cfg.features} is not complete: the target runs the text again")
+                backend = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos, aux_layers)
+                try:
+                    features = _write_features(cfg, backend, output, [])
+                finally:
+                    backend.close()
+            return RegenerateResult(output, meta, time.perf_counter() - start, 0, meta["parts"], True,
+                                    features=None if features is None else features[0])
         raise ArtifactError(f"{output} already exists and was made from other inputs or settings "
                             f"({_difference(identity, (meta or {}).get('identity'))})",
                             "pass --overwrite to replace it, or another -o")
@@ -532,13 +565,14 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
     info(f"regenerate: {len(conversations)} records in {len(chunks)} chunk(s) of {cfg.chunk_size}"
          + (f"; reusing {len(parts)} finished chunk(s) from {folder}" if parts else ""))
 
-    engine, timing = None, {}
+    engine, timing, features = None, {}, None
     choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
     previous = torch.get_num_threads()
     torch.set_num_threads(choice.threads)
+    nonce = os.urandom(6).hex()  # this run's cache salts: a later run's requests never hit its blocks
     try:
-        if todo:
-            engine = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos)
+        if todo or cfg.features is not None:
+            engine = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos, aux_layers)
             used = torch.get_num_threads()
             timing = {"threads": used, "threads_reason": choice.reason if used == choice.threads else
                       f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"}
@@ -546,29 +580,49 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
         with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
+                if cfg.features is not None:
+                    engine.cache_salt = f"spec-regenerate-{nonce}-{k}"
                 parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar, processor)
+                if cfg.features is not None:  # before the part: a finished part has its rows
+                    _keep_rows(engine, tokenizer, parts[k], cfg, rows_path(folder, k))
                 _write_part(folder, k, parts[k])
                 if _TEST_CHUNK_DELAY:  # lets tests interrupt a tiny run between chunks
                     time.sleep(_TEST_CHUNK_DELAY)
         if todo:  # how this run's tokens/s were measured
             timing["busy"] = meter.stop(timing["threads"], threads.available_cores(), device.type == "cpu")
+        ordered = [parts[k] for k in range(len(chunks))]
+        _write_output(output, ordered)
+        if cfg.features is not None:
+            engine.cache_salt = f"spec-regenerate-{nonce}-rows"
+            features = _write_features(cfg, engine, output, [rows_path(folder, k) for k in range(len(chunks))])
     finally:  # also on an error or Ctrl-C: vLLM holds the model and its KV cache
         if engine is not None:
             engine.close()
         if cfg.engine == "transformers":  # vLLM replaces torch.set_num_threads once loaded
             torch.set_num_threads(previous)
 
-    ordered = [parts[k] for k in range(len(chunks))]
-    _write_output(output, ordered)
     meta = _provenance(cfg, identity, read, ordered, target_dir, data_path, tokenizer, device, output)
     meta.update(parts=len(chunks), parts_reused=len(chunks) - len(todo), seconds=time.perf_counter() - start,
                 **timing)
+    if features is not None:
+        meta["features"] = {"cache": str(Path(cfg.features).resolve()), "vocab_map": str(Path(cfg.vocab_map).resolve()),
+                            "aux_layers": aux_layers, **features[1]}
     write_json(sidecar, meta)
     _remove_parts(folder)
-    return RegenerateResult(output, meta, meta["seconds"], len(todo), len(chunks) - len(todo))
+    return RegenerateResult(output, meta, meta["seconds"], len(todo), len(chunks) - len(todo),
+                            features=None if features is None else features[0],
+                            features_from_generation=None if features is None else features[1]["from_generation"])
 
 
-def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokenizer, eos):
+def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokenizer, eos, aux_layers=None):
+    if cfg.features is not None:  # the target with its states kept by prefix (generate_batch as Engine's)
+        from spec_cli.target.vllm_backend import VLLMTargetBackend
+
+        # a row of --max-length tokens runs as a prompt, and vLLM asks room for one sampled token after it
+        context = loading.max_positions(loading.load_config(target_dir))
+        return VLLMTargetBackend(target_dir, aux_layers, dtype=dtype, capture_prefixes=True,
+                                 max_model_len=cfg.max_length + 1 if not context or cfg.max_length < context
+                                 else cfg.max_length, max_num_seqs=cfg.batch_size, seed=cfg.seed)
     if cfg.engine == "vllm":
         from spec_cli.engine import vllm
 
@@ -576,6 +630,66 @@ def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokeniz
                            max_num_seqs=cfg.batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     return TransformersEngine(target_dir, device, dtype, pad)
+
+
+# ----------------------------------------------------------------------------- --features
+
+def rows_path(folder: Path, k: int) -> Path:
+    return folder / f"rows-{k:05d}.safetensors"
+
+
+def _keep_rows(backend, tokenizer, part: dict, cfg: RegenerateConfig, path: Path) -> None:
+    """The chunk's records tokenised as precompute will read them from OUT, their states put together
+    from what the generation computed (vLLM runs only the positions it did not), written to `path`."""
+    from spec_cli.data.template import encode_record, special_token_strings
+    from spec_cli.target.replay_backend import write_rows
+
+    specials = special_token_strings(tokenizer)
+    rows = []
+    for record in part["records"]:
+        encoded = encode_record(tokenizer, json.loads(json.dumps(record)), cfg.max_length, specials)
+        if not isinstance(encoded, str):  # a skipped record is skipped by precompute too
+            rows.append([int(t) for t in encoded[0]])
+    hidden, aux = [], []
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for members in length_batches([len(r) for r in rows], [0] * len(rows), cfg.batch_tokens, None):
+        width = max(len(rows[i]) for i in members)
+        ids = torch.zeros(len(members), width, dtype=torch.long)
+        mask = torch.zeros(len(members), width, dtype=torch.long)
+        for b, i in enumerate(members):
+            ids[b, :len(rows[i])] = torch.tensor(rows[i])
+            mask[b, :len(rows[i])] = 1
+        a, h = backend.run_target(ids, mask)
+        for b, i in enumerate(members):
+            kept[i] = (h[b, :len(rows[i])].cpu(), a[b, :len(rows[i])].cpu())
+    for i in range(len(rows)):
+        hidden.append(kept[i][0])
+        aux.append(kept[i][1])
+    write_rows(path, rows, hidden, aux)
+    backend.states.clear()
+
+
+def _write_features(cfg: RegenerateConfig, backend, output: Path, rows_files: list[Path]):
+    """OUT's feature cache, written by precompute's code from the kept rows -> (PrecomputeResult, counts)."""
+    from spec_cli.stages import build_vocab_map, precompute
+    from spec_cli.target.replay_backend import ReplayBackend
+
+    vocab_map = Path(cfg.vocab_map)
+    if not vocab_map.exists():
+        info(f"vocab map: building {vocab_map} from {output} (--draft-vocab-size {cfg.draft_vocab_size})")
+        build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
+            target=cfg.target, data=str(output), output=vocab_map, draft_vocab_size=cfg.draft_vocab_size,
+            max_length=cfg.max_length, chat_template=cfg.chat_template))
+    replay = ReplayBackend(backend, [f for f in rows_files if f.is_file()])
+    result = precompute.run(precompute.PrecomputeConfig(
+        target=cfg.target, data=str(output), vocab_map=vocab_map, output=Path(cfg.features),
+        algorithm=cfg.algorithm, aux_layers=cfg.aux_layers, max_length=cfg.max_length, device=cfg.device, dtype=cfg.dtype, target_engine="vllm", threads=cfg.threads,
+        chat_template=cfg.chat_template), target=replay)
+    computed, total = backend.row_positions
+    counts = {"rows_replayed": replay.replayed, "rows_computed": replay.computed,
+              "from_generation": 1 - computed / total if total else None}
+    replay.close()
+    return result, counts
 
 
 def _provenance(cfg: RegenerateConfig, identity: dict, read: dict, parts: list[dict], target_dir: Path,

@@ -28,6 +28,12 @@ each worker (spec_cli/target/vllm_worker.py, vLLM's worker extension): every ran
 hidden states after the all-reduce, so rank 0 keeps each request's tokens and hands them back after
 the batch, as raw bytes (collective_rpc). The language head and the embedding are put together from
 the ranks' vocab shards. Tested against the transformers cache within the same tolerances.
+
+With `capture_prefixes` (spec regenerate --features) the engine keeps vLLM's prefix caching on and every
+state any request computes, prefill or decode, is filed by its token prefix (target/prefix_states.py):
+`generate` writes answers and keeps their states, and `run_target` then runs each row as a prompt whose
+cached blocks vLLM skips, taking those positions' states from what was kept. `cache_salt` (vLLM's
+per-request salt of its block hashes) scopes the cache: requests with another salt never hit those blocks.
 """
 
 from __future__ import annotations
@@ -42,9 +48,14 @@ from spec_cli.engine import vllm as engine
 from spec_cli.errors import ConfigError, TargetError
 from spec_cli.target import loading
 from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
+from spec_cli.target.prefix_states import PrefixStates
 from spec_cli.target.vllm_worker import language_model, step_rows, unpack
 
 _request_ids = itertools.count()
+# capture_prefixes: KV blocks of 32 tokens. Prefix caching reuses whole blocks, so a row's positions past
+# its last block in common with what was computed run again; vLLM's CPU default is 128 (its CPU
+# attention prefers multiples of 32), its GPU default 16.
+CAPTURE_BLOCK = 32
 
 
 def vllm_layer_ids(aux_layers: list[int]) -> tuple[int, ...]:
@@ -102,11 +113,20 @@ class VLLMTargetBackend(LocalTargetBackend):
 
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                 max_model_len: int | None = None, memory: float | None = None, tensor_parallel: int = 1):
+                 max_model_len: int | None = None, memory: float | None = None, tensor_parallel: int = 1,
+                 capture_prefixes: bool = False, max_num_seqs: int | None = None, seed: int = 0):
         vllm = engine.require("--target-engine vllm")
         if tensor_parallel < 1:
             raise ConfigError(f"--target-tensor-parallel {tensor_parallel} must be at least 1", "1 runs the "
                               "target in this process")
+        if capture_prefixes and tensor_parallel > 1:
+            raise ConfigError("keeping the states of generated answers runs the target in this process",
+                              "drop --target-tensor-parallel, or run spec precompute on the regenerated data")
+        self._vllm = vllm
+        self.states = PrefixStates() if capture_prefixes else None
+        self.cache_salt: str | None = None  # capture_prefixes: the salt of this backend's requests
+        self.row_positions = [0, 0]  # run_target's rows: positions run for them, positions in them
+        self.filed = 0
         self.tensor_parallel = int(tensor_parallel)
         from vllm.platforms import current_platform
 
@@ -129,7 +149,8 @@ class VLLMTargetBackend(LocalTargetBackend):
         self._sink = None  # (request -> row, aux rows, hidden rows) while a batch runs
         self.engine = engine.Engine(
             target_dir, dtype=self.dtype, max_model_len=max_model_len, gpu_memory_utilization=memory,
-            tensor_parallel_size=self.tensor_parallel,
+            tensor_parallel_size=self.tensor_parallel, prefix_caching=capture_prefixes,
+            max_num_seqs=max_num_seqs, seed=seed, block_size=CAPTURE_BLOCK if capture_prefixes else None,
             worker_extension_cls="spec_cli.target.vllm_worker.CaptureExtension" if self.tensor_parallel > 1 else None)
         try:
             (self._attach_workers if self.tensor_parallel > 1 else self._attach)(int(text.vocab_size))
@@ -142,7 +163,7 @@ class VLLMTargetBackend(LocalTargetBackend):
     def _attach(self, vocab_size: int) -> None:
         """Reach the engine's model (uni executor: it lives in this process), turn on its aux capture
         and wrap its forward."""
-        if self.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        if self.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and self.states is None:
             raise RuntimeError("prefix caching would skip the forward over cached tokens")
         core = self.engine.llm.llm_engine.engine_core.engine_core
         self._runner = core.model_executor.driver_worker.worker.model_runner
@@ -199,6 +220,10 @@ class VLLMTargetBackend(LocalTargetBackend):
         if not isinstance(out, tuple):
             return out
         hidden, aux = out
+        if self.states is not None:  # every request's tokens, by prefix
+            for rid, pos, h, a in step_rows(self._runner, args, kwargs, hidden, aux, self._order):
+                self.states.add(rid, pos, h, a)
+            return hidden
         sink = self._sink
         if sink is not None:
             where, aux_rows, hidden_rows = sink
@@ -227,6 +252,9 @@ class VLLMTargetBackend(LocalTargetBackend):
         aux = torch.zeros(B, T, len(self.aux_layers) * H, dtype=self.dtype, device=self.device)
         hidden = torch.zeros(B, T, H, dtype=self.dtype, device=self.device)
         ids = input_ids.long().cpu()
+        if self.states is not None:
+            self._rows_by_prefix(ids, prompts, aux, hidden)
+            return aux, hidden
         llm_engine = self.engine.llm.llm_engine
         where: dict[str, tuple[int, int, int]] = {}  # vLLM request id -> (row, start, length)
         names: list[str] = []
@@ -256,7 +284,80 @@ class VLLMTargetBackend(LocalTargetBackend):
             self._sink = None
         return aux, hidden
 
+    # ------------------------------------------------------------------ capture_prefixes
+    def _submit(self, requests: list[tuple[list[int], object]], salt: str | None) -> list[list[int]]:
+        """Run (prompt ids, SamplingParams) requests to the end; file every state they computed by its
+        prefix -> each request's generated ids."""
+        llm_engine = self.engine.llm.llm_engine
+        names, rids = [], {}
+        done: dict[str, list[int]] = {}
+        try:
+            for tokens, params in requests:
+                names.append(f"spec-target-{next(_request_ids)}")
+                prompt = {"prompt_token_ids": list(tokens)}
+                if salt is not None:
+                    prompt["cache_salt"] = salt
+                try:
+                    rids[names[-1]] = llm_engine.add_request(names[-1], prompt, params)
+                except Exception as exc:  # noqa: BLE001 (its validation error; e.g. past max_model_len)
+                    raise ConfigError(f"vLLM refused a prompt of {len(tokens)} tokens: {engine.engine_reason(exc)}",
+                                      "use a smaller --max-length") from exc
+            while llm_engine.has_unfinished_requests():
+                for out in llm_engine.step():
+                    if out.finished:
+                        done[out.request_id] = list(out.outputs[0].token_ids)
+        except BaseException:  # an error or Ctrl-C mid-batch: leave no request in the engine
+            with contextlib.suppress(Exception):
+                llm_engine.abort_request(list(rids.values()))
+            for rid in rids.values():
+                self.states.discard(rid)
+            raise
+        answers = [done.get(name, []) for name in names]
+        self.filed = sum(self.states.commit(rids[name], list(tokens) + answer)
+                         for (tokens, _), name, answer in zip(requests, names, answers))
+        return answers
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
+                 top_p: float = 1.0, seeds: list[int] | None = None,
+                 eos_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+        """engine.Engine.generate_batch's answers (cut after the first eos, kept, or at max_tokens),
+        keeping the states of every prompt and answer token by prefix (capture_prefixes)."""
+        if self.states is None:
+            raise RuntimeError("generate keeps states: open the backend with capture_prefixes=True")
+        params = [self._vllm.SamplingParams(temperature=float(temperature), top_p=float(top_p), max_tokens=int(n),
+                                            seed=None if seeds is None else int(seeds[i]),
+                                            stop_token_ids=sorted(eos_ids) or None, skip_special_tokens=False,
+                                            detokenize=False)
+                  for i, n in enumerate(max_tokens)]
+        try:
+            return self._submit(list(zip(prompts, params)), self.cache_salt)
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
+            raise TargetError(f"vLLM {engine.version()} failed generating: {engine.engine_reason(exc)}",
+                              "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+
+    def _rows_by_prefix(self, ids: torch.Tensor, prompts: list[tuple[int, int, int]], aux: torch.Tensor,
+                        hidden: torch.Tensor) -> None:
+        """Each row as a prompt under this backend's salt (vLLM skips its cached blocks), its states
+        put together by prefix; a row some position of which nothing kept covers runs again whole, under
+        a salt of its own."""
+        rows = [ids[b, start:start + length].tolist() for b, start, length in prompts]
+        todo = list(range(len(rows)))
+        self.row_positions[1] += sum(len(r) for r in rows)
+        for salt in (self.cache_salt, f"spec-whole-{next(_request_ids)}"):
+            self._submit([(rows[i], self._sampling) for i in todo], salt)
+            self.row_positions[0] += self.filed  # positions these rows' own requests ran
+            todo = [i for i in todo if self.states.fill(
+                rows[i], hidden[prompts[i][0], prompts[i][1]:], aux[prompts[i][0], prompts[i][1]:])]
+            if not todo:
+                return
+        raise TargetError(f"vLLM computed no state for some positions of {len(todo)} row(s), run whole",
+                          "report it; run spec precompute on the regenerated data meanwhile")
+
     def close(self) -> None:
+        if getattr(self, "states", None) is not None:
+            self.states.clear()
         model = self.__dict__.pop("_model", None)
         if model is not None:
             with contextlib.suppress(Exception):

@@ -271,6 +271,19 @@ def test_data_without_anything_to_answer_is_a_clear_error(talker, tmp_path, caps
     assert "needs vLLM, which is not installed" in err and "pip install -e '.[vllm]'" in err
 
 
+def test_features_mistakes_are_one_line_each_before_anything_runs(talker, chats, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert regenerate(talker, chats, out, "--features", str(tmp_path / "c"), "--vocab-map", "v") == 1
+    assert "--features keeps the states vLLM computes while it answers (--engine vllm)" in capsys.readouterr().err
+    assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "c")) == 1
+    assert "pass --vocab-map PATH" in " ".join(capsys.readouterr().err.split())
+    (tmp_path / "file").write_text("x")
+    assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "file"),
+                      "--vocab-map", "v") == 1
+    assert "is a file; a feature cache is a folder" in " ".join(capsys.readouterr().err.split())
+    assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
+
+
 def test_length_batches_respect_both_bounds():
     lengths, budgets = [5, 50, 6, 7, 48, 5], [10, 10, 10, 10, 10, 10]
     batches = stage.length_batches(lengths, budgets, batch_tokens=68, batch_size=None)
