@@ -584,7 +584,9 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
                     engine.cache_salt = f"spec-regenerate-{nonce}-{k}"
                 parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar, processor)
                 if cfg.features is not None:  # before the part: a finished part has its rows
+                    begin = time.perf_counter()
                     _keep_rows(engine, tokenizer, parts[k], cfg, rows_path(folder, k))
+                    parts[k]["rows_seconds"] = time.perf_counter() - begin
                 _write_part(folder, k, parts[k])
                 if _TEST_CHUNK_DELAY:  # lets tests interrupt a tiny run between chunks
                     time.sleep(_TEST_CHUNK_DELAY)
@@ -604,9 +606,10 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
     meta = _provenance(cfg, identity, read, ordered, target_dir, data_path, tokenizer, device, output)
     meta.update(parts=len(chunks), parts_reused=len(chunks) - len(todo), seconds=time.perf_counter() - start,
                 **timing)
-    if features is not None:
+    if features is not None:  # rows_seconds: putting the rows' states together (this run's chunks)
         meta["features"] = {"cache": str(Path(cfg.features).resolve()), "vocab_map": str(Path(cfg.vocab_map).resolve()),
-                            "aux_layers": aux_layers, **features[1]}
+                            "aux_layers": aux_layers, **features[1],
+                            "rows_seconds": sum(p.get("rows_seconds", 0.0) for p in ordered)}
     write_json(sidecar, meta)
     _remove_parts(folder)
     return RegenerateResult(output, meta, meta["seconds"], len(todo), len(chunks) - len(todo),
@@ -687,7 +690,7 @@ def _write_features(cfg: RegenerateConfig, backend, output: Path, rows_files: li
         chat_template=cfg.chat_template), target=replay)
     computed, total = backend.row_positions
     counts = {"rows_replayed": replay.replayed, "rows_computed": replay.computed,
-              "from_generation": 1 - computed / total if total else None}
+              "from_generation": 1 - computed / total if total else None, "cache_seconds": result.seconds}
     replay.close()
     return result, counts
 

@@ -16,7 +16,10 @@ import torch
 from spec_cli.batch import TargetBatch
 from spec_cli.target.masks import document_ids
 
-LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab
+LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab (at most)
+# On a CPU a chunk that stays in cache is faster: 16 MB made SmolLM2's stats (V 49,152, bf16, 2 AMX
+# cores) 1.4x faster than 256 MB, and 2.0x with the in-place lse below (bench/one_pass.py's cache step)
+CPU_LOGITS_CHUNK_BYTES = 16 << 20
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -25,9 +28,11 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def full_vocab_stats(hidden: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None = None,
-                     cap: float | None = None, chunk_bytes: int = LOGITS_CHUNK_BYTES
+                     cap: float | None = None, chunk_bytes: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [...] long, logsumexp [...] fp32) of hidden @ lm_head.T, a chunk of tokens at a time."""
+    if chunk_bytes is None:
+        chunk_bytes = CPU_LOGITS_CHUNK_BYTES if hidden.device.type == "cpu" else LOGITS_CHUNK_BYTES
     flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     vocab = lm_head.shape[0]
     chunk = max(1, chunk_bytes // (4 * vocab))
@@ -38,8 +43,12 @@ def full_vocab_stats(hidden: torch.Tensor, lm_head: torch.Tensor, bias: torch.Te
         if bias is not None:
             logits = logits + bias
         logits = softcap(logits.float(), cap)
-        lse[start:start + chunk] = torch.logsumexp(logits, dim=-1)
-        argmax[start:start + chunk] = logits.argmax(dim=-1)
+        # lse = m + log(sum(exp(logits - m))), m the row max (whose index is the argmax: the first, as
+        # argmax's), in place: one [n, V] buffer, about twice torch.logsumexp + argmax on a CPU
+        m, index = logits.max(dim=-1, keepdim=True)
+        argmax[start:start + chunk] = index.squeeze(-1)
+        m = m.squeeze(-1)
+        lse[start:start + chunk] = logits.sub_(m.unsqueeze(-1)).exp_().sum(-1).log_().add_(m)
     return argmax.view(hidden.shape[:-1]), lse.view(hidden.shape[:-1])
 
 
