@@ -172,6 +172,14 @@ def dflash_pipeline(tmp_path_factory, tiny_llama_dir) -> dict:
     return pipeline(tmp_path_factory.mktemp("dflash"), tiny_llama_dir, "dflash")
 
 
+def default_sigint() -> None:
+    """Popen(preexec_fn=...) for a child a test sends SIGINT: a shell starts background jobs with SIGINT
+    ignored, the child inherits that, and Python then installs no KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -16,7 +16,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from tests import tiny
 from tests.draft.runs import vocab_and_cache
-from tests.conftest import write_jsonl
+from tests.conftest import default_sigint, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,7 +131,8 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_resumes(setup, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "spec_cli.cli", *train(setup["root"], run, "--max-steps", "100000",
                                                          "--save-every", "1")]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while ckpt.latest_checkpoint(run) is None and time.monotonic() < deadline:
         time.sleep(0.2)

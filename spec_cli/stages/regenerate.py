@@ -441,9 +441,16 @@ def _check(cfg: RegenerateConfig) -> None:
             raise ConfigError("--features writes a feature cache, which needs a vocab map",
                               "pass --vocab-map PATH: an existing map, or where to write the one built from "
                               "the regenerated text (--draft-vocab-size)")
-        if Path(cfg.features).is_file():
+        folder = Path(cfg.features)
+        if folder.is_file():
             raise ConfigError(f"--features {cfg.features} is a file; a feature cache is a folder",
                               "pass a folder path (e.g. --features cache)")
+        if folder.is_dir():  # before the answers, not after: precompute would refuse the folder then
+            own = set(fc.own_files(folder)) | {fc.MANIFEST, guard.LOCK}
+            other = sorted(p.name for p in folder.iterdir() if p.name not in own and not p.name.startswith("."))
+            if other:
+                raise ConfigError(f"--features {cfg.features} holds files a feature cache does not write "
+                                  f"({', '.join(other[:3])})", "pass a new or empty folder")
 
 
 def _check_output(output: Path) -> None:
@@ -540,11 +547,11 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
             features = None
             if cfg.features is not None and not (Path(cfg.features) / fc.MANIFEST).is_file():
                 info(f"its feature cache {cfg.features} is not complete: the target runs the text again")
-                backend = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos, aux_layers)
+                keeping = _open_engine(cfg, target_dir, device, dtype, tokenizer, eos, aux_layers)
                 try:
-                    features = _write_features(cfg, backend, output, [])
+                    features = _write_features(cfg, keeping.backend, output, [])
                 finally:
-                    backend.close()
+                    keeping.close()
             return RegenerateResult(output, meta, time.perf_counter() - start, 0, meta["parts"], True,
                                     features=None if features is None else features[0])
         raise ArtifactError(f"{output} already exists and was made from other inputs or settings "
@@ -581,11 +588,11 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
                 if cfg.features is not None:
-                    engine.cache_salt = f"spec-regenerate-{nonce}-{k}"
+                    engine.backend.cache_salt = f"spec-regenerate-{nonce}-{k}"
                 parts[k] = answer_chunk(engine, tokenizer, chunks[k], cfg, eos, bar, processor)
                 if cfg.features is not None:  # before the part: a finished part has its rows
                     begin = time.perf_counter()
-                    _keep_rows(engine, tokenizer, parts[k], cfg, rows_path(folder, k))
+                    _keep_rows(engine.backend, tokenizer, parts[k], cfg, rows_path(folder, k))
                     parts[k]["rows_seconds"] = time.perf_counter() - begin
                 _write_part(folder, k, parts[k])
                 if _TEST_CHUNK_DELAY:  # lets tests interrupt a tiny run between chunks
@@ -595,8 +602,8 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         ordered = [parts[k] for k in range(len(chunks))]
         _write_output(output, ordered)
         if cfg.features is not None:
-            engine.cache_salt = f"spec-regenerate-{nonce}-rows"
-            features = _write_features(cfg, engine, output, [rows_path(folder, k) for k in range(len(chunks))])
+            engine.backend.cache_salt = f"spec-regenerate-{nonce}-rows"
+            features = _write_features(cfg, engine.backend, output, [rows_path(folder, k) for k in range(len(chunks))])
     finally:  # also on an error or Ctrl-C: vLLM holds the model and its KV cache
         if engine is not None:
             engine.close()
@@ -618,14 +625,14 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
 
 
 def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokenizer, eos, aux_layers=None):
-    if cfg.features is not None:  # the target with its states kept by prefix (generate_batch as Engine's)
+    if cfg.features is not None:  # the target with its states kept by prefix
         from spec_cli.target.vllm_backend import VLLMTargetBackend
 
         # a row of --max-length tokens runs as a prompt, and vLLM asks room for one sampled token after it
         context = loading.max_positions(loading.load_config(target_dir))
-        return VLLMTargetBackend(target_dir, aux_layers, dtype=dtype, capture_prefixes=True,
-                                 max_model_len=cfg.max_length + 1 if not context or cfg.max_length < context
-                                 else cfg.max_length, max_num_seqs=cfg.batch_size, seed=cfg.seed)
+        return Keeping(VLLMTargetBackend(target_dir, aux_layers, dtype=dtype, capture_prefixes=True,
+                                         max_model_len=cfg.max_length + 1 if not context or cfg.max_length < context
+                                         else cfg.max_length, max_num_seqs=cfg.batch_size, seed=cfg.seed))
     if cfg.engine == "vllm":
         from spec_cli.engine import vllm
 
@@ -636,6 +643,19 @@ def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokeniz
 
 
 # ----------------------------------------------------------------------------- --features
+
+class Keeping:
+    """The vLLM target backend that keeps its states (--features), answering as regenerate's engines do."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def generate_batch(self, *args) -> list[list[int]]:
+        return self.backend.generate(*args)
+
+    def close(self) -> None:
+        self.backend.close()
+
 
 def rows_path(folder: Path, k: int) -> Path:
     return folder / f"rows-{k:05d}.safetensors"

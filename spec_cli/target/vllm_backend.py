@@ -317,11 +317,12 @@ class VLLMTargetBackend(LocalTargetBackend):
                          for (tokens, _), name, answer in zip(requests, names, answers))
         return answers
 
-    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
                  top_p: float = 1.0, seeds: list[int] | None = None,
                  eos_ids: frozenset[int] = frozenset()) -> list[list[int]]:
         """engine.Engine.generate_batch's answers (cut after the first eos, kept, or at max_tokens),
-        keeping the states of every prompt and answer token by prefix (capture_prefixes)."""
+        keeping the states of every prompt and answer token by prefix (capture_prefixes). (Not named
+        generate_batch: that is every target backend's TargetBatch.)"""
         if self.states is None:
             raise RuntimeError("generate keeps states: open the backend with capture_prefixes=True")
         params = [self._vllm.SamplingParams(temperature=float(temperature), top_p=float(top_p), max_tokens=int(n),

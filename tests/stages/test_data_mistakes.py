@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.cli import main
 from tests import tiny
-from tests.conftest import write_jsonl
+from tests.conftest import default_sigint, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_ctrl_c_during_precompute_keeps_finished_shards_and_exits_130(made, tmp_
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "spec_cli.cli", *precompute_args(made["target"], made["data"], made["vm"], out)]
     env = {**os.environ, "SPEC_TEST_SHARD_DELAY": "2", "SPEC_HOME": str(made["root"] / "home")}
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.time() + 60
     while not (out / "shard-00000.json").exists():
         assert time.time() < deadline and proc.poll() is None, "precompute did not get going"

@@ -281,6 +281,11 @@ def test_features_mistakes_are_one_line_each_before_anything_runs(talker, chats,
     assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "file"),
                       "--vocab-map", "v") == 1
     assert "is a file; a feature cache is a folder" in " ".join(capsys.readouterr().err.split())
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "mine"),
+                      "--vocab-map", "v") == 1
+    assert "holds files a feature cache does not write (notes.txt)" in " ".join(capsys.readouterr().err.split())
     assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
 
 
