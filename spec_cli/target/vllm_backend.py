@@ -49,7 +49,7 @@ from spec_cli.errors import ConfigError, TargetError
 from spec_cli.target import loading
 from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
 from spec_cli.target.prefix_states import PrefixStates
-from spec_cli.target.vllm_worker import language_model, step_rows, unpack
+from spec_cli.target.vllm_worker import language_model, step_positions, step_rows, unpack
 
 _request_ids = itertools.count()
 # capture_prefixes: KV blocks of 32 tokens. Prefix caching reuses whole blocks, so a row's positions past
@@ -221,7 +221,11 @@ class VLLMTargetBackend(LocalTargetBackend):
             return out
         hidden, aux = out
         if self.states is not None:  # every request's tokens, by prefix
-            for rid, pos, h, a in step_rows(self._runner, args, kwargs, hidden, aux, self._order):
+            # one copy to the host per step, not one per request (each would be a sync on a GPU)
+            n = hidden.shape[0]
+            host = [t[:n].detach().to("cpu", copy=True) for t in (step_positions(args, kwargs), hidden, *aux)]
+            for rid, pos, h, a in step_rows(self._runner, args, kwargs, host[1], host[2:], self._order,
+                                            positions=host[0]):
                 self.states.add(rid, pos, h, a)
             return hidden
         sink = self._sink

@@ -31,12 +31,19 @@ def unpack(packed: list) -> torch.Tensor:
     return t.view(dtype) if dtype == torch.bfloat16 else t
 
 
-def step_rows(runner, args, kwargs, hidden: torch.Tensor, aux: list, order: list[int]):
+def step_positions(args, kwargs) -> torch.Tensor:
+    """The positions [N] of the step's tokens, as the runner passed them to the model's forward."""
+    return kwargs["positions"] if "positions" in kwargs else args[1]
+
+
+def step_rows(runner, args, kwargs, hidden: torch.Tensor, aux: list, order: list[int],
+              positions: torch.Tensor | None = None):
     """For each request of the model runner's running batch: (request id, positions [n] of its tokens
-    in this step, their final hidden [n, H], their aux states [n, len(order) * H] in `order`)."""
+    in this step, their final hidden [n, H], their aux states [n, len(order) * H] in `order`).
+    `positions`: the step's, already on the CPU (else read from the forward's arguments)."""
     num_reqs = runner.input_batch.num_reqs
     offsets = runner.query_start_loc.cpu[:num_reqs + 1].tolist()  # token offsets per request
-    positions = kwargs["positions"] if "positions" in kwargs else args[1]
+    positions = step_positions(args, kwargs) if positions is None else positions
     for r, rid in enumerate(runner.input_batch.req_ids[:num_reqs]):
         lo, hi = offsets[r], offsets[r + 1]
         yield (rid, positions[lo:hi].long().cpu(), hidden[lo:hi],
