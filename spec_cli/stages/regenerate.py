@@ -532,6 +532,12 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
         "chunk_size": cfg.chunk_size,
         **({"images_sha256": images_sha} if images_sha else {}),
     }
+    if cfg.features is not None and Path(cfg.vocab_map).exists():  # a map it cannot use: before any answer
+        from spec_cli.artifacts.vocab_map import load_vocab_map
+
+        loading.check_tokenizer(load_vocab_map(cfg.vocab_map).metadata, tokenizer, template,
+                                f"the vocab map {cfg.vocab_map}", "pass --vocab-map a path that does not exist "
+                                "yet, and the map is built from the regenerated text")
     aux_layers = None
     if cfg.features is not None:  # the rows' states: these aux layers, from an engine with prefix caching
         aux_layers = loading.parse_aux_layers(cfg.aux_layers, loading.num_layers(config), cfg.algorithm)

@@ -45,8 +45,7 @@ class PrefixStates:
     def add(self, request: str, positions: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor) -> None:
         """One step's tokens of `request`: their positions [n], final hidden [n, H], aux [n, A]."""
         if positions.numel():
-            # copies (of a step's host copy, sliced per request): on a CPU .cpu() would return the
-            # engine's own buffer, which its next step may reuse
+            # copies: on a CPU .cpu() returns the engine's own buffer, which its next step may reuse
             self._pending.setdefault(request, []).append((positions.long().to("cpu", copy=True),
                                                           hidden.detach().to("cpu", copy=True),
                                                           aux.detach().to("cpu", copy=True)))

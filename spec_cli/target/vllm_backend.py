@@ -221,9 +221,10 @@ class VLLMTargetBackend(LocalTargetBackend):
             return out
         hidden, aux = out
         if self.states is not None:  # every request's tokens, by prefix
-            # one copy to the host per step, not one per request (each would be a sync on a GPU)
+            # one move to the host per step, not one per request (each would be a sync on a GPU); on a
+            # CPU this is the engine's own buffer, and PrefixStates.add copies each request's slice
             n = hidden.shape[0]
-            host = [t[:n].detach().to("cpu", copy=True) for t in (step_positions(args, kwargs), hidden, *aux)]
+            host = [t[:n].detach().cpu() for t in (step_positions(args, kwargs), hidden, *aux)]
             for rid, pos, h, a in step_rows(self._runner, args, kwargs, host[1], host[2:], self._order,
                                             positions=host[0]):
                 self.states.add(rid, pos, h, a)

@@ -286,6 +286,12 @@ def test_features_mistakes_are_one_line_each_before_anything_runs(talker, chats,
     assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "mine"),
                       "--vocab-map", "v") == 1
     assert "holds files a feature cache does not write (notes.txt)" in " ".join(capsys.readouterr().err.split())
+    damaged = tmp_path / "vocab.safetensors"
+    damaged.write_bytes(b"not a vocab map")
+    assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "c"),
+                      "--vocab-map", str(damaged)) == 1
+    err = capsys.readouterr().err
+    assert "vocab.safetensors" in err and "internal error" not in err
     assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
 
 
