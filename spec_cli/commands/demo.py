@@ -34,16 +34,15 @@ def demo_cmd(
     quiet: Quiet = False,
 ):
     """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
-    ShareGPT prompts itself; further ShareGPT conversations are trained on as written), build-vocab-map,
-    precompute, train (a fixed number of steps; the checkpoint that accepts best in the engine is kept),
-    export it for vLLM (self-checked), eval on MT-bench and on held-out ShareGPT prompts, and tune how to
-    serve it (spec tune). Regenerate and precompute run
-    the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as --dtype says.
-    Rerunning reuses finished stages. Expected on 2 quiet CPU cores with native bf16 through
-    AVX512-BF16 (AMD EPYC): --quick about 8 minutes, the default about 40; through AMX (Intel Xeon):
-    --quick 4.3, the default 21; with AVX2 only: --quick about 9 minutes, the default about 50 (measured
-    on the EPYC cores capped to AVX2). Before its first stage the demo measures this machine's speeds
-    (about 15 s) and prints its own estimate."""
+    ShareGPT prompts itself; with vLLM installed it answers 1,100 and the feature cache is kept as it
+    answers, one pass of the target per answer; without, it answers 320 and 1,300 further ShareGPT
+    conversations are trained on as written), build-vocab-map, precompute, train (a fixed number of
+    steps; the checkpoint that accepts best in the engine is kept), export it for vLLM (self-checked),
+    eval on MT-bench and on held-out ShareGPT prompts, and tune how to serve it (spec tune). Regenerate
+    and precompute run the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16),
+    else as --dtype says. Rerunning reuses finished stages. How long it takes depends on the CPU by more
+    than 2x (the README's table gives measured times): before its first stage the demo measures this
+    machine's speeds (about 15 s) and prints its own estimate."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

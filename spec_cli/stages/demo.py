@@ -1,13 +1,15 @@
 """`spec demo`: every stage on the built-in assets (SmolLM2-135M target, ShareGPT, MT-bench).
 
-assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy) -> training data (the
-regenerated conversations plus the next ShareGPT conversations as they are: the target's own
-distributions supervise every position either way, and prefill costs a fraction of generation) ->
-build-vocab-map -> precompute -> train (a fixed number of steps) -> export (vLLM, self-checked) ->
-eval on MT-bench -> eval on held-out ShareGPT prompts (conversations the draft never saw).
-Each stage writes into one demo folder and is skipped when its artifact is already complete, so a
-rerun (or a run after Ctrl-C) picks up where the last one stopped: regenerate keeps its finished
-parts, precompute its verified shards, train resumes from its latest checkpoint.
+assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy; where vLLM answers, it also
+keeps the feature cache and builds the vocab map as it answers: one pass of the target per answer) ->
+training data (the regenerated conversations; without vLLM, plus the next ShareGPT conversations as
+they are, which a prefill supervises at a fraction of generation's cost) -> build-vocab-map ->
+precompute (both made already in one pass) -> train (a fixed number of steps) -> export (vLLM,
+self-checked) -> eval on MT-bench -> eval on held-out ShareGPT prompts (conversations the draft never
+saw) -> tune. Each stage writes into one demo folder and is skipped when its artifact is already
+complete, so a rerun (or a run after Ctrl-C) picks up where the last one stopped: regenerate keeps its
+finished parts (and the rows' states kept for the cache), precompute its verified shards, train
+resumes from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from spec_cli import assets
@@ -67,10 +69,22 @@ class Profile:
     tune_requests: int = 4
     tune_tokens: int = 32
     tune_repeats: int = 2
+    # where vLLM answers: this many prompts instead of samples + original_samples, and regenerate keeps the
+    # feature cache as it answers (spec regenerate --features: one pass of the target per answer); none
+    # as written (docs/recipe.md: the written half taught nothing the target's answers did not)
+    one_pass_samples: int = 0
+    one_pass: bool = False  # set by for_engine: this run's data is one_pass_samples answered in one pass
+
+    def for_engine(self, engine: str) -> "Profile":
+        """The profile as a run with this regenerate engine carries it out."""
+        if engine != "vllm" or not self.one_pass_samples or self.one_pass:
+            return self
+        return replace(self, samples=self.one_pass_samples, original_samples=0, one_pass=True)
 
     def describe(self) -> str:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
-        return (f"{self.samples} ShareGPT prompts answered by the target itself{original} (<= {self.max_length} "
+        one_pass = ", the cache kept as it answers" if self.one_pass else ""
+        return (f"{self.samples} ShareGPT prompts answered by the target itself{one_pass}{original} (<= {self.max_length} "
                 f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps "
                 f"({self.optimizer}, {self.schedule}), eval on {self.eval_prompts} MT-bench questions and "
                 f"{self.heldout_prompts} held-out ShareGPT conversations")
@@ -80,11 +94,12 @@ PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
                      eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
-                     schedule="wsd", engine_every=50, engine_prompts=4, engine_tokens=32, tune_repeats=1),
+                     schedule="wsd", engine_every=50, engine_prompts=4, engine_tokens=32, tune_repeats=1,
+                     one_pass_samples=96),
     "full": Profile("full", samples=320, original_samples=1300, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
                     eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=50,
-                    schedule="wsd"),
+                    schedule="wsd", one_pass_samples=1100),
 }
 
 
@@ -149,9 +164,9 @@ class DemoResult:
 
 def run(cfg: DemoConfig) -> DemoResult:
     start = time.perf_counter()
-    profile, folder = cfg.profile, cfg.folder()
     if cfg.engine not in ("auto", "transformers", "vllm"):  # before the folder is claimed
         raise ConfigError(f"unknown --engine {cfg.engine!r}", "use auto, transformers or vllm")
+    profile, folder = cfg.profile.for_engine(regen_engine(cfg)), cfg.folder()
     earlier = _produced(folder)  # before _claim_folder rewrites demo.json
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)
@@ -180,16 +195,19 @@ def run(cfg: DemoConfig) -> DemoResult:
     stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
     result.estimate = _estimate(cfg, profile, found, earlier)
     regenerated = folder / "regenerated.jsonl"
-    stage("regenerate", regenerated, lambda: _regenerate(cfg, profile, found, regenerated))
+    vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
+    cache = folder / "cache"
+    stage("regenerate", regenerated, lambda: _regenerate(cfg, profile, found, regenerated, vocab_map, cache))
     _revise(result)
+    # one pass: the vocab map and the cache were made by regenerate (this run's, unless it was reused)
+    made_in_regenerate = "in regenerate" if profile.one_pass and result.stages[-1].status != "reused" else None
     data = folder / "train.jsonl"
     stage("training data", data, lambda: _training_data(profile, found, regenerated, data))
-    vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
     # the draft vocabulary from what the target itself writes (what it must predict when served): the
     # originals' other wording would take slots (measured: 96.1% vs 99.6% of the target's own tokens)
-    stage("build-vocab-map", vocab_map, lambda: _vocab_map(profile, found, regenerated, vocab_map))
-    cache = folder / "cache"
-    stage("precompute", cache, lambda: _precompute(cfg, profile, found, data, vocab_map, cache))
+    stage("build-vocab-map", vocab_map,
+          lambda: _vocab_map(profile, found, regenerated, vocab_map, made_in_regenerate))
+    stage("precompute", cache, lambda: _precompute(cfg, profile, found, data, vocab_map, cache, made_in_regenerate))
     run_dir = folder / "run"
     stage("train", run_dir, lambda: _train(cfg, profile, vocab_map, cache, run_dir, result))
     export_dir = folder / "export-vllm"
@@ -324,7 +342,9 @@ def _assets(cfg: DemoConfig, found: dict) -> str:
     return "ready"
 
 
-def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> str:
+def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path, vocab_map: Path, cache: Path) -> str:
+    """The target's answers; with a one-pass profile (vLLM) also the feature cache, kept as it answers,
+    and the vocab map it needs, built from the answers as the build-vocab-map stage builds it."""
     from spec_cli.stages import regenerate
     from spec_cli.ui import print_regenerate_summary
 
@@ -335,7 +355,9 @@ def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path) -> s
     outcome = regenerate.run(regenerate.RegenerateConfig(
         target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path, temperature=0.0,
         max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
-        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg), engine=engine))
+        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg), engine=engine,
+        **(dict(features=cache, vocab_map=vocab_map, draft_vocab_size=profile.draft_vocab_size)
+           if profile.one_pass else {})))
     if outcome.already_complete:
         return "reused"
     print_regenerate_summary(outcome)
@@ -412,7 +434,7 @@ def _heldout_prompts(profile: Profile, found: dict, data: Path, folder: Path) ->
     return path
 
 
-def _vocab_map(profile: Profile, found: dict, data: Path, path: Path) -> str:
+def _vocab_map(profile: Profile, found: dict, data: Path, path: Path, made_by: str | None = None) -> str:
     from spec_cli.artifacts.vocab_map import load_vocab_map
     from spec_cli.stages import build_vocab_map
     from spec_cli.ui import print_vocab_map_summary
@@ -421,7 +443,7 @@ def _vocab_map(profile: Profile, found: dict, data: Path, path: Path) -> str:
         try:
             made = load_vocab_map(path)
             if made.draft_vocab_size == profile.draft_vocab_size and made.metadata.get("data") == str(data):
-                return "reused"
+                return made_by or "reused"
         except SpecError:
             pass  # unreadable or stale: build it again (written atomically over it)
     result = build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
@@ -433,10 +455,14 @@ def _vocab_map(profile: Profile, found: dict, data: Path, path: Path) -> str:
 
 
 def _precompute(cfg: DemoConfig, profile: Profile, found: dict, data: Path, vocab_map: Path,
-                cache: Path) -> str:
+                cache: Path, made: str | None = None) -> str:
     from spec_cli.stages import precompute
     from spec_cli.ui import print_precompute_summary
 
+    if profile.one_pass:  # regenerate wrote it as it answered (and writes it again if it is not complete)
+        fc.check_files(cache, fc.read_manifest(cache))
+        info(f"feature cache {cache}: written by regenerate as the target answered (one pass)")
+        return made or "reused"
     partial = cache.is_dir() and any(cache.iterdir())
     result = precompute.run(precompute.PrecomputeConfig(
         target=str(found["smollm2"]), data=str(data), vocab_map=vocab_map, output=cache,

@@ -41,8 +41,15 @@ SUPERVISED_SHARE = 0.68  # of a training conversation's tokens, its answers' (th
 # checkpoints every 50 steps: ~1.28x); the cache's reading beside the step is most of it. Not refitted
 # on the EPYC cores (its old factor, 0.62, went with a calibration step that scored every slot); the
 # demo states its total again once training has run 50 steps (stages/demo.py TrainPace).
-OVERHEAD = {"regenerate/vllm": 1.25, "regenerate/transformers": 2.1, "precompute": 1.15, "train": 1.25,
-            "eval": 2.0}
+OVERHEAD = {"regenerate/vllm": 0.33, "regenerate/transformers": 2.1, "precompute": 1.15, "train": 1.25,
+            "eval": 2.0, "one-pass cache": 0.5}
+# vLLM in regenerate: its engine's start (VLLM_REGEN_START_SECONDS), then its answers at 0.33x the seconds
+# the one-engine batched decode predicts (vLLM batches far more rows than the clock's 16: measured on 2
+# Intel Xeon cores with AMX, 320 answers in 98 s with the clock at 208 tokens/s, 1,100 in 372 s of
+# generation). One pass (regenerate --features): the cache's positions the generation did not compute, the
+# full-vocabulary statistics and the writing, 0.5x the prefill's seconds over the rows' tokens (1,100 rows,
+# 257k tokens: 78 s of cache and 31 s of kept rows beside a prefill of about 1,200 tokens/s).
+VLLM_REGEN_START_SECONDS = 30.0
 FIXED_SECONDS = 40.0  # assets, vocab map, the export and its checks (measured: 0.4-0.6 min)
 # The engine in the training loop decodes beside the training step on the same cores. Fitted on the
 # default demo on 2 Intel Xeon cores with AMX (docs/serving.md): training ran at 0.76x its tokens/s while
@@ -235,10 +242,16 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
     else:  # batch 1: the target alone, chains 1 .. max_k and two trees per depth from 2
         configs = 1 + profile.tune_max_k + 2 * max(0, profile.tune_max_k - 1)
         tune_seconds = configs * profile.tune_requests * profile.tune_tokens / speeds.decode
+    regenerate = profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode * OVERHEAD[f"regenerate/{engine}"]
+    precompute = conversations * TOKENS_PER_CONVERSATION / speeds.prefill
+    if engine == "vllm":
+        regenerate += VLLM_REGEN_START_SECONDS
+    one_pass = getattr(profile, "one_pass", False)
+    if one_pass:  # regenerate writes the cache as it answers
+        regenerate += precompute * OVERHEAD["one-pass cache"]
     return {
-        "regenerate": profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode
-        * OVERHEAD[f"regenerate/{engine}"],
-        "precompute": conversations * TOKENS_PER_CONVERSATION / speeds.prefill * OVERHEAD["precompute"],
+        "regenerate": regenerate,
+        "precompute": 0.0 if one_pass else precompute * OVERHEAD["precompute"],
         "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"]
         + engine_tokens / speeds.decode * ENGINE_SLOWDOWN,
         "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],

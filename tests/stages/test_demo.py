@@ -245,13 +245,13 @@ def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_help_states_both_profiles_expected_durations(capsys):
+def test_help_states_the_default_data_with_and_without_vllm(capsys):
     assert main(["demo", "--engine", "transformers", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    quick, full = demo.PROFILES["quick"], demo.PROFILES["full"]
-    assert f"--quick about {quick.expected_minutes:g} minutes, the default about {full.expected_minutes:g}" in text
-    assert (f"AVX2 only: --quick about {quick.expected_minutes_avx2:g} minutes, the default about "
-            f"{full.expected_minutes_avx2:g}") in text
+    full = demo.PROFILES["full"]
+    assert f"with vLLM installed it answers {full.one_pass_samples:,} and the feature cache is kept" in text
+    assert f"without, it answers {full.samples} and {full.original_samples:,} further ShareGPT" in text
+    assert "prints its own estimate" in text
 
 
 def test_regenerate_and_precompute_run_the_target_in_bf16_only_where_it_is_native(monkeypatch):
@@ -321,6 +321,26 @@ def test_the_estimate_counts_the_chains_the_mt_bench_eval_compares():
         pytest.approx(3 * one_pass)
     assert stage_seconds(auto, speeds, compared=2)["eval-heldout"] == pytest.approx(
         TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / 10.0 * OVERHEAD["eval"])
+
+
+def test_the_estimate_of_a_one_pass_profile_moves_the_cache_into_regenerate():
+    """Where vLLM answers and keeps the cache, precompute costs nothing and regenerate pays for the
+    cache's rows beside its answers: less than the prefill a second pass costs (half of it), more than
+    the answers alone."""
+    from dataclasses import replace
+
+    from spec_cli.stages.demo_clock import OVERHEAD, TOKENS_PER_CONVERSATION, Speeds, stage_seconds
+
+    speeds = Speeds(batched_decode=100.0, prefill=1000.0, decode=10.0, train=500.0)
+    profile = replace(TINY, one_pass_samples=40)
+    two = stage_seconds(profile, speeds, engine="vllm")
+    one = stage_seconds(profile.for_engine("vllm"), speeds, engine="vllm")
+    assert profile.for_engine("transformers") == profile and one["precompute"] == 0
+    answers_alone = stage_seconds(replace(profile, samples=40, original_samples=0), speeds, engine="vllm")
+    rows = 40 * TOKENS_PER_CONVERSATION / speeds.prefill
+    assert one["regenerate"] == pytest.approx(answers_alone["regenerate"] + OVERHEAD["one-pass cache"] * rows)
+    assert answers_alone["regenerate"] < one["regenerate"] < answers_alone["regenerate"] + answers_alone["precompute"]
+    assert two["precompute"] > 0
 
 
 def test_training_states_the_demo_total_again_at_the_pace_it_measured(capsys):
