@@ -58,6 +58,7 @@ LEVERS = {
     "noise0.1": dict(hidden_noise=0.1),
     "wsd": dict(schedule="wsd", decay_ratio=0.2),
     "init": dict(init_from_target=True),
+    "initlayer": dict(init_layer_from_target=True),  # the draft layer from the target layer after the last aux
     # the draft's attention over the last N positions only (speculators trains 2048; the demo's rows are <= 256)
     "window32": dict(draft_window=32),
     "window64": dict(draft_window=64),

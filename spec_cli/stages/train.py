@@ -419,7 +419,29 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
         if head is None or not draft.init_from_target(head["lm_head_selected"], head.get("final_norm")):
             info("the draft's lm_head starts random: the target's output head is not available here "
                  "or does not fit the draft's hidden size")
+    if d.init_layer_from_target:
+        _init_layer(draft, draft_config, source, algorithm)
     return draft, draft_config, frozen
+
+
+def _init_layer(draft, draft_config, source: Source, algorithm: Algorithm) -> None:
+    """--init-layer-from-target: the draft's first layer starts as the target's layer after its highest aux
+    layer, fc as a pass-through of that aux state (Eagle3Draft.init_layer_from_target)."""
+    if not hasattr(draft, "init_layer_from_target"):
+        raise ConfigError(f"--init-layer-from-target starts an EAGLE-3 draft's layer; a {algorithm.title} draft "
+                          "has no such layer", "leave it out, or pass --algorithm eagle3")
+    where = source.target_dir
+    if where is None or not Path(where).is_dir():
+        raise ConfigError("--init-layer-from-target reads the target's layer from its weights, and "
+                          + ("the feature cache names a target folder this machine does not have "
+                             f"({where})" if where else "a served target's weights are not on this machine"),
+                          "train from a feature cache made on this machine, or with --target MODEL")
+    aux = list(draft_config.aux_layer_ids)
+    highest = max(range(len(aux)), key=lambda i: aux[i])
+    index = min(aux[highest] + 1, draft_config.target_num_layers - 1)
+    draft.init_layer_from_target(loading.read_decoder_layer(Path(where), index), highest)
+    info(f"the draft's layer starts as the target's layer {index} (after aux layer {aux[highest]}), fc as a "
+         "pass-through of that layer's state")
 
 
 class Trainer:

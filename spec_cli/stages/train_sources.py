@@ -55,6 +55,7 @@ class Source:
     # slots this rank reads); None: whole rows
     slots_for: object = None
     by_index: bool = False  # a feature cache with image rows: its samples are read by id (CacheBackend.read_host)
+    target_dir: str | None = None  # the target's folder where this machine has it (a cache names the one it was made from)
 
 
 def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
@@ -99,7 +100,9 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         raise
     identity = {"target_fingerprint": backend.info["target_fingerprint"],
                 "tokenizer_fingerprint": target.tokenizer_fingerprint, "aux_layers": backend.info["aux_layers"]}
-    return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound)
+    target_dir = None if d.remote is not None else str(loading.resolve_target(assets.resolve_target_arg(d.target)))
+    return Source(backend, tokens, plan, target.config, target.aux_layers, identity, target.template, bound,
+                  target_dir=target_dir)
 
 
 def _grouped(cfg: TrainConfig) -> bool:
@@ -157,7 +160,7 @@ def _cache_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
                 if k in m}
     images = getattr(tokens, "num_images", None)
     return Source(backend, tokens, plan, target_config, list(m["aux_layers"]), identity, template,
-                  by_index=images is not None and bool(images.any()))
+                  by_index=images is not None and bool(images.any()), target_dir=m.get("target"))
 
 
 def _other_aux_layers(cfg: TrainConfig, num_layers: int, given: list[int]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -486,3 +487,33 @@ def target_fingerprint(path: Path) -> str:
         except OSError:
             pass
     return hashlib.sha256(f"{config_fp}|{weights}".encode()).hexdigest()[:16]
+
+
+LAYER_PARTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def read_decoder_layer(path: Path, index: int) -> dict[str, torch.Tensor]:
+    """The target's decoder layer `index` as stored in its safetensors files: {part: tensor} for the
+    Llama-style parts (LAYER_PARTS), read by name without loading the model. The language model's layer:
+    a vision tower's layers of the same number are passed over. One error when the files do not hold it
+    (a GGUF or .bin target, another layer layout)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    pattern = re.compile(rf"^(.*\.)?layers\.{index}\.(" + "|".join(re.escape(p) for p in LAYER_PARTS) + ")$")
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                match = pattern.match(key)
+                if match and not re.search(r"vision|visual|image|audio", match.group(1) or ""):
+                    found.setdefault(match.group(2), f.get_tensor(key))
+    missing = [p for p in LAYER_PARTS if p not in found]
+    if missing:
+        raise TargetError(f"the target's safetensors in {path} do not hold layer {index}'s "
+                          f"{', '.join(missing)}" + ("" if files else " (there are no .safetensors files)"),
+                          "start the draft's layer random (leave out --init-layer-from-target), or pass a "
+                          "Llama-style target saved as safetensors")
+    return found

@@ -252,6 +252,25 @@ def test_init_from_target_copies_the_targets_head_and_random_init_does_not(setup
     assert torch.equal(w["norm.weight"], torch.ones_like(w["norm.weight"]))
 
 
+def test_init_layer_from_target_starts_the_layer_from_the_target_after_its_last_aux_layer(setup, tmp_path):
+    """--init-layer-from-target, from a feature cache (the target folder it names) and from a live target:
+    the first layer's target-shaped weights are the target's layer after the highest aux layer (8 layers:
+    aux 1, 3, 4, so layer 5) and fc passes aux state 4 through."""
+    from spec_cli.target import loading
+
+    layer = loading.read_decoder_layer(setup["target"], 5)
+    for source in ({"cache": setup["cache"]}, {"cache": None, "target": str(setup["target"]),
+                                                "data": str(setup["data"])}):
+        out = tmp_path / f"layer-{len(source)}"
+        stage.run(frozen_lr(config(setup, out, max_steps=1, init_layer_from_target=True, **source)))
+        w = weights(out)
+        H = w["midlayer.hidden_norm.weight"].shape[0]
+        assert torch.equal(w["midlayer.mlp.down_proj.weight"], layer["mlp.down_proj.weight"])
+        assert torch.equal(w["midlayer.self_attn.q_proj.weight"][:, H:], layer["self_attn.q_proj.weight"])
+        assert torch.equal(w["midlayer.hidden_norm.weight"], layer["input_layernorm.weight"])
+        assert torch.equal(w["fc.weight"], torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1))
+
+
 def test_a_cache_made_with_another_vocab_map_names_that_map(setup, tmp_path, capsys):
     other = tmp_path / "vm-64.safetensors"
     assert main(["build-vocab-map", "-t", str(setup["target"]), "-d", str(setup["data"]),

@@ -82,7 +82,8 @@ def test_the_train_command_has_one_option_per_field():
     assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None
     assert resumable_options() == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
                          "device", "num_proc", "activation_checkpointing", "remote", "prefetch", "token",
-                         "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "fsdp", "tensor_plane",
+                         "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "init_layer_from_target",
+                         "fsdp", "tensor_plane",
                          "target_engine", "target_parallel", "target_memory", "target_tensor_parallel",
                          "attention", "precision", "peagle_segments", "eval_engine", "eval_engine_every",
                          "eval_engine_wait", "eval_engine_target", "eval_engine_memory"}

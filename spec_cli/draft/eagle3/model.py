@@ -133,6 +133,34 @@ class Eagle3Draft(SteppedDraft):
             self.norm.weight.copy_(final_norm)
         return True
 
+    @torch.no_grad()
+    def init_layer_from_target(self, layer: dict[str, torch.Tensor], aux_index: int) -> None:
+        """Start the first decoder layer from a target decoder layer (`layer`: {part: tensor}, the parts
+        of loading.LAYER_PARTS) and `fc` as a pass-through of aux state `aux_index`: at the start the
+        draft is that target layer applied to the aux state (its residual stream). q/k/v read
+        cat(embeds, hidden): their hidden half is the target's projection, their embedding half keeps its
+        random start (the token is new to the layer); hidden_norm is the target's input norm. fc's columns
+        for the other aux states start at zero (they learn from there). One error when the shapes differ."""
+        first, H = self.midlayer, self.config.hidden_size
+        attn = first.self_attn
+        pairs = {"self_attn.o_proj.weight": attn.o_proj.weight, "mlp.gate_proj.weight": first.mlp.gate_proj.weight,
+                 "mlp.up_proj.weight": first.mlp.up_proj.weight, "mlp.down_proj.weight": first.mlp.down_proj.weight,
+                 "input_layernorm.weight": first.hidden_norm.weight,
+                 "post_attention_layernorm.weight": first.post_attention_layernorm.weight}
+        pairs.update({f"self_attn.{n}_proj.weight": getattr(attn, f"{n}_proj").weight[:, H:] for n in "qkv"})
+        wrong = [f"{name} {tuple(layer[name].shape)} against {tuple(param.shape)}"
+                 for name, param in pairs.items() if tuple(layer[name].shape) != tuple(param.shape)]
+        if wrong or self.config.target_hidden_size != H:
+            raise ConfigError("the target's layer does not fit the draft's (" + "; ".join(
+                wrong or [f"target hidden {self.config.target_hidden_size} against the draft's {H}"]) + ")",
+                              "leave the draft's shape at the target's (no --draft-hidden-size, "
+                              "--draft-intermediate-size, --draft-heads or --draft-kv-heads), or leave out "
+                              "--init-layer-from-target")
+        for name, param in pairs.items():
+            param.copy_(layer[name].to(param.dtype))
+        self.fc.weight.zero_()
+        self.fc.weight[:, aux_index * H:(aux_index + 1) * H].copy_(torch.eye(H, dtype=self.fc.weight.dtype))
+
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
         extra = [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]

@@ -8,7 +8,8 @@ import torch
 from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.draft.attention import Segments
 from spec_cli.draft.layers import KVCache, feature_noise
-from spec_cli.errors import ConfigError
+from spec_cli.errors import ConfigError, TargetError
+from spec_cli.draft.config import DraftConfig
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft import V, VD, random_batch, selected_ids, tiny_config, tiny_draft
 
@@ -210,3 +211,35 @@ def test_context_parallel_ranks_draw_their_own_noise():
     feature_noise(x, 0.1, 3, offset=5)
     assert torch.equal(torch.rand(1), after)  # one draw of the global RNG whatever the offset
     assert torch.equal(draws[0][0], draws[0][1]) and not torch.allclose(draws[0][0], draws[1][0])
+
+
+def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_llama_dir):
+    """--init-layer-from-target: with the token's half of q/k/v silenced, the started draft's state is
+    the target's layer L applied to its aux state L-1 (transformers' own forward, 8-layer tiny Llama)."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.target import loading
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).float().eval()
+    aux = [0, 1, 4]
+    config = DraftConfig.from_target(target.config, 64, aux)
+    draft = Eagle3Draft(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = target(input_ids=ids, output_hidden_states=True).hidden_states  # [i]: layer i-1's output
+        draft.init_layer_from_target(loading.read_decoder_layer(tiny_llama_dir, 5), aux_index=2)
+        H = config.hidden_size
+        for proj in (draft.midlayer.self_attn.q_proj, draft.midlayer.self_attn.k_proj, draft.midlayer.self_attn.v_proj):
+            proj.weight[:, :H] = 0  # the token's half: random at the start, silenced here
+        got = draft(ids, torch.cat([states[i + 1] for i in aux], dim=-1))
+    torch.testing.assert_close(got, states[6], rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_layer_that_does_not_fit_is_one_error(tiny_llama_dir):
+    from spec_cli.target import loading
+
+    config = DraftConfig.from_target(loading.load_config(tiny_llama_dir), 64, [0, 1, 4], intermediate_size=48)
+    with pytest.raises(ConfigError, match="mlp.gate_proj.weight .* against"):
+        Eagle3Draft(config).init_layer_from_target(loading.read_decoder_layer(tiny_llama_dir, 5), 2)
+    with pytest.raises(TargetError, match="do not hold layer 8's"):
+        loading.read_decoder_layer(tiny_llama_dir, 8)
