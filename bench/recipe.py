@@ -16,7 +16,8 @@ Every variant trains on the demo's training data (its regenerated and original c
 for the demo profile's steps x --scale of its batch_tokens, with the profile's settings unless the
 variant changes one: equal budgets, one lever at a time ("base" is AdamW with a cosine schedule,
 whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations as written, "regen2560"
-2,560 more ShareGPT prompts answered by the target, "written2560" the same conversations as written).
+2,560 more ShareGPT prompts answered by the target, "written2560" the same conversations as written,
+"sampledN" N more answers to the demo's own prompts, sampled at temperature 0.8 with seeds 1..N).
 "a+b" combines variants. The vocab map and cache for Vd 4096 are the demo's; other sizes and data are
 built once into OUT. Finished runs are reused (rerun
 with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json.
@@ -81,20 +82,26 @@ LEVERS = {
     "regen2560": dict(regen=2560),
     # the control: the conversations regen2560 answered, with their answers as ShareGPT wrote them
     "written2560": dict(written=2560),
+    # fresh answers to the same prompts (lever 2): the demo's regenerated prompts answered again by the
+    # target, sampled (SAMPLED_TEMPERATURE, seed 1, 2, ...), appended to the demo's data
+    "sampled1": dict(sampled=1),
+    "sampled2": dict(sampled=2),
     # other draft algorithms at the same budget ("depth": the chain each proposes per cycle)
     "peagle": dict(algorithm="peagle"),
     "dflash4": dict(algorithm="dflash", block_size=4, depth=3, fc_norm=False),
     "dflash8": dict(algorithm="dflash", block_size=8, depth=7, fc_norm=False),
     "dflash16": dict(algorithm="dflash", block_size=16, depth=15, fc_norm=False),
 }
-NOT_TRAIN_OPTIONS = ("vocab", "extra", "regen", "written", "depth")
+NOT_TRAIN_OPTIONS = ("vocab", "extra", "regen", "written", "sampled", "depth")
+SAMPLED_TEMPERATURE = 0.8
 HELDOUT_FROM = 3000  # ShareGPT conversations from here on: after anything a demo profile trains on
 REGEN_FROM = 4000  # the prompts a regenN lever has the target answer: after the held-out chats
 
 
 def settings_of(name: str, profile: demo.Profile) -> dict:
     """A variant's options: the demo profile's, then each "+"-joined lever's."""
-    options = dict(vocab=profile.draft_vocab_size, extra=0, regen=0, written=0, lr=profile.lr, ttt_steps=profile.ttt_steps)
+    options = dict(vocab=profile.draft_vocab_size, extra=0, regen=0, written=0, sampled=0, lr=profile.lr,
+                   ttt_steps=profile.ttt_steps)
     for part in name.split("+"):
         if part not in LEVERS:
             raise SystemExit(f"unknown variant {part!r}: use {', '.join(LEVERS)} (joined with +)")
@@ -124,18 +131,36 @@ def regenerated_more(out: Path, profile: demo.Profile, target: str, count: int) 
     return path
 
 
-def data_key(extra: int, regen: int = 0, written: int = 0) -> str:
-    return f"{extra}" + (f"+r{regen}" if regen else "") + (f"+w{written}" if written else "")
+def data_key(extra: int, regen: int = 0, written: int = 0, sampled: int = 0) -> str:
+    return (f"{extra}" + (f"+r{regen}" if regen else "") + (f"+w{written}" if written else "")
+            + (f"+s{sampled}" if sampled else ""))
+
+
+def sampled_again(out: Path, folder: Path, profile: demo.Profile, target: str, seed: int) -> Path:
+    """The demo's regenerated conversations answered again by the target, sampled at SAMPLED_TEMPERATURE
+    with this seed (regenerate answers every user turn afresh; resumable like `spec regenerate`)."""
+    from spec_cli.stages import regenerate
+
+    path = out / f"sampled-{seed}.jsonl"
+    engine = demo.regen_engine(demo.DemoConfig())
+    t0 = time.perf_counter()
+    outcome = regenerate.run(regenerate.RegenerateConfig(
+        target=target, data=str(folder / "regenerated.jsonl"), output=path, temperature=SAMPLED_TEMPERATURE,
+        seed=seed, max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
+        engine=engine, dtype=demo.data_dtype(demo.DemoConfig())))
+    if not outcome.already_complete:
+        print(f"sampled answers (seed {seed}) in {engine}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
 
 
 def training_data(out: Path, folder: Path, extra: int, regen: int = 0, profile: demo.Profile | None = None,
-                  target: str | None = None, written: int = 0) -> Path:
+                  target: str | None = None, written: int = 0, sampled: int = 0) -> Path:
     """The demo's training data, plus `extra` further ShareGPT conversations as written (after the last
     one the demo used; the held-out prompts come later still), `regen` further ones answered by the
     target (from REGEN_FROM on) and `written` ones from REGEN_FROM on as written (the same prompts)."""
-    if not extra and not regen and not written:
+    if not extra and not regen and not written and not sampled:
         return folder / "train.jsonl"
-    path = out / f"train+{data_key(extra, regen, written)}.jsonl"
+    path = out / f"train+{data_key(extra, regen, written, sampled)}.jsonl"
     if not path.is_file():
         text = (folder / "train.jsonl").read_text()
         if extra:
@@ -150,22 +175,26 @@ def training_data(out: Path, folder: Path, extra: int, regen: int = 0, profile: 
             answered = [json.loads(line)["source_index"]
                         for line in regenerated_more(out, profile, target, written).read_text().splitlines()]
             text += "".join(json.dumps({**chosen[i], "source": "sharegpt"}) + "\n" for i in answered)
+        for seed in range(1, sampled + 1):
+            text += sampled_again(out, folder, profile, target, seed).read_text()
         path.write_text(text)
     return path
 
 
 def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: int,
-            target: str, algorithm: str = "eagle3", regen: int = 0, written: int = 0) -> tuple[Path, Path]:
+            target: str, algorithm: str = "eagle3", regen: int = 0, written: int = 0,
+            sampled: int = 0) -> tuple[Path, Path]:
     """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
     this vocabulary size, for the algorithm's aux layers (EAGLE-3 and P-EAGLE read the same three)."""
     own = folder / f"vocab-{vocab}.safetensors"
     kind = "dflash" if algorithm == "dflash" else "eagle3"
     if own.is_file() and (folder / "cache").is_dir() and not extra and not regen and not written \
-            and kind == "eagle3":
+            and not sampled and kind == "eagle3":
         return own, folder / "cache"
     vmap = own if own.is_file() else out / "maps" / f"vocab-{vocab}.safetensors"
-    cache = out / "caches" / (f"vocab-{vocab}+{data_key(extra, regen, written)}" + ("-dflash" if kind == "dflash" else ""))
-    data = str(training_data(out, folder, extra, regen, profile, target, written))
+    cache = out / "caches" / (f"vocab-{vocab}+{data_key(extra, regen, written, sampled)}"
+                              + ("-dflash" if kind == "dflash" else ""))
+    data = str(training_data(out, folder, extra, regen, profile, target, written, sampled))
     if not vmap.is_file():
         build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
             target=target, data=str(folder / "regenerated.jsonl"), output=vmap, draft_vocab_size=vocab,
@@ -334,7 +363,8 @@ def main() -> None:
         depth = options.get("depth", args.depth)
         steps = max(1, round(profile.steps * scale))
         vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target,
-                              options.get("algorithm", "eagle3"), options.get("regen", 0), options.get("written", 0))
+                              options.get("algorithm", "eagle3"), options.get("regen", 0), options.get("written", 0),
+                              options.get("sampled", 0))
         checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
         if run_name in results and results[run_name]["steps"] == steps and \
                 (not args.timed or results[run_name]["mt_bench"].get("speedup")):

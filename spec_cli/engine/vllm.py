@@ -256,6 +256,16 @@ def _torchrun_env():
     return _env_kept("LOCAL_WORLD_SIZE")
 
 
+def whole_prefills(vllm) -> bool:
+    """Whether seeded sampling needs chunked prefill off: after a step that ran only part of a request's
+    prompt, vLLM discards the token sampled for it and rewinds its generator (Generator.set_offset), which
+    only CUDA generators have ("CPU Generator does not use offset": vLLM 0.32's CPU build, whenever the
+    prompts waiting exceed one step's token budget). Prefills that run whole never rewind."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cpu"
+
+
 class Engine:
     """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 
@@ -265,11 +275,13 @@ class Engine:
                  speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = False, block_size: int | None = None):
+                 prefix_caching: bool = False, block_size: int | None = None, seeded: bool = False):
         """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
         executor; on CPUs each worker takes its share of this process's cores), reached through
         `worker_extension_cls`'s methods (collective_rpc). `prefix_caching`: vLLM's (off by default: a
-        measurement or a capture of states must run every token's forward)."""
+        measurement or a capture of states must run every token's forward). `seeded`: requests will sample
+        with their own seeded generators (temperature > 0, SamplingParams.seed): on a CPU every prefill then
+        runs whole in one step (see whole_prefills)."""
         vllm = require("running the target in vLLM")
         self.draft = draft
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
@@ -288,6 +300,8 @@ class Engine:
             kwargs["block_size"] = int(block_size)
         if max_num_batched_tokens:  # tokens one step may schedule: at least max_num_seqs (vLLM checks)
             kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+        if seeded and whole_prefills(vllm):
+            kwargs["enable_chunked_prefill"] = False  # vLLM then lets one step take a max_model_len prompt
         if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if draft is not None:

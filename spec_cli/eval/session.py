@@ -116,10 +116,12 @@ class VllmSession:
                 self.spec_engine = self.vllm.Engine(
                     self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
                     method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
-                    speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory)
+                    speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory,
+                    seeded=settings.temperature > 0)
                 self.load_problems = self.spec_engine.load_report.problems()
                 self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
-                                                    seed=self.seed, gpu_memory_utilization=self.memory)
+                                                    seed=self.seed, gpu_memory_utilization=self.memory,
+                                                    seeded=settings.temperature > 0)
             except BaseException:  # both or neither: a later draft starts them again
                 self.close()
                 raise

@@ -638,12 +638,13 @@ def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokeniz
         context = loading.max_positions(loading.load_config(target_dir))
         return Keeping(VLLMTargetBackend(target_dir, aux_layers, dtype=dtype, capture_prefixes=True,
                                          max_model_len=cfg.max_length + 1 if not context or cfg.max_length < context
-                                         else cfg.max_length, max_num_seqs=cfg.batch_size, seed=cfg.seed))
+                                         else cfg.max_length, max_num_seqs=cfg.batch_size, seed=cfg.seed,
+                                         seeded=cfg.temperature > 0))
     if cfg.engine == "vllm":
         from spec_cli.engine import vllm
 
         return vllm.Engine(target_dir, None, dtype=dtype, max_model_len=cfg.max_length, seed=cfg.seed,
-                           max_num_seqs=cfg.batch_size)
+                           max_num_seqs=cfg.batch_size, seeded=cfg.temperature > 0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     return TransformersEngine(target_dir, device, dtype, pad)
 

@@ -114,7 +114,8 @@ class VLLMTargetBackend(LocalTargetBackend):
     def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
                  max_model_len: int | None = None, memory: float | None = None, tensor_parallel: int = 1,
-                 capture_prefixes: bool = False, max_num_seqs: int | None = None, seed: int = 0):
+                 capture_prefixes: bool = False, max_num_seqs: int | None = None, seed: int = 0,
+                 seeded: bool = False):
         vllm = engine.require("--target-engine vllm")
         if tensor_parallel < 1:
             raise ConfigError(f"--target-tensor-parallel {tensor_parallel} must be at least 1", "1 runs the "
@@ -151,6 +152,7 @@ class VLLMTargetBackend(LocalTargetBackend):
             target_dir, dtype=self.dtype, max_model_len=max_model_len, gpu_memory_utilization=memory,
             tensor_parallel_size=self.tensor_parallel, prefix_caching=capture_prefixes,
             max_num_seqs=max_num_seqs, seed=seed, block_size=CAPTURE_BLOCK if capture_prefixes else None,
+            seeded=seeded,
             worker_extension_cls="spec_cli.target.vllm_worker.CaptureExtension" if self.tensor_parallel > 1 else None)
         try:
             (self._attach_workers if self.tensor_parallel > 1 else self._attach)(int(text.vocab_size))

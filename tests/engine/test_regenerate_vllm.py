@@ -40,3 +40,31 @@ def test_vllm_answers_as_transformers_does_at_temperature_0(tmp_path, capsys):
               f"{sum(x == y for x, y in answers)}/{len(answers)} answers at the same place equal")
     assert same >= 0.9
     assert sum(m["role"] == "assistant" for r in outputs["vllm"] for m in r["messages"]) > len(pairs)  # 2nd turns
+
+
+def test_sampled_answers_in_vllm_are_the_same_however_the_requests_are_batched(tmp_path):
+    """Temperature > 0 in vLLM: each answer samples from its own seeded generator. Prompts long enough that
+    one engine step cannot take all of them (vLLM would split a prefill across steps, and then rewind the
+    request's generator, which a CPU generator cannot do) still answer, the same file with 4 requests at a
+    time as with all at once, and another --seed answers otherwise."""
+    target = add_end_tokens(save_vllm_sized_target(tmp_path / "target"))
+    rng = random.Random(4)
+    data = write_jsonl(tmp_path / "long.jsonl", [
+        {"messages": [{"role": "user", "content": tiny_text(rng, 120)}]} for _ in range(48)])
+    common = ["-t", str(target), "-d", str(data), "--engine", "vllm", "--temperature", "0.8", "--max-new-tokens",
+              "24", "--max-length", "256", "--dtype", "fp32", "-q"]
+    files = {}
+    for name, extra in {"all": ["--seed", "3"], "by4": ["--seed", "3", "--batch-size", "4"],
+                        "other": ["--seed", "4"]}.items():
+        files[name] = tmp_path / f"{name}.jsonl"
+        assert main(["regenerate", *common, "-o", str(files[name]), *extra]) == 0
+    answers = {name: [json.loads(line)["messages"][-1]["content"] for line in path.read_text().splitlines()]
+               for name, path in files.items()}
+    assert len(answers["all"]) == 48 and answers["all"] == answers["by4"]
+    assert sum(a != b for a, b in zip(answers["all"], answers["other"])) > 24
+
+
+def tiny_text(rng: random.Random, words: int) -> str:
+    from tests import tiny
+
+    return " ".join(rng.choice(tiny.WORDS) for _ in range(words))
