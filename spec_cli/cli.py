@@ -13,7 +13,7 @@ import click
 import typer
 from rich.markup import escape
 
-from spec_cli import __version__
+from spec_cli import __version__, stopping
 from spec_cli.commands import train
 from spec_cli.commands.assets import assets_cmd
 from spec_cli.commands.build_vocab_map import build_vocab_map_cmd
@@ -77,8 +77,10 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-STOPPED = ("stopped (Ctrl-C); finished work is kept: rerun the same command to continue (regenerate and "
-           "precompute go on where they stopped, train with --resume)")
+def stopped_line(stop: stopping.Stopped) -> str:
+    """The last line of a command a signal stopped (spec_cli/stopping.py)."""
+    return (f"stopped ({stop.name}); finished work is kept: rerun the same command to continue (regenerate "
+            "and precompute go on where they stopped, train with --resume)")
 
 _PATH_MISTAKES = {
     FileExistsError: "already exists; pass a path that does not exist yet, or remove it",
@@ -109,10 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry: one line per user error (traceback only with SPEC_DEBUG=1)."""
     debug = os.environ.get("SPEC_DEBUG", "") not in ("", "0")
     _quiet_libraries()
+    with stopping.sigterm_as_ctrl_c():  # a scheduler's stop is Ctrl-C's: finished work kept
+        return _main(argv, debug)
+
+
+def _main(argv: list[str] | None, debug: bool) -> int:
     try:
         result = build_app()(args=argv, prog_name="spec", standalone_mode=False)
-        if result == 130:  # typer answers Ctrl-C with a bare exit code 130 (commands return None)
-            err_console.print(STOPPED, soft_wrap=True)
+        if result == 130:  # typer answers any KeyboardInterrupt with a bare exit code 130
+            stop = stopping.last_stop()
+            err_console.print(stopped_line(stop), soft_wrap=True)
+            return stop.exit_code
         return result if isinstance(result, int) else 0
     except SpecError as exc:
         if debug:
@@ -124,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     except (click.ClickException, typer.TyperException) as exc:  # typer >= 0.2x raises its own click's
         exc.show()
         return exc.exit_code
-    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
-        err_console.print(STOPPED, soft_wrap=True)
-        return 130
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, stopping.Stopped) else stopping.last_stop()
+        err_console.print(stopped_line(stop), soft_wrap=True)
+        return stop.exit_code
     except OSError as exc:  # a path the user gave that cannot be used as asked is theirs to fix
         if debug:
             raise

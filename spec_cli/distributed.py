@@ -164,6 +164,14 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def max_in_place(t: torch.Tensor) -> torch.Tensor:
+    """`t` replaced by its elementwise largest over the ranks, on its own device (NCCL for a GPU tensor:
+    queued on the stream, read by the caller's next host sync, so it adds no wait of its own)."""
+    if _ours():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def gather_to_main(obj):
     """Every rank's `obj` (picklable, made by this program) on rank 0 as a list by rank; None elsewhere.
     Through the group's host backend."""

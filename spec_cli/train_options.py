@@ -241,11 +241,25 @@ class RuntimeOptions:
     save_every: int = option(
         500, "--save-every", help="Steps between checkpoints (and at the end).", panel=CHECKPOINTS, min=1,
         resumable=True)
+    save_every_minutes: float | None = option(
+        None, "--save-every-minutes", help="Also save a checkpoint once this many minutes have passed since "
+                                           "the last one (what a preemption can cost is time, not steps).",
+        panel=CHECKPOINTS, allowed=POSITIVE, resumable=True)
     keep_last: int = option(
         3, "--keep-last", help="Checkpoints to keep.", panel=CHECKPOINTS, min=1, resumable=True)
+    stop_grace: float = option(
+        30.0, "--stop-grace", help="Seconds between a stop signal (SIGTERM, Ctrl-C) and the SIGKILL that "
+                                   "follows it (Slurm's KillWait: 30): the step in flight finishes and the "
+                                   "finished steps are saved if that fits in them, else the last checkpoint "
+                                   "stands.", panel=CHECKPOINTS, allowed=POSITIVE, resumable=True)
     resume: bool = option(
         False, "--resume", help="Continue the run in --output from its latest checkpoint.", panel=CHECKPOINTS,
         resumable=True)
+    reschedule: bool = option(
+        False, "--reschedule", help="With --resume and another --max-steps or --epochs: lay the learning-rate "
+                                    "schedule anew over the new length (the rate jumps to where the new "
+                                    "schedule is at the resumed step). Without it such a change is refused.",
+        panel=CHECKPOINTS, resumable=True)
     eval_engine: str | None = option(
         None, "--eval-engine", help="Every --eval-engine-every steps and at the last, export the current weights "
                                     "through `spec export` (self-check included) and decode held-out prompts "

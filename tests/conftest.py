@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -173,11 +175,27 @@ def dflash_pipeline(tmp_path_factory, tiny_llama_dir) -> dict:
 
 
 def default_sigint() -> None:
-    """Popen(preexec_fn=...) for a child a test sends SIGINT: a shell starts background jobs with SIGINT
-    ignored, the child inherits that, and Python then installs no KeyboardInterrupt handler."""
+    """Popen(preexec_fn=...) for a child a test sends SIGINT or SIGTERM: a shell starts background jobs
+    with SIGINT ignored, the child inherits that, and Python then installs no KeyboardInterrupt handler
+    (and spec_cli leaves an ignored signal ignored)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def signalled_child(cmd: list[str], **popen):
+    """A `spec` process a test sends signals to: started with the signals' default dispositions however
+    the suite was started, and killed when the test ends, failed or not (a test that fails never leaves a
+    long run behind, taking a core from the tests after it)."""
+    proc = subprocess.Popen(cmd, preexec_fn=default_sigint, **popen)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

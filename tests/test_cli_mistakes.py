@@ -16,7 +16,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from tests import tiny
 from tests.draft.runs import vocab_and_cache
-from tests.conftest import default_sigint, write_jsonl
+from tests.conftest import signalled_child, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,7 +102,7 @@ def test_a_checkpoint_missing_its_optimizer_state_is_named_and_not_resumed(setup
     latest = ckpt.latest_checkpoint(run)
     (latest / "optimizer.safetensors").unlink()
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "-q"]) == 1
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "--reschedule", "-q"]) == 1
     assert one_line(capsys) == (f"error: the checkpoint {latest} lacks optimizer.safetensors, so training cannot "
                                 "resume from it; restore the file, or move that checkpoint folder out of "
                                 "checkpoints/ to resume from the one before it (export still reads it)")
@@ -124,27 +124,95 @@ def test_a_checkpoint_missing_its_weights_is_named(setup, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_training_exits_130_with_one_line_and_resumes(setup, tmp_path):
-    """A real SIGINT (what Ctrl-C sends) in the middle of `spec train`: the last checkpoint is kept and
-    --resume goes on from it."""
+@pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_stop_signal_in_training_exits_with_its_code_and_one_line_and_resumes(setup, tmp_path, sig, code, name):
+    """A real SIGINT (what Ctrl-C sends) or SIGTERM (what a scheduler sends) in the middle of `spec train`:
+    the finished steps are saved and --resume goes on from them."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "spec_cli.cli", *train(setup["root"], run, "--max-steps", "100000",
-                                                         "--save-every", "1")]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=default_sigint)
-    deadline = time.monotonic() + 120
-    while ckpt.latest_checkpoint(run) is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+                                                         "--save-every", "1000", "--log-every", "1")]
+    with signalled_child(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        deadline = time.monotonic() + 120
+        while not (run / "log.jsonl").is_file() or not (run / "log.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None, "spec train did not get going"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("stopped (Ctrl-C); finished work is kept")
-    step = int(ckpt.latest_checkpoint(run).name.split("-")[1])
-    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", str(step + 1),
+    assert err.strip().splitlines()[-1].startswith(f"stopped ({name}); finished work is kept")
+    step = int(ckpt.latest_checkpoint(run).name.split("-")[1])  # no --save-every step: the stop saved it
+    assert step >= 1
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", str(step + 1), "--reschedule",
                  "-q"]) == 0
     assert ckpt.latest_checkpoint(run).name == f"step-{step + 1:08d}"
+
+
+def signals_during_steps(monkeypatch, at: dict[int, list[int]]) -> None:
+    """Send this process the signals at[n] during its n-th optimizer update (in-process: deterministic)."""
+    from spec_cli.stages import train as stage
+
+    real, done = stage.Trainer.optimizer_step, [0]
+
+    def optimizer_step(self):
+        out = real(self)
+        done[0] += 1
+        for sig in at.get(done[0], []):
+            os.kill(os.getpid(), sig)
+        return out
+
+    monkeypatch.setattr(stage.Trainer, "optimizer_step", optimizer_step)
+
+
+def test_sigterm_saves_the_step_all_stop_at_and_the_resumed_run_equals_the_straight_one(setup, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """The signal during step 3's update is answered at step 4's host sync: step 4 is finished and saved
+    (--save-every would save none), exit 143, and the resume ends bit for bit where a straight run ends."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    opts = ["--max-steps", "6", "--save-every", "100", "--lr", "3e-3"]
+    assert main(train(setup["root"], straight, *opts)) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as mp:
+        signals_during_steps(mp, {3: [signal.SIGTERM]})
+        assert main(train(setup["root"], run, *opts)) == 143
+    assert capsys.readouterr().err.strip() == ("stopped (SIGTERM); finished work is kept: rerun the same command "
+                                               "to continue (regenerate and precompute go on where they stopped, "
+                                               "train with --resume)")
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000004"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are the caller's again
+    assert main(train(setup["root"], run, *opts, "--resume")) == 0
+    final = lambda folder: (ckpt.latest_checkpoint(folder) / "model.safetensors").read_bytes()  # noqa: E731
+    assert ckpt.latest_checkpoint(run).name == "step-00000006" and final(run) == final(straight)
+
+
+def test_a_save_that_cannot_finish_in_the_grace_period_leaves_the_last_checkpoint(setup, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A save measured at 0.6 s against --stop-grace 0.5: the step in flight is cut off or finished, but
+    no new save starts; checkpoint 2 stands and the line says so."""
+    from spec_cli.stages import train as stage
+
+    run, real_save = tmp_path / "run", stage.Trainer.save
+
+    def slow_save(self, step):
+        time.sleep(0.6)
+        return real_save(self, step)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(stage.Trainer, "save", slow_save)
+        signals_during_steps(mp, {3: [signal.SIGTERM]})
+        args = train(setup["root"], run, "--max-steps", "6", "--save-every", "2", "--stop-grace", "0.5")
+        assert main([a for a in args if a != "-q"]) == 143
+    said = " ".join("".join(capsys.readouterr()).split())  # (the console folds long lines)
+    assert "the last checkpoint (step-00000002) stands; rerun with --resume" in said, said
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000002"]
+
+
+def test_save_every_minutes_saves_by_the_clock(setup, tmp_path):
+    run = tmp_path / "run"
+    assert main(train(setup["root"], run, "--max-steps", "3", "--save-every", "100", "--keep-last", "5",
+                      "--save-every-minutes", "1e-6")) == 0
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == [f"step-{k:08d}" for k in (1, 2, 3)]
 
 
 def test_a_hand_edited_draft_config_is_refused_by_export_and_resume(setup, tmp_path, capsys):
@@ -164,9 +232,82 @@ def test_a_hand_edited_draft_config_is_refused_by_export_and_resume(setup, tmp_p
                 "as the aux layers are part of what the draft learned and cannot be edited afterwards")
     assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 1
     assert one_line(capsys) == expected
-    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "-q"]) == 1
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "--reschedule", "-q"]) == 1
     assert one_line(capsys) == expected
     # the same content re-spaced is not an edit
     config.write_text(json.dumps(json.loads(json.dumps(edited)) | {"aux_layer_ids": json.loads(
         (setup["run"] / "checkpoints" / config.parent.name / "config.json").read_text())["aux_layer_ids"]}, indent=4))
     assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 0
+
+
+# ----------------------------------------------------------------------------- resume says what it resumes
+
+def test_resume_where_there_is_no_run_says_so(setup, tmp_path, capsys):
+    empty = tmp_path / "nothing"
+    assert main(["train", "--resume", "-o", str(empty), "-q"]) == 1
+    assert one_line(capsys) == (f"error: --resume: there is no run to continue in {empty}: {empty} does not exist; "
+                                "pass the folder of the run to continue as -o, or drop --resume and give the "
+                                "inputs to start a run")
+    # a requeued job whose first attempt never started has every input: it starts, and says so
+    assert main(train(setup["root"], empty, "--max-steps", "1", "--resume")) == 0
+    assert "holds no run" not in capsys.readouterr().err  # (it did not exist: the warning names that)
+    assert ckpt.latest_checkpoint(empty).name == "step-00000001"
+
+
+@pytest.mark.parametrize("where", ["the cache", "inside the cache", "another cache", "a model"])
+def test_output_that_is_an_input_or_another_kind_of_folder_is_refused_before_anything_is_written(
+        setup, tmp_path, capsys, where):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    args = ["train", "-v", str(setup["vm"]), "--cache", str(cache), "--ttt-steps", "2", "--batch-tokens", "256",
+            "--eval-fraction", "0", "-q", "--max-steps", "1"]
+    out, expected = {
+        "the cache": (cache, f"-o {cache} is this run's --cache {cache}"),
+        "inside the cache": (cache / "run", f"-o {cache / 'run'} is inside this run's --cache {cache}"),
+        "another cache": (setup["cache"], f"-o {setup['cache']} is a feature cache, not a training run's folder"),
+        "a model": (setup["target"], f"-o {setup['target']} is a model (or an exported draft), not a training "
+                                     "run's folder"),
+    }[where]
+    before = {p: p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
+    assert main([*args, "-o", str(out)]) == 1
+    assert one_line(capsys).startswith(f"error: {expected}; pass ")
+    assert {p: p.read_bytes() for p in Path(out).rglob("*") if p.is_file()} == before
+
+
+def test_resume_with_another_length_is_refused_by_name_unless_rescheduled(setup, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil_copy_run(setup["run"], run)  # --max-steps 2, checkpoints 1 and 2
+    assert main(["train", "--resume", "-o", str(run), "--max-steps", "4", "-q"]) == 1
+    assert one_line(capsys) == ("error: --resume with --max-steps 4: the run's schedule was laid over --max-steps 2 "
+                                "and its learning rate would jump; drop --max-steps to finish the run's schedule, "
+                                "or add --reschedule to lay it anew over --max-steps 4")
+    assert ckpt.latest_checkpoint(run).name == "step-00000002"
+    assert main(["train", "--resume", "-o", str(run), "--max-steps", "4", "--reschedule", "-q"]) == 0
+    assert ckpt.latest_checkpoint(run).name == "step-00000004"
+
+
+def shutil_copy_run(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".spec.lock"))
+
+
+def test_after_a_resume_the_log_holds_each_step_once(setup, tmp_path):
+    """A run killed after logging steps its last checkpoint does not hold: the resume logs them again,
+    and the log keeps the resumed run's records only."""
+    import json
+
+    run = tmp_path / "run"
+    opts = ["--max-steps", "4", "--save-every", "2", "--log-every", "1", "--keep-last", "5"]
+    assert main(train(setup["root"], run, *opts)) == 0
+    import shutil
+
+    shutil.rmtree(ckpt.latest_checkpoint(run))  # as if killed after logging step 4, before saving it
+    with open(run / "log.jsonl", "a") as f:
+        f.write('{"split": "train", "step": 4, "lo')  # and in the middle of a line
+    assert main(train(setup["root"], run, *opts, "--resume")) == 0
+    steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()
+             if json.loads(line).get("split") == "train"]
+    assert steps == [1, 2, 3, 4]

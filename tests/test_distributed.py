@@ -66,14 +66,16 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
                                            "eagle-fsdp", "eagle3-fsdp-muon",
                                            *(f"peagle-{k}" for k in PEAGLE), "precompute", "precompute-tensor", "live-replica", "live-tensor",
-                                           "tp-supervision", "muon-shards")}
+                                           "tp-supervision", "muon-shards", "eagle3-fsdp-sigterm")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
               eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-fsdp-straight"], "--fsdp"),
               peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
+              ["-m", "tests.stop_rank", 1, 1, *eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp")],
               eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
+              eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp", "--resume"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
               eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--resume"),
               eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
@@ -177,6 +179,21 @@ def test_fsdp_checkpoints_are_sharded_and_resume_bit_for_bit(runs):
     for r in (0, 1):
         name = f"optimizer-0000{r}-of-00002.safetensors"
         assert_same(load_file(str(straight / name)), load_file(str(resumed / name)), exact=True)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_and_the_resume_is_exact(runs):
+    """SIGTERM reaches rank 1 alone, during step 1: both ranks agree at step 2's host sync, finish step 2,
+    save it as one sharded checkpoint (--save-every 3 would not) and exit 143 (tests/stop_rank.py); the
+    resume ends bit for bit where the straight run ends."""
+    run, straight = runs["eagle3-fsdp-sigterm"], runs["eagle3-fsdp-straight"]
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000002", "step-00000003"]
+    stopped = ckpt.checkpoint_dirs(run)[0]
+    assert json.loads((stopped / "trainer_state.json").read_text())["step"] == 2
+    assert sorted(p.name for p in stopped.glob("optimizer-*")) == ["optimizer-00000-of-00002.safetensors",
+                                                                   "optimizer-00001-of-00002.safetensors"]
+    assert_same(weights(straight), weights(run), exact=True)
+    assert_same(ckpt.read_optimizer(ckpt.latest_checkpoint(straight)), ckpt.read_optimizer(ckpt.latest_checkpoint(run)),
+                exact=True)
 
 
 def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(runs, eagle_pipeline, tmp_path,

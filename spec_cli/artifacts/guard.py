@@ -22,12 +22,35 @@ from spec_cli.errors import ArtifactError
 LOCK = ".spec.lock"
 
 
-def _inside(path: Path, folder: Path) -> bool:
+def inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or somewhere under it (links resolved)."""
     try:
         Path(os.path.realpath(path)).relative_to(os.path.realpath(folder))
         return True
     except ValueError:
         return False
+
+
+# What marks a folder as one of the project's artifacts (or a model), in the order they are told apart.
+_KINDS = (("run.json", "a training run"), ("trainer_state.json", "a checkpoint of a training run"),
+          ("manifest.json", "a feature cache"), ("demo.json", "a spec demo folder"),
+          ("eval.json", "a spec eval folder"), ("state.json", "a spec regenerate work folder"))
+
+
+def folder_kind(folder: Path) -> str | None:
+    """What `folder` is ("a feature cache", "a training run", ...), or None for a folder of none of the
+    project's kinds (or no folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    for marker, kind in _KINDS:
+        if (folder / marker).is_file():
+            return kind
+    if any(folder.glob("shard-*.safetensors")):
+        return "an unfinished feature cache"
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return "a model (or an exported draft)"
+    return None
 
 
 def check_replaceable(folder: Path, marker: str, kind: str, inputs: Iterable[Path] = (),
@@ -48,7 +71,7 @@ def check_replaceable(folder: Path, marker: str, kind: str, inputs: Iterable[Pat
         raise ArtifactError(f"refusing to replace {folder}: it is the home or root folder",
                             "pass a new --output folder")
     for path in inputs:
-        if path is not None and _inside(Path(path), folder):
+        if path is not None and inside(Path(path), folder):
             raise ArtifactError(f"refusing to replace {folder}: it holds this command's input {path}",
                                 "write to a new --output folder")
     entries = [p.name for p in folder.iterdir() if p.name != LOCK]  # a lock file alone: an empty folder

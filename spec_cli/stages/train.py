@@ -17,6 +17,7 @@ import bisect
 import json
 import math
 import os
+import signal
 import sys
 import time
 import typing
@@ -29,6 +30,7 @@ from torch import nn
 
 from spec_cli import distributed, threads
 from spec_cli.artifacts import checkpoint as ckpt
+from spec_cli.artifacts import guard
 from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
@@ -44,6 +46,7 @@ from spec_cli.stages import engine_eval
 from spec_cli.stages.train_log import TrainLogger, plot_curves
 from spec_cli.train_options import OptimOptions, TrainConfig, all_options, resumable_options, typed_options
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
+from spec_cli.stopping import SIGNAL_NAMES, StopRequests, Stopped, signal_name
 from spec_cli.stream.bound import size_text
 from spec_cli.target import loading, local
 
@@ -79,6 +82,7 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
 
 def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack,
          given: set[str] | None) -> TrainResult:
+    _check_output(cfg)
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     _check_engine_options(cfg)  # before the target loads
     if cfg.runtime.eval_engine and device.type == "cuda" and distributed.is_main():
@@ -158,14 +162,22 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
 def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                after_step=None, engine=None) -> tuple[int, dict | None, dict | None]:
     """Optimizer steps from `step` to the end of the schedule, or until --max-time; (the step reached,
-    the last train and eval records). Ctrl-C saves the steps done since the last checkpoint. `engine`
+    the last train and eval records). A stop signal (Ctrl-C, SIGTERM) finishes the step in flight, saves
+    the finished steps (all ranks at the same step) and raises Stopped (spec_cli/stopping.py). `engine`
     (rank 0, --eval-engine): the EngineEvaluator the weights are handed to every --eval-engine-every
     steps; its answers are logged as they come, and the last step's is waited for."""
+    rt = trainer.cfg.runtime
+    with StopRequests(rt.stop_grace) as stops:
+        return _loop(trainer, batches, logger, step, after_step, engine, stops)
+
+
+def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step, engine,
+          stops: StopRequests) -> tuple[int, dict | None, dict | None]:
     cfg, schedule = trainer.cfg, trainer.schedule
     o, rt, total = cfg.optim, cfg.runtime, schedule.total_steps
     engine_every = rt.eval_engine_every if rt.eval_engine else 0
     window, window_start, last_saved = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter(), step
-    loop_start, out_of_time = time.perf_counter(), False
+    loop_start, out_of_time, saved_at = time.perf_counter(), False, time.monotonic()
     final_train = final_eval = None
     try:
         while step < total and not out_of_time:
@@ -180,14 +192,20 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
             losses = torch.cat(losses)
             if schedule.context > 1:  # a group's ranks hold shares of one batch: a NaN in any stops them all
                 torch.distributed.all_reduce(losses, group=trainer.objective.context.group)
-            *losses, step_tokens = torch.cat([losses, torch.cat(tokens).sum().reshape(1)]).tolist()
-            step_tokens = int(step_tokens)  # the host's one wait of the step: losses and tokens together
+            due = rt.save_every_minutes is not None and time.monotonic() - saved_at >= rt.save_every_minutes * 60
+            asked = _asked(stops.requested, due, trainer.device)  # [stop, save], agreed by the ranks
+            *losses, step_tokens, stop, due = torch.cat([losses, torch.cat(tokens).sum().reshape(1), asked]).tolist()
+            step_tokens = int(step_tokens)  # the host's one wait of the step: losses, tokens and requests
             bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
             if bad is not None:  # before the optimizer step: the weights stay the last good ones
                 raise _bad_loss(trainer, step + 1, step * o.grad_accum + bad, losses[bad])
-            window.add_grad_norm(trainer.optimizer_step())
-            step += 1
+            with stops.shielded():  # the update and its count go together (an abandon saves `step`)
+                window.add_grad_norm(trainer.optimizer_step())
+                step += 1
             logger.step(step_tokens)
+            if stop:  # a rank was signalled: every rank stops after this same step
+                stops.answered()
+                _stop(trainer, step, last_saved, stops)
             if after_step is not None:
                 after_step(step)
 
@@ -212,9 +230,10 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                 final_eval = trainer.evaluate()
                 if final_eval is not None:
                     logger.log({"split": "eval", "step": step, **final_eval})
-            if step % rt.save_every == 0 or last:
+            if step % rt.save_every == 0 or last or due:
+                begun = time.monotonic()
                 trainer.save(step)
-                last_saved = step
+                last_saved, saved_at, stops.save_seconds = step, time.monotonic(), time.monotonic() - begun
             evaluated = engine_every and (step % engine_every == 0 or last)
             if evaluated:
                 trainer.hand_to_engine(step, engine, last)
@@ -228,13 +247,64 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                 distributed.wait_for_main(f"the engine's evaluation of step {step}", engine_eval.wait_limit())
     except TrainingError:
         raise  # nothing saved: the state after a non-finite loss is not worth keeping
-    except KeyboardInterrupt:
-        if step > last_saved:  # keep the finished steps; `--resume` continues from here
-            saved = trainer.save(step)
-            if saved is not None:
-                info(f"interrupted: saved {saved}; rerun with --resume to continue")
+    except KeyboardInterrupt as exc:  # a second signal, or the grace ran out mid-step: the step is abandoned
+        if not stops.stopped:  # (else _stop saved what it could and said so)
+            _abandoned(trainer, step, last_saved, stops, exc)
         raise
     return step, final_train, final_eval
+
+
+def _asked(stop: bool, save: bool, device: torch.device) -> torch.Tensor:
+    """[a stop signal came, a timed save is due] as 0/1 on `device`, each the largest over the ranks: made
+    and reduced without the host waiting (the step's one sync reads it)."""
+    asked = torch.zeros(2, dtype=torch.float64, device=device)
+    if stop:
+        asked[0] = 1.0
+    if save:
+        asked[1] = 1.0
+    return distributed.max_in_place(asked)
+
+
+def _stop(trainer: Trainer, step: int, last_saved: int, stops: StopRequests) -> None:
+    """Every rank after the same `step`: save it if the save fits in the grace period (the ranks agree),
+    say how to go on, and raise Stopped."""
+    signum = stops.signum if stops.signum is not None else signal.SIGTERM  # (a rank that had no signal)
+    name, output = SIGNAL_NAMES.get(signum, f"signal {signum}"), trainer.cfg.runtime.output
+    if step > last_saved and not distributed.any_rank(not stops.save_fits()):
+        saved = trainer.save(step)
+        if saved is not None:
+            info(f"stopped by {name} after step {step}: saved {saved}; rerun with --resume to continue")
+    elif step > last_saved:
+        if distributed.is_main():
+            warn(f"stopped by {name} after step {step}: saving takes about {stops.save_seconds or 0:.0f} s and "
+                 f"{max(stops.left(), 0):.0f} s of --stop-grace {stops.grace:g} are left, so the last checkpoint "
+                 f"({_latest_name(output)}) stands; rerun with --resume to continue from it")
+    elif distributed.is_main():
+        info(f"stopped by {name} after step {step}, which is saved; rerun with --resume to continue")
+    stops.stopped = True
+    raise Stopped(signum)
+
+
+def _abandoned(trainer: Trainer, step: int, last_saved: int, stops: StopRequests, exc: KeyboardInterrupt) -> None:
+    """The step in flight was cut off: one process saves the finished steps if that fits (the ranks of
+    torchrun are at different points, so they keep the last checkpoint)."""
+    name, output = signal_name(exc), trainer.cfg.runtime.output
+    if step > last_saved and distributed.world_size() == 1 and stops.save_fits():
+        saved = trainer.save(step)
+        if saved is not None:
+            info(f"interrupted by {name}: saved {saved}; rerun with --resume to continue")
+    elif step > last_saved and distributed.is_main():
+        why = (f"no time left in --stop-grace {stops.grace:g} to save them" if distributed.world_size() == 1
+               else "the ranks were cut off at different points")
+        info(f"interrupted by {name} with {step} steps done ({why}): the last checkpoint "
+             f"({_latest_name(output)}) stands; rerun with --resume to continue from it")
+    elif distributed.is_main():
+        info(f"interrupted by {name} with {step} steps done, all saved; rerun with --resume to continue")
+
+
+def _latest_name(output: Path) -> str:
+    latest = ckpt.latest_checkpoint(output)
+    return "none yet: a rerun starts at step 0" if latest is None else latest.name
 
 
 # ----------------------------------------------------------------------------- setup
@@ -871,7 +941,7 @@ def _same_path(a, b) -> bool:
 
 # Options that belong to one invocation, not to the run: a resumed run that inherited --max-time would
 # stop again at once.
-_PER_INVOCATION = ("resume", "token", "max_time")
+_PER_INVOCATION = ("resume", "token", "max_time", "reschedule")
 
 
 def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
@@ -879,9 +949,20 @@ def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
     it, so `spec train --resume -o RUN` needs nothing retyped; the given ones are checked against it later
     (_check_run_dir). `given` None: every option counts as given (the config as it is). Refuses a config
     without a vocab map (required but on --resume), or a resume whose recorded one has gone."""
-    path = Path(cfg.runtime.output) / "run.json"
+    output = Path(cfg.runtime.output)
+    path = output / "run.json"
     if cfg.runtime.resume and given is not None and path.is_file():
         cfg = _from_run_json(cfg, given, path)
+    if cfg.runtime.resume and not path.is_file():
+        kind = guard.folder_kind(output)
+        what = (f"{output} does not exist" if not output.exists() else f"{output} is {kind}" if kind
+                else f"{output} holds no run (no run.json)")
+        if cfg.data.vocab_map is None or kind is not None:
+            raise ConfigError(f"--resume: there is no run to continue in {output}: {what}",
+                              "pass the folder of the run to continue as -o, or drop --resume and give the "
+                              "inputs to start a run")
+        if distributed.is_main():  # a requeued job whose first attempt never got going: start it
+            warn(f"--resume: {what}; starting the run there at step 0")
     if cfg.data.vocab_map is None:
         raise ConfigError("--vocab-map is required (with --resume, the run's own is used)",
                           "pass the vocab map written by `spec build-vocab-map`")
@@ -915,6 +996,21 @@ def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig
     return TrainConfig.from_options(**options)
 
 
+def _check_output(cfg: TrainConfig) -> None:
+    """-o is a run folder of its own: not one of the run's input folders (or inside one), not a folder
+    of another kind (a cache, a model, an export), before anything is written."""
+    output = Path(cfg.runtime.output)
+    for flag, given in (("--cache", cfg.data.cache), ("--target", cfg.data.target), ("--stream-dir", cfg.runtime.stream_dir)):
+        if given is not None and Path(given).is_dir() and guard.inside(output, Path(given)):
+            where = "is" if os.path.realpath(output) == os.path.realpath(given) else "is inside"
+            raise ConfigError(f"-o {output} {where} this run's {flag} {given}",
+                              "pass a run folder of its own as -o, e.g. -o runs/draft")
+    kind = guard.folder_kind(output)
+    if kind is not None and kind != "a training run":
+        raise ConfigError(f"-o {output} is {kind}, not a training run's folder",
+                          "pass a new folder as -o (a run folder holds run.json, checkpoints/ and log.jsonl)")
+
+
 def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
     path = Path(cfg.runtime.output) / "run.json"
     latest = ckpt.latest_checkpoint(cfg.runtime.output)
@@ -940,6 +1036,12 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
             if run_json["identity"].get(key) != value:
                 raise ArtifactError(f"--resume against a different {key.replace('_', ' ')}",
                                     "resume with the same target/cache and vocab map")
+        for key in ("max_steps", "epochs"):  # the schedule's length: its warmup and decay are laid over it
+            flag, was, now = all_options()[key].flag.names[0], before["options"].get(key), run_json["options"].get(key)
+            if key in before["options"] and was != now and not cfg.runtime.reschedule:
+                raise ConfigError(f"--resume with {flag} {now}: the run's schedule was laid over {flag} {was} and "
+                                  f"its learning rate would jump", f"drop {flag} to finish the run's schedule, or "
+                                  f"add --reschedule to lay it anew over {flag} {now}")
 
 
 def _save_stream_report(cfg: TrainConfig, report: dict) -> None:

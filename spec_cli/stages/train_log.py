@@ -11,11 +11,32 @@ from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
+from spec_cli.artifacts.io import atomic_path
 from spec_cli.console import Bar, console, info, is_quiet, progress_display, progress_enabled
 
 
 def _fmt_acc(acc: list[float], n: int = 4) -> str:
     return " ".join(f"{a:.3f}" for a in acc[:n]) + (" …" if len(acc) > n else "")
+
+
+def forget_after(path: Path, step: int) -> None:
+    """A resumed run's log (at `step`, its checkpoint's): the records of the steps after it, which the
+    stopped run logged but did not save and the resumed run logs again, taken out, so each step is
+    logged once. Rewritten atomically; a line cut off by a kill is dropped too."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(kept))
 
 
 class TrainLogger:
@@ -37,6 +58,7 @@ class TrainLogger:
         self.tb = None
         if not enabled:
             return
+        forget_after(self.path, start_step)
         try:  # TensorBoard when installed
             from torch.utils.tensorboard import SummaryWriter
 

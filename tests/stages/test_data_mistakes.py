@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.cli import main
 from tests import tiny
-from tests.conftest import default_sigint, write_jsonl
+from tests.conftest import signalled_child, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +208,20 @@ def test_regenerate_keeps_a_parts_folder_holding_foreign_files(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
-def test_ctrl_c_during_precompute_keeps_finished_shards_and_exits_130(made, tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_during_precompute_keeps_finished_shards_and_exits_with_its_code(made, tmp_path, sig, code):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM: the shards written are kept, verified, for the rerun."""
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "spec_cli.cli", *precompute_args(made["target"], made["data"], made["vm"], out)]
     env = {**os.environ, "SPEC_TEST_SHARD_DELAY": "2", "SPEC_HOME": str(made["root"] / "home")}
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    deadline = time.time() + 60
-    while not (out / "shard-00000.json").exists():
-        assert time.time() < deadline and proc.poll() is None, "precompute did not get going"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    with signalled_child(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.time() + 60
+        while not (out / "shard-00000.json").exists():
+            assert time.time() < deadline and proc.poll() is None, "precompute did not get going"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
     assert "Traceback" not in err and "Exception" not in err, err  # -q: not even the one line
     assert (out / "shard-00000.safetensors").is_file() and not (out / fc.MANIFEST).exists()
     assert fc.completed_shard(out, 0, {k: fc.read_manifest(made["cache"])[k] for k in fc.IDENTITY_KEYS}) \

@@ -19,7 +19,7 @@ from spec_cli.data.tokenize import tokenize_data
 from spec_cli.stages import regenerate as stage
 from spec_cli.target import loading
 from tests import tiny
-from tests.conftest import write_jsonl
+from tests.conftest import signalled_child, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -207,7 +207,10 @@ def test_output_is_chat_data_for_the_other_stages_and_the_sidecar_says_how_it_wa
 
 
 @pytest.mark.slow
-def test_kill_9_then_rerun_gives_the_identical_file(talker, chats, tmp_path, capsys):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_kill_9_or_sigterm_then_rerun_gives_the_identical_file(talker, chats, tmp_path, capsys, sig):
+    """SIGKILL keeps the finished chunks; a scheduler's SIGTERM does as Ctrl-C does: the chunk in flight is
+    abandoned, the finished ones kept, one line, exit 143. The rerun ends with the straight run's bytes."""
     straight = tmp_path / "straight.jsonl"
     assert regenerate(talker, chats, straight, "--chunk-size", "4") == 0
 
@@ -215,19 +218,22 @@ def test_kill_9_then_rerun_gives_the_identical_file(talker, chats, tmp_path, cap
     cmd = [sys.executable, "-m", "spec_cli.cli", "regenerate", "-t", str(talker), "-d", str(chats), "-o", str(out),
            "--max-new-tokens", "48", "--max-length", "384", "--chunk-size", "4"]
     env = {**os.environ, "SPEC_TEST_CHUNK_DELAY": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
-    parts = Path(f"{out}.parts")
-    deadline = time.time() + 120
-    while not (parts / "part-00001.json").exists():
-        assert time.time() < deadline and proc.poll() is None, "regenerate did not get going"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with signalled_child(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        parts = Path(f"{out}.parts")
+        deadline = time.time() + 120
+        while not (parts / "part-00001.json").exists():
+            assert time.time() < deadline and proc.poll() is None, "regenerate did not get going"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("stopped (SIGTERM); finished work is kept")
     done = sorted(p.name for p in parts.glob("part-*.json"))
     assert 2 <= len(done) < 6 and not out.exists()
 
     capsys.readouterr()
-    assert main(cmd[3:]) == 0  # the rerun, in this process (the killed run was the other process)
+    assert main(cmd[3:]) == 0  # the rerun, in this process (the stopped run was the other process)
     assert f"reusing {len(done)} finished chunk(s)" in capsys.readouterr().out
     assert out.read_bytes() == straight.read_bytes()
     assert not parts.exists() and not list(tmp_path.glob(".*tmp"))

@@ -178,7 +178,7 @@ def test_resume_refuses_another_embedding_and_continues_old_checkpoints(setup, t
     real = CacheBackend.get_input_embeddings
     monkeypatch.setattr(CacheBackend, "get_input_embeddings", lambda self: real(self) * 2)
     with pytest.raises(ArtifactError, match="different input embedding"):
-        stage.run(config(setup, tmp_path / "straight", max_steps=6, eval_every=0, resume=True))
+        stage.run(config(setup, tmp_path / "straight", max_steps=5, eval_every=0, resume=True))
 
 
 def test_resume_refuses_changed_options_and_new_runs_refuse_old_folders(setup, tmp_path, capsys):

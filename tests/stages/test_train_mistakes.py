@@ -66,14 +66,14 @@ def test_a_second_train_into_a_locked_run_folder_exits_1_naming_the_first(setup,
     try:
         assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()
-        assert main(train_args(setup, run, "--max-steps", "2", "--lr", "3e-3", "--resume")) == 1
+        assert main(train_args(setup, run, "--max-steps", "2", "--reschedule", "--lr", "3e-3", "--resume")) == 1
         assert error_line(capsys) == (f"error: {run} is in use by `spec train` (pid {holder.pid}); wait for it "
                                       "to finish or stop it, or write to another folder")
     finally:
         holder.communicate("")
     assert files(run) == before  # nothing of the first run touched
     # once the other process is gone, the lock file in the folder disturbs nothing that lists it
-    assert main(train_args(setup, run, "--max-steps", "2", "--lr", "3e-3", "--resume")) == 0
+    assert main(train_args(setup, run, "--max-steps", "2", "--reschedule", "--lr", "3e-3", "--resume")) == 0
     assert ckpt.latest_checkpoint(run).name == "step-00000002"
     capsys.readouterr()
     assert main(["inspect", str(run)]) == 0
@@ -186,7 +186,7 @@ def test_a_moved_run_resumes_with_its_own_options(setup, tmp_path, capsys):
     moved.parent.mkdir()
     shutil.move(str(first), str(moved))
     # only what differs is typed again: the rest (lr, warmup, step weight, seed, TTT steps...) is the run's
-    assert main(["train", "--resume", "-o", str(moved), "-v", str(setup["vm"]), "--max-steps", "4", "-q"]) == 0
+    assert main(["train", "--resume", "-o", str(moved), "-v", str(setup["vm"]), "--max-steps", "4", "--reschedule", "-q"]) == 0
     a, b = (load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in (straight, moved))
     assert ckpt.latest_checkpoint(moved).name == "step-00000004" and a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same run as one without a stop
@@ -200,13 +200,13 @@ def test_resume_refuses_a_different_option_by_name_and_keeps_the_run(setup, tmp_
     before = files(run)
     capsys.readouterr()
     assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--lr", "1e-3",
-                 "--max-steps", "2", "-q"]) == 1
+                 "--max-steps", "2", "--reschedule", "-q"]) == 1
     assert error_line(capsys) == ("error: --resume with a different lr: the run used 0.003, now 0.001; resume "
                                   "with the run's options, or start a new run folder")
     assert files(run) == before
     # the same value typed again is fine
     assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--lr", "3e-3",
-                 "--max-steps", "2", "-q"]) == 0
+                 "--max-steps", "2", "--reschedule", "-q"]) == 0
     assert ckpt.latest_checkpoint(run).name == "step-00000002"
 
 
@@ -245,7 +245,8 @@ def test_a_missing_vocab_map_is_one_line_unless_resuming(setup, tmp_path, capsys
                                   "the vocab map written by `spec build-vocab-map`")
     assert not run.exists()
     assert main(["train", "--resume", "--cache", str(setup["cache"]), "-o", str(run), "-q"]) == 1  # no run yet
-    assert error_line(capsys).startswith("error: --vocab-map is required")
+    assert error_line(capsys).startswith(f"error: --resume: there is no run to continue in {run}: {run} does "
+                                         "not exist")
     assert not run.exists()
 
 
@@ -261,7 +262,7 @@ def test_resume_names_a_recorded_vocab_map_that_has_gone(setup, tmp_path, capsys
     assert main(["train", "--resume", "-o", str(run), "-q"]) == 1
     assert error_line(capsys) == (f"error: the run's vocab map {vm} (recorded in {run / 'run.json'}) no longer "
                                   "exists; pass -v/--vocab-map with where it is now")
-    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "-q"]) == 0
+    assert main(["train", "--resume", "-o", str(run), "-v", str(setup["vm"]), "--max-steps", "3", "--reschedule", "-q"]) == 0
     assert ckpt.latest_checkpoint(run).name == "step-00000003"  # typed again where it is now: resumed
 
 
@@ -465,7 +466,7 @@ def test_a_draft_window_is_part_of_the_draft(setup, tmp_path, capsys):
     latest = ckpt.latest_checkpoint(run)
     assert json.loads((latest / "config.json").read_text())["sliding_window"] == 5
     capsys.readouterr()
-    assert main(train_args(setup, run, "--draft-window", "7", "--max-steps", "3", "--resume")) == 1
+    assert main(train_args(setup, run, "--draft-window", "7", "--max-steps", "2", "--resume")) == 1
     assert "different draft-window: the run used 5, now 7" in error_line(capsys)
 
 
