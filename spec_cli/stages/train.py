@@ -259,9 +259,9 @@ def _asked(stop: bool, save: bool, device: torch.device) -> torch.Tensor:
     and reduced without the host waiting (the step's one sync reads it)."""
     asked = torch.zeros(2, dtype=torch.float64, device=device)
     if stop:
-        asked[0] = 1.0
+        asked[0].fill_(1.0)
     if save:
-        asked[1] = 1.0
+        asked[1].fill_(1.0)
     return distributed.max_in_place(asked)
 
 

@@ -155,3 +155,15 @@ def test_dflash_batch_syncs_once(size, packed, checkpoint):
         with CountSyncs() as mode, host_elsewhere():
             step()
         assert mode.counts == {"tolist": 1}, dict(mode.counts)
+
+
+def test_the_loops_stop_and_save_requests_ride_on_its_one_sync():
+    """spec train's stop signal and timed save (spec_cli/stages/train.py `_asked`) are made, set and
+    reduced over the ranks on the device without the host waiting: the step's sync count stays one."""
+    from spec_cli.stages.train import _asked
+
+    for stop, save in ((False, False), (True, False), (False, True), (True, True)):
+        with CountSyncs() as mode:
+            asked = _asked(stop, save, torch.device("cpu"))
+        assert sum(mode.counts.values()) == 0, mode.counts
+        assert asked.tolist() == [float(stop), float(save)]
