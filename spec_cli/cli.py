@@ -27,7 +27,7 @@ from spec_cli.commands.regenerate import regenerate_cmd
 from spec_cli.commands.serve_target import serve_target_cmd
 from spec_cli.commands.tune import tune_cmd
 from spec_cli.console import err_console
-from spec_cli.errors import SpecError
+from spec_cli.errors import SpecError, is_disk_full
 from spec_cli.help import Command, Group
 
 
@@ -93,12 +93,16 @@ _PATH_MISTAKES = {
 
 def _is_path_mistake(exc: OSError) -> bool:
     """A filesystem error about a named path: the user's path, not a bug (ENOSPC and EROFS count too)."""
-    return bool(exc.filename) and (type(exc) in _PATH_MISTAKES or exc.errno in (errno.ENOSPC, errno.EROFS))
+    return bool(exc.filename) and (type(exc) in _PATH_MISTAKES or exc.errno in (errno.ENOSPC, errno.EDQUOT,
+                                                                                errno.EROFS))
 
 
 def _path_mistake(exc: OSError) -> str:
     """One line naming the path and what to do about it."""
-    if exc.errno == errno.ENOSPC:
+    if not exc.filename:  # a full disk under a write that named no file
+        return ("no space left on a device this command writes to; free space or write elsewhere, then rerun "
+                "the same command")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left on the device holding {exc.filename}; free space or write elsewhere"
     if exc.errno == errno.EROFS:
         return f"{exc.filename} is on a read-only file system; write elsewhere"
@@ -140,13 +144,18 @@ def _main(argv: list[str] | None, debug: bool) -> int:
     except OSError as exc:  # a path the user gave that cannot be used as asked is theirs to fix
         if debug:
             raise
-        if _is_path_mistake(exc):
+        if _is_path_mistake(exc) or is_disk_full(exc):
             err_console.print(f"[bold red]error:[/] {escape(_path_mistake(exc))}", soft_wrap=True)
             return 1
         return _internal_error(exc)
     except Exception as exc:  # a bug: say so in one line unless debugging
         if debug:
             raise
+        if is_disk_full(exc):  # a write no artifact writer wrapped (a lock file's pid, a log line)
+            err_console.print("[bold red]error:[/] no space left on a device this command writes to "
+                              f"({escape(str(exc))}); free space or write elsewhere, then rerun the same "
+                              "command", soft_wrap=True)
+            return 1
         return _internal_error(exc)
 
 

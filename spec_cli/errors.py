@@ -55,3 +55,15 @@ def listing(problems: list[str], shown: int = 3) -> str:
 
 class TrainingError(SpecError):
     """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""
+
+
+_FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also as safetensors' own error (its Rust writer says "os error 28")."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(exc, Exception) and any(text in str(exc) for text in _FULL_TEXTS)

@@ -311,3 +311,91 @@ def test_after_a_resume_the_log_holds_each_step_once(setup, tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()
              if json.loads(line).get("split") == "train"]
     assert steps == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB file system of its own (tmpfs: mounting needs root; skipped elsewhere, where the injected
+    ENOSPC tests below still run), filled to the last page: the real ENOSPC a full disk gives."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with open(disk / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def full_disk_line(capsys) -> str:
+    line = one_line(capsys)
+    assert line.startswith("error: no space left on the device holding ") or \
+        line.startswith("error: ") and " free, and " in line or "needs about" in line, line
+    return line
+
+
+@pytest.mark.parametrize("command", ["build-vocab-map", "precompute", "train", "export"])
+def test_a_full_disk_is_one_line_naming_the_folder_and_nothing_half_written_stays(setup, small_disk, capsys,
+                                                                                  command):
+    out = small_disk / "out"
+    args = {
+        "build-vocab-map": ["build-vocab-map", "-t", str(setup["target"]), "-d", str(setup["data"]),
+                            "--draft-vocab-size", "64", "-o", str(small_disk / "vm.safetensors")],
+        "precompute": ["precompute", "-t", str(setup["target"]), "-d", str(setup["data"]), "-v", str(setup["vm"]),
+                       "-o", str(out)],
+        "train": train(setup["root"], out, "--max-steps", "1"),
+        "export": ["export", str(setup["run"]), "--format", "vllm", "-o", str(out)],
+    }[command]
+    assert main([*args, "-q"]) == 1
+    line = full_disk_line(capsys)
+    assert str(small_disk) in line and "internal error" not in line
+    left = sorted(p.name for p in small_disk.rglob("*") if p.name != "filler" and p.is_file()
+                  and p.name != ".spec.lock")
+    assert not [name for name in left if name.endswith(".tmp") or ".tmp" in name], left
+    if command in ("build-vocab-map", "export"):
+        assert not left, left
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "shard"])
+def test_a_disk_that_fills_mid_write_is_one_line_and_the_last_good_artifact_stays(setup, tmp_path, capsys,
+                                                                                  monkeypatch, where):
+    """The writes a small file system cannot reach in a test: a checkpoint (safetensors' own error) and a
+    cache shard (OSError without a file name), each failing as a full disk fails them."""
+    from safetensors import SafetensorError
+
+    from spec_cli.artifacts import checkpoint, feature_cache
+
+    if where == "checkpoint":
+        def full(*args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(checkpoint, "save_file", full)
+        run = tmp_path / "run"
+        assert main(train(setup["root"], run, "--max-steps", "2")) == 1
+        line = full_disk_line(capsys)
+        assert f"holding {run / 'checkpoints'} while writing step-00000002/" in line
+        assert ckpt.checkpoint_dirs(run) == [] and not list((run / "checkpoints").glob(".*"))
+    else:
+        real = Path.write_bytes
+
+        def full(self, data):
+            if self.name.startswith(".shard-"):
+                raise OSError(28, "No space left on device")
+            return real(self, data)
+
+        monkeypatch.setattr(Path, "write_bytes", full)
+        out = tmp_path / "cache"
+        assert main(["precompute", "-t", str(setup["target"]), "-d", str(setup["data"]), "-v", str(setup["vm"]),
+                     "-o", str(out), "-q"]) == 1
+        line = full_disk_line(capsys)
+        assert f"holding {out} while writing shard-00000.safetensors: it needs about " in line
+        assert not list(out.glob("shard-*")) and not list(out.glob(".*tmp"))

@@ -165,7 +165,7 @@ def write_shard(folder: Path, index: int, tensors: dict[str, torch.Tensor], iden
                                     "identity": identity}, sort_keys=True)}
     data = safetensors_bytes({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
     path = Path(folder) / shard_name(index)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, need=len(data)) as tmp:
         tmp.write_bytes(data)
     entry = {"file": path.name, "shard": index, "bytes": len(data),
              "sha256": hashlib.sha256(data).hexdigest(),

@@ -131,7 +131,12 @@ class FolderLock:
                                     "wait for it to finish or stop it, or write to another folder") from None
             raise
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"`{self.command}` (pid {os.getpid()})\n".encode(), 0)
+        try:  # who holds it, for the message another command prints: worth no failure on a full disk
+            os.pwrite(fd, f"`{self.command}` (pid {os.getpid()})\n".encode(), 0)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                raise
         self._fd = fd
         return self
 

@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from spec_cli.errors import ArtifactError, is_disk_full
+
 SCHEMA_VERSION = 1
 
 
@@ -38,9 +40,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DiskFullError(ArtifactError):
+    """A write that found no room: the folder, what it was writing, and what is free."""
+
+
+def disk_full(folder: Path, what: str, need: int | None = None) -> DiskFullError:
+    """The one line for a write into `folder` that ran out of room (`need`: its bytes, where known)."""
+    from spec_cli.console import human_bytes
+
+    try:
+        free = human_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        free = "an unknown amount"
+    needs = f"it needs about {human_bytes(need)} and " if need else ""
+    return DiskFullError(f"no space left on the device holding {folder} while writing {what}: {needs}{free} is "
+                         "free", "free space there or write elsewhere, then rerun the same command (nothing "
+                         "half-written was kept; the work finished before was)")
+
+
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it into place."""
+def atomic_path(path: Path, need: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it into place. A disk that
+    fills meanwhile is a DiskFullError naming the folder (`need`: the bytes being written, if known)."""
     path = Path(path)
     if path.is_dir():  # say so before any work, naming the user's path (not the temporary one)
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
@@ -55,6 +76,11 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except Exception as exc:
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            tmp.unlink(missing_ok=True)  # its room first, then the free space is measured
+            raise disk_full(path.parent, path.name, need) from exc
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -78,7 +104,13 @@ def atomic_dir_from(staged: Path, path: Path) -> Iterator[Path]:
     processes filled): yield it; on success rename it to `path` (replacing it); on failure remove it."""
     staged, path = Path(staged), Path(path)
     try:
-        yield staged
+        try:
+            yield staged
+        except Exception as exc:
+            if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+                shutil.rmtree(staged, ignore_errors=True)
+                raise disk_full(path.parent, f"{path.name}/", None) from exc
+            raise
         os.chmod(staged, 0o777 & ~_umask())
         for file in staged.rglob("*"):  # some writers create 0600 files; give them normal permissions
             if file.is_file():
@@ -125,7 +157,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     """Write tensors + JSON metadata (under the `spec_cli` key) atomically."""
     meta = {"spec_cli": json.dumps(metadata, sort_keys=True)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    with atomic_path(path) as tmp:
+    with atomic_path(path, need=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
 
 
@@ -158,7 +190,7 @@ def read_safetensors(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], di
     """Read every tensor and the spec_cli metadata of a file written by `write_safetensors`."""
     from safetensors import SafetensorError, safe_open
 
-    from spec_cli.errors import ArtifactError
+    from spec_cli.errors import ArtifactError, is_disk_full
 
     path = Path(path)
     if not path.is_file():

@@ -17,6 +17,7 @@ import bisect
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +35,7 @@ from spec_cli.artifacts import guard
 from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
-from spec_cli.console import info, warn
+from spec_cli.console import human_bytes, info, warn
 from spec_cli.draft import algorithms, attention, sharding
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
 from spec_cli.draft.optim import ordered, scheduled_lr, set_lr
@@ -112,6 +113,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         step = trainer.restore(latest) if latest is not None else 0
         trainer.write_run(run_json)  # rank 0: run.json and the frozen weights
         trainer.make_model()
+        _check_room(trainer)
         logger = TrainLogger(cfg.runtime.output, schedule.total_steps, enabled=schedule.rank == 0,
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
@@ -994,6 +996,19 @@ def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig
         raise ConfigError(f"the run's vocab map {options['vocab_map']} (recorded in {path}) no longer exists",
                           "pass -v/--vocab-map with where it is now")
     return TrainConfig.from_options(**options)
+
+
+def _check_room(trainer: Trainer) -> None:
+    """Before the first step: room for the next checkpoint (written beside the last before that one is
+    removed): the trainable weights and AdamW's two moments, in fp32. The ranks stop together."""
+    output = Path(trainer.cfg.runtime.output)
+    need = sum(p.numel() for p in trainer.draft.parameters() if p.requires_grad) * 4 * 3
+    free = shutil.disk_usage(output).free
+    if distributed.any_rank(free < need):
+        raise ArtifactError(f"{output} has {human_bytes(free)} free, and each checkpoint of this draft needs about "
+                            f"{human_bytes(need)} (its weights and optimizer state)",
+                            "free space there, or pass an -o on a disk with room (--resume continues a run "
+                            "moved there)")
 
 
 def _check_output(cfg: TrainConfig) -> None:
