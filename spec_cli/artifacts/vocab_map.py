@@ -164,6 +164,8 @@ def save_vocab_map(vocab_map: VocabMap, path: Path) -> None:
 
 
 def load_vocab_map(path: Path) -> VocabMap:
+    if Path(path).is_dir():
+        raise _a_folder(Path(path))
     tensors, meta = read_safetensors(path, "vocab map")
     if meta.get("kind") != KIND:
         raise ArtifactError(f"{path} is a {meta.get('kind')!r} artifact, not a vocab map",
@@ -181,3 +183,26 @@ def load_vocab_map(path: Path) -> VocabMap:
         raise ArtifactError(f"{path} is inconsistent: d2t/t2d do not match selected_token_ids",
                             "the file was modified; rebuild it with `spec build-vocab-map`")
     return vocab_map
+
+
+def _a_folder(path: Path) -> ArtifactError:
+    """--vocab-map given a folder: what the folder is, and where the vocab map it was made with is."""
+    import json
+
+    from spec_cli.artifacts.guard import folder_kind
+
+    kind = folder_kind(path) or "a folder"
+    recorded = None
+    try:
+        if (path / "run.json").is_file():
+            recorded = json.loads((path / "run.json").read_text())["options"].get("vocab_map")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if recorded:
+        hint = f"pass the vocab map file the run was trained with: {recorded}"
+    elif "feature cache" in kind:
+        hint = ("pass the vocab map file the cache was made with (`spec precompute -v`; the cache keeps a copy "
+                "of its ids in head.safetensors, but not the file)")
+    else:
+        hint = "pass the .safetensors file `spec build-vocab-map` wrote"
+    return ArtifactError(f"--vocab-map {path} is {kind}, not a vocab map file", hint)

@@ -12,6 +12,8 @@ token the model never emitted.
 
 from __future__ import annotations
 
+import codecs
+import json
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,44 @@ def _blank(path: Path) -> bool:
     return False
 
 
+def _no_records(path: Path) -> bool:
+    """A small JSON file that parses to an empty list or object."""
+    try:
+        return json.loads(path.read_bytes()) in ([], {})
+    except ValueError:
+        return False
+
+
+def _utf8(path: Path) -> bool:
+    """Whether a JSON (lines) file is all UTF-8, read in 16 MiB pieces (about 1 s per GB)."""
+    if path.suffix not in (".jsonl", ".json"):
+        return True
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while piece := f.read(1 << 24):
+                decoder.decode(piece)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _not_utf8(path: Path) -> str | None:
+    """Where a data file first stops being UTF-8: "record N (line N)" in JSON lines, else the byte."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if path.suffix == ".jsonl":
+                    return f"record {number} (line {number}, byte {exc.start + 1} of the line)"
+                return f"byte {offset + exc.start}"
+            offset += len(line)
+    return None
+
+
 def load_records(path: str | Path):
     """A `datasets.Dataset` of the records in a .jsonl/.json/.parquet file or a saved dataset folder."""
     import datasets
@@ -72,7 +112,16 @@ def load_records(path: str | Path):
             raise DataError(f"{path} is empty: it holds no records",
                             "pass a data file with one record per line (ShareGPT `conversations`, OpenAI "
                             "`messages` or `text`)")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if not _utf8(path):  # pyarrow takes such bytes in, and a later read of the record fails
+            raise DataError(f"{path}: {_not_utf8(path)} is not valid UTF-8",
+                            "fix or remove it (data files are read as UTF-8)")
+        if path.suffix == ".json" and path.stat().st_size <= 1 << 16 and _no_records(path):
+            raise DataError(f"no records in {path}", "pass a file that holds conversations (a JSON list of "
+                                                     "records, or JSON lines)")
+        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+        if len(loaded) == 0:
+            raise DataError(f"no records in {path}", "pass a file that holds conversations")
+        return loaded
     except DataError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for unreadable files

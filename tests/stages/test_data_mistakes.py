@@ -282,3 +282,37 @@ def test_serve_target_answers_400_naming_a_malformed_field(tiny_llama_dir):
         assert server.handle("POST", "/v1/generate", {}, wire.encode(tensors, {"vocab_id": vid}).tobytes()).status == 200
     finally:
         backend.close()
+
+
+# ----------------------------------------------------------------------------- one line each (issue 51)
+
+def test_a_record_that_is_not_utf8_is_named_by_number(made, tmp_path, capsys):
+    lines = made["data"].read_bytes().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join(lines[:4]) + lines[4].replace(b'"value": "', b'"value": "\xff\xfe', 1)
+                    + b"".join(lines[5:]))
+    byte = lines[4].index(b'"value": "') + len(b'"value": "') + 1  # counted from 1
+    assert main(precompute_args(made["target"], bad, made["vm"], tmp_path / "cache")) == 1
+    assert one_error(capsys) == (f"error: {bad}: record 5 (line 5, byte {byte} of the line) is not valid UTF-8; "
+                                 "fix or remove it (data files are read as UTF-8)")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_json_file_of_no_records_says_so(made, tmp_path, capsys):
+    empty = tmp_path / "none.json"
+    empty.write_text("[]")
+    assert main(precompute_args(made["target"], empty, made["vm"], tmp_path / "cache")) == 1
+    assert one_error(capsys) == (f"error: no records in {empty}; pass a file that holds conversations (a JSON "
+                                 "list of records, or JSON lines)")
+
+
+def test_a_vocab_map_option_given_a_folder_says_what_it_is_and_where_the_map_is(made, tmp_path, capsys):
+    assert main(precompute_args(made["target"], made["data"], made["cache"], tmp_path / "c2")) == 1
+    assert one_error(capsys).startswith(f"error: --vocab-map {made['cache']} is a feature cache, not a vocab map "
+                                        "file; pass the vocab map file the cache was made with")
+    run = tmp_path / "run"
+    assert main(["train", "--cache", str(made["cache"]), "-v", str(made["vm"]), "-o", str(run), "--max-steps", "1",
+                 "--ttt-steps", "2", "--batch-tokens", "256", "-q"]) == 0
+    assert main(["train", "--cache", str(made["cache"]), "-v", str(run), "-o", str(tmp_path / "run2"), "-q"]) == 1
+    assert one_error(capsys) == (f"error: --vocab-map {run} is a training run, not a vocab map file; pass the "
+                                 f"vocab map file the run was trained with: {made['vm']}")
