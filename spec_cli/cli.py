@@ -28,6 +28,7 @@ from spec_cli.commands.serve_target import serve_target_cmd
 from spec_cli.commands.tune import tune_cmd
 from spec_cli.console import err_console
 from spec_cli.errors import SpecError, is_disk_full
+from spec_cli.paths import special_kind
 from spec_cli.help import Command, Group
 
 
@@ -102,6 +103,11 @@ def _path_mistake(exc: OSError) -> str:
     if not exc.filename:  # a full disk under a write that named no file
         return ("no space left on a device this command writes to; free space or write elsewhere, then rerun "
                 "the same command")
+    existing = next((q for q in (Path(exc.filename), *Path(exc.filename).parents) if q.exists()), None)
+    special = special_kind(existing) if existing is not None else None
+    if special:  # /dev/full/x: never advise removing a device
+        where = "" if existing == Path(exc.filename) else f" (in {exc.filename})"
+        return f"{existing}{where} is {special}, not a folder or a regular file; pass another path"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left on the device holding {exc.filename}; free space or write elsewhere"
     if exc.errno == errno.EROFS:

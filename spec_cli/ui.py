@@ -444,6 +444,11 @@ def inspect_artifact(path: Path, verify: bool = False) -> None:
             shards = manifest.get("shards", [])
             _line(f"  shards: {len(shards)} files, {sum(s['bytes'] for s in shards)} bytes")
             return
+        shards = sorted(path.glob("shard-*.safetensors"))
+        if shards and not (path / "manifest.json").is_file():
+            raise ArtifactError(f"{path} is an unfinished feature cache ({len(shards)} shard(s) written, no "
+                                "manifest.json yet)", "rerun the same `spec precompute` command to finish it (it "
+                                "keeps the shards it verifies)")
         if (path / "trainer_state.json").is_file():
             return _inspect_checkpoint(path)
         if (path / "run.json").is_file():

@@ -399,3 +399,22 @@ def test_a_disk_that_fills_mid_write_is_one_line_and_the_last_good_artifact_stay
         line = full_disk_line(capsys)
         assert f"holding {out} while writing shard-00000.safetensors: it needs about " in line
         assert not list(out.glob("shard-*")) and not list(out.glob(".*tmp"))
+
+
+@pytest.mark.parametrize("command", ["build-vocab-map", "train"])
+def test_an_output_that_is_a_device_or_pipe_is_never_replaced_and_never_advised_removed(setup, tmp_path, capsys,
+                                                                                         command):
+    """A named pipe stands for a device node (/dev/null, /dev/full): --force, which the refusal of an
+    existing map suggests, must not turn it into a regular file, and a path under it is named for what it is."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for out in (pipe, pipe / "x"):
+        if command == "build-vocab-map":
+            args = ["build-vocab-map", "-t", str(setup["target"]), "-d", str(setup["data"]), "--draft-vocab-size",
+                    "64", "-o", str(out), "--force", "-q"]
+        else:
+            args = train(setup["root"], out, "--max-steps", "1")
+        assert main(args) == 1
+        line = one_line(capsys)
+        assert "named pipe" in line and "remove" not in line, line
+        assert pipe.is_fifo()

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from spec_cli.errors import ArtifactError, is_disk_full
+from spec_cli.paths import special_kind
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +66,10 @@ def atomic_path(path: Path, need: int | None = None) -> Iterator[Path]:
     path = Path(path)
     if path.is_dir():  # say so before any work, naming the user's path (not the temporary one)
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    special = special_kind(path)
+    if special:  # a device, a pipe, a socket: never replaced (--force or not)
+        raise ArtifactError(f"{path} is {special}, not a file this command may write",
+                            "pass the path of a regular file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -189,8 +194,6 @@ def sha256_path(path: Path) -> str:
 def read_safetensors(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Read every tensor and the spec_cli metadata of a file written by `write_safetensors`."""
     from safetensors import SafetensorError, safe_open
-
-    from spec_cli.errors import ArtifactError, is_disk_full
 
     path = Path(path)
     if not path.is_file():

@@ -151,6 +151,11 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     outputs, why = engines.captured_layer_outputs(view, c.target_num_layers, c.target_architecture)
     if why:
         problems.append(why)
+    elif len(set(c.aux_layer_ids)) < len(c.aux_layer_ids):
+        problems.append(f"the draft was trained on aux layers {c.aux_layer_ids}, which repeat a layer: the engine "
+                        f"captures each layer once, so fc would get {len(set(c.aux_layer_ids))} states of the "
+                        f"{len(c.aux_layer_ids)} it expects (train again with distinct --aux-layers; `spec eval "
+                        "--engine torch` runs this draft)")
     elif outputs != sorted(c.aux_layer_ids):
         problems.append(f"the engine would feed the draft the outputs of layers {outputs} "
                         f"(ids {view.aux_ids}); it was trained on {sorted(c.aux_layer_ids)}")

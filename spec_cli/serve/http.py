@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -158,6 +159,15 @@ class _HTTPServer(ThreadingHTTPServer):
         self._active = 0
         self._idle = threading.Condition()
         super().__init__(address, _Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        """socketserver prints a traceback for any error in a connection's thread. A client that reset or
+        dropped its connection (a trainer killed mid-request) is an ordinary event: one log line."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):  # reset, broken pipe, aborted, timed out
+            log.info("connection from %s ended mid-request: %s", client_address[0], exc)
+            return
+        super().handle_error(request, client_address)
 
     def track(self):
         server = self

@@ -127,3 +127,19 @@ def test_a_windowed_draft_is_not_exported_for_sglang(windowed, tmp_path):
     with pytest.raises(ExportError, match="SGLang reads no window"):
         stage.run(stage.ExportConfig(source=windowed[0], format="sglang", output=tmp_path / "sglang"))
     assert not (tmp_path / "sglang").exists()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_draft_trained_on_a_repeated_aux_layer_is_refused_with_the_reason(tmp_path, fmt):
+    """--aux-layers 1,3,3 trains (with a warning); the engines capture each layer once, so the export's
+    self-check refuses it and says why, and nothing is written."""
+    from spec_cli.errors import ArtifactError
+    from spec_cli.stages import export as stage
+    from tests.export.drafts import make_run
+
+    run = make_run(tmp_path / "run", aux_layer_ids=[1, 3, 3])
+    with pytest.raises(ArtifactError) as err:
+        stage.run(stage.ExportConfig(source=run, format=fmt, output=tmp_path / "out"))
+    assert "trained on aux layers [1, 3, 3], which repeat a layer: the engine captures each layer once, so fc " \
+           "would get 2 states of the 3 it expects" in err.value.one_line()
+    assert not (tmp_path / "out").exists()

@@ -202,3 +202,24 @@ def test_sigterm_stops_the_server_cleanly(tiny_llama_dir):
         remote.close()
     finally:
         proc.kill()
+
+
+def test_a_client_that_resets_its_connection_is_one_log_line_not_a_traceback(server, capfd, caplog):
+    """A trainer killed mid-request resets its connections (RST): each is an ordinary event, logged in one
+    line; the server goes on answering."""
+    import logging
+    import struct
+
+    caplog.set_level(logging.INFO, logger="spec_cli.serve.http")
+    for partial in (b"POST /v1/generate HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{\"x\": ",
+                    b"POST /v1/generate HTTP/1.1\r\nContent-Le"):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        s.sendall(partial)
+        time.sleep(0.2)  # the server is reading the request
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        s.close()
+    time.sleep(0.5)
+    assert exchange(server.port, request("/v1/health", method="GET")) == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+    assert any("reset" in r.getMessage() or "ended" in r.getMessage() for r in caplog.records), caplog.text

@@ -316,3 +316,13 @@ def test_a_vocab_map_option_given_a_folder_says_what_it_is_and_where_the_map_is(
     assert main(["train", "--cache", str(made["cache"]), "-v", str(run), "-o", str(tmp_path / "run2"), "-q"]) == 1
     assert one_error(capsys) == (f"error: --vocab-map {run} is a training run, not a vocab map file; pass the "
                                  f"vocab map file the run was trained with: {made['vm']}")
+
+
+def test_inspect_of_an_unfinished_cache_says_how_to_finish_it(made, tmp_path, capsys):
+    cache = copy_cache(made, tmp_path)
+    (cache / fc.MANIFEST).unlink()
+    shards = len(list(cache.glob("shard-*.safetensors")))
+    assert main(["inspect", str(cache)]) == 1
+    assert one_error(capsys) == (f"error: {cache} is an unfinished feature cache ({shards} shard(s) written, no "
+                                 "manifest.json yet); rerun the same `spec precompute` command to finish it (it "
+                                 "keeps the shards it verifies)")
