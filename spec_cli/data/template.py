@@ -146,12 +146,50 @@ def begins_with_assistant(messages: list[dict]) -> bool:
     return first is not None and first["role"] == "assistant"
 
 
+# Tokens past max_length are cut anyway, so a record is cut first where none of the first max_length
+# tokens can change: after (max_length + MARGIN) tokens' worth of characters, a token covering at most as
+# many characters as the vocabulary's longest token has. A 50 MB record then costs what a short one does.
+MARGIN = 64
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry: a byte-level
+    entry has one character per byte, so it bounds the text characters it covers too). Kept on it."""
+    longest = getattr(tokenizer, "_spec_longest_token", None)
+    if longest is None:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=1)
+        try:
+            tokenizer._spec_longest_token = longest
+        except AttributeError:
+            pass
+    return longest
+
+
+def bounded(kind: str, value, tokenizer, max_length: int):
+    """The record's text ("text") or messages ("chat") cut after the characters its first max_length tokens
+    can come from (with a margin): the same first max_length tokens, at a bounded cost. Messages after
+    the budget is spent keep one character each, so the turns (and whether an answer was cut) stay."""
+    budget = (max_length + MARGIN) * longest_token_chars(tokenizer)
+    if kind == "text":
+        return value[:budget]
+    out, left = [], budget
+    for message in value:
+        content = message.get("content")
+        if isinstance(content, str) and len(content) > max(left, 1):
+            message = {**message, "content": content[:max(left, 1)]}
+        out.append(message)
+        left -= len(content) if isinstance(content, str) else 0
+    return out
+
+
 def encode_record(tokenizer, record: dict, max_length: int,
                   specials: list[str]) -> tuple[np.ndarray, np.ndarray] | str:
     """Tokens and loss mask for one record, or the reason it is skipped."""
     kind, value = records.normalise(record)
     if kind == "skip":
         return value
+    value = bounded(kind, value, tokenizer, max_length)
     if kind == "chat" and not getattr(tokenizer, "chat_template", None):
         return records.NO_TEMPLATE  # tokenize_data says so once, naming --chat-template
     try:

@@ -228,7 +228,11 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
                     final_train["engine_busy"] = round(engine.busy_share(window_start, time.perf_counter()), 3)
                 logger.log(final_train)
                 window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter()
-            if (rt.eval_every and step % rt.eval_every == 0) or last:
+            evaluating = (rt.eval_every and step % rt.eval_every == 0) or last
+            if evaluating and distributed.any_rank(stops.requested):  # a stop came during the step: save
+                stops.answered()                                       # it now, not after an evaluation
+                _stop(trainer, step, last_saved, stops)
+            if evaluating:
                 final_eval = trainer.evaluate()
                 if final_eval is not None:
                     logger.log({"split": "eval", "step": step, **final_eval})

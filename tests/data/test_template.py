@@ -127,3 +127,42 @@ def test_plain_text_is_fully_supervised(tokenizers):
                               special_token_strings(tokenizer))
     assert mask.all()
     assert tokenizer.decode(ids.tolist(), skip_special_tokens=True) == "the model can write code"
+
+
+@pytest.mark.parametrize("family", list(tiny.TEMPLATES))
+def test_a_huge_record_is_cut_before_tokenizing_with_the_same_tokens(tokenizers, family, monkeypatch):
+    """A record far longer than --max-length is cut where its first max_length tokens cannot change:
+    the same ids and mask as tokenizing it whole and truncating, while the tokenizer never sees more than
+    (max_length + MARGIN) x its longest token's characters per message (a 50 MB record costs what a short
+    one does)."""
+    from spec_cli.data import template
+    from spec_cli.data.template import encode_chat, encode_text, longest_token_chars
+
+    tokenizer, specials = tokenizers[family], special_token_strings(tokenizer := tokenizers[family])
+    rng = random.Random(7)
+    huge = " ".join(tiny.random_text(rng) for _ in range(3000))  # ~100k+ characters
+    cases = {"chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": huge},
+                      {"role": "user", "content": huge}, {"role": "assistant", "content": "fine"}],
+             "long question": [{"role": "user", "content": huge}, {"role": "assistant", "content": "fine"}]}
+    max_length = 64
+    budget = (max_length + template.MARGIN) * longest_token_chars(tokenizer)
+    assert len(huge) > 4 * budget
+    seen = []
+    real = tokenizer.apply_chat_template
+
+    def spy(messages, *args, **kwargs):
+        seen.append(max(len(m["content"]) for m in messages))
+        return real(messages, *args, **kwargs)
+
+    for name, messages in cases.items():
+        ids, mask = encode_chat(tokenizer, messages, specials)  # whole, then truncated: the reference
+        monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+        out = encode_record(tokenizer, {"messages": messages}, max_length, specials)
+        monkeypatch.undo()
+        if not mask[:max_length].any():
+            assert out == records.TRUNCATED, name
+        else:
+            assert out[0].tolist() == ids[:max_length].tolist() and out[1].tolist() == mask[:max_length].tolist()
+        assert seen and max(seen) <= budget, (name, max(seen), budget)
+    ids = encode_text(tokenizer, huge)[0]
+    assert encode_record(tokenizer, {"text": huge}, max_length, specials)[0].tolist() == ids[:max_length].tolist()

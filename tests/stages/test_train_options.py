@@ -80,7 +80,7 @@ def test_the_train_command_has_one_option_per_field():
     assert by_name["init_from_target"].secondary_opts == ["--random-init"]
     assert by_name["output"].required  # and --vocab-map, but for --resume: the stage checks it
     assert not by_name["vocab_map"].required and by_name["vocab_map"].default is None
-    assert resumable_options() == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume",
+    assert resumable_options() == {"max_steps", "epochs", "save_every", "keep_last", "log_every", "eval_every", "resume", "save_every_minutes", "stop_grace", "reschedule",
                          "device", "num_proc", "activation_checkpointing", "remote", "prefetch", "token",
                          "max_time", "stream", "stream_max_bytes", "stream_dir", "init_from_target", "init_layer_from_target",
                          "fsdp", "tensor_plane",
