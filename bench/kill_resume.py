@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -271,6 +272,7 @@ class Trial:
     how: str = "kill"  # kill | term | term-kill
     lost: str | None = None  # term: what finished work the stop lost (None: nothing)
     stop_s: float | None = None  # term: seconds from SIGTERM to the exit
+    code: int | None = None  # the first run's exit code (None: SIGKILLed)
     then_killed: list[bool] = field(default_factory=list)  # the resumed runs killed in turn (`then`)
     lock_ok: bool = True
     resumed_ok: bool = True
@@ -372,12 +374,15 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
     trial.killed, code, err, before, trial.stop_s = _killed_at(
         sc.command(out, False), sc.env, kill_at, how=how, group=sc.group, progress=lambda: sc.progress(out),
         rng=rng)
+    trial.code = code
     if not trial.killed and code != 0:
         trial.problems.append(f"the unsignalled first run failed ({code}): {err.strip()[-500:]}")
     if trial.killed and how == "term":
         if trial.stop_s is None:
             trial.problems.append(f"it did not exit within {GRACE + 30:g} s of SIGTERM")
-        elif not sc.group and code not in (0, 143):  # 0: the signal came as its last step ended
+        elif not sc.group and code not in (0, 143, -signal.SIGTERM):
+            # 0: the signal came as its last step ended; -15 (a shell's 143 too): before spec_cli installed
+            # its handler (the interpreter starting) or after the command returned, with nothing in flight
             trial.problems.append(f"SIGTERM: exit {code}, not 143: {err.strip()[-500:]}")
         if (why := sc.kept(out, before)):
             trial.lost = why
@@ -462,7 +467,9 @@ def table(reports: list[ScenarioReport]) -> str:
                      f"{sum(x.lock_ok for x in t)}/{len(t)}", f"{sum(x.resumed_ok for x in t)}/{len(t)}",
                      f"{sum(x.equal for x in t)}/{len(t)}",
                      f"{sum(x.lost is None for x in t if x.killed)}/{len(landed)}" if r.how == "term" else "-",
-                     f"med {stops[len(stops) // 2]:.2f} max {stops[-1]:.2f}" if stops else "-",
+                     (f"med {stops[len(stops) // 2]:.2f} max {stops[-1]:.2f}; exits "
+                      + ",".join(f"{c}x{n}" for c, n in sorted(Counter(x.code for x in t if x.stop_s is not None).items(),
+                                                           key=lambda kv: str(kv[0])))) if stops else "-",
                      (f"min {landed[0]:.2f} med {landed[len(landed) // 2]:.2f} max {landed[-1]:.2f}")
                      if landed else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
