@@ -133,6 +133,23 @@ def _main(argv: list[str] | None, debug: bool) -> int:
             err_console.print(stopped_line(stop), soft_wrap=True)
             return stop.exit_code
         return result if isinstance(result, int) else 0
+    except Exception as exc:
+        stop = stopping.in_chain(exc)  # a library turned the stop into an error of its own
+        if stop is None:
+            return _error(exc, debug)
+        stop = stop if isinstance(stop, stopping.Stopped) else stopping.last_stop()
+        err_console.print(stopped_line(stop), soft_wrap=True)
+        return stop.exit_code
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, stopping.Stopped) else stopping.last_stop()
+        err_console.print(stopped_line(stop), soft_wrap=True)
+        return stop.exit_code
+
+
+def _error(exc: Exception, debug: bool) -> int:
+    """An error that ended the command: one line and its exit code."""
+    try:
+        raise exc
     except SpecError as exc:
         if debug:
             raise
@@ -143,10 +160,6 @@ def _main(argv: list[str] | None, debug: bool) -> int:
     except (click.ClickException, typer.TyperException) as exc:  # typer >= 0.2x raises its own click's
         exc.show()
         return exc.exit_code
-    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
-        stop = exc if isinstance(exc, stopping.Stopped) else stopping.last_stop()
-        err_console.print(stopped_line(stop), soft_wrap=True)
-        return stop.exit_code
     except OSError as exc:  # a path the user gave that cannot be used as asked is theirs to fix
         if debug:
             raise

@@ -51,6 +51,19 @@ def last_stop() -> Stopped:
     return Stopped(_last_signal if _last_signal is not None else signal.SIGINT)
 
 
+def in_chain(exc: BaseException) -> KeyboardInterrupt | None:
+    """The stop inside an error a library made of it (transformers' loader, pyarrow's readers turn an
+    interrupt raised in their callbacks into errors of their own): the first KeyboardInterrupt among
+    `exc`'s causes and contexts, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def signal_name(exc: BaseException) -> str:
     return exc.name if isinstance(exc, Stopped) else "Ctrl-C"
 

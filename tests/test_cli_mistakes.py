@@ -418,3 +418,21 @@ def test_an_output_that_is_a_device_or_pipe_is_never_replaced_and_never_advised_
         line = one_line(capsys)
         assert "named pipe" in line and "remove" not in line, line
         assert pipe.is_fifo()
+
+
+def test_a_stop_a_library_turned_into_its_own_error_is_still_a_stop(setup, tmp_path, monkeypatch, capsys):
+    """transformers' loader (and pyarrow's readers) turn a KeyboardInterrupt raised in their callbacks into
+    errors of their own ("initialization failed"): SIGTERM there is still a stop (143, the stopped line),
+    not "cannot load the target model" with exit 1."""
+    from spec_cli import stopping
+    from spec_cli.stages import train as stage
+
+    def loading(path):
+        try:
+            raise stopping.Stopped(signal.SIGTERM)
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("initialization failed") from exc
+
+    monkeypatch.setattr(stage, "load_vocab_map", loading)
+    assert main(train(setup["root"], tmp_path / "run", "--max-steps", "1")) == 143
+    assert capsys.readouterr().err.startswith("stopped (SIGTERM); finished work is kept")
