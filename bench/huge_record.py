@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -74,7 +75,8 @@ def build_vocab_map(target: str, data: Path, out: Path, max_length: int) -> dict
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "spec_cli.cli", "build-vocab-map", "-t", target, "-d", str(data),
                            "--draft-vocab-size", "4096", "--max-length", str(max_length), "-o", str(out), "-q"],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "SPEC_HOME": str(out.parent / "home")})  # no tokenized cache
     if done.returncode:
         raise RuntimeError(f"build-vocab-map: {done.stderr[-2000:]}")
     return {"seconds": time.perf_counter() - start,
