@@ -150,7 +150,8 @@ def print_demo_summary(result) -> None:
     def when(s) -> str:
         p = s.produced or {}
         if s.status == "reused" and p.get("seconds") is not None:  # what it took when it was made
-            return f"reused   (it {p.get('status')} in {p['seconds'] / 60:.1f} min)  {s.artifact}"
+            how = "was made in regenerate" if p.get("status") == "in regenerate" else p.get("status")
+            return f"reused   (it {how} in {p['seconds'] / 60:.1f} min)  {s.artifact}"
         return f"{s.status:<8} {s.seconds / 60:5.1f} min  {s.artifact}"
 
     rows = [(s.name, when(s)) for s in result.stages]
