@@ -18,8 +18,9 @@ After `term`, no work may be lost beyond the step in flight: the checkpoint hold
 held when the signal was sent (precompute: every shard written by then is kept). Prints a table; exits 1
 on any failure.
 
-tests/stages/test_kills.py imports this file (per scenario: one kill, then a kill of the resumed run; and
-one SIGTERM).
+tests/stages/test_kills.py imports this file (per scenario: one kill, then a kill of the resumed run); the
+SIGTERM paths are tested in tests/test_cli_mistakes.py, tests/stages/test_data_mistakes.py,
+tests/stages/test_regenerate.py and tests/test_distributed.py.
 """
 
 from __future__ import annotations

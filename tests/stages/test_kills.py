@@ -52,17 +52,3 @@ def test_sigkill_then_resume_equals_the_straight_run(setup, tmp_path, which):
         assert kr.same_train(live, tmp_path / "straight") is None
         assert kr.TOKEN not in (tmp_path / "straight" / "run.json").read_text()
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("which", ["train --cache", "precompute"])
-def test_sigterm_keeps_every_finished_step_or_shard_and_the_resume_equals_the_straight_run(setup, tmp_path, which):
-    """What a scheduler sends first: the command exits by itself (143), having kept everything it had
-    finished when the signal came (train: every logged step is in the checkpoint), and the rerun ends
-    equal to the straight run."""
-    scenario = {s.name: s for s in kr.scenarios(setup, setup["url"])}[which]
-    straight = tmp_path / "straight"
-    duration = kr.straight_run(scenario, straight)
-    t = kr.kill_trial(scenario, straight, tmp_path / "stopped", MOMENT * duration, how="term")
-    assert t.killed and t.stop_s is not None and t.stop_s < kr.GRACE, t
-    assert t.ok and t.lost is None, (which, t.problems)
-    assert t.resumed_ok and t.equal and t.reruns == 1
