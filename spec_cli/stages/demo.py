@@ -64,11 +64,12 @@ class Profile:
     engine_every: int = 200
     engine_prompts: int = 8
     engine_tokens: int = 48
-    # the closing `spec tune` (vLLM: 0 .. tune_max_k draft tokens at batch sizes 1 .. 16)
+    # the closing `spec tune` (vLLM: 0 .. tune_max_k draft tokens at tune_batch_sizes)
     tune_max_k: int = 3
     tune_requests: int = 4
     tune_tokens: int = 32
     tune_repeats: int = 2
+    tune_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # vLLM: the concurrent requests measured
     # where vLLM answers: this many prompts instead of samples + original_samples, and regenerate keeps the
     # feature cache as it answers (spec regenerate --features: one pass of the target per answer); none
     # as written (docs/recipe.md: the written half taught nothing the target's answers did not)
@@ -94,12 +95,12 @@ PROFILES = {
     "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
                      draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
                      eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
-                     schedule="wsd", engine_every=50, engine_prompts=4, engine_tokens=32, tune_repeats=1,
-                     one_pass_samples=96),
+                     schedule="wsd", engine_every=130, engine_prompts=4, engine_tokens=32, tune_repeats=1,
+                     one_pass_samples=96, eval_compare_depths=(), tune_max_k=2, tune_batch_sizes=(1, 4, 16)),
     "full": Profile("full", samples=320, original_samples=1300, max_length=256, regen_max_new_tokens=192,
                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
                     eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=50,
-                    schedule="wsd", one_pass_samples=1100),
+                    schedule="wsd", engine_every=250, one_pass_samples=1100),
 }
 
 
@@ -604,14 +605,17 @@ def _tune(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, tune
     report = tune_dir / "serving.json"
     settings = {"max_k": profile.tune_max_k, "requests": profile.tune_requests,
                 "max_new_tokens": profile.tune_tokens, "repeats": profile.tune_repeats}
+    sizes = list(profile.tune_batch_sizes) if engine == "vllm" else None  # PyTorch: batch 1
     if report.is_file():
         done = json.loads(report.read_text())
         if done["draft"]["step"] == step and done["engine"] == engine and \
-                all(done["settings"].get(k) == v for k, v in settings.items()):
+                all(done["settings"].get(k) == v for k, v in settings.items()) and \
+                done["settings"].get("batch_sizes_asked") == sizes:
             result.tune = done
             return "reused"
     outcome = tune.run(tune.TuneConfig(draft=export_dir, target=str(found["smollm2"]), output=tune_dir,
-                                       engine=engine, device=cfg.device, dtype=cfg.dtype, **settings))
+                                       engine=engine, device=cfg.device, dtype=cfg.dtype, fit_sizes=True,
+                                       batch_sizes=None if sizes is None else tuple(sizes), **settings))
     tune.print_tune(outcome)
     result.tune = json.loads(report.read_text())
     return "ran"

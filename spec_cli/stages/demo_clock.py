@@ -238,7 +238,7 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
     if eval_engine == "vllm":  # the target alone and k = 0 .. max_k at each batch size, `requests` prompts
         configs, rate = profile.tune_max_k + 2, lambda b: speeds.decode * b ** TUNE_BATCH_POWER  # noqa: E731
         tune_seconds = sum(configs * max(profile.tune_requests, b) * profile.tune_tokens / rate(b)
-                           for b in TUNE_BATCH_SIZES)
+                           for b in getattr(profile, "tune_batch_sizes", TUNE_BATCH_SIZES))
     else:  # batch 1: the target alone, chains 1 .. max_k and two trees per depth from 2
         configs = 1 + profile.tune_max_k + 2 * max(0, profile.tune_max_k - 1)
         tune_seconds = configs * profile.tune_requests * profile.tune_tokens / speeds.decode

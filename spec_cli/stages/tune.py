@@ -70,6 +70,9 @@ class TuneConfig:
     device: str | None = None
     check_fingerprint: bool = True
     verify: bool = True  # start vLLM with the recommended config and check its greedy outputs
+    # batch_sizes as a wish (spec demo): a size the engine's KV cache does not hold is left out, as the
+    # default sizes are, instead of refused
+    fit_sizes: bool = False
 
 
 @dataclass
@@ -184,7 +187,7 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
     dtype = loading.choose_dtype(cfg.dtype, device)
     longest = max(len(p) for p in ids[:max(cfg.requests, biggest)])
     length = min(loading.max_positions(loading.load_config(target_dir)), longest + cfg.max_new_tokens + max_k + 8)
-    if cfg.batch_sizes is not None and device.type == "cpu":  # before a minute of loading: the hopeless sizes
+    if cfg.batch_sizes is not None and not cfg.fit_sizes and device.type == "cpu":  # before a minute of loading
         _cpu_room_check(cfg, sizes, loading.load_config(target_dir), dtype, longest + cfg.max_new_tokens + max_k + 1)
     with tempfile.TemporaryDirectory(prefix="spec-tune-") as tmp:
         folder = loaded.path
@@ -288,7 +291,7 @@ def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) ->
     per_request = -(-per_request // block) * block  # the cache is handed out in whole blocks
     fits = [b for b in sizes if b * per_request <= capacity]
     too_big = [b for b in sizes if b not in fits]
-    if too_big and cfg.batch_sizes is not None:
+    if too_big and cfg.batch_sizes is not None and not cfg.fit_sizes:
         raise ConfigError(f"--batch-sizes {','.join(map(str, too_big))}: the engine's KV cache holds {capacity} "
                           f"tokens here, and {max(too_big)} requests of up to {per_request} tokens need "
                           f"{max(too_big) * per_request}", "drop the larger sizes, or give vLLM more KV cache "
@@ -484,7 +487,8 @@ def _write(cfg: TuneConfig, output: Path, engine: str, rows: list[dict], recomme
         "draft": {"path": str(loaded.path), "kind": loaded.kind, "format": loaded.format, "step": loaded.step},
         "target": str(cfg.target), key: recommended, "why": why, "serve": serve, "verified": verified,
         "settings": {**settings, "prompts": cfg.prompts, "requests": cfg.requests,
-                     "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats},
+                     "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
+                     "batch_sizes_asked": None if cfg.batch_sizes is None else list(cfg.batch_sizes)},
         "table": rows, "busy": busy})
     plot = plot_speedup(output / "speedup.png", rows, f"{loaded.path.name}: speed-up over the target alone ({engine})")
     return TuneResult(output, json_path, plot, engine, rows, recommended, refused, serve, verified, busy,

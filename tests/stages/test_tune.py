@@ -45,6 +45,8 @@ def test_a_batch_size_the_kv_cache_cannot_hold_is_refused_by_name():
         tune._held_sizes(asked, [1, 16, 32], [Engine()], 100)
     default = tune.TuneConfig(draft=None, target="t")
     assert tune._held_sizes(default, [1, 2, 4, 8, 16], [Engine()], 100) == [1, 2, 4, 8]  # said, not refused
+    wished = tune.TuneConfig(draft=None, target="t", batch_sizes=(1, 4, 16), fit_sizes=True)  # spec demo's sizes
+    assert tune._held_sizes(wished, [1, 4, 16], [Engine()], 100) == [1, 4]
 
 
 @pytest.fixture(scope="module")
