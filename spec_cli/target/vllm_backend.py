@@ -49,7 +49,7 @@ from spec_cli.errors import ConfigError, TargetError
 from spec_cli.target import loading
 from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
 from spec_cli.target.prefix_states import PrefixStates
-from spec_cli.target.vllm_worker import language_model, step_positions, step_rows, unpack
+from spec_cli.target.vllm_worker import input_embedding, language_model, no_embedding, step_positions, step_rows, unpack
 
 _request_ids = itertools.count()
 # capture_prefixes: KV blocks of 32 tokens. Prefix caching reuses whole blocks, so a row's positions past
@@ -181,7 +181,10 @@ class VLLMTargetBackend(LocalTargetBackend):
         self.lm_head_weight = weight[:vocab_size].to(self.device)  # [V, H]
         bias = getattr(head, "bias", None)
         self.lm_head_bias = bias[:vocab_size].to(self.device) if isinstance(bias, torch.Tensor) else None
-        self._embed = lm.embed_tokens.weight[:vocab_size]
+        embed = input_embedding(lm)
+        if embed is None:
+            raise TargetError(no_embedding(model), "use --target-engine transformers for this target")
+        self._embed = embed[:vocab_size]
         self.final_norm = getattr(lm, "norm", None)
         # sorted, once each: the order vLLM returns them in; self._order puts them in --aux-layers order
         ids = vllm_layer_ids(self.aux_layers)

@@ -63,6 +63,23 @@ def language_model(model):
     return getattr(parent, "model", parent)
 
 
+def input_embedding(lm) -> torch.Tensor | None:
+    """The language model's input embedding table [V_padded, H], found where vLLM's EAGLE proposer looks
+    for the one it shares with a draft: `embed_tokens` (Llama, Qwen, Mixtral, DeepSeek ...), else
+    `embedding` (gpt-oss). None when the model has neither as a plain floating-point table."""
+    for name in ("embed_tokens", "embedding"):
+        weight = getattr(getattr(lm, name, None), "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.is_floating_point():
+            return weight
+    return None
+
+
+def no_embedding(model) -> str:
+    """The one line for a vLLM model whose input embedding input_embedding cannot find."""
+    return (f"vLLM's {type(model).__name__} keeps its input embedding under neither `embed_tokens` nor "
+            "`embedding` (where vLLM's EAGLE proposer looks for it)")
+
+
 class CaptureExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): methods named spec_* are called by name."""
 
@@ -113,6 +130,9 @@ class CaptureExtension:
             return {"error": f"vLLM's {type(model).__name__} keeps no plain lm_head weight (quantized?)"}
         bias = getattr(head, "bias", None)
         scale = final_norm_scale(getattr(lm, "norm", None), int(weight.shape[1]))
-        return {"lm_head": pack(weight), "embed": pack(lm.embed_tokens.weight),
+        embed = input_embedding(lm)
+        if embed is None:
+            return {"error": no_embedding(model)}
+        return {"lm_head": pack(weight), "embed": pack(embed),
                 "bias": pack(bias) if isinstance(bias, torch.Tensor) else None,
                 "norm_scale": pack(scale) if scale is not None else None}
