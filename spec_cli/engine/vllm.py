@@ -275,7 +275,8 @@ class Engine:
                  speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = False, block_size: int | None = None, seeded: bool = False):
+                 prefix_caching: bool = False, block_size: int | None = None, seeded: bool = False,
+                 model_impl: str | None = None):
         """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
         executor; on CPUs each worker takes its share of this process's cores), reached through
         `worker_extension_cls`'s methods (collective_rpc). `prefix_caching`: vLLM's (off by default: a
@@ -288,6 +289,8 @@ class Engine:
         kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
                       seed=seed, enforce_eager=True, distributed_executor_backend="uni",
                       disable_log_stats=True, enable_prefix_caching=bool(prefix_caching), use_tqdm_on_load=False)
+        if model_impl:  # "transformers": vLLM's Transformers backend, which captures aux states for any model
+            kwargs["model_impl"] = model_impl
         if tensor_parallel_size > 1:
             kwargs.update(tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp")
         if worker_extension_cls:

@@ -62,6 +62,7 @@ class EngineCheckReport:
     drafts_compared: int = 0  # verify steps whose proposals were compared (prompts with equal outputs)
     drafts_equal: float = 0.0  # share of those where vLLM proposed exactly the checkpoint's tokens
     shared: list[str] = field(default_factory=list)  # draft weights vLLM takes from the target
+    model_impl: str | None = None  # vLLM's --model-impl the target ran under (None: its native class)
 
 
 def resolve_mode(mode: str | None, fmt) -> str:
@@ -112,14 +113,16 @@ def check_prompts(tokenizer) -> list[list[int]]:
 
 
 def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, target_dir: Path,
-                 depth: int = DEPTH) -> EngineCheckReport:
-    """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report."""
+                 depth: int = DEPTH, model_impl: str | None = None) -> EngineCheckReport:
+    """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report.
+    model_impl "transformers": the target through vLLM's Transformers backend (a target whose native class
+    cannot capture aux states, exported with --allow-unsupported-target)."""
     from spec_cli.engine import vllm
 
     vllm.require("the export's engine check (--engine-check vllm)")
     config = loading.load_config(target_dir)
     algorithm = algorithms.get(src.config.algorithm)
-    if algorithm.aux_layers:  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
+    if algorithm.aux_layers and not model_impl:  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
         refuse_unservable(config)
     tokenizer = loading.load_tokenizer(target_dir)
     ids = check_prompts(tokenizer)
@@ -141,7 +144,7 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     served_as = algorithm.format(fmt)  # vLLM's speculative method and options for this format
     with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
                      method=served_as.method, speculative_options=dict(served_as.engine_options),
-                     draft_class=algorithm.vllm_draft_class) as engine:
+                     draft_class=algorithm.vllm_draft_class, model_impl=model_impl) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
         load = engine.load_report
 
@@ -155,7 +158,7 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
                                reference_acceptance_length=o["acceptance_length"],
                                accepted=t["accepted"], reference_accepted=o["accepted"],
                                same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
-                               shared=list(load.shared))
+                               shared=list(load.shared), model_impl=model_impl)
     pairs = [(a, b) for r, s in zip(reference, served) if r.tokens == s.tokens and s.drafts
              for a, b in zip(r.drafts, s.drafts)]
     report.drafts_compared = len(pairs)

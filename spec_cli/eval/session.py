@@ -111,13 +111,17 @@ class VllmSession:
     def decoders(self, folder: Path, settings: Settings):
         """(spec, base) for the draft in the vLLM export `folder`."""
         if self.spec_engine is None:
+            from spec_cli.export.readme import export_model_impl
+
             fmt = self.algorithm.engine_format("vllm")
             try:
+                # an export written with --allow-unsupported-target: served through vLLM's Transformers backend
+                # (the target alone below stays on its native class, as a server without the draft runs it)
                 self.spec_engine = self.vllm.Engine(
                     self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
                     method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
                     speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory,
-                    seeded=settings.temperature > 0)
+                    seeded=settings.temperature > 0, model_impl=export_model_impl(folder))
                 self.load_problems = self.spec_engine.load_report.problems()
                 self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
                                                     seed=self.seed, gpu_memory_utilization=self.memory,

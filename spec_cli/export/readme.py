@@ -16,8 +16,28 @@ def format_title(fmt: str) -> str:
     return next((f.title for a in algorithms.ALGORITHMS.values() for f in a.formats if f.name == fmt), fmt)
 
 
-def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3") -> str:
-    """The serving command for this export (flag names from the engines' docs / server args)."""
+def model_impl(support) -> str | None:
+    """vLLM's `--model-impl` for an export written with --allow-unsupported-target: the engine's native
+    class for the target cannot capture aux states (support.served False), and vLLM's Transformers backend
+    implements the capture for any architecture it runs (export/support.py)."""
+    return "transformers" if support is not None and support.served is False and \
+        str(support.engine).startswith("vLLM") else None
+
+
+def export_model_impl(folder: Path) -> str | None:
+    """model_impl of an export folder, from the engine support its config.json records."""
+    try:
+        recorded = json.loads((Path(folder) / "config.json").read_text())["spec_cli"]["engine_support"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return "transformers" if recorded.get("served") is False and str(recorded.get("engine", "")).startswith("vLLM") \
+        else None
+
+
+def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3",
+                  impl: str | None = None) -> str:
+    """The serving command for this export (flag names from the engines' docs / server args); impl:
+    vLLM's --model-impl (model_impl)."""
     target = target or "TARGET"
     folder = str(folder)
     served_as = algorithms.get(algorithm).format(fmt)
@@ -31,7 +51,8 @@ def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algori
         return f"(no serving engine reads the {fmt} format; load {folder} with the code that defines it)"
     spec = json.dumps({"method": served_as.method, "model": folder, "num_speculative_tokens": steps,
                        **dict(served_as.engine_options)})
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    return (f"vllm serve {shlex.quote(target)}" + (f" --model-impl {impl}" if impl else "")
+            + f" --speculative-config {shlex.quote(spec)}")
 
 
 def tune_lines(fmt: str, folder: Path, target: str | None, algorithm: str) -> list[str]:
@@ -59,7 +80,7 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
     lines = [f"# {algorithms.get(c.algorithm).title} draft for {c.target_architecture or 'the target'} ({format_title(fmt)})", "",
              f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
              f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
-             serve_command(fmt, folder, src.target, steps, c.algorithm), "```", ""]
+             serve_command(fmt, folder, src.target, steps, c.algorithm, model_impl(support)), "```", ""]
     if fmt == "speculators":
         lines += ["vLLM also serves a speculators folder directly, taking the target from "
                   "`speculators_config.verifier.name_or_path`:", "", "```bash",

@@ -26,7 +26,7 @@ from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, formats
 from spec_cli.export import support as engine_support
 from spec_cli.export.check import CheckReport
-from spec_cli.export.readme import format_title, render, serve_command
+from spec_cli.export.readme import format_title, model_impl, render, serve_command
 from spec_cli.export.source import load_source
 from spec_cli.target import loading
 
@@ -82,7 +82,9 @@ class ExportResult:
         if e is None:
             rows.append(("engine check", self.engine_check_note or "skipped"))
         else:
-            rows.append(("engine check", f"passed: vLLM {e.version} loaded every draft weight"
+            rows.append(("engine check", f"passed: vLLM {e.version}"
+                                         + (f" (--model-impl {e.model_impl})" if e.model_impl else "")
+                                         + " loaded every draft weight"
                                          + (f" (shares {', '.join(e.shared)} with the target)" if e.shared else "")
                                          + f"; acceptance length {e.acceptance_length:.2f} vs "
                                          f"{e.reference_acceptance_length:.2f} for the checkpoint on {e.prompts} "
@@ -133,9 +135,10 @@ def run(cfg: ExportConfig) -> ExportResult:
     _check_output(output, src.checkpoint, cfg.overwrite)
     mode = engine.resolve_mode(cfg.engine_check, algorithm.format(fmt))
     target_dir, note = _engine_target(src, algorithm.format(fmt), mode, asked=(cfg.engine_check or "auto").lower())
-    if target_dir is not None and support.served is not True and cfg.allow_unsupported_target:
+    impl = model_impl(support) if served_as.engine == "vllm" else None
+    if target_dir is not None and support.served is not True and cfg.allow_unsupported_target and impl is None:
         target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
-    if target_dir is not None and algorithm.aux_layers:  # before writing: can vLLM capture aux states
+    if target_dir is not None and algorithm.aux_layers and impl is None:  # before writing: can vLLM capture aux states
         engine.refuse_unservable(loading.load_config(target_dir))
     info(f"exporting {src.checkpoint} (step {src.step}) for {format_title(fmt)} -> {output}")
 
@@ -147,15 +150,16 @@ def run(cfg: ExportConfig) -> ExportResult:
         if cfg.check:
             report = algorithm.rules.check(tmp, fmt, src, dtype)  # the engines' reading rules, not the writer's
         if target_dir is not None:
-            info(f"engine check: loading the export in vLLM with {target_dir}")
+            info(f"engine check: loading the export in vLLM with {target_dir}"
+                 + (f" (--model-impl {impl}: the native class does not capture aux states)" if impl else ""))
             engine_report = engine.engine_check(tmp, fmt, src, dtype, target_dir,
-                                                files.num_speculative_tokens)
+                                                files.num_speculative_tokens, model_impl=impl)
     size = sum(p.stat().st_size for p in output.iterdir())
     return ExportResult(output=output, format=fmt, checkpoint=src.checkpoint, step=src.step, dtype=cfg.dtype,
                         bytes=size, engine_aux_ids=files.engine_aux_ids,
                         aux_layer_outputs=files.aux_layer_outputs,
                         serve_command=serve_command(fmt, output, src.target, files.num_speculative_tokens,
-                                                    algorithm.name),
+                                                    algorithm.name, impl),
                         check=report, seconds=time.perf_counter() - start, engine_check=engine_report,
                         engine_check_note=note, support=support)
 

@@ -76,6 +76,9 @@ def test_the_flag_writes_it_with_a_warning(gemma_run, tmp_path, monkeypatch, cap
     recorded = json.loads((result.output / "config.json").read_text())["spec_cli"]["engine_support"]
     assert recorded["served"] is False and "SupportsEagle3" in recorded["reason"]
     assert "## Engine support" in (result.output / "README.md").read_text()
+    # served through vLLM's Transformers backend, as the refusal says: the printed and written command has it
+    assert "vllm serve " in result.serve_command and " --model-impl transformers " in result.serve_command
+    assert result.serve_command in (result.output / "README.md").read_text()
     assert result.check is not None  # the folder itself is still checked
     assert dict(result.summary_rows())["engine support"].startswith("WARNING")
     # the same through the command line
