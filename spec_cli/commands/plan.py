@@ -58,6 +58,10 @@ def plan_cmd(
     precision: Annotated[str, typer.Option(
         "--precision", help="bf16: a GPU run (bf16 autocast, the target in bf16); fp32: a CPU run.",
         rich_help_panel=HARDWARE)] = "bf16",
+    target_engine: Annotated[str, typer.Option(
+        "--target-engine", help="What runs a live target (spec train --target-engine): transformers (bf16, a "
+                                "quantized checkpoint counted dequantized) or vllm (the weights as stored, e.g. "
+                                "gpt-oss's mxfp4).", rich_help_panel=HARDWARE)] = "transformers",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON here.",
                                                      rich_help_panel=INPUTS)] = None,
     config: Config = None,
@@ -78,7 +82,8 @@ def plan_cmd(
                                   draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, draft_layers=draft_layers,
                                   samples=samples, avg_tokens=avg_tokens, epochs=epochs, gpus=gpus, gpu=gpu,
                                   gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization,
-                                  precision=precision, context_parallel=context_parallel))
+                                  precision=precision, context_parallel=context_parallel,
+                                  target_engine=target_engine))
     show(plan)
     if json_out is not None:
         write_json(json_out, json.loads(plan.to_json()))

@@ -198,7 +198,9 @@ class DraftConfig:
             aux_layer_ids=list(aux_layer_ids),
             target_num_layers=text.num_hidden_layers,
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            # the target's `intermediate_size` field (an MoE's dense MLP width, or gpt-oss's expert width:
+            # docs/moe.md), 3 x hidden where an MoE config has none, as speculators does
+            intermediate_size=_text_attr(text, "intermediate_size") or 3 * text.hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=_text_attr(text, "num_key_value_heads") or heads,
             head_dim=_text_attr(text, "head_dim") or text.hidden_size // heads,

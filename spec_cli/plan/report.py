@@ -46,6 +46,7 @@ class PlanSettings:
     gpu_tflops: float | None = None
     utilization: float = 0.35
     precision: str = "bf16"  # bf16: a CUDA run (bf16 autocast, bf16 target); fp32: a CPU run
+    target_engine: str = "transformers"  # what runs a live target (spec train --target-engine)
     context_parallel: int = 1  # > 1: also each step with rows split over this many ranks
 
     @property
@@ -100,24 +101,19 @@ def _text(config):
         getattr(config, "text_config", None) is not None else config
 
 
-def target_parameters(config) -> int:
-    """The target's parameter count: its transformers model built on the meta device (no memory)."""
+def target_count(config):
+    """The target's parameters, total and active per token, and its stored weights (plan/target.py):
+    its transformers model built on the meta device (no memory), or a decoder by formula."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:
+    from spec_cli.plan.target import count
+
+    def build():
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return sum(p.numel() for p in model.parameters())
-    except Exception:  # noqa: BLE001 (an architecture this transformers cannot build): count a decoder
-        t = _text(config)
-        H, L, V, inter = t.hidden_size, t.num_hidden_layers, t.vocab_size, t.intermediate_size
-        heads = t.num_attention_heads
-        kv = getattr(t, "num_key_value_heads", None) or heads
-        d = getattr(t, "head_dim", None) or H // heads
-        layer = H * d * (heads * 2 + kv * 2) + 3 * H * inter + 2 * H
-        tied = getattr(config, "tie_word_embeddings", False)
-        return L * layer + V * H * (1 if tied else 2) + H
+            return AutoModelForCausalLM.from_config(config)
+
+    return count(config, _text(config), build)
 
 
 def make_plan(s: PlanSettings) -> Plan:
@@ -150,11 +146,15 @@ def make_plan(s: PlanSettings) -> Plan:
     if s.precision not in ("bf16", "fp32"):
         raise ConfigError(f"unknown --precision {s.precision!r}", "use bf16 (a GPU run) or fp32 (a CPU run)")
     half = s.precision == "bf16"
-    n_target = target_parameters(config)
-    target_bytes = n_target * (2 if half else 4)
+    if s.target_engine not in ("transformers", "vllm"):
+        raise ConfigError(f"unknown --target-engine {s.target_engine!r}", "use transformers or vllm")
+    counted = target_count(config)
+    n_target = counted.total
+    target_bytes = counted.engine_bytes(s.target_engine) if half else n_target * 4
     gpu_bytes = memory_gb * 1e9
     replica = target_bytes + CONTEXT_BYTES < 0.6 * gpu_bytes  # room left for the draft's step
-    per_gpu_target = target_bytes if replica else target_bytes / min(s.gpus, 8)
+    sharded = target_bytes / min(s.gpus, 8)  # tensor parallel over the node's GPUs
+    per_gpu_target = target_bytes if replica else sharded
 
     if s.context_parallel < 1 or (s.context_parallel > 1 and s.gpus % s.context_parallel):
         raise ConfigError(f"--context-parallel {s.context_parallel} does not divide --gpus {s.gpus}",
@@ -174,7 +174,7 @@ def make_plan(s: PlanSettings) -> Plan:
         # transients are gone before the step runs)
         width = 2 if half else 4
         forward = (s.batch_size * T * (2 * vd * 4 + (len(draft_config.aux_layer_ids) + 2) * H * width
-                                       + 2 * getattr(text, "intermediate_size", 4 * H) * width)
+                                       + 2 * counted.mlp_width * width)
                    + 3 * LOGITS_CHUNK_BYTES)
         need_live = need + per_gpu_target + forward
         rows.append(StepRow(T, ckpt, m.peak / 1e9, need / 1e9, need_live / 1e9,
@@ -189,10 +189,11 @@ def make_plan(s: PlanSettings) -> Plan:
                           "total_gb": per * s.tokens / 1e9})
 
     # GPU hours: FLOPs over peak x utilisation. Precompute runs the target's forward once per token
-    # (2 FLOPs per parameter, and causal attention at the mean length); training the draft's step.
+    # (2 FLOPs per parameter the token runs through: an MoE's active ones, not the embedding's lookup;
+    # and causal attention at the mean length); training the draft's step.
     rate = s.gpus * tflops * 1e12 * s.utilization
     attention = 2 * L * H * s.avg_tokens  # causal: 4 * L * (T / 2) * H per token
-    precompute_flops = s.tokens * (2 * n_target + attention)
+    precompute_flops = s.tokens * (2 * (counted.active - counted.embedding) + attention)
     at_mean = measure_step(algorithm, draft_config, options, s.avg_tokens, batch=s.batch_size,
                            autocast_dtype=torch.bfloat16 if half else None,
                            target_dtype=torch.bfloat16 if half else torch.float32)
@@ -201,11 +202,13 @@ def make_plan(s: PlanSettings) -> Plan:
              "utilization": s.utilization, "tokens": s.tokens,
              "precompute_hours": precompute_flops / rate / 3600, "train_hours": train_flops / rate / 3600,
              "train_flops_per_token": at_mean.flops / (s.batch_size * s.avg_tokens)}
-    notes = [f"the target ({n_target / 1e9:.2f} B parameters, {target_bytes / 1e9:.1f} GB in bf16) "
+    kept = "in fp32" if not half else _kept(counted, s.target_engine)
+    notes = [f"the target ({n_target / 1e9:.2f} B parameters, {target_bytes / 1e9:.1f} GB {kept}) "
              + ("fits one GPU: with a live target each rank holds a replica"
                 if replica else f"does not fit one GPU with room for the draft: a live target is sharded "
                                 f"over the node's GPUs (--target-parallel tensor, {per_gpu_target / 1e9:.1f} GB each), "
                                 "or precompute a cache")]
+    notes += _moe_notes(counted, config, draft_config, s)
     if s.context_parallel > 1:
         notes.append(f"with --context-parallel {s.context_parallel} each rank holds 1/{s.context_parallel} of a "
                      "row's activations and all-gathers the step-0 keys and values (its step's peak above); from "
@@ -225,7 +228,13 @@ def make_plan(s: PlanSettings) -> Plan:
     return Plan(
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
         target={"architecture": (getattr(config, "architectures", None) or [""])[0], "parameters": n_target,
-                "layers": L, "hidden_size": H, "vocab_size": V, "weights_gb": target_bytes / 1e9,
+                "active_parameters": counted.active, "experts": counted.experts,
+                "experts_per_token": counted.experts_per_token, "moe_layers": counted.moe_layers,
+                "expert_parameters": counted.expert_parameters,
+                "layers": L, "hidden_size": H, "vocab_size": V, "engine": s.target_engine,
+                "quantization": counted.quantization, "stored_gb": counted.stored_bytes() / 1e9,
+                "bf16_gb": counted.bf16_bytes() / 1e9, "weights_gb": target_bytes / 1e9,
+                "replica_gb": target_bytes / 1e9, "sharded_gb": sharded / 1e9, "sharded_over": min(s.gpus, 8),
                 "per_gpu_gb": per_gpu_target / 1e9, "placement": "replica" if replica else "tensor-parallel"},
         draft={"algorithm": algorithm.name, "trained_parameters": trained, "frozen_parameters": frozen,
                "draft_vocab_size": vd, "aux_layers": list(draft_config.aux_layer_ids),
@@ -235,15 +244,57 @@ def make_plan(s: PlanSettings) -> Plan:
         steps=rows, cache=cache, hours=hours, notes=notes)
 
 
+def _kept(counted, engine: str) -> str:
+    """How a live target of `engine` keeps the weights, in words."""
+    if counted.quantization is None:
+        return "in bf16"
+    if engine == "vllm" and counted.stored_bytes() != counted.bf16_bytes():
+        return f"as stored, {counted.quantization} (vLLM keeps it)"
+    return f"in bf16 (transformers dequantizes {counted.quantization} without its GPU kernels: an upper bound)"
+
+
+def _moe_notes(counted, config, draft_config, s: PlanSettings) -> list[str]:
+    notes = []
+    if counted.quantization is not None:
+        stored = counted.stored_bytes()
+        if stored == counted.bf16_bytes():
+            notes.append(f"the checkpoint is quantized ({counted.quantization}), a method the plan does not "
+                         "size: its weights are counted at bf16")
+        else:
+            notes.append(f"the checkpoint stores {counted.quantized_parameters / 1e9:.1f} B parameters in "
+                         f"{counted.quantization}: {stored / 1e9:.1f} GB as stored (what --target-engine vllm "
+                         f"keeps), {counted.bf16_bytes() / 1e9:.1f} GB in bf16 (transformers, without its "
+                         f"{counted.quantization} kernels)")
+    if counted.moe:
+        text = _text(config)
+        expert = getattr(text, "moe_intermediate_size", None)
+        dense = getattr(text, "intermediate_size", None)
+        notes.append(f"mixture of experts: {counted.experts} routed experts, {counted.experts_per_token} per token, "
+                     f"in {counted.moe_layers} of {text.num_hidden_layers} layers: {counted.active / 1e9:.2f} B of "
+                     f"{counted.total / 1e9:.2f} B parameters active per token, so precompute's FLOPs count "
+                     "the active ones and its memory all of them")
+        notes.append(f"the draft's MLP is dense, intermediate size {draft_config.intermediate_size}: the target's "
+                     "`intermediate_size` field, as speculators and SpecForge's config generator take it" + (
+                         f" (here the dense MLP's width; one expert's is {expert}, and {counted.experts_per_token} "
+                         f"experts give a token {counted.experts_per_token * expert})" if expert and expert != dense
+                         else " (here one expert's width)")
+                     + "; --draft-intermediate-size sets another (docs/moe.md)")
+    return notes
+
+
 def show(plan: Plan) -> None:
     from rich.table import Table
 
     from spec_cli.console import console, human_bytes
 
     t, d, h = plan.target, plan.draft, plan.hours
-    console.print(f"[bold]target[/] {t['architecture']}: {t['parameters'] / 1e9:.2f} B parameters, "
-                  f"{t['layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}; "
-                  f"{t['weights_gb']:.1f} GB in bf16 ({t['placement']}: {t['per_gpu_gb']:.1f} GB per GPU)")
+    active = (f" ({t['active_parameters'] / 1e9:.2f} B active: {t['experts_per_token']} of {t['experts']} experts)"
+              if t.get("experts") else "")
+    stored = f", {t['stored_gb']:.1f} GB as stored ({t['quantization']})" if t.get("quantization") else ""
+    console.print(f"[bold]target[/] {t['architecture']}: {t['parameters'] / 1e9:.2f} B parameters{active}, "
+                  f"{t['layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}{stored}; a live "
+                  f"{t['engine']} target keeps {t['weights_gb']:.1f} GB: a replica per GPU, or "
+                  f"{t['sharded_gb']:.1f} GB per GPU sharded over {t['sharded_over']} ({t['placement']} here)")
     console.print(f"[bold]draft[/] {d['algorithm']}: {d['trained_parameters'] / 1e6:.0f} M trained + "
                   f"{d['frozen_parameters'] / 1e6:.0f} M frozen parameters, {d['layers']} layer(s), "
                   f"draft vocab {d['draft_vocab_size']}, aux layers {d['aux_layers']}, {d.get('steps', 'TTT ' + str(d['ttt_steps']))}")
