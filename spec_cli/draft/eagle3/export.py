@@ -124,8 +124,22 @@ def refuse_unservable(src: Checkpoint, fmt: str) -> None:
     if first != 1 and arch not in SGLANG_ALWAYS_PLUS_ONE:
         raise ExportError(f"SGLang's reading of aux layer ids whose first id is {first} (not 1) depends on "
                           f"the target's model file (llama.py adds 1, deepseek_v2.py does not), and "
-                          f"{arch or 'this target'} is not one spec_cli has verified",
-                          "train with the default aux layers (the first is layer 1) or export --format vllm")
+                          f"{arch or 'this target'} is not one spec_cli has verified", _first_layer_hint(c))
+
+
+def _first_layer_hint(c) -> str:
+    """What to do about aux layers SGLang may misread: the layers whose first is 1 on this target, where
+    three distinct capturable ones (outputs of layers 1 .. N - 2) exist, else the vLLM export."""
+    from spec_cli.draft.eagle3 import default_aux_layers
+
+    last = c.target_num_layers - 2
+    if last < len(c.aux_layer_ids):  # layers 1 .. last are too few: the first must be layer 0
+        return (f"a {c.target_num_layers}-layer target has outputs of layers 0..{last} to read, too few for "
+                f"{len(c.aux_layer_ids)} distinct layers from layer 1: export it with --format vllm")
+    ids = default_aux_layers(c.target_num_layers)
+    if min(ids) != 1:
+        ids = sorted({round(1 + i * (last - 1) / (len(c.aux_layer_ids) - 1)) for i in range(len(c.aux_layer_ids))})
+    return f"train with --aux-layers {','.join(map(str, ids))} (the first is layer 1) or export --format vllm"
 
 
 # ----------------------------------------------------------------------------- tensors

@@ -158,14 +158,24 @@ def test_refuses_what_an_engine_cannot_serve_as_trained(tmp_path):
     with pytest.raises(ExportError, match="decoder layers"):
         stage.run(stage.ExportConfig(source=two_layers, format="sglang", output=tmp_path / "o1"))
     odd_aux = make_run(tmp_path / "odd", aux_layer_ids=[2, 3, 4], target_architecture="SomeNewForCausalLM")
-    with pytest.raises(ExportError, match="first id is 2"):
+    with pytest.raises(ExportError, match="first id is 2") as caught:
         stage.run(stage.ExportConfig(source=odd_aux, format="sglang", output=tmp_path / "o2"))
+    from spec_cli.draft.eagle3 import default_aux_layers
+
+    assert f"--aux-layers {','.join(map(str, default_aux_layers(N)))} (the first is layer 1)" in caught.value.hint
+    # a 4-layer target (a small MoE's default aux layers are 0, 1, 2): layers from 1 are too few, so the
+    # hint does not send the user to the defaults
+    small = make_run(tmp_path / "small", aux_layer_ids=[0, 1, 2], target_num_layers=4,
+                     target_architecture="SomeNewForCausalLM")
+    with pytest.raises(ExportError, match="first id is 0") as caught:
+        stage.run(stage.ExportConfig(source=small, format="sglang", output=tmp_path / "o5"))
+    assert caught.value.hint.endswith("export it with --format vllm") and "default" not in caught.value.hint
     last = make_run(tmp_path / "last", aux_layer_ids=[1, 3, N - 1])
     with pytest.raises(ExportError, match="cannot be captured"):
         stage.run(stage.ExportConfig(source=last, format="vllm", output=tmp_path / "o3"))
     with pytest.raises(ConfigError, match="--format"):
         stage.run(stage.ExportConfig(source=last, format="onnx", output=tmp_path / "o4"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "odd", "two"]  # no output written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "odd", "small", "two"]  # no output written
 
 
 def test_multi_layer_drafts_export_for_vllm(tmp_path):
