@@ -23,13 +23,13 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
 
 
-def train_on_sized_target(root: Path, *train_args: str) -> dict:
-    """A peaked vLLM-sized target, 80 random chats, a 64-token vocab map and a draft trained on them live
-    (`spec train` with these extra options) into ROOT/run, with SPEC_HOME under `root`."""
+def train_on_sized_target(root: Path, *train_args: str, target: Path | None = None) -> dict:
+    """A peaked vLLM-sized target (or `target`), 80 random chats, a 64-token vocab map and a draft trained
+    on them live (`spec train` with these extra options) into ROOT/run, with SPEC_HOME under `root`."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        target = tiny.peaked_copy(save_vllm_sized_target(root / "raw"), root / "target")
+        target = target or tiny.peaked_copy(save_vllm_sized_target(root / "raw"), root / "target")
         rng = random.Random(0)
         data = root / "data.jsonl"
         data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(80)))
