@@ -198,6 +198,17 @@ def signalled_child(cmd: list[str], **popen):
         proc.communicate()
 
 
+def wait_for(path: Path, proc: subprocess.Popen, what: str, seconds: float = 60) -> None:
+    """Until `proc` has written `path` (a test then signals it mid-run); fails if it ends first or takes
+    longer than `seconds`."""
+    import time
+
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert time.time() < deadline and proc.poll() is None, f"{what} did not get going"
+        time.sleep(0.05)
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from safetensors.torch import save_file
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.cli import main
 from tests import tiny
-from tests.conftest import signalled_child, write_jsonl
+from tests.conftest import signalled_child, wait_for, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -215,10 +214,7 @@ def test_a_stop_signal_during_precompute_keeps_finished_shards_and_exits_with_it
     cmd = [sys.executable, "-m", "spec_cli.cli", *precompute_args(made["target"], made["data"], made["vm"], out)]
     env = {**os.environ, "SPEC_TEST_SHARD_DELAY": "2", "SPEC_HOME": str(made["root"] / "home")}
     with signalled_child(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
-        deadline = time.time() + 60
-        while not (out / "shard-00000.json").exists():
-            assert time.time() < deadline and proc.poll() is None, "precompute did not get going"
-            time.sleep(0.05)
+        wait_for(out / "shard-00000.json", proc, "precompute")
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err

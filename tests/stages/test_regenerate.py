@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from spec_cli.data.tokenize import tokenize_data
 from spec_cli.stages import regenerate as stage
 from spec_cli.target import loading
 from tests import tiny
-from tests.conftest import signalled_child, write_jsonl
+from tests.conftest import signalled_child, wait_for, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -220,10 +219,7 @@ def test_kill_9_or_sigterm_then_rerun_gives_the_identical_file(talker, chats, tm
     env = {**os.environ, "SPEC_TEST_CHUNK_DELAY": "1", "OMP_NUM_THREADS": "1"}
     with signalled_child(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
         parts = Path(f"{out}.parts")
-        deadline = time.time() + 120
-        while not (parts / "part-00001.json").exists():
-            assert time.time() < deadline and proc.poll() is None, "regenerate did not get going"
-            time.sleep(0.05)
+        wait_for(parts / "part-00001.json", proc, "regenerate", 120)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     if sig == signal.SIGTERM:
