@@ -16,22 +16,20 @@ def format_title(fmt: str) -> str:
     return next((f.title for a in algorithms.ALGORITHMS.values() for f in a.formats if f.name == fmt), fmt)
 
 
-def model_impl(support) -> str | None:
+def model_impl(served: bool | None, engine: str) -> str | None:
     """vLLM's `--model-impl` for an export written with --allow-unsupported-target: the engine's native
-    class for the target cannot capture aux states (support.served False), and vLLM's Transformers backend
-    implements the capture for any architecture it runs (export/support.py)."""
-    return "transformers" if support is not None and support.served is False and \
-        str(support.engine).startswith("vLLM") else None
+    class for the target cannot capture aux states (`served` False for a vLLM `engine`), and vLLM's
+    Transformers backend implements the capture for any architecture it runs (export/support.py)."""
+    return "transformers" if served is False and str(engine).startswith("vLLM") else None
 
 
 def export_model_impl(folder: Path) -> str | None:
     """model_impl of an export folder, from the engine support its config.json records."""
     try:
         recorded = json.loads((Path(folder) / "config.json").read_text())["spec_cli"]["engine_support"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return model_impl(recorded.get("served"), recorded.get("engine", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return "transformers" if recorded.get("served") is False and str(recorded.get("engine", "")).startswith("vLLM") \
-        else None
 
 
 def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3",
@@ -80,7 +78,8 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
     lines = [f"# {algorithms.get(c.algorithm).title} draft for {c.target_architecture or 'the target'} ({format_title(fmt)})", "",
              f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
              f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
-             serve_command(fmt, folder, src.target, steps, c.algorithm, model_impl(support)), "```", ""]
+             serve_command(fmt, folder, src.target, steps, c.algorithm,
+                           None if support is None else model_impl(support.served, support.engine)), "```", ""]
     if fmt == "speculators":
         lines += ["vLLM also serves a speculators folder directly, taking the target from "
                   "`speculators_config.verifier.name_or_path`:", "", "```bash",

@@ -103,7 +103,7 @@ def count(config, text, build) -> TargetCount:
         (getattr(text, "shared_expert_intermediate_size", None) or 0)
     try:
         model = build()
-    except Exception:  # noqa: BLE001 (an architecture this transformers cannot build): a dense decoder
+    except Exception:  # noqa: BLE001 (an architecture this transformers cannot build): by formula
         return _formula(config, text, E, k, method, dense, expert_width, shared)
     total = embedding = experts = quantized = 0
     moe_layers: set[int] = set()

@@ -135,7 +135,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     _check_output(output, src.checkpoint, cfg.overwrite)
     mode = engine.resolve_mode(cfg.engine_check, algorithm.format(fmt))
     target_dir, note = _engine_target(src, algorithm.format(fmt), mode, asked=(cfg.engine_check or "auto").lower())
-    impl = model_impl(support) if served_as.engine == "vllm" else None
+    impl = model_impl(support.served, support.engine) if served_as.engine == "vllm" else None
     if target_dir is not None and support.served is not True and cfg.allow_unsupported_target and impl is None:
         target_dir, note = None, f"skipped ({support.engine} does not serve this target natively)"
     if target_dir is not None and algorithm.aux_layers and impl is None:  # before writing: can vLLM capture aux states

@@ -71,6 +71,9 @@ def test_plan_errors(tmp_path, capfd):
     assert "no plan for --algorithm peagle" in err and "COD" in err
     assert main(["plan", str(tmp_path), "--gpu", "tpu"]) == 1
     assert "unknown --gpu 'tpu'" in capfd.readouterr().err
+    assert main(["plan", str(tmp_path), "--target-engine", "sglang"]) == 1
+    err = capfd.readouterr().err
+    assert "unknown --target-engine 'sglang'" in err and "use transformers or vllm" in err and "internal" not in err
 
 
 def test_context_parallel_plan_per_rank(tmp_path, capsys):
