@@ -34,12 +34,17 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              read(folder, fmt, target_config) -> ReadExport (`spec eval --draft EXPORT`)
     vllm_draft_class         "module:Class" of the draft model vLLM builds for it (the engine check
                              watches its load_weights)
-    extra                    its own declarations the seams read: "draft_options" (its options that are
-                             part of the draft's config), "steps"/"steps_name" (the metric steps its
-                             objective reports), "sliding_window" (True: it trains, decodes and exports
-                             a --draft-window), "context_parallel" (True: its objective runs
-                             Objective.context_shard, so --context-parallel splits its rows),
-                             "eval_depth" (config -> `spec eval`'s default --depth; else 3)
+    draft_options            its options that are part of the draft's config (build_draft passes them to
+                             config(); a resume with other values is refused): DFlash's ("block_size",)
+    steps, steps_name        options -> how many metric steps its objective reports, and what the train
+                             log calls them (None: the TTT steps; DFlash: "block offsets")
+    eval_depth               config -> `spec eval`'s default --depth (None: 3; a block drafter: its block)
+    sliding_window           True: it trains, decodes and exports a --draft-window
+    context_parallel         True: its objective runs Objective.context_shard, so --context-parallel splits
+                             its rows
+    own_embeddings           False: it reads the target's input embeddings instead of copying them (MSD)
+    curriculum               True: its objective takes the --curriculum schedule (MSD)
+    not_served               why no serving engine runs it ("": it has export formats)
 
 This module imports no torch: `spec --help` and the CLI read the declarations without loading models.
 """
@@ -47,7 +52,7 @@ This module imports no torch: `spec --help` and the CLI read the declarations wi
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
@@ -81,7 +86,15 @@ class Algorithm:
     needs: frozenset[str] = frozenset()
     summary: str = ""  # a phrase for --algorithm's help ("all draft tokens in one forward")
     vllm_draft_class: str = ""
-    extra: dict = field(default_factory=dict, compare=False)  # free for an algorithm's own declarations
+    draft_options: tuple[str, ...] = ()
+    steps: Callable[[object], int] | None = None
+    steps_name: str = "TTT"
+    eval_depth: Callable[[object], int] | None = None
+    sliding_window: bool = False
+    context_parallel: bool = False
+    own_embeddings: bool = True
+    curriculum: bool = False
+    not_served: str = ""
 
     # -- the implementation, loaded when first asked (torch and the model code)
     @property

@@ -239,8 +239,8 @@ def make_plan(s: PlanSettings) -> Plan:
         draft={"algorithm": algorithm.name, "trained_parameters": trained, "frozen_parameters": frozen,
                "draft_vocab_size": vd, "aux_layers": list(draft_config.aux_layer_ids),
                "layers": s.draft_layers, "ttt_steps": s.ttt_steps,
-               "steps": (f"{algorithm.extra['steps_name']} {algorithm.extra['steps'](options)}"
-                         if "steps" in algorithm.extra else f"TTT {s.ttt_steps}")},
+               "steps": (f"{algorithm.steps_name} {algorithm.steps(options)}"
+                         if algorithm.steps else f"TTT {s.ttt_steps}")},
         steps=rows, cache=cache, hours=hours, notes=notes)
 
 

@@ -110,7 +110,7 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
         objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
         slots = None
         if context > 1:
-            if not algorithm.extra.get("context_parallel"):
+            if not algorithm.context_parallel:
                 raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks",
                                   "plan it without --context-parallel, or plan --algorithm eagle3")
             from spec_cli.draft.context import Context, kept_ranges, padded_length

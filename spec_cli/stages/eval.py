@@ -121,9 +121,9 @@ DEFAULT_DEPTH = 3  # a chain of 3: SGLang's usual EAGLE-3 setting, and what the 
 
 
 def natural_depth(config) -> int:
-    """--depth when none is given: the algorithm's (Algorithm.extra["eval_depth"](config): DFlash proposes
+    """--depth when none is given: the algorithm's (Algorithm.eval_depth(config): DFlash proposes
     block_size - 1 tokens per forward), else a chain of 3."""
-    rule = algorithms.get(config.algorithm).extra.get("eval_depth")
+    rule = algorithms.get(config.algorithm).eval_depth
     return int(rule(config)) if rule else DEFAULT_DEPTH
 
 
@@ -174,7 +174,7 @@ def run(cfg: EvalConfig) -> EvalResult:
         cfg = replace(cfg, depth=natural_depth(c))
     listed = () if cfg.compare_depths == AUTO else cfg.compare_depths
     compared = [d for d in dict.fromkeys(listed) if d != cfg.depth]  # auto: chosen once the target is timed
-    rule = algorithms.get(c.algorithm).extra.get("eval_depth")
+    rule = algorithms.get(c.algorithm).eval_depth
     if compared and rule and max(compared) > int(rule(c)):
         raise ConfigError(f"--compare-depths {max(compared)}: this {algorithms.get(c.algorithm).title} draft "
                           f"proposes at most {int(rule(c))} tokens per forward",
@@ -186,7 +186,7 @@ def run(cfg: EvalConfig) -> EvalResult:
     if cfg.engine == "vllm" and not vllm_formats:
         title = algorithms.get(c.algorithm).title
         raise ConfigError(f"vLLM does not serve {title} drafts" + (
-            f": {algorithms.get(c.algorithm).extra['not_served']}" if algorithms.get(c.algorithm).extra.get("not_served")
+            f": {algorithms.get(c.algorithm).not_served}" if algorithms.get(c.algorithm).not_served
             else ""), "evaluate it in PyTorch: --engine torch")
     if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in vllm_formats:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",

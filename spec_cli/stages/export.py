@@ -110,8 +110,8 @@ def run(cfg: ExportConfig) -> ExportResult:
         info(note)
     src = load_source(cfg.source, target=cfg.target)
     algorithm = algorithms.get(src.config.algorithm)
-    if fmt not in algorithm.format_names and algorithm.extra.get("not_served"):  # (MSD: no engine runs it)
-        raise ConfigError(f"{algorithm.title} drafts have no export: {algorithm.extra['not_served']}",
+    if fmt not in algorithm.format_names and algorithm.not_served:  # (MSD: no engine runs it)
+        raise ConfigError(f"{algorithm.title} drafts have no export: {algorithm.not_served}",
                           "evaluate the run or checkpoint with `spec eval` (PyTorch)")
     if fmt not in algorithm.format_names:
         raise ConfigError(f"{algorithm.name} drafts are not written as --format {fmt}",

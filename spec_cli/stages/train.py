@@ -118,7 +118,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
                              start_step=step, world=schedule.world)
         info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
              f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), "
-             f"{trainer.algorithm.extra.get('steps_name', 'TTT')} {metric_steps(cfg, trainer.algorithm)}, loss {cfg.objective.loss}, device {device}, "
+             f"{trainer.algorithm.steps_name} {metric_steps(cfg, trainer.algorithm)}, loss {cfg.objective.loss}, device {device}, "
              f"{'bf16' if trainer.autocast_dtype else 'fp32'}, attention {trainer.attention}"
              + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
                 if schedule.world > 1 else "")
@@ -415,8 +415,8 @@ def _algorithm(cfg: TrainConfig, source: Source) -> Algorithm:
     algorithm = algorithms.get(cfg.draft.algorithm)
     n = cfg.runtime.context_parallel
     if n > 1:
-        if not algorithm.extra.get("context_parallel"):
-            able = [a.name for a in algorithms.ALGORITHMS.values() if a.extra.get("context_parallel")]
+        if not algorithm.context_parallel:
+            able = [a.name for a in algorithms.ALGORITHMS.values() if a.context_parallel]
             raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks yet (its "
                               "objective attends across whole blocks of a row)",
                               f"drop --context-parallel, or train --algorithm {', '.join(able)}")
@@ -446,7 +446,7 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     --init-from-target."""
     d = cfg.draft
     if d.draft_window is not None:
-        if not algorithm.extra.get("sliding_window"):
+        if not algorithm.sliding_window:
             raise ConfigError(f"--draft-window: {algorithm.title} drafts have no sliding-window attention in "
                               "spec_cli (training, decoding and the engines' exports are built for EAGLE-3 only)",
                               "drop --draft-window, or train --algorithm eagle3")
@@ -467,7 +467,7 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
         tokenizer_base_fingerprint=source.chat_template.get("tokenizer_base_fingerprint", ""),
         vocab_map_fingerprint=vocab_map.fingerprint, algorithm=algorithm.name,
         # the algorithm's options that are part of the draft itself (DFlash: --block-size)
-        **{name: getattr(cfg.objective, name) for name in algorithm.extra.get("draft_options", ())})
+        **{name: getattr(cfg.objective, name) for name in algorithm.draft_options})
     info(f"draft rope: {draft_config.rope_source}")
     draft = algorithm.build(draft_config)
     draft.hidden_noise = cfg.objective.hidden_noise  # not in its config: export and eval never see it
@@ -475,7 +475,7 @@ def build_draft(cfg: TrainConfig, algorithm: Algorithm, source: Source, vocab_ma
     # The frozen weights (copied from the target, never trained) are stored once per run, as the target
     # holds them (the draft's fp32 copy is an exact upcast); checkpoints leave them out.
     frozen = {}
-    if algorithm.extra.get("own_embeddings", True):  # (MSD reads the target's input embeddings instead)
+    if algorithm.own_embeddings:  # (MSD reads the target's input embeddings instead)
         frozen["embed_tokens.weight"] = source.backend.get_input_embeddings()
         rows = frozen["embed_tokens.weight"].shape[0]
         if rows != draft_config.vocab_size:
@@ -758,8 +758,8 @@ def lr_at(step: int, total: int, optim: OptimOptions) -> float:
 
 def metric_steps(cfg: TrainConfig, algorithm: Algorithm) -> int:
     """How many steps the objective reports metrics for: the TTT depth, or what the algorithm says
-    (Algorithm.extra["steps"](options): DFlash's block offsets)."""
-    steps = algorithm.extra.get("steps")
+    (Algorithm.steps(options): DFlash's block offsets)."""
+    steps = algorithm.steps
     return int(steps(cfg.objective)) if steps else cfg.objective.ttt_steps
 
 

@@ -336,7 +336,7 @@ class Schedule:
 
     @classmethod
     def plan(cls, source: Source, cfg: TrainConfig) -> Schedule:
-        curriculum = algorithms.get(cfg.draft.algorithm).extra.get("curriculum")
+        curriculum = algorithms.get(cfg.draft.algorithm).curriculum
         if curriculum:  # each source keeps its share of train and held-out batches
             parts = [split_eval(pool, cfg.data.eval_fraction, cfg.optim.seed + 31 * kind)
                      for kind, pool in enumerate(by_source(source.plan, source.tokens))]

@@ -150,7 +150,7 @@ def run(cfg: TuneConfig) -> TuneResult:
     drafts.check_target(loaded, target_dir, target_config, tokenizer, cfg.check_fingerprint)
     c = loaded.model.config
     algorithm = algorithms.get(c.algorithm)
-    block = algorithm.extra.get("eval_depth")
+    block = algorithm.eval_depth
     most = int(block(c)) if block else None  # a DFlash draft proposes at most its block size - 1 tokens
     max_k = cfg.max_k or (most or 5)
     if most is not None and max_k > most:
@@ -409,7 +409,7 @@ def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int,
     dtype = loading.choose_dtype(cfg.dtype, device)
     algorithm = algorithms.get(loaded.model.config.algorithm)
     shapes = [("target", 0, 1, 0)] + [(f"chain {k}", k, 1, k) for k in range(1, max_k + 1)]
-    if not algorithm.extra.get("eval_depth"):  # a block drafter proposes a chain; the others can branch
+    if not algorithm.eval_depth:  # a block drafter proposes a chain; the others can branch
         shapes += [(f"tree {d}x{t}/{n}", d, t, n) for d in range(2, max_k + 1) for t, n in TREES]
     session = TorchSession(target_dir, device, dtype)
     try:

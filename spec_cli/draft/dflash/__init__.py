@@ -58,9 +58,7 @@ DFLASH = Algorithm(
     export_rules="spec_cli.export.dflash",
     options=DFlashOptions,
     vllm_draft_class="vllm.model_executor.models.qwen3_dflash:DFlashQwen3ForCausalLM",
-    # draft_options: the options build_draft passes to config() (kept in the draft's config);
-    # steps: the objective's metric steps (block offsets 1 .. block_size - 1), named in the train log
-    extra={"draft_options": ("block_size",), "steps": lambda options: options.block_size - 1,
-           "eval_depth": lambda config: config.extra["block_size"] - 1,  # spec eval's default --depth
-           "steps_name": "block offsets"},
+    draft_options=("block_size",),  # part of the draft's config
+    steps=lambda options: options.block_size - 1, steps_name="block offsets",  # offsets 1 .. block_size - 1
+    eval_depth=lambda config: config.extra["block_size"] - 1,  # one block forward proposes them all
 )

@@ -41,5 +41,5 @@ EAGLE = Algorithm(
     options=EagleOptions,
     needs=frozenset({FINAL_HIDDEN, LM_HEAD}),
     vllm_draft_class="vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM",
-    extra={"context_parallel": True},  # --context-parallel (spec_cli/draft/context.py)
+    context_parallel=True,  # --context-parallel (spec_cli/draft/context.py)
 )

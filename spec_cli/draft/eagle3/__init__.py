@@ -33,5 +33,5 @@ EAGLE3 = Algorithm(
     export_rules="spec_cli.export.eagle3",
     vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
     # --draft-window (sliding-window attention) and --context-parallel (spec_cli/draft/context.py)
-    extra={"sliding_window": True, "context_parallel": True},
+    sliding_window=True, context_parallel=True,
 )

@@ -53,6 +53,6 @@ MSD = Algorithm(
     implementation="spec_cli.draft.msd.implementation",
     options=MsdOptions,
     needs=frozenset({FINAL_HIDDEN, LM_HEAD, INPUT_EMBEDS}),
-    extra={"own_embeddings": False, "curriculum": True, "not_served": REASON,
-           "context_parallel": True},  # --context-parallel (spec_cli/draft/context.py), as EAGLE-1/2
+    own_embeddings=False, curriculum=True, not_served=REASON,
+    context_parallel=True,  # --context-parallel (spec_cli/draft/context.py), as EAGLE-1/2
 )

@@ -45,5 +45,5 @@ PEAGLE = Algorithm(
     export_rules="spec_cli.export.eagle3",
     options=PEagleOptions,
     vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
-    extra={"context_parallel": True},  # --context-parallel: each rank its anchors' rollouts (objective.py)
+    context_parallel=True,  # --context-parallel: each rank its anchors' rollouts (objective.py)
 )
