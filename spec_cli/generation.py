@@ -20,6 +20,9 @@ class Generation:
     steps: list[tuple[int, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
     draft_seconds: float = 0.0  # of `seconds`, the draft's (catch-up + proposal; the PyTorch loop only)
+    # per forward: the draft's own P(accepted | the ones before accepted) of each verified position
+    # (a draft with a confidence head: DSpark), else empty
+    confidence: list[list[float]] = field(default_factory=list)
     # the target alone, greedy: per new token, its TOP_LOGITS best {id: logit}; where a speculative output
     # parts from this one, they tell a rounding tie from a real difference (report.parting)
     top: list[dict[int, float]] = field(default_factory=list)

@@ -46,6 +46,12 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(
         "--temperature", help="0: greedy (output identical to the target's); > 0: speculative sampling, "
                               "which keeps the target's distribution.", min=0.0, rich_help_panel=DECODING)] = 0.0,
+    adaptive_verification: Annotated[float, typer.Option(
+        "--adaptive-verification", help="A draft with a confidence head (DSpark): verify the chain's positions "
+                                        "while the running product of its per-position confidences is at least "
+                                        "this (as vLLM's enable_adaptive_verification sizes verification); 0: all. "
+                                        "Greedy output is unchanged.", min=0.0, max=1.0,
+        rich_help_panel=DECODING)] = 0.0,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", help="Tokens generated per turn at most.", min=1, rich_help_panel=DECODING)] = 256,
     num_prompts: Annotated[Optional[int], typer.Option(
@@ -81,6 +87,7 @@ def eval_cmd(
     result = stage.run(stage.EvalConfig(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
         num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
+        adaptive_verification=adaptive_verification,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
         engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template,
         compare_depths=parse_depths(compare_depths)))

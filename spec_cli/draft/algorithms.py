@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from spec_cli.draft.algorithm import Algorithm
 from spec_cli.draft.dflash import DFLASH
+from spec_cli.draft.dspark import DSPARK
 from spec_cli.draft.eagle import EAGLE
 from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.draft.msd import MSD
 from spec_cli.draft.peagle import PEAGLE
 from spec_cli.errors import ConfigError
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (EAGLE3, EAGLE, PEAGLE, DFLASH, MSD)}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (EAGLE3, EAGLE, PEAGLE, DFLASH, DSPARK, MSD)}
 DEFAULT = "eagle3"
 
 

@@ -24,6 +24,13 @@ class Proposal:
     depths: torch.Tensor  # [N] 1 = a child of the root
     q: torch.Tensor | None = None  # [N, V] the draft distribution each token was sampled from (chain)
     chain: bool = True
+    confidence: torch.Tensor | None = None  # [N] the draft's own P(accepted | the ones before accepted)
+
+    def first(self, k: int) -> "Proposal":
+        """The chain's first k tokens (adaptive verification verifies no more)."""
+        cut = lambda x: None if x is None else x[:k]  # noqa: E731
+        return Proposal(self.tokens[:k], self.parents[:k], self.depths[:k], cut(self.q), self.chain,
+                        cut(self.confidence))
 
 
 

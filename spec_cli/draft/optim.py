@@ -24,7 +24,7 @@ import torch
 
 ADAMW_BETAS = (0.9, 0.95)
 # 2-D weights kept on AdamW: token-indexed tables (rows are tokens, not directions)
-VOCAB_MATRICES = ("lm_head", "embed_tokens")
+VOCAB_MATRICES = ("lm_head", "embed_tokens", "markov_w1", "markov_w2")  # (DSpark's Markov head: vocab rows)
 
 
 def is_matrix(name: str, param: torch.Tensor) -> bool:

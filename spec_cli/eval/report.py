@@ -35,6 +35,7 @@ class Tally:
     produced: int = 0  # tokens those forwards produced
     accepted: list[int] = field(default_factory=list)  # [j-1]: forwards that accepted position j
     verified: list[int] = field(default_factory=list)  # [j-1]: forwards that verified position j on the path
+    predicted: list[float] = field(default_factory=list)  # [j-1]: the draft's confidences summed over those
     spec_tokens: int = 0
     spec_seconds: float = 0.0
     draft_seconds: float = 0.0  # of spec_seconds, the draft's (PyTorch loop; 0 from vLLM)
@@ -61,6 +62,10 @@ class Tally:
             for j in range(v):
                 self.verified[j] += 1
                 self.accepted[j] += int(j < m)
+        for row in spec.confidence:  # (one per step, of its verified positions)
+            self.predicted += [0.0] * (len(row) - len(self.predicted))
+            for j, c in enumerate(row):
+                self.predicted[j] += c
         if base is not None:
             self.target_tokens += len(base.tokens)
             self.target_seconds += base.seconds
@@ -82,6 +87,9 @@ class Tally:
             "acceptance_length": self.produced / self.steps if self.steps else 0.0,
             "acceptance_rate": [a / v if v else None for a, v in zip(self.accepted, self.verified)],
             "accepted": list(self.accepted),
+            # the confidence head's mean P(accepted | earlier accepted) where acceptance_rate was measured
+            "predicted_acceptance": [p / v if v else None for p, v in zip(self.predicted, self.verified)]
+            if self.predicted else None,
             "verified": list(self.verified),
             "target_forwards": self.steps,
             "tokens_produced": self.produced,
@@ -204,6 +212,11 @@ def print_table(result) -> None:
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
+    predicted = result.overall.get("predicted_acceptance")
+    if predicted:
+        pairs = "  ".join(f"{j + 1}: {p:.2f} vs {r:.2f}" for j, (p, r) in
+                          enumerate(zip(predicted, result.overall["acceptance_rate"])) if p is not None and r is not None)
+        console.print(f"confidence head, predicted vs realised acceptance by position: {pairs}", markup=False)
     o = result.overall
     if o.get("draft_ms_per_cycle") is not None:
         console.print(f"drafting: {o['draft_ms_per_cycle']:.1f} ms per draft-verify cycle (catch-up + proposal), "

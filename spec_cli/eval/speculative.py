@@ -46,6 +46,8 @@ class Settings:
     topk: int = 1  # 1: a chain; > 1: an EAGLE-2 tree expanding top-k nodes per depth
     num_tokens: int = 0  # tree: drafted nodes verified per step (0: all); chain: depth
     temperature: float = 0.0  # 0: greedy
+    adaptive: float = 0.0  # > 0: verify a chain's positions while the running product of the draft's
+    #                        confidences stays at least this (adaptive verification); 0: all of them
     max_new_tokens: int = 256
     eos_ids: frozenset[int] = frozenset()
 
@@ -159,7 +161,7 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
     logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device),  # pending [P, 3*H_t]
                               getattr(prompt, "images", None))
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
-    steps, drafts, appended = [], [], tokens[-1:]
+    steps, drafts, confidence, appended = [], [], [], tokens[-1:]
     draft_seconds = 0.0
     while not _finished(appended, len(tokens) - len(prompt), settings):
         n = len(tokens)  # target cache: x[0..n-2]; draft cache: slots 0..n-2-len(pending)
@@ -168,6 +170,9 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
         state = algorithm.catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
         proposal = algorithm.propose(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens,
                                      settings.temperature, generator)
+        if proposal.confidence is not None and settings.adaptive > 0:
+            survival = torch.cumprod(proposal.confidence.float(), 0)
+            proposal = proposal.first(int((survival >= settings.adaptive).sum()))  # survival only falls
         draft_seconds += _clock(device) - t0
         d_cache.crop(n - 1)  # drafted slots go; the accepted ones are re-run with the target's aux states
         logits, aux = verify(target, t_cache, new_ids[-1], proposal)  # [N + 1, V], [N + 1, 3*H_t]
@@ -181,10 +186,12 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
         verified = len(path) + int(bool((proposal.parents == last).any()))  # a child of the last was tried
         steps.append((len(path), verified))
         drafts.append(proposal.tokens.tolist())
+        if proposal.confidence is not None:
+            confidence.append(proposal.confidence[:verified].tolist())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens=_cut(tokens[len(prompt):], settings), seconds=time.perf_counter() - start,
-                      steps=steps, drafts=drafts, draft_seconds=draft_seconds)
+                      steps=steps, drafts=drafts, draft_seconds=draft_seconds, confidence=confidence)
 
 
 @torch.no_grad()

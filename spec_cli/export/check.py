@@ -50,20 +50,22 @@ def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -
     return passed(fmt, *find_problems(folder, fmt, src, dtype))
 
 
-def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp32: tuple[str, ...] = ()) -> list[str]:
     """The file's tensors as the engine needs them: d2t int64 offsets, t2d a bool mask, the weights in the
-    requested dtype and finite."""
+    requested dtype (those whose names start with one of `fp32`: in fp32, as the engine builds them) and
+    finite."""
     problems = []
     for key, tensor in tensors.items():
+        want = torch.float32 if key.startswith(fp32) and fp32 else dtype
         if key == "d2t" and tensor.dtype != torch.int64:
             problems.append(f"d2t is {tensor.dtype}, not int64 offsets")
         elif key == "t2d" and tensor.dtype != torch.bool:
             problems.append(f"t2d is {tensor.dtype}, not a bool mask")
         elif key not in ("d2t", "t2d"):
-            if tensor.dtype != dtype:
-                problems.append(f"{key} is {tensor.dtype}, not the requested {dtype}")
+            if tensor.dtype != want:
+                problems.append(f"{key} is {tensor.dtype}, not the {'requested ' if want == dtype else ''}{want}")
             elif not bool(torch.isfinite(tensor.float()).all()):
-                problems.append(f"{key} has inf/nan values in {dtype}")
+                problems.append(f"{key} has inf/nan values in {want}")
     return problems
 
 

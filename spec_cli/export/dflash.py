@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -55,17 +56,37 @@ class View:
     speculative_tokens: int | None = None  # the speculators format names it; vLLM's folder leaves it to the user
     block_size: int | None = None
     problems: list[str] = field(default_factory=list)
+    heads: dict = field(default_factory=dict)  # a family's own settings (DSpark: the Markov and confidence heads)
 
 
-def recognise(raw: dict) -> str | None:
-    if raw.get("speculators_model_type") == "dflash":
+@dataclass(frozen=True)
+class Family:
+    """What tells the drafts that share these rules apart: DFlash's here, DSpark's (a DFlash backbone with
+    two heads) in spec_cli/export/dspark.py."""
+    title: str = "DFlash"
+    algorithm: str = "dflash"
+    architectures: tuple[str, ...] = (ARCHITECTURE,)  # vLLM's own format
+    speculators_type: str = "dflash"
+    first: int = 1  # the first block offset that proposes (DSpark's anchor proposes too: 0)
+    reads_causal_key: bool = True  # vLLM turns speculators' sliding_window_non_causal into causal
+    heads: Callable[[dict, str, View], None] | None = None  # reads its own config fields into view.heads
+    params: Callable[[View], dict] | None = None  # its own parameters, with their shapes
+    predict: Callable | None = None  # (draft, ids, aux, positions) -> (per-offset (logits, ids), more pairs)
+    fp32: tuple[str, ...] = ()  # weights vLLM builds in fp32 whatever the model's dtype (their name prefixes)
+
+
+DFLASH = Family()
+
+
+def recognise(raw: dict, family: Family = DFLASH) -> str | None:
+    if raw.get("speculators_model_type") == family.speculators_type:
         return "speculators"
-    if (raw.get("architectures") or [None])[0] == ARCHITECTURE:
+    if (raw.get("architectures") or [None])[0] in family.architectures:
         return "vllm"
     return None
 
 
-def view_of(raw: dict, fmt: str) -> View:
+def view_of(raw: dict, fmt: str, family: Family = DFLASH) -> View:
     problems: list[str] = []
     if fmt == "speculators":
         try:
@@ -77,8 +98,9 @@ def view_of(raw: dict, fmt: str) -> View:
             mask = raw["mask_token_id"]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             return View(fmt, engines.EngineView("vllm"), problems=[f"vLLM cannot read the speculators config ({exc})"])
-        settings = {"mask_token_id": mask, "target_layer_ids": [i - 1 for i in aux],
-                    "causal": not raw.get("sliding_window_non_causal", True)}
+        settings = {"mask_token_id": mask, "target_layer_ids": [i - 1 for i in aux]}
+        if family.reads_causal_key:
+            settings["causal"] = not raw.get("sliding_window_non_causal", True)
         vllm_ids, top = aux, raw
         layer["architectures"] = [ARCHITECTURE]
     else:
@@ -113,14 +135,17 @@ def view_of(raw: dict, fmt: str) -> View:
         problems.append("vLLM would run the block causally (is_causal / dflash_config.causal / "
                         "speculators' sliding_window_non_causal: false); it was trained without a causal mask")
     block = top.get("block_size")
-    return View(fmt, view, draft_vocab_size=int(top.get("draft_vocab_size") or view.vocab_size),
-                target_hidden_size=int(top.get("target_hidden_size") or view.hidden_size),
-                layer_outputs=[int(i) - 1 for i in vllm_ids], mask_token_id=None if mask is None else int(mask),
-                causal=causal, speculative_tokens=steps, block_size=None if block is None else int(block),
-                problems=problems)
+    out = View(fmt, view, draft_vocab_size=int(top.get("draft_vocab_size") or view.vocab_size),
+               target_hidden_size=int(top.get("target_hidden_size") or view.hidden_size),
+               layer_outputs=[int(i) - 1 for i in vllm_ids], mask_token_id=None if mask is None else int(mask),
+               causal=causal, speculative_tokens=steps, block_size=None if block is None else int(block),
+               problems=problems)
+    if family.heads:
+        family.heads(raw, fmt, out)
+    return out
 
 
-def expected_params(v: View) -> dict[str, tuple[int, ...]]:
+def expected_params(v: View, family: Family = DFLASH) -> dict[str, tuple[int, ...]]:
     """The checkpoint-named parameters vLLM's DFlashQwen3ForCausalLM holds, with their shapes."""
     L = v.layer
     H, h, kv, d, inter = L.hidden_size, L.num_attention_heads, L.num_key_value_heads, L.head_dim, L.intermediate_size
@@ -136,6 +161,8 @@ def expected_params(v: View) -> dict[str, tuple[int, ...]]:
                     p + "mlp.down_proj.weight": (H, inter)})
     if v.draft_vocab_size != L.vocab_size:
         out["d2t"] = (v.draft_vocab_size,)
+    if family.params:
+        out.update(family.params(v))
     return out
 
 
@@ -149,27 +176,27 @@ class Loaded:
     meta: dict
 
 
-def load(folder: Path, fmt: str | None = None) -> Loaded:
+def load(folder: Path, fmt: str | None = None, family: Family = DFLASH) -> Loaded:
     raw = json.loads((Path(folder) / "config.json").read_text())
-    fmt = fmt or recognise(raw)
+    fmt = fmt or recognise(raw, family)
     if fmt is None:
-        raise ArtifactError(f"{folder} is not a DFlash export", "pass a folder written by `spec export`")
-    view = view_of(raw, fmt)
+        raise ArtifactError(f"{folder} is not a {family.title} export", "pass a folder written by `spec export`")
+    view = view_of(raw, fmt, family)
     with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         meta = f.metadata() or {}
     problems = list(view.problems)
-    expected = expected_params(view) if view.layer.hidden_size else {}
+    expected = expected_params(view, family) if view.layer.hidden_size else {}
     loaded = {}
     for key, tensor in tensors.items():
         if key == "t2d":
             continue  # skipped by vLLM
         if "mask_hidden" in key:
-            problems.append(f"'{key}': vLLM's DFlash loader asserts there is no mask_hidden weight")
+            problems.append(f"'{key}': vLLM's {family.title} loader asserts there is no mask_hidden weight")
         elif key == "embed_tokens.weight":
             loaded[key] = tensor  # the draft's own embedding (vLLM keeps it unless it equals the target's)
         elif key not in expected:
-            problems.append(f"'{key}': vLLM's DFlash model has no such parameter (the load fails)")
+            problems.append(f"'{key}': vLLM's {family.title} model has no such parameter (the load fails)")
         elif tuple(tensor.shape) != expected[key]:
             problems.append(f"'{key}' is {tuple(tensor.shape)}, vLLM's parameter is {expected[key]}")
         else:
@@ -186,7 +213,8 @@ def load(folder: Path, fmt: str | None = None) -> Loaded:
     return Loaded(view, tensors, loaded, targets, problems, meta)
 
 
-def _draft_config(view: View, target_num_layers: int, block_size: int, **provenance) -> DraftConfig:
+def _draft_config(view: View, target_num_layers: int, block_size: int, family: Family = DFLASH,
+                  **provenance) -> DraftConfig:
     L = view.layer
     return DraftConfig(vocab_size=L.vocab_size, target_hidden_size=view.target_hidden_size,
                        aux_layer_ids=list(view.layer_outputs), target_num_layers=target_num_layers,
@@ -195,8 +223,8 @@ def _draft_config(view: View, target_num_layers: int, block_size: int, **provena
                        head_dim=L.head_dim, draft_vocab_size=view.draft_vocab_size,
                        num_hidden_layers=L.num_hidden_layers, rms_norm_eps=L.rms_norm_eps, rope_theta=L.rope_theta,
                        rope_scaling=L.rope_scaling, max_position_embeddings=L.max_position_embeddings,
-                       hidden_act=L.hidden_act, mask_token_id=view.mask_token_id, algorithm="dflash",
-                       extra={"block_size": block_size}, **provenance)
+                       hidden_act=L.hidden_act, mask_token_id=view.mask_token_id, algorithm=family.algorithm,
+                       extra={"block_size": block_size, **view.heads}, **provenance)
 
 
 def _state(read: Loaded, embed: torch.Tensor, head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -211,18 +239,19 @@ def _state(read: Loaded, embed: torch.Tensor, head: torch.Tensor | None = None) 
 
 # ----------------------------------------------------------------------------- the self-check
 
-def check(folder: Path, fmt: str, src, dtype: torch.dtype) -> CheckReport:
-    return passed(fmt, *find_problems(Path(folder), fmt, src, dtype))
+def check(folder: Path, fmt: str, src, dtype: torch.dtype, family: Family = DFLASH) -> CheckReport:
+    return passed(fmt, *find_problems(Path(folder), fmt, src, dtype, family))
 
 
-def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list[str], CheckReport | None]:
+def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype,
+                  family: Family = DFLASH) -> tuple[list[str], CheckReport | None]:
     present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     problems = [f"{name} is missing" for name in sorted(EXPECTED_FILES - present)]
     problems += [f"{name} is not read by the engine" for name in sorted(present - EXPECTED_FILES)]
     if not {"config.json", "model.safetensors"} <= present:
         return problems, None
     try:
-        read = load(folder, fmt)
+        read = load(folder, fmt, family)
     except (OSError, ValueError, ArtifactError) as exc:
         return problems + [f"the files cannot be read ({exc})"], None
     problems += read.problems
@@ -242,16 +271,19 @@ def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list
               ("hidden_act", v.layer.hidden_act, c.hidden_act), ("mask_token_id", v.mask_token_id, c.mask_token_id)]
     problems += [f"{name} is {got} for vLLM, {want} in training" for name, got, want in fields if got != want]
     block = int(c.extra.get("block_size", 0))
-    if v.speculative_tokens is not None and not 1 <= v.speculative_tokens <= block - 1:
+    most = block - family.first  # tokens one block proposes
+    if v.speculative_tokens is not None and not 1 <= v.speculative_tokens <= most:
         problems.append(f"the config asks vLLM for {v.speculative_tokens} speculative tokens; the draft was "
-                        f"trained on blocks of {block} (at most {block - 1})")
+                        f"trained on blocks of {block} (at most {most})")
+    problems += [f"{name} is {v.heads.get(name)} for vLLM, {c.extra.get(name)} in training"
+                 for name in sorted(v.heads) if v.heads.get(name) != c.extra.get(name)]
     if len(set(v.layer_outputs)) != len(v.layer_outputs):
         problems.append(f"the aux layers {v.layer_outputs} repeat a layer: vLLM captures each layer once, and fc "
                         f"expects {len(v.layer_outputs)} states")
     elif sorted(v.layer_outputs) != v.layer_outputs or v.layer_outputs != sorted(c.aux_layer_ids):
         problems.append(f"vLLM would feed the draft the outputs of layers {v.layer_outputs}; it was trained on "
                         f"{sorted(c.aux_layer_ids)}")
-    problems += tensor_problems(read.tensors, dtype)
+    problems += tensor_problems(read.tensors, dtype, family.fp32)
     selected = _checkpoint_selected_ids(src)
     if selected is None:
         problems.append("the checkpoint's d2t and t2d disagree")
@@ -263,10 +295,11 @@ def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list
     # -- predictions: the draft vLLM builds vs the checkpoint, on the same random context and ids ----------
     embed = src.state["embed_tokens.weight"].to(dtype).float()
     try:
-        exported = _materialise(_draft_config(v, c.target_num_layers, block), _state(read, embed))
+        exported = _materialise(_draft_config(v, c.target_num_layers, block, family), _state(read, embed))
     except (ConfigError, RuntimeError, KeyError) as exc:
         return [f"vLLM's draft cannot be built from the export ({exc})"], None
-    cast = {k: (t.to(dtype).float() if t.dtype in _FLOATS else t) for k, t in src.state.items()}
+    cast = {k: (t.to(dtype).float() if t.dtype in _FLOATS and not (family.fp32 and k.startswith(family.fp32)) else t)
+            for k, t in src.state.items()}
     cast["embed_tokens.weight"] = embed
     as_cast = _materialise(c, cast)
     as_trained = _materialise(c, {k: (t.float() if t.dtype in _FLOATS else t) for k, t in src.state.items()})
@@ -275,27 +308,31 @@ def find_problems(folder: Path, fmt: str, src, dtype: torch.dtype) -> tuple[list
     states = {layer: torch.randn(B, T, c.target_hidden_size, generator=g) for layer in set(c.aux_layer_ids)}
     ids = torch.randint(0, c.vocab_size, (B, T), generator=g)
     positions = torch.arange(T).expand(B, T)
-    got = _predict(exported, ids, torch.cat([states[i] for i in v.layer_outputs], -1), positions)
-    want = _predict(as_cast, ids, torch.cat([states[i] for i in c.aux_layer_ids], -1), positions)
-    fp32 = _predict(as_trained, ids, torch.cat([states[i] for i in c.aux_layer_ids], -1), positions)
-    found, confident, agreement = compare_predictions(got, want, fp32, dtype, "block offset {}", first=1)
+    predict = family.predict or _predict
+    (got, got_more), (want, want_more), (fp32, fp32_more) = (
+        predict(d, ids, torch.cat([states[i] for i in layers], -1), positions)
+        for d, layers in ((exported, v.layer_outputs), (as_cast, c.aux_layer_ids), (as_trained, c.aux_layer_ids)))
+    found, confident, agreement = compare_predictions(got, want, fp32, dtype, "block offset {}", first=family.first)
     problems += found
+    if got_more:  # (DSpark: the confidence head, per block position)
+        problems += compare_predictions(got_more, want_more, fp32_more, dtype, "confidence at block position {}",
+                                        first=family.first)[0]
     return problems, CheckReport(format=fmt, params_loaded=len(read.loaded), aux_layer_outputs=v.layer_outputs,
                                  positions=B * T * len(got), confident=confident, agreement_fp32=agreement)
 
 
 @torch.no_grad()
 def _predict(draft, ids, aux, positions):
-    """[(logits [B, T, Vd], target ids [B, T])] of every block offset, a block anchored at every slot."""
+    """([(logits [B, T, Vd], target ids [B, T])] of every block offset, a block anchored at every slot; [])."""
     states = draft.block_forward(ids, aux, positions)
-    return [(draft.logits(s).float(), draft.to_target_ids(draft.logits(s).float().argmax(-1))) for s in states]
+    return [(draft.logits(s).float(), draft.to_target_ids(draft.logits(s).float().argmax(-1))) for s in states], []
 
 
 # ----------------------------------------------------------------------------- spec eval --draft EXPORT
 
-def read(folder: Path, fmt: str, target_config) -> ReadExport:
+def read(folder: Path, fmt: str, target_config, family: Family = DFLASH) -> ReadExport:
     try:
-        got = load(folder, fmt)
+        got = load(folder, fmt, family)
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot read the export in {folder}: {exc}", "pass a complete folder written by "
                                                                          "`spec export`") from exc
@@ -319,13 +356,13 @@ def read(folder: Path, fmt: str, target_config) -> ReadExport:
     if problems:
         raise ArtifactError(f"vLLM would not load {folder} as a working draft: " + listing(problems),
                             "re-export the checkpoint with `spec export` (its self-check catches these)")
-    size = v.block_size or (v.speculative_tokens + 1 if v.speculative_tokens else 16)
-    config = _draft_config(v, n_layers, size, target_architecture=(getattr(target_config, "architectures", None) or [""])[0],
+    size = v.block_size or (v.speculative_tokens + family.first if v.speculative_tokens else 16)
+    config = _draft_config(v, n_layers, size, family, target_architecture=(getattr(target_config, "architectures", None) or [""])[0],
                            target_fingerprint=block.get("target_fingerprint") or "",
                            tokenizer_fingerprint=block.get("tokenizer_fingerprint") or "")
-    from spec_cli.draft.dflash.model import DFlashDraft
+    from spec_cli.draft import algorithms
 
-    model = DFlashDraft(config)
+    model = algorithms.get(family.algorithm).build(config)
     model.load_state_dict(_state(got, model.embed_tokens.weight.detach()), strict=True)
     recorded = {"vocab_size": v.layer.vocab_size, "target_hidden_size": v.target_hidden_size,
                 "target_num_layers": block.get("target_num_layers"),

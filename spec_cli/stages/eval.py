@@ -70,6 +70,7 @@ class EvalConfig:
     topk: int = 1  # 1: chain; > 1: EAGLE-2 tree
     num_tokens: int | None = None  # tree nodes verified per step (default 16, at most all candidates)
     temperature: float = 0.0  # 0: greedy
+    adaptive_verification: float = 0.0  # > 0: verify while the confidence head's survival is at least this
     max_new_tokens: int = 256
     num_prompts: int | None = None  # default: all
     seed: int = 0
@@ -179,6 +180,13 @@ def run(cfg: EvalConfig) -> EvalResult:
         raise ConfigError(f"--compare-depths {max(compared)}: this {algorithms.get(c.algorithm).title} draft "
                           f"proposes at most {int(rule(c))} tokens per forward",
                           f"compare depths up to {int(rule(c))}")
+    if cfg.adaptive_verification and not c.extra.get("confidence_head"):
+        raise ConfigError(f"--adaptive-verification reads the draft's confidence head, and this "
+                          f"{algorithms.get(c.algorithm).title} draft has none",
+                          "train a DSpark draft with --confidence-head, or drop --adaptive-verification")
+    if cfg.adaptive_verification and cfg.engine == "vllm":
+        raise ConfigError("--adaptive-verification is the PyTorch evaluator's (vLLM's runs in its V2 runner with "
+                          "CUDA graphs)", "pass --engine torch")
     if cfg.topk > c.draft_vocab_size:
         raise ConfigError(f"--topk {cfg.topk} exceeds the draft vocabulary ({c.draft_vocab_size})",
                           "use a smaller --topk")
@@ -188,6 +196,10 @@ def run(cfg: EvalConfig) -> EvalResult:
         raise ConfigError(f"vLLM does not serve {title} drafts" + (
             f": {algorithms.get(c.algorithm).not_served}" if algorithms.get(c.algorithm).not_served
             else ""), "evaluate it in PyTorch: --engine torch")
+    unchecked = [f.unchecked for f in algorithms.get(c.algorithm).formats if f.engine == "vllm" and f.unchecked]
+    if cfg.engine == "vllm" and unchecked:
+        raise ConfigError(f"spec eval cannot run {algorithms.get(c.algorithm).title} drafts in vLLM: {unchecked[0]}",
+                          "evaluate it in PyTorch: --engine torch")
     if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in vllm_formats:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
                           f"pass a {' or '.join(vllm_formats) or 'vLLM'} export, or the run / checkpoint (exported for vLLM "
@@ -208,6 +220,7 @@ def run(cfg: EvalConfig) -> EvalResult:
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth
     settings = Settings(depth=cfg.depth, topk=cfg.topk, num_tokens=nodes,
                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                        adaptive=cfg.adaptive_verification,
                         eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir))
                         | chat_templates.end_of_turn_ids(tokenizer, template))
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
@@ -245,7 +258,7 @@ def run(cfg: EvalConfig) -> EvalResult:
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
                      "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
-                     "prompts": cfg.prompts, "num_prompts": len(conversations),
+                     "adaptive_verification": cfg.adaptive_verification, "prompts": cfg.prompts, "num_prompts": len(conversations),
                      "turns": sum(len(conv.turns) for conv in conversations), "seed": cfg.seed,
                      "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                      "eos_ids": sorted(settings.eos_ids), "engine": cfg.engine,

@@ -206,6 +206,8 @@ def _engine_target(src, fmt, mode: str, asked: str) -> tuple[Path | None, str]:
             return None, "skipped (--engine-check none)"
         if fmt.engine != "vllm":
             return None, f"skipped (vLLM does not read {fmt.name} exports)"
+        if fmt.unchecked:
+            return None, f"skipped ({fmt.unchecked})"
         return None, "skipped (vLLM is not installed; pip install -e '.[vllm]' adds this check)"
     try:
         return loading.resolve_target(assets.resolve_target_arg(src.target or "")), ""

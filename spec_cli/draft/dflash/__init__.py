@@ -37,12 +37,14 @@ def default_decay(block_size: int) -> float:
 class DFlashOptions:
     """`spec train --algorithm dflash`'s own options (its objective: spec_cli/draft/dflash/objective.py)."""
     block_size: int = option(
-        8, "--block-size", help="--algorithm dflash: tokens per block, the newest verified one and "
-                                "block_size - 1 masks; a draft proposes up to block_size - 1 tokens per "
-                                "forward (vLLM: num_speculative_tokens).", panel=OBJECTIVE, min=2)
+        8, "--block-size", help="--algorithm dflash and dspark: queries per block, the newest verified token "
+                                "and block_size - 1 masks; a DFlash draft proposes up to block_size - 1 "
+                                "tokens per forward, a DSpark draft (its anchor proposes too) block_size "
+                                "(vLLM: num_speculative_tokens).", panel=OBJECTIVE, min=2)
     block_decay: float | None = option(
-        None, "--block-decay", help="--algorithm dflash: the loss of block position k weighs exp(-(k-1)/G). "
-                                    "Default: the DFlash paper's G for the block size (8: 4, 16: 7).",
+        None, "--block-decay", help="--algorithm dflash and dspark: the loss of the k-th proposed token of a "
+                                    "block (k = 1, 2, ...) weighs exp(-(k-1)/G). Default: the DFlash paper's G "
+                                    "for the tokens a block proposes (7: 4, 15: 7).",
         panel=OBJECTIVE, allowed=POSITIVE)
 
 

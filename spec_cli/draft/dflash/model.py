@@ -141,13 +141,15 @@ class DFlashDraft(Eagle3Draft):
     # -- training: every slot anchors a block ----------------------------------------------------
 
     def block_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
-                      bias=None, size: int | None = None, checkpoint: bool = False) -> list[torch.Tensor]:
+                      bias=None, size: int | None = None, checkpoint: bool = False,
+                      first: int = 1) -> list[torch.Tensor]:
         """The blocks anchored at every slot of whole rows (module docstring).
 
         input_ids [B, T] shifted (x[t + 1] at t), aux_hidden [B, T, n*H_t], position_ids [B, T]; bias: None
         (causal over the context) or attention.Segments (packed documents). Returns the final states of
-        block offsets 1 .. size - 1, each [B, T, H] (offset j at slot t proposes x[t + 1 + j]). The slot
-        t's block sees the context t' <= t of its own document and the whole block; nothing else."""
+        block offsets first .. size - 1, each [B, T, H] (DFlash: offset j at slot t proposes x[t + 1 + j];
+        DSpark samples from the anchor too, first=0). The slot t's block sees the context t' <= t of its
+        own document and the whole block; nothing else."""
         size = size or self.block_size
         B, T = input_ids.shape
         context = self.context(aux_hidden)  # [B, T, H]
@@ -162,7 +164,7 @@ class DFlashDraft(Eagle3Draft):
                 hidden = activation_checkpoint(run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False)
             else:
                 hidden = run(hidden, context, cos_b, sin_b, cos_c, sin_c)
-        return list(self.norm(hidden).view(size, B, T, -1)[1:].unbind(0))
+        return list(self.norm(hidden).view(size, B, T, -1)[first:].unbind(0))
 
     # -- decoding ------------------------------------------------------------------------------
 

@@ -25,7 +25,11 @@ def dflash_draft(seed=0, size=4, layers=2, **overrides) -> DFlashDraft:
     torch.manual_seed(seed)
     config = tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6],
                          num_hidden_layers=layers, extra={"block_size": size}, **overrides)
-    draft = DFlashDraft(config)
+    return randomised(DFlashDraft(config))
+
+
+def randomised(draft):
+    """Norm weights away from 1 and a random embedding (a fresh draft's are ones and the target's copy)."""
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight"):
@@ -191,11 +195,16 @@ def test_the_loss_is_the_decayed_weighted_mean_of_soft_ce_over_supervised_elemen
 
 
 def test_activation_checkpointing_gives_the_same_loss_metrics_and_gradients():
+    checkpointing_changes_nothing(lambda: dflash_draft(seed=3), lambda d, c: DFlashObjective(
+        d, ObjectiveOptions(block_size=4), activation_checkpointing=c))
+
+
+def checkpointing_changes_nothing(make_draft, make_objective):
+    """The objective with and without activation checkpointing: the same loss, metrics and gradients."""
     grads, outs = [], []
     for checkpoint in (False, True):
-        draft = dflash_draft(seed=3)
-        objective = DFlashObjective(draft, ObjectiveOptions(block_size=4), activation_checkpointing=checkpoint)
-        out = objective(batch_for(draft, True))
+        draft = make_draft()
+        out = make_objective(draft, checkpoint)(batch_for(draft, True))
         out.loss.backward()
         outs.append(out)
         grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad})
