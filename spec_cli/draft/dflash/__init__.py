@@ -46,6 +46,12 @@ class DFlashOptions:
                                     "block (k = 1, 2, ...) weighs exp(-(k-1)/G). Default: the DFlash paper's G "
                                     "for the tokens a block proposes (7: 4, 15: 7).",
         panel=OBJECTIVE, allowed=POSITIVE)
+    max_anchors: int = option(
+        0, "--max-anchors", help="--algorithm dflash and dspark: blocks anchored at this many random slots of "
+                                 "each row per step (the peers' max anchors: 512 for DFlash, 3072 for DSpark "
+                                 "in speculators) instead of at every slot (0). Each block costs block_size "
+                                 "queries, so this bounds a step's cost at long rows and big blocks.",
+        panel=OBJECTIVE, min=0)
 
 
 DFLASH = Algorithm(

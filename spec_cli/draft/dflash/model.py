@@ -166,6 +166,36 @@ class DFlashDraft(Eagle3Draft):
                 hidden = run(hidden, context, cos_b, sin_b, cos_c, sin_c)
         return list(self.norm(hidden).view(size, B, T, -1)[first:].unbind(0))
 
+    def anchor_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
+                       anchors: torch.Tensor, doc_start: torch.Tensor, size: int | None = None,
+                       checkpoint: bool = False, first: int = 1) -> list[torch.Tensor]:
+        """The blocks of `anchors` [B, A] (slots of each row; --max-anchors) only: block_forward's blocks at
+        those slots, each offset [B, A, H]. The block queries of all anchors run as one sequence against the
+        row's context keys and every anchor's block keys, under a boolean mask: anchor a's queries see the
+        context t' in [doc_start[a], a] and their own block (doc_start [B, T]: the first slot of each slot's
+        document). A step then runs A x size queries per row instead of T x size."""
+        size = size or self.block_size
+        B, T = input_ids.shape
+        A = anchors.shape[1]
+        device = input_ids.device
+        context = self.context(aux_hidden)  # [B, T, H]
+        cos_c, sin_c = self.rope(position_ids)
+        ids = torch.cat([input_ids.gather(1, anchors)[..., None], self.mask_ids((B, A, size - 1), device)], -1)
+        offsets = torch.arange(1, size + 1, device=device)
+        cos_b, sin_b = self.rope((position_ids.gather(1, anchors)[..., None] + offsets).flatten(1))  # [B, A*b, d]
+        hidden = self.embed_tokens(ids.flatten(1))  # [B, A*b, H], frozen
+        t = torch.arange(T, device=device)
+        sees = (t <= anchors[..., None]) & (t >= doc_start.gather(1, anchors)[..., None])  # [B, A, T]
+        own = torch.eye(A, dtype=torch.bool, device=device).repeat_interleave(size, 0).repeat_interleave(size, 1)
+        mask = torch.cat([sees.repeat_interleave(size, 1), own.expand(B, -1, -1)], -1)[:, None]  # [B, 1, Ab, T+Ab]
+        for layer in self.layers:
+            run = _AnchorRun(layer, mask)
+            if checkpoint:
+                hidden = activation_checkpoint(run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False)
+            else:
+                hidden = run(hidden, context, cos_b, sin_b, cos_c, sin_c)
+        return list(self.norm(hidden).view(B, A, size, -1)[:, :, first:].unbind(2))
+
     # -- decoding ------------------------------------------------------------------------------
 
     def add_context(self, aux: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> None:
@@ -211,6 +241,25 @@ class _LayerRun:
             outs = [ttt_attention(qj, k_ctx, v_ctx, ks, vs, bias=self.bias, impl=self.impl)
                     for qj in q.split(self.rows)]
             return torch.cat(outs)
+
+        return self.layer(hidden, cos_b, sin_b, attend)
+
+
+class _AnchorRun:
+    """One layer over the anchored blocks of a batch ([B, A*b] queries), under anchor_forward's mask."""
+
+    def __init__(self, layer: BlockLayer, mask: torch.Tensor):
+        self.layer, self.mask = layer, mask
+
+    def __call__(self, hidden, context, cos_b, sin_b, cos_c, sin_c):
+        attn = self.layer.self_attn
+        k_ctx, v_ctx = attn.kv(context, cos_c, sin_c)  # [B, hkv, T, d]
+
+        def attend(q, k, v):
+            k, v = torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2)
+            repeat = q.shape[1] // k.shape[1]  # (GQA by hand: the masked kernels take equal heads)
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
         return self.layer(hidden, cos_b, sin_b, attend)
 

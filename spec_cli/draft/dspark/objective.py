@@ -30,11 +30,11 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.contract import Objective
-from spec_cli.draft.dflash.objective import element_masks
+from spec_cli.draft.dflash.objective import run_blocks
 from spec_cli.draft.dspark import decay
 from spec_cli.draft.dspark.model import DSparkDraft
 from spec_cli.draft.losses import HEAD_CHUNK_BYTES, acceptance, top1_hits
-from spec_cli.draft.unroll import ObjectiveOutput, positions, step_slots
+from spec_cli.draft.unroll import ObjectiveOutput
 from spec_cli.errors import ConfigError
 
 
@@ -63,25 +63,23 @@ class DSparkObjective(Objective):
         self.decay = options.block_decay or decay(self.size)
         self.weights = (options.ce_weight, options.l1_weight,
                         options.confidence_weight if draft.confidence_head is not None else 0.0)
+        self.max_anchors = options.max_anchors
         self.checkpoint = activation_checkpointing
 
     def forward(self, batch: TargetBatch, unit=None) -> ObjectiveOutput:
         draft, size = self.draft, self.size
-        counted, supervised = element_masks(batch, size + 1)  # query i is scored at t + i, as offset i + 1
-        slots, n_supervised, segments = step_slots(supervised, batch.attention_mask, batch.seq_lens)
-        states = draft.block_forward(batch.input_ids, batch.aux_hidden, positions(batch), segments, size,
-                                     self.checkpoint, first=0)
+        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 0, self.max_anchors, self.checkpoint)
         weights = position_weights(size, self.decay)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         total = states[0].new_zeros((), dtype=torch.float32)
         losses, correct = [], []
-        for i, (state, (rows, t)) in enumerate(zip(states, slots)):
-            value, hits = self.terms(state, (rows, t), batch, (rows, t + i))
+        for i, (state, (where, at)) in enumerate(zip(states, pairs)):  # query i, scored at t + i
+            value, hits = self.terms(state, where, batch, at)
             total = total + weights[i] * value * n_supervised[i] / den.clamp_min(1e-12)
             losses.append(value.detach())
             correct.append(hits)
         return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                               total=counted.flatten(1).sum(1), supervised=n_supervised)
+                               total=counted, supervised=n_supervised)
 
     def terms(self, state: torch.Tensor, where: tuple, batch: TargetBatch, at: tuple):
         """The mean three-term loss of one query's N elements and their top-1 hits; under activation

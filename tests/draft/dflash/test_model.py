@@ -320,3 +320,36 @@ def test_spec_eval_depth_defaults_to_what_one_block_forward_proposes():
     assert natural_depth(tiny_config(algorithm="dflash", extra={"block_size": 8})) == 7
     assert natural_depth(tiny_config(algorithm="dflash", extra={"block_size": 4})) == 3
     assert natural_depth(tiny_config()) == 3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_anchored_blocks_are_the_every_slot_blocks_at_their_anchors(packed):
+    """--max-anchors: anchor_forward at some slots gives block_forward's states there (its mask: the anchor's
+    own document up to it, and its own block), and the objective over every eligible slot as anchors gives
+    the every-slot objective's loss and metrics."""
+    from spec_cli.draft.dflash.objective import doc_starts
+    from spec_cli.draft.unroll import step_slots
+
+    draft = dflash_draft()
+    batch = batch_for(draft, packed)
+    doc, pos = _docs(batch)
+    with torch.no_grad():
+        _, _, segments = step_slots(torch.ones(1, *batch.input_ids.shape, dtype=torch.bool), batch.attention_mask,
+                                    batch.seq_lens)
+        every = draft.block_forward(batch.input_ids, batch.aux_hidden, pos, segments)
+        anchors = torch.tensor([[0, 5, 8, 13], [1, 9, 10, 12]])
+        anchored = draft.anchor_forward(batch.input_ids, batch.aux_hidden, pos, anchors, doc_starts(batch))
+    for j in range(3):
+        want = every[j].gather(1, anchors[..., None].expand(-1, -1, every[j].shape[-1]))
+        torch.testing.assert_close(anchored[j], want, rtol=1e-4, atol=1e-5)
+    ref = DFlashObjective(draft, ObjectiveOptions(block_size=4))(batch)
+    out = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=10 ** 4))(batch)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.correct, ref.correct) and torch.equal(out.total, ref.total)
+    assert torch.equal(out.supervised, ref.supervised)
+    torch.manual_seed(0)
+    few = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
+    assert (few.total <= 2 * 3).all() and int(few.total.sum()) > 0 and torch.isfinite(few.loss)  # 3 a row
+    torch.manual_seed(0)
+    again = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
+    assert torch.equal(again.loss, few.loss)  # the CPU generator's state decides the anchors (checkpointed)

@@ -230,3 +230,12 @@ def test_what_cannot_be_trained_or_served_is_refused():
         DSparkObjective(draft, ObjectiveOptions(block_size=3, markov_rank=4))
     with pytest.raises(ConfigError, match="--loss lk-alpha does not apply to DSpark"):
         DSparkObjective(draft, options(loss="lk-alpha"))
+
+
+def test_anchors_covering_every_slot_give_the_every_slot_objective():
+    draft = dspark_draft(seed=5)
+    batch = batch_for(draft, True)
+    ref = DSparkObjective(draft, options())(batch)
+    out = DSparkObjective(draft, options(max_anchors=10 ** 4))(batch)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.correct, ref.correct) and torch.equal(out.total, ref.total)
