@@ -21,9 +21,10 @@ whatever the demo's profile now uses; "orig300" adds 300 ShareGPT conversations 
 "a+b" combines variants. The vocab map and cache for Vd 4096 are the demo's; other sizes and data are
 built once into OUT. Finished runs are reused (rerun
 with more variants to add rows). The table is printed as markdown and kept in OUT/recipe.json.
-Algorithms are levers too: `peagle` (K = --depth mask slots, the EAGLE-3 cache) and `dflashN` (blocks of
+Algorithms are levers too: `peagle` (K = --depth mask slots, the EAGLE-3 cache), `dflashN` (blocks of
 N, one layer like the EAGLE-3 draft, its own five-layer cache built once into OUT, decoded with a chain
-of N - 1: one draft forward per cycle). --timed also decodes every prompt with the target alone (once
+of N - 1: one draft forward per cycle) and `dsparkN` (blocks of N queries proposing N, the same cache;
+`anchors512` adds --max-anchors 512 to either). --timed also decodes every prompt with the target alone (once
 per run of this script, same process) and reports each draft's speed-up over it, as `spec eval` does.
 """
 
@@ -45,6 +46,7 @@ from spec_cli.artifacts import checkpoint as ckpt  # noqa: E402
 from spec_cli.console import set_quiet  # noqa: E402
 from spec_cli.data import records  # noqa: E402
 from spec_cli.eval import drafts, prompts  # noqa: E402
+from spec_cli.eval.report import Tally  # noqa: E402
 from spec_cli.eval.speculative import Settings, eos_ids, generate, generate_target  # noqa: E402
 from spec_cli.eval.target import Target  # noqa: E402
 from spec_cli.stages import build_vocab_map, demo, precompute, train  # noqa: E402
@@ -91,6 +93,12 @@ LEVERS = {
     "dflash4": dict(algorithm="dflash", block_size=4, depth=3, fc_norm=False),
     "dflash8": dict(algorithm="dflash", block_size=8, depth=7, fc_norm=False),
     "dflash16": dict(algorithm="dflash", block_size=16, depth=15, fc_norm=False),
+    # DSpark: N queries propose N tokens (its anchor proposes too), the Markov head's default rank
+    "dspark3": dict(algorithm="dspark", block_size=3, depth=3, fc_norm=False),
+    "dspark7": dict(algorithm="dspark", block_size=7, depth=7, fc_norm=False),
+    "dspark15": dict(algorithm="dspark", block_size=15, depth=15, fc_norm=False),
+    # --max-anchors for the block drafters: blocks at 512 random slots a row and step, not every slot
+    "anchors512": dict(max_anchors=512),
 }
 NOT_TRAIN_OPTIONS = ("vocab", "extra", "regen", "written", "sampled", "depth")
 SAMPLED_TEMPERATURE = 0.8
@@ -187,7 +195,7 @@ def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: i
     """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
     this vocabulary size, for the algorithm's aux layers (EAGLE-3 and P-EAGLE read the same three)."""
     own = folder / f"vocab-{vocab}.safetensors"
-    kind = "dflash" if algorithm == "dflash" else "eagle3"
+    kind = "dflash" if algorithm in ("dflash", "dspark") else "eagle3"  # (DSpark reads DFlash's five layers)
     if own.is_file() and (folder / "cache").is_dir() and not extra and not regen and not written \
             and not sampled and kind == "eagle3":
         return own, folder / "cache"
@@ -238,10 +246,12 @@ def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, co
     accepted = cycles = first = 0
     seconds = draft_seconds = 0.0
     outputs = []
+    tally = Tally(positions=settings.depth)
     for conv in conversations:
         conv.answers.clear()
         for turn in range(len(conv.turns)):
             g = generate(target, draft, prompts.prompt_ids(tokenizer, conv, turn), settings, None)
+            tally.add(g, None)
             accepted += sum(m for m, _ in g.steps)
             cycles += len(g.steps)
             first += sum(1 for m, _ in g.steps if m >= 1)
@@ -249,9 +259,11 @@ def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, co
             draft_seconds += g.draft_seconds
             outputs.append(g.tokens)
             conv.answers.append(tokenizer.decode(g.tokens, skip_special_tokens=True).strip())
+    m = tally.metrics()  # (the confidence head's calibration, for a draft that has one: DSpark)
     return {"acceptance_length": 1 + accepted / max(1, cycles), "first_position": first / max(1, cycles),
             "cycles": cycles, "seconds": round(seconds, 2), "draft_seconds": round(draft_seconds, 2),
-            "outputs": outputs}
+            "outputs": outputs, "acceptance_rate": m["acceptance_rate"],
+            "predicted_acceptance": m["predicted_acceptance"]}
 
 
 def target_alone(target: Target, tokenizer, conversations, settings) -> dict:

@@ -37,6 +37,14 @@ def plan_cmd(
     draft_vocab_size: Annotated[int, typer.Option("--draft-vocab-size", rich_help_panel=DRAFT)] = 32000,
     ttt_steps: Annotated[int, typer.Option("--ttt-steps", rich_help_panel=DRAFT)] = 7,
     draft_layers: Annotated[int, typer.Option("--draft-layers", rich_help_panel=DRAFT)] = 1,
+    block_size: Annotated[int, typer.Option(
+        "--block-size", help="DFlash and DSpark: queries per block (as spec train's).", min=2,
+        rich_help_panel=DRAFT)] = 8,
+    max_anchors: Annotated[int, typer.Option(
+        "--max-anchors", help="DFlash and DSpark: blocks at this many slots a row (0: every slot).", min=0,
+        rich_help_panel=DRAFT)] = 0,
+    markov_rank: Annotated[int, typer.Option("--markov-rank", help="DSpark: the Markov head's rank.", min=1,
+                                             rich_help_panel=DRAFT)] = 256,
     samples: Annotated[int, typer.Option("--samples", help="Training samples.", rich_help_panel=INPUTS)] = 100_000,
     avg_tokens: Annotated[int, typer.Option("--avg-tokens", help="Mean tokens per sample.",
                                             rich_help_panel=INPUTS)] = 1024,
@@ -80,6 +88,7 @@ def plan_cmd(
         raise ConfigError(f"--seq-len {seq_len!r} is not a list of integers", "e.g. --seq-len 8192,32768") from None
     plan = make_plan(PlanSettings(target=target, algorithm=algorithm, seq_lens=lengths, batch_size=batch_size,
                                   draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps, draft_layers=draft_layers,
+                                  block_size=block_size, max_anchors=max_anchors, markov_rank=markov_rank,
                                   samples=samples, avg_tokens=avg_tokens, epochs=epochs, gpus=gpus, gpu=gpu,
                                   gpu_memory=gpu_memory, gpu_tflops=gpu_tflops, utilization=utilization,
                                   precision=precision, context_parallel=context_parallel,

@@ -88,8 +88,8 @@ class Tally:
             "acceptance_rate": [a / v if v else None for a, v in zip(self.accepted, self.verified)],
             "accepted": list(self.accepted),
             # the confidence head's mean P(accepted | earlier accepted) where acceptance_rate was measured
-            "predicted_acceptance": [p / v if v else None for p, v in zip(self.predicted, self.verified)]
-            if self.predicted else None,
+            "predicted_acceptance": [self.predicted[j] / v if j < len(self.predicted) and v else None
+                                     for j, v in enumerate(self.verified)] if self.predicted else None,
             "verified": list(self.verified),
             "target_forwards": self.steps,
             "tokens_produced": self.produced,

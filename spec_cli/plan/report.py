@@ -37,6 +37,9 @@ class PlanSettings:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7
     draft_layers: int = 1
+    block_size: int = 8  # DFlash and DSpark: queries per block
+    max_anchors: int = 0  # DFlash and DSpark: blocks at this many slots a row (0: every slot)
+    markov_rank: int = 256  # DSpark
     samples: int = 100_000
     avg_tokens: int = 1024
     epochs: float = 1.0
@@ -140,9 +143,12 @@ def make_plan(s: PlanSettings) -> Plan:
     text = _text(config)
     L, H, V = text.num_hidden_layers, text.hidden_size, text.vocab_size
     vd = V if LM_HEAD in algorithm.needs else min(s.draft_vocab_size, V)
+    blocks = {k: v for k, v in (("block_size", s.block_size), ("markov_rank", s.markov_rank))
+              if k in algorithm.draft_options}
     draft_config = algorithm.config(config, vd, algorithm.default_aux_layers(L),
-                                    num_hidden_layers=s.draft_layers)
-    options = ObjectiveOptions(ttt_steps=s.ttt_steps)
+                                    num_hidden_layers=s.draft_layers, **blocks)
+    options = ObjectiveOptions(ttt_steps=s.ttt_steps, block_size=s.block_size, max_anchors=s.max_anchors,
+                               markov_rank=s.markov_rank)
     if s.precision not in ("bf16", "fp32"):
         raise ConfigError(f"unknown --precision {s.precision!r}", "use bf16 (a GPU run) or fp32 (a CPU run)")
     half = s.precision == "bf16"

@@ -26,7 +26,10 @@ def config(algorithm) -> DraftConfig:
                        target_num_layers=8, hidden_size=96, intermediate_size=256, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=24, draft_vocab_size=V if algorithm == "eagle" else 160,
                        algorithm=algorithm, **({"mask_token_id": 5, "extra": {"block_size": 8}}
-                                               if algorithm == "dflash" else {}))
+                                               if algorithm == "dflash" else {}),
+                       **({"mask_token_id": 5, "extra": {"block_size": 8, "markov_rank": 256, "confidence_head": True,
+                                                         "confidence_with_markov": True}}
+                          if algorithm == "dspark" else {}))
 
 
 def real_batch(cfg: DraftConfig, final_hidden: bool) -> TargetBatch:
@@ -82,7 +85,7 @@ def measured(algorithm: str, checkpointing: bool) -> tuple[int, int]:
     return resident, max(total for _, _, total in events) - start
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "dflash"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "dflash", "dspark"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_matches_a_real_cpu_step(algorithm, checkpointing):
     torch.set_num_threads(1)

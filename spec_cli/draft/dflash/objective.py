@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.contract import Objective
@@ -63,20 +64,24 @@ def doc_starts(batch: TargetBatch) -> torch.Tensor:
     return starts.gather(1, document_index(lens, T).clamp_max(lens.shape[1] - 1))
 
 
-def choose_anchors(eligible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_anchors(eligible: torch.Tensor, count: int, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` anchor slots of each row, uniformly among the `eligible` [B, T] ones: (anchors [B, A],
-    valid [B, A]; rows with fewer eligible slots fill up with invalid ones). The draw's seed comes from the
-    CPU generator (checkpointed: a resume draws the same anchors; no device sync); the draw runs on the
-    batch's device."""
+    valid [B, A]; rows with fewer eligible slots fill up with invalid ones). In training the draw's seed
+    comes from the CPU generator (checkpointed: a resume draws the same anchors; no device sync); an
+    evaluation draws with a fixed seed and leaves that generator alone (the same anchors every evaluation,
+    and training's draws do not depend on when it evaluates). The draw runs on the batch's device."""
     B, T = eligible.shape
-    seed = int(torch.randint(2 ** 62, (1,)))
+    if is_fake(eligible):  # `spec plan`: shapes only, the first slots stand for any
+        anchors = torch.arange(min(count, T), device=eligible.device).expand(B, -1)
+        return anchors, torch.ones_like(anchors, dtype=torch.bool)
+    seed = int(torch.randint(2 ** 62, (1,))) if training else 0
     scores = torch.rand(B, T, device=eligible.device, generator=torch.Generator(eligible.device).manual_seed(seed))
     top, anchors = torch.where(eligible, scores, -1.0).topk(min(count, T), dim=1)
     return anchors, top >= 0
 
 
 def run_blocks(draft: DFlashDraft, batch: TargetBatch, size: int, first: int, max_anchors: int,
-               checkpoint: bool):
+               checkpoint: bool, training: bool = True):
     """The block forward of a training batch and where each element is scored: (states per element row k
     [B, T or A, H], counted per k [K], [(where, at)] per k: index tuples of its supervised elements into
     the states and into the batch's targets, supervised per k [K]). Element row k (DFlash offset k + 1,
@@ -90,7 +95,7 @@ def run_blocks(draft: DFlashDraft, batch: TargetBatch, size: int, first: int, ma
                                      checkpoint, first=first)
         pairs = [((rows, t), (rows, t + k)) for k, (rows, t) in enumerate(slots)]
         return states, counted.flatten(1).sum(1), pairs, n_supervised
-    anchors, valid = choose_anchors(counted.any(0), max_anchors)  # slots with an element to score
+    anchors, valid = choose_anchors(counted.any(0), max_anchors, training)  # slots with an element to score
     index = anchors.expand(K, -1, -1)
     counted, supervised = counted.gather(2, index) & valid, supervised.gather(2, index) & valid  # [K, B, A]
     slots, n_supervised, _ = step_slots(supervised, torch.ones_like(anchors), None)
@@ -120,7 +125,8 @@ class DFlashObjective(Objective):
 
     def forward(self, batch: TargetBatch, unit=None) -> ObjectiveOutput:
         draft, size = self.draft, self.size
-        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 1, self.max_anchors, self.checkpoint)
+        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 1, self.max_anchors, self.checkpoint,
+                                                            self.training)
         weights = offset_weights(size, self.decay)
         total = states[0].new_zeros((), dtype=torch.float32)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))

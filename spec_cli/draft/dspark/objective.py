@@ -36,6 +36,7 @@ from spec_cli.draft.dspark.model import DSparkDraft
 from spec_cli.draft.losses import HEAD_CHUNK_BYTES, acceptance, top1_hits
 from spec_cli.draft.unroll import ObjectiveOutput
 from spec_cli.errors import ConfigError
+from spec_cli.train_options import typed_options
 
 
 def position_weights(size: int, g: float) -> list[float]:
@@ -58,6 +59,10 @@ class DSparkObjective(Objective):
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} {mine} differs from the draft's {its} (it is part of the draft)",
                                   f"pass the draft's --{flag} value when resuming")
+        given = typed_options()  # (None outside `spec train`: nothing to tell apart)
+        if draft.confidence_head is None and given is not None and "confidence_weight" in given:
+            raise ConfigError(f"--confidence-weight {options.confidence_weight} without a confidence head "
+                              "(--no-confidence-head) weighs nothing", "drop one of the two options")
         self.draft = draft
         self.size = draft.block_size
         self.decay = options.block_decay or decay(self.size)
@@ -68,7 +73,8 @@ class DSparkObjective(Objective):
 
     def forward(self, batch: TargetBatch, unit=None) -> ObjectiveOutput:
         draft, size = self.draft, self.size
-        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 0, self.max_anchors, self.checkpoint)
+        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 0, self.max_anchors, self.checkpoint,
+                                                            self.training)
         weights = position_weights(size, self.decay)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         total = states[0].new_zeros((), dtype=torch.float32)
