@@ -41,6 +41,13 @@ def peagle_args(pipeline, out, *extra) -> list[str]:
                              "--save-every", "3", *extra)
 
 
+def dspark_args(pipeline, out, *extra) -> list[str]:
+    """DSpark from the DFlash pipeline's cache (the same five aux layers), blocks of 3, 3 steps."""
+    return strs("train", "--cache", pipeline["root"] / "cache", "-v", pipeline["vm"], "--algorithm", "dspark",
+                "--block-size", "3", "--markov-rank", "8", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens",
+                "512", "--eval-fraction", "0.2", "--eval-every", "0", "--save-every", "3", "-o", out, "-q", *extra)
+
+
 PEAGLE = {"ddp-1": ["--peagle-segments", "1"], "ddp-2": ["--peagle-segments", "2"],
           "fsdp-2": ["--peagle-segments", "2", "--fsdp"]}
 
@@ -58,7 +65,7 @@ def precompute_args(setup, out) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict:
+def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline, dflash_pipeline) -> dict:
     """Every two-process command of this module, in one torchrun launch. A resume never directly follows
     its own stopped run, so nothing the processes still hold from that run can stand in for what the
     checkpoint must restore."""
@@ -66,7 +73,8 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
     out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
                                            "eagle-fsdp", "eagle3-fsdp-muon",
                                            *(f"peagle-{k}" for k in PEAGLE), "precompute", "precompute-tensor", "live-replica", "live-tensor",
-                                           "tp-supervision", "muon-shards", "eagle3-fsdp-sigterm")}
+                                           "tp-supervision", "muon-shards", "eagle3-fsdp-sigterm",
+                                           "dspark-ddp", "dspark-fsdp")}
     torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
               eagle3_args(train_setup, out["eagle3-ddp"]),
@@ -81,6 +89,8 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline) -> dict
               eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
               peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
               peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
+              dspark_args(dflash_pipeline, out["dspark-ddp"]),
+              dspark_args(dflash_pipeline, out["dspark-fsdp"], "--fsdp"),
               precompute_args(train_setup, out["precompute"]),
               [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
               live_args(train_setup, out["live-replica"], "replica"),
@@ -295,3 +305,15 @@ def test_training_from_a_target_sharded_over_the_ranks_equals_training_from_whol
     whole, sharded = weights(runs["live-replica"]), weights(runs["live-tensor"])
     assert_same(whole, sharded, exact=False)
     assert json.loads((runs["live-tensor"] / "run.json").read_text())["options"]["target_parallel"] == "tensor"
+
+
+def test_dspark_ddp_and_fsdp_match_one_process(runs, dflash_pipeline, tmp_path, monkeypatch):
+    """DSpark's heads (the Markov embedding's sparse rows, the fp32 confidence head) under DDP and FSDP2 ==
+    one process with the same global batch."""
+    monkeypatch.setenv("SPEC_HOME", str(dflash_pipeline["root"] / "home"))
+    assert main(dspark_args(dflash_pipeline, tmp_path / "single", "--grad-accum", "2")) == 0
+    single = weights(tmp_path / "single")
+    for name in ("ddp", "fsdp"):
+        run = runs[f"dspark-{name}"]
+        assert trainer_state(run)["parallel"] == name and trainer_state(run)["world_size"] == 2
+        assert_same(single, weights(run), exact=False)
