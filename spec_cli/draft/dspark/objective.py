@@ -53,8 +53,9 @@ class DSparkObjective(Objective):
             raise ConfigError(f"--loss {options.loss} does not apply to DSpark, whose loss is its own mix of hard "
                               "cross-entropy, L1 and the confidence head's BCE",
                               "drop --loss; weigh the terms with --ce-weight, --l1-weight and --confidence-weight")
+        mine_of = {"confidence_with_markov": options.confidence_with_markov and options.confidence_head}
         for name in ("block_size", "markov_rank", "confidence_head", "confidence_with_markov"):
-            mine, its = getattr(options, name), draft.config.extra[name]
+            mine, its = mine_of.get(name, getattr(options, name)), draft.config.extra[name]
             if mine != its:
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} {mine} differs from the draft's {its} (it is part of the draft)",

@@ -176,6 +176,15 @@ def test_spec_eval_reads_an_export_as_vllm_does(pipeline, tmp_path, fmt, monkeyp
     assert outs["export"]["same_as_target"] == outs["export"]["turns"]
 
 
+def test_a_draft_without_the_confidence_head_exports_without_it(pipeline, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    assert main(train_args(pipeline, tmp_path / "run", "--no-confidence-head", "--max-steps", "2")) == 0
+    assert main(["export", str(tmp_path / "run"), "--format", "vllm", "-o", str(tmp_path / "x"), "-q"]) == 0
+    config = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert config["enable_confidence_head"] is False and config["confidence_head_with_markov"] is False
+    assert not any(k.startswith("confidence_head") for k in load_file(str(tmp_path / "x" / "model.safetensors")))
+
+
 @pytest.mark.parametrize("extra,says", [
     (["--no-confidence-head", "--confidence-weight", "0.5"], "--confidence-weight 0.5 without a confidence head"),
     (["--loss", "lk-alpha"], "--loss lk-alpha does not apply to DSpark"),
