@@ -27,14 +27,22 @@ def train_args(pipeline, out, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pipeline(dflash_pipeline, tmp_path_factory):
-    home = tmp_path_factory.mktemp("dspark")
+    """The DFlash pipeline's target, data and prompts; `spec precompute --algorithm dspark` of its data into
+    a cache of its own (the five aux layers), and a 6-step run from it."""
+    from tests.draft.runs import vocab_and_cache
+
+    root = tmp_path_factory.mktemp("dspark")
+    vm, _ = vocab_and_cache(root, dflash_pipeline["target"], dflash_pipeline["data"], 96, "--algorithm", "dspark",
+                            "--batch-tokens", "512")
+    pipeline = {**dflash_pipeline, "root": root, "vm": str(vm), "run": root / "run",
+                "dflash_run": dflash_pipeline["root"] / "run"}
     mp = pytest.MonkeyPatch()
-    mp.setenv("SPEC_HOME", str(dflash_pipeline["root"] / "home"))
+    mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(train_args(dflash_pipeline, home / "run")) == 0
+        assert main(train_args(pipeline, root / "run")) == 0
     finally:
         mp.undo()
-    return {**dflash_pipeline, "run": home / "run", "home": home}
+    return pipeline
 
 
 def test_the_checkpoint_is_a_dspark_draft_with_its_heads(pipeline):
@@ -51,6 +59,18 @@ def test_the_checkpoint_is_a_dspark_draft_with_its_heads(pipeline):
     assert state["confidence_head.proj.weight"].shape == (1, H + 8)
     records = [r for r in log(run) if r["split"] == "train"]
     assert len(records[-1]["acc"]) == 3 and all(r["loss"] > 0 for r in records)  # block positions 0..2
+
+
+def test_a_live_target_trains_the_numbers_of_the_cache(pipeline, tmp_path, monkeypatch):
+    """The heads read nothing of the target beyond DFlash's supervision: the live target's run (fp32) logs
+    the cached run's losses."""
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    args = train_args(pipeline, tmp_path / "live", "--dtype", "fp32")
+    at = args.index("--cache")
+    args[at:at + 2] = ["--target", str(pipeline["target"]), "--data", str(pipeline["data"])]
+    assert main(args) == 0
+    cached = [r["loss"] for r in log(pipeline["run"]) if r["split"] == "train"]
+    assert [r["loss"] for r in log(tmp_path / "live") if r["split"] == "train"] == pytest.approx(cached, rel=1e-4)
 
 
 def test_a_run_stopped_after_its_first_step_resumes_to_the_straight_runs_weights(pipeline, tmp_path, monkeypatch):
@@ -209,6 +229,6 @@ def test_what_spec_cli_cannot_run_in_vllm_is_refused_in_one_line(pipeline, tmp_p
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["run"]), "--prompts",
                  str(pipeline["prompts"]), "--engine", "vllm", "-o", str(tmp_path / "e"), "-q"]) == 1
     assert "cannot run DSpark drafts in vLLM" in " ".join(capsys.readouterr().err.split())
-    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
+    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["dflash_run"]), "--prompts",
                  str(pipeline["prompts"]), "--adaptive-verification", "0.5", "-o", str(tmp_path / "f"), "-q"]) == 1
     assert "has none" in " ".join(capsys.readouterr().err.split())  # a DFlash draft: no confidence head
