@@ -66,7 +66,7 @@ class ExportFormat:
     method: str = ""  # what that engine calls such drafts: vLLM's speculative_config "method",
     #                   SGLang's --speculative-algorithm
     engine_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config
-    unchecked: str = ""  # why spec_cli cannot run this format in its engine (engine check, eval, tune); "": it can
+    runner: str = ""  # "v2": vLLM serves it only in its V2 model runner (which needs Triton: a GPU)
 
 
 FINAL_HIDDEN = "final_hidden"  # a need: the target's last hidden state after its final norm

@@ -66,6 +66,25 @@ def available() -> bool:
     return version() is not None
 
 
+def v2_runner_missing() -> str:
+    """Why this machine's vLLM cannot run its V2 model runner, "" when it can: the V2 runner needs Triton
+    with a backend for the machine (CUDA; on x86 CPUs triton-cpu, which the vLLM CPU build does not bring)."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except Exception as exc:  # noqa: BLE001 (an install that cannot say: treat as missing)
+        return f"vLLM's Triton check failed ({type(exc).__name__}: {exc})"
+    return "" if HAS_TRITON else ("its V2 model runner needs Triton with a backend for this machine (a CUDA GPU, or "
+                                  "triton-cpu on x86 CPUs, which the vLLM CPU build does not install)")
+
+
+def cannot_run(fmt) -> str:
+    """Why vLLM cannot run drafts of this ExportFormat on this machine ("" when it can)."""
+    if fmt.runner == "v2" and available():
+        why = v2_runner_missing()
+        return f"vLLM {version()} runs {fmt.method} drafts only in its V2 model runner, and {why}" if why else ""
+    return ""
+
+
 def configure_env() -> None:
     """Defaults for running vLLM inside this process on a shared machine (the user's values win)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -343,7 +362,8 @@ class Engine:
 
     def _record_proposals(self) -> None:
         """Keep the token ids vLLM's drafter proposes (one row per verify step; batch size 1 here)."""
-        drafter = getattr(self._runner(), "drafter", None)
+        runner = self._runner()
+        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)  # (V1, V2 runner)
         if drafter is None:  # not the in-process layout: acceptance counts only
             return
         propose = drafter.propose

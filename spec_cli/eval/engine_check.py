@@ -77,11 +77,12 @@ def resolve_mode(mode: str | None, fmt) -> str:
     if mode == "vllm" and fmt.engine != "vllm":
         raise ConfigError(f"vLLM does not read the {fmt.name} format, so it cannot check this export",
                           f"use --engine-check none for {fmt.name} exports")
-    if mode == "vllm" and fmt.unchecked:
-        raise ConfigError(f"no engine check for {fmt.method} exports: {fmt.unchecked}",
-                          "--engine-check none writes the export with the self-check (vLLM's reading rules)")
+    if mode == "vllm" and vllm.cannot_run(fmt):
+        raise ConfigError(f"no engine check for {fmt.method} exports here: {vllm.cannot_run(fmt)}",
+                          "--engine-check none writes the export with the self-check (vLLM's reading rules); "
+                          "run the engine check on a GPU machine")
     if mode == "auto":
-        return "vllm" if fmt.engine == "vllm" and not fmt.unchecked and vllm.available() else "none"
+        return "vllm" if fmt.engine == "vllm" and vllm.available() and not vllm.cannot_run(fmt) else "none"
     return mode
 
 

@@ -84,9 +84,11 @@ def check_available(engine: str, algorithm) -> None:
         if not vllm.available():
             raise ConfigError("--eval-engine vllm needs vLLM, which is not installed",
                               f"{vllm.INSTALL_HINT}; or --eval-engine torch")
-    if not any(f.engine == "vllm" and not f.unchecked for f in algorithm.formats):
-        why = algorithm.not_served or next((f.unchecked for f in algorithm.formats if f.unchecked),
-                                           "it has no export vLLM reads")
+    if engine == "vllm" and (fmt := algorithm.engine_format("vllm")) is not None and vllm.cannot_run(fmt):
+        raise ConfigError(f"--eval-engine vllm cannot run {algorithm.title} drafts here: {vllm.cannot_run(fmt)}",
+                          "--eval-engine torch")
+    if not any(f.engine == "vllm" for f in algorithm.formats):
+        why = algorithm.not_served or "it has no export vLLM reads"
         raise ConfigError(f"--eval-engine decodes the run's export; {algorithm.title} drafts have none ({why})",
                           "evaluate its checkpoints with `spec eval` (PyTorch) after training")
 

@@ -196,10 +196,13 @@ def run(cfg: EvalConfig) -> EvalResult:
         raise ConfigError(f"vLLM does not serve {title} drafts" + (
             f": {algorithms.get(c.algorithm).not_served}" if algorithms.get(c.algorithm).not_served
             else ""), "evaluate it in PyTorch: --engine torch")
-    unchecked = [f.unchecked for f in algorithms.get(c.algorithm).formats if f.engine == "vllm" and f.unchecked]
-    if cfg.engine == "vllm" and unchecked:
-        raise ConfigError(f"spec eval cannot run {algorithms.get(c.algorithm).title} drafts in vLLM: {unchecked[0]}",
-                          "evaluate it in PyTorch: --engine torch")
+    if cfg.engine == "vllm" and vllm_formats:
+        from spec_cli.engine import vllm
+
+        why = vllm.cannot_run(algorithms.get(c.algorithm).format(vllm_formats[0]))
+        if why:
+            raise ConfigError(f"spec eval cannot run {algorithms.get(c.algorithm).title} drafts in vLLM here: {why}",
+                              "evaluate it in PyTorch: --engine torch")
     if cfg.engine == "vllm" and loaded.kind == "export" and loaded.format not in vllm_formats:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
                           f"pass a {' or '.join(vllm_formats) or 'vLLM'} export, or the run / checkpoint (exported for vLLM "

@@ -22,6 +22,7 @@ from spec_cli.console import info, warn
 from spec_cli.draft import algorithms
 from spec_cli.draft.contract import DTYPE_NAMES
 from spec_cli.errors import ConfigError, ExportError, SpecError
+from spec_cli.engine.vllm import cannot_run as vllm_cannot_run
 from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, formats
 from spec_cli.export import support as engine_support
@@ -206,8 +207,8 @@ def _engine_target(src, fmt, mode: str, asked: str) -> tuple[Path | None, str]:
             return None, "skipped (--engine-check none)"
         if fmt.engine != "vllm":
             return None, f"skipped (vLLM does not read {fmt.name} exports)"
-        if fmt.unchecked:
-            return None, f"skipped ({fmt.unchecked})"
+        if vllm_cannot_run(fmt):
+            return None, f"skipped ({vllm_cannot_run(fmt)})"
         return None, "skipped (vLLM is not installed; pip install -e '.[vllm]' adds this check)"
     try:
         return loading.resolve_target(assets.resolve_target_arg(src.target or "")), ""

@@ -178,8 +178,8 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
     fmt = algorithm.engine_format("vllm") if any(f.engine == "vllm" for f in algorithm.formats) else None
     if fmt is None:
         raise ConfigError(f"vLLM does not serve {algorithm.title} drafts", "tune it in PyTorch: --engine torch")
-    if fmt.unchecked:
-        raise ConfigError(f"spec tune cannot run {algorithm.title} drafts in vLLM: {fmt.unchecked}",
+    if vllm.cannot_run(fmt):
+        raise ConfigError(f"spec tune cannot run {algorithm.title} drafts in vLLM here: {vllm.cannot_run(fmt)}",
                           "tune it in PyTorch: --engine torch")
     if loaded.kind == "export" and loaded.format != fmt.name:
         raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",

@@ -26,9 +26,6 @@ from spec_cli.options import NON_NEGATIVE, option
 # the public recipe's loss weights (the DSpark paper's; NeMo AutoModel's and Megatron-Bridge's defaults)
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 MARKOV_RANK = 256  # speculators' default rank
-V2_ONLY = ("vLLM 0.32 runs DSpark only in its V2 model runner (vllm/config/vllm.py refuses it in V1), which needs "
-           "Triton with a GPU (or triton-cpu, not published for this CPU build), and spec_cli's engine check "
-           "watches the V1 proposers")
 
 
 def decay(block_size: int) -> float:
@@ -72,8 +69,8 @@ DSPARK = Algorithm(
     aux_layers=AUX_LAYERS,
     default_aux_layers=default_aux_layers,
     implementation="spec_cli.draft.dspark.implementation",
-    formats=(ExportFormat("vllm", "vLLM", "vllm", "dspark", unchecked=V2_ONLY),
-             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "dspark", unchecked=V2_ONLY)),
+    formats=(ExportFormat("vllm", "vLLM", "vllm", "dspark", runner="v2"),  # (vllm/config/vllm.py: V1 refuses it)
+             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "dspark", runner="v2")),
     export_rules="spec_cli.export.dspark",
     options=DSparkOptions,
     vllm_draft_class="vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM",

@@ -19,7 +19,6 @@ def config(target_config, draft_vocab_size: int, aux_layer_ids: list[int], block
                                  ("confidence_with_markov", confidence_with_markov, True)):
         c.extra[name] = value if value is not None else c.extra.get(name, default)
     c.extra["markov_rank"] = int(c.extra["markov_rank"])
-    c.extra["confidence_with_markov"] = bool(c.extra["confidence_with_markov"] and c.extra["confidence_head"])
     return c
 
 

@@ -51,7 +51,9 @@ class DSparkDraft(DFlashDraft):
             raise ConfigError(f"a DSpark draft needs a Markov rank of 1 or more (vLLM always builds the Markov "
                               f"head), the config says {rank}", "train with --markov-rank 1 or more")
         config.extra.setdefault("confidence_head", True)
-        config.extra.setdefault("confidence_with_markov", True)
+        # (no head: no Markov input to it either, as the exports say)
+        config.extra["confidence_with_markov"] = bool(config.extra.get("confidence_with_markov", True)
+                                                      and config.extra["confidence_head"])
         super().__init__(config)  # (DFlash's checks: the noise token, no EAGLE-3.1 options, blocks of 2 or more)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, rank)
         self.confidence_head = None

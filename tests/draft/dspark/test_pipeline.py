@@ -224,7 +224,7 @@ def test_what_spec_cli_cannot_run_in_vllm_is_refused_in_one_line(pipeline, tmp_p
     assert main(["export", str(pipeline["run"]), "--format", "vllm", "--engine-check", "vllm",
                  "-o", str(tmp_path / "x"), "-q"]) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "no engine check for dspark exports: vLLM 0.32 runs DSpark only in its V2 model runner" in err
+    assert "no engine check for dspark exports here: vLLM 0.32.0 runs dspark drafts only in its V2 model runner" in err
     assert not (tmp_path / "x").exists()
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["run"]), "--prompts",
                  str(pipeline["prompts"]), "--engine", "vllm", "-o", str(tmp_path / "e"), "-q"]) == 1
