@@ -228,7 +228,10 @@ def test_what_spec_cli_cannot_run_in_vllm_is_refused_in_one_line(pipeline, tmp_p
     assert not (tmp_path / "x").exists()
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["run"]), "--prompts",
                  str(pipeline["prompts"]), "--engine", "vllm", "-o", str(tmp_path / "e"), "-q"]) == 1
-    assert "cannot run DSpark drafts in vLLM" in " ".join(capsys.readouterr().err.split())
+    assert "cannot run DSpark drafts in vLLM here" in " ".join(capsys.readouterr().err.split())
+    assert main(train_args(pipeline, tmp_path / "loop", "--eval-engine", "vllm")) == 1
+    assert "--eval-engine vllm cannot run DSpark drafts here" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "loop" / "checkpoints").exists()
     assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["dflash_run"]), "--prompts",
                  str(pipeline["prompts"]), "--adaptive-verification", "0.5", "-o", str(tmp_path / "f"), "-q"]) == 1
     assert "has none" in " ".join(capsys.readouterr().err.split())  # a DFlash draft: no confidence head
