@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from spec_cli.draft.dspark import decoding
 from spec_cli.draft.dspark.model import DSparkDraft
