@@ -12,6 +12,7 @@ from spec_cli.cli import build_app
 from spec_cli.draft import algorithms
 from spec_cli.draft.eagle import EagleOptions
 from spec_cli.draft.dflash import DFlashOptions
+from spec_cli.draft.dspark import DSparkOptions
 from spec_cli.draft.msd import MsdOptions
 from spec_cli.draft.peagle import PEagleOptions
 from spec_cli.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
@@ -26,14 +27,15 @@ def test_sizes_and_durations_parse_as_a_user_writes_them():
 
 
 def test_the_objective_group_is_the_shared_flags_then_each_algorithms_own():
-    declared = [f.name for kind in (ObjectiveFlags, EagleOptions, PEagleOptions, DFlashOptions, MsdOptions)
-                for f in dataclasses.fields(kind)]
+    declared = [f.name for kind in (ObjectiveFlags, EagleOptions, PEagleOptions, DFlashOptions, DSparkOptions,
+                                    MsdOptions) for f in dataclasses.fields(kind)]
     assert [o.name for o in all_options().values() if o.group == "objective"] == declared
     assert declared == ["ttt_steps", "step_weight", "hidden_noise", "loss", "lk_kl_scale", "lk_kl_decay", "feature_weight",
                         "token_weight", "cod_ratio", "cod_min", "peagle_segments", "block_size", "block_decay",
-                        "text_steps", "multimodal_ratio", "multimodal_ramp_steps"]
+                        "max_anchors", "markov_rank", "confidence_head", "confidence_with_markov", "ce_weight",
+                        "l1_weight", "confidence_weight", "text_steps", "multimodal_ratio", "multimodal_ramp_steps"]
     assert [a.options for a in algorithms.ALGORITHMS.values()] == [None, EagleOptions, PEagleOptions, DFlashOptions,
-                                                                   MsdOptions]
+                                                                   DSparkOptions, MsdOptions]
     assert typing.get_type_hints(PEagleOptions)["peagle_segments"] is int
     defaults = ObjectiveOptions()
     assert (defaults.ttt_steps, defaults.token_weight, defaults.cod_ratio) == (7, 0.1, 0.7)

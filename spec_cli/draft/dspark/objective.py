@@ -31,12 +31,11 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.contract import Objective
 from spec_cli.draft.dflash.objective import run_blocks
-from spec_cli.draft.dspark import decay
+from spec_cli.draft.dspark import CONFIDENCE_WEIGHT, decay
 from spec_cli.draft.dspark.model import DSparkDraft
 from spec_cli.draft.losses import HEAD_CHUNK_BYTES, acceptance, top1_hits
 from spec_cli.draft.unroll import ObjectiveOutput
 from spec_cli.errors import ConfigError
-from spec_cli.train_options import typed_options
 
 
 def position_weights(size: int, g: float) -> list[float]:
@@ -60,8 +59,7 @@ class DSparkObjective(Objective):
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} {mine} differs from the draft's {its} (it is part of the draft)",
                                   f"pass the draft's --{flag} value when resuming")
-        given = typed_options()  # (None outside `spec train`: nothing to tell apart)
-        if draft.confidence_head is None and given is not None and "confidence_weight" in given:
+        if draft.confidence_head is None and options.confidence_weight != CONFIDENCE_WEIGHT:  # (set, so meant)
             raise ConfigError(f"--confidence-weight {options.confidence_weight} without a confidence head "
                               "(--no-confidence-head) weighs nothing", "drop one of the two options")
         self.draft = draft
