@@ -133,17 +133,28 @@ def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
         assert mode.counts == {"tolist": 1}, dict(mode.counts)
 
 
-@pytest.mark.parametrize("size,packed,checkpoint", [(4, True, False), (8, True, True), (16, False, False)])
-def test_dflash_batch_syncs_once(size, packed, checkpoint):
-    """DFlash: every block offset's supervised slots, their counts and the documents come to the host
-    together, once per batch, whatever the block size (the loss normaliser stays on the device)."""
+@pytest.mark.parametrize("algorithm,size,packed,checkpoint,anchors", [
+    ("dflash", 4, True, False, 0), ("dflash", 8, True, True, 0), ("dflash", 16, False, False, 0),
+    ("dflash", 8, True, False, 5), ("dspark", 3, True, False, 0), ("dspark", 3, True, True, 5)])
+def test_block_drafter_batch_syncs_once(algorithm, size, packed, checkpoint, anchors):
+    """DFlash and DSpark: every block offset's supervised slots, their counts and the documents come to the
+    host together, once per batch, whatever the block size (the loss normaliser stays on the device);
+    --max-anchors draws its anchors on the device from a host seed (no sync)."""
     from spec_cli.draft.dflash.objective import DFlashObjective
+    from spec_cli.draft.dspark.objective import DSparkObjective
     from spec_cli.train_options import ObjectiveOptions
     from tests.draft.dflash.test_model import batch_for, dflash_draft
+    from tests.draft.dspark.test_model import RANK, dspark_draft
 
-    draft = dflash_draft(size=size)
+    if algorithm == "dflash":
+        draft = dflash_draft(size=size)
+        options, make = ObjectiveOptions(block_size=size, max_anchors=anchors), DFlashObjective
+    else:
+        draft = dspark_draft(size=size)
+        options = ObjectiveOptions(block_size=size, markov_rank=RANK, max_anchors=anchors)
+        make = DSparkObjective
     batch = batch_for(draft, packed)
-    objective = DFlashObjective(draft, ObjectiveOptions(block_size=size), activation_checkpointing=checkpoint)
+    objective = make(draft, options, activation_checkpointing=checkpoint)
     params = [p for p in draft.parameters() if p.requires_grad]
 
     def step():

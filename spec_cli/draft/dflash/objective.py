@@ -66,16 +66,17 @@ def doc_starts(batch: TargetBatch) -> torch.Tensor:
 
 def choose_anchors(eligible: torch.Tensor, count: int, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` anchor slots of each row, uniformly among the `eligible` [B, T] ones: (anchors [B, A],
-    valid [B, A]; rows with fewer eligible slots fill up with invalid ones). In training the draw's seed
-    comes from the CPU generator (checkpointed: a resume draws the same anchors; no device sync); an
-    evaluation draws with a fixed seed and leaves that generator alone (the same anchors every evaluation,
-    and training's draws do not depend on when it evaluates). The draw runs on the batch's device."""
+    valid [B, A]; rows with fewer eligible slots fill up with invalid ones). In training the scores come
+    from the batch device's own generator, which checkpoints store (the CPU's, or the GPU's: a resume draws
+    the same anchors) and nothing reaches the host; an evaluation draws with a fixed seed and leaves that
+    generator alone (the same anchors every evaluation, and training's draws do not depend on when it
+    evaluates)."""
     B, T = eligible.shape
     if is_fake(eligible):  # `spec plan`: shapes only, the first slots stand for any
         anchors = torch.arange(min(count, T), device=eligible.device).expand(B, -1)
         return anchors, torch.ones_like(anchors, dtype=torch.bool)
-    seed = int(torch.randint(2 ** 62, (1,))) if training else 0
-    scores = torch.rand(B, T, device=eligible.device, generator=torch.Generator(eligible.device).manual_seed(seed))
+    fixed = None if training else torch.Generator(eligible.device).manual_seed(0)
+    scores = torch.rand(B, T, device=eligible.device, generator=fixed)
     top, anchors = torch.where(eligible, scores, -1.0).topk(min(count, T), dim=1)
     return anchors, top >= 0
 

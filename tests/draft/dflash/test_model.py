@@ -353,3 +353,7 @@ def test_anchored_blocks_are_the_every_slot_blocks_at_their_anchors(packed):
     torch.manual_seed(0)
     again = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
     assert torch.equal(again.loss, few.loss)  # the CPU generator's state decides the anchors (checkpointed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CUDA's training precision: one dtype into SDPA
+        torch.manual_seed(0)
+        half = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
+    assert abs(float(half.loss.detach()) - float(few.loss.detach())) < 0.05 * float(few.loss.detach())
