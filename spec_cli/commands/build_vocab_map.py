@@ -24,8 +24,9 @@ def build_vocab_map_cmd(
     num_proc: NumProc = 1,
     chat_template: ChatTemplate = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace an existing -o whatever it holds (without it, only a vocab map made from "
-                        "the same inputs and settings is rewritten).", rich_help_panel=INPUTS)] = False,
+        "--force", help="Replace a vocab map at -o made from other inputs or settings (without it, only one "
+                        "made from the same inputs and settings is rewritten). Nothing but a vocab map is "
+                        "ever replaced.", rich_help_panel=INPUTS)] = False,
     config: Config = None,
     quiet: Quiet = False,
 ):

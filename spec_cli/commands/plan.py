@@ -78,10 +78,13 @@ def plan_cmd(
     on fake tensors at the target's shapes), the feature cache's disk and the GPU hours."""
     import json
 
+    from spec_cli.artifacts import outputs
     from spec_cli.artifacts.io import write_json
     from spec_cli.errors import ConfigError
     from spec_cli.plan.report import PlanSettings, make_plan, show
 
+    if json_out is not None:  # before the plan runs its steps
+        outputs.check({"--json": (json_out, outputs.PLAN)}, {"the target": target, "--config": config})
     try:
         lengths = tuple(int(x) for x in seq_len.split(",") if x.strip())
     except ValueError:
@@ -95,4 +98,4 @@ def plan_cmd(
                                   target_engine=target_engine))
     show(plan)
     if json_out is not None:
-        write_json(json_out, json.loads(plan.to_json()))
+        write_json(json_out, {"kind": "plan", **json.loads(plan.to_json())})

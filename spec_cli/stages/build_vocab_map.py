@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import assets
+from spec_cli.artifacts import outputs
 from spec_cli.artifacts.tokens import TokenizedData
 from spec_cli.artifacts.vocab_map import VocabMap, build_vocab_map, load_vocab_map, save_vocab_map
 from spec_cli.console import progress
@@ -30,7 +31,7 @@ class BuildVocabMapConfig:
     max_length: int = 2048
     num_proc: int = 1
     chat_template: str | None = None  # a Jinja file or a family name; None: the target's own
-    force: bool = False  # replace an existing -o whatever it holds
+    force: bool = False  # replace a vocab map at -o made from other inputs
 
 
 @dataclass
@@ -62,15 +63,13 @@ def _existing(output: Path, force: bool) -> dict | None:
     """The metadata of the vocab map at -o (rewritten only when made from the same inputs), None when -o
     is free or --force; refuses a folder, or a file that is not a vocab map, up front."""
     output = Path(output)
-    if output.is_dir():
-        raise ConfigError(f"-o {output} is a folder", "pass -o a .safetensors file path")
     if force or not output.exists():
         return None
     try:
         return dict(load_vocab_map(output).metadata)
-    except SpecError:
-        raise ArtifactError(f"{output} already exists and is not a vocab map", "pass another -o, or --force to "
-                            "replace it") from None
+    except SpecError:  # (outputs.check let it through as a vocab map: damaged since)
+        raise ArtifactError(f"{output} already exists and is not a readable vocab map",
+                            "pass another -o, or --force to replace it") from None
 
 
 def _check_same(output: Path, old: dict, new: dict) -> None:
@@ -82,6 +81,9 @@ def _check_same(output: Path, old: dict, new: dict) -> None:
 
 def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     start = time.perf_counter()
+    outputs.check({"-o": (cfg.output, outputs.VOCAB_MAP)},
+                  {"--target": cfg.target, "--data": cfg.data, "--chat-template": cfg.chat_template},
+                  replace_flag="--force")
     old = _existing(cfg.output, cfg.force)
     target_dir = resolve_target(assets.resolve_target_arg(cfg.target))
     data_path = Path(assets.resolve_data_arg(cfg.data))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spec_cli import assets
 from spec_cli.artifacts import checkpoint as ckpt
-from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts import feature_cache as fc, outputs
 from spec_cli.artifacts.io import atomic_path, write_json
 from spec_cli.console import info
 from spec_cli.errors import ConfigError, SpecError
@@ -168,6 +168,7 @@ def run(cfg: DemoConfig) -> DemoResult:
     if cfg.engine not in ("auto", "transformers", "vllm"):  # before the folder is claimed
         raise ConfigError(f"unknown --engine {cfg.engine!r}", "use auto, transformers or vllm")
     profile, folder = cfg.profile.for_engine(regen_engine(cfg)), cfg.folder()
+    outputs.check({"-o": (folder, outputs.DEMO)}, {})
     earlier = _produced(folder)  # before _claim_folder rewrites demo.json
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)

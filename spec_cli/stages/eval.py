@@ -39,6 +39,7 @@ import statistics
 import tempfile
 from typing import Callable
 
+from spec_cli.artifacts import outputs
 from spec_cli.artifacts.checkpoint import choice_note
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
 from spec_cli.console import info, progress
@@ -108,6 +109,16 @@ def tree_size(depth: int, topk: int, num_tokens: int | None) -> int:
     return min(num_tokens or 16, candidates)
 
 
+def _check_output(cfg: EvalConfig, output: Path | None) -> None:
+    """-o is a folder of spec eval's own (new, empty or an earlier eval), never the draft, the target, the
+    prompts or a folder of another kind; RUN/eval is where a run keeps its evaluations."""
+    run = next((p for p in (Path(cfg.draft), *Path(cfg.draft).parents[:2]) if (p / "run.json").is_file()), None)
+    outputs.check({"-o": (output, outputs.EVAL)},
+                  {"--draft": cfg.draft, "--target": cfg.target, "--prompts": cfg.prompts,
+                   "--chat-template": cfg.chat_template},
+                  own_places=[run / "eval"] if run is not None else [])
+
+
 def default_output(draft: drafts.LoadedDraft) -> Path:
     """Beside the draft: RUN/eval/step-N for a checkpoint of a run, EXPORT-eval for an export (the export
     folder stays exactly what the engine loads)."""
@@ -161,6 +172,7 @@ def _validate(cfg: EvalConfig) -> None:
 def run(cfg: EvalConfig) -> EvalResult:
     start = time.perf_counter()
     _validate(cfg)
+    _check_output(cfg, cfg.output)
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     target_config = loading.load_config(target_dir)
     template = chat_templates.resolve(cfg.chat_template)
@@ -215,6 +227,8 @@ def run(cfg: EvalConfig) -> EvalResult:
                               "runs image prompts in PyTorch only for now", "pass --engine torch")
         processor = loading.load_processor(target_dir)
     output = Path(cfg.output) if cfg.output else default_output(loaded)
+    if cfg.output is None:
+        _check_output(cfg, output)
 
     device = loading.choose_device(cfg.device)
     dtype = loading.choose_dtype(cfg.dtype, device)
@@ -251,6 +265,7 @@ def run(cfg: EvalConfig) -> EvalResult:
         except Exception as exc:
             raise turn_failed(exc, f"the warm-up on prompt {conversations[0].id!r}, turn 1") from exc
         output.mkdir(parents=True, exist_ok=True)
+        (output / outputs.EVAL_MARKER).touch()  # a spec eval folder from here on: a rerun may replace it
         (output / "eval.json").unlink(missing_ok=True)  # never an old eval.json beside new outputs
         meter = threads.Meter()
         overall, categories, records = decode_all(spec, base, tokenizer, conversations, settings, seeds,

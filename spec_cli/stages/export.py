@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from spec_cli import assets
+from spec_cli.artifacts import outputs
 from spec_cli.artifacts.checkpoint import choice_note
 from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
@@ -106,6 +107,8 @@ def run(cfg: ExportConfig) -> ExportResult:
         raise ConfigError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}",
                           "use bf16 (the default)")
     dtype = DTYPES[cfg.dtype]
+    outputs.check({"-o": (cfg.output, outputs.EXPORT)}, {"the source": cfg.source, "--target": cfg.target},
+                  replace_flag="--overwrite")
     note = choice_note(cfg.source)  # a run that kept RUN/best: say that it is exported, not the latest
     if note:
         info(note)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import assets, distributed, threads
-from spec_cli.artifacts import feature_cache as fc, guard
+from spec_cli.artifacts import feature_cache as fc, guard, outputs
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.batch import EXTRA
 from spec_cli.console import human_bytes, info, progress
@@ -118,6 +118,10 @@ def _storage_dtype(option: str | None, model_dtype: torch.dtype) -> torch.dtype:
 def run(cfg: PrecomputeConfig, target=None) -> PrecomputeResult:
     """`target`: a LocalTargetBackend already open (spec regenerate --features hands its own, which
     reads kept states back), used in place of opening cfg.target_engine's; its owner closes it."""
+    if distributed.rank() == 0:  # before any work (the ranks write one folder)
+        outputs.check({"-o": (cfg.output, outputs.FEATURE_CACHE)},
+                      {"--target": cfg.target, "--data": cfg.data, "--vocab-map": cfg.vocab_map,
+                       "--chat-template": cfg.chat_template}, replace_flag="--no-resume")
     with contextlib.ExitStack() as lock:  # the output folder's lock (rank 0), taken once the inputs are checked
         return _run(cfg, lock, target)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import __version__, assets, threads
-from spec_cli.artifacts import feature_cache as fc, guard
+from spec_cli.artifacts import feature_cache as fc, guard, outputs
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates, records, vlm
@@ -432,6 +432,14 @@ def _check(cfg: RegenerateConfig) -> None:
     for name, value in positive.items():
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value} is not positive", f"pass {name} 1 or more")
+    written = {"-o": (cfg.output, outputs.CHAT_DATA), "--features": (cfg.features, outputs.FEATURE_CACHE)}
+    read = {"--target": cfg.target, "--data": cfg.data, "--chat-template": cfg.chat_template}
+    if cfg.features is not None and cfg.vocab_map is not None:  # an existing map is read, a new one written
+        if Path(cfg.vocab_map).exists():
+            read["--vocab-map"] = cfg.vocab_map
+        else:
+            written["--vocab-map"] = (cfg.vocab_map, outputs.VOCAB_MAP)
+    outputs.check(written, read, replace_flag="--overwrite")
     _check_output(Path(cfg.output))
     if cfg.features is not None:
         if cfg.engine != "vllm":

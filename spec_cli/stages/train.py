@@ -31,7 +31,7 @@ from torch import nn
 
 from spec_cli import distributed, threads
 from spec_cli.artifacts import checkpoint as ckpt
-from spec_cli.artifacts import guard
+from spec_cli.artifacts import guard, outputs
 from spec_cli.artifacts.guard import FolderLock
 from spec_cli.artifacts.io import write_json
 from spec_cli.artifacts.vocab_map import load_vocab_map
@@ -75,6 +75,7 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
     the run's run.json. None: from the `spec train` command being run, if any (else every option counts
     as given, as the config says). The run folder is locked (rank 0) while it is written."""
     start_time = time.perf_counter()
+    _check_output(cfg)  # before anything: the inputs as given (a resumed run's own come from its folder)
     cfg = resumed_config(cfg, typed_options() if given is None else given)
     device = _start(cfg)
     with ExitStack() as lock:  # taken (rank 0) once the inputs are checked, before the folder is touched
@@ -83,7 +84,6 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
 
 def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack,
          given: set[str] | None) -> TrainResult:
-    _check_output(cfg)
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     _check_engine_options(cfg)  # before the target loads
     if cfg.runtime.eval_engine and device.type == "cuda" and distributed.is_main():
@@ -108,6 +108,8 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         _check_run_dir(cfg, run_json)
         if distributed.is_main() and not cfg.runtime.resume:  # an abandoned run's RUN/best is not this run's
             engine_eval.clear_abandoned(cfg.runtime.output)
+        if distributed.is_main() and cfg.runtime.resume and (damaged := ckpt.set_aside_damaged(cfg.runtime.output)):
+            warn(damaged)  # newest checkpoints cut short (a copy, a failing disk): set aside, resumed from the one before
         distributed.check_shared_folder(cfg.runtime.output, "the run folder")  # torchrun: one folder for all
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = trainer.restore(latest) if latest is not None else 0
@@ -1016,18 +1018,14 @@ def _check_room(trainer: Trainer) -> None:
 
 
 def _check_output(cfg: TrainConfig) -> None:
-    """-o is a run folder of its own: not one of the run's input folders (or inside one), not a folder
-    of another kind (a cache, a model, an export), before anything is written."""
-    output = Path(cfg.runtime.output)
-    for flag, given in (("--cache", cfg.data.cache), ("--target", cfg.data.target), ("--stream-dir", cfg.runtime.stream_dir)):
-        if given is not None and Path(given).is_dir() and guard.inside(output, Path(given)):
-            where = "is" if os.path.realpath(output) == os.path.realpath(given) else "is inside"
-            raise ConfigError(f"-o {output} {where} this run's {flag} {given}",
-                              "pass a run folder of its own as -o, e.g. -o runs/draft")
-    kind = guard.folder_kind(output)
-    if kind is not None and kind != "a training run":
-        raise ConfigError(f"-o {output} is {kind}, not a training run's folder",
-                          "pass a new folder as -o (a run folder holds run.json, checkpoints/ and log.jsonl)")
+    """-o is a run folder of its own: not one of the run's inputs (nor inside one, nor holding one), not a
+    folder of another kind (a cache, a model, an export, files of yours), before anything is written."""
+    d, r = cfg.data, cfg.runtime
+    if distributed.is_main():
+        outputs.check({"-o": (r.output, outputs.TRAINING_RUN)},
+                      {"--cache": d.cache, "--target": d.target, "--data": d.data, "--vocab-map": d.vocab_map,
+                       "--chat-template": d.chat_template, "--stream-dir": r.stream_dir,
+                       "--eval-prompts": r.eval_prompts, "--eval-engine-target": r.eval_engine_target})
 
 
 def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:

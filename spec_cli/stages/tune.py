@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import assets, threads
+from spec_cli.artifacts import outputs
 from spec_cli.artifacts.io import SCHEMA_VERSION, write_json
 from spec_cli.console import info, progress, warn
 from spec_cli.data import chat_templates
@@ -104,6 +105,13 @@ class TuneResult:
     settings: dict = field(default_factory=dict)
 
 
+def _check_output(cfg: TuneConfig, output: Path, own_places=()) -> None:
+    """-o is a folder of spec tune's own (new, empty or an earlier tune), never the draft, the target, the
+    prompts or a folder of another kind."""
+    outputs.check({"-o": (output, outputs.TUNE)},
+                  {"the draft": cfg.draft, "--target": cfg.target, "--prompts": cfg.prompts}, own_places=own_places)
+
+
 def default_output(draft: Path) -> Path:
     draft = Path(draft)
     return draft.parent / f"{draft.name}-tune"
@@ -143,6 +151,8 @@ def run(cfg: TuneConfig) -> TuneResult:
         raise ConfigError("--repeats, --requests, --max-new-tokens and --max-k must be at least 1", "e.g. --repeats 3")
     if cfg.batch_sizes is not None and (not cfg.batch_sizes or min(cfg.batch_sizes) < 1):
         raise ConfigError("--batch-sizes must be whole numbers of at least 1", "e.g. --batch-sizes 1,2,4,8")
+    if cfg.output is not None:
+        _check_output(cfg, Path(cfg.output))
     target_dir = loading.resolve_target(assets.resolve_target_arg(cfg.target))
     target_config = loading.load_config(target_dir)
     tokenizer = loading.load_tokenizer(target_dir, None)
@@ -162,6 +172,8 @@ def run(cfg: TuneConfig) -> TuneResult:
         raise ConfigError(f"--prompts {cfg.prompts} has no text prompt", "pass chat prompts without images")
     stop = eos_ids(tokenizer, loading.generation_config(target_dir)) | chat_templates.end_of_turn_ids(tokenizer, None)
     output = Path(cfg.output) if cfg.output else default_output(loaded.path)
+    if cfg.output is None:  # beside the draft: its own place, even inside a run
+        _check_output(cfg, output, own_places=[output])
     if cfg.engine == "torch":
         return _run_torch(cfg, loaded, target_dir, ids, stop, max_k, output, start)
     return _run_vllm(cfg, loaded, target_dir, ids, stop, max_k, output, start)
