@@ -52,8 +52,8 @@ def test_output_that_is_an_existing_file_is_refused_and_kept(setup, tmp_path, ca
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")
     assert main(train(setup["root"], taken, "--max-steps", "1")) == 1
-    assert one_line(capsys) == (f"error: {taken} is a file where a folder is expected (or one of its parents "
-                                "is a file); pass a folder path")
+    assert one_line(capsys) == (f"error: -o {taken} is a file spec_cli did not write; a training run is a "
+                                "folder; pass -o a folder path that does not exist yet")
     assert taken.read_text() == "mine"
 
 
@@ -121,6 +121,83 @@ def test_a_checkpoint_missing_its_weights_is_named(setup, tmp_path, capsys):
     line = one_line(capsys)
     assert str(latest) in line and "model.safetensors" in line
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- a checkpoint cut short
+
+def flat(text: str) -> str:
+    """Text without its whitespace: the console folds long lines (paths included) at its width."""
+    return "".join(text.split())
+
+
+def damaged_copy(setup, tmp_path, name: str, size: int):
+    """A copy of the module's run whose newest checkpoint's `name` is cut to `size` bytes (as an interrupted
+    copy leaves it): (run, its step-1, its step-2)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["run"], run)
+    first, second = ckpt.checkpoint_dirs(run)
+    os.truncate(second / name, size)
+    return run, first, second
+
+
+def test_export_and_eval_name_a_cut_short_latest_checkpoint_and_the_intact_one_to_pass(setup, tmp_path, capsys):
+    run, first, second = damaged_copy(setup, tmp_path, "model.safetensors", 1000)
+    header = 8 + int.from_bytes((first / "model.safetensors").read_bytes()[:8], "little")
+
+    def refusal(given):
+        return (f"error: the checkpoint {second} is damaged: model.safetensors is cut short (1,000 bytes; its header "
+                f"alone takes {header:,}); pass the newest intact checkpoint of the run, {first}, instead of {given} "
+                f"(`spec train --resume -o {run}` sets the damaged one aside and trains again from there)")
+
+    assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 1
+    assert one_line(capsys) == refusal(run)
+    assert main(["eval", "-t", str(setup["target"]), "--draft", str(run), "--prompts", str(setup["data"]),
+                 "--num-prompts", "1", "--max-new-tokens", "4", "-o", str(tmp_path / "eval"), "-q"]) == 1
+    assert one_line(capsys) == refusal(run)
+    assert main(["export", str(second), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 1
+    assert one_line(capsys) == refusal(second)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "eval").exists()
+    # the checkpoint offered exports
+    assert main(["export", str(first), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_resume_sets_a_cut_short_latest_checkpoint_aside_and_continues_from_the_one_before(setup, tmp_path, capsys):
+    """The optimizer state of step 2 cut in its data: the resume says so in one warning, keeps the damaged
+    folder (moved aside, bytes as they were) and trains step 2 again, to the weights the run first saved."""
+    import torch
+    from safetensors.torch import load_file
+
+    run, first, second = damaged_copy(setup, tmp_path, "optimizer.safetensors", 100_000)
+    full = (setup["run"] / "checkpoints" / second.name / "optimizer.safetensors").stat().st_size
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert flat(err) == flat(f"warning: {second} is damaged: optimizer.safetensors is cut short (100,000 of "
+                             f"{full:,} bytes); moved it aside to {second.name}.damaged (kept, not deleted); "
+                             f"resuming from {first}")
+    aside = second.with_name(second.name + ".damaged")
+    assert (aside / "optimizer.safetensors").stat().st_size == 100_000 and (aside / "model.safetensors").is_file()
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == [first.name, second.name]
+    again = load_file(str(second / "model.safetensors"))
+    before = load_file(str(setup["run"] / "checkpoints" / second.name / "model.safetensors"))
+    assert again.keys() == before.keys() and all(torch.equal(again[k], before[k]) for k in before)
+    # export reads the run again
+    assert main(["export", str(run), "--format", "vllm", "-o", str(tmp_path / "out"), "-q"]) == 0
+
+
+def test_resume_with_every_checkpoint_cut_short_is_refused_and_moves_nothing(setup, tmp_path, capsys):
+    run, first, second = damaged_copy(setup, tmp_path, "rng.safetensors", 10)
+    os.truncate(first / "config.json", 10)
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 1
+    line = one_line(capsys)
+    assert line.startswith(f"error: every checkpoint of {run} is damaged: {second.name}: rng.safetensors is cut short "
+                           f"(10 bytes; its header alone takes ") and line.endswith(
+        "; restore the files from a copy, or start a new run folder (-o)"), line
+    assert f"{first.name}: config.json does not parse (" in line
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == [first.name, second.name]
+    assert not list((run / "checkpoints").glob("*.damaged*"))
 
 
 @pytest.mark.slow
@@ -399,6 +476,38 @@ def test_a_disk_that_fills_mid_write_is_one_line_and_the_last_good_artifact_stay
         line = full_disk_line(capsys)
         assert f"holding {out} while writing shard-00000.safetensors: it needs about " in line
         assert not list(out.glob("shard-*")) and not list(out.glob(".*tmp"))
+
+
+def test_a_disk_that_fills_at_a_later_checkpoint_gives_the_command_that_continues_the_run(setup, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The second checkpoint finds the disk full: a plain rerun would be refused (the folder holds step 1), so
+    the hint is the --resume command, and that command finishes the run."""
+    from safetensors import SafetensorError
+
+    from spec_cli.artifacts import checkpoint
+
+    real, files = checkpoint.save_file, [0]
+
+    def full_after_the_first_checkpoint(*args, **kwargs):
+        files[0] += 1
+        if files[0] > 3:  # model, optimizer and rng of step 1 are written
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(*args, **kwargs)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        mp.setattr(checkpoint, "save_file", full_after_the_first_checkpoint)
+        assert main(train(setup["root"], run, "--max-steps", "2", "--save-every", "1")) == 1
+    line = full_disk_line(capsys)
+    assert line.startswith(f"error: no space left on the device holding {run / 'checkpoints'} while writing "
+                           "step-00000002/: ")
+    assert line.endswith(f" is free; free space there, then continue from step-00000001 with `spec train --resume "
+                         f"-o {run}` (or move the run folder to a disk with room and pass that as -o); nothing "
+                         "half-written was kept"), line
+    assert main(train(setup["root"], run, "--max-steps", "2", "--save-every", "1")) == 1  # the plain rerun
+    assert "pass --resume to continue that run" in one_line(capsys)
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 0  # the hinted command
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000001", "step-00000002"]
 
 
 @pytest.mark.parametrize("command", ["build-vocab-map", "train"])

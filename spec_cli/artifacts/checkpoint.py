@@ -24,6 +24,7 @@ before that hold it in model.safetensors and still load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -36,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_cli.artifacts import io
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_dir, write_safetensors
-from spec_cli.errors import ArtifactError
+from spec_cli.errors import ArtifactError, listing
 
 CHECKPOINTS = "checkpoints"
 FROZEN = "frozen.safetensors"
@@ -62,18 +63,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint folder from a run folder (RUN/best when the run kept one, else its latest) or a
-    checkpoint folder."""
+    checkpoint folder; one whose files are damaged is refused, naming the run's newest intact one."""
     path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    best = best_checkpoint(path)
-    if best is not None:
-        return best
-    latest = latest_checkpoint(path)
-    if latest is None:
+    chosen = path if (path / "model.safetensors").is_file() else best_checkpoint(path) or latest_checkpoint(path)
+    if chosen is None:
         raise ArtifactError(f"{path} holds no draft checkpoint",
                             "pass a run folder written by `spec train` or one of its checkpoints/step-* folders")
-    return latest
+    _refuse_damaged(path, chosen)
+    return chosen
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:
@@ -258,7 +255,8 @@ def write_optimizer_shard(staging: Path, rank: int, world: int, tensors: dict[st
     """One rank's optimizer state (sharding.local_optimizer_state) as optimizer-RRRRR-of-WWWWW.safetensors,
     with each tensor's global shape and first row in its metadata."""
     path = Path(staging) / optimizer_shard_name(rank, world)
-    write_safetensors(path, tensors, {"kind": "optimizer_shard", "rank": rank, "world": world, "layout": layout})
+    with _resumable(Path(staging).parent.parent):
+        write_safetensors(path, tensors, {"kind": "optimizer_shard", "rank": rank, "world": world, "layout": layout})
     return path
 
 
@@ -313,7 +311,7 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
     if shards is not None:
         trainer_state = {**trainer_state, "optimizer_shards": shards}
-    with (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
+    with _resumable(run_dir), (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
         _write_weights(tmp, step, model_state, draft_config, trainer_state, frozen)
         if optimizer_tensors is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
@@ -332,9 +330,24 @@ def save_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], 
                  trainer_state: dict, frozen: dict | None = None) -> Path:
     """A checkpoint of the weights alone (model.safetensors, config.json, trainer_state.json; no optimizer
     or RNG state: export and eval read it, a resume does not), written atomically into `folder`."""
-    with atomic_dir(Path(folder)) as tmp:
+    with _resumable(run_dir_of(folder)), atomic_dir(Path(folder)) as tmp:
         _write_weights(tmp, step, model_state, draft_config, {**trainer_state, "weights_only": True}, frozen)
     return Path(folder)
+
+
+@contextlib.contextmanager
+def _resumable(run_dir: Path | None):
+    """A disk that fills while `spec train` writes into its run folder: the hint gives the command that
+    continues the run from its last checkpoint (a plain rerun is refused: the folder holds checkpoints)."""
+    try:
+        yield
+    except io.DiskFullError as exc:
+        latest = latest_checkpoint(run_dir) if run_dir is not None else None
+        if latest is None:  # nothing to continue from: the same command starts the run again
+            raise
+        raise io.DiskFullError(exc.message, f"free space there, then continue from {latest.name} with `spec train "
+                               f"--resume -o {run_dir}` (or move the run folder to a disk with room and pass that "
+                               "as -o); nothing half-written was kept") from exc
 
 
 def _write_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], draft_config: dict,
@@ -411,3 +424,124 @@ def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None
                             "pass a complete checkpoint written by `spec train`") from exc
     check_config(path, parts["config"])
     return parts
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+# A checkpoint folder that exists was complete when it was renamed into place; a file in it can still
+# be cut short later (an interrupted copy or sync, a failing disk). Readers check the files they need
+# before trusting the newest checkpoint, and name the newest intact one instead.
+
+DAMAGED = ".damaged"  # checkpoints/step-N.damaged: a damaged checkpoint `spec train --resume` set aside
+_HEADER_MAX = 100_000_000  # the largest header safetensors reads
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file that exists, or None when its header reads and the file is
+    as long as the header says. Reads the header only (8 bytes of length, then the JSON)."""
+    name = Path(path).name
+    try:
+        size = Path(path).stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little")
+            if len(head) < 8:
+                return f"{name} is cut short ({size} bytes, less than a header)"
+            if length > _HEADER_MAX:
+                return f"{name} has no readable safetensors header (it gives a header of {length:,} bytes)"
+            if 8 + length > size:
+                return f"{name} is cut short ({size:,} bytes; its header alone takes {8 + length:,})"
+            header = json.loads(f.read(length))
+        end = 8 + length + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        return f"{name} has no readable safetensors header ({exc})"
+    if size != end:
+        return (f"{name} is cut short ({size:,} of {end:,} bytes)" if size < end
+                else f"{name} is longer than its header says ({size:,} bytes, {end:,} expected)")
+    try:
+        with safe_open(str(path), framework="pt"):
+            return None
+    except (OSError, SafetensorError) as exc:
+        return f"{name} does not read ({exc})"
+
+
+def checkpoint_damage(checkpoint: Path, resume: bool = False) -> str | None:
+    """What is wrong with the files a checkpoint holds (None: all of them read): a safetensors file cut
+    short or unreadable, a JSON file that does not parse. Export and eval read model.safetensors,
+    config.json and trainer_state.json; `resume` adds the optimizer and RNG files. A missing file is not
+    damage: the reader that needs it names it."""
+    checkpoint = Path(checkpoint)
+    problems = []
+    for name in ("config.json", "trainer_state.json"):
+        try:
+            json.loads((checkpoint / name).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            problems.append(f"{name} does not parse ({exc})")
+    names = ["model.safetensors"]
+    if resume:
+        names += sorted(p.name for p in checkpoint.glob("optimizer*.safetensors")) + ["rng.safetensors"]
+    for name in names:
+        if (checkpoint / name).is_file():
+            problems.append(safetensors_damage(checkpoint / name))
+    return "; ".join(p for p in problems if p) or None
+
+
+def newest_intact(run_dir: Path, but: Path | None = None) -> Path | None:
+    """The newest checkpoint of a run (other than `but`) whose weights, config and state read, or None."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        if checkpoint != but and checkpoint_damage(checkpoint) is None:
+            return checkpoint
+    return None
+
+
+def _refuse_damaged(given: Path, chosen: Path) -> None:
+    """The checkpoint export and eval chose for `given` (a run or checkpoint folder) reads, or an error
+    naming what is wrong and the run's newest intact checkpoint to pass instead."""
+    damage = checkpoint_damage(chosen)
+    if damage is None:
+        return
+    run_dir = run_dir_of(chosen)
+    intact = newest_intact(run_dir, but=chosen) if run_dir is not None else None
+    if intact is None:
+        raise ArtifactError(f"the checkpoint {chosen} is damaged: {damage}",
+                            "restore the file from a copy, or train again (no other checkpoint of the run is intact)")
+    again = (f" (`spec train --resume -o {run_dir}` sets the damaged one aside and trains again from there)"
+             if chosen.parent.name == CHECKPOINTS else "")
+    raise ArtifactError(f"the checkpoint {chosen} is damaged: {damage}",
+                        f"pass the newest intact checkpoint of the run, {intact}, instead of {given}{again}")
+
+
+def set_aside_damaged(run_dir: Path) -> str | None:
+    """Before `spec train --resume`: move the checkpoints newer than the newest intact one (files cut
+    short or unreadable) aside to checkpoints/step-N.damaged, kept for a look and out of the way of the
+    run's next saves, so the resume continues from the intact one. The line that says so (None when the
+    newest is intact). Refuses when no checkpoint is intact. Call it only while holding the run's lock."""
+    dirs = checkpoint_dirs(run_dir)
+    damaged = []
+    for checkpoint in reversed(dirs):
+        damage = checkpoint_damage(checkpoint, resume=True)
+        if damage is None:
+            break
+        damaged.append((checkpoint, damage))
+    if not damaged:
+        return None
+    if len(damaged) == len(dirs):
+        raise ArtifactError(f"every checkpoint of {run_dir} is damaged: "
+                            + listing([f"{c.name}: {d}" for c, d in damaged]),
+                            "restore the files from a copy, or start a new run folder (-o)")
+    moved = []
+    for checkpoint, damage in damaged:
+        aside = _aside_name(checkpoint)
+        checkpoint.rename(aside)
+        moved.append(f"{checkpoint} is damaged: {damage}; moved it aside to {aside.name} (kept, not deleted)")
+    return "; ".join(moved) + f"; resuming from {dirs[-1 - len(damaged)]}"
+
+
+def _aside_name(checkpoint: Path) -> Path:
+    """checkpoints/step-N.damaged, or step-N.damaged-K when an earlier one took that name."""
+    aside, k = checkpoint.with_name(checkpoint.name + DAMAGED), 1
+    while aside.exists():
+        k += 1
+        aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED}-{k}")
+    return aside

@@ -152,3 +152,26 @@ def test_a_resumed_run_removes_what_a_killed_one_left_half_written(tmp_path):
                                             ".step-00000002.old", ".step-00000004.ab_cd123.tmp",
                                             ".step-00000006.shards.tmp"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == [".notes", "checkpoints", "run.json", "step-00000002"]
+
+
+def test_a_safetensors_file_cut_short_or_grown_is_named_with_its_sizes(tmp_path):
+    """The damage a reader names: the file's size against 8 + header + the data the header lays out."""
+    model = save(tmp_path, 1) / "model.safetensors"
+    data = model.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    end = 8 + header + 6 * 4 + 4 * 8  # fc.weight: 2x3 fp32; d2t: 4 int64
+    assert len(data) == end and ckpt.safetensors_damage(model) is None
+    model.write_bytes(data[:end - 5])
+    assert ckpt.safetensors_damage(model) == f"model.safetensors is cut short ({end - 5:,} of {end:,} bytes)"
+    model.write_bytes(data[:100])
+    assert ckpt.safetensors_damage(model) == \
+        f"model.safetensors is cut short (100 bytes; its header alone takes {8 + header:,})"
+    model.write_bytes(data + b"\0")
+    assert ckpt.safetensors_damage(model) == (f"model.safetensors is longer than its header says ({end + 1:,} bytes, "
+                                              f"{end:,} expected)")
+    assert ckpt.checkpoint_damage(model.parent) == ckpt.safetensors_damage(model)
+    model.write_bytes(data)
+    (model.parent / "rng.safetensors").write_bytes(b"")  # read only for a resume
+    assert ckpt.checkpoint_damage(model.parent) is None
+    assert ckpt.checkpoint_damage(model.parent, resume=True) == \
+        "rng.safetensors is cut short (0 bytes, less than a header)"
