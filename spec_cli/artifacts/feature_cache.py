@@ -323,14 +323,15 @@ def check_files(folder: Path, manifest: dict) -> None:
                                 f"says draft_vocab_size {vd}", hint)
 
 
+def shard_matches(folder: Path, entry: dict) -> bool:
+    """The shard of a manifest entry is there and its sha256 is the entry's."""
+    path = Path(folder) / entry["file"]
+    return path.is_file() and sha256_file(path) == entry.get("sha256")
+
+
 def verify_shards(folder: Path, manifest: dict) -> list[str]:
     """The shard files whose sha256 differs from the manifest's (or that are missing)."""
-    damaged = []
-    for entry in manifest.get("shards", []):
-        path = Path(folder) / entry["file"]
-        if not path.is_file() or sha256_file(path) != entry.get("sha256"):
-            damaged.append(entry["file"])
-    return damaged
+    return [entry["file"] for entry in manifest.get("shards", []) if not shard_matches(folder, entry)]
 
 
 @dataclass

@@ -13,6 +13,7 @@ token the model never emitted.
 from __future__ import annotations
 
 import codecs
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,130 @@ def _not_utf8(path: Path) -> str | None:
     return None
 
 
+CHUNK = 10 << 20  # bytes read at a time, as datasets' JSON loader does (it types the columns from its first)
+READ_HINT = "check the file is valid JSON lines / JSON / parquet with one record per row"
+
+
+def _json_lines(path: Path) -> bool:
+    """A JSON-lines file: its first line is one whole JSON object (.jsonl: begins one). datasets reads a
+    JSON list, or one object over many lines, whole."""
+    with open(path, "rb") as f:
+        first = f.readline().removeprefix(codecs.BOM_UTF8).strip()
+    if path.suffix == ".jsonl":
+        return first.startswith(b"{")
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _objects(path: Path, chunk: bytes, first_line: int) -> list[dict]:
+    """The records of a chunk of JSON lines; DataError naming the first line that is not a JSON object."""
+    objects = []
+    for number, text in enumerate(chunk.split(b"\n"), first_line):
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text, parse_constant=_no_constant)  # NaN / Infinity: pyarrow refuses them
+        except ValueError as exc:
+            why = f"{exc.msg}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise DataError(f"{path}: line {number} is not valid JSON ({why})",
+                            "fix or remove that line (JSON lines: one JSON object per line)") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{path}: line {number} is a JSON {type(value).__name__}, not an object",
+                            "write each record as one JSON object per line") from None
+        objects.append(value)
+    return objects
+
+
+def _chunk_type(path: Path, chunk: bytes, first_line: int, json_paths: list):
+    """The arrow struct of a chunk's records. A field whose values differ in kind within it (a string
+    here, a list there) joins `json_paths`, and is read as JSON text."""
+    import pyarrow as pa
+    import pyarrow.json as paj
+    from datasets.utils.json import get_json_field_path_from_pyarrow_json_error, json_encode_field
+
+    encoded = chunk
+    while True:
+        try:  # one block: a record never straddles two
+            table = paj.read_json(io.BytesIO(encoded), read_options=paj.ReadOptions(block_size=len(encoded) + 1))
+            return pa.struct(list(table.schema))
+        except pa.ArrowInvalid as exc:
+            examples = _objects(path, chunk, first_line)  # DataError on a line that is not a JSON object
+            field = get_json_field_path_from_pyarrow_json_error(str(exc), examples=examples) \
+                if ") changed from" in str(exc) else None
+            if not field or field in json_paths:
+                raise
+            json_paths.append(field)
+            for field_path in json_paths:
+                examples = [json_encode_field(example, field_path) for example in examples]
+            encoded = "\n".join(json.dumps(example) for example in examples).encode()
+
+
+def _merged(a, b, field: list, json_paths: list):
+    """One arrow type for a field typed `a` in some chunks and `b` in another: structs gain each other's
+    fields, null takes the other's type, ints widen to floats; values of different kinds (or a field
+    in `json_paths`) are read as JSON text (datasets' Json feature), as datasets does in its first chunk."""
+    import pyarrow as pa
+
+    if field in json_paths:
+        return pa.json_()
+    if a == b or pa.types.is_null(b):
+        return a
+    if pa.types.is_null(a):
+        return b
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        fields = {f.name: f.type for f in a}
+        for f in b:
+            fields[f.name] = _merged(fields[f.name], f.type, field + [f.name], json_paths) if f.name in fields \
+                else f.type
+        return pa.struct(list(fields.items()))
+    if pa.types.is_list(a) and pa.types.is_list(b):
+        return pa.list_(_merged(a.value_type, b.value_type, field + [0], json_paths))
+    if all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in (a, b)):
+        return pa.float64()
+    json_paths.append(field)
+    return pa.json_()
+
+
+def _json_lines_features(path: Path):
+    """The columns of every record of a JSON-lines file, typed chunk by chunk (one chunk in memory at a
+    time): datasets types them from its first chunk and then refuses a field that first appears later."""
+    import datasets
+    import pyarrow as pa
+
+    merged, json_paths, line = pa.struct([]), [], 1
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            chunk += f.readline()  # whole lines
+            if line == 1:
+                chunk = chunk.removeprefix(codecs.BOM_UTF8)
+            merged = _merged(merged, _chunk_type(path, chunk, line, json_paths), [], json_paths)
+            line += chunk.count(b"\n")
+    return datasets.Features.from_arrow_schema(pa.schema(list(_as_json(merged, [], json_paths))))
+
+
+def _as_json(t, field: list, json_paths: list):
+    """`t` with the fields in `json_paths` typed JSON text (one may vary only in a chunk after the
+    chunks that first typed it)."""
+    import pyarrow as pa
+
+    if field in json_paths:
+        return pa.json_()
+    if pa.types.is_struct(t):
+        return pa.struct([(f.name, _as_json(f.type, field + [f.name], json_paths)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(_as_json(t.value_type, field + [0], json_paths))
+    return t
+
+
 def load_records(path: str | Path):
-    """A `datasets.Dataset` of the records in a .jsonl/.json/.parquet file or a saved dataset folder."""
+    """A `datasets.Dataset` of the records in a .jsonl/.json/.parquet file or a saved dataset folder.
+    JSON lines whose fields vary past datasets' first 10 MB are typed over the whole file."""
     import datasets
 
     path = Path(path).expanduser()
@@ -118,7 +241,13 @@ def load_records(path: str | Path):
         if path.suffix == ".json" and path.stat().st_size <= 1 << 16 and _no_records(path):
             raise DataError(f"no records in {path}", "pass a file that holds conversations (a JSON list of "
                                                      "records, or JSON lines)")
-        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+        try:
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception:  # e.g. a field first seen after datasets' first chunk: type every chunk's fields
+            if builder != "json" or not _json_lines(path):
+                raise
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train",
+                                           features=_json_lines_features(path))
         if len(loaded) == 0:
             raise DataError(f"no records in {path}", "pass a file that holds conversations")
         return loaded
@@ -127,8 +256,7 @@ def load_records(path: str | Path):
     except Exception as exc:  # datasets/pyarrow raise many types for unreadable files
         cause = exc.__cause__ or exc.__context__
         detail = f"{exc} ({cause})" if cause is not None and str(cause) not in str(exc) else str(exc)
-        raise DataError(f"cannot read {path}: {detail}",
-                        "check the file is valid JSON lines / JSON / parquet with one record per row") from exc
+        raise DataError(f"cannot read {path}: {' '.join(detail.split())}", READ_HINT) from exc  # one line
     finally:
         datasets.logging.set_verbosity(verbosity)
 

@@ -1,8 +1,9 @@
 """`spec precompute`: run the target over the tokenised data and write the feature cache.
 
 Work is planned up front (length-bucketed batches grouped into shards by token count), so shard i
-always holds the same batches: an interrupted run skips its verified shards and writes the rest, and
-ranks under torchrun take shards i % world_size == rank.
+always holds the same batches: an interrupted run skips its verified shards and writes the rest, a
+rerun of a finished cache checks each shard against the manifest's checksum and recomputes a damaged
+one, and ranks under torchrun take shards i % world_size == rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from spec_cli import assets, distributed, threads
 from spec_cli.artifacts import feature_cache as fc, guard, outputs
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.batch import EXTRA
-from spec_cli.console import human_bytes, info, progress
+from spec_cli.console import human_bytes, info, progress, warn
 from spec_cli.data import chat_templates
 from spec_cli.data.batching import collate, padding_fraction, plan_by_source
 from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
@@ -133,6 +134,21 @@ def _marker(out: Path) -> tuple[str]:
     return (fc.MANIFEST if (out / fc.MANIFEST).exists() or not own else own[0],)
 
 
+def _verified(out: Path, manifest: dict, mine: list[int]) -> dict[int, dict]:
+    """This rank's shards of a finished cache whose sha256 is the manifest's, by index, with their entries.
+    The others (every rank's) are named in one warning; the caller recomputes them."""
+    entries = {e["shard"]: e for e in manifest.get("shards", [])}
+    verified = {i: entries[i] for i in mine if i in entries and fc.shard_matches(out, entries[i])}
+    names = [fc.shard_name(i) for i in mine if i not in verified]
+    damaged = sorted(name for part in distributed.gather_to_main(names) or [] for name in part)
+    if damaged:
+        more = f" (+{len(damaged) - 3} more)" if len(damaged) > 3 else ""
+        warn(f"feature cache {out}: {', '.join(damaged[:3])}{more} "
+             f"{'fails its checksum' if len(damaged) == 1 else 'fail their checksums'}: "
+             f"recomputing {'it' if len(damaged) == 1 else 'them'}")
+    return verified
+
+
 def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack, target=None) -> PrecomputeResult:
     start = time.perf_counter()
     if cfg.encoding not in fc.ENCODINGS:
@@ -208,6 +224,7 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack, target=None) -> Prec
     distributed.barrier()
     out.mkdir(parents=True, exist_ok=True)
     distributed.check_shared_folder(out, "the feature cache")  # the ranks write one folder
+    mine = [i for i in range(len(shards)) if i % world == rank]
     if (out / fc.MANIFEST).is_file():
         existing = fc.read_manifest(out)
         mismatch = fc.identity_mismatch(identity, existing)
@@ -217,14 +234,15 @@ def _run(cfg: PrecomputeConfig, lock: contextlib.ExitStack, target=None) -> Prec
         if mismatch:
             raise ArtifactError(f"{out} holds a different feature cache ({mismatch})",
                                 "write to a new --output folder, or pass --no-resume to replace it")
-        fc.check_files(out, existing)  # a complete cache is reused only when its files are all there
-        info(f"feature cache {out} is already complete")
-        on_disk = fc.folder_bytes(out)
-        return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), on_disk["total"],
-                                padding_fraction(lengths, batches), disk=on_disk)
-
-    mine = [i for i in range(len(shards)) if i % world == rank]
-    done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
+        fc.check_files(out, existing)  # sizes and tensor shapes: a truncated or missing shard stops here
+        done = _verified(out, existing, mine)  # what is reused is checked as `spec inspect --verify` checks it
+        if not distributed.max_over_ranks(len(mine) - len(done)):
+            info(f"feature cache {out} is already complete")
+            on_disk = fc.folder_bytes(out)
+            return PrecomputeResult(existing, out, time.perf_counter() - start, 0, len(shards), on_disk["total"],
+                                    padding_fraction(lengths, batches), disk=on_disk)
+    else:  # an interrupted run: each shard against its sidecar
+        done = {i: e for i in mine if (e := fc.completed_shard(out, i, identity)) is not None}
     todo = [i for i in mine if i not in done]
     per_token = fc.bytes_per_token(cfg.encoding, hidden_size, vocab_map.draft_vocab_size, storage_name,
                                    len(aux_layers), sum(f.width(hidden_size) for f in fields.values()))

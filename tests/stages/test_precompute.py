@@ -163,6 +163,28 @@ def test_damaged_shard_is_recomputed(tiny_llama_dir, workdir, tmp_path):
     assert digest(out) == reference
 
 
+def test_a_rerun_checks_the_shards_it_reuses_and_recomputes_a_damaged_one(tiny_llama_dir, workdir, tmp_path,
+                                                                          capsys):
+    out = tmp_path / "c"
+    assert precompute(tiny_llama_dir, workdir, out) == 0
+    reference = digest(out)
+    n = fc.read_manifest(out)["num_shards"]
+    shard = out / fc.shard_name(2)
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # the same size: only its checksum tells
+    shard.write_bytes(bytes(data))
+    assert main(["inspect", str(out), "--verify"]) == 1
+    capsys.readouterr()
+    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v", str(workdir["vm"]),
+                 "-o", str(out), "--batch-tokens", "512", "--shard-tokens", "600"]) == 0
+    printed = capsys.readouterr()
+    assert " ".join(printed.err.split()) == (f"warning: feature cache {out}: shard-00002.safetensors fails its "
+                                             "checksum: recomputing it")
+    assert f"shards {n} (1 computed, {n - 1} reused)" in " ".join(printed.out.split())
+    assert digest(out) == reference
+    assert main(["inspect", str(out), "--verify"]) == 0
+
+
 def test_a_different_cache_is_never_mixed_in(tiny_llama_dir, tiny_tokenizer_dirs, workdir, tmp_path,
                                              capsys):
     out = tmp_path / "c"
