@@ -26,7 +26,7 @@ from spec_cli.commands.precompute import precompute_cmd
 from spec_cli.commands.regenerate import regenerate_cmd
 from spec_cli.commands.serve_target import serve_target_cmd
 from spec_cli.commands.tune import tune_cmd
-from spec_cli.console import err_console
+from spec_cli.console import err_console, other_rank
 from spec_cli.errors import SpecError, is_disk_full
 from spec_cli.paths import special_kind
 from spec_cli.help import Command, Group
@@ -83,6 +83,13 @@ def stopped_line(stop: stopping.Stopped) -> str:
     return (f"stopped ({stop.name}); finished work is kept: rerun the same command to continue (regenerate "
             "and precompute go on where they stopped, train with --resume)")
 
+
+def _say_stopped(stop: stopping.Stopped) -> None:
+    """The stopped line, from rank 0 alone under torchrun (every rank stopped alike)."""
+    if not other_rank():
+        err_console.print(stopped_line(stop), soft_wrap=True)
+
+
 _PATH_MISTAKES = {
     FileExistsError: "already exists; pass a path that does not exist yet, or remove it",
     IsADirectoryError: "is a folder where a file is expected; pass a file path",
@@ -130,7 +137,7 @@ def _main(argv: list[str] | None, debug: bool) -> int:
         result = build_app()(args=argv, prog_name="spec", standalone_mode=False)
         if result == 130:  # typer answers any KeyboardInterrupt with a bare exit code 130
             stop = stopping.last_stop()
-            err_console.print(stopped_line(stop), soft_wrap=True)
+            _say_stopped(stop)
             return stop.exit_code
         return result if isinstance(result, int) else 0
     except Exception as exc:
@@ -138,11 +145,11 @@ def _main(argv: list[str] | None, debug: bool) -> int:
         if stop is None:
             return _error(exc, debug)
         stop = stop if isinstance(stop, stopping.Stopped) else stopping.last_stop()
-        err_console.print(stopped_line(stop), soft_wrap=True)
+        _say_stopped(stop)
         return stop.exit_code
     except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, stopping.Stopped) else stopping.last_stop()
-        err_console.print(stopped_line(stop), soft_wrap=True)
+        _say_stopped(stop)
         return stop.exit_code
 
 

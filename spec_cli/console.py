@@ -1,8 +1,13 @@
-"""Terminal output: one console, progress bars that switch off when output is not a terminal."""
+"""Terminal output: one console, progress bars that switch off when output is not a terminal.
+
+Under torchrun every rank runs the same command and would say every line once per rank: rank 0 alone
+says them (progress lines, warnings, bars, summaries). The other ranks print their own errors (cli.py),
+and a line only they can say (`info(..., every_rank=True)`: a rank waiting for rank 0)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Iterator
 
@@ -26,20 +31,28 @@ def is_quiet() -> bool:
     return _quiet
 
 
-def info(message: str, markup: bool = False) -> None:
-    """A progress line for the user (suppressed by --quiet). Plain text unless `markup`: messages
-    carry paths and library errors, whose brackets are not rich markup."""
-    if not _quiet:
+def other_rank() -> bool:
+    """A torchrun rank other than 0 (RANK > 0): its lines are rank 0's again, so it keeps them to itself."""
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
+def info(message: str, markup: bool = False, every_rank: bool = False) -> None:
+    """A progress line for the user (suppressed by --quiet; rank 0's alone under torchrun, unless
+    `every_rank`: a line about this rank). Plain text unless `markup`: messages carry paths and library
+    errors, whose brackets are not rich markup."""
+    if not _quiet and (every_rank or not other_rank()):
         console.print(message, markup=markup)
 
 
 def warn(message: str) -> None:
-    """A warning the user must see: on stderr, --quiet or not. Plain text (paths, library errors)."""
-    err_console.print(Text.assemble(("warning: ", "bold yellow"), message))
+    """A warning the user must see: on stderr, --quiet or not (rank 0's alone under torchrun). Plain text
+    (paths, library errors)."""
+    if not other_rank():
+        err_console.print(Text.assemble(("warning: ", "bold yellow"), message))
 
 
 def progress_enabled() -> bool:
-    return not _quiet and sys.stdout.isatty()
+    return not _quiet and not other_rank() and sys.stdout.isatty()
 
 
 # ----------------------------------------------------------------------------- progress bars
@@ -180,8 +193,9 @@ def progress(description: str, total: int | None, *, unit: str, rate: str | None
 
 def summary(title: str, rows: list[tuple[str, object]]) -> None:
     """The one-screen summary printed at the end of each stage. A value too long for the terminal
-    wraps (a path folds across lines) rather than being cut: users copy these."""
-    if _quiet:
+    wraps (a path folds across lines) rather than being cut: users copy these. Rank 0's alone under
+    torchrun."""
+    if _quiet or other_rank():
         return
     table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
     table.add_column(style="bold", no_wrap=True)

@@ -136,7 +136,7 @@ def wait_for_main(what: str, seconds: float) -> None:
         return
     limit = max(float(seconds), timeout_s())
     if not is_main():
-        info(f"rank {rank()}: waiting for rank 0 to finish {what} (up to {limit / 60:.0f} min)")
+        info(f"rank {rank()}: waiting for rank 0 to finish {what} (up to {limit / 60:.0f} min)", every_rank=True)
     try:
         dist.monitored_barrier(group=_WAIT_GROUP, timeout=timedelta(seconds=limit), wait_all_ranks=True)
     except RuntimeError as exc:

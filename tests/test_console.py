@@ -65,3 +65,41 @@ def test_summary_wraps_a_long_path_at_80_columns_instead_of_cutting_it(monkeypat
     assert "…" not in text
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
     assert path in "".join(text.split())  # whole, once rich's line breaks and padding are removed
+
+
+def test_under_torchrun_rank_0_alone_speaks_and_each_rank_its_errors(monkeypatch, capsys, tmp_path):
+    """Every rank runs the same command: progress lines, warnings, summaries and the stopped line come from
+    rank 0 alone; a rank's line about itself (waiting for rank 0) and a failing rank's error from every rank."""
+    import signal
+
+    from spec_cli import stopping
+    from spec_cli.cli import main
+    from spec_cli.console import info, warn
+    from spec_cli.errors import ConfigError
+    from spec_cli.stages import train as stage
+
+    def ends(error):
+        def run(*args, **kwargs):
+            raise error()  # (a Stopped made inside the command: the command's signal handling records it)
+        return run
+
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(console_mod, "_quiet", False)
+        info("a progress line")
+        warn("a warning")
+        summary("train", [("run", "RUN")])
+        info("rank waits for rank 0", every_rank=True)
+        monkeypatch.setattr(stage, "run", ends(lambda: stopping.Stopped(signal.SIGTERM)))
+        assert main(["train", "-o", str(tmp_path / "run"), "-q"]) == 143
+        monkeypatch.setattr(stage, "run", ends(lambda: ConfigError("this rank failed", "fix it")))
+        assert main(["train", "-o", str(tmp_path / "run"), "-q"]) == 1
+        said[rank] = capsys.readouterr()
+    assert said["1"].out == "rank waits for rank 0\n"
+    assert said["1"].err == "error: this rank failed; fix it\n"
+    out, err = said["0"].out, " ".join(said["0"].err.split())
+    assert "a progress line" in out and "RUN" in out and "rank waits for rank 0" in out
+    assert err == ("warning: a warning stopped (SIGTERM); finished work is kept: rerun the same command to continue "
+                   "(regenerate and precompute go on where they stopped, train with --resume) error: this rank "
+                   "failed; fix it")

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from spec_cli.artifacts.guard import LOCK, folder_kind
+from spec_cli.artifacts.guard import folder_kind
 from spec_cli.errors import ConfigError
 from spec_cli.paths import spec_home, special_kind
 
@@ -114,8 +115,14 @@ def what_is(path: Path) -> str:
     return "a file spec_cli did not write"
 
 
+# spec_cli's own work files: a folder's lock, and what a write killed before its rename leaves behind
+# (artifacts.io: `.NAME.XXXX.tmp`, `.NAME.old`, safetensors' `NAME.tmpXXXXXX`)
+_WORK_FILE = re.compile(r"(\.spec\.lock|\..+\.tmp|\..+\.old|.+\.tmp[A-Za-z0-9]{6})")
+
+
 def _empty(folder: Path) -> bool:
-    return not [p for p in folder.iterdir() if p.name != LOCK]
+    """Nothing in `folder` but spec_cli's own work files (a killed command's are no one else's)."""
+    return all(_WORK_FILE.fullmatch(p.name) for p in folder.iterdir())
 
 
 def _input_paths(inputs: Mapping[str, object]) -> list[tuple[str, Path, Path]]:

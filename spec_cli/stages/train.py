@@ -77,6 +77,7 @@ def run(cfg: TrainConfig, after_step=None, given: set[str] | None = None) -> Tra
     start_time = time.perf_counter()
     _check_output(cfg)  # before anything: the inputs as given (a resumed run's own come from its folder)
     cfg = resumed_config(cfg, typed_options() if given is None else given)
+    cfg = kept_batch(cfg, typed_options() if given is None else given)
     device = _start(cfg)
     with ExitStack() as lock:  # taken (rank 0) once the inputs are checked, before the folder is touched
         return _run(cfg, device, start_time, after_step, lock, typed_options() if given is None else given)
@@ -166,10 +167,10 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
 def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
                after_step=None, engine=None) -> tuple[int, dict | None, dict | None]:
     """Optimizer steps from `step` to the end of the schedule, or until --max-time; (the step reached,
-    the last train and eval records). A stop signal (Ctrl-C, SIGTERM) finishes the step in flight, saves
-    the finished steps (all ranks at the same step) and raises Stopped (spec_cli/stopping.py). `engine`
-    (rank 0, --eval-engine): the EngineEvaluator the weights are handed to every --eval-engine-every
-    steps; its answers are logged as they come, and the last step's is waited for."""
+    the last train and eval records). A stop signal (Ctrl-C, SIGTERM) finishes the step in flight, logs
+    and saves the finished steps (all ranks at the same step) and raises Stopped (spec_cli/stopping.py).
+    `engine` (rank 0, --eval-engine): the EngineEvaluator the weights are handed to every
+    --eval-engine-every steps; its answers are logged as they come, and the last step's is waited for."""
     rt = trainer.cfg.runtime
     with StopRequests(rt.stop_grace) as stops:
         return _loop(trainer, batches, logger, step, after_step, engine, stops)
@@ -209,6 +210,8 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
             logger.step(step_tokens)
             if stop:  # a rank was signalled: every rank stops after this same step
                 stops.answered()
+                # its record first: a resume continues after the saved step and never logs it
+                logger.log(_train_record(trainer, window, window_start, step, engine))
                 _stop(trainer, step, last_saved, stops)
             if after_step is not None:
                 after_step(step)
@@ -219,20 +222,15 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
                     info(f"--max-time {o.max_time:g}s reached after step {step} of {total}; "
                          f"saving (rerun with --resume to continue the schedule)")
             last = step == total or out_of_time  # the last step always logs, evaluates and saves
-            if step % rt.log_every == 0 or last:
-                window.all_reduce()
-                elapsed = time.perf_counter() - window_start
-                final_train = {"split": "train", "step": step, "lr": trainer.lr, **window.record(),
-                               "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
-                               "steps_in_record": int(float(window.batches) / schedule.per_step) or 1,
-                               "peak_memory_gb": peak_memory_gb(trainer.device)}
-                if engine is not None:  # how much of the window the engine was decoding beside training
-                    final_train["engine_busy"] = round(engine.busy_share(window_start, time.perf_counter()), 3)
+            evaluating = (rt.eval_every and step % rt.eval_every == 0) or last
+            # a stop that came during the step: it is logged and saved now, not after an evaluation
+            stopping = evaluating and distributed.any_rank(stops.requested)
+            if step % rt.log_every == 0 or last or stopping:
+                final_train = _train_record(trainer, window, window_start, step, engine)
                 logger.log(final_train)
                 window, window_start = Metrics(metric_steps(cfg, trainer.algorithm), trainer.device, schedule.context), time.perf_counter()
-            evaluating = (rt.eval_every and step % rt.eval_every == 0) or last
-            if evaluating and distributed.any_rank(stops.requested):  # a stop came during the step: save
-                stops.answered()                                       # it now, not after an evaluation
+            if stopping:
+                stops.answered()
                 _stop(trainer, step, last_saved, stops)
             if evaluating:
                 final_eval = trainer.evaluate()
@@ -260,6 +258,19 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
             _abandoned(trainer, step, last_saved, stops, exc)
         raise
     return step, final_train, final_eval
+
+
+def _train_record(trainer: Trainer, window: Metrics, window_start: float, step: int, engine) -> dict:
+    """The train record of the steps in `window` (summed over the ranks: every rank calls it), up to `step`."""
+    window.all_reduce()
+    elapsed = time.perf_counter() - window_start
+    record = {"split": "train", "step": step, "lr": trainer.lr, **window.record(),
+              "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
+              "steps_in_record": int(float(window.batches) / trainer.schedule.per_step) or 1,
+              "peak_memory_gb": peak_memory_gb(trainer.device)}
+    if engine is not None:  # how much of the window the engine was decoding beside training
+        record["engine_busy"] = round(engine.busy_share(window_start, time.perf_counter()), 3)
+    return record
 
 
 def _asked(stop: bool, save: bool, device: torch.device) -> torch.Tensor:
@@ -536,6 +547,7 @@ class Trainer:
         self.frozen_record = {"keys": sorted(self.frozen), "fingerprint": ckpt.frozen_fingerprint(self.frozen)}
         self.draft.to(device)
         self.autocast_dtype = step_precision(cfg.runtime.precision, device)
+        self.precision = "bf16" if self.autocast_dtype is not None else "fp32"  # as run here: recorded
         self.attention = self._attention(cfg.runtime.attention, device)
         self.checkpointing = cfg.runtime.activation_checkpointing
         if not self.checkpointing and auto_checkpointing and device.type == "cuda":
@@ -616,14 +628,33 @@ class Trainer:
                 raise ArtifactError(f"{checkpoint} was trained on another curriculum ({recorded}; this run's "
                                     f"at step {step}: {now})", "resume with the options it was started with")
         info(f"resuming from {checkpoint} (step {step})")
+        self._say_precision(parts["trainer_state"].get("precision"), checkpoint)
         return step
+
+    def _say_precision(self, was: str | None, checkpoint: Path) -> None:
+        """One line when the checkpoint was trained in another precision than this run's step: --precision
+        auto chooses per machine, so a run started where bf16 is native and resumed where it is not goes on
+        in fp32. `was` None: a checkpoint that does not record it."""
+        if was is None or was == self.precision:
+            return
+        option = self.cfg.runtime.precision
+        if option != "auto":
+            why = f"--precision {option}"
+        elif os.environ.get("SPEC_TRAIN_PRECISION"):
+            why = f"--precision auto follows SPEC_TRAIN_PRECISION={self.precision}"
+        else:
+            runs = "runs" if self.precision == "bf16" else "does not run"
+            why = f"--precision auto: this machine {runs} bf16 natively"
+        warn(f"--resume: {Path(checkpoint).name} was trained in {was}, and this run trains in {self.precision} "
+             f"({why}); pass --precision {was} to go on in {was}")
 
     def write_run(self, run_json: dict) -> None:
         """run.json and the frozen weights, once per run folder (rank 0)."""
         output = Path(self.cfg.runtime.output)
         if self.schedule.rank == 0:
             output.mkdir(parents=True, exist_ok=True)
-            write_json(output / "run.json", run_json)
+            # beside the options (--precision auto), what this run chose on this machine
+            write_json(output / "run.json", {**run_json, "chosen": {"precision": self.precision}})
             ckpt.save_frozen(output, self.frozen, self.frozen_record["fingerprint"],
                              {"target_fingerprint": self.source.identity["target_fingerprint"]})
         self.frozen = None  # the draft holds its copy
@@ -717,7 +748,7 @@ class Trainer:
             output, step, model_state, opt_tensors, _rng_state(self.device), self.draft_config.to_dict(),
             {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
              "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
-             "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
+             "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum, "precision": self.precision,
              "parallel": "fsdp" if self.sharded else ("ddp" if s.world > 1 else "single"),
              **({"curriculum": s.curriculum.state(step)} if s.curriculum is not None else {})},
             keep_last=self.cfg.runtime.keep_last, frozen=self.frozen_record, staged=staged, shards=shards)
@@ -947,6 +978,11 @@ def _same_path(a, b) -> bool:
     return a == b or os.path.realpath(str(a)) == os.path.realpath(str(b))
 
 
+# Options checked by what they make together with the number of processes: the micro-batches of a step
+# (kept_batch, against the checkpoint resumed from).
+_PER_STEP = frozenset({"grad_accum"})
+
+
 # Options that belong to one invocation, not to the run: a resumed run that inherited --max-time would
 # stop again at once.
 _PER_INVOCATION = ("resume", "token", "max_time", "reschedule")
@@ -975,6 +1011,57 @@ def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
         raise ConfigError("--vocab-map is required (with --resume, the run's own is used)",
                           "pass the vocab map written by `spec build-vocab-map`")
     return cfg
+
+
+def kept_batch(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
+    """--resume over another number of processes (torchrun ranks) than the checkpoint was saved by: each
+    optimizer step still takes the run's micro-batches (processes x --grad-accum, the effective batch,
+    which the data position and the schedule's length follow from), so --grad-accum becomes what keeps
+    them, and one line says so. Refused when the processes cannot split them evenly, or when a typed
+    --grad-accum (`given`; None: all of them) would change them."""
+    state = _resumed_state(Path(cfg.runtime.output)) if cfg.runtime.resume else None
+    world, context = distributed.world_size(), cfg.runtime.context_parallel
+    if state is None or world % context:  # (Schedule.plan refuses a --context-parallel that does not divide)
+        return cfg
+    per_step, was_world = state["micro_batches_done"] // state["step"], state.get("world_size", 1)
+    replicas, accum = world // context, cfg.optim.grad_accum
+    trained = (f"the run's steps take {_many(per_step, 'micro-batch')} ({_many(was_world, 'process')} x "
+               f"--grad-accum {state.get('grad_accum', '?')})")
+    if per_step % replicas:
+        can = [str(n * context) for n in range(1, per_step + 1) if per_step % n == 0]
+        listed = " or ".join(filter(None, [", ".join(can[:-1]), can[-1]]))  # 1, 2, 4 or 8
+        raise ConfigError(f"--resume over {_many(world, 'process')}: {trained}, which {replicas} data-parallel "
+                          "replicas cannot split evenly",
+                          f"resume over {listed} process{'es' if can != ['1'] else ''} (torchrun --nproc-per-node)")
+    needed = per_step // replicas
+    if needed != accum and (given is None or "grad_accum" in given):
+        raise ConfigError(f"--resume with --grad-accum {accum} over {_many(world, 'process')}: "
+                          f"{_many(accum * replicas, 'micro-batch')} a step, and {trained}",
+                          f"drop --grad-accum (--grad-accum {needed} keeps the run's batch here), or start a "
+                          "new run folder")
+    if needed != accum or world != was_world:
+        info(f"--resume over {_many(world, 'process')} of a run trained over {was_world}: --grad-accum {needed} "
+             f"keeps its {_many(per_step, 'micro-batch')} a step")
+    if needed == accum:
+        return cfg
+    return TrainConfig.from_options(**{**cfg.options(), "grad_accum": needed})
+
+
+def _many(n: int, word: str) -> str:
+    """1 process, 2 processes; 1 micro-batch, 4 micro-batches."""
+    return f"{n} {word}" + ("" if n == 1 else "es")
+
+
+def _resumed_state(output: Path) -> dict | None:
+    """trainer_state.json of the newest checkpoint that has one readable, with steps done; None if none."""
+    for folder in reversed(ckpt.checkpoint_dirs(output)):
+        try:
+            state = json.loads((folder / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and state.get("step", 0) > 0 and "micro_batches_done" in state:
+            return state
+    return None
 
 
 # Where the supervision comes from: exactly one of them. One typed on --resume replaces the run's (a run
@@ -1040,7 +1127,7 @@ def _check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
         defaults = {name: o.default for name, o in all_options().items()}
         resumable = resumable_options()
         for key in sorted(set(before["options"]) | set(run_json["options"])):
-            if key in resumable or key in _LOCATION or key in _BY_CONTENT:  # a moved run folder resumes
+            if key in resumable or key in _LOCATION or key in _BY_CONTENT or key in _PER_STEP:  # a moved run resumes
                 continue
             was, now = before["options"].get(key, defaults.get(key)), run_json["options"].get(key)
             if key in _PATHS and _same_path(was, now):

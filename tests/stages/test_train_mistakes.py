@@ -3,9 +3,11 @@ default aux layers on a shallow target, --resume of a moved run from its own run
 with nothing else (the vocab map and the source from run.json too)."""
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -489,3 +491,110 @@ def test_context_parallel_that_cannot_run_is_one_line_before_anything_is_written
     assert main([*live, "--target-parallel", "tensor"]) == 1
     assert "--target-parallel tensor shards it over every rank; drop --target-parallel tensor" in error_line(capsys)
     assert not run.exists()
+
+
+# ----------------------------------------------------------------------------- a stop, a resume elsewhere
+
+def sigterm_during_step(monkeypatch, n: int) -> None:
+    """SIGTERM to this process during its n-th optimizer update (in-process: deterministic)."""
+    from spec_cli.stages import train as stage
+
+    real, done = stage.Trainer.optimizer_step, [0]
+
+    def optimizer_step(self):
+        out = real(self)
+        done[0] += 1
+        if done[0] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(stage.Trainer, "optimizer_step", optimizer_step)
+
+
+def logged_steps(run: Path) -> list[int]:
+    """The steps log.jsonl's train records cover, in order (a record covers its steps_in_record steps)."""
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return [s for r in records if r["split"] == "train"
+            for s in range(r["step"] - r["steps_in_record"] + 1, r["step"] + 1)]
+
+
+@pytest.mark.parametrize("log_every, eval_every, saved", [("1", "0", 4), ("2", "3", 3)])
+def test_a_stopped_and_resumed_run_logs_every_step_once(setup, tmp_path, monkeypatch, log_every, eval_every, saved):
+    """SIGTERM during step 3's update is answered at step 4's host sync (or, at an evaluation step, at once):
+    the step it stops after is saved and its train record written, so the resumed run (which logs from the
+    step after) leaves no step out of log.jsonl and logs none twice."""
+    run = tmp_path / "run"
+    args = train_args(setup, run, "--max-steps", "6", "--save-every", "100", "--log-every", log_every,
+                      "--eval-every", eval_every)
+    with monkeypatch.context() as mp:
+        sigterm_during_step(mp, 3)
+        assert main(args) == 143
+    assert [d.name for d in ckpt.checkpoint_dirs(run)] == [f"step-{saved:08d}"]
+    assert logged_steps(run) == list(range(1, saved + 1))
+    assert main([*args, "--resume"]) == 0
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_over_fewer_processes_keeps_the_runs_batch(setup, tmp_path, capsys, monkeypatch):
+    """A run saved by 2 processes x --grad-accum 1 (emulated: one process x 2 micro-batches, with the
+    trainer_state.json and run.json two ranks write) resumed by one process: --grad-accum 2 keeps its 2
+    micro-batches a step, one line says so, and the weights end where a straight --grad-accum 2 run's do.
+    A number of processes that cannot split them, or a typed --grad-accum that changes them, is refused."""
+    options = ["--lr", "3e-3", "--max-steps", "3", "--save-every", "100", "--grad-accum", "2"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert main(train_args(setup, straight, *options)) == 0
+    assert main(train_args(setup, run, *options, "--max-time", "0.001s")) == 0  # stops after step 1, saved
+    first = ckpt.latest_checkpoint(run)
+    state = json.loads((first / "trainer_state.json").read_text())
+    assert (state["step"], state["micro_batches_done"]) == (1, 2)
+    two_ranks = {**state, "world_size": 2, "grad_accum": 1, "parallel": "ddp"}
+    (first / "trainer_state.json").write_text(json.dumps(two_ranks))
+    recorded = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**recorded, "options": {**recorded["options"], "grad_accum": 1}}))
+    capsys.readouterr()
+
+    assert main(["train", "--resume", "-o", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("--resume over 1 process of a run trained over 2: --grad-accum 2 keeps its 2 micro-batches a step"
+            in out), out
+    latest = ckpt.latest_checkpoint(run)
+    assert latest.name == "step-00000003"
+    assert json.loads((latest / "trainer_state.json").read_text())["micro_batches_done"] == 6
+    a, b = (load_file(str(ckpt.latest_checkpoint(r) / "model.safetensors")) for r in (straight, run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    before = files(run)
+    resume = ["train", "--resume", "-o", str(run), "--max-steps", "4", "--reschedule", "-q"]
+    assert main([*resume, "--grad-accum", "1"]) == 1
+    assert error_line(capsys) == ("error: --resume with --grad-accum 1 over 1 process: 1 micro-batch a step, and the "
+                                  "run's steps take 2 micro-batches (1 process x --grad-accum 2); drop --grad-accum "
+                                  "(--grad-accum 2 keeps the run's batch here), or start a new run folder")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(resume) == 1
+    assert error_line(capsys) == ("error: --resume over 3 processes: the run's steps take 2 micro-batches (1 process "
+                                  "x --grad-accum 2), which 3 data-parallel replicas cannot split evenly; resume "
+                                  "over 1 or 2 processes (torchrun --nproc-per-node)")
+    assert files(run) == before
+
+
+def test_a_resume_where_auto_picks_another_precision_says_so_and_records_it(setup, tmp_path, capsys, monkeypatch):
+    """--precision auto on two machines (SPEC_TRAIN_PRECISION emulates them): started in bf16, resumed in
+    fp32. run.json records the choice beside the option, each checkpoint the precision it was trained in,
+    and the resume says it changed, in one line."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("SPEC_TRAIN_PRECISION", "bf16")
+    assert main(train_args(setup, run, "--max-steps", "2", "--max-time", "0.001s")) == 0  # stops after step 1
+    recorded = json.loads((run / "run.json").read_text())
+    assert (recorded["options"]["precision"], recorded["chosen"]["precision"]) == ("auto", "bf16")
+    first = ckpt.latest_checkpoint(run)
+    assert json.loads((first / "trainer_state.json").read_text())["precision"] == "bf16"
+    capsys.readouterr()
+
+    monkeypatch.setenv("SPEC_TRAIN_PRECISION", "fp32")
+    assert main(["train", "--resume", "-o", str(run), "-q"]) == 0
+    assert " ".join(capsys.readouterr().err.split()) == (
+        "warning: --resume: step-00000001 was trained in bf16, and this run trains in fp32 (--precision auto "
+        "follows SPEC_TRAIN_PRECISION=fp32); pass --precision bf16 to go on in bf16")
+    recorded = json.loads((run / "run.json").read_text())
+    assert (recorded["options"]["precision"], recorded["chosen"]["precision"]) == ("auto", "fp32")
+    assert json.loads((ckpt.latest_checkpoint(run) / "trainer_state.json").read_text())["precision"] == "fp32"
