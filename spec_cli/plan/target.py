@@ -14,6 +14,10 @@ biases in bf16); DeepSeek-V3 ships its decoder's linear weights in FP8 with one 
 block. vLLM serves both as stored; transformers dequantizes MXFP4 to bf16 without its GPU kernels, so
 a live transformers target is counted at bf16 (an upper bound, said so). Another quantization method is
 counted at bf16 and named in the plan's notes.
+
+What the plan shapes is a transformer decoder: a state-space or recurrent model (Mamba, RWKV, xLSTM: a
+transformers config class with layers and no attention heads) is refused, and a model type transformers
+does not know is planned as a Llama-style dense decoder, said so (plan_assumption).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "num_exper
 # bytes per stored value of the quantized weights (scales included)
 QUANTIZED_BYTES = {"mxfp4": 4.25 / 8, "fp8": 1 + 4 / (128 * 128)}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# the fields a plan of a Llama-style dense decoder reads (the draft's shape, the target's count by formula)
+DECODER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
@@ -58,6 +64,47 @@ class TargetCount:
     def engine_bytes(self, engine: str) -> int:
         """What a live target of this engine keeps: vLLM as stored, transformers dequantized to bf16."""
         return self.stored_bytes() if engine == "vllm" else self.bf16_bytes()
+
+
+def plan_assumption(text) -> str | None:
+    """What the plan assumes of the target whose language model's config is `text`, in words (None: its
+    transformers class, nothing assumed); raises ConfigError for a target it cannot plan: one without
+    attention layers, or a config without a field the plan reads."""
+    from transformers import PretrainedConfig
+
+    from spec_cli.errors import ConfigError
+
+    kind = getattr(text, "model_type", None) or "(none)"
+    known = type(text) is not PretrainedConfig
+    if known and _attention_free(type(text)):
+        raise ConfigError(f"model_type {kind!r} ({type(text).__name__}) is a state-space or recurrent model (no "
+                          "attention layers), not a transformer decoder",
+                          "spec plan plans drafts for transformer decoders (Llama, Qwen, Mistral, Gemma, MoE ...)")
+    # a known class supplies its own defaults (what transformers loads); an unknown type has only its file
+    needed = [f for f in DECODER_FIELDS if not (known and f == "intermediate_size")]
+    missing = [f for f in needed if not _positive_int(getattr(text, f, None))]
+    if missing:
+        raise ConfigError(f"the target's config (model_type {kind!r}) has no {', '.join(missing)}, which "
+                          "spec plan needs to shape the draft and count the target",
+                          "add it to config.json, or pass the model's own config.json")
+    if known:
+        return None
+    return (f"model_type {kind!r} is not one transformers knows: planned as a Llama-style dense decoder "
+            "(attention + gated MLP per layer)")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _attention_free(cls) -> bool:
+    """A transformers config class whose models have layers and no attention heads (Mamba, Mamba-2,
+    FalconMamba, RWKV, xLSTM: state-space or recurrent blocks), told by its defaults."""
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 (a class that needs arguments): not told apart, planned as given
+        return False
+    return hasattr(default, "num_hidden_layers") and not hasattr(default, "num_attention_heads")
 
 
 def config_value(config, keys: tuple[str, ...]) -> int:

@@ -4,6 +4,7 @@ counts, the draft's layer shapes, the cache's per-token layout), the memory verd
 by, and the errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,64 @@ def test_context_parallel_plan_per_rank(tmp_path, capsys):
     printed = " ".join(capsys.readouterr().out.split())
     assert "with --context-parallel 8 each rank holds 1/8 of a row's activations" in printed
     assert main(["plan", str(folder), "--context-parallel", "3"]) == 1
+
+
+# a small decoder's fields, as a Llama config.json has them
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 4, "vocab_size": 1000, "tie_word_embeddings": False}
+
+
+def plan_config(tmp_path, name: str, config: dict) -> tuple[int, Path]:
+    """`spec plan` on this config.json at a short row, TTT 1 (a quick plan): (exit code, the --json path)."""
+    path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.plan.json"
+    path.write_text(json.dumps(config))
+    code = main(["plan", str(path), "--seq-len", "64", "--avg-tokens", "64", "--ttt-steps", "1", "--gpus", "1",
+                 "--json", str(out)])
+    return code, out
+
+
+def test_plan_unknown_model_type_says_what_it_assumes(tmp_path, capfd):
+    """A model type transformers does not know, with a decoder's fields: planned as a Llama-style dense
+    decoder, one warning saying so, and counted as transformers counts the same fields' Llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    code, out = plan_config(tmp_path, "frob", SMALL | {"model_type": "frobnicator",
+                                                       "architectures": ["FrobnicatorForCausalLM"]})
+    err = " ".join(capfd.readouterr().err.split())
+    assert code == 0
+    assert err == ("warning: model_type 'frobnicator' is not one transformers knows: planned as a Llama-style "
+                   "dense decoder (attention + gated MLP per layer)")
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(LlamaConfig(**SMALL))
+    plan = json.loads(out.read_text())
+    assert plan["target"]["parameters"] == sum(p.numel() for p in llama.parameters())
+    assert plan["draft"]["trained_parameters"] == eagle3_trained(256, 512, 4, 2, 64, 1000)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 768, "num_hidden_layers": 24,
+     "vocab_size": 50280, "state_size": 16, "expand": 2, "conv_kernel": 4, "intermediate_size": 1536},
+    SMALL | {"model_type": "mamba", "architectures": ["MambaForCausalLM"]},  # heads in the file: still Mamba
+    {"model_type": "rwkv", "architectures": ["RwkvForCausalLM"], "hidden_size": 768, "num_hidden_layers": 12,
+     "vocab_size": 50277, "attention_hidden_size": 768},
+], ids=["mamba", "mamba-with-heads", "rwkv"])
+def test_plan_refuses_a_model_without_attention(tmp_path, capfd, config):
+    code, out = plan_config(tmp_path, config["model_type"], config)
+    err = capfd.readouterr().err
+    cls = {"mamba": "MambaConfig", "rwkv": "RwkvConfig"}[config["model_type"]]
+    assert code == 1 and not out.exists()
+    assert err.startswith(f"error: model_type '{config['model_type']}' ({cls}) is a state-space or recurrent "
+                          "model (no attention layers), not a transformer decoder")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "num_attention_heads", "intermediate_size"])
+def test_plan_refuses_a_config_without_a_field_it_needs(tmp_path, capfd, field):
+    config = {k: v for k, v in SMALL.items() if k != field} | {"model_type": "frobnicator"}
+    code, out = plan_config(tmp_path, "frob", config)
+    err = capfd.readouterr().err
+    assert code == 1 and not out.exists()
+    assert err.startswith(f"error: the target's config (model_type 'frobnicator') has no {field}, which spec plan "
+                          "needs") and "internal" not in err
+    assert len(err.strip().splitlines()) == 1
