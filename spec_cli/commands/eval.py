@@ -46,6 +46,13 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(
         "--temperature", help="0: greedy (output identical to the target's); > 0: speculative sampling, "
                               "which keeps the target's distribution.", min=0.0, rich_help_panel=DECODING)] = 0.0,
+    draft_sampling: Annotated[str, typer.Option(
+        "--draft-sampling", help="With --temperature > 0, how a chain's draft proposes. greedy: its argmax, "
+                                 "accepted with probability p_target(token), as vLLM serves by default "
+                                 "(draft_sample_method greedy); sampled: drawn from its distribution q at the "
+                                 "temperature, accepted with min(1, p/q) (vLLM's draft_sample_method "
+                                 "probabilistic). Both keep the target's distribution; their acceptance differs.",
+        rich_help_panel=DECODING)] = "greedy",
     adaptive_verification: Annotated[float, typer.Option(
         "--adaptive-verification", help="A draft with a confidence head (DSpark): verify the chain's positions "
                                         "while the running product of its per-position confidences is at least "
@@ -86,7 +93,8 @@ def eval_cmd(
     set_quiet(quiet)
     result = stage.run(stage.EvalConfig(
         target=target, draft=draft, prompts=prompts, output=output, depth=depth, topk=topk,
-        num_tokens=num_tokens, temperature=temperature, max_new_tokens=max_new_tokens,
+        num_tokens=num_tokens, temperature=temperature, draft_sampling=draft_sampling,
+        max_new_tokens=max_new_tokens,
         adaptive_verification=adaptive_verification,
         num_prompts=num_prompts, seed=seed, device=device, dtype=dtype, check_fingerprint=fingerprint_check,
         engine=engine, threads=threads, timing_repeats=timing_repeats, chat_template=chat_template,

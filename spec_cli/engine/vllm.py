@@ -275,6 +275,16 @@ def _torchrun_env():
     return _env_kept("LOCAL_WORLD_SIZE")
 
 
+def drafts_all_at_once(speculative_options: dict) -> bool:
+    """Whether a speculative config drafts every token of an EAGLE-3 draft in one forward
+    (`"parallel_drafting": true`, P-EAGLE): vLLM's proposer (v1/spec_decode/llm_base_proposer.py) then
+    fills as many mask slots as the engine's num_speculative_tokens whatever k a batch-size schedule asks
+    for, and cuts the proposals by that k (vLLM 0.32: a shape error at batch 2 and k below it). Such an
+    engine drafts its num_speculative_tokens or none; each other k needs an engine of its own. (DFlash's
+    proposer, v1/spec_decode/dflash.py, lays out the k query slots the step asks for: any k runs.)"""
+    return bool(speculative_options.get("parallel_drafting"))
+
+
 def whole_prefills(vllm) -> bool:
     """Whether seeded sampling needs chunked prefill off: after a step that ran only part of a request's
     prompt, vLLM discards the token sampled for it and rewinds its generator (Generator.set_offset), which
@@ -283,6 +293,39 @@ def whole_prefills(vllm) -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.device_type == "cpu"
+
+
+def expand_over_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
+                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (vLLM's name)
+    """vLLM's rejection_sampler.expand_kernel in torch: request i's value (replace_from -> replace_to) written
+    over its tokens cu_num_tokens[i-1] .. cu_num_tokens[i] - 1 of `output`, in place, in output's dtype."""
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch] tokens each
+    output[:int(counts.sum())] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def fix_cpu_expand() -> bool:
+    """Replace the expansion of per-request sampling values over their draft tokens in vLLM's CPU build where
+    it is wrong; True when it was. vLLM 0.32's CPU kernel (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl)
+    hands the C++ op int64 copies of its tensors and never copies the result back, so for the float
+    temperature the rejection sampler divides the target's logits at every draft position by uninitialised
+    memory (apply_sampling_constraints): at temperature > 0 its acceptance and its replacement tokens are
+    garbage, while greedy never reads it. A probe on a float tensor decides; the engine registers
+    cpu_triton_utils' function when its worker starts, so the replacement goes in before that."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return False
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()  # the C++ ops the stock function calls (the engine loads them anyway)
+    probe = torch.full((3,), -1.0)
+    with contextlib.suppress(Exception):  # a stock function that cannot run at all is replaced too
+        cpu_triton_utils._expand_kernel_impl(probe, torch.tensor([0.5]), torch.tensor([3], dtype=torch.int32), 0, 1)
+    if torch.equal(probe, torch.full((3,), 0.5)):
+        return False
+    cpu_triton_utils._expand_kernel_impl = expand_over_tokens
+    return True
 
 
 class Engine:
@@ -304,6 +347,7 @@ class Engine:
         runs whole in one step (see whole_prefills)."""
         vllm = require("running the target in vLLM")
         self.draft = draft
+        self.speculative_options = dict(speculative_options or {})
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
         kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
                       seed=seed, enforce_eager=True, distributed_executor_backend="uni",
@@ -327,6 +371,7 @@ class Engine:
         if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if draft is not None:
+            fix_cpu_expand()  # its rejection sampler reads the expanded temperatures
             kwargs["speculative_config"] = {"method": method, "model": str(draft),
                                             "num_speculative_tokens": int(num_speculative_tokens),
                                             **(speculative_options or {})}  # P-EAGLE: parallel_drafting
@@ -418,7 +463,21 @@ class Engine:
         if not 0 <= k <= most:
             raise ConfigError(f"{k} draft tokens: the engine was started with num_speculative_tokens {most}",
                               f"use 0 .. {most}")
+        if drafts_all_at_once(self.speculative_options) and 0 < k < most:
+            raise ConfigError(f"{k} draft tokens: this engine's parallel drafter proposes all {most} of its "
+                              "num_speculative_tokens in one forward, or none",
+                              f"start an engine with num_speculative_tokens {k}")
         scheduler.dynamic_sd_lookup = [0] + [int(k)] * (len(lookup) - 1)
+
+    def sample_methods(self) -> dict:
+        """How this engine's drafter picks its tokens and how its rejection sampler accepts them at temperature
+        > 0, as its speculative config says: {"draft_sample_method": "greedy" (the argmax, no draft probs:
+        accepted with probability p_target(token)) or "probabilistic" (sampled from q, accepted with
+        min(1, p/q)), "rejection_sample_method": "standard", "synthetic" or "block"}. A vLLM without
+        these fields drafts the argmax with the standard sampler."""
+        config = self.llm.llm_engine.vllm_config.speculative_config
+        return {"draft_sample_method": getattr(config, "draft_sample_method", "greedy"),
+                "rejection_sample_method": getattr(config, "rejection_sample_method", "standard")}
 
     def kv_block_tokens(self) -> int:
         """Tokens per KV-cache block: a request's room is handed out in whole blocks (16 on a GPU by

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spec_cli.eval.speculative import Generation
+from spec_cli.eval.speculative import ACCEPTANCE_RULES, Generation
 
 
 @dataclass
@@ -152,6 +152,15 @@ def identity_text(overall: dict, dtype: str) -> str:
     return text
 
 
+def rule_text(settings: dict, engine: str) -> str:
+    """The line saying how the drafts were proposed and accepted (settings: eval.json's)."""
+    name = settings.get("acceptance_rule")
+    if name is None:  # an eval.json from before the rule was recorded
+        return f"decoding rule: not recorded ({engine})"
+    what = ACCEPTANCE_RULES.get(name, "vLLM's own rejection method, which spec_cli does not run")
+    return f"decoding rule ({engine}): {settings['draft_sampling']} drafts, {name}: {what}"
+
+
 def turn_speedup(spec: Generation, base: Generation) -> float | None:
     """One turn's speed-up: its speculative tokens/s over the target's (None without tokens or time)."""
     if not (spec.tokens and base.tokens and spec.seconds > 0 and base.seconds > 0):
@@ -209,6 +218,7 @@ def print_table(result) -> None:
     console.print(table)
     if getattr(result, "depths", None):
         print_depths(result.depths, s.get("dtype", "its dtype"), greedy=s["temperature"] == 0)
+    console.print(rule_text(s, getattr(result, "engine", "torch")), markup=False)
     rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
                       for j, r in enumerate(result.overall["acceptance_rate"]))
     console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")

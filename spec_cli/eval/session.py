@@ -9,6 +9,9 @@ export. Two engines behind one shape, `decoders(draft, settings) -> (spec, base)
 - `VllmSession`: two vLLM engines in this process, the target with the draft (a chain of `depth`) and
   the target alone; a new draft of the same run is loaded into the running engine with vLLM's own
   in-place reload (Engine.reload_draft), so the engines start once.
+
+Each says how it drafted and accepted (`decoding_rule(settings)`, speculative.decoding_rule's names):
+spec_cli's from its settings, vLLM's from the speculative config its engine runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError
-from spec_cli.eval.speculative import Settings, generate, generate_target, verify_costs
+from spec_cli.eval.speculative import Settings, decoding_rule, generate, generate_target, verify_costs
 from spec_cli.eval.target import Target
 from spec_cli.target import loading
 
@@ -76,6 +79,9 @@ class TorchSession:
     def verify_costs(self, ids, sizes):
         return verify_costs(self.target, ids, sizes)
 
+    def decoding_rule(self, settings: Settings) -> dict:
+        return decoding_rule(settings)
+
     def close(self) -> None:
         if self.target is not None:
             self.target.close()
@@ -106,7 +112,8 @@ class VllmSession:
     @property
     def info(self) -> dict:
         return {"name": "vllm", "version": self.vllm.version(), "draft_folder": str(self.folder),
-                "load_problems": self.load_problems}
+                "load_problems": self.load_problems,
+                **(self.spec_engine.sample_methods() if self.spec_engine is not None else {})}
 
     def decoders(self, folder: Path, settings: Settings):
         """(spec, base) for the draft in the vLLM export `folder`."""
@@ -114,13 +121,16 @@ class VllmSession:
             from spec_cli.export.readme import export_model_impl
 
             fmt = self.algorithm.engine_format("vllm")
+            options = dict(fmt.engine_options)
+            if settings.draft_sampling == "sampled":  # vLLM's default drafts the argmax ("greedy")
+                options["draft_sample_method"] = "probabilistic"
             try:
                 # an export written with --allow-unsupported-target: served through vLLM's Transformers backend
                 # (the target alone below stays on its native class, as a server without the draft runs it)
                 self.spec_engine = self.vllm.Engine(
                     self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
                     method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
-                    speculative_options=dict(fmt.engine_options), gpu_memory_utilization=self.memory,
+                    speculative_options=options, gpu_memory_utilization=self.memory,
                     seeded=settings.temperature > 0, model_impl=export_model_impl(folder))
                 self.load_problems = self.spec_engine.load_report.problems()
                 self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
@@ -142,8 +152,27 @@ class VllmSession:
 
         return spec, base
 
+    def decoding_rule(self, settings: Settings) -> dict:
+        """The rule the draft engine runs, read from its speculative config (not from what was asked)."""
+        return vllm_rule(settings.temperature, self.spec_engine.sample_methods())
+
     def close(self) -> None:
         for engine in (self.spec_engine, self.base_engine):
             if engine is not None:
                 engine.close()
         self.spec_engine = self.base_engine = None
+
+
+def vllm_rule(temperature: float, methods: dict) -> dict:
+    """vLLM's draft_sample_method and rejection_sample_method in speculative.decoding_rule's names. Its
+    rejection sampler (vllm/v1/sample/rejection_sampler.py) accepts a draft token when p/q >= u, with
+    q = 1 when the drafter passes no probabilities (the argmax drafts of "greedy"); at temperature 0 it
+    accepts while the token is the target's argmax."""
+    draft, rejection = methods["draft_sample_method"], methods["rejection_sample_method"]
+    if temperature == 0:
+        return {"draft_sampling": "greedy", "acceptance_rule": "target-argmax"}
+    if rejection != "standard":  # synthetic or block verification: not a rule spec_cli runs
+        return {"draft_sampling": draft, "acceptance_rule": f"vllm-{rejection}"}
+    if draft == "probabilistic":
+        return {"draft_sampling": "sampled", "acceptance_rule": "prob-ratio"}
+    return {"draft_sampling": "greedy", "acceptance_rule": "target-prob"}

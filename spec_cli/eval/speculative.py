@@ -17,9 +17,15 @@ One step of the loop (`generate`):
 
 Verification rules (each emitted token is distributed as the target's next-token distribution p):
     greedy     temperature 0: walk the proposal while the target's argmax is a child; bonus = argmax.
-    chain      temperature > 0, draft x_j sampled from q_j: accept x_j with prob min(1, p_j(x_j)/q_j(x_j));
+    chain      temperature > 0, draft x_j drawn from q_j: accept x_j with prob min(1, p_j(x_j)/q_j(x_j));
                at the first rejection emit a token from norm(max(p_j - q_j, 0)) and stop; after all k,
-               a bonus token from p_{k+1}. (Leviathan et al. 2023, Chen et al. 2023.)
+               a bonus token from p_{k+1}. (Leviathan et al. 2023, Chen et al. 2023.) Which q depends on
+               Settings.draft_sampling:
+                 greedy   the draft's argmax, so q_j is a point mass on x_j: accept with prob p_j(x_j),
+                          on rejection emit from p_j without x_j (vLLM's default, draft_sample_method
+                          "greedy": its rejection sampler runs without draft probs, i.e. q = one-hot)
+                 sampled  x_j ~ q_j, the draft's distribution at the temperature (vLLM's
+                          draft_sample_method "probabilistic", which passes q to its rejection sampler)
     tree       temperature > 0: the children are the draft's top-k, not samples, so q is a point mass on
                each child in turn; rejecting child c with prob 1 - p(c) and renormalising p without it
                (the chain rule with q = delta_c), over all children, is the same as: sample y ~ p; if y
@@ -46,6 +52,8 @@ class Settings:
     topk: int = 1  # 1: a chain; > 1: an EAGLE-2 tree expanding top-k nodes per depth
     num_tokens: int = 0  # tree: drafted nodes verified per step (0: all); chain: depth
     temperature: float = 0.0  # 0: greedy
+    draft_sampling: str = "greedy"  # temperature > 0, a chain: "greedy" argmax drafts (q one-hot, as vLLM's
+    #                                 default) or "sampled" from the draft's q (see the docstring)
     adaptive: float = 0.0  # > 0: verify a chain's positions while the running product of the draft's
     #                        confidences stays at least this (adaptive verification); 0: all of them
     max_new_tokens: int = 256
@@ -54,6 +62,35 @@ class Settings:
     @property
     def tree(self) -> bool:
         return self.topk > 1
+
+    @property
+    def draft_temperature(self) -> float:
+        """The temperature the draft proposes at: 0 (argmax) unless its drafts are sampled."""
+        return self.temperature if self.draft_sampling == "sampled" and not self.tree else 0.0
+
+
+DRAFT_SAMPLING = ("greedy", "sampled")
+# How a drafted token is accepted, by the name the reports give it (eval.json: settings.acceptance_rule).
+ACCEPTANCE_RULES = {
+    "target-argmax": "accepted while it is the target's argmax (temperature 0)",
+    "target-prob": "the draft's argmax, accepted with probability p_target(token); on rejection a token from "
+                   "p_target without it (q one-hot: vLLM's default, draft_sample_method greedy)",
+    "prob-ratio": "sampled from the draft's q, accepted with probability min(1, p_target/q); on rejection a "
+                  "token from norm(max(p_target - q, 0)) (vLLM's draft_sample_method probabilistic)",
+    "tree-target-prob": "the draft's top-k children, y ~ p_target accepted when it is one of them (q one-hot "
+                        "on each child in turn)",
+}
+
+
+def decoding_rule(settings: Settings) -> dict:
+    """How this decoder drafts and accepts, for the reports: {"draft_sampling", "acceptance_rule"}."""
+    if settings.temperature == 0:
+        return {"draft_sampling": "greedy", "acceptance_rule": "target-argmax"}
+    if settings.tree:
+        return {"draft_sampling": "greedy", "acceptance_rule": "tree-target-prob"}
+    if settings.draft_sampling == "sampled":
+        return {"draft_sampling": "sampled", "acceptance_rule": "prob-ratio"}
+    return {"draft_sampling": "greedy", "acceptance_rule": "target-prob"}
 
 
 def eos_ids(tokenizer, generation_config) -> frozenset[int]:
@@ -116,9 +153,12 @@ def accept(proposal: Proposal, logits: torch.Tensor, temperature: float,
 
 def accept_sampled_chain(proposal: Proposal, logits: torch.Tensor, temperature: float,
                          generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Speculative sampling over a chain. p: target probs, q: the draft probs x_j was sampled from."""
+    """Speculative sampling over a chain. p: target probs, q: the draft probs x_j was drawn from; an
+    argmax draft has none: q is a point mass on x_j, so it is accepted with prob p(x_j)."""
     p = probs(logits, temperature)  # [k + 1, V]
     q = proposal.q  # [k, V]
+    if q is None:  # argmax drafts: one-hot q (vLLM's rejection sampler without draft probs)
+        q = torch.nn.functional.one_hot(proposal.tokens, p.shape[-1]).to(p.dtype)
     for j, x in enumerate(proposal.tokens.tolist()):
         # q(x) >= p(x): accept with prob p(x)/q(x); q(x) < p(x): always
         u = torch.rand((), generator=generator, device=p.device)
@@ -169,7 +209,7 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
         t0 = _clock(device)
         state = algorithm.catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
         proposal = algorithm.propose(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens,
-                                     settings.temperature, generator)
+                                     settings.draft_temperature, generator)
         if proposal.confidence is not None and settings.adaptive > 0:
             survival = torch.cumprod(proposal.confidence.float(), 0)
             proposal = proposal.first(int((survival >= settings.adaptive).sum()))  # survival only falls

@@ -7,7 +7,8 @@ reader `spec eval` uses too), and compare with the training checkpoint.
     3. weights      every file key is loaded (not skipped or rejected), every parameter the engine needs
                     is there with its shape, floats in the requested dtype and finite, d2t int64
     4. vocab        the engine's draft id -> target id equals the checkpoint's selected ids
-                    (arange(Vd) + d2t), which must also be exactly the checkpoint's t2d
+                    (arange(Vd) + d2t), which must also be exactly the checkpoint's t2d (a draft over the
+                    whole target vocab: vLLM reads no map, its ids are the target's)
     5. aux layers   the layers the engine captures, decoded to spec_cli's convention, are the
                     checkpoint's (in the engine's concatenation order)
     6. predictions  the algorithm's draft built from what the engine loaded, and the checkpoint's,

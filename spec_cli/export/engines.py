@@ -272,14 +272,22 @@ def read_speculators(d: dict) -> EngineView:
 
 # ----------------------------------------------------------------------------- parameters
 
+def full_vocab(v: EngineView) -> bool:
+    """The draft proposes over the whole target vocabulary (draft_vocab_size == vocab_size). vLLM
+    (Eagle3LlamaForCausalLM.__init__, compared with the target's vocab size, which config.json's vocab_size
+    is) then builds no draft_id_to_target_id: the lm_head's rows are the target ids themselves."""
+    return v.draft_vocab_size == v.vocab_size
+
+
 def vllm_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     """Eagle3LlamaForCausalLM's parameters that must come from the file, with their shapes.
     q/k/v and gate/up are listed as the shards load_weights' stacked_params_mapping routes into the
     fused qkv_proj / gate_up_proj."""
     H, Ht, I = v.hidden_size, v.target_hidden_size, v.intermediate_size
     q, kv = v.num_attention_heads * v.head_dim, v.num_key_value_heads * v.head_dim
-    p = {"lm_head.weight": (v.draft_vocab_size, H), "model.norm.weight": (H,),
-         "draft_id_to_target_id": (v.draft_vocab_size,)}
+    p = {"lm_head.weight": (v.draft_vocab_size, H), "model.norm.weight": (H,)}
+    if not full_vocab(v):  # Eagle3LlamaForCausalLM.__init__ builds the map only for a smaller draft vocab
+        p["draft_id_to_target_id"] = (v.draft_vocab_size,)
     if v.use_aux_hidden_state:
         p["model.fc.weight"] = (H, 3 * Ht)
     if v.fc_norm:
@@ -312,12 +320,14 @@ def vllm_optional(v: EngineView) -> dict[str, tuple[int, ...]]:
 
 def speculators_optional(v: EngineView) -> dict[str, tuple[int, ...]]:
     """vLLM's optional parameters, and the t2d mask the speculators library reads (route_speculators)."""
-    return {**vllm_optional(v), "t2d": (v.vocab_size,)}
+    return {**vllm_optional(v), **({} if full_vocab(v) else {"t2d": (v.vocab_size,)})}
 
 
 def sglang_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     """LlamaForCausalLMEagle3's parameters (newer module names: model.layers.0 = the older model.midlayer)
-    plus hot_token_id, which load_weights builds from d2t."""
+    plus hot_token_id, which load_weights builds from d2t. It is needed at every draft vocab size: without
+    d2t newer SGLang maps draft ids as target ids (right only for the full vocab), and older releases'
+    EAGLE-3 worker calls `get_hot_token_id().to(...)` unconditionally, which fails on None."""
     H, Ht, I = v.hidden_size, v.target_hidden_size, v.intermediate_size
     q, kv = v.num_attention_heads * v.head_dim, v.num_key_value_heads * v.head_dim
     pre = "model.layers.0."
@@ -342,6 +352,10 @@ def route_vllm(key: str, v: EngineView) -> Route:
     if "t2d" in key:
         return Route("skipped", why="vLLM drops t2d (`if \"t2d\" in name: continue`)")
     if "d2t" in key:
+        if full_vocab(v):
+            return Route("rejected", why="vLLM has no draft_id_to_target_id when draft_vocab_size equals "
+                                        "vocab_size, and its loader fails on the key (\"There is no module or "
+                                        "parameter named 'draft_id_to_target_id'\")")
         return Route("param", "draft_id_to_target_id")
     if "mask_hidden" in key:
         if v.parallel_drafting:  # copied into the mask_hidden buffer
@@ -356,6 +370,9 @@ def route_vllm(key: str, v: EngineView) -> Route:
 
 def route_speculators(key: str, v: EngineView) -> Route:
     if "t2d" in key:
+        if full_vocab(v):  # DraftVocabMixin._init_vocab: use_draft_vocab False, no vocab buffers
+            return Route("skipped", why="vLLM drops t2d, and the speculators library keeps none when the "
+                                        "draft's vocab is the target's")
         # vLLM drops it; the speculators library reads it (Eagle3DraftModel vocab buffers).
         return Route("param", "t2d")
     return route_vllm(key, v)

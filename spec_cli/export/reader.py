@@ -51,8 +51,11 @@ class EngineRead:
 
     @property
     def targets(self) -> torch.Tensor | None:
-        """The target id the engine emits for each draft id [Vd], when it loaded a map of that size."""
+        """The target id the engine emits for each draft id [Vd], when it loaded a map of that size; a
+        draft over the whole target vocab without one emits its own ids (vLLM builds no map then)."""
         name = next((n for n in VOCAB_PARAMS if n in self.loaded), None)
+        if name is None and engines.full_vocab(self.view) and self.view.vocab_size:
+            return torch.arange(self.view.vocab_size)
         if name is None or tuple(self.loaded[name].shape) != (self.view.draft_vocab_size,):
             return None
         return engines.draft_to_target(name, self.loaded[name])

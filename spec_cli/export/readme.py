@@ -32,6 +32,14 @@ def export_model_impl(folder: Path) -> str | None:
         return None
 
 
+def speculative_config(served_as, folder: Path, steps: int) -> dict:
+    """vLLM's `--speculative-config` for an export of `served_as` (an ExportFormat vLLM reads): the
+    format's method, the folder, `steps` draft tokens per step and the format's own keys (P-EAGLE's
+    parallel_drafting). The README's serve command and `spec tune` both start vLLM with it."""
+    return {"method": served_as.method, "model": str(folder), "num_speculative_tokens": int(steps),
+            **dict(served_as.engine_options)}
+
+
 def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algorithm: str = "eagle3",
                   impl: str | None = None) -> str:
     """The serving command for this export (flag names from the engines' docs / server args); impl:
@@ -47,8 +55,7 @@ def serve_command(fmt: str, folder: Path, target: str | None, steps: int, algori
                 f"--speculative-num-draft-tokens {steps + 1}")
     if served_as.engine != "vllm":
         return f"(no serving engine reads the {fmt} format; load {folder} with the code that defines it)"
-    spec = json.dumps({"method": served_as.method, "model": folder, "num_speculative_tokens": steps,
-                       **dict(served_as.engine_options)})
+    spec = json.dumps(speculative_config(served_as, folder, steps))
     return (f"vllm serve {shlex.quote(target)}" + (f" --model-impl {impl}" if impl else "")
             + f" --speculative-config {shlex.quote(spec)}")
 

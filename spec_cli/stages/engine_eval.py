@@ -588,7 +588,7 @@ class Worker:
             "kind": "engine_eval", "step": step, "engine": session.info, "checkpoint": str(checkpoint),
             "export": {"format": exported.format, "self_check": exported.check is not None,
                        "seconds": round(export_seconds, 2)},
-            "settings": {"depth": self.cfg.depth, "topk": 1, "temperature": 0.0,
+            "settings": {"depth": self.cfg.depth, "topk": 1, "temperature": 0.0, **session.decoding_rule(settings),
                          "max_new_tokens": self.cfg.max_new_tokens, "prompts": self.cfg.prompts,
                          "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
                          "threads": used},

@@ -16,11 +16,18 @@ the cores other processes are not busy on; --threads overrides) and recorded, an
 much CPU it got and how busy the neighbours were: a figure from a crowded machine is reported with a
 WARNING rather than trusted.
 
-Written to --output: eval.json (settings incl. threads, overall and per-category numbers with the spread
-of the per-turn speed-ups, "busy"), outputs.jsonl (each answer, its acceptance and its timings) and
-acceptance.png (acceptance rate by draft position). outputs.jsonl is rewritten (atomically) after every
-turn, so a turn that fails leaves the finished ones there, and the error names the prompt and turn;
-eval.json and acceptance.png come at the end (a folder without eval.json is an interrupted run).
+Sampling (--temperature > 0) keeps the target's distribution whichever way the draft proposes, but the
+acceptance depends on it: --draft-sampling greedy (default) proposes the draft's argmax and accepts it
+with probability p_target(token), which is what vLLM serves by default (draft_sample_method "greedy");
+`sampled` draws from the draft's q and accepts with min(1, p/q) (vLLM's "probabilistic"). eval.json's
+settings name the rule each engine ran (draft_sampling, acceptance_rule: speculative.ACCEPTANCE_RULES).
+
+Written to --output: eval.json (settings incl. threads and the decoding rule, overall and per-category
+numbers with the spread of the per-turn speed-ups, "busy"), outputs.jsonl (each answer, its acceptance
+and its timings) and acceptance.png (acceptance rate by draft position). outputs.jsonl is rewritten
+(atomically) after every turn, so a turn that fails leaves the finished ones there, and the error names
+the prompt and turn; eval.json and acceptance.png come at the end (a folder without eval.json is an
+interrupted run).
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, fastest_depth, parting, plot_acceptance, turn_speedup
-from spec_cli.eval.speculative import Generation, Settings, eos_ids
+from spec_cli.eval.speculative import DRAFT_SAMPLING, Generation, Settings, decoding_rule, eos_ids
 from spec_cli.eval.session import TorchSession, VllmSession
 from spec_cli.eval.target import TREE_ATTENTION
 from spec_cli.target import loading
@@ -71,6 +78,7 @@ class EvalConfig:
     topk: int = 1  # 1: chain; > 1: EAGLE-2 tree
     num_tokens: int | None = None  # tree nodes verified per step (default 16, at most all candidates)
     temperature: float = 0.0  # 0: greedy
+    draft_sampling: str = "greedy"  # temperature > 0: argmax drafts (q one-hot, vLLM's default) or "sampled" from q
     adaptive_verification: float = 0.0  # > 0: verify while the confidence head's survival is at least this
     max_new_tokens: int = 256
     num_prompts: int | None = None  # default: all
@@ -154,6 +162,12 @@ def _validate(cfg: EvalConfig) -> None:
         raise ConfigError("--num-tokens must be at least 1", "e.g. --num-tokens 16")
     if cfg.engine not in ENGINES:
         raise ConfigError(f"--engine {cfg.engine!r} is not one of {', '.join(ENGINES)}", "e.g. --engine vllm")
+    if cfg.draft_sampling not in DRAFT_SAMPLING:
+        raise ConfigError(f"--draft-sampling {cfg.draft_sampling!r} is not one of {', '.join(DRAFT_SAMPLING)}",
+                          "greedy: the draft's argmax (vLLM's default); sampled: drawn from its distribution")
+    if cfg.draft_sampling == "sampled" and cfg.topk > 1:
+        raise ConfigError("--draft-sampling sampled draws a chain; an EAGLE-2 tree's nodes are the draft's top-k",
+                          "use --topk 1, or --draft-sampling greedy for a tree")
     if cfg.compare_depths:
         if cfg.compare_depths != AUTO and min(cfg.compare_depths) < 1:
             raise ConfigError(f"--compare-depths {','.join(map(str, cfg.compare_depths))}: a depth is at least 1",
@@ -235,15 +249,15 @@ def run(cfg: EvalConfig) -> EvalResult:
     info(f"loading {target_dir.name} ({str(dtype).replace('torch.', '')} on {device}) and the draft "
          f"{loaded.describe()}" + (" in vLLM" if cfg.engine == "vllm" else ""))
     nodes = tree_size(cfg.depth, cfg.topk, cfg.num_tokens) if cfg.topk > 1 else cfg.depth
-    settings = Settings(depth=cfg.depth, topk=cfg.topk, num_tokens=nodes,
-                        temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+    settings = Settings(depth=cfg.depth, topk=cfg.topk, num_tokens=nodes, temperature=cfg.temperature,
+                        draft_sampling=cfg.draft_sampling, max_new_tokens=cfg.max_new_tokens,
                         adaptive=cfg.adaptive_verification,
                         eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir))
                         | chat_templates.end_of_turn_ids(tokenizer, template))
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
     choice = threads.choose_for_run(cfg.threads)  # before the models load (vLLM then sets its own)
     with threads.applied(choice.threads, restore=cfg.engine == "torch"), \
-            opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info, probe):
+            opener(cfg, loaded, target_dir, device, dtype, settings) as (spec, base, engine_info, probe, rule):
         used = torch.get_num_threads()
         reason = choice.reason if used == choice.threads else \
             f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"
@@ -275,7 +289,7 @@ def run(cfg: EvalConfig) -> EvalResult:
         busy = meter.stop(used, threads.available_cores(), on_cpu=device.type == "cpu")
 
     settings_json = {"depth": cfg.depth, "topk": cfg.topk, "num_tokens": settings.num_tokens,
-                     "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                     "temperature": cfg.temperature, **rule, "max_new_tokens": cfg.max_new_tokens,
                      "adaptive_verification": cfg.adaptive_verification, "prompts": cfg.prompts, "num_prompts": len(conversations),
                      "turns": sum(len(conv.turns) for conv in conversations), "seed": cfg.seed,
                      "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -348,7 +362,7 @@ def _torch_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Pat
         if cfg.topk > 1 and session.target.attn_implementation not in TREE_ATTENTION:
             raise ConfigError(f"tree verification needs sdpa or eager attention; the target uses "
                               f"{session.target.attn_implementation}", "use a chain (--topk 1)")
-        yield spec, base, session.info, session.verify_costs
+        yield spec, base, session.info, session.verify_costs, decoding_rule(settings)
     finally:
         session.close()
 
@@ -376,7 +390,7 @@ def _vllm_decoders(cfg: EvalConfig, loaded: drafts.LoadedDraft, target_dir: Path
         spec, base = session.decoders(folder, settings)
         if session.load_problems:
             info("warning: " + "; ".join(session.load_problems))
-        yield spec, base, session.info, None
+        yield spec, base, session.info, None, session.decoding_rule(settings)
 
 
 def decode_all(spec: Decoder, base: Decoder, tokenizer, conversations: list[prompts.Conversation],

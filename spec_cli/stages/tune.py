@@ -6,10 +6,14 @@ schedule for the number of draft tokens (`speculative_config.num_speculative_tok
 `[(first, last, k), ...]`, inclusive ranges, k 0 meaning no drafts at those sizes). This stage measures
 the user's own draft on their own target and writes the schedule that was fastest.
 
-vLLM (`--engine vllm`, the default): two engines in this process, the target alone and the target with
-the draft started with num_speculative_tokens --max-k and a schedule. k is set between measurements
-through the same lookup vLLM's scheduler reads for a schedule, so each k is measured as a server started
-with that schedule runs it (the drafter proposes k tokens a step). For every batch size b the same
+vLLM (`--engine vllm`, the default): engines in this process, the target alone and the target with the
+draft, started with the speculative config the export's own serve command gives (readme.speculative_config:
+its method and keys such as P-EAGLE's parallel_drafting), num_speculative_tokens --max-k and a schedule. k
+is set between measurements through the same lookup vLLM's scheduler reads for a schedule, so each k is
+measured as a server started with that schedule runs it (the drafter proposes k tokens a step). A parallel
+drafter proposes all of its engine's num_speculative_tokens in one forward or none (vllm.drafts_all_at_once),
+so each k runs in an engine of its own (--max-k + 1 engines, each with its KV cache), and its schedule holds
+0 and one k (recommend_one_k). For every batch size b the same
 --requests prompts (MT-bench first turns by default; b of them when b is larger) are sent in waves of b;
 output tokens / wall time of the waves is the throughput. Every configuration runs in every repeat, in
 turn, so that a change in the machine's load hits all of them; each keeps its median and its range.
@@ -29,6 +33,7 @@ Written to --output (default EXPORT-tune beside the export): serving.json, speed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import statistics
@@ -48,6 +53,7 @@ from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.speculative import Settings, eos_ids
+from spec_cli.export import readme
 from spec_cli.target import loading
 
 ENGINES = ("vllm", "torch")
@@ -132,6 +138,18 @@ def schedule_for(best: dict[int, int]) -> list[list[int]]:
     return ranges
 
 
+def recommend_one_k(table: dict[int, dict[str, Measured]], lengths: list[int]) -> dict[int, str]:
+    """A parallel drafter's schedule may hold only 0 and one k (the engine's num_speculative_tokens): for
+    each k, the faster of k0 and k at every batch size; the k whose choices have the highest speed-up over
+    the target alone, summed over the sizes (ties: the fewer draft tokens)."""
+    def gain(best: dict[int, str]) -> float:
+        return sum(table[b][c].median / table[b]["target"].median for b, c in best.items()
+                   if table[b]["target"].median)
+
+    choices = [recommend(table, ["k0", f"k{k}"]) for k in lengths]
+    return max(choices, key=gain)  # max keeps the first of equals: the fewest draft tokens
+
+
 def recommend(table: dict[int, dict[str, Measured]], configs: list[str]) -> dict[int, str]:
     """Each batch size's fastest configuration by median tokens/s (ties: the first in `configs` order,
     the fewer draft tokens), among those whose greedy outputs were the target alone's in every round."""
@@ -187,15 +205,18 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
 
     vllm.require("spec tune")
     algorithm = algorithms.get(loaded.model.config.algorithm)
-    fmt = algorithm.engine_format("vllm") if any(f.engine == "vllm" for f in algorithm.formats) else None
+    fmt = algorithm.engine_format("vllm")
     if fmt is None:
         raise ConfigError(f"vLLM does not serve {algorithm.title} drafts", "tune it in PyTorch: --engine torch")
+    if loaded.kind == "export":  # served as its own README says: that format's speculative config
+        own = next((f for f in algorithm.formats if f.name == loaded.format and f.engine == "vllm"), None)
+        if own is None:
+            raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
+                              f"pass a {fmt.name} export, or the run (exported for vLLM on the fly)")
+        fmt = own
     if vllm.cannot_run(fmt):
         raise ConfigError(f"spec tune cannot run {algorithm.title} drafts in vLLM here: {vllm.cannot_run(fmt)}",
                           "tune it in PyTorch: --engine torch")
-    if loaded.kind == "export" and loaded.format != fmt.name:
-        raise ConfigError(f"vLLM does not read a {loaded.format} export ({loaded.path})",
-                          f"pass a {fmt.name} export, or the run (exported for vLLM on the fly)")
     sizes = list(cfg.batch_sizes or BATCH_SIZES)
     biggest = max(sizes)
     device = loading.choose_device(cfg.device)
@@ -213,49 +234,49 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
             folder = export.run(export.ExportConfig(source=loaded.path, format=fmt.name, output=Path(tmp) / "draft",
                                                     dtype="fp32", engine_check="none",
                                                     target=str(target_dir))).output
-        schedule = [[1, biggest, max_k]]
-        info(f"loading {target_dir.name} twice in vLLM ({str(dtype).replace('torch.', '')}): alone, and with the "
-             f"draft {folder} (up to {max_k} draft tokens, batches up to {biggest})")
+        measured = readme.speculative_config(fmt, folder, max_k)  # what the export's serve command runs
+        # a parallel drafter drafts its engine's num_speculative_tokens or none: one engine per k
+        one_k = vllm.drafts_all_at_once(measured)
+        lengths = list(range(1, max_k + 1)) if one_k else [max_k]
+        impl = readme.export_model_impl(folder)  # as the export's serve command runs it
+        info(f"loading {target_dir.name} {len(lengths) + 1} times in vLLM ({str(dtype).replace('torch.', '')}): "
+             f"alone, and with the draft {folder} (up to {max_k} draft tokens"
+             + (", an engine per k: parallel drafting" if one_k else "") + f", batches up to {biggest})")
         # one step of the biggest batch schedules biggest x (1 + max_k) tokens: room for it (vLLM's default
         # budget, 4096, is below max_num_seqs past 4096 requests and refuses to start)
         budget = max(4096, biggest * (max_k + 1))
-        base = vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest,
-                           max_num_batched_tokens=budget)
-        try:
-            spec = vllm.Engine(target_dir, folder, max_k, dtype, length, method=fmt.method, max_num_seqs=biggest,
-                               max_num_batched_tokens=budget, draft_class=algorithm.vllm_draft_class,
-                               speculative_options={**dict(fmt.engine_options),
-                                                    "num_speculative_tokens_per_batch_size": schedule})
-        except BaseException:
-            base.close()
-            raise
-        try:
-            sizes = _held_sizes(cfg, sizes, [base, spec], longest + cfg.max_new_tokens + max_k + 1)
-            for engine in (base, spec):  # untimed: the engines' first steps (allocations, lazy set-up)
+        with contextlib.ExitStack() as engines:
+            base = engines.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
+                                                     max_num_seqs=biggest, max_num_batched_tokens=budget))
+            drafters = {}
+            for k in lengths:
+                config = {**readme.speculative_config(fmt, folder, k),
+                          "num_speculative_tokens_per_batch_size": [[1, biggest, k]]}
+                drafters[k] = engines.enter_context(_drafting_engine(target_dir, config, algorithm, dtype, length,
+                                                                     biggest, budget, impl))
+            sizes = _held_sizes(cfg, sizes, [base, *drafters.values()], longest + cfg.max_new_tokens + max_k + 1)
+            for engine in (base, *drafters.values()):  # untimed: the engines' first steps (allocations, set-up)
                 _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)
             configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
-            table, busy = _measure(cfg, sizes, configs, ids, stop, base, spec)
-        finally:
-            spec.close()
-            base.close()
-        best = recommend(table, configs[1:])
+            table, busy = _measure(cfg, sizes, configs, ids, stop, base, drafters)
+        fastest = recommend(table, configs[1:])
+        best = recommend_one_k(table, lengths) if one_k else fastest  # what a server can run
         refused = busy["warning"] if busy["too_busy"] else None
         recommended = None
         ks = {b: int(best[b][1:]) for b in best}
         if refused is None and any(ks.values()):
-            rng = schedule_for(ks)
-            recommended = {"method": fmt.method, "model": None, "num_speculative_tokens": max(ks.values()),
-                           **dict(fmt.engine_options), "num_speculative_tokens_per_batch_size": rng}
+            recommended = {**readme.speculative_config(fmt, folder, max(ks.values())),
+                           "num_speculative_tokens_per_batch_size": schedule_for(ks)}
         verified = None
         if recommended is not None and cfg.verify:
-            verified = _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length, sizes, ids,
-                               stop, biggest)
+            verified = _verify(cfg, target_dir, recommended, algorithm, dtype, length, sizes, ids, stop, biggest,
+                               impl)
             if not verified["all_same"]:  # a config that changes greedy outputs is not one to serve
                 differ = [b for b, same in verified["same_as_target"].items() if not same]
                 refused = (f"vLLM started with the recommended config decoded other greedy outputs than the "
                            f"target alone at batch size(s) {', '.join(differ)}")
                 recommended = None
-    rows = _rows(table, configs, best)
+    rows = _rows(table, configs, fastest)
     # a server started with a draft pays for the drafter's machinery even at k 0: where the target alone
     # was faster still, a server that sees mostly such batches is better off without speculation
     alone = {b: round(table[b]["target"].median / table[b][best[b]].median, 4) for b in best
@@ -263,10 +284,14 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
     path = loaded.path if loaded.kind == "export" else Path("DRAFT")
     if recommended is not None:
         recommended["model"] = str(path)
-    serve = _serve_command(target_dir, recommended, ks if refused is None else None)
+    serve = _serve_command(target_dir, recommended, ks if refused is None else None, impl)
     return _write(cfg, output, "vllm", rows, recommended, refused, serve, verified, busy, start, loaded,
                   {"batch_sizes": sizes, "max_k": max_k, "dtype": str(dtype).replace("torch.", ""),
-                   "max_model_len": length, "ks_fastest": {str(b): k for b, k in ks.items()},
+                   "max_model_len": length, "ks_fastest": {str(b): int(c[1:]) for b, c in fastest.items()},
+                   # the draft engines' speculative config, but for the k each drafted (engine_per_k: each k
+                   # in an engine started with it, as a parallel drafter must be)
+                   "draft_engine": {**{key: v for key, v in measured.items()
+                                       if key not in ("model", "num_speculative_tokens")}, "engine_per_k": one_k},
                    "target_alone_faster": {str(b): r for b, r in alone.items()},
                    # vLLM carries the last range's k up to its max_num_seqs: sizes past these were not measured
                    "measured_up_to": max(sizes)})
@@ -325,9 +350,28 @@ def _wave_prompts(ids: list[list[int]], requests: int, b: int) -> list[list[int]
     return [ids[i % len(ids)] for i in range(n)]
 
 
-def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, base, spec):
+def _drafting_engine(target_dir: Path, config: dict, algorithm, dtype, length: int, biggest: int, budget: int,
+                     impl: str | None):
+    """vLLM with the draft, started with `config` (a speculative config: method, model, the rest)."""
+    from spec_cli.engine import vllm
+
+    options = {k: v for k, v in config.items() if k not in ("method", "model", "num_speculative_tokens")}
+    return vllm.Engine(target_dir, Path(config["model"]), config["num_speculative_tokens"], dtype, length,
+                       method=config["method"], max_num_seqs=biggest, max_num_batched_tokens=budget,
+                       draft_class=algorithm.vllm_draft_class, speculative_options=options, model_impl=impl)
+
+
+def _drafter(drafters: dict, k: int):
+    """The engine that drafts k tokens, set to k: the one started with k (a parallel drafter runs only its
+    own), else the one started with the most (k 0 too)."""
+    engine = drafters.get(k) or drafters[max(drafters)]
+    engine.set_speculative_tokens(k)
+    return engine
+
+
+def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, base, drafters: dict):
     """Every configuration at every batch size, `repeats` times, in turn -> ({b: {config: Measured}}, the
-    busy meter's record)."""
+    busy meter's record). `drafters`: {num_speculative_tokens: engine}."""
     table = {b: {c: Measured() for c in configs} for b in sizes}
     reference: dict[int, list[list[int]]] = {}
     meter = threads.Meter()
@@ -336,9 +380,7 @@ def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, b
             for b in sizes:
                 batch = _wave_prompts(ids, cfg.requests, b)
                 for c in configs:
-                    engine = base if c == "target" else spec
-                    if c != "target":
-                        spec.set_speculative_tokens(int(c[1:]))
+                    engine = base if c == "target" else _drafter(drafters, int(c[1:]))
                     outputs, seconds = _waves(engine, batch, b, cfg.max_new_tokens, stop)
                     if c == "target":
                         reference.setdefault(b, outputs)
@@ -361,13 +403,11 @@ def _waves(engine, batch: list[list[int]], b: int, max_new_tokens: int, stop) ->
     return outputs, time.perf_counter() - start
 
 
-def _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length, sizes, ids, stop,
-            biggest) -> dict:
+def _verify(cfg, target_dir, recommended, algorithm, dtype, length, sizes, ids, stop, biggest, impl) -> dict:
     """A fresh engine started with the recommended speculative_config decodes every batch size's prompts:
     its greedy outputs against the target alone's (decoded again, in its own fresh engine)."""
     from spec_cli.engine import vllm
 
-    options = {k: v for k, v in recommended.items() if k not in ("method", "model", "num_speculative_tokens")}
     alone: dict[int, list] = {}
     budget = max(4096, biggest * (recommended["num_speculative_tokens"] + 1))
     with vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest,
@@ -375,9 +415,7 @@ def _verify(cfg, target_dir, folder, recommended, fmt, algorithm, dtype, length,
         for b in sizes:
             alone[b] = _waves(base, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0]
     same = {}
-    with vllm.Engine(target_dir, folder, recommended["num_speculative_tokens"], dtype, length, method=fmt.method,
-                     max_num_seqs=biggest, max_num_batched_tokens=budget, draft_class=algorithm.vllm_draft_class,
-                     speculative_options=options) as served:
+    with _drafting_engine(target_dir, recommended, algorithm, dtype, length, biggest, budget, impl) as served:
         for b in sizes:
             same[str(b)] = _waves(served, _wave_prompts(ids, cfg.requests, b), b, cfg.max_new_tokens, stop)[0] == alone[b]
     return {"same_as_target": same, "all_same": all(same.values())}
@@ -399,14 +437,15 @@ def _rows(table: dict[int, dict[str, Measured]], configs: list[str], best: dict[
     return rows
 
 
-def _serve_command(target_dir: Path, recommended: dict | None, ks: dict | None) -> str:
+def _serve_command(target_dir: Path, recommended: dict | None, ks: dict | None, impl: str | None = None) -> str:
+    """impl: vLLM's --model-impl, as the export's own serve command gives it (readme.model_impl)."""
     import json
 
     if recommended is None:
         return (f"vllm serve {shlex.quote(str(target_dir))}  # no speculative decoding: no batch size measured "
                 "faster with this draft" if ks is not None else "")
-    return (f"vllm serve {shlex.quote(str(target_dir))} --speculative-config "
-            f"{shlex.quote(json.dumps(recommended))}")
+    return (f"vllm serve {shlex.quote(str(target_dir))}" + (f" --model-impl {impl}" if impl else "")
+            + f" --speculative-config {shlex.quote(json.dumps(recommended))}")
 
 
 # ----------------------------------------------------------------------------- PyTorch (batch 1)

@@ -23,9 +23,9 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
 
 
-def train_on_sized_target(root: Path, *train_args: str, target: Path | None = None) -> dict:
-    """A peaked vLLM-sized target (or `target`), 80 random chats, a 64-token vocab map and a draft trained
-    on them live (`spec train` with these extra options) into ROOT/run, with SPEC_HOME under `root`."""
+def train_on_sized_target(root: Path, *train_args: str, target: Path | None = None, draft_vocab: int = 64) -> dict:
+    """A peaked vLLM-sized target (or `target`), 80 random chats, a `draft_vocab`-token vocab map and a draft
+    trained on them live (`spec train` with these extra options) into ROOT/run, with SPEC_HOME under `root`."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
@@ -34,8 +34,8 @@ def train_on_sized_target(root: Path, *train_args: str, target: Path | None = No
         data = root / "data.jsonl"
         data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(80)))
         vm = str(root / "vm.safetensors")
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o", vm,
-                     "-q"]) == 0
+        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(draft_vocab),
+                     "-o", vm, "-q"]) == 0
         assert main(["train", "--target", str(target), "--data", str(data), "-v", vm, "-o", str(root / "run"),
                      "--lr", "1e-2", "--batch-tokens", "512", "-q", *train_args]) == 0
     finally:
@@ -102,6 +102,70 @@ def test_vllm_eval_counts_equal_the_pytorch_evaluator(trained, torch_eval, tmp_p
     assert [r["accepted_per_step"] for r in records] == [r["accepted_per_step"] for r in ours]
     assert all(r["spec_seconds"] > 0 and r["target_seconds"] > 0 for r in records)
     assert (tmp_path / "vllm" / "acceptance.png").stat().st_size > 0
+
+
+def _accepted_per_step(folder: Path) -> list[int]:
+    """Drafts accepted at each verify step of every turn (outputs.jsonl)."""
+    return [m for line in (folder / "outputs.jsonl").read_text().splitlines()
+            for m in json.loads(line)["accepted_per_step"]]
+
+
+def _mean_and_se(xs: list[int]) -> tuple[float, float]:
+    n = len(xs)
+    mean = sum(xs) / n
+    return mean, (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5
+
+
+@pytest.mark.slow
+def test_sampled_acceptance_agrees_with_vllm_under_the_same_rule(trained, tmp_path):
+    """At temperature 0.7 vLLM drafts the argmax and accepts it with probability p_target(token)
+    (draft_sample_method greedy); spec eval's default does the same. Over ~500 verify steps each, the
+    acceptance lengths and each position's acceptance rate agree within 3 standard errors of their
+    difference, computed from the counts. vLLM's CPU build divided the target's logits at draft positions
+    by uninitialised temperatures (engine.vllm.fix_cpu_expand): it then accepted 0 of ~180 at position 2."""
+    common = ["eval", "-t", str(trained["target"]), "--draft", str(trained["run"]), "--prompts", str(trained["data"]),
+              "--num-prompts", "16", "--max-new-tokens", "32", "--temperature", "0.7", "-q"]
+    reports = {}
+    for engine in ("torch", "vllm"):
+        assert main([*common, "--engine", engine, "-o", str(tmp_path / engine)]) == 0
+        reports[engine] = json.loads((tmp_path / engine / "eval.json").read_text())
+    for report in reports.values():
+        rule = report["settings"]["draft_sampling"], report["settings"]["acceptance_rule"]
+        assert rule == ("greedy", "target-prob")
+    assert reports["vllm"]["engine"]["draft_sample_method"] == "greedy"  # read from vLLM's own config
+
+    (t, t_se), (v, v_se) = (_mean_and_se(_accepted_per_step(tmp_path / e)) for e in ("torch", "vllm"))
+    steps = len(_accepted_per_step(tmp_path / "torch"))
+    assert steps > 400 and t > 0.3, "enough steps, and accepted drafts, for the band to mean something"
+    assert abs(t - v) <= 3 * (t_se ** 2 + v_se ** 2) ** 0.5, (t, t_se, v, v_se)
+    ours, theirs = reports["torch"]["overall"], reports["vllm"]["overall"]
+    for j, (a, n, b, m) in enumerate(zip(ours["accepted"], ours["verified"], theirs["accepted"], theirs["verified"])):
+        if min(n, m) < 30:
+            continue
+        pooled = (a + b) / (n + m)
+        se = (pooled * (1 - pooled) * (1 / n + 1 / m)) ** 0.5
+        assert abs(a / n - b / m) <= 3 * se, (j + 1, a, n, b, m)
+
+
+def test_vllms_cpu_rejection_sampler_expands_each_requests_temperature_over_its_drafts():
+    """The rejection sampler scales the target's logits at request i's draft positions by its temperature
+    (expand_batch_to_tokens); vLLM 0.32's CPU kernel left that tensor uninitialised. With the engine's fix
+    in, vLLM's own function returns each temperature (0: greedy, read as 1) repeated over its drafts."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from spec_cli.engine import vllm
+
+    vllm.require()
+    vllm.fix_cpu_expand()
+    current_platform.register_triton_kernel_overrides()  # what an engine's worker does when it starts
+    temperature, cu = torch.tensor([0.7, 0.0, 1.3]), torch.tensor([3, 5, 6], dtype=torch.int32)
+    for _ in range(3):  # fresh memory each time: a kernel that writes nothing shows other values each time
+        expanded = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=0, replace_to=1)
+        assert expanded.tolist() == pytest.approx([0.7, 0.7, 0.7, 1.0, 1.0, 1.3])
+    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0], dtype=torch.int32),
+                                                     torch.tensor([2, 3], dtype=torch.int32), 3)
+    assert top_k.tolist() == [5, 5, 0] and top_k.dtype == torch.int32
 
 
 @pytest.mark.slow

@@ -31,8 +31,9 @@ def draft_config(**overrides) -> DraftConfig:
     return DraftConfig(**values)
 
 
-def selected_ids(seed: int = 0) -> torch.Tensor:
-    return torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:VD]).values
+def selected_ids(seed: int = 0, size: int = VD) -> torch.Tensor:
+    """`size` random target ids, ascending (size V: all of them)."""
+    return torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:size]).values
 
 
 def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, frozen_in_run: bool = True, **overrides) -> Path:
@@ -46,7 +47,7 @@ def make_run(root: Path, seed: int = 0, ttt_steps: int = 2, frozen_in_run: bool 
         for _, p in draft.named_parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
         draft.embed_tokens.weight.copy_(draft.embed_tokens.weight.bfloat16())
-    draft.set_vocab_map(selected_ids(seed))
+    draft.set_vocab_map(selected_ids(seed, config.draft_vocab_size))
     state, frozen = draft.state_dict(), None
     if frozen_in_run:
         tensors = {"embed_tokens.weight": state.pop("embed_tokens.weight").bfloat16()}

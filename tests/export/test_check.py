@@ -143,3 +143,47 @@ def test_a_draft_trained_on_a_repeated_aux_layer_is_refused_with_the_reason(tmp_
     assert "trained on aux layers [1, 3, 3], which repeat a layer: the engine captures each layer once, so fc " \
            "would get 2 states of the 3 it expects" in err.value.one_line()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def full_vocab(tmp_path_factory):
+    """A draft over the whole target vocab (--draft-vocab-size V) and its export in every format."""
+    from spec_cli.stages import export as stage
+    from tests.export.drafts import make_run
+
+    root = tmp_path_factory.mktemp("full-vocab")
+    run = make_run(root / "run", draft_vocab_size=V)
+    return run, {fmt: stage.run(stage.ExportConfig(source=run, format=fmt, output=root / fmt)).output
+                 for fmt in FORMATS}
+
+
+def test_a_full_vocab_draft_is_written_as_each_engine_reads_it(full_vocab, tmp_path):
+    """vLLM builds no draft_id_to_target_id when draft_vocab_size is the target's vocab_size and fails on a
+    d2t key; the speculators library then keeps no d2t/t2d; SGLang reads d2t as hot_token_id at any size."""
+    from tests.export.drafts import read
+
+    run, folders = full_vocab
+    keys = {fmt: set(read(folders[fmt])[1]) for fmt in FORMATS}
+    assert not keys["vllm"] & {"d2t", "t2d"} and not keys["speculators"] & {"d2t", "t2d"}
+    assert "d2t" in keys["sglang"]
+    for fmt in FORMATS:
+        assert problems_of(folders[fmt], fmt, run) == ""
+        assert torch.equal(reader.read(folders[fmt], fmt).targets, torch.arange(V))  # the identity
+    with_map = tampered(folders["vllm"], tmp_path, lambda t: t.update(d2t=torch.zeros(V, dtype=torch.int64)))
+    assert ("'d2t': vLLM has no draft_id_to_target_id when draft_vocab_size equals vocab_size, and its loader "
+            "fails on the key") in problems_of(with_map, "vllm", run)
+
+
+def test_spec_eval_reads_a_full_vocab_export(full_vocab):
+    """`spec eval --draft EXPORT` reads the vLLM folder (no d2t) as the draft vLLM serves: target ids are
+    the draft's own."""
+    from transformers import LlamaConfig
+
+    from spec_cli.eval import drafts
+    from tests.export.drafts import N
+
+    run, folders = full_vocab
+    target = LlamaConfig(vocab_size=V, hidden_size=HT, num_hidden_layers=N, num_attention_heads=4)
+    loaded = drafts.load_draft(folders["vllm"], target)
+    assert loaded.model.config.draft_vocab_size == V
+    assert torch.equal(loaded.model.to_target_ids(torch.arange(V)), torch.arange(V))

@@ -139,11 +139,15 @@ def problems(speculators, folder: Path, src) -> tuple[list[str], dict]:
     if not torch.equal(model.embed_tokens.weight, src.state["embed_tokens.weight"]):
         found.append("embed_tokens is not the checkpoint's (= the target's) embedding")
 
-    # the vocab map as speculators holds it: d2t the checkpoint's offsets, t2d exactly their target ids
-    if model.d2t is None or not torch.equal(model.d2t, src.state["d2t"]):
+    # the vocab map as speculators holds it: d2t the checkpoint's offsets, t2d exactly their target ids;
+    # none for a draft over the whole target vocab (DraftVocabMixin: use_draft_vocab False)
+    full = src.config.draft_vocab_size == src.config.vocab_size
+    if full and (model.d2t is not None or model.t2d is not None):
+        found.append("speculators holds a vocab map for a draft over the whole target vocab")
+    if not full and (model.d2t is None or not torch.equal(model.d2t, src.state["d2t"])):
         found.append("d2t is not the checkpoint's")
-    selected = torch.arange(VD) + src.state["d2t"]
-    if model.t2d is None or not torch.equal(model.t2d.nonzero().flatten(), selected):
+    selected = torch.arange(src.config.draft_vocab_size) + src.state["d2t"]
+    if not full and (model.t2d is None or not torch.equal(model.t2d.nonzero().flatten(), selected)):
         found.append("t2d does not mark the checkpoint's draft vocab")
 
     # the same per-layer aux states for both. spec_cli counts layer OUTPUTS; speculators' ids are vLLM's
@@ -165,7 +169,8 @@ def problems(speculators, folder: Path, src) -> tuple[list[str], dict]:
                           position_ids=torch.arange(T)[None], ttt_steps=1)[0]  # [1, T] draft vocab
     hook.remove()
     spec_logits = logits[0]  # [1, T, Vd]
-    spec_targets = draft_ids + model.d2t[draft_ids]  # vLLM / speculators: target = draft + d2t[draft]
+    # vLLM / speculators: target = draft + d2t[draft]; the draft's own ids without a map
+    spec_targets = draft_ids if model.d2t is None else draft_ids + model.d2t[draft_ids]
 
     ckpt = Eagle3Draft(src.config)
     ckpt.load_state_dict(src.state)
@@ -220,6 +225,19 @@ def test_loads_and_predicts_as_the_checkpoint(speculators, exported):
     found, numbers = problems(speculators, folder, src)
     assert found == []
     assert numbers["max_abs_logit_diff"] < 1e-4 < numbers["scale"]
+
+
+def test_a_full_vocab_draft_loads_without_a_vocab_map(speculators, tmp_path, one_thread):
+    """--draft-vocab-size V: the export holds no d2t/t2d (vLLM fails on a d2t then), which is exactly what
+    speculators builds for it, and it predicts as the checkpoint does."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        run = make_run(tmp_path / "run", target_hidden_size=H, draft_vocab_size=V)
+        src = load_source(run)
+        folder = spec_export(run, save_target(tmp_path / "target", src.state["embed_tokens.weight"]), tmp_path / "out")
+    assert not {"d2t", "t2d"} & set(load_file(str(folder / "model.safetensors")))
+    found, numbers = problems(speculators, folder, src)
+    assert found == [] and numbers["max_abs_logit_diff"] < 1e-4 < numbers["scale"]
 
 
 def test_file_holds_the_embedding(exported):

@@ -518,3 +518,22 @@ def test_the_depth_table_claims_identity_only_under_greedy(capsys):
     assert "0/4" not in out and "4/4" not in out and "fastest here: a chain of 1 (1.10x" in " ".join(out.split())
     print_depths(depths, "float32")
     assert "0/4" in capsys.readouterr().out
+
+
+def test_sampled_eval_names_its_draft_sampling_and_acceptance_rule(trained, tmp_path, capsys):
+    """--temperature > 0: eval.json and the printed summary say how the drafts were proposed and accepted;
+    argmax drafts (the default, as vLLM serves) and sampled ones are each named; a tree cannot sample."""
+    common = ["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
+              str(trained["prompts"]), "--num-prompts", "1", "--max-new-tokens", "4", "--temperature", "0.7"]
+    for drafts, rule, says in (("greedy", "target-prob", "accepted with probability p_target(token)"),
+                               ("sampled", "prob-ratio", "accepted with probability min(1, p_target/q)")):
+        out = tmp_path / drafts
+        assert main([*common, "--draft-sampling", drafts, "-o", str(out)]) == 0
+        settings = json.loads((out / "eval.json").read_text())["settings"]
+        assert (settings["draft_sampling"], settings["acceptance_rule"]) == (drafts, rule)
+        printed = " ".join(capsys.readouterr().out.split())
+        assert f"decoding rule (torch): {drafts} drafts, {rule}: " in printed and says in printed
+    assert main([*common, "--topk", "2", "--draft-sampling", "sampled", "-q"]) == 1
+    assert "an EAGLE-2 tree's nodes are the draft's top-k" in capsys.readouterr().err
+    assert main([*common, "--draft-sampling", "random", "-q"]) == 1
+    assert "--draft-sampling 'random' is not one of greedy, sampled" in capsys.readouterr().err

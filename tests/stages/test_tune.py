@@ -31,6 +31,46 @@ def test_recommend_takes_the_fastest_median_and_fewer_drafts_on_a_tie():
     assert tune.recommend(table, ["k0", "k1", "k2"]) == {1: "k1", 8: "k0"}  # medians 14 > 13 > 11; 50 = 50 = 50
 
 
+def test_a_parallel_drafters_schedule_holds_one_k_and_none():
+    m = lambda tps: tune.Measured([tps])  # noqa: E731
+    # fastest per size: k3 at 1, k1 at 4 and 8; a parallel drafter serves 0 and one k only
+    table = {1: {"target": m(10), "k0": m(9), "k1": m(14), "k2": m(15), "k3": m(16)},
+             4: {"target": m(40), "k0": m(38), "k1": m(48), "k2": m(47), "k3": m(30)},
+             8: {"target": m(80), "k0": m(78), "k1": m(86), "k2": m(84), "k3": m(60)}}
+    assert tune.recommend(table, ["k0", "k1", "k2", "k3"]) == {1: "k3", 4: "k1", 8: "k1"}
+    # summed speed-ups: k1 1.4 + 1.2 + 1.075 = 3.675; k2 1.5 + 1.175 + 1.05 = 3.725; k3 1.6 + 0.95 + 0.975
+    assert tune.recommend_one_k(table, [1, 2, 3]) == {1: "k2", 4: "k2", 8: "k2"}
+    table[1]["k2"] = m(13)  # k2's gain drops below k1's: its 0/k1 choices win
+    assert tune.recommend_one_k(table, [1, 2, 3]) == {1: "k1", 4: "k1", 8: "k1"}
+    slow = {b: {**row, "k1": m(1), "k2": m(1), "k3": m(1)} for b, row in table.items()}
+    assert tune.recommend_one_k(slow, [1, 2, 3]) == {1: "k0", 4: "k0", 8: "k0"}
+
+
+@pytest.mark.parametrize("options, refused", [({"parallel_drafting": True}, [1, 2]), ({}, [])])
+def test_a_parallel_drafting_engine_takes_its_own_k_or_none(options, refused):
+    """vLLM's parallel drafter fills num_speculative_tokens mask slots whatever k the schedule asks for
+    (a shape error at batch 2): the engine refuses k in between, in one line, before vLLM sees it."""
+    from types import SimpleNamespace
+
+    from spec_cli.engine import vllm
+
+    scheduler = SimpleNamespace(dynamic_sd_lookup=[0, 3, 3])
+    engine = vllm.Engine.__new__(vllm.Engine)  # a started engine's parts, without starting vLLM
+    engine.speculative_options = options
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)),
+        vllm_config=SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))))
+    for k in (0, 1, 2, 3):
+        if k in refused:
+            with pytest.raises(ConfigError, match=f"{k} draft tokens: this engine's parallel drafter proposes all "
+                                                  "3 of its num_speculative_tokens in one forward, or none"):
+                engine.set_speculative_tokens(k)
+        else:
+            engine.set_speculative_tokens(k)
+            assert scheduler.dynamic_sd_lookup == [0, k, k]
+    engine.__dict__.pop("llm")  # nothing to close
+
+
 def test_a_batch_size_the_kv_cache_cannot_hold_is_refused_by_name():
     class Engine:
         def kv_capacity_tokens(self):

@@ -168,6 +168,13 @@ def _engine_tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dt
         # vLLM (llama_eagle3.py Eagle3LlamaForCausalLM.load_weights) and SGLang
         # (LlamaForCausalLMEagle3.load_weights) both `continue` on "t2d"; the speculators library reads it.
         del state["t2d"]
+    if src.config.draft_vocab_size == src.config.vocab_size and fmt != "sglang":
+        # The whole target vocab: the vocab map is the identity (vocab_map.select_token_ids) and vLLM
+        # (llama_eagle3.py Eagle3LlamaForCausalLM.__init__) builds no draft_id_to_target_id, so its loader
+        # fails on a d2t key; the speculators library keeps no d2t/t2d buffers either (DraftVocabMixin:
+        # use_draft_vocab False). SGLang keeps its d2t: older releases need a hot_token_id at any size.
+        del state["d2t"]
+        state.pop("t2d", None)
     if fmt == "speculators":
         # speculators' Eagle3 model keeps its decoder layers in `layers` (layers.0 is the EAGLE layer);
         # vLLM then loads them as model.layers.* without any renaming.
