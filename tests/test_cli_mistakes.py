@@ -63,7 +63,7 @@ def test_eval_output_that_is_a_file_is_refused(setup, tmp_path, capsys):
     assert main(["eval", "-t", str(setup["target"]), "--draft", str(setup["run"]), "--prompts", str(setup["data"]),
                  "--num-prompts", "1", "--max-new-tokens", "4", "-o", str(taken), "-q"]) == 1
     line = one_line(capsys)
-    assert line.startswith(f"error: {taken} ") and "folder" in line
+    assert line.startswith(f"error: -o {taken} is a file spec_cli did not write; a spec eval folder is a folder")
     assert taken.read_text() == "{}"
 
 
@@ -341,11 +341,13 @@ def test_output_that_is_an_input_or_another_kind_of_folder_is_refused_before_any
     args = ["train", "-v", str(setup["vm"]), "--cache", str(cache), "--ttt-steps", "2", "--batch-tokens", "256",
             "--eval-fraction", "0", "-q", "--max-steps", "1"]
     out, expected = {
-        "the cache": (cache, f"-o {cache} is this run's --cache {cache}"),
-        "inside the cache": (cache / "run", f"-o {cache / 'run'} is inside this run's --cache {cache}"),
-        "another cache": (setup["cache"], f"-o {setup['cache']} is a feature cache, not a training run's folder"),
-        "a model": (setup["target"], f"-o {setup['target']} is a model (or an exported draft), not a training "
-                                     "run's folder"),
+        "the cache": (cache, f"-o {cache} is this command's input --cache {cache}; nothing was written"),
+        "inside the cache": (cache / "run", f"-o {cache / 'run'} is inside this command's input --cache {cache}; "
+                                            "nothing was written"),
+        "another cache": (setup["cache"], f"-o {setup['cache']} is a feature cache, not a training run; it is never "
+                                          "replaced"),
+        "a model": (setup["target"], f"-o {setup['target']} is a model (or an exported draft), not a training run; "
+                                     "it is never replaced"),
     }[where]
     before = {p: p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
     assert main([*args, "-o", str(out)]) == 1

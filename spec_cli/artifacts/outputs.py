@@ -1,7 +1,8 @@
 """Where a command may write: one rule for every output of every command.
 
 An output is never
-- a device, a pipe or a socket (a command's result is files to keep, and its work would be lost);
+- a device, a pipe or a socket, or anything in /dev (a command's result is files to keep, and its work
+  would be lost);
 - one of the command's inputs, inside one (a folder input), or a folder that holds one;
 - the built-in assets, the home folder or the root folder;
 - an existing file or folder of another kind: a model, a feature cache, a training run, an export,
@@ -25,6 +26,11 @@ from spec_cli.errors import ConfigError
 from spec_cli.paths import spec_home, special_kind
 
 EVAL_MARKER = ".spec-eval"  # a spec eval folder, from its first turn on (eval.json comes at the end)
+
+
+# spec_cli's own work files: a folder's lock, and what a write killed before its rename leaves behind
+# (artifacts.io: `.NAME.XXXX.tmp`, `.NAME.old`, safetensors' `NAME.tmpXXXXXX`)
+_WORK_FILE = re.compile(r"(\.spec\.lock|\..+\.tmp|\..+\.old|.+\.tmp[A-Za-z0-9]{6})")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,18 @@ CHAT_DATA = Kind("chat data written by spec regenerate", False, _is_regenerated)
 PLAN = Kind("a plan written by spec plan", False, lambda path: (_json(path) or {}).get("kind") == "plan")
 FEATURE_CACHE = Kind("a feature cache", True,
                      lambda folder: folder_kind(folder) in ("a feature cache", "an unfinished feature cache"))
-TRAINING_RUN = Kind("a training run", True, lambda folder: folder_kind(folder) == "a training run")
+# what spec train writes at a run folder's top level: a folder of these alone (no run.json: a run that
+# stopped before writing it, or one whose user removed it) is still the run's
+_RUN_NAMES = {"run.json", "log.jsonl", "checkpoints", "frozen.safetensors", "best", "engine-eval", "eval",
+              "stream.json", "tensorboard", "training.png"}
+
+
+def _is_run(folder: Path) -> bool:
+    names = {p.name for p in folder.iterdir() if not _WORK_FILE.fullmatch(p.name)}
+    return folder_kind(folder) == "a training run" or bool(names) and names <= _RUN_NAMES
+
+
+TRAINING_RUN = Kind("a training run", True, _is_run)
 EXPORT = Kind("a spec export", True, _is_export)
 EVAL = Kind("a spec eval folder", True, _is_eval)
 TUNE = Kind("a spec tune folder", True, _json_kind("serving.json", "serving"))
@@ -113,11 +130,6 @@ def what_is(path: Path) -> str:
     if path.suffix == ".safetensors":
         return "a vocab map" if _is_vocab_map(path) else "a .safetensors file (weights or tensors) spec_cli did not write"
     return "a file spec_cli did not write"
-
-
-# spec_cli's own work files: a folder's lock, and what a write killed before its rename leaves behind
-# (artifacts.io: `.NAME.XXXX.tmp`, `.NAME.old`, safetensors' `NAME.tmpXXXXXX`)
-_WORK_FILE = re.compile(r"(\.spec\.lock|\..+\.tmp|\..+\.old|.+\.tmp[A-Za-z0-9]{6})")
 
 
 def _empty(folder: Path) -> bool:
@@ -170,7 +182,7 @@ def _check_place(option: str, path: Path) -> None:
     if special := special_kind(path):
         raise ConfigError(f"{option} {path} is {special}, not a file or folder spec_cli can write", hint)
     real = _real(path)
-    if _within(real, Path("/dev")) or _within(real, Path("/proc")) or _within(real, Path("/sys")):
+    if _within(real, Path("/dev")):
         raise ConfigError(f"{option} {path} is in the system's device folder {real.parts[0]}{real.parts[1]}", hint)
     if real == _real(Path.home()) or real.parent == real:
         raise ConfigError(f"{option} {path} is the {'home' if real.parent != real else 'root'} folder",

@@ -71,7 +71,8 @@ def test_no_resume_refuses_a_folder_holding_other_files(made, tmp_path, capsys):
     before = snapshot(out)
     assert main(precompute_args(made["target"], made["data"], made["vm"], out, "--no-resume")) == 1
     msg = one_error(capsys)
-    assert f"refusing to replace {out}: it is not a feature cache (no manifest.json in it)" in msg
+    assert f"-o {out} is a folder holding files spec_cli did not write, not a feature cache; it is never " \
+           "replaced; pass another -o (--no-resume replaces only a feature cache that spec_cli wrote)" in msg
     assert snapshot(out) == before
 
 
@@ -82,7 +83,7 @@ def test_no_resume_refuses_the_folder_holding_its_own_data(made, tmp_path, capsy
     shutil.copy(made["data"], data)
     before = snapshot(out)
     assert main(precompute_args(made["target"], data, made["vm"], out, "--no-resume")) == 1
-    assert f"it holds this command's input {data}" in one_error(capsys)
+    assert f"-o {out} holds this command's input --data {data}; nothing was written" in one_error(capsys)
     assert snapshot(out) == before
 
 
@@ -179,7 +180,8 @@ def test_regenerate_refuses_a_folder_as_output_up_front(made, tmp_path, capsys):
     out.mkdir()
     assert main(["regenerate", "-t", str(made["target"]), "-d", str(made["data"]), "-o", str(out), "-q"]) == 1
     msg = one_error(capsys)
-    assert f"-o {out} is a folder; regenerate writes one chat data file" in msg and ".jsonl file path" in msg
+    assert f"-o {out} is a folder (a folder holding files spec_cli did not write); chat data written by spec " \
+           "regenerate is one file" in msg
     assert list(out.iterdir()) == [] and not Path(str(out) + ".parts").exists()
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -231,7 +233,8 @@ def test_build_vocab_map_refuses_to_overwrite_unless_forced(made, tmp_path, caps
     precious = tmp_path / "precious.safetensors"
     precious.write_bytes(b"not a vocab map")
     assert main([*base, "-o", str(precious)]) == 1
-    assert f"{precious} already exists and is not a vocab map" in one_error(capsys)
+    assert f"-o {precious} is a .safetensors file (weights or tensors) spec_cli did not write, not a vocab map; " \
+           "it is never replaced" in one_error(capsys)
     assert precious.read_bytes() == b"not a vocab map"
     other = tmp_path / "vm.safetensors"
     shutil.copy(made["vm"], other)
@@ -241,8 +244,11 @@ def test_build_vocab_map_refuses_to_overwrite_unless_forced(made, tmp_path, caps
     assert other.read_bytes() == before
     assert main([*base, "-o", str(other)]) == 0  # the same inputs: rewritten, the same bytes
     assert other.read_bytes() == before
-    assert main([*base, "-o", str(precious), "--force"]) == 0
-    assert precious.read_bytes() != b"not a vocab map"
+    assert main([*base, "-o", str(precious), "--force"]) == 1  # --force replaces vocab maps, nothing else
+    assert "(--force replaces only a vocab map that spec_cli wrote)" in one_error(capsys)
+    assert precious.read_bytes() == b"not a vocab map"
+    assert main([*base[:-3], "--draft-vocab-size", "32", "-q", "-o", str(other), "--force"]) == 0
+    assert other.read_bytes() != before
 
 
 def test_empty_data_file_says_it_is_empty(made, tmp_path, capsys):

@@ -464,7 +464,7 @@ def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, ca
 
     out = tmp_path / "failed"
     out.mkdir()
-    (out / "eval.json").write_text("{}")  # an earlier run's report must not sit beside new outputs
+    (out / "eval.json").write_text('{"kind": "eval"}')  # an earlier run's report must not sit beside new outputs
     real, calls = session.generate, []
 
     def flaky(*args, **kwargs):  # the warm-up, then turns 1 and 2 of prompt 0; turn 1 of prompt 1 fails

@@ -285,12 +285,13 @@ def test_features_mistakes_are_one_line_each_before_anything_runs(talker, chats,
     (tmp_path / "file").write_text("x")
     assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "file"),
                       "--vocab-map", "v") == 1
-    assert "is a file; a feature cache is a folder" in " ".join(capsys.readouterr().err.split())
+    assert "is a file spec_cli did not write; a feature cache is a folder" in " ".join(capsys.readouterr().err.split())
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "mine"),
                       "--vocab-map", "v") == 1
-    assert "holds files a feature cache does not write (notes.txt)" in " ".join(capsys.readouterr().err.split())
+    assert "is a folder holding files spec_cli did not write, not a feature cache; it is never replaced" in \
+        " ".join(capsys.readouterr().err.split())
     damaged = tmp_path / "vocab.safetensors"
     damaged.write_bytes(b"not a vocab map")
     assert regenerate(talker, chats, out, "--engine", "vllm", "--features", str(tmp_path / "c"),
