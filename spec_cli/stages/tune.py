@@ -10,13 +10,20 @@ vLLM (`--engine vllm`, the default): engines in this process, the target alone a
 draft, started with the speculative config the export's own serve command gives (readme.speculative_config:
 its method and keys such as P-EAGLE's parallel_drafting), num_speculative_tokens --max-k and a schedule. k
 is set between measurements through the same lookup vLLM's scheduler reads for a schedule, so each k is
-measured as a server started with that schedule runs it (the drafter proposes k tokens a step). A parallel
-drafter proposes all of its engine's num_speculative_tokens in one forward or none (vllm.drafts_all_at_once),
-so each k runs in an engine of its own (--max-k + 1 engines, each with its KV cache), and its schedule holds
-0 and one k (recommend_one_k). For every batch size b the same
---requests prompts (MT-bench first turns by default; b of them when b is larger) are sent in waves of b;
-output tokens / wall time of the waves is the throughput. Every configuration runs in every repeat, in
-turn, so that a change in the machine's load hits all of them; each keeps its median and its range.
+measured as a server started with that schedule runs it (the drafter proposes k tokens a step). For every
+batch size b the same --requests prompts (MT-bench first turns by default; b of them when b is larger) are
+sent in waves of b; output tokens / wall time of the waves is the throughput. Every configuration runs in
+every repeat, in turn, so that a change in the machine's load hits all of them; each keeps its median and
+its range.
+
+A parallel drafter (P-EAGLE) proposes all of its engine's num_speculative_tokens in one forward or none
+(vllm.drafts_all_at_once), so each k needs an engine started with it, and its schedule holds 0 and one k
+(recommend_one_k). Each engine takes the GPU share vLLM gives one engine alone, so they load in turn, one
+alive at a time (--max-k + 1 loads: k --max-k with k 0, then each smaller k, then the target alone), each
+measured and closed before the next starts (_measure_in_turn). Within an engine the repeats run in turn as
+above (k 0 and k --max-k side by side in theirs); across engines they do not: a change in the machine's
+load between two engines' turns moves one's figures against the other's, which the busy meter, running
+over all of them, is there to catch.
 
 The recommendation at each batch size is the fastest measured k (k 0 included). A schedule is written
 when some batch size is fastest with drafts, none at all when none is. It is refused as a recommendation
@@ -239,26 +246,48 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
         one_k = vllm.drafts_all_at_once(measured)
         lengths = list(range(1, max_k + 1)) if one_k else [max_k]
         impl = readme.export_model_impl(folder)  # as the export's serve command runs it
-        info(f"loading {target_dir.name} {len(lengths) + 1} times in vLLM ({str(dtype).replace('torch.', '')}): "
-             f"alone, and with the draft {folder} (up to {max_k} draft tokens"
-             + (", an engine per k: parallel drafting" if one_k else "") + f", batches up to {biggest})")
         # one step of the biggest batch schedules biggest x (1 + max_k) tokens: room for it (vLLM's default
         # budget, 4096, is below max_num_seqs past 4096 requests and refuses to start)
         budget = max(4096, biggest * (max_k + 1))
-        with contextlib.ExitStack() as engines:
-            base = engines.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
-                                                     max_num_seqs=biggest, max_num_batched_tokens=budget))
-            drafters = {}
-            for k in lengths:
+        if one_k:  # one engine alive at a time: each takes the GPU share vLLM gives an engine alone
+            info(f"a parallel drafter is tuned one engine per k, loaded in turn: {max_k + 1} loads of "
+                 f"{target_dir.name} in vLLM ({str(dtype).replace('torch.', '')}), one alive at a time (k {max_k} "
+                 f"and 0, " + "".join(f"k {k}, " for k in range(max_k - 1, 0, -1)) + "the target alone"
+                 + (", 2 more to verify a recommendation" if cfg.verify else "") + f"); draft {folder}, "
+                 f"batches up to {biggest}")
+
+            def drafting(k):
                 config = {**readme.speculative_config(fmt, folder, k),
                           "num_speculative_tokens_per_batch_size": [[1, biggest, k]]}
-                drafters[k] = engines.enter_context(_drafting_engine(target_dir, config, algorithm, dtype, length,
-                                                                     biggest, budget, impl))
-            sizes = _held_sizes(cfg, sizes, [base, *drafters.values()], longest + cfg.max_new_tokens + max_k + 1)
-            for engine in (base, *drafters.values()):  # untimed: the engines' first steps (allocations, set-up)
-                _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)
+                return lambda: _drafting_engine(target_dir, config, algorithm, dtype, length, biggest, budget, impl)
+
+            def alone():
+                return vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length, max_num_seqs=biggest,
+                                   max_num_batched_tokens=budget)
+
+            turns = [(drafting(max_k), ["k0", f"k{max_k}"]),
+                     *((drafting(k), [f"k{k}"]) for k in range(max_k - 1, 0, -1)), (alone, ["target"])]
             configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
-            table, busy = _measure(cfg, sizes, configs, ids, stop, base, drafters)
+            sizes, table, busy = _measure_in_turn(cfg, sizes, configs, ids, stop,
+                                                  longest + cfg.max_new_tokens + max_k + 1, turns)
+        else:
+            info(f"loading {target_dir.name} {len(lengths) + 1} times in vLLM ({str(dtype).replace('torch.', '')}): "
+                 f"alone, and with the draft {folder} (up to {max_k} draft tokens, batches up to {biggest})")
+            with contextlib.ExitStack() as engines:
+                base = engines.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
+                                                         max_num_seqs=biggest, max_num_batched_tokens=budget))
+                drafters = {}
+                for k in lengths:
+                    config = {**readme.speculative_config(fmt, folder, k),
+                              "num_speculative_tokens_per_batch_size": [[1, biggest, k]]}
+                    drafters[k] = engines.enter_context(_drafting_engine(target_dir, config, algorithm, dtype,
+                                                                         length, biggest, budget, impl))
+                sizes = _held_sizes(cfg, sizes, [base, *drafters.values()],
+                                    longest + cfg.max_new_tokens + max_k + 1)
+                for engine in (base, *drafters.values()):  # untimed: the engines' first steps (allocations, set-up)
+                    _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)
+                configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
+                table, busy = _measure(cfg, sizes, configs, ids, stop, base, drafters)
         fastest = recommend(table, configs[1:])
         best = recommend_one_k(table, lengths) if one_k else fastest  # what a server can run
         refused = busy["warning"] if busy["too_busy"] else None
@@ -322,7 +351,7 @@ def _cpu_room_check(cfg: TuneConfig, sizes: list[int], config, dtype, per_reques
 
 
 def _held_sizes(cfg: TuneConfig, sizes: list[int], engines, per_request: int) -> list[int]:
-    """The batch sizes both engines' KV caches hold at once (each request up to `per_request` tokens): a
+    """The batch sizes all `engines`' KV caches hold (each request up to `per_request` tokens): a
     size asked for by --batch-sizes that does not fit is refused, the default ones are left out (said)."""
     capacity = min((c for c in (e.kv_capacity_tokens() for e in engines) if c is not None), default=None)
     if capacity is None:
@@ -391,6 +420,43 @@ def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, b
     busy = meter.stop(torch.get_num_threads(), threads.available_cores(),
                       on_cpu=loading.choose_device(cfg.device).type == "cpu")
     return table, busy
+
+
+def _measure_in_turn(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, per_request: int,
+                     turns: list) -> tuple[list[int], dict, dict]:
+    """`turns`: [(start an engine, the configs it measures)], one engine alive at a time: each starts, holds
+    its batch sizes, warms up (untimed), measures its configs at every size `repeats` times in turn, and
+    closes before the next starts. -> (the sizes every engine held, {b: {config: Measured}}, the busy
+    meter's record over all turns). Outputs are kept and compared with the target alone's first round at
+    the end, whichever turn measured the target."""
+    table = {b: {c: Measured() for c in configs} for b in sizes}
+    outputs: dict[int, dict[str, list]] = {b: {c: [] for c in configs} for b in sizes}
+    meter = threads.Meter()
+    with progress("tune", cfg.repeats * len(sizes) * len(configs), unit="runs") as bar:
+        for start_engine, measures in turns:
+            with start_engine() as engine:
+                held = _held_sizes(cfg, sizes, [engine], per_request)
+                for b in set(sizes) - set(held):  # an earlier engine's figures at a size this one cannot hold
+                    del table[b], outputs[b]
+                sizes = held
+                _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)  # untimed first steps
+                for _ in range(cfg.repeats):
+                    for b in sizes:
+                        batch = _wave_prompts(ids, cfg.requests, b)
+                        for c in measures:
+                            if c != "target":
+                                engine.set_speculative_tokens(int(c[1:]))
+                            out, seconds = _waves(engine, batch, b, cfg.max_new_tokens, stop)
+                            table[b][c].tokens_per_s.append(sum(len(o) for o in out) / seconds)
+                            outputs[b][c].append(out)
+                            bar.advance()
+    for b in sizes:
+        reference = outputs[b]["target"][0]
+        for c in configs:
+            table[b][c].same = [out == reference for out in outputs[b][c]]
+    busy = meter.stop(torch.get_num_threads(), threads.available_cores(),
+                      on_cpu=loading.choose_device(cfg.device).type == "cpu")
+    return sizes, table, busy
 
 
 def _waves(engine, batch: list[list[int]], b: int, max_new_tokens: int, stop) -> tuple[list[list[int]], float]:

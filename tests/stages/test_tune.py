@@ -161,3 +161,67 @@ def test_bad_tune_input_is_one_line(trained, tmp_path, capsys, monkeypatch, args
     err = " ".join(capsys.readouterr().err.split())
     assert says in err, err
     assert not out.exists()
+
+
+def test_a_parallel_drafter_is_tuned_one_engine_alive_at_a_time(peagle_pipeline, tmp_path, monkeypatch, capsys):
+    """A P-EAGLE draft needs an engine per k (each takes the GPU share of an engine alone): they load in
+    turn, k --max-k (with k 0) down to 1 then the target alone, each measuring only its own k, and each is
+    closed before the next starts. vLLM's Engine is a fake here that counts the engines alive."""
+    from spec_cli.engine import vllm
+
+    started = []
+
+    class Engine:
+        alive = most = 0
+
+        def __init__(self, target, draft=None, num_speculative_tokens=3, *args, speculative_options=None, **kwargs):
+            Engine.alive += 1
+            Engine.most = max(Engine.most, Engine.alive)
+            self.k = num_speculative_tokens if draft is not None else None
+            self.parallel = bool((speculative_options or {}).get("parallel_drafting"))
+            self.asked, self.closed = set(), False
+            started.append(self)
+
+        def set_speculative_tokens(self, k):
+            self.asked.add(k)
+
+        def generate_batch(self, prompts, max_tokens, **kwargs):  # k 2 decodes other tokens than the target
+            return [[8 if self.k == 2 else 7] * n for n in max_tokens]
+
+        def kv_capacity_tokens(self):
+            return None
+
+        def close(self):
+            Engine.alive -= not self.closed
+            self.closed = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    monkeypatch.setattr(vllm, "Engine", Engine)
+    monkeypatch.setattr(vllm, "require", lambda purpose="": None)
+    monkeypatch.setattr(vllm, "cannot_run", lambda fmt: "")
+    monkeypatch.setattr(tune.threads, "Meter", _Meter)
+    monkeypatch.setenv("SPEC_HOME", str(peagle_pipeline["root"] / "home"))
+    out = tmp_path / "tune"
+    assert main(["tune", str(peagle_pipeline["root"] / "run"), "-t", str(peagle_pipeline["target"]), "--max-k", "3",
+                 "--batch-sizes", "1,2", "--requests", "2", "--max-new-tokens", "4", "--repeats", "2",
+                 "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "a parallel drafter is tuned one engine per k, loaded in turn: 4 loads of" in printed
+    assert "one alive at a time (k 3 and 0, k 2, k 1, the target alone, 2 more to verify" in printed
+    assert Engine.most == 1 and Engine.alive == 0 and all(e.closed for e in started)
+    measuring = started[:4]  # then _verify's two (target alone, the recommended config) when it recommends one
+    assert [(e.k, e.parallel) for e in measuring] == [(3, True), (2, True), (1, True), (None, False)]
+    assert [e.asked for e in measuring] == [{0, 3}, {2}, {1}, set()]  # each engine drafts its own k or none
+    report = json.loads((out / "serving.json").read_text())
+    assert len(started) == 4 + 2 * (report["verified"] is not None)
+    table = report["table"]
+    assert sorted((r["batch_size"], r["config"]) for r in table) == [
+        (b, c) for b in (1, 2) for c in ("k0", "k1", "k2", "k3", "target")]
+    # the target alone, measured last, is still every engine's reference
+    assert all(len(r["tokens_per_s_runs"]) == 2 and r["same_as_target"] == (r["config"] != "k2") for r in table)
+    assert report["settings"]["draft_engine"]["engine_per_k"] is True
