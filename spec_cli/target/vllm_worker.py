@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from spec_cli.engine import vllm_runner
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
 
 
@@ -38,14 +40,12 @@ def step_positions(args, kwargs) -> torch.Tensor:
 
 def step_rows(runner, args, kwargs, hidden: torch.Tensor, aux: list, order: list[int],
               positions: torch.Tensor | None = None):
-    """For each request of the model runner's running batch: (request id, positions [n] of its tokens
-    in this step, their final hidden [n, H], their aux states [n, len(order) * H] in `order`).
-    `positions`: the step's, already on the CPU (else read from the forward's arguments)."""
-    num_reqs = runner.input_batch.num_reqs
-    offsets = runner.query_start_loc.cpu[:num_reqs + 1].tolist()  # token offsets per request
+    """For each request of the model runner's running step: (request id, positions [n] of its tokens
+    in this step, their final hidden [n, H], their aux states [n, len(order) * H] in `order`). The runner
+    must follow its steps (vllm_runner.follow_steps). `positions`: the step's, already on the CPU (else
+    read from the forward's arguments)."""
     positions = step_positions(args, kwargs) if positions is None else positions
-    for r, rid in enumerate(runner.input_batch.req_ids[:num_reqs]):
-        lo, hi = offsets[r], offsets[r + 1]
+    for rid, lo, hi in vllm_runner.step_requests(runner):
         yield (rid, positions[lo:hi].long().cpu(), hidden[lo:hi],
                torch.cat([aux[i][lo:hi] for i in order], dim=-1))
 
@@ -85,7 +85,9 @@ class CaptureExtension:
 
     def spec_attach(self, layer_ids: list[int]) -> None:
         """Make the model return its aux states (vLLM's ids) and keep them per request, on TP rank 0."""
-        model = self.model_runner.model
+        runner = vllm_runner.worker_runner(self)
+        vllm_runner.follow_steps(runner)
+        model = vllm_runner.target_model(runner)
         model.set_aux_hidden_state_layers(tuple(layer_ids))
         captured = tuple(sorted(set(layer_ids)))
         order = [captured.index(i) for i in layer_ids]
@@ -99,7 +101,7 @@ class CaptureExtension:
                 return out
             hidden, aux = out
             if keep:
-                for rid, pos, h, a in step_rows(self.model_runner, args, kwargs, hidden, aux, order):
+                for rid, pos, h, a in step_rows(runner, args, kwargs, hidden, aux, order):
                     self._spec_kept.setdefault(rid, []).append((pos, h.cpu(), a.cpu()))
             return hidden
 
@@ -122,7 +124,7 @@ class CaptureExtension:
         its lm_head bias rows and the final norm's effective scale (the same on every rank), packed."""
         from spec_cli.target.hf_backend import final_norm_scale
 
-        model = self.model_runner.model
+        model = vllm_runner.target_model(vllm_runner.worker_runner(self))
         lm = language_model(model)
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)

@@ -19,5 +19,6 @@ def test_fp16_and_readme(run_dir, tmp_path):
     assert ("python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct "
             "--speculative-algorithm EAGLE3 --speculative-draft-model-path") in readme
     assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in readme
+    assert "EAGLE-3 drafts are served by vLLM 0.32-0.34 and SGLang." in readme
     assert "0.500, 0.300" in readme and "1.650" in readme  # the eval at the checkpoint's step (5), not 9
     assert "t" * 16 in readme and "LlamaForCausalLM" in readme

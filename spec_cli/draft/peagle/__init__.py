@@ -1,6 +1,7 @@
 """P-EAGLE (arXiv 2602.01469): an EAGLE-3 draft trained to propose all K tokens in one forward, with a
 learned mask aux state and a mask token standing in for the future; vLLM serves it with
-`"parallel_drafting": true` on an eagle3 speculative config (the speculators format: `peagle`).
+`"parallel_drafting": true` on an eagle3 speculative config (the speculators format: `peagle`), in its V1
+model runner only (its formats' `runner`; which releases: spec_cli/engine/vllm_versions.py).
 Everything spec_cli needs of it is the `PEAGLE` value below (its code: implementation.py, loaded on
 first use); `--ttt-steps` is its number of depths K (it has no unroll: all depths run in one forward)."""
 
@@ -39,9 +40,11 @@ PEAGLE = Algorithm(
     aux_layers=3,
     default_aux_layers=default_aux_layers,
     implementation="spec_cli.draft.peagle.implementation",
-    # SGLang has no parallel drafting: it would serve the draft as an EAGLE-3 chain
-    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle3", PARALLEL),
-             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3", PARALLEL)),
+    # SGLang has no parallel drafting: it would serve the draft as an EAGLE-3 chain. vLLM serves it in its V1
+    # model runner alone (0.32/0.33 config/vllm.py: V2 lists parallel drafting of EAGLE drafts as unsupported
+    # and falls back to V1); 0.34 removed V1 and refuses parallel_drafting for eagle3 (config/speculative.py)
+    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle3", PARALLEL, runner="v1"),
+             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3", PARALLEL, runner="v1")),
     export_rules="spec_cli.export.eagle3",
     options=PEagleOptions,
     vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",

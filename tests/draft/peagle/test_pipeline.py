@@ -181,12 +181,56 @@ def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
     assert config["mask_token_id"] == src.config.mask_token_id
     readme = (exports / fmt / "README.md").read_text()
     assert "## Parallel drafting" in readme and f"token {src.config.mask_token_id} standing in" in readme
+    assert "P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34" in readme
     if fmt == "vllm":
         assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
         assert '"method": "eagle3"' in readme and '"parallel_drafting": true' in readme
     else:  # vLLM's update_peagle: method eagle3 + parallel_drafting, mask_token_id -> pard_token
         assert config["speculators_model_type"] == "peagle"
         assert config["speculators_config"]["algorithm"] == "peagle"
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_an_installed_vllm_034_refuses_the_export_with_the_releases_that_serve_it(pipeline, tmp_path, capsys,
+                                                                                 monkeypatch, fmt):
+    from spec_cli.engine import vllm
+
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")  # (the tests' default is none)
+    monkeypatch.setattr(vllm, "available", lambda: True)
+    monkeypatch.setattr(vllm, "version", lambda: "0.34.0")
+    assert main(["export", str(pipeline["root"] / "run"), "--format", fmt, "-o", str(tmp_path / "x"), "-q"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("the installed vLLM cannot serve P-EAGLE drafts: vLLM 0.34.0 does not serve eagle3 drafts with "
+            "parallel_drafting: 0.34 removed them along with its V1 model runner") in err
+    assert "install vllm>=0.32,<0.34" in err and "--engine-check none" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_vllm_034_in_the_loop_eval_and_tune_is_refused_before_anything_runs(pipeline, tmp_path, capsys, monkeypatch):
+    from spec_cli.engine import vllm
+
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    monkeypatch.setattr(vllm, "available", lambda: True)
+    monkeypatch.setattr(vllm, "version", lambda: "0.34.0")
+    removed = "vLLM 0.34.0 does not serve eagle3 drafts with parallel_drafting"
+    assert main([*_train_args(pipeline["root"], pipeline["vm"], tmp_path / "loop"), "--eval-engine", "vllm"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--eval-engine vllm cannot run P-EAGLE drafts here: {removed}" in err and "install vllm>=0.32,<0.34" in err
+    assert not (tmp_path / "loop" / "checkpoints").exists()
+    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
+                 str(pipeline["prompts"]), "--engine", "vllm", "-o", str(tmp_path / "e"), "-q"]) == 1
+    assert f"spec eval cannot run P-EAGLE drafts in vLLM here: {removed}" in " ".join(capsys.readouterr().err.split())
+
+
+def test_training_says_which_engines_serve_the_draft(pipeline, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
+    args = [a for a in _train_args(pipeline["root"], pipeline["vm"], tmp_path / "run") if a != "-q"]
+    assert main([*args, "--max-steps", "1", "--save-every", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34 (it removed its "
+            "V1 model runner, and them with it) nor by SGLang") in out
+    assert out.index("served by") < out.index("step 1/1")  # at its start
 
 
 def test_sglang_is_refused_with_the_reason(pipeline, tmp_path, capsys, monkeypatch):
