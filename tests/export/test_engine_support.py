@@ -45,12 +45,16 @@ def test_support_answers_by_engine(monkeypatch):
 
 
 def test_another_installed_vllm_is_asked_itself(monkeypatch):
-    monkeypatch.setattr(vllm, "version", lambda: "0.99.0")
+    """A supported release other than the table's is asked; one outside the range is not (the table answers)."""
     asked = []
     monkeypatch.setattr(vllm, "target_supports_eagle3",
                         lambda arch: asked.append(arch) or (True, ""))
+    monkeypatch.setattr(vllm, "version", lambda: "0.34.0")
     verdict = engine_support.support("vllm", "Gemma3ForCausalLM")
-    assert asked == ["Gemma3ForCausalLM"] and verdict.served is True and verdict.engine == "vLLM 0.99.0"
+    assert asked == ["Gemma3ForCausalLM"] and verdict.served is True and verdict.engine == "vLLM 0.34.0"
+    monkeypatch.setattr(vllm, "version", lambda: "0.99.0")
+    verdict = engine_support.support("vllm", "Gemma3ForCausalLM")
+    assert asked == ["Gemma3ForCausalLM"] and verdict.served is False and "0.32.0" in verdict.engine
 
 
 @pytest.fixture(scope="module")
