@@ -97,5 +97,5 @@ def test_unreadable_data_is_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(DataError, match="unsupported data file"):
         _run(tmp_path / "x.csv", tokenizer)
     (tmp_path / "broken.jsonl").write_text('{"conversations": [\n')
-    with pytest.raises(DataError, match="cannot read"):
+    with pytest.raises(DataError, match="broken.jsonl: line 1 is not valid JSON"):
         _run(tmp_path / "broken.jsonl", tokenizer)
