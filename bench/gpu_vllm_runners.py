@@ -10,7 +10,7 @@ For each runner the installed release has, these checks run the CLI (`spec ...`,
 command) on tiny random Llamas built here, in fp32 where a tolerance applies:
   precompute  `spec precompute --target-engine vllm` writes the `--target-engine transformers` cache of the
               same data: same identity and shards, integer tensors equal, float fields within TOL_PRECOMPUTE
-              (tests/target/test_vllm_backend.py's TOL).
+              (tests/targets/test_vllm_backend.py's TOL).
   regenerate  `spec regenerate --engine vllm --features` keeps the states of its answers, and they equal
               `spec precompute --target-engine vllm` of its output: same identity, integer tensors equal,
               floats within TOL_REGENERATE (tests/engine/test_regenerate_features.py's TOL).
@@ -51,7 +51,7 @@ from spec_cli.engine import vllm_versions as versions  # noqa: E402 (after the p
 RUNNERS = ("v1", "v2")
 TIMEOUT = 1800  # seconds per command
 TOKENS = "16"  # tokens per turn in the engine evaluations (tests/engine/test_engine_loop.py)
-# Largest |vLLM - transformers| per float field, fp32: tests/target/test_vllm_backend.py TOL.
+# Largest |vLLM - transformers| per float field, fp32: tests/targets/test_vllm_backend.py TOL.
 TOL_PRECOMPUTE = {"aux_hidden": 1e-6, "final_hidden": 2e-5, "lse": 5e-5, "target_p": 2e-5, "target_mass": 2e-5}
 # A state kept while answering (decode steps, cached prefixes) against one prefill of the same text, fp32:
 # tests/engine/test_regenerate_features.py TOL.
@@ -193,7 +193,7 @@ def setup(folder: Path, env: dict) -> Shared:
 
 
 def precompute_args(engine: str) -> list[str]:
-    """tests/target/test_vllm_backend.py's settings (several shards), in fp32."""
+    """tests/targets/test_vllm_backend.py's settings (several shards), in fp32."""
     return ["--batch-tokens", "512", "--shard-tokens", "600", "--dtype", "fp32", "--target-engine", engine, "-q"]
 
 

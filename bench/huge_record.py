@@ -36,7 +36,7 @@ import json, resource, sys, time
 import numpy as np
 sys.path.insert(0, {root!r})
 from spec_cli.data.template import encode_chat, encode_record, special_token_strings
-from spec_cli.target.loading import load_tokenizer
+from spec_cli.targets.loading import load_tokenizer
 tokenizer = load_tokenizer({target!r})
 record = json.loads(open({record!r}).read())
 specials = special_token_strings(tokenizer)

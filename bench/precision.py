@@ -8,7 +8,7 @@ AdamW) under `stages.train._autocast` as `spec train --precision fp32|bf16` runs
 start from the same weights and batch; the first step of each is a warm-up, the others are timed
 (best of). Prints tokens/s per precision, bf16 / fp32, and the largest relative difference of the
 losses along the run. What `--precision auto` picks here: bf16 where this CPU runs it natively
-(spec_cli.target.loading.fast_bf16), fp32 elsewhere.
+(spec_cli.targets.loading.fast_bf16), fp32 elsewhere.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def time_steps(draft, batch, precision: str, steps: int) -> tuple[list[float], l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spec_cli.target.loading import fast_bf16
+    from spec_cli.targets.loading import fast_bf16
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="2048,8192")

@@ -24,7 +24,7 @@ from spec_cli.artifacts import feature_cache as fc
 from spec_cli.data.batching import collate, plan_batches
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.stages import build_vocab_map, precompute
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 
 def bare_forward_seconds(model, tokens, batches) -> float:

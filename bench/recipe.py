@@ -50,7 +50,7 @@ from spec_cli.eval.report import Tally  # noqa: E402
 from spec_cli.eval.speculative import Settings, eos_ids, generate, generate_target  # noqa: E402
 from spec_cli.eval.target import Target  # noqa: E402
 from spec_cli.stages import build_vocab_map, demo, precompute, train  # noqa: E402
-from spec_cli.target import loading  # noqa: E402
+from spec_cli.targets import loading  # noqa: E402
 
 # name -> TrainConfig overrides ("vocab": the draft vocabulary size; everything else a `spec train` option)
 LEVERS = {

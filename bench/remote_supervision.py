@@ -56,8 +56,8 @@ from spec_cli.data.tokenize import tokenize_data  # noqa: E402
 from spec_cli.serve.client import RemoteBackend  # noqa: E402
 from spec_cli.stages import build_vocab_map  # noqa: E402
 from spec_cli.stream import MemoryStore, Producer, StreamLoader, new_run_id  # noqa: E402
-from spec_cli.target import loading  # noqa: E402
-from spec_cli.target.hf_backend import HFTargetBackend  # noqa: E402
+from spec_cli.targets import loading  # noqa: E402
+from spec_cli.targets.hf_backend import HFTargetBackend  # noqa: E402
 
 DEMO_VOCAB = Path("/work/demo/vocab-8192.safetensors")
 

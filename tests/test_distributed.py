@@ -95,7 +95,7 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline, dflash_
               [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
               live_args(train_setup, out["live-replica"], "replica"),
               live_args(train_setup, out["live-tensor"], "tensor"),
-              ["-m", "tests.target.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
+              ["-m", "tests.targets.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
     # in processes of its own: it patches torch's Muon (float64 Newton-Schulz); after the jobs above in the
     # same two processes it once died of a heap corruption (glibc abort) that it never showed alone
     torchrun([["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch-muon")
@@ -288,7 +288,7 @@ def test_precompute_with_the_target_sharded_over_the_ranks(runs):
 
 
 def test_each_ranks_supervision_from_the_sharded_target_equals_the_whole_targets(runs):
-    """--target-parallel tensor (tests/target/tp_supervision.py, in the launch): batches of different
+    """--target-parallel tensor (tests/targets/tp_supervision.py, in the launch): batches of different
     shapes on each rank (one packed), exchanged and run together; each rank's supervision equals the
     whole target's within fp32 rounding."""
     ranks = [json.loads((runs["tp-supervision"] / f"rank-{r}.json").read_text()) for r in (0, 1)]

@@ -3,7 +3,7 @@ either, directly or around a loop, counting every `import` / `from` statement, l
 functions included.
 
 Two granularities, one test each:
-- packages: a unit is a package (spec_cli.target) or a top-level module (spec_cli.cli,
+- packages: a unit is a package (spec_cli.targets) or a top-level module (spec_cli.cli,
   spec_cli.batch); imports within one unit are free here;
 - modules: a unit is one .py file (spec_cli.draft.config), a package's __init__.py being the
   package's unit (spec_cli.draft.eagle3); `from pkg import name` counts as importing pkg.name when

@@ -43,7 +43,7 @@ def test_build_vocab_map_on_real_tokenizer_and_sharegpt(real_assets, sharegpt_su
 def test_real_loss_mask_decodes_to_assistant_text(real_assets, sharegpt_subset):
     from spec_cli.data import records
     from spec_cli.data.template import encode_record, special_token_strings
-    from spec_cli.target.loading import load_tokenizer
+    from spec_cli.targets.loading import load_tokenizer
 
     tokenizer = load_tokenizer(real_assets["target"])
     specials = special_token_strings(tokenizer)
@@ -67,7 +67,7 @@ def test_real_loss_mask_decodes_to_assistant_text(real_assets, sharegpt_subset):
 @pytest.mark.slow  # (21-30 s: the GGUF dequantised on load)
 def test_gguf_file_as_target(real_assets):
     from spec_cli import assets
-    from spec_cli.target.loading import load_tokenizer, resolve_target, tokenizer_fingerprint
+    from spec_cli.targets.loading import load_tokenizer, resolve_target, tokenizer_fingerprint
     from tests.conftest import USER_HOME
 
     gguf = assets.package_file(assets.SMOLLM2, install=False)

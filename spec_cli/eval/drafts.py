@@ -20,7 +20,7 @@ from spec_cli.draft import algorithms
 from spec_cli.errors import ArtifactError
 from spec_cli.export.reader import template_record
 from spec_cli.export.source import load_source
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 
 @dataclass

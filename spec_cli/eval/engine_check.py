@@ -35,7 +35,7 @@ from spec_cli.eval.report import Tally
 from spec_cli.eval.speculative import Settings, eos_ids, generate
 from spec_cli.eval.target import Target
 from spec_cli.export.source import DraftSource
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 MODES = ("auto", "vllm", "none")
 PROMPTS = ("Write a short poem about the sea.",

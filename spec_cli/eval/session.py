@@ -25,7 +25,7 @@ from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError
 from spec_cli.eval.speculative import Settings, decoding_rule, generate, generate_target, verify_costs
 from spec_cli.eval.target import Target
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 
 class TorchSession:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spec_cli.target import loading
-from spec_cli.target.capture import AuxCapture, InputCapture
-from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
+from spec_cli.targets import loading
+from spec_cli.targets.capture import AuxCapture, InputCapture
+from spec_cli.targets.masks import CUSTOM_MASK_ATTENTION, Layout, for_model
 
 TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a custom 4D mask as is
 

@@ -34,7 +34,7 @@ from spec_cli.export import engines
 from spec_cli.export.check import (EXPECTED_FILES, CheckReport, _checkpoint_selected_ids, _materialise,
                                   compare_predictions, passed, tensor_problems)
 from spec_cli.export.reader import ReadExport, template_record
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 __all__ = ["check", "read", "recognise"]
 

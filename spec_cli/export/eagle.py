@@ -32,7 +32,7 @@ from spec_cli.draft.eagle.model import EagleDraft
 from spec_cli.errors import ArtifactError, ConfigError, ExportCheckError
 from spec_cli.export.check import CheckReport, passed
 from spec_cli.export.reader import ReadExport, template_record
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 # the class each engine builds (vLLM EAGLEConfig prefixes "Eagle" to LlamaForCausalLM; SGLang's EntryClass)
 CLASSES = {"vllm": ("EagleLlamaForCausalLM", "LlamaForCausalLM"), "sglang": ("LlamaForCausalLMEagle",)}

@@ -13,7 +13,7 @@ from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines, reader
 from spec_cli.export.check import check_export as check
 from spec_cli.export.reader import ReadExport
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 __all__ = ["check", "read", "recognise"]
 

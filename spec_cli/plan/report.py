@@ -87,7 +87,7 @@ class Plan:
 
 def read_target_config(path: Path):
     """A transformers config from a model folder or a config.json file."""
-    from spec_cli.target.loading import config_from_dict
+    from spec_cli.targets.loading import config_from_dict
 
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -128,7 +128,7 @@ def make_plan(s: PlanSettings) -> Plan:
     from spec_cli.draft.algorithm import LM_HEAD
     from spec_cli.plan.step import measure_step
     from spec_cli.plan.target import plan_assumption
-    from spec_cli.target.supervision import LOGITS_CHUNK_BYTES
+    from spec_cli.targets.supervision import LOGITS_CHUNK_BYTES
     from spec_cli.train_options import ObjectiveOptions
 
     if s.gpu not in GPUS and (s.gpu_memory is None or s.gpu_tflops is None):
@@ -178,7 +178,7 @@ def make_plan(s: PlanSettings) -> Plan:
                          target_dtype=torch.bfloat16 if half else torch.float32, context=cp)
         trained, frozen = m.trained, m.frozen
         need = m.peak * (1 + FRAGMENTATION) + CONTEXT_BYTES
-        # the live target's forward at training, by formula (spec_cli/target/hf_backend.py): the hidden
+        # the live target's forward at training, by formula (spec_cli/targets/hf_backend.py): the hidden
         # states it keeps (the aux layers and the last), one MLP's [T, 2 x intermediate] at a time, the
         # draft-vocab logits and distribution [T, Vd] in fp32, and the full vocab scanned a chunk of tokens
         # at a time (never [T, V]); its weights exactly. Added to the step's peak: an upper bound (its

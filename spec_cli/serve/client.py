@@ -40,7 +40,7 @@ from spec_cli.errors import TargetError
 from spec_cli.serve import plane, wire
 from spec_cli.serve.server import IMAGES
 from spec_cli.serve.wire import TOKEN_ENV
-from spec_cli.target.backend import TargetBackend, require_images
+from spec_cli.targets.backend import TargetBackend, require_images
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class RemoteBackend(TargetBackend):
         """The server's tokenizer (saved under SPEC_HOME), checked against its fingerprint."""
         from spec_cli.artifacts.io import atomic_dir
         from spec_cli.paths import spec_home
-        from spec_cli.target import loading
+        from spec_cli.targets import loading
 
         fingerprint = self.info["tokenizer_fingerprint"]
         folder = Path(folder) if folder else spec_home() / "remote" / "tokenizers" / fingerprint

@@ -22,7 +22,7 @@ from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.plane import PlaneHost
 from spec_cli.serve.server import Limits, TargetServer
 from spec_cli.serve.wire import TOKEN_ENV
-from spec_cli.target import loading, local
+from spec_cli.targets import loading, local
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

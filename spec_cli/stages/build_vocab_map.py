@@ -16,7 +16,7 @@ from spec_cli.console import progress
 from spec_cli.data import chat_templates
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ArtifactError, ConfigError, SpecError
-from spec_cli.target.loading import (load_config, load_tokenizer, processor_loader, resolve_target,
+from spec_cli.targets.loading import (load_config, load_tokenizer, processor_loader, resolve_target,
                                       tokenizer_fingerprint, vocab_size)
 
 COUNT_CHUNK = 1 << 24  # tokens per bincount call

@@ -27,7 +27,7 @@ from spec_cli.artifacts.io import atomic_path, write_json
 from spec_cli.console import info
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.paths import spec_home
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 DEMO_JSON = "demo.json"
 STAGES = 11  # (10 without vLLM: no eval-vllm)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 # counted on the demo's data (machine-independent): answer tokens regenerate writes per sample (7,810
 # for the quick profile's 48 samples), tokens per training conversation after templating (31,948 for 148)
@@ -176,7 +176,7 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    from spec_cli.target.supervision import draft_distribution, selected_logits
+    from spec_cli.targets.supervision import draft_distribution, selected_logits
 
     hidden = torch.randn(1, T, config.hidden_size, generator=gen).to(device, data_dtype)
     head = (torch.randn(Vd, config.hidden_size, generator=gen) / config.hidden_size ** 0.5).to(device, data_dtype)

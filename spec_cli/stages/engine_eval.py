@@ -502,7 +502,7 @@ class Worker:
 
         from spec_cli.data import chat_templates
         from spec_cli.eval.speculative import eos_ids
-        from spec_cli.target import loading
+        from spec_cli.targets import loading
 
         self.cfg = cfg
         self.target_dir = loading.resolve_target(cfg.target)
@@ -534,7 +534,7 @@ class Worker:
         answer as long as it may be, and the draft tokens; not the target's whole context (a 128k context
         would not fit the engine's KV cache beside training)."""
         from spec_cli.eval import prompts
-        from spec_cli.target import loading
+        from spec_cli.targets import loading
 
         longest = 0
         for conv in conversations:

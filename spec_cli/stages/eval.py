@@ -58,7 +58,7 @@ from spec_cli.eval.report import Tally, fastest_depth, parting, plot_acceptance,
 from spec_cli.eval.speculative import DRAFT_SAMPLING, Generation, Settings, decoding_rule, eos_ids
 from spec_cli.eval.session import TorchSession, VllmSession
 from spec_cli.eval.target import TREE_ATTENTION
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 WARMUP_TOKENS = 8  # one untimed generation of each decoder first (allocator, kernels, lazy init)
 ENGINES = ("torch", "vllm")

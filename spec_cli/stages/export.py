@@ -30,7 +30,7 @@ from spec_cli.export import support as engine_support
 from spec_cli.export.check import CheckReport
 from spec_cli.export.readme import format_title, model_impl, render, serve_command
 from spec_cli.export.source import load_source
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 
 @dataclass

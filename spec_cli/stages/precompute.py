@@ -29,8 +29,8 @@ from spec_cli.data.tokenize import tokenize_data, tokenize_seconds_bound
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
-from spec_cli.target import loading, local
-from spec_cli.target.backend import require_images
+from spec_cli.targets import loading, local
+from spec_cli.targets.backend import require_images
 
 
 _TEST_SHARD_DELAY = float(os.environ.get("SPEC_TEST_SHARD_DELAY", "0") or 0)
@@ -398,7 +398,7 @@ def _compute_shard(backend, tokens, shard_batches: list[list[int]], encoding: st
         argmax, lse = backend.full_vocab_stats(hidden)
         if encoding == "probs":
             with torch.no_grad():
-                from spec_cli.target.supervision import draft_distribution
+                from spec_cli.targets.supervision import draft_distribution
 
                 target_p, target_mass = draft_distribution(backend.draft_logits(hidden), lse)
         real = attention_mask.bool().to(aux.device)  # [B, T]: ragged selection drops padding

@@ -49,7 +49,7 @@ from spec_cli.data.images import check_images, open_image
 from spec_cli.data.template import render
 from spec_cli.errors import ArtifactError, ConfigError, DataError, TargetError
 from spec_cli.eval.speculative import eos_ids
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 KIND = "regenerated_chat_data"
 # Bump when what is generated from the same inputs and settings changes: old parts are then not reused.
@@ -640,7 +640,7 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
 
 def _open_engine(cfg: RegenerateConfig, target_dir: Path, device, dtype, tokenizer, eos, aux_layers=None):
     if cfg.features is not None:  # the target with its states kept by prefix
-        from spec_cli.target.vllm_backend import VLLMTargetBackend
+        from spec_cli.targets.vllm_backend import VLLMTargetBackend
 
         # a row of --max-length tokens runs as a prompt, and vLLM asks room for one sampled token after it
         context = loading.max_positions(loading.load_config(target_dir))
@@ -680,7 +680,7 @@ def _keep_rows(backend, tokenizer, part: dict, cfg: RegenerateConfig, path: Path
     """The chunk's records tokenised as precompute will read them from OUT, their states put together
     from what the generation computed (vLLM runs only the positions it did not), written to `path`."""
     from spec_cli.data.template import encode_record, special_token_strings
-    from spec_cli.target.replay_backend import write_rows
+    from spec_cli.targets.replay_backend import write_rows
 
     specials = special_token_strings(tokenizer)
     rows = []
@@ -710,7 +710,7 @@ def _keep_rows(backend, tokenizer, part: dict, cfg: RegenerateConfig, path: Path
 def _write_features(cfg: RegenerateConfig, backend, output: Path, rows_files: list[Path]):
     """OUT's feature cache, written by precompute's code from the kept rows -> (PrecomputeResult, counts)."""
     from spec_cli.stages import build_vocab_map, precompute
-    from spec_cli.target.replay_backend import ReplayBackend
+    from spec_cli.targets.replay_backend import ReplayBackend
 
     vocab_map = Path(cfg.vocab_map)
     if not vocab_map.exists():

@@ -50,7 +50,7 @@ from spec_cli.train_options import OptimOptions, TrainConfig, all_options, resum
 from spec_cli.stages.train_sources import Schedule, Source, open_batches, open_source, supervise
 from spec_cli.stopping import SIGNAL_NAMES, StopRequests, Stopped, signal_name
 from spec_cli.stream.bound import size_text
-from spec_cli.target import loading, local
+from spec_cli.targets import loading, local
 
 
 @dataclass

@@ -33,8 +33,8 @@ from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stream.bound import StoreBound, free_room, size_text, store_bound
 from spec_cli.train_options import TrainConfig
-from spec_cli.target import loading, local
-from spec_cli.target.backend import TargetBackend, require_images
+from spec_cli.targets import loading, local
+from spec_cli.targets.backend import TargetBackend, require_images
 
 # --target-engine vllm in spec train: the share of the GPU vLLM may take when --target-memory is not
 # given (vLLM's own default, 0.9, would leave the draft a tenth of the GPU)
@@ -79,7 +79,7 @@ def open_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
         bound = _stream_bound(cfg, target, vocab_map, tokens, plan, device) if cfg.runtime.stream else None
         backend = target.backend or target.load()  # a live target is loaded once the data is tokenised
         if d.remote is not None and _grouped(cfg):  # one rank of each context-parallel group asks the servers
-            from spec_cli.target.group import GroupTarget
+            from spec_cli.targets.group import GroupTarget
 
             rank, group = distributed.context_group(cfg.runtime.context_parallel)
             if rank != 0:
@@ -139,7 +139,7 @@ def _check_options(cfg: TrainConfig) -> None:
 
 
 def _cache_source(cfg: TrainConfig, device: torch.device, vocab_map) -> Source:
-    from spec_cli.target.cache_backend import CacheBackend
+    from spec_cli.targets.cache_backend import CacheBackend
 
     backend = CacheBackend(cfg.data.cache, device=device)
     m = backend.reader.manifest
@@ -208,7 +208,7 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
     def load() -> TargetBackend:
         if not grouped:
             return open_local(cfg.runtime.target_parallel)
-        from spec_cli.target.group import GroupTarget  # once per context-parallel group, on its first rank
+        from spec_cli.targets.group import GroupTarget  # once per context-parallel group, on its first rank
 
         rank, group = distributed.context_group(cp)
         info(f"target: runs once per context-parallel group of {cp} ranks, on its first rank, which sends each "

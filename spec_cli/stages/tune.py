@@ -61,7 +61,7 @@ from spec_cli.errors import ConfigError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.speculative import Settings, eos_ids
 from spec_cli.export import readme
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 ENGINES = ("vllm", "torch")
 BATCH_SIZES = (1, 2, 4, 8, 16)

@@ -14,7 +14,7 @@ import torch
 
 from spec_cli.batch import TargetBatch
 from spec_cli.stream.store import FeatureStore
-from spec_cli.target.backend import TargetBackend
+from spec_cli.targets.backend import TargetBackend
 
 
 @dataclass(frozen=True)

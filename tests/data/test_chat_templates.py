@@ -12,7 +12,7 @@ from spec_cli.data import chat_templates, records
 from spec_cli.data.template import encode_record, special_token_strings
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ConfigError, TargetError
-from spec_cli.target.loading import tokenizer_fingerprint
+from spec_cli.targets.loading import tokenizer_fingerprint
 from tests import tiny
 from tests.conftest import write_jsonl
 

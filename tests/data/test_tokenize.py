@@ -9,7 +9,7 @@ import torch
 from spec_cli.data import records
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import DataError
-from spec_cli.target.loading import load_tokenizer, tokenizer_fingerprint
+from spec_cli.targets.loading import load_tokenizer, tokenizer_fingerprint
 from tests import tiny
 from tests.conftest import write_jsonl
 

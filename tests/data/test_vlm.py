@@ -19,7 +19,7 @@ from spec_cli.data import records, vlm
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import DataError
 from spec_cli.paths import spec_home
-from spec_cli.target import loading
+from spec_cli.targets import loading
 from tests import tiny
 
 FAMILIES = tiny.PROCESSOR_FAMILIES

@@ -9,7 +9,7 @@ import pytest
 from spec_cli.draft import algorithms
 from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.errors import ConfigError
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 N_LAYERS = 8  # tests.tiny's target
 

@@ -33,9 +33,9 @@ from spec_cli.draft.msd.model import MsdDraft
 from spec_cli.draft.msd.objective import MsdObjective
 from spec_cli.draft.unroll import shift_left
 from spec_cli.errors import ConfigError
-from spec_cli.target import loading
-from spec_cli.target.cache_backend import CacheBackend
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets import loading
+from spec_cli.targets.cache_backend import CacheBackend
+from spec_cli.targets.hf_backend import HFTargetBackend
 from spec_cli.train_options import ObjectiveOptions
 from tests import tiny
 from tests.conftest import write_jsonl

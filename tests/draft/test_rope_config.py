@@ -11,7 +11,7 @@ import transformers
 from spec_cli.draft.config import DraftConfig, target_rope
 from spec_cli.errors import ConfigError
 from spec_cli.stages import export as export_stage
-from spec_cli.target.loading import config_from_dict
+from spec_cli.targets.loading import config_from_dict
 from tests.export.drafts import make_run
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

@@ -18,9 +18,9 @@ import torch
 from spec_cli.cli import main
 from spec_cli.data.batching import collate_packed, plan_packed
 from spec_cli.engine import vllm
-from spec_cli.target.cache_backend import CacheBackend
-from spec_cli.target.hf_backend import HFTargetBackend
-from spec_cli.target.masks import Layout
+from spec_cli.targets.cache_backend import CacheBackend
+from spec_cli.targets.hf_backend import HFTargetBackend
+from spec_cli.targets.masks import Layout
 from tests import tiny
 from tests.conftest import write_jsonl
 

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the `vllm` extra): no
 
 from spec_cli.engine import vllm_runner  # noqa: E402
 from spec_cli.errors import ConfigError  # noqa: E402
-from spec_cli.target.vllm_worker import step_rows  # noqa: E402
+from spec_cli.targets.vllm_worker import step_rows  # noqa: E402
 
 V1, V1_CPU = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner"
 V2, V2_CPU = "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.cpu.model_runner"

@@ -153,7 +153,7 @@ def test_gpt_oss_plans_size_the_mxfp4_checkpoint(tmp_path, size, capsys):
         assert t["placement"] == "replica" and hf["target"]["placement"] == "tensor-parallel"
     # the live target's forward holds one MLP's activations at a time: for gpt-oss 4 experts' [T, 2 x 2880]
     # per token, not the dense field's one
-    from spec_cli.target.supervision import LOGITS_CHUNK_BYTES
+    from spec_cli.targets.supervision import LOGITS_CHUNK_BYTES
 
     row = vllm["steps"][0]
     width = 4 * config["intermediate_size"]  # k experts' intermediate

@@ -19,8 +19,8 @@ import torch
 from spec_cli.serve.http import HTTPHandle
 from spec_cli.serve.run import tokenizer_files
 from spec_cli.serve.server import Limits, TargetServer
-from spec_cli.target import loading
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets import loading
+from spec_cli.targets.hf_backend import HFTargetBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from spec_cli.serve import wire
 from spec_cli.serve.run import tokenizer_files
 from spec_cli.serve.server import Limits, TargetServer
 from spec_cli.serve.wire import vocab_id
-from spec_cli.target import loading
+from spec_cli.targets import loading
 from tests.serve.harness import draft_vocab, load_backend, random_batch
 
 TOKEN = "s3cret-token"

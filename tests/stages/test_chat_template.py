@@ -20,7 +20,7 @@ from spec_cli.eval import drafts
 from spec_cli.stages import export as export_stage
 from spec_cli.stages import precompute as precompute_stage
 from spec_cli.stages import train as train_stage
-from spec_cli.target import loading
+from spec_cli.targets import loading
 from tests import tiny
 from tests.conftest import write_jsonl
 

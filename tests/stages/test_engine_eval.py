@@ -156,7 +156,7 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
     """The default prompts: conversations of the batches held out from training (none trained on), first
     two user turns, written once and decoded by every evaluation."""
     from spec_cli.artifacts.tokens import load_tokenized  # noqa: F401 (the cache's token table below)
-    from spec_cli.target.cache_backend import CacheBackend
+    from spec_cli.targets.cache_backend import CacheBackend
 
     run = peaked_run["run"]
     chosen = [json.loads(line) for line in (run / ckpt.ENGINE_EVAL / engine_eval.PROMPTS).read_text().splitlines()]

@@ -16,7 +16,7 @@ import torch
 from spec_cli.cli import main
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.stages import regenerate as stage
-from spec_cli.target import loading
+from spec_cli.targets import loading
 from tests import tiny
 from tests.conftest import signalled_child, wait_for, write_jsonl
 

@@ -154,7 +154,7 @@ def test_resume_refuses_another_embedding_and_continues_old_checkpoints(setup, t
 
     from spec_cli.artifacts.feature_cache import FeatureCacheReader
     from spec_cli.errors import ArtifactError
-    from spec_cli.target.cache_backend import CacheBackend
+    from spec_cli.targets.cache_backend import CacheBackend
 
     straight = stage.run(config(setup, tmp_path / "straight", max_steps=5, eval_every=0))
     old = tmp_path / "old"
@@ -256,7 +256,7 @@ def test_init_layer_from_target_starts_the_layer_from_the_target_after_its_last_
     """--init-layer-from-target, from a feature cache (the target folder it names) and from a live target:
     the first layer's target-shaped weights are the target's layer after the highest aux layer (8 layers:
     aux 1, 3, 4, so layer 5) and fc passes aux state 4 through."""
-    from spec_cli.target import loading
+    from spec_cli.targets import loading
 
     layer = loading.read_decoder_layer(setup["target"], 5)
     for source in ({"cache": setup["cache"]}, {"cache": None, "target": str(setup["target"]),

@@ -342,7 +342,7 @@ def test_precision_auto_is_bf16_where_it_is_native(monkeypatch):
     is emulated; SPEC_TRAIN_PRECISION says what auto picks (the suite pins fp32); bad values are one line."""
     from spec_cli.errors import ConfigError
     from spec_cli.stages.train import step_precision
-    from spec_cli.target import loading
+    from spec_cli.targets import loading
 
     monkeypatch.delenv("SPEC_TRAIN_PRECISION")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
@@ -403,7 +403,7 @@ def test_the_cache_reading_thread_does_host_work_only(setup):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from spec_cli.data.batching import collate
-    from spec_cli.target.cache_backend import CacheBackend
+    from spec_cli.targets.cache_backend import CacheBackend
 
     class Devices(TorchDispatchMode):
         def __init__(self):
@@ -435,7 +435,7 @@ def test_a_cpu_capped_to_avx2_has_no_fast_bf16(monkeypatch):
     """ATEN_CPU_CAPABILITY=avx2 (torch's kernels) or ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's matmuls) make bf16
     emulated whatever the CPU has: auto then trains, regenerates and precomputes in fp32, as on an
     AVX2-only machine (how this project measures that class of CPU on a faster one)."""
-    from spec_cli.target import loading
+    from spec_cli.targets import loading
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)

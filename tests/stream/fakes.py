@@ -8,7 +8,7 @@ import time
 import torch
 
 from spec_cli.batch import TargetBatch
-from spec_cli.target.backend import TargetBackend
+from spec_cli.targets.backend import TargetBackend
 
 
 class FakeBackend(TargetBackend):

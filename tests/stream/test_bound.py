@@ -13,7 +13,7 @@ from spec_cli.options import parse_size
 from spec_cli.stream import FolderStore, MemoryStore, Producer, free_room, store_bound
 from spec_cli.stream.bound import SAMPLE_OVERHEAD
 from spec_cli.stream.store import tensor_bytes
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets.hf_backend import HFTargetBackend
 from tests.serve.harness import draft_vocab, random_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")

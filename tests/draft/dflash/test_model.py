@@ -273,7 +273,7 @@ def test_training_scores_each_offset_on_the_token_decoding_proposes_there():
     above): a row is built so that the block anchored at slot 5 proposes exactly the row's next tokens,
     the supervision is assembled from the unshifted row as every target backend does, and the objective's
     top-1 hits per offset must equal the hits counted by running `propose` from every slot."""
-    from spec_cli.target.supervision import assemble_batch
+    from spec_cli.targets.supervision import assemble_batch
 
     torch.manual_seed(0)
     config = tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6], num_hidden_layers=2,

@@ -77,7 +77,7 @@ def test_a_run_stopped_after_its_first_step_resumes_to_the_straight_runs_weights
 @pytest.mark.slow
 def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
     """The five aux layers from a live target, its stream and `spec serve-target` train what the cache does."""
-    from spec_cli.target.hf_backend import HFTargetBackend
+    from spec_cli.targets.hf_backend import HFTargetBackend
     from tests.serve.harness import start_server
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))

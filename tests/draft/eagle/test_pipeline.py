@@ -48,7 +48,7 @@ def test_live_and_served_supervision_train_the_same_numbers_as_the_cache(pipelin
     """A live target (also streamed: the same weights bit for bit), a server (`spec serve-target
     --algorithm eagle`: final hidden states on request) and the cache give the same supervision
     (fp32): the same logged losses."""
-    from spec_cli.target.hf_backend import HFTargetBackend
+    from spec_cli.targets.hf_backend import HFTargetBackend
     from tests.serve.harness import start_server
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))

@@ -218,7 +218,7 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_llama_dir)
     the target's layer L applied to its aux state L-1 (transformers' own forward, 8-layer tiny Llama)."""
     from transformers import AutoModelForCausalLM
 
-    from spec_cli.target import loading
+    from spec_cli.targets import loading
 
     target = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).float().eval()
     aux = [0, 1, 4]
@@ -236,7 +236,7 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_llama_dir)
 
 
 def test_a_target_layer_that_does_not_fit_is_one_error(tiny_llama_dir):
-    from spec_cli.target import loading
+    from spec_cli.targets import loading
 
     config = DraftConfig.from_target(loading.load_config(tiny_llama_dir), 64, [0, 1, 4], intermediate_size=48)
     with pytest.raises(ConfigError, match="mlp.gate_proj.weight .* against"):

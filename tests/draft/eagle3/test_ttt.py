@@ -227,7 +227,7 @@ def unshifted_documents(config, masks: str, seed: int = 0) -> dict:
 
 def assembled(u: dict, rows: list[slice], seq_lens: list[list[int]] | None = None):
     """assemble_batch over `rows` (slices of the documents' tokens), right-padded; packed with seq_lens."""
-    from spec_cli.target.supervision import assemble_batch
+    from spec_cli.targets.supervision import assemble_batch
 
     L = max(r.stop - r.start for r in rows)
 

@@ -62,7 +62,7 @@ def test_segments_do_not_change_the_training_numbers(pipeline, tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
-    from spec_cli.target.hf_backend import HFTargetBackend
+    from spec_cli.targets.hf_backend import HFTargetBackend
     from tests.serve.harness import start_server
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))

@@ -3,7 +3,7 @@ computed with exactly its prefix, whichever request computed them."""
 
 import torch
 
-from spec_cli.target.prefix_states import PrefixStates, prefix_keys
+from spec_cli.targets.prefix_states import PrefixStates, prefix_keys
 
 
 def states_of(tokens: list[int], H: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

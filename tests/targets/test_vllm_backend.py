@@ -19,9 +19,9 @@ from spec_cli.artifacts.vocab_map import load_vocab_map  # noqa: E402
 from spec_cli.cli import main  # noqa: E402
 from spec_cli.data.batching import collate  # noqa: E402
 from spec_cli.errors import ConfigError  # noqa: E402
-from spec_cli.target.cache_backend import CacheBackend  # noqa: E402
-from spec_cli.target.hf_backend import HFTargetBackend  # noqa: E402
-from spec_cli.target.vllm_backend import VLLMTargetBackend, vllm_layer_ids  # noqa: E402
+from spec_cli.targets.cache_backend import CacheBackend  # noqa: E402
+from spec_cli.targets.hf_backend import HFTargetBackend  # noqa: E402
+from spec_cli.targets.vllm_backend import VLLMTargetBackend, vllm_layer_ids  # noqa: E402
 from tests import tiny  # noqa: E402
 from tests.conftest import write_jsonl  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""A live target under --context-parallel (spec_cli/target/group.py): loaded on the group's first rank
+"""A live target under --context-parallel (spec_cli/targets/group.py): loaded on the group's first rank
 only, it runs the group's whole rows and hands each rank its slots. Under torchrun (gloo, two ranks)
 every rank's batch equals, bit for bit, the whole target's batch run in one process, padded to the
 group's chunks and cut to that rank's kept ranges; the facts, embeddings and output head reach the rank
@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from spec_cli.draft.context import kept_ranges, pad_rows
-from spec_cli.target.group import take_slots
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets.group import take_slots
+from spec_cli.targets.hf_backend import HFTargetBackend
 from tests.launch import torchrun
 
 HALO = 2  # TTT 3 reads two slots ahead
@@ -45,7 +45,7 @@ def inputs(packed: bool) -> dict:
 def test_each_rank_gets_its_slots_of_the_whole_targets_batch(tiny_llama_dir, tmp_path, one_thread):
     """(One intra-op thread here, as in the launched ranks: the same sums in the same order.)"""
     out = tmp_path / "out"
-    torchrun([["-m", "tests.target.group_cp", tiny_llama_dir, out]], tmp_path / "launch")
+    torchrun([["-m", "tests.targets.group_cp", tiny_llama_dir, out]], tmp_path / "launch")
     whole_target = HFTargetBackend(tiny_llama_dir, None, device="cpu", dtype="fp32")
     whole_target.set_vocab_mapping(vocab())
     got = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]

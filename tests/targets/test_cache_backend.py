@@ -7,7 +7,7 @@ import torch
 
 from spec_cli.data.batching import collate, collate_packed
 from spec_cli.errors import ArtifactError
-from spec_cli.target.cache_backend import CacheBackend
+from spec_cli.targets.cache_backend import CacheBackend
 from tests.artifacts.caches import H, V, random_samples, write_cache
 
 SHARDS = [[[0, 1], [2]], [[3, 4, 5]]]  # shard -> batches -> sample indices

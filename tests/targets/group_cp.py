@@ -1,9 +1,9 @@
-"""Run by tests/target/test_group.py's torchrun launch (two ranks, gloo): a live target under
---context-parallel 2 (spec_cli/target/group.py), loaded on rank 0 only. Each rank writes what it got
+"""Run by tests/targets/test_group.py's torchrun launch (two ranks, gloo): a live target under
+--context-parallel 2 (spec_cli/targets/group.py), loaded on rank 0 only. Each rank writes what it got
 (the target's facts, embeddings, output head, and its slots of each case's batch) to OUT/rankR.*, for the
 test to compare with the whole target run in one process.
 
-    ["-m", "tests.target.group_cp", TARGET, OUT] in tests/launch.py's job list
+    ["-m", "tests.targets.group_cp", TARGET, OUT] in tests/launch.py's job list
 """
 
 import json
@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from spec_cli import distributed
 from spec_cli.draft.context import kept_ranges
-from spec_cli.target.group import GroupTarget
-from spec_cli.target.hf_backend import HFTargetBackend
-from tests.target.test_group import CASES, HALO, inputs, vocab
+from spec_cli.targets.group import GroupTarget
+from spec_cli.targets.hf_backend import HFTargetBackend
+from tests.targets.test_group import CASES, HALO, inputs, vocab
 
 
 def main(target: str, out: str) -> None:

@@ -4,7 +4,7 @@ The three aux layers are captured with forward hooks on those decoder layers (ta
 model is never asked for every layer's hidden states), and full-vocab logits are scanned a chunk of
 tokens at a time (never a full fp32 [B*T, V] tensor). `LocalTargetBackend` holds what does not depend
 on the engine that runs the decoder (lm_head statistics, the draft-vocab distribution, batch
-assembly), so the transformers and vLLM backends (spec_cli/target/vllm_backend.py) turn hidden states
+assembly), so the transformers and vLLM backends (spec_cli/targets/vllm_backend.py) turn hidden states
 into supervision with the same code.
 """
 
@@ -19,13 +19,13 @@ import torch
 
 from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
-from spec_cli.target import loading
-from spec_cli.target.backend import IMAGE_ROWS, TargetBackend, require_images
+from spec_cli.targets import loading
+from spec_cli.targets.backend import IMAGE_ROWS, TargetBackend, require_images
 from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.contract import INPUT_EMBEDS
-from spec_cli.target.capture import AuxCapture, InputCapture
-from spec_cli.target.masks import CUSTOM_MASK_ATTENTION, Layout, for_model, image_blocks
-from spec_cli.target.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
+from spec_cli.targets.capture import AuxCapture, InputCapture
+from spec_cli.targets.masks import CUSTOM_MASK_ATTENTION, Layout, for_model, image_blocks
+from spec_cli.targets.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
 from spec_cli.errors import ConfigError
 
 PACKING = "packing several documents into one row (--pack)"

@@ -1,7 +1,7 @@
 """The target engine: what runs an in-process target (`--target-engine transformers|vllm`;
 docs/glossary.md).
 
-Both give the same supervision (tests/target/test_vllm_backend.py measures how close), so nothing an
+Both give the same supervision (tests/targets/test_vllm_backend.py measures how close), so nothing an
 artifact is identified by (target, tokenizer, vocab map, aux layers, dtype) depends on the target
 engine.
 """
@@ -15,7 +15,7 @@ import torch
 from spec_cli import distributed, threads
 from spec_cli.console import info
 from spec_cli.errors import ConfigError
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 ENGINES = ("transformers", "vllm")
 
@@ -75,12 +75,12 @@ def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None
         raise ConfigError(f"--target-tensor-parallel is vLLM's (--target-engine vllm), not {name}'s",
                           "with transformers, shard the target over torchrun's ranks: --target-parallel tensor")
     if name == "vllm":
-        from spec_cli.target.vllm_backend import VLLMTargetBackend
+        from spec_cli.targets.vllm_backend import VLLMTargetBackend
 
         backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype, memory=memory,
                                     tensor_parallel=vllm_tensor_parallel)
     else:
-        from spec_cli.target.hf_backend import HFTargetBackend
+        from spec_cli.targets.hf_backend import HFTargetBackend
 
         device = device if isinstance(device, torch.device) else loading.choose_device(device)
         sharded, why = tensor_parallel(parallel, name, target_dir, device)

@@ -1,5 +1,5 @@
 """What the target backend asks of vLLM's worker processes when the target runs tensor-parallel
-(`--target-tensor-parallel N`, spec_cli/target/vllm_backend.py): vLLM's own extension point
+(`--target-tensor-parallel N`, spec_cli/targets/vllm_backend.py): vLLM's own extension point
 (`worker_extension_cls`), whose methods the engine calls on every worker by name (`collective_rpc`).
 
 Each worker wraps its model's forward as the in-process backend does, keeping each request's aux and
@@ -122,7 +122,7 @@ class CaptureExtension:
     def spec_weights(self) -> dict:
         """This rank's rows of the language head and the input embedding (vocab-sharded, in rank order),
         its lm_head bias rows and the final norm's effective scale (the same on every rank), packed."""
-        from spec_cli.target.hf_backend import final_norm_scale
+        from spec_cli.targets.hf_backend import final_norm_scale
 
         model = vllm_runner.target_model(vllm_runner.worker_runner(self))
         lm = language_model(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spec_cli.target import loading
+from spec_cli.targets import loading
 
 
 class AuxCapture:

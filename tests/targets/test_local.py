@@ -32,6 +32,7 @@ def test_unknown_engine_and_engine_without_a_live_target(capsys, tmp_path):
     assert "unknown --target-engine 'tensorrt'" in capsys.readouterr().err
     if not vllm_engine.available():
         return
-    assert main(["train", "--cache", str(tmp_path), "-v", "x", "-o", str(tmp_path / "r"),
+    (tmp_path / "cache").mkdir()
+    assert main(["train", "--cache", str(tmp_path / "cache"), "-v", "x", "-o", str(tmp_path / "r"),
                  "--target-engine", "vllm"]) == 1
     assert "runs a live --target" in capsys.readouterr().err

@@ -24,7 +24,7 @@ transformers backend (LocalTargetBackend).
 
 With `--target-tensor-parallel N` the model runs over N worker processes (vLLM's multiprocessing
 executor, tensor_parallel_size N) for a target bigger than one GPU. The same capture then runs inside
-each worker (spec_cli/target/vllm_worker.py, vLLM's worker extension): every rank holds the whole
+each worker (spec_cli/targets/vllm_worker.py, vLLM's worker extension): every rank holds the whole
 hidden states after the all-reduce, so rank 0 keeps each request's tokens and hands them back after
 the batch, as raw bytes (collective_rpc). The language head and the embedding are put together from
 the ranks' vocab shards. Tested against the transformers cache within the same tolerances.
@@ -47,10 +47,10 @@ import torch
 from spec_cli.engine import vllm as engine
 from spec_cli.engine import vllm_runner
 from spec_cli.errors import ConfigError, TargetError
-from spec_cli.target import loading
-from spec_cli.target.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
-from spec_cli.target.prefix_states import PrefixStates
-from spec_cli.target.vllm_worker import input_embedding, language_model, no_embedding, step_positions, step_rows, unpack
+from spec_cli.targets import loading
+from spec_cli.targets.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
+from spec_cli.targets.prefix_states import PrefixStates
+from spec_cli.targets.vllm_worker import input_embedding, language_model, no_embedding, step_positions, step_rows, unpack
 
 _request_ids = itertools.count()
 # capture_prefixes: KV blocks of 32 tokens. Prefix caching reuses whole blocks, so a row's positions past
@@ -154,7 +154,7 @@ class VLLMTargetBackend(LocalTargetBackend):
             tensor_parallel_size=self.tensor_parallel, prefix_caching=capture_prefixes,
             max_num_seqs=max_num_seqs, seed=seed, block_size=CAPTURE_BLOCK if capture_prefixes else None,
             seeded=seeded,
-            worker_extension_cls="spec_cli.target.vllm_worker.CaptureExtension" if self.tensor_parallel > 1 else None)
+            worker_extension_cls="spec_cli.targets.vllm_worker.CaptureExtension" if self.tensor_parallel > 1 else None)
         try:
             (self._attach_workers if self.tensor_parallel > 1 else self._attach)(int(text.vocab_size))
             self.info = describe_target(target_dir, config, architecture, self.lm_head_weight,
@@ -199,7 +199,7 @@ class VLLMTargetBackend(LocalTargetBackend):
         model.forward = self._capturing_forward
 
     def _attach_workers(self, vocab_size: int) -> None:
-        """The same with the model over worker processes (spec_cli/target/vllm_worker.py): the workers
+        """The same with the model over worker processes (spec_cli/targets/vllm_worker.py): the workers
         keep the states, the language head and the embedding come from their vocab shards."""
         llm = self.engine.llm
         weights = llm.collective_rpc("spec_weights")  # one answer per rank, in rank order

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from spec_cli.errors import ConfigError, TargetError
-from spec_cli.target import loading
+from spec_cli.targets import loading
 from tests import tiny
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from spec_cli.target import loading
-from spec_cli.target.capture import AuxCapture
+from spec_cli.targets import loading
+from spec_cli.targets.capture import AuxCapture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
 """--target-parallel: how `auto` decides, and what is refused. The sharded target itself runs under torchrun
-in tests/test_distributed.py's launch (tests/target/tp_supervision.py: each rank's supervision equals the
+in tests/test_distributed.py's launch (tests/targets/tp_supervision.py: each rank's supervision equals the
 whole target's; training through it equals training from whole copies)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from spec_cli import distributed
 from spec_cli.errors import ConfigError
-from spec_cli.target import local
+from spec_cli.targets import local
 
 
 def test_auto_shards_only_a_target_too_big_for_one_gpu(monkeypatch, tmp_path):

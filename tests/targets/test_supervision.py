@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from spec_cli.target.hf_backend import HFTargetBackend
-from spec_cli.target.supervision import full_vocab_stats
+from spec_cli.targets.hf_backend import HFTargetBackend
+from spec_cli.targets.supervision import full_vocab_stats
 
 
 @pytest.fixture(scope="module")

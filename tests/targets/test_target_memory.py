@@ -1,7 +1,7 @@
 """--target-memory: the share of the GPU a vLLM target engine may take, as vLLM is asked for it
 (`gpu_memory_utilization`). spec train leaves the draft half the GPU unless told otherwise; precompute
 leaves vLLM its own default. (The engine is stopped at its constructor: what matters is what it is
-asked for; tests/target/test_vllm_backend.py runs it.)"""
+asked for; tests/targets/test_vllm_backend.py runs it.)"""
 
 import pytest
 

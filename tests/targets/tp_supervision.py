@@ -2,8 +2,8 @@
 batch of its own (different lengths, one of them packed) with the target whole and with it sharded over
 the two ranks (--target-parallel tensor), and writes the largest difference per tensor to OUT/rank-R.json.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m tests.target.tp_supervision TARGET OUT
-    (or, in tests/launch.py's job list: ["-m", "tests.target.tp_supervision", TARGET, OUT])
+    python -m torch.distributed.run --nproc-per-node 2 -m tests.targets.tp_supervision TARGET OUT
+    (or, in tests/launch.py's job list: ["-m", "tests.targets.tp_supervision", TARGET, OUT])
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from spec_cli import distributed
-from spec_cli.target import local
+from spec_cli.targets import local
 
 
 def batch(rank: int) -> dict:

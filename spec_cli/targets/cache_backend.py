@@ -17,8 +17,8 @@ from spec_cli.artifacts.feature_cache import FeatureCacheReader
 from spec_cli.artifacts.tokens import TokenizedData
 from spec_cli.batch import EXTRA, TargetBatch
 from spec_cli.errors import ArtifactError
-from spec_cli.target.backend import TargetBackend
-from spec_cli.target.supervision import assemble_batch, draft_distribution, selected_logits
+from spec_cli.targets.backend import TargetBackend
+from spec_cli.targets.supervision import assemble_batch, draft_distribution, selected_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

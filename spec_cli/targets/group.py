@@ -26,7 +26,7 @@ import torch.distributed as dist
 from spec_cli.batch import TargetBatch, parse_tensor_header, tensor_header
 from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.context import kept_ranges, pad_rows
-from spec_cli.target.backend import TargetBackend
+from spec_cli.targets.backend import TargetBackend
 
 WHOLE = ("attention_mask", "position_ids", "seq_lens")  # fields that stay whole rows in a slot batch
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from spec_cli.errors import ConfigError
-from spec_cli.target import loading
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets import loading
+from spec_cli.targets.hf_backend import HFTargetBackend
 
 AUX = [2, 5, 6]  # not the default ids; 6 is the output of the second-to-last layer (of 8)
 
@@ -80,7 +80,7 @@ def test_output_head_is_the_targets_lm_head_rows_and_final_norm(backend):
 def test_final_norm_scale_reads_gemmas_one_plus_weight_form():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-    from spec_cli.target.hf_backend import final_norm_scale
+    from spec_cli.targets.hf_backend import final_norm_scale
 
     norm = GemmaRMSNorm(16, eps=1e-6)
     with torch.no_grad():

@@ -25,9 +25,9 @@ from spec_cli.data.batching import collate, collate_packed
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.export.support import VLLM_SERVED
 from spec_cli.errors import ConfigError, DataError
-from spec_cli.target import loading
-from spec_cli.target.cache_backend import CacheBackend
-from spec_cli.target.hf_backend import HFTargetBackend
+from spec_cli.targets import loading
+from spec_cli.targets.cache_backend import CacheBackend
+from spec_cli.targets.hf_backend import HFTargetBackend
 from tests import tiny
 from tests.conftest import write_jsonl
 from tests.draft.runs import context_parallel_equals_one_process, weights

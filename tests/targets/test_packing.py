@@ -8,8 +8,8 @@ import torch
 
 from spec_cli.errors import ConfigError
 from spec_cli.serve.client import RemoteBackend, RemoteError
-from spec_cli.target.hf_backend import HFTargetBackend
-from spec_cli.target.masks import Layout, document_ids, for_model
+from spec_cli.targets.hf_backend import HFTargetBackend
+from spec_cli.targets.masks import Layout, document_ids, for_model
 from tests import windowed
 from tests.serve.harness import start_server
 

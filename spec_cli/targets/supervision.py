@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from spec_cli.batch import TargetBatch
-from spec_cli.target.masks import document_ids
+from spec_cli.targets.masks import document_ids
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab (at most)
 # On a CPU a chunk that stays in cache is faster: 16 MB made SmolLM2's stats (V 49,152, bf16, 2 AMX
