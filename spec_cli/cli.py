@@ -49,8 +49,8 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         name="spec",
         cls=Group,
-        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash) for a target LLM, export "
-             "them for vLLM/SGLang, and measure how to serve them.",
+        help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash, DSpark, MSD) "
+             "for a target LLM, export them for vLLM/SGLang, and measure how to serve them.",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,

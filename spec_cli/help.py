@@ -2,9 +2,9 @@
 user must copy is cut at 80 columns.
 
 typer's own layout gives the long names, the short names, the negative names, the value's type and
-the help a column each, and shrinks them all together on a narrow terminal: at 80 columns it cut
-names (`--stream-max-by…`), and it marked every flag `<bool>` although a flag takes no value. Here a
-panel is a table of two columns: the names with what a value option takes (`--lr FLOAT`), never
+the help a column each, and shrinks them all together on a narrow terminal: at 80 columns it cuts
+names (`--stream-max-by…`), and it marks every flag `<bool>` although a flag takes no value. Here
+a panel is a table of two columns: the names with what a value option takes (`--lr FLOAT`), never
 wrapped, and the help, which wraps in the width that is left."""
 
 from __future__ import annotations

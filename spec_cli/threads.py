@@ -2,7 +2,7 @@
 
 OpenMP threads spin-wait for each other at the end of every parallel op. When another process holds
 one of the cores, each op waits for the thread that lost its core, so on a 2-core machine with a busy
-neighbour `spec eval` took 113.6 s on torch's default 2 threads and 13.3 s on 1. `choose` leaves the
+neighbour two threads run several times slower than one (docs/results.md). `choose` leaves the
 cores other processes are busy on to them; `Meter` says afterwards whether the run got the cores it
 used, so that a speed measured on a crowded machine is flagged rather than trusted.
 

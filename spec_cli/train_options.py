@@ -90,16 +90,16 @@ class DraftOptions:
     norm_output: bool = option(
         False, "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.", panel=DRAFT)
     init_from_target: bool = option(  # (a --resume then loads its checkpoint over it)
-        False, "--init-from-target/--random-init", help="Start the draft's lm_head and final norm from the "
-                                                        "target's (its lm_head rows of the draft vocab) "
-                                                        "instead of random. Measured slower to learn on "
-                                                        "SmolLM2 (see CHANGELOG).", panel=DRAFT, resumable=True)
+        False, "--init-from-target/--random-init",
+        help="Start the draft's lm_head and final norm from the target's (its lm_head rows of the "
+             "draft vocab) instead of random weights (the default; docs/recipe.md compares the two).",
+        panel=DRAFT, resumable=True)
     init_layer_from_target: bool = option(  # (a --resume then loads its checkpoint over it)
-        False, "--init-layer-from-target", help="EAGLE-3: start the draft's decoder layer from the target's layer "
-                                                "after its highest aux layer (read from the target's "
-                                                "safetensors) and fc as a pass-through of that aux state, "
-                                                "instead of random. Measured no better on SmolLM2 "
-                                                "(docs/recipe.md).", panel=DRAFT, resumable=True)
+        False, "--init-layer-from-target",
+        help="EAGLE-3: start the draft's decoder layer from the target's layer after its highest "
+             "aux layer (read from the target's safetensors) and fc as a pass-through of that aux "
+             "state, instead of random weights (the default; docs/recipe.md compares the two).",
+        panel=DRAFT, resumable=True)
     draft_rope_theta: float | None = option(
         None, "--draft-rope-theta", help="Train the draft with plain rope at this theta instead of the target's "
                                          "rope (taken from the target by default, scaling included; needed only "

@@ -41,8 +41,8 @@ def demo_cmd(
     eval on MT-bench and on held-out ShareGPT prompts, and tune how to serve it (spec tune). Regenerate
     and precompute run the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16),
     else as --dtype says. Rerunning reuses finished stages. How long it takes depends on the CPU by more
-    than 2x (the README's table gives measured times): before its first stage the demo measures this
-    machine's speeds (about 15 s) and prints its own estimate."""
+    than 2x, so before its first stage the demo times this machine's speeds (about 15 s) and prints
+    its own estimate (times per CPU: docs/results.md)."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 

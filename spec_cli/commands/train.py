@@ -43,8 +43,8 @@ SHARED = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers":
 
 
 def train_cmd(config=None, quiet=False, **options):
-    """Train a draft: EAGLE-3, or another --algorithm (EAGLE-1/2, P-EAGLE) (multi-process:
-    `torchrun --nproc-per-node N`)."""
+    """Train a draft: EAGLE-3, or another --algorithm (EAGLE-1/2, P-EAGLE, DFlash, DSpark, MSD)
+    (multi-process: `torchrun --nproc-per-node N`)."""
     from spec_cli.stages import train as stage
     from spec_cli.ui import print_train_summary
 

@@ -422,7 +422,7 @@ def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
     bias = None if bias is None else bias.expand(B, h, T, k.shape[2])
     lse = torch.nn.functional.pad(lse.float(), (0, lse_len - T))
     # the kernel reads `out` (and `dout`) in the layout its forward wrote: [B, T, h, d] in memory. In
-    # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk (no error), measured on an H200
+    # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk on a GPU (an H200), no error
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         _bthd(dout), q, k, v, bias, _bthd(out), lse, seed, offset, 0.0,
         [True, True, True, False], causal, scale=scale)

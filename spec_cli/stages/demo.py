@@ -49,10 +49,10 @@ class Profile:
     eval_prompts: int  # MT-bench questions (both turns), spread over the categories
     eval_max_new_tokens: int
     heldout_prompts: int  # ShareGPT conversations after the regenerated ones (first two user turns)
-    expected_minutes: float  # the whole demo on 2 quiet CPU cores with native bf16 (help text)
+    expected_minutes: float  # minutes it is sized for on 2 bf16-native CPU cores (in demo.json)
     eval_depth: int = 3
     original_samples: int = 0  # further ShareGPT conversations trained on with their original answers
-    expected_minutes_avx2: float = 0.0  # ... and on 2 cores with AVX2 only (help text)
+    expected_minutes_avx2: float = 0.0  # ... and on 2 cores with AVX2 only
     schedule: str = "cosine"  # spec train --schedule (docs/recipe.md: what the levers measured)
     optimizer: str = "adamw"  # spec train --optimizer
     # the MT-bench eval also decodes chains of these depths (spec eval --compare-depths; "auto": the
@@ -72,7 +72,7 @@ class Profile:
     tune_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # vLLM: the concurrent requests measured
     # where vLLM answers: this many prompts instead of samples + original_samples, and regenerate keeps the
     # feature cache as it answers (spec regenerate --features: one pass of the target per answer); none
-    # as written (docs/recipe.md: the written half taught nothing the target's answers did not)
+    # as written (docs/recipe.md: the written half teaches nothing the target's answers do not)
     one_pass_samples: int = 0
     one_pass: bool = False  # set by for_engine: this run's data is one_pass_samples answered in one pass
 
@@ -206,7 +206,7 @@ def run(cfg: DemoConfig) -> DemoResult:
     data = folder / "train.jsonl"
     stage("training data", data, lambda: _training_data(profile, found, regenerated, data))
     # the draft vocabulary from what the target itself writes (what it must predict when served): the
-    # originals' other wording would take slots (measured: 96.1% vs 99.6% of the target's own tokens)
+    # originals' other wording would take slots from the target's own tokens (docs/results.md)
     stage("build-vocab-map", vocab_map,
           lambda: _vocab_map(profile, found, regenerated, vocab_map, made_in_regenerate))
     stage("precompute", cache, lambda: _precompute(cfg, profile, found, data, vocab_map, cache, made_in_regenerate))
@@ -233,12 +233,12 @@ def run(cfg: DemoConfig) -> DemoResult:
 
 def data_dtype(cfg: DemoConfig) -> str | None:
     """The target's dtype in regenerate and precompute: --dtype when given, else bf16 where it is native
-    (a GPU, or a CPU with AMX / AVX512-BF16), else the stages' default (fp32 on a CPU). On SmolLM2 and 2
-    such cores bf16 makes precompute 2.1x and regenerate 1.3x faster.
-    Eval keeps --dtype (fp32 on a CPU): there, bf16 verifies 4 tokens in what one step costs, but its
-    one-token step is 1.5x slower than fp32's (transformers' linears repack the weights each call), so
-    a bf16 speed-up would be over a slower target than the user can have (measured: 1.18x in bf16 at
-    14.5 target tokens/s, while fp32 decodes 22 tokens/s alone)."""
+    (a GPU, or a CPU with AMX / AVX512-BF16), where it makes both stages faster, else the stages'
+    default (fp32 on a CPU).
+    Eval keeps --dtype (fp32 on a CPU): there bf16 verifies several tokens in what one step costs,
+    but its one-token step is slower than fp32's (transformers' linears repack the weights each
+    call), so a bf16 speed-up would be over a slower target than the user can have (figures:
+    docs/results.md)."""
     if cfg.dtype:
         return cfg.dtype
     return "bf16" if loading.fast_bf16(loading.choose_device(cfg.device)) else None
@@ -283,8 +283,8 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
 
 def _revise(result: DemoResult) -> None:
     """After regenerate ran: its real time in place of its estimate. vLLM's speed does not follow from the
-    transformers decode the clock measures (measured on 2 EPYC cores: 0.8x of the estimate capped to AVX2,
-    0.11x with native bf16), so the total is stated again with the minutes it actually took."""
+    transformers decode the clock measures (docs/results.md), so the total is stated again with the
+    minutes regenerate took."""
     estimate, done = result.estimate, result.stages[-1]
     if not estimate or "regenerate" not in estimate["stages"] or done.status != "ran":
         return

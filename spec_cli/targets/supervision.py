@@ -17,8 +17,8 @@ from spec_cli.batch import TargetBatch
 from spec_cli.targets.masks import document_ids
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits held at once while scanning the full vocab (at most)
-# On a CPU a chunk that stays in cache is faster: 16 MB made SmolLM2's stats (V 49,152, bf16, 2 AMX
-# cores) 1.4x faster than 256 MB, and 2.0x with the in-place lse below (bench/one_pass.py's cache step)
+# On a CPU a chunk that stays in cache is faster (16 MB against 256 MB: bench/one_pass.py's cache
+# step; figures in docs/results.md)
 CPU_LOGITS_CHUNK_BYTES = 16 << 20
 
 

