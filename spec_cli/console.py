@@ -1,4 +1,4 @@
-"""Terminal output: one console, progress bars that switch off when output is not a terminal.
+"""Terminal output: one console; progress as a bar on a terminal, as plain lines in a log.
 
 Under torchrun every rank runs the same command and would say every line once per rank: rank 0 alone
 says them (progress lines, warnings, bars, summaries). The other ranks print their own errors (cli.py),
@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
+import time
 from typing import Iterator
 
 from rich.console import Console
@@ -41,18 +43,29 @@ def info(message: str, markup: bool = False, every_rank: bool = False) -> None:
     `every_rank`: a line about this rank). Plain text unless `markup`: messages carry paths and library
     errors, whose brackets are not rich markup."""
     if not _quiet and (every_rank or not other_rank()):
-        console.print(message, markup=markup)
+        console.print(message, markup=markup, soft_wrap=not console.is_terminal)
 
 
 def warn(message: str) -> None:
     """A warning the user must see: on stderr, --quiet or not (rank 0's alone under torchrun). Plain text
     (paths, library errors)."""
     if not other_rank():
-        err_console.print(Text.assemble(("warning: ", "bold yellow"), message))
+        err_console.print(Text.assemble(("warning: ", "bold yellow"), message),
+                          soft_wrap=not err_console.is_terminal)
 
+
+# Off a terminal (a log file, Slurm, nohup) rich would wrap a line at 80 columns: `info` and `warn`
+# leave a line whole there, so a log holds each message on one line that grep finds.
 
 def progress_enabled() -> bool:
+    """Progress as a live bar: stdout is a terminal (rank 0, not --quiet)."""
     return not _quiet and not other_rank() and sys.stdout.isatty()
+
+
+def progress_lines_enabled() -> bool:
+    """Progress as plain lines (`ProgressLines`): stdout is a file or a pipe (rank 0, not
+    --quiet)."""
+    return not _quiet and not other_rank() and not sys.stdout.isatty()
 
 
 # ----------------------------------------------------------------------------- progress bars
@@ -177,16 +190,132 @@ class _NullTask:
         pass
 
 
+# ----------------------------------------------------------------------------- progress lines
+#
+# Nobody watches a log: a bar there is either nothing or a stream of carriage returns. Off a
+# terminal progress is plain lines instead: one when the work starts, one at an advance once
+# LINE_INTERVAL_S have passed since the last line, one from a background thread when no advance came
+# for that long (a vLLM batch of a whole chunk can take many minutes), and one at the end. Each is
+# flushed.
+
+LINE_INTERVAL_S = 30.0
+
+
+def _now() -> float:
+    """The clock of the progress lines (tests replace it)."""
+    return time.monotonic()
+
+
+def duration(seconds: float) -> str:
+    """42 -> '42s', 294 -> '4m54s', 7500 -> '2h05m'."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _per_second(x: float) -> str:
+    return _amount(x) if x >= 100 else f"{x:.3g}"
+
+
+class ProgressLines:
+    """`advance(n, count=0)` as `Bar` has it, said in lines such as `regenerating: 120/800 turns,
+    31.2 tokens/s, 1m02s so far, 4m54s left`. The rate and the time left come from all of this run's
+    work as of its last advance (`completed`: a resumed run's part done before it), as the bar's
+    do."""
+
+    def __init__(self, description: str, total: int | None, *, unit: str, rate: str | None = None,
+                 completed: int = 0):
+        self.description, self.total, self.unit, self.rate = description, total, unit, rate
+        self.completed, self.advanced, self.counted = completed, 0, 0
+        self.start = self.advanced_at = self.said_at = _now()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        what = f"{_amount(total - completed)} {unit} to do" if total is not None else "started"
+        before = f" ({_amount(completed)} done before)" if completed else ""
+        self._say(f"{description}: {what}{before}")
+        self._thread = threading.Thread(target=self._heartbeat, name="progress-lines", daemon=True)
+        self._thread.start()
+
+    def advance(self, n: int = 1, count: int = 0) -> None:
+        with self._lock:
+            self.completed += n
+            self.advanced += n
+            self.counted += count
+            self.advanced_at = _now()
+            if self.total is None or self.completed < self.total:  # the last line says the end
+                self._line_if_due()
+
+    def tick(self) -> None:
+        """A line if none came for LINE_INTERVAL_S (the heartbeat calls it)."""
+        with self._lock:
+            self._line_if_due()
+
+    def close(self) -> None:
+        """The last line (the work done, its rate and time); the heartbeat stops."""
+        self.stop()
+        with self._lock:
+            self._say(self.line(done=True))
+
+    def stop(self) -> None:
+        """The heartbeat stops, without a last line (an error or a stop says itself)."""
+        self._closed.set()
+        self._thread.join()
+
+    def line(self, done: bool = False) -> str:
+        """done/total in the unit, the rate, the time so far and the time left."""
+        now = _now()
+        total = f"/{_amount(self.total)}" if self.total is not None else ""
+        parts = [f"{_amount(self.completed)}{total} {self.unit}"]
+        spent = self.advanced_at - self.start  # to the last advance: what the rate is measured over
+        if self.advanced > 0 and spent > 0:
+            parts.append(f"{_per_second((self.counted if self.rate else self.advanced) / spent)} "
+                         f"{self.rate or self.unit}/s")
+        if done:
+            return f"{self.description}: {', '.join(parts)}, done in {duration(now - self.start)}"
+        parts.append(f"{duration(now - self.start)} so far")
+        if self.total is not None and self.advanced > 0 and spent > 0:
+            # what remains at the rate so far, less the time since the last advance
+            left = (self.total - self.completed) * spent / self.advanced - (now - self.advanced_at)
+            parts.append(f"{duration(left)} left")
+        return f"{self.description}: {', '.join(parts)}"
+
+    def _line_if_due(self) -> None:
+        if _now() - self.said_at >= LINE_INTERVAL_S:
+            self._say(self.line())
+
+    def _say(self, text: str) -> None:
+        self.said_at = _now()
+        console.print(Text(text), soft_wrap=True)  # one line, no markup; rich flushes each print
+
+    def _heartbeat(self) -> None:
+        """A line when no advance said one for LINE_INTERVAL_S: the elapsed time grows, the time
+        left counts down."""
+        while not self._closed.wait(max(LINE_INTERVAL_S, 1.0)):
+            self.tick()
+
+
 @contextlib.contextmanager
 def progress(description: str, total: int | None, *, unit: str, rate: str | None = None) -> Iterator:
-    """A progress bar of `total` `unit`s; yields an object with `advance(n, count=0)`. With `rate` (a
-    unit, e.g. "tokens") its rate column shows the `count`s advanced per second instead of the units.
-    Disabled off a terminal."""
-    if not progress_enabled():
+    """Progress over `total` `unit`s; yields an object with `advance(n, count=0)`. With `rate` (a
+    unit, e.g. "tokens") the rate shown is of the `count`s advanced per second instead of the units.
+    A bar on a terminal; off one (a log, Slurm, nohup) `ProgressLines`; nothing with --quiet or on a
+    rank other than 0."""
+    if progress_enabled():
+        with progress_display(unit, rate) as display:
+            yield Bar(display, description, total)
+    elif progress_lines_enabled():
+        lines = ProgressLines(description, total, unit=unit, rate=rate)
+        try:
+            yield lines
+        except BaseException:
+            lines.stop()
+            raise
+        lines.close()
+    else:
         yield _NullTask()
-        return
-    with progress_display(unit, rate) as display:
-        yield Bar(display, description, total)
 
 
 # ----------------------------------------------------------------------------- summaries

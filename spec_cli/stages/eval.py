@@ -254,6 +254,7 @@ def run(cfg: EvalConfig) -> EvalResult:
                         adaptive=cfg.adaptive_verification,
                         eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir))
                         | chat_templates.end_of_turn_ids(tokenizer, template))
+    info(work_text(cfg, conversations, nodes, compared))
     opener = _vllm_decoders if cfg.engine == "vllm" else _torch_decoders
     choice = threads.choose_for_run(cfg.threads)  # before the models load (vLLM then sets its own)
     with threads.applied(choice.threads, restore=cfg.engine == "torch"), \
@@ -328,6 +329,23 @@ def run(cfg: EvalConfig) -> EvalResult:
 
 AUTO = "auto"
 CHEAPER = 0.9  # --compare-depths auto: a shorter chain is compared when its forward costs <= this x the longest's
+
+
+def work_text(cfg: EvalConfig, conversations: list[prompts.Conversation], nodes: int,
+              compared: list[int]) -> str:
+    """The decoding to come, said before the models load: its length depends on the machine, and
+    the time left follows once turns finish (the progress bar, or its lines in a log)."""
+    turns = sum(len(conv.turns) for conv in conversations)
+    shape = f"chain {cfg.depth}" if cfg.topk == 1 else f"tree {cfg.depth}x{cfg.topk}/{nodes}"
+    if cfg.compare_depths == AUTO:
+        others = "; so do the shorter chains worth comparing (--compare-depths auto)"
+    else:
+        depths = ", ".join(map(str, sorted(compared)))
+        others = f"; so do chains of depth {depths}" if compared else ""
+    repeats = f", {cfg.timing_repeats} times" if cfg.timing_repeats > 1 else ""
+    return (f"eval: {turns} turns of {len(conversations)} prompts, up to {cfg.max_new_tokens} new "
+            f"tokens each; the draft ({shape}) and the target alone decode every turn"
+            f"{repeats}{others}")
 
 
 def cheaper_depths(costs: dict[int, float], depth: int) -> list[int]:

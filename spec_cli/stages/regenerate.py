@@ -583,8 +583,12 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
     chunks = [conversations[s:s + cfg.chunk_size] for s in range(0, len(conversations), cfg.chunk_size)]
     parts = {k: p for k, chunk in enumerate(chunks) if (p := finished_part(folder, k, chunk)) is not None}
     todo = [k for k in range(len(chunks)) if k not in parts]
+    total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
+    # how long it takes depends on the machine: the work is said now, the time left as chunks answer
     info(f"regenerate: {len(conversations)} records in {len(chunks)} chunk(s) of {cfg.chunk_size}"
-         + (f"; reusing {len(parts)} finished chunk(s) from {folder}" if parts else ""))
+         + (f"; reusing {len(parts)} finished chunk(s) from {folder}" if parts else "")
+         + (f"; {total_turns} turns to answer, up to {cfg.max_new_tokens} new tokens each"
+            if todo else ""))
 
     engine, timing, features = None, {}, None
     choice = threads.choose_for_run(cfg.threads)  # before the model loads (vLLM then sets its own)
@@ -598,7 +602,6 @@ def run(cfg: RegenerateConfig) -> RegenerateResult:
             timing = {"threads": used, "threads_reason": choice.reason if used == choice.threads else
                       f"set by {cfg.engine} (asked for {choice.threads}: {choice.reason})"}
             meter = threads.Meter()
-        total_turns = sum(len(c.asks) for k in todo for c in chunks[k])
         with progress("regenerating", total=total_turns, unit="turns", rate="tokens") as bar:
             for k in todo:
                 if cfg.features is not None:

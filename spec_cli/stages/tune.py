@@ -35,6 +35,10 @@ equal the target alone's.
 and EAGLE-2 trees (vLLM serves chains only), the fastest recommended for `spec eval` / SGLang's
 `--speculative-eagle-topk`. DFlash drafts are swept by how many of their block's tokens are drafted.
 
+How long it takes depends on the machine: before the first engine loads it says the work (runs,
+prompts, engine loads), and once the first run is timed how long the rest takes at that pace
+(_Forecast).
+
 Written to --output (default EXPORT-tune beside the export): serving.json, speedup.png.
 """
 
@@ -54,7 +58,7 @@ import torch
 from spec_cli import assets, threads
 from spec_cli.artifacts import outputs
 from spec_cli.artifacts.io import SCHEMA_VERSION, write_json
-from spec_cli.console import info, progress, warn
+from spec_cli.console import duration, info, progress, warn
 from spec_cli.data import chat_templates
 from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError
@@ -66,6 +70,9 @@ from spec_cli.targets import loading
 ENGINES = ("vllm", "torch")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 TREES = ((2, 8), (4, 16))  # --engine torch: (top-k, nodes verified) of the EAGLE-2 trees swept at each depth
+# vLLM's output tokens/s at batch size b over one request's: about b ** 0.7 (measured on SmolLM2 on
+# CPU: batch 4 3.6x, batch 16 6.9x); _Forecast scales the first run's pace by it
+BATCH_SPEED_POWER = 0.7
 
 
 @dataclass
@@ -116,6 +123,59 @@ class TuneResult:
     busy: dict
     seconds: float
     settings: dict = field(default_factory=dict)
+
+
+def _work_text(cfg: TuneConfig, configs: str, n_configs: int, sizes: list[int], loads: str) -> str:
+    """The measurements to come, said before the first engine loads: runs, prompts, engine loads."""
+    runs = cfg.repeats * len(sizes) * n_configs
+    prompts_per_run = f"{cfg.requests} prompts"
+    if max(sizes) > cfg.requests:
+        prompts_per_run += f" (b at a batch size b above {cfg.requests})"
+    plural = lambda n: "s" if n > 1 else ""  # noqa: E731
+    return (f"tune: {runs} runs ({n_configs} configurations: {configs}; "
+            f"batch size{plural(len(sizes))} {','.join(map(str, sizes))}; "
+            f"{cfg.repeats} repeat{plural(cfg.repeats)}), each decoding {prompts_per_run} of up to "
+            f"{cfg.max_new_tokens} new tokens; {loads}. How long they take on this machine is said "
+            "once the first run is timed")
+
+
+class _Forecast:
+    """How long the rest of the measurements take, said once the first run is timed: every run
+    decodes as many tokens per prompt as the first, at its pace scaled by BATCH_SPEED_POWER to each
+    batch size; the engine loads still to come take what one took here; `verify`: the recommended
+    config's check (two more loads, each batch size's prompts decoded twice) when there is a
+    recommendation."""
+
+    def __init__(self, cfg: TuneConfig, runs_per_size: int, verify: bool = False):
+        self.cfg, self.runs_per_size, self.verify = cfg, runs_per_size, verify
+        self.loads_left, self.load_seconds = 0, 0.0  # the callers measure the first load
+        self.said = False
+
+    def first_run(self, sizes: list[int], b: int, tokens: int, seconds: float) -> None:
+        if self.said or tokens <= 0 or seconds <= 0:
+            return
+        self.said = True
+        per_prompt = tokens / max(self.cfg.requests, b)
+        alone = tokens / seconds / b ** BATCH_SPEED_POWER  # one request's tokens/s
+
+        def decode(size: int) -> float:  # one run's seconds at this batch size
+            return max(self.cfg.requests, size) * per_prompt / (alone * size ** BATCH_SPEED_POWER)
+
+        every_size = sum(decode(size) for size in sizes)
+        runs = self.runs_per_size * every_size - seconds
+        loads = self.loads_left * self.load_seconds
+        check = 2 * self.load_seconds + 2 * every_size if self.verify else 0.0
+        why = []
+        if len(sizes) > 1:
+            why.append(f"batch size b decoding b^{BATCH_SPEED_POWER} times as fast")
+        if self.loads_left:
+            why.append(f"{self.loads_left} more engine load{'s' * (self.loads_left > 1)} of "
+                       f"{duration(self.load_seconds)} each, as one took")
+        if self.verify:
+            why.append("2 more to check a recommendation")
+        info(f"tune: the first run decoded {tokens} tokens in {seconds:.1f} s; at that pace the "
+             f"rest takes about {duration(runs + loads + check)}"
+             + (f" ({'; '.join(why)})" if why else ""))
 
 
 def _check_output(cfg: TuneConfig, output: Path, own_places=()) -> None:
@@ -249,6 +309,11 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
         # one step of the biggest batch schedules biggest x (1 + max_k) tokens: room for it (vLLM's default
         # budget, 4096, is below max_num_seqs past 4096 requests and refuses to start)
         budget = max(4096, biggest * (max_k + 1))
+        loads = max_k + 1 if one_k else len(lengths) + 1
+        info(_work_text(cfg, f"the target alone and k 0-{max_k}", max_k + 2, sizes,
+                        f"{loads} engine loads"
+                        + (", 2 more to check a recommendation" if cfg.verify else "")))
+        forecast = _Forecast(cfg, cfg.repeats * (max_k + 2), verify=cfg.verify)
         if one_k:  # one engine alive at a time: each takes the GPU share vLLM gives an engine alone
             info(f"a parallel drafter is tuned one engine per k, loaded in turn: {max_k + 1} loads of "
                  f"{target_dir.name} in vLLM ({str(dtype).replace('torch.', '')}), one alive at a time (k {max_k} "
@@ -269,11 +334,13 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
                      *((drafting(k), [f"k{k}"]) for k in range(max_k - 1, 0, -1)), (alone, ["target"])]
             configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
             sizes, table, busy = _measure_in_turn(cfg, sizes, configs, ids, stop,
-                                                  longest + cfg.max_new_tokens + max_k + 1, turns)
+                                                  longest + cfg.max_new_tokens + max_k + 1, turns,
+                                                  forecast)
         else:
             info(f"loading {target_dir.name} {len(lengths) + 1} times in vLLM ({str(dtype).replace('torch.', '')}): "
                  f"alone, and with the draft {folder} (up to {max_k} draft tokens, batches up to {biggest})")
             with contextlib.ExitStack() as engines:
+                loading_start = time.perf_counter()
                 base = engines.enter_context(vllm.Engine(target_dir, None, dtype=dtype, max_model_len=length,
                                                          max_num_seqs=biggest, max_num_batched_tokens=budget))
                 drafters = {}
@@ -282,12 +349,13 @@ def _run_vllm(cfg: TuneConfig, loaded, target_dir: Path, ids: list[list[int]], s
                               "num_speculative_tokens_per_batch_size": [[1, biggest, k]]}
                     drafters[k] = engines.enter_context(_drafting_engine(target_dir, config, algorithm, dtype,
                                                                          length, biggest, budget, impl))
+                forecast.load_seconds = (time.perf_counter() - loading_start) / loads  # one engine
                 sizes = _held_sizes(cfg, sizes, [base, *drafters.values()],
                                     longest + cfg.max_new_tokens + max_k + 1)
                 for engine in (base, *drafters.values()):  # untimed: the engines' first steps (allocations, set-up)
                     _waves(engine, ids[:max(sizes)], max(sizes), min(8, cfg.max_new_tokens), stop)
                 configs = ["target"] + [f"k{k}" for k in range(max_k + 1)]
-                table, busy = _measure(cfg, sizes, configs, ids, stop, base, drafters)
+                table, busy = _measure(cfg, sizes, configs, ids, stop, base, drafters, forecast)
         fastest = recommend(table, configs[1:])
         best = recommend_one_k(table, lengths) if one_k else fastest  # what a server can run
         refused = busy["warning"] if busy["too_busy"] else None
@@ -398,9 +466,11 @@ def _drafter(drafters: dict, k: int):
     return engine
 
 
-def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, base, drafters: dict):
+def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, base, drafters: dict,
+             forecast: _Forecast | None = None):
     """Every configuration at every batch size, `repeats` times, in turn -> ({b: {config: Measured}}, the
-    busy meter's record). `drafters`: {num_speculative_tokens: engine}."""
+    busy meter's record). `drafters`: {num_speculative_tokens: engine}; `forecast`: told the first
+    run."""
     table = {b: {c: Measured() for c in configs} for b in sizes}
     reference: dict[int, list[list[int]]] = {}
     meter = threads.Meter()
@@ -417,24 +487,32 @@ def _measure(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, b
                     m.tokens_per_s.append(sum(len(o) for o in outputs) / seconds)
                     m.same.append(outputs == reference.get(b))
                     bar.advance()
+                    if forecast is not None:
+                        forecast.first_run(sizes, b, sum(len(o) for o in outputs), seconds)
     busy = meter.stop(torch.get_num_threads(), threads.available_cores(),
                       on_cpu=loading.choose_device(cfg.device).type == "cpu")
     return table, busy
 
 
 def _measure_in_turn(cfg: TuneConfig, sizes: list[int], configs: list[str], ids, stop, per_request: int,
-                     turns: list) -> tuple[list[int], dict, dict]:
+                     turns: list, forecast: _Forecast | None = None
+                     ) -> tuple[list[int], dict, dict]:
     """`turns`: [(start an engine, the configs it measures)], one engine alive at a time: each starts, holds
     its batch sizes, warms up (untimed), measures its configs at every size `repeats` times in turn, and
     closes before the next starts. -> (the sizes every engine held, {b: {config: Measured}}, the busy
     meter's record over all turns). Outputs are kept and compared with the target alone's first round at
-    the end, whichever turn measured the target."""
+    the end, whichever turn measured the target. `forecast`: told the first engine's load time and
+    the first run."""
     table = {b: {c: Measured() for c in configs} for b in sizes}
     outputs: dict[int, dict[str, list]] = {b: {c: [] for c in configs} for b in sizes}
     meter = threads.Meter()
     with progress("tune", cfg.repeats * len(sizes) * len(configs), unit="runs") as bar:
-        for start_engine, measures in turns:
+        for turn, (start_engine, measures) in enumerate(turns):
+            loading_start = time.perf_counter()
             with start_engine() as engine:
+                if turn == 0 and forecast is not None:
+                    forecast.load_seconds = time.perf_counter() - loading_start
+                    forecast.loads_left = len(turns) - 1
                 held = _held_sizes(cfg, sizes, [engine], per_request)
                 for b in set(sizes) - set(held):  # an earlier engine's figures at a size this one cannot hold
                     del table[b], outputs[b]
@@ -450,6 +528,8 @@ def _measure_in_turn(cfg: TuneConfig, sizes: list[int], configs: list[str], ids,
                             table[b][c].tokens_per_s.append(sum(len(o) for o in out) / seconds)
                             outputs[b][c].append(out)
                             bar.advance()
+                            if forecast is not None:
+                                forecast.first_run(sizes, b, sum(len(o) for o in out), seconds)
     for b in sizes:
         reference = outputs[b]["target"][0]
         for c in configs:
@@ -531,6 +611,10 @@ def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int,
     shapes = [("target", 0, 1, 0)] + [(f"chain {k}", k, 1, k) for k in range(1, max_k + 1)]
     if not algorithm.eval_depth:  # a block drafter proposes a chain; the others can branch
         shapes += [(f"tree {d}x{t}/{n}", d, t, n) for d in range(2, max_k + 1) for t, n in TREES]
+    trees = len(shapes) > max_k + 1
+    configs = f"the target alone, chains 1-{max_k}" + (" and trees" if trees else "")
+    info(_work_text(cfg, configs, len(shapes), [1], "the target and the draft load once in PyTorch"
+                    + (" (trees only where the target's attention takes them)" if trees else "")))
     session = TorchSession(target_dir, device, dtype)
     try:
         base_settings = Settings(depth=1, topk=1, num_tokens=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
@@ -545,6 +629,7 @@ def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int,
         table = {1: {name: Measured() for name, *_ in shapes}}
         reference = None
         meter = threads.Meter()
+        forecast = _Forecast(cfg, cfg.repeats * len(shapes))
         with progress("tune", cfg.repeats * len(shapes), unit="runs") as bar:
             for _ in range(cfg.repeats):
                 for name, depth, topk, nodes in shapes:
@@ -563,6 +648,7 @@ def _run_torch(cfg: TuneConfig, loaded, target_dir: Path, ids, stop, max_k: int,
                     m.same.append(tokens == reference)
                     m.acceptance_length = produced / steps if steps else None
                     bar.advance()
+                    forecast.first_run([1], 1, sum(len(t) for t in tokens), seconds)
         busy = meter.stop(torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu")
     finally:
         session.close()

@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +118,31 @@ def test_the_summary_says_on_how_many_threads_the_throughput_was_measured(tiny_l
     assert "tokens/s on 1 thread (--threads 1)" in " ".join(capsys.readouterr().out.split())
     assert torch.get_num_threads() == before  # the stage's choice does not leak into what runs next
     assert "threads" not in fc.read_manifest(tmp_path / "cache")  # reruns and torchrun: the same bytes
+
+
+def test_off_a_terminal_the_tokens_done_are_logged_in_lines(tiny_llama_dir, workdir, tmp_path,
+                                                             capsys, monkeypatch):
+    """stdout to a file or a pipe (capsys here): plain lines of tokens done of the total, with the
+    rate and the time left (a line at every target batch: the interval is set to 0), then the
+    end."""
+    import spec_cli.console as console
+
+    monkeypatch.setattr(console, "LINE_INTERVAL_S", 0.0)
+    out = tmp_path / "cache"
+    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v",
+                 str(workdir["vm"]), "-o", str(out), "--batch-tokens", "512"]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\r" not in text
+    n = fc.read_manifest(out)["num_tokens"]
+    assert n < 10_000  # said in full below 10k
+    lines = [line for line in text.splitlines() if line.startswith("precompute: ")]
+    assert lines[0] == f"precompute: {n} tokens to do"
+    said = [re.fullmatch(rf"precompute: (\d+)/{n} tokens, [\d.]+k? tokens/s, \S+ so far, \S+ left",
+                         line) for line in lines[1:-1]]
+    assert len(said) >= 3 and all(said), lines  # one per target batch; the last: the end line
+    done = [int(m.group(1)) for m in said]
+    assert done == sorted(done) and 0 < done[-1] < n
+    assert re.fullmatch(rf"precompute: {n}/{n} tokens, [\d.]+k? tokens/s, done in \S+", lines[-1])
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ kill -9, the length mark, skip reasons, the sidecar, and the output as chat data
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -234,6 +235,40 @@ def test_kill_9_or_sigterm_then_rerun_gives_the_identical_file(talker, chats, tm
     assert out.read_bytes() == straight.read_bytes()
     assert not parts.exists() and not list(tmp_path.glob(".*tmp"))
     assert meta(out)["parts_reused"] == len(done) and meta(out)["counts"] == meta(straight)["counts"]
+
+
+@pytest.mark.slow
+def test_a_run_with_stdout_to_a_file_logs_its_progress_in_lines(talker, chats, tmp_path):
+    """`spec regenerate ... > log` (Slurm, nohup): the work said before it starts, then plain
+    flushed lines (here at every advance and every second between: the interval is set to 0)
+    counting up to every user turn, and the end line; no bar, no carriage returns or ANSI codes."""
+    out, log = tmp_path / "out.jsonl", tmp_path / "log"
+    script = ("import sys; import spec_cli.console as c; c.LINE_INTERVAL_S = 0; "
+              "from spec_cli.cli import main; sys.exit(main(sys.argv[1:]))")
+    args = ["regenerate", "-t", str(talker), "-d", str(chats), "-o", str(out),
+            "--max-new-tokens", "48", "--max-length", "384", "--chunk-size", "8"]
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "-c", script, *args], stdout=f,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    text = log.read_text()
+    assert "\x1b" not in text and "\r" not in text
+    # one answer per user turn (a conversation that ends early counts its unanswered turns as done)
+    turns = sum(m["role"] == "user" for record in read(chats) for m in record["messages"])
+    lines = text.splitlines()
+    assert (f"regenerate: 24 records in 3 chunk(s) of 8; {turns} turns to answer, up to 48 new "
+            "tokens each") in lines
+    start = lines.index(f"regenerating: {turns} turns to do")
+    progress = [line for line in lines[start + 1:] if line.startswith("regenerating: ")]
+    said = [re.fullmatch(rf"regenerating: (\d+)/{turns} turns, [\d.]+k? tokens/s, \S+ so far, "
+                         r"\S+ left", line) for line in progress[:-1]]
+    assert said and all(said), progress
+    counts = [int(m.group(1)) for m in said]
+    assert counts == sorted(counts) and counts[-1] < turns  # (the end has its own line)
+    assert re.fullmatch(rf"regenerating: {turns}/{turns} turns, [\d.]+k? tokens/s, done in \S+",
+                        progress[-1])
+    assert len(read(out)) == 24
 
 
 def test_other_settings_are_refused_unless_overwrite(talker, chats, tmp_path, capsys):

@@ -5,6 +5,7 @@ missing engine. (vLLM's sweep and the served schedule: tests/engine/test_engine_
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -141,6 +142,50 @@ def test_a_busy_machines_speeds_are_not_recommended(trained, tmp_path, monkeypat
     assert report["decoding"] is None and report["why"].startswith("refused: the machine was too busy")
     assert report["table"]  # the measurements are kept, marked
     assert "no recommendation: the machine was too busy" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_work_is_said_before_the_first_engine_load_and_its_time_after_the_first_run(
+        trained, tmp_path, monkeypatch, capsys):
+    """How long tune takes depends on the machine: the runs, prompts and loads before anything
+    loads, then the time the rest takes at the first run's pace."""
+    from spec_cli.eval import session
+
+    monkeypatch.setattr(tune.threads, "Meter", _Meter)
+    before_load = []
+    real = session.TorchSession
+
+    def loading(*args, **kwargs):
+        before_load.append(" ".join(capsys.readouterr().out.split()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "TorchSession", loading)
+    assert main(["tune", str(trained["run"]), "-t", str(trained["target"]), "--engine", "torch",
+                 "--max-k", "1", "--requests", "2", "--max-new-tokens", "4", "--repeats", "3",
+                 "-o", str(tmp_path / "tune")]) == 0
+    assert len(before_load) == 1
+    assert ("tune: 6 runs (2 configurations: the target alone, chains 1-1; batch size 1; "
+            "3 repeats), each decoding 2 prompts of up to 4 new tokens; the target and the draft "
+            "load once in PyTorch. How long they take on this machine is said once the first run "
+            "is timed") in before_load[0]
+    after = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"tune: the first run decoded \d+ tokens in [\d.]+ s; at that pace the rest "
+                     r"takes about \S+", after), after
+
+
+def test_the_forecast_scales_the_first_run_to_every_batch_size_and_load(monkeypatch, capsys):
+    monkeypatch.setattr(tune, "BATCH_SPEED_POWER", 0.5)
+    cfg = tune.TuneConfig(draft=None, target="t", requests=2, repeats=2)
+    forecast = tune._Forecast(cfg, runs_per_size=2 * 3, verify=True)  # 3 configurations, 2 repeats
+    forecast.loads_left, forecast.load_seconds = 2, 30.0
+    forecast.first_run([1, 4], 1, tokens=100, seconds=10.0)
+    forecast.first_run([1, 4], 1, tokens=100, seconds=99.0)  # said once
+    # one request at 10 tokens/s, 50 tokens a prompt: a run at batch 1 takes 2 x 50 / 10 = 10 s, at
+    # batch 4 (4 prompts, 2x as fast) 4 x 50 / 20 = 10 s: 6 x 20 - the 10 s done = 110 s; 2 loads of
+    # 30 s; the check: 2 loads and each size decoded twice, 60 + 40 s. 270 s in all
+    assert " ".join(capsys.readouterr().out.split()) == (
+        "tune: the first run decoded 100 tokens in 10.0 s; at that pace the rest takes about 4m30s "
+        "(batch size b decoding b^0.5 times as fast; 2 more engine loads of 30s each, as one took; "
+        "2 more to check a recommendation)")
 
 
 @pytest.mark.parametrize("args, says", [
