@@ -278,7 +278,7 @@ def check_train(ctx: Ctx) -> dict:
     """Two in-loop evaluations in one engine (steps 5 and 10): the second, after vLLM's in-place reload,
     counts what a fresh engine on the step-10 checkpoint counts, and differs from the first."""
     from spec_cli.artifacts import checkpoint as ckpt
-    from spec_cli.stages import engine_eval
+    from spec_cli.trainer import engine, engine_process
 
     s, run = ctx.shared, ctx.folder / "run"
     ctx.spec("train", "--cache", s.train_cache, "-v", s.train_vocab_map, "-o", run, "--max-steps", "10", "--lr",
@@ -291,10 +291,10 @@ def check_train(ctx: Ctx) -> dict:
         raise Failed(f"expected vLLM evaluations at steps 5 and 10, logged (step, engine, error): {logged}")
     fresh_dir = ctx.folder / "eval-10"
     ctx.spec("eval", "-t", s.sized, "--draft", run / ckpt.CHECKPOINTS / "step-00000010", "--prompts",
-             run / ckpt.ENGINE_EVAL / engine_eval.PROMPTS, "--max-new-tokens", TOKENS, "--engine", "vllm",
+             run / ckpt.ENGINE_EVAL / engine.PROMPTS, "--max-new-tokens", TOKENS, "--engine", "vllm",
              "-o", fresh_dir, "-q")
     fresh = json.loads((fresh_dir / "eval.json").read_text())["overall"]
-    reloaded = json.loads((engine_eval.step_dir(run, 10) / "eval.json").read_text())["overall"]
+    reloaded = json.loads((engine_process.step_dir(run, 10) / "eval.json").read_text())["overall"]
     found = {"step 5": counts(records[0]), "step 10 (reloaded)": counts(reloaded), "step 10 fresh": counts(fresh)}
     if counts(reloaded) != counts(fresh):
         raise Failed(f"the reloaded engine counted what a fresh one does not (accepted, verified): {found}")

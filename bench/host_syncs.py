@@ -7,7 +7,7 @@ TorchDispatchMode that counts the ops which make the host wait for the device:
 `_local_scalar_dense` (.item(), float(), bool(), int() of a tensor), `.tolist()`, `nonzero` and
 boolean-mask indexing (their output size is data). Prints the count for TTT depths and documents per
 row, so the ones that grow with either stand out. The training loop adds its own per micro-batch
-(stages/train.py: float(loss) for the non-finite check, the metrics' copies to the host).
+(spec_cli/trainer/loop.py: float(loss) for the non-finite check, the metrics' copies to the host).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 SmolLM2-135M-shaped EAGLE-3 draft (bench/train_step.py's shape: H 576, draft vocab 8192), batch 1,
 random inputs, 7 TTT steps, the trainer's own step (draft/step.py: forward and backward, clipping,
-AdamW) under `stages.train._autocast` as `spec train --precision fp32|bf16` runs it. Both precisions
+AdamW) under `trainer.device.autocast` as `spec train --precision fp32|bf16` runs it. Both precisions
 start from the same weights and batch; the first step of each is a warm-up, the others are timed
 (best of). Prints tokens/s per precision, bf16 / fp32, and the largest relative difference of the
 losses along the run. What `--precision auto` picks here: bf16 where this CPU runs it natively
@@ -39,7 +39,7 @@ def time_steps(draft, batch, precision: str, steps: int) -> tuple[list[float], l
     (seconds of each, loss of each)."""
     from spec_cli.draft.eagle3.ttt import ttt_forward
     from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
-    from spec_cli.stages.train import _autocast
+    from spec_cli.trainer.device import autocast
 
     objective = SimpleNamespace(plan=lambda b: [None])
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -50,7 +50,7 @@ def time_steps(draft, batch, precision: str, steps: int) -> tuple[list[float], l
     for _ in range(steps):
         start = time.perf_counter()
         out = forward_backward(objective, lambda b, unit: ttt_forward(draft, b, ttt_steps=7), batch, 1,
-                               _autocast(cpu, dtype))
+                               autocast(cpu, dtype))
         optimizer_step(params, optimizer, 1.0)
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss.detach()))

@@ -10,11 +10,11 @@ import signal
 
 from spec_cli import distributed
 from spec_cli.cli import main as spec
-from spec_cli.stages import train as stage
+from spec_cli.trainer.trainer import Trainer
 
 
 def main(rank: str, step: str, *argv: str) -> None:
-    real, done = stage.Trainer.optimizer_step, [0]
+    real, done = Trainer.optimizer_step, [0]
 
     def optimizer_step(self):
         out = real(self)
@@ -23,9 +23,9 @@ def main(rank: str, step: str, *argv: str) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    stage.Trainer.optimizer_step = optimizer_step
+    Trainer.optimizer_step = optimizer_step
     try:
         code = spec(list(argv))
     finally:
-        stage.Trainer.optimizer_step = real
+        Trainer.optimizer_step = real
     assert code == 143, f"`spec {' '.join(argv)}` exited {code}, not 143 (stopped by SIGTERM)"

@@ -228,9 +228,9 @@ def test_a_stop_signal_in_training_exits_with_its_code_and_one_line_and_resumes(
 
 def signals_during_steps(monkeypatch, at: dict[int, list[int]]) -> None:
     """Send this process the signals at[n] during its n-th optimizer update (in-process: deterministic)."""
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer.trainer import Trainer
 
-    real, done = stage.Trainer.optimizer_step, [0]
+    real, done = Trainer.optimizer_step, [0]
 
     def optimizer_step(self):
         out = real(self)
@@ -239,7 +239,7 @@ def signals_during_steps(monkeypatch, at: dict[int, list[int]]) -> None:
             os.kill(os.getpid(), sig)
         return out
 
-    monkeypatch.setattr(stage.Trainer, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(Trainer, "optimizer_step", optimizer_step)
 
 
 def test_sigterm_saves_the_step_all_stop_at_and_the_resumed_run_equals_the_straight_one(setup, tmp_path,
@@ -267,16 +267,16 @@ def test_a_save_that_cannot_finish_in_the_grace_period_leaves_the_last_checkpoin
                                                                                   capsys):
     """A save measured at 0.6 s against --stop-grace 0.5: the step in flight is cut off or finished, but
     no new save starts; checkpoint 2 stands and the line says so."""
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer import checkpoints
 
-    run, real_save = tmp_path / "run", stage.Trainer.save
+    run, real_save = tmp_path / "run", checkpoints.save
 
-    def slow_save(self, step):
+    def slow_save(trainer, step):
         time.sleep(0.6)
-        return real_save(self, step)
+        return real_save(trainer, step)
 
     with monkeypatch.context() as mp:
-        mp.setattr(stage.Trainer, "save", slow_save)
+        mp.setattr(checkpoints, "save", slow_save)
         signals_during_steps(mp, {3: [signal.SIGTERM]})
         args = train(setup["root"], run, "--max-steps", "6", "--save-every", "2", "--stop-grace", "0.5")
         assert main([a for a in args if a != "-q"]) == 143
@@ -536,7 +536,7 @@ def test_a_stop_a_library_turned_into_its_own_error_is_still_a_stop(setup, tmp_p
     errors of their own ("initialization failed"): SIGTERM there is still a stop (143, the stopped line),
     not "cannot load the target model" with exit 1."""
     from spec_cli import stopping
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer import run as trainer_run
 
     def loading(path):
         try:
@@ -544,6 +544,6 @@ def test_a_stop_a_library_turned_into_its_own_error_is_still_a_stop(setup, tmp_p
         except KeyboardInterrupt as exc:
             raise RuntimeError("initialization failed") from exc
 
-    monkeypatch.setattr(stage, "load_vocab_map", loading)
+    monkeypatch.setattr(trainer_run, "load_vocab_map", loading)
     assert main(train(setup["root"], tmp_path / "run", "--max-steps", "1")) == 143
     assert capsys.readouterr().err.startswith("stopped (SIGTERM); finished work is kept")

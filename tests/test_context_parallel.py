@@ -106,7 +106,7 @@ def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
     the whole rows: every field but the whole-row inputs equals the whole batch's at those slots (the
     last slot of each range, which the objective never reads, has no next slot to shift in)."""
     from spec_cli.draft.context import kept_ranges, padded_length
-    from spec_cli.stages.train_sources import inputs_for, open_source
+    from spec_cli.trainer.sources import inputs_for, open_source
     from spec_cli.artifacts.vocab_map import load_vocab_map
 
     cfg = config(train_setup, train_setup["root"] / "unused", pack=pack)

@@ -1,4 +1,5 @@
-"""The draft's optimizers: AdamW (the default) or Muon for the matrices with AdamW for the rest.
+"""The draft's optimizers, AdamW (the default) or Muon for the matrices with AdamW for the rest, and
+the learning-rate schedule over them.
 
 Muon (torch.optim.Muon: momentum, then the update orthogonalised by a Newton-Schulz iteration) suits
 the draft's hidden-by-hidden matrices (fc, attention, MLP). Its update has no meaning for a vector
@@ -13,11 +14,14 @@ orders its parameter list as the groups are (`ordered`), because a state_dict nu
 group order.
 
 Each group carries `lr_scale`, its learning rate over --lr (1 for AdamW's; --muon-lr / --lr for
-Muon's): the schedule sets lr = scale x the scheduled value (`set_lr`).
+Muon's): the schedule (`lr_at`) gives the step's value and `set_lr` sets lr = scale x that value in
+every group. The schedule sits here, beside the optimizers, because it reaches them only through
+those groups: `scheduled_lr` reads the value back the same way.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -103,6 +107,25 @@ def make_optimizer(params: list, optim, names: list[str] | None = None) -> torch
                      muon_weight_decay=optim.muon_weight_decay)
 
 
+def lr_at(step: int, total: int, optim) -> float:
+    """The learning rate of optimizer step `step` (from 0) of `total`, for `optim` (OptimOptions):
+    linear warmup, then to min_lr_ratio * lr: a cosine over the rest (--schedule cosine), or held
+    flat until the last decay_ratio of the steps and decayed linearly over them (wsd)."""
+    warmup = max(1, math.ceil(optim.warmup_ratio * total)) if optim.warmup_ratio > 0 else 0
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
+    floor = optim.min_lr_ratio
+    if getattr(optim, "schedule", "cosine") == "wsd":
+        decay = max(1, math.ceil(optim.decay_ratio * total))
+        start = max(warmup, total - decay)  # the decay's first step
+        if step < start:
+            return optim.lr
+        progress = (step - start + 1) / max(1, total - start)  # the last step reaches the floor
+        return optim.lr * (floor + (1 - floor) * (1 - min(1.0, progress)))
+    progress = (step - warmup) / max(1, total - warmup)
+    return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The schedule's value for this step, times each group's lr_scale (1 without one)."""
     for group in optimizer.param_groups:
@@ -110,5 +133,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's value the optimizer was last set to: its first group's lr over its
+    lr_scale."""
     group = optimizer.param_groups[0]
     return group["lr"] / group.get("lr_scale", 1.0)

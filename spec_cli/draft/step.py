@@ -1,4 +1,4 @@
-"""The training step shared by `spec train` (stages/train.py) and `spec plan` (plan/step.py, which runs
+"""The training step shared by `spec train` (spec_cli/trainer/) and `spec plan` (plan/step.py, which runs
 it on fake tensors to measure it): the optimizer (spec_cli/draft/optim.py), one micro-batch's forward
 and backward, the update.
 

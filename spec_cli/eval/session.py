@@ -1,7 +1,7 @@
 """The target loaded once, drafts decoded against it one after another.
 
 `spec eval` opens a session for its one draft; `spec train --eval-engine` keeps one open for the whole
-run (in its own process, spec_cli/stages/engine_eval.py) and hands it every evaluated checkpoint's
+run (in its own process, spec_cli/stages/engine_worker.py) and hands it every evaluated checkpoint's
 export. Two engines behind one shape, `decoders(draft, settings) -> (spec, base)`:
 
 - `TorchSession`: spec_cli's decoder (chain or EAGLE-2 tree) and the target alone with its KV cache, in

@@ -1,7 +1,7 @@
 """The training step of `spec train`, run on fake tensors for a target's real shapes: its peak memory
 and FLOPs per GPU without a GPU (spec_cli/plan/memory.py says what is counted).
 
-The step is the trainer's own (spec_cli/stages/train.py: make_optimizer, forward_backward,
+The step is the trainer's own (spec_cli/draft/step.py: make_optimizer, forward_backward,
 optimizer_step) on the algorithm's own draft and objective. It emulates a CUDA rank on fake CPU
 tensors: torch's autograd needs a device guard for the device it records, which a CPU-only build has
 for the CPU alone. The dtypes are the CUDA run's: bf16 autocast (matmuls and linears in bf16), and the

@@ -139,7 +139,8 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     from spec_cli.draft.eagle3.model import Eagle3Draft
     from spec_cli.draft.eagle3.ttt import ttt_forward
     from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
-    from spec_cli.stages.train import OptimOptions, _autocast, step_precision
+    from spec_cli.train_options import OptimOptions
+    from spec_cli.trainer.device import autocast, step_precision
 
     config = loading.load_config(target_dir)
     layers = config.num_hidden_layers
@@ -168,10 +169,12 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
         target_mass=torch.ones(1, T), position_ids=positions, seq_lens=torch.tensor([lengths])).to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, OptimOptions(lr=1e-4))
-    autocast = _autocast(device, step_precision(precision, device))
+    step_autocast = autocast(device, step_precision(precision, device))
 
     def step():
-        forward_backward(SimpleNamespace(plan=lambda b: [None]), lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1, autocast)
+        forward_backward(SimpleNamespace(plan=lambda b: [None]),
+                         lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1,
+                         step_autocast)
         optimizer_step(params, optimizer, 0.5)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -4,7 +4,7 @@ indexing): the micro-batch's forward and backward, gradient clipping and the opt
 Trainer runs them. Each one drains the GPU's queue, so the count is held to one per micro-batch (the
 index sets' sizes and the packed documents, fetched together), whatever the TTT depth, the documents
 per row or activation checkpointing. The loop adds one more per optimizer step (the losses and token
-count, spec_cli/stages/train.py). Host-to-device copies, which the op count cannot see on CPU, are
+count, spec_cli/trainer/loop.py). Host-to-device copies, which the op count cannot see on CPU, are
 emulated by making the host the meta device (host_elsewhere). On an H200, `bench/cuda_syncs.py`
 (CUDA's own sync check) counts the same steps."""
 
@@ -169,9 +169,9 @@ def test_block_drafter_batch_syncs_once(algorithm, size, packed, checkpoint, anc
 
 
 def test_the_loops_stop_and_save_requests_ride_on_its_one_sync():
-    """spec train's stop signal and timed save (spec_cli/stages/train.py `_asked`) are made, set and
+    """spec train's stop signal and timed save (spec_cli/trainer/loop.py `_asked`) are made, set and
     reduced over the ranks on the device without the host waiting: the step's sync count stays one."""
-    from spec_cli.stages.train import _asked
+    from spec_cli.trainer.loop import _asked
 
     for stop, save in ((False, False), (True, False), (False, True), (True, True)):
         with CountSyncs() as mode:

@@ -109,7 +109,7 @@ def test_the_curriculums_shares_phases_and_choices():
 
 
 def test_the_schedule_follows_the_curriculum_on_every_rank():
-    from spec_cli.stages.train_sources import Schedule
+    from spec_cli.trainer.sources import Schedule
 
     text, image = [[i] for i in range(5)], [[10 + i] for i in range(3)]
     c = Curriculum(text_steps=2, ratio=0.5, ramp_steps=0, seed=1)

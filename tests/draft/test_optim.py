@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from spec_cli.draft.layers import feature_noise
-from spec_cli.draft.optim import MuonAdamW, make_optimizer, ordered, scheduled_lr, set_lr
-from spec_cli.stages.train import lr_at
+from spec_cli.draft.optim import MuonAdamW, lr_at, make_optimizer, ordered, scheduled_lr, set_lr
 from spec_cli.train_options import OptimOptions
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
-from spec_cli.stages import engine_eval
+from spec_cli.trainer import engine
 from tests.stages.test_engine_eval import damage_after, sized  # noqa: F401 (sized: the module fixture)
 
 pytest.importorskip("vllm")
@@ -47,7 +47,7 @@ def test_the_reloaded_engine_measures_what_a_fresh_spec_eval_does(vllm_run, tmp_
     by_step = {r["step"]: r for r in records}
     assert by_step[20]["acceptance_length"] > by_step[30]["acceptance_length"] + 0.3  # the negated head shows
     assert json.loads((run / ckpt.BEST / ckpt.BEST_JSON).read_text())["step"] == 20
-    prompts = run / ckpt.ENGINE_EVAL / engine_eval.PROMPTS
+    prompts = run / ckpt.ENGINE_EVAL / engine.PROMPTS
     for step in (30,):  # the third checkpoint the running engine took (two reloads)
         out = tmp_path / f"eval-{step}"
         assert main(["eval", "-t", str(vllm_run["target"]), "--draft",

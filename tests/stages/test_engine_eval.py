@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
-from spec_cli.stages import engine_eval, train
+from spec_cli.trainer import engine, engine_process
+from spec_cli.trainer.trainer import Trainer
 from tests import tiny
 
 TOKENS = "16"
@@ -60,7 +61,7 @@ def damage_after(mp: pytest.MonkeyPatch, first: int, stop_at: int | None = None)
     entirely: what overfitting does to served acceptance, made certain); optionally a Ctrl-C at step
     `stop_at`. Returns the step counter (a resumed run sets it to where it continues)."""
     done, saved = {"step": 0}, {}
-    real = train.Trainer.optimizer_step
+    real = Trainer.optimizer_step
 
     def damaging(self):
         norm = real(self)
@@ -75,7 +76,7 @@ def damage_after(mp: pytest.MonkeyPatch, first: int, stop_at: int | None = None)
             raise KeyboardInterrupt  # Ctrl-C: the finished steps are saved, the engine process stopped
         return norm
 
-    mp.setattr(train.Trainer, "optimizer_step", damaging)
+    mp.setattr(Trainer, "optimizer_step", damaging)
     return done
 
 
@@ -139,7 +140,7 @@ def test_export_and_eval_of_the_run_take_the_best_and_say_so(peaked_run, sized, 
     assert "the last checkpoint is step 30" in said
     assert json.loads((tmp_path / "export" / "config.json").read_text())["spec_cli"]["step"] == best["step"]
     # the in-loop numbers are spec eval's on the same prompts
-    prompts = run / ckpt.ENGINE_EVAL / engine_eval.PROMPTS
+    prompts = run / ckpt.ENGINE_EVAL / engine.PROMPTS
     out = tmp_path / "eval"
     assert main(["eval", "-t", str(sized["target"]), "--draft", str(run), "--prompts", str(prompts),
                  "--max-new-tokens", TOKENS, "-o", str(out)]) == 0
@@ -159,11 +160,11 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
     from spec_cli.targets.cache_backend import CacheBackend
 
     run = peaked_run["run"]
-    chosen = [json.loads(line) for line in (run / ckpt.ENGINE_EVAL / engine_eval.PROMPTS).read_text().splitlines()]
+    chosen = [json.loads(line) for line in (run / ckpt.ENGINE_EVAL / engine.PROMPTS).read_text().splitlines()]
     assert len(chosen) == 4 and all(1 <= len(r["turns"]) <= 2 for r in chosen)
     backend = CacheBackend(sized["cache"])
     tokens = backend.tokens()
-    from spec_cli.stages.train_sources import split_eval
+    from spec_cli.trainer.sources import split_eval
 
     train_batches, held = split_eval(backend.plan(), 0.15, 0)
     trained = {int(tokens.source_index[i]) for b in train_batches for i in b}
@@ -178,7 +179,7 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
 
 
 def test_training_png_shows_the_engines_acceptance(peaked_run):
-    from spec_cli.stages.train_log import plot_curves
+    from spec_cli.trainer.log import plot_curves
 
     import matplotlib.image
 
@@ -213,13 +214,13 @@ def test_best_keeper_takes_ties_at_the_later_step_and_never_a_worse_one(tmp_path
     (run / "run.json").write_text("{}")
 
     def snapshot(step: int) -> Path:
-        folder = engine_eval.step_dir(run, step) / "checkpoint"
+        folder = engine_process.step_dir(run, step) / "checkpoint"
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"weights of %d" % step)
         (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
         return folder
 
-    keeper = engine_eval.BestKeeper(run)
+    keeper = engine_process.BestKeeper(run)
     result = lambda step, al: {"step": step, "engine": "torch", "acceptance_length": al}  # noqa: E731
     assert keeper.consider(result(10, 1.5), snapshot(10))
     assert keeper.consider(result(20, 1.5), snapshot(20))  # a tie: the later step
@@ -227,29 +228,29 @@ def test_best_keeper_takes_ties_at_the_later_step_and_never_a_worse_one(tmp_path
     assert (run / "best" / "model.safetensors").read_bytes() == b"weights of 20"
     record = json.loads((run / "best" / "best.json").read_text())
     assert record["step"] == 20 and record["before"] == {"step": 10, "acceptance_length": 1.5, "comparable": True}
-    assert engine_eval.BestKeeper(run).record["step"] == 20  # read back (--resume)
+    assert engine_process.BestKeeper(run).record["step"] == 20  # read back (--resume)
     # measured under other settings (another engine, say): not compared with; the next answer replaces it
-    other = engine_eval.BestKeeper(run, signature={"engine": "vllm"})
+    other = engine_process.BestKeeper(run, signature={"engine": "vllm"})
     assert not other.comparable and other.consider(result(40, 1.1), snapshot(40))
     assert json.loads((run / "best" / "best.json").read_text())["before"]["comparable"] is False
     # a run killed between the two renames of a replacement: RUN/.best.old is put back
     (run / "best").rename(run / ".best.old")
-    engine_eval.recover_best(run)
+    engine.recover_best(run)
     assert (run / "best" / "best.json").is_file() and not (run / ".best.old").exists()
 
 
 def test_busy_share_counts_each_moment_once():
-    evaluator = engine_eval.EngineEvaluator.__new__(engine_eval.EngineEvaluator)
+    evaluator = engine_process.EngineEvaluator.__new__(engine_process.EngineEvaluator)
     evaluator.busy, evaluator.pending = [(0.0, 4.0), (2.0, 6.0)], {3: 9.0}
     assert evaluator.busy_share(0.0, 10.0) == pytest.approx(0.7)  # [0, 6] and [9, 10]
     assert evaluator.busy_share(6.0, 9.0) == 0.0
 
 
 def _evaluator(tmp_path, command, warnings):
-    config = engine_eval.WorkerConfig(run_dir=str(tmp_path), engine="torch", target=str(tmp_path / "none"),
+    config = engine_process.WorkerConfig(run_dir=str(tmp_path), engine="torch", target=str(tmp_path / "none"),
                                       prompts="mt-bench", depth=3, max_new_tokens=8, num_prompts=None,
                                       export_format="vllm")
-    evaluator = engine_eval.EngineEvaluator(config, True, lambda record: None, warn=warnings.append)
+    evaluator = engine_process.EngineEvaluator(config, True, lambda record: None, warn=warnings.append)
     evaluator.command = command
     evaluator.start()
     return evaluator
@@ -307,8 +308,8 @@ def test_the_worker_ends_itself_when_the_trainer_is_gone(tmp_path):
     config.write_text(json.dumps({"run_dir": str(tmp_path), "engine": "torch", "target": "x", "prompts": "mt-bench",
                                   "depth": 3, "max_new_tokens": 8, "num_prompts": None, "export_format": "vllm"}))
     read, write = os.pipe()
-    env = {**os.environ, engine_eval.RESULT_FD: str(write), engine_eval.PARENT_PID: "1"}
-    process = subprocess.Popen([sys.executable, "-m", "spec_cli.stages.engine_eval", str(config)],
+    env = {**os.environ, engine_process.RESULT_FD: str(write), engine_process.PARENT_PID: "1"}
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli.stages.engine_worker", str(config)],
                                stdin=subprocess.PIPE, pass_fds=(write,), env=env)
     os.close(write)
     try:

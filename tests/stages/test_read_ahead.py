@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spec_cli.errors import ArtifactError
-from spec_cli.stages.train_sources import _ReadAhead
+from spec_cli.trainer.sources import _ReadAhead
 
 
 class Recorded:

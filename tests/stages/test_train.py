@@ -125,25 +125,25 @@ def test_each_rank_resumes_its_own_gpus_generator_from_rank_0s(monkeypatch):
     """CUDA emulated (the generator calls recorded): rank 0 saves the generator of the GPU it trains on;
     on resume every rank puts it into its own GPU's generator (the ranks draw alike, so rank r's cuda:r
     stands where rank 0's cuda:0 stood), also from checkpoints that kept every visible GPU's state."""
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer.checkpoints import _restore_rng, _rng_state
 
     calls = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or
                         torch.tensor([7, int(device.index)], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state.tolist(), device)))
-    saved = stage._rng_state(torch.device("cuda", 0))
+    saved = _rng_state(torch.device("cuda", 0))
     assert calls == [("get", torch.device("cuda", 0))] and saved["torch_cuda"].tolist() == [7, 0]
     calls.clear()
-    stage._restore_rng(saved, torch.device("cuda", 3))
+    _restore_rng(saved, torch.device("cuda", 3))
     assert calls == [("set", [7, 0], torch.device("cuda", 3))]
     calls.clear()
     older = {"torch_cpu": torch.get_rng_state(), **{f"torch_cuda_{i}": torch.tensor([i], dtype=torch.uint8)
                                                     for i in range(12)}}
-    stage._restore_rng(older, torch.device("cuda", 2))
+    _restore_rng(older, torch.device("cuda", 2))
     assert calls == [("set", [0], torch.device("cuda", 2))]  # rank 0's own (cuda:0), not cuda:2's or cuda:10's
     calls.clear()
-    assert set(stage._rng_state(torch.device("cpu"))) == {"torch_cpu"}
-    stage._restore_rng(saved, torch.device("cpu"))
+    assert set(_rng_state(torch.device("cpu"))) == {"torch_cpu"}
+    _restore_rng(saved, torch.device("cpu"))
     assert calls == []
 
 

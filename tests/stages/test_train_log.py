@@ -5,7 +5,7 @@ import re
 
 from rich.console import Console
 
-from spec_cli.stages import train_log
+from spec_cli.trainer import log as train_log
 
 
 def test_the_steps_bar_advances_every_step_with_tokens_per_second(tmp_path, monkeypatch):

@@ -218,17 +218,17 @@ def test_resume_with_only_the_run_folder_equals_the_straight_run(setup, tmp_path
     options = ["--lr", "3e-3", "--warmup-ratio", "0.25", "--seed", "3", "--save-every", "3", "--max-steps", "4"]
     straight = tmp_path / "straight"
     assert main(train_args(setup, straight, *options)) == 0
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer import run as trainer_run
 
     def stop_after_step_2(step):
         if step == 2:
             raise KeyboardInterrupt
 
-    loop = stage.train_loop
-    monkeypatch.setattr(stage, "train_loop", lambda *a: loop(*a[:4], stop_after_step_2))
+    loop = trainer_run.train_loop
+    monkeypatch.setattr(trainer_run, "train_loop", lambda *a: loop(*a[:4], stop_after_step_2))
     run = tmp_path / "run"
     assert main(train_args(setup, run, *options)) == 130  # Ctrl-C after step 2: saved, --resume continues
-    monkeypatch.setattr(stage, "train_loop", loop)
+    monkeypatch.setattr(trainer_run, "train_loop", loop)
     assert ckpt.latest_checkpoint(run).name == "step-00000002"
     # no -v, no --cache, no option: every one is the run's own (run.json)
     assert main(["train", "--resume", "-o", str(run), "-q"]) == 0
@@ -269,8 +269,8 @@ def test_resume_names_a_recorded_vocab_map_that_has_gone(setup, tmp_path, capsys
 
 
 def test_a_source_typed_on_resume_replaces_the_runs(setup, tmp_path):
-    from spec_cli.stages.train import resumed_config
     from spec_cli.train_options import TrainConfig
+    from spec_cli.trainer.resume import resumed_config
 
     run = tmp_path / "run"
     run.mkdir()
@@ -341,8 +341,8 @@ def test_precision_auto_is_bf16_where_it_is_native(monkeypatch):
     """auto: bf16 autocast on a GPU and on a CPU with native bf16 (AMX / AVX512-BF16), fp32 where bf16
     is emulated; SPEC_TRAIN_PRECISION says what auto picks (the suite pins fp32); bad values are one line."""
     from spec_cli.errors import ConfigError
-    from spec_cli.stages.train import step_precision
     from spec_cli.targets import loading
+    from spec_cli.trainer.device import step_precision
 
     monkeypatch.delenv("SPEC_TRAIN_PRECISION")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
@@ -497,9 +497,9 @@ def test_context_parallel_that_cannot_run_is_one_line_before_anything_is_written
 
 def sigterm_during_step(monkeypatch, n: int) -> None:
     """SIGTERM to this process during its n-th optimizer update (in-process: deterministic)."""
-    from spec_cli.stages import train as stage
+    from spec_cli.trainer.trainer import Trainer
 
-    real, done = stage.Trainer.optimizer_step, [0]
+    real, done = Trainer.optimizer_step, [0]
 
     def optimizer_step(self):
         out = real(self)
@@ -508,7 +508,7 @@ def sigterm_during_step(monkeypatch, n: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(stage.Trainer, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(Trainer, "optimizer_step", optimizer_step)
 
 
 def logged_steps(run: Path) -> list[int]:

@@ -93,7 +93,7 @@ def test_on_a_gpu_the_room_leaves_out_what_the_target_will_take(monkeypatch):
     of 32k tokens of an 8B target: 3 batches fit the empty card's 3/4, not what vLLM leaves."""
     from types import SimpleNamespace
 
-    from spec_cli.stages.train_sources import _stream_bound
+    from spec_cli.trainer.sources import _stream_bound
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))

@@ -14,7 +14,7 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from spec_cli.errors import ConfigError
 from spec_cli.stages import train as stage
-from spec_cli.stages import train_sources
+from spec_cli.trainer import sources as train_sources
 from tests import tiny
 from tests.conftest import write_jsonl
 
@@ -117,10 +117,10 @@ def test_remote_streamed_training_equals_training_without_it(setup, tmp_path):
 
 def test_stream_options_are_checked(setup, tmp_path, capsys, monkeypatch):
     with pytest.raises(ConfigError, match="feature cache"):
-        stage.open_source(config(setup, tmp_path / "a", target=None, cache=tmp_path, stream=True),
+        train_sources.open_source(config(setup, tmp_path / "a", target=None, cache=tmp_path, stream=True),
                           "cpu", None)
     with pytest.raises(ConfigError, match="--stream-dir"):
-        stage.open_source(config(setup, tmp_path / "a", stream_dir=tmp_path), "cpu", None)
+        train_sources.open_source(config(setup, tmp_path / "a", stream_dir=tmp_path), "cpu", None)
     loaded = []  # a bound smaller than one batch is refused before the target is loaded
     monkeypatch.setattr(train_sources.local, "open_backend", lambda *a, **kw: loaded.append(a))
     too_small = ["train", "--target", str(setup["target"]), "--data", str(setup["data"]), "-v",

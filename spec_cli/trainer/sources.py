@@ -1,4 +1,4 @@
-"""Where `spec train`'s supervision comes from, and how the loop gets it, batch by batch.
+"""Where the trainer's supervision comes from, and how the loop gets it, batch by batch.
 
 open_source   one factory for a feature cache (--cache), a live target (--target) and served targets
               (--remote): it opens what is particular to each; for a live or served target it then
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -32,9 +32,9 @@ from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.stream.bound import StoreBound, free_room, size_text, store_bound
-from spec_cli.train_options import TrainConfig
 from spec_cli.targets import loading, local
 from spec_cli.targets.backend import TargetBackend, require_images
+from spec_cli.train_options import TrainConfig
 
 # --target-engine vllm in spec train: the share of the GPU vLLM may take when --target-memory is not
 # given (vLLM's own default, 0.9, would leave the draft a tenth of the GPU)
@@ -208,7 +208,9 @@ def _live(cfg: TrainConfig, vocab_map, template, device: torch.device) -> _Targe
     def load() -> TargetBackend:
         if not grouped:
             return open_local(cfg.runtime.target_parallel)
-        from spec_cli.targets.group import GroupTarget  # once per context-parallel group, on its first rank
+        from spec_cli.targets.group import (
+            GroupTarget,  # once per context-parallel group, on its first rank
+        )
 
         rank, group = distributed.context_group(cp)
         info(f"target: runs once per context-parallel group of {cp} ranks, on its first rank, which sends each "
@@ -484,9 +486,10 @@ class _ReadAhead:
     before; on CUDA the thread also pins them, so that the copy to the GPU does not make the host wait.
     The loop's thread then decodes each on the device (`finish`: for --encoding hidden, the target's
     distribution over the draft vocab from the stored final states). The thread does no device work
-    (pinning only takes page-locked host memory): on an H200, a thread that decoded on the GPU and brought the [T, Vd] distribution back to
-    pin it cut a T = 8192 step from 19,800 to 5,500-9,200 tokens/s. The batches are the ones made when
-    asked, bit for bit; a read's error is raised by `get`."""
+    (pinning only takes page-locked host memory): decoding there would bring the [T, Vd]
+    distribution back to the host to pin it, which costs a long step more than the read saves
+    (docs/recipe.md, "The trainer's choices"). The batches are the ones made when asked, bit for
+    bit; a read's error is raised by `get`."""
 
     def __init__(self, read, finish, device: torch.device, start: int, end: int, depth: int):
         from concurrent.futures import ThreadPoolExecutor
@@ -529,7 +532,14 @@ def open_batches(cfg: TrainConfig, source: Source, schedule: Schedule, start: in
     evaluation can share it), remote servers N requests at once. The store holds at most N + 1 batches
     and, with --stream, the bytes open_source sized (source.stream_bound). Otherwise each is made when asked."""
     rt, remote = cfg.runtime, cfg.data.remote is not None
-    from spec_cli.stream import FolderStore, MemoryStore, Producer, SerializedBackend, StreamLoader, new_run_id
+    from spec_cli.stream import (
+        FolderStore,
+        MemoryStore,
+        Producer,
+        SerializedBackend,
+        StreamLoader,
+        new_run_id,
+    )
 
     if cfg.data.cache is not None and rt.prefetch > 0:
         cache = source.backend

@@ -134,7 +134,7 @@ class TrainLogger:
                      f"accept len {record['acceptance_length']:.3f}")
 
     def _engine(self, record: dict, text: str | None) -> None:
-        """An answer of the engine in the loop (spec_cli/stages/engine_eval.py): logged when it arrives,
+        """An answer of the engine in the loop (spec_cli/trainer/engine.py): logged when it arrives,
         after the train records of the steps run meanwhile; its line is printed above the live view."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
