@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 def run(T: int, precision: str, steps: int, compiled: bool) -> tuple[float, float, list[float]]:
     """(tokens/s over the timed steps, seconds of the first step, losses)."""
     from precision import time_steps
-    from spec_cli.draft.layers import MLP, RMSNorm
     from train_step import build
+
+    from spec_cli.draft.layers import MLP, RMSNorm
 
     torch._dynamo.reset()
     draft, batch = build(T)

@@ -415,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's model runner(s) to check (default: both; V1 only where the release has it)")
     args = ap.parse_args(argv)
 
-    from spec_cli.engine.vllm import version  # the installed distribution's version, without importing vLLM
+    from spec_cli.engine.vllm import (
+        version,  # the installed distribution's version, without importing vLLM
+    )
 
     out = (args.out or Path(tempfile.mkdtemp(prefix="gpu_vllm_runners-"))).resolve()
     if out.exists() and any(out.iterdir()):

@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-
 from train_step import SHAPE, peak_rss_mb, reset_peak_rss  # bench/train_step.py
 
 KINDS = ("eagle3", "peagle-all", "peagle-cod", "peagle-seg")
@@ -46,8 +45,8 @@ def _batch(config, T: int, seed: int = 0):
 
 def one(kind: str, T: int, depths: int, steps: int, segments: int) -> dict:
     from spec_cli.draft import algorithms
-    from spec_cli.train_options import ObjectiveOptions
     from spec_cli.draft.config import DraftConfig
+    from spec_cli.train_options import ObjectiveOptions
 
     torch.manual_seed(0)
     name = "eagle3" if kind == "eagle3" else "peagle"

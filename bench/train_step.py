@@ -41,9 +41,8 @@ import sys
 import tempfile
 import time
 
-import torch
-
 import peers  # bench/peers.py (this script's folder is on sys.path)
+import torch
 
 SHAPE = dict(vocab_size=49152, target_hidden_size=576, aux_layer_ids=[1, 14, 26], target_num_layers=30,
              hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

@@ -30,7 +30,7 @@ import importlib.util
 import subprocess
 import sys
 import zipfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -138,7 +138,7 @@ def sources(version: str, cache: Path) -> tuple[Path, str]:
     return folder / "vllm", f"{wheels[0].name}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def tree(path: Path) -> ast.Module | None:
     return ast.parse(path.read_text()) if path.is_file() else None
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-
 EXTRA = "extra."  # the prefix of an extra field's name in a flat dict of tensors
 MAX_TENSORS = 64  # tensors in one message or transfer
 MAX_DIMS = 8
@@ -82,16 +81,16 @@ class TargetBatch:
     # position_ids and seq_lens (whole rows) is then [B, n, ...]. None: whole rows.
     slots: torch.Tensor | None = None
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TargetBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetBatch:
         """Every tensor on `device`; non_blocking: from pinned host memory, the host does not wait."""
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "TargetBatch":
+    def pin_memory(self) -> TargetBatch:
         """Every tensor in page-locked host memory (a copy), so that `.to(cuda, non_blocking=True)` does
         not make the host wait."""
         return self.map(lambda t: t.pin_memory())
 
-    def map(self, fn) -> "TargetBatch":
+    def map(self, fn) -> TargetBatch:
         """The batch with `fn` applied to every tensor, extras included."""
         moved = {f.name: fn(getattr(self, f.name)) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
@@ -104,7 +103,7 @@ class TargetBatch:
         return out | {EXTRA + name: t for name, t in self.extras.items()}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TargetBatch":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> TargetBatch:
         """The batch `tensors()` flattened."""
         extras = {k[len(EXTRA):]: v for k, v in tensors.items() if k.startswith(EXTRA)}
         return cls(**{k: v for k, v in tensors.items() if not k.startswith(EXTRA)}, extras=extras)

@@ -28,8 +28,8 @@ from spec_cli.commands.serve_target import serve_target_cmd
 from spec_cli.commands.tune import tune_cmd
 from spec_cli.console import err_console, other_rank
 from spec_cli.errors import SpecError, is_disk_full
-from spec_cli.paths import special_kind
 from spec_cli.help import Command, Group
+from spec_cli.paths import special_kind
 
 
 def _print_version(value: bool) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 TOP_LOGITS = 8  # logits the target-alone decoder keeps per token (ties can be three-way or more)
 
 

@@ -9,8 +9,8 @@ command's parameters. Imports no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from spec_cli.errors import ConfigError
 

@@ -19,9 +19,9 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 SAMPLE_SECONDS = 0.25  # how long `other_load` watches the machine before choosing (small next to loading)
 IDLE_NOISE = 0.25  # cores of background work (daemons, a shell) not worth giving up a thread for

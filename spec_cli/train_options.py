@@ -23,9 +23,30 @@ import typing
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
-from spec_cli.help import CHECKPOINTS, DATA, DRAFT, ENGINE_LOOP, INPUTS, OBJECTIVE, OPTIMISATION, RUNTIME, TARGET
-from spec_cli.options import (FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, check_range, option,  # noqa: F401
-                              parse_duration, parse_size, parse_size_or_auto, shared)
+from spec_cli.help import (
+    CHECKPOINTS,
+    DATA,
+    DRAFT,
+    ENGINE_LOOP,
+    INPUTS,
+    OBJECTIVE,
+    OPTIMISATION,
+    RUNTIME,
+    TARGET,
+)
+from spec_cli.options import (  # noqa: F401
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    Flag,
+    Range,
+    check_range,
+    option,
+    parse_duration,
+    parse_size,
+    parse_size_or_auto,
+    shared,
+)
 
 
 @dataclass(frozen=True)

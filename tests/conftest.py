@@ -13,7 +13,6 @@ import pytest
 
 from tests import tiny
 
-
 # The user's SPEC_HOME (where `spec assets` installed the built-in assets), read before any test sets its own.
 USER_HOME = Path(os.environ.get("SPEC_HOME") or Path.home() / ".cache" / "spec_cli").expanduser()
 

@@ -15,8 +15,8 @@ import pytest
 from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.cli import main
 from tests import tiny
-from tests.draft.runs import vocab_and_cache
 from tests.conftest import signalled_child, write_jsonl
+from tests.draft.runs import vocab_and_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -451,7 +451,7 @@ def test_a_disk_that_fills_mid_write_is_one_line_and_the_last_good_artifact_stay
     cache shard (OSError without a file name), each failing as a full disk fails them."""
     from safetensors import SafetensorError
 
-    from spec_cli.artifacts import checkpoint, feature_cache
+    from spec_cli.artifacts import checkpoint
 
     if where == "checkpoint":
         def full(*args, **kwargs):

@@ -13,7 +13,13 @@ from spec_cli.cli import main
 from spec_cli.stages import train as stage
 from tests.launch import torchrun
 from tests.stages.test_train import config, weights
-from tests.test_distributed import eagle3_args, eagle_args, live_args, stopped_then_resumed, trainer_state
+from tests.test_distributed import (
+    eagle3_args,
+    eagle_args,
+    live_args,
+    stopped_then_resumed,
+    trainer_state,
+)
 
 pytestmark = pytest.mark.slow
 FP32 = ("--precision", "fp32")  # both sides in fp32: their difference is then fp32 rounding, not bf16's
@@ -105,9 +111,9 @@ def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
     """Under --context-parallel a rank reads the ranges of its rows' slots it trains on (kept_ranges), not
     the whole rows: every field but the whole-row inputs equals the whole batch's at those slots (the
     last slot of each range, which the objective never reads, has no next slot to shift in)."""
+    from spec_cli.artifacts.vocab_map import load_vocab_map
     from spec_cli.draft.context import kept_ranges, padded_length
     from spec_cli.trainer.sources import inputs_for, open_source
-    from spec_cli.artifacts.vocab_map import load_vocab_map
 
     cfg = config(train_setup, train_setup["root"] / "unused", pack=pack)
     source = open_source(cfg, torch.device("cpu"), load_vocab_map(train_setup["vm"]))

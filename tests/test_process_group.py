@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spec_cli import distributed, threads
-from spec_cli.errors import ConfigError, TrainingError
+from spec_cli.errors import ConfigError
 from spec_cli.trainer.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]

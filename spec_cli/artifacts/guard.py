@@ -14,8 +14,8 @@ import errno
 import fcntl
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from spec_cli.errors import ArtifactError
 
@@ -117,7 +117,7 @@ class FolderLock:
         self.command = command
         self._fd: int | None = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -10,8 +10,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -207,5 +207,5 @@ def read_safetensors(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], di
                             f"rebuild the {kind}") from exc
     if raw_meta is None:
         raise ArtifactError(f"{path} has no spec_cli metadata, so it is not a spec_cli {kind}",
-                            f"build it with spec_cli")
+                            "build it with spec_cli")
     return tensors, json.loads(raw_meta)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 from spec_cli.artifacts.guard import folder_kind
 from spec_cli.errors import ConfigError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,11 +16,11 @@ def demo_cmd(
     quick: Annotated[bool, typer.Option(
         "--quick", help="A smaller run that exercises every stage (about a fifth of the default's time; the "
                         "demo prints this machine's estimate before it starts).")] = False,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
     no_install: Annotated[bool, typer.Option(
         "--no-install", help="Only find the built-in assets; fail instead of pip-installing.")] = False,
-    max_time: Annotated[Optional[str], typer.Option(
+    max_time: Annotated[str | None, typer.Option(
         "--max-time", help="Stop training after this long (90s, 10m, 1h; a number is minutes). The draft "
                            "is then weaker, and the final table says so; a rerun finishes the schedule. "
                            "Default: no cap (the schedule is fixed in steps, so the result does not depend "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -22,14 +22,14 @@ def eval_cmd(
     prompts: Annotated[str, typer.Option(
         "--prompts", "-p", help="`mt-bench` (built-in, 2 turns each) or a chat data file (the user turns of "
                                 "each record).", rich_help_panel=INPUTS)] = "mt-bench",
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Folder for eval.json, outputs.jsonl and acceptance.png. Default: RUN/eval/"
                                "step-N for a run or checkpoint, EXPORT-eval beside an export.",
         rich_help_panel=INPUTS)] = None,
-    depth: Annotated[Optional[int], typer.Option(
+    depth: Annotated[int | None, typer.Option(
         "--depth", help="Draft tokens per target forward (a tree's depth). Default: 3; a DFlash draft's block "
                         "size - 1 (what one forward proposes).", min=1, rich_help_panel=DECODING)] = None,
-    compare_depths: Annotated[Optional[str], typer.Option(
+    compare_depths: Annotated[str | None, typer.Option(
         "--compare-depths", help="Also decode every turn with chains of these depths (comma-separated, e.g. "
                                  "1,2), after the target alone in the same run, and report each depth's "
                                  "acceptance length and speed-up over that same baseline: which "
@@ -40,7 +40,7 @@ def eval_cmd(
     topk: Annotated[int, typer.Option(
         "--topk", help="1: a chain; k > 1: an EAGLE-2 tree expanding the k best nodes per depth.", min=1,
         rich_help_panel=DECODING)] = 1,
-    num_tokens: Annotated[Optional[int], typer.Option(
+    num_tokens: Annotated[int | None, typer.Option(
         "--num-tokens", help="Tree only: drafted nodes verified per target forward (the most probable by "
                              "cumulative draft log-prob). Default: 16.", min=1, rich_help_panel=DECODING)] = None,
     temperature: Annotated[float, typer.Option(
@@ -61,7 +61,7 @@ def eval_cmd(
         rich_help_panel=DECODING)] = 0.0,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", help="Tokens generated per turn at most.", min=1, rich_help_panel=DECODING)] = 256,
-    num_prompts: Annotated[Optional[int], typer.Option(
+    num_prompts: Annotated[int | None, typer.Option(
         "--num-prompts", help="Use this many prompts, spread over the categories. Default: all.", min=1,
         rich_help_panel=INPUTS)] = None,
     seed: Annotated[int, typer.Option(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,11 +27,11 @@ def export_cmd(
         "--check/--no-check", help="Read the export back with the engine's loading rules and compare its "
                                    "predictions with the checkpoint's before writing -o.",
         rich_help_panel=CHECKS)] = True,
-    target: Annotated[Optional[str], typer.Option(
+    target: Annotated[str | None, typer.Option(
         "--target", "-t", help="Target path or hub id for the README's serving command (and the speculators "
                                "verifier). Default: the target the run was trained with.",
         rich_help_panel=INPUTS)] = None,
-    engine_check: Annotated[Optional[str], typer.Option(
+    engine_check: Annotated[str | None, typer.Option(
         "--engine-check", help="vllm: load the written folder in vLLM, decode a few greedy prompts and fail "
                                "unless every draft weight loads and vLLM's acceptance matches the "
                                "checkpoint's; none: skip. Default auto (env SPEC_ENGINE_CHECK): vllm when "

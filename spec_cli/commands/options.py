@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Optional, get_args
+from typing import Annotated, get_args
 
 import typer
 
 from spec_cli.config import apply_config_file
 from spec_cli.help import DATA, INPUTS, RUNTIME
 
-Config = Annotated[Optional[Path], typer.Option(
+Config = Annotated[Path | None, typer.Option(
     "--config", help="YAML file of option values (keys are option names); flags win over it.",
     is_eager=True, callback=apply_config_file, exists=False, dir_okay=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")]
@@ -31,7 +31,7 @@ NumProc = Annotated[int, typer.Option(
     "--num-proc", help="Processes for tokenising (results do not depend on it).", min=1, rich_help_panel=DATA)]
 VocabMap = Annotated[Path, typer.Option(
     "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`.", rich_help_panel=INPUTS)]
-AuxLayers = Annotated[Optional[str], typer.Option(
+AuxLayers = Annotated[str | None, typer.Option(
     "--aux-layers", help="The target layers the draft reads (EAGLE-3: three), as 0-indexed layer OUTPUTS "
                          "(e.g. 1,14,26). Default: the algorithm's; EAGLE-3: 1, N//2-1, N-4 for an "
                          "N-layer target.",
@@ -47,15 +47,15 @@ def algorithm_help() -> str:
 
 
 DraftAlgorithm = Annotated[str, typer.Option("--algorithm", help=algorithm_help(), rich_help_panel=INPUTS)]
-Device = Annotated[Optional[str], typer.Option(
+Device = Annotated[str | None, typer.Option(
     "--device", help="cpu, cuda or cuda:N. Default: cuda if available, else cpu.", rich_help_panel=RUNTIME)]
-Dtype = Annotated[Optional[str], typer.Option(
+Dtype = Annotated[str | None, typer.Option(
     "--dtype", help="bf16, fp16 or fp32. Default: bf16 on cuda, fp32 on cpu.", rich_help_panel=RUNTIME)]
-Threads = Annotated[Optional[int], typer.Option(
+Threads = Annotated[int | None, typer.Option(
     "--threads", help="Intra-op CPU threads. Default: auto, the cores this process may use less those "
                       "other processes keep busy (OMP_NUM_THREADS if set); recorded with the result.",
     min=1, rich_help_panel=RUNTIME)]
-ChatTemplate = Annotated[Optional[str], typer.Option(
+ChatTemplate = Annotated[str | None, typer.Option(
     "--chat-template", help="Render conversations with this chat template instead of the target's own: a "
                             "Jinja file (or a tokenizer_config.json holding one), or a family: chatml, "
                             "llama3, gemma, mistral. Needed for a base model without one; recorded in "
@@ -65,7 +65,7 @@ TargetEngine = Annotated[str, typer.Option(
                             "supervision is the same either way (fp32 rounding), and so is the identity "
                             "of what it makes.", rich_help_panel=RUNTIME)]
 
-TargetMemory = Annotated[Optional[float], typer.Option(
+TargetMemory = Annotated[float | None, typer.Option(
     "--target-memory", help="--target-engine vllm on a GPU: the share of its memory vLLM may take for the "
                             "target's weights and KV cache (its gpu_memory_utilization), in (0, 1]. "
                             "Default: 0.5 in spec train (the draft trains on the same GPU), else vLLM's "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -53,9 +53,9 @@ def plan_cmd(
                                       rich_help_panel=HARDWARE)] = 8,
     gpu: Annotated[str, typer.Option("--gpu", help="a100-40gb, a100, l40s, h100, h200, b200 or mi300x.",
                                      rich_help_panel=HARDWARE)] = "h100",
-    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="GB per GPU (overrides --gpu's).",
+    gpu_memory: Annotated[float | None, typer.Option("--gpu-memory", help="GB per GPU (overrides --gpu's).",
                                                         rich_help_panel=HARDWARE)] = None,
-    gpu_tflops: Annotated[Optional[float], typer.Option("--gpu-tflops", help="bf16 dense TFLOP/s per GPU.",
+    gpu_tflops: Annotated[float | None, typer.Option("--gpu-tflops", help="bf16 dense TFLOP/s per GPU.",
                                                         rich_help_panel=HARDWARE)] = None,
     utilization: Annotated[float, typer.Option("--utilization", help="Fraction of the peak FLOP/s reached.",
                                                rich_help_panel=HARDWARE)] = 0.35,
@@ -70,7 +70,7 @@ def plan_cmd(
         "--target-engine", help="What runs a live target (spec train --target-engine): transformers (bf16, a "
                                 "quantized checkpoint counted dequantized) or vllm (the weights as stored, e.g. "
                                 "gpt-oss's mxfp4).", rich_help_panel=HARDWARE)] = "transformers",
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the plan as JSON here.",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON here.",
                                                      rich_help_panel=INPUTS)] = None,
     config: Config = None,
 ):

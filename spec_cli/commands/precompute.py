@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from spec_cli.commands.options import (AuxLayers, ChatTemplate, Config, Data, Device, DraftAlgorithm, Dtype,
-                                       MaxLength, NumProc, Quiet, Target, TargetEngine, TargetMemory, TargetTensorParallel,
-                                       Threads,
-                                       VocabMap)
+from spec_cli.commands.options import (
+    AuxLayers,
+    ChatTemplate,
+    Config,
+    Data,
+    Device,
+    DraftAlgorithm,
+    Dtype,
+    MaxLength,
+    NumProc,
+    Quiet,
+    Target,
+    TargetEngine,
+    TargetMemory,
+    TargetTensorParallel,
+    Threads,
+    VocabMap,
+)
 from spec_cli.console import set_quiet
 from spec_cli.help import DATA, INPUTS, RUNTIME
 
@@ -34,14 +48,14 @@ def precompute_cmd(
         "--shard-tokens", help="Real tokens per shard file (the unit of resume).", min=1,
         rich_help_panel=RUNTIME)] = 65536,
     max_length: MaxLength = 2048,
-    max_samples: Annotated[Optional[int], typer.Option(
+    max_samples: Annotated[int | None, typer.Option(
         "--max-samples", help="Use only the first N usable samples. Default: all.", min=1,
         rich_help_panel=DATA)] = None,
     num_proc: NumProc = 1,
     chat_template: ChatTemplate = None,
     device: Device = None,
     dtype: Dtype = None,
-    storage_dtype: Annotated[Optional[str], typer.Option(
+    storage_dtype: Annotated[str | None, typer.Option(
         "--storage-dtype", help="bf16, fp16 or fp32: the dtype the cache stores hidden states (and probs) "
                                 "in; training upcasts them. bf16 halves an fp32 cache. Default: the model "
                                 "dtype (--dtype).", rich_help_panel=RUNTIME)] = None,

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from spec_cli.commands.options import (AuxLayers, ChatTemplate, Config, Data, Device, DraftAlgorithm, Dtype, MaxLength,
-                                       Quiet, Target, Threads)
+from spec_cli.commands.options import (
+    AuxLayers,
+    ChatTemplate,
+    Config,
+    Data,
+    Device,
+    DraftAlgorithm,
+    Dtype,
+    MaxLength,
+    Quiet,
+    Target,
+    Threads,
+)
 from spec_cli.console import set_quiet
 from spec_cli.help import DATA, DRAFT, GENERATION, INPUTS, RUNTIME
 
@@ -33,10 +44,10 @@ def regenerate_cmd(
                                  "finish_reason \"length\" and ends its conversation.", min=1,
         rich_help_panel=GENERATION)] = 512,
     max_length: MaxLength = 2048,
-    max_samples: Annotated[Optional[int], typer.Option(
+    max_samples: Annotated[int | None, typer.Option(
         "--max-samples", help="Answer only the first N usable records. Default: all.", min=1,
         rich_help_panel=DATA)] = None,
-    batch_size: Annotated[Optional[int], typer.Option(
+    batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Sequences per generation batch at most (vLLM: sequences it runs at once). "
                              "Default: as --batch-tokens allows.", min=1, rich_help_panel=RUNTIME)] = None,
     batch_tokens: Annotated[int, typer.Option(
@@ -54,12 +65,12 @@ def regenerate_cmd(
         "--overwrite", help="Replace an -o made from other inputs or settings (or an unfinished run of "
                             "them) instead of refusing.", rich_help_panel=INPUTS)] = False,
     chat_template: ChatTemplate = None,
-    features: Annotated[Optional[Path], typer.Option(
+    features: Annotated[Path | None, typer.Option(
         "--features", help="Also write the feature cache of the output to this folder (vLLM): from the states "
                            "vLLM computes while it answers, so the target does not run the text again in spec "
                            "precompute. The same cache as `spec precompute -d OUT` with these settings.",
         rich_help_panel=INPUTS)] = None,
-    vocab_map: Annotated[Optional[Path], typer.Option(
+    vocab_map: Annotated[Path | None, typer.Option(
         "--vocab-map", "-v", help="With --features: the cache's vocab map; a path that does not exist yet "
                                   "gets the one built from the output (as spec build-vocab-map would).",
         rich_help_panel=INPUTS)] = None,

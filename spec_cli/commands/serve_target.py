@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from spec_cli.commands.options import (AuxLayers, Config, Device, DraftAlgorithm, Dtype, Quiet, Target, TargetEngine,
-                                       TargetMemory, TargetTensorParallel)
+from spec_cli.commands.options import (
+    AuxLayers,
+    Config,
+    Device,
+    DraftAlgorithm,
+    Dtype,
+    Quiet,
+    Target,
+    TargetEngine,
+    TargetMemory,
+    TargetTensorParallel,
+)
 from spec_cli.console import set_quiet
 from spec_cli.help import LIMITS, SERVER
 
@@ -20,7 +30,7 @@ def serve_target_cmd(
     port: Annotated[int, typer.Option(
         "--port", "-p", help="TCP port (0: any free port; the URL is printed).", min=0, max=65535,
         rich_help_panel=SERVER)] = 8000,
-    token: Annotated[Optional[str], typer.Option(
+    token: Annotated[str | None, typer.Option(
         "--token", envvar="SPEC_SERVE_TOKEN", help="Require `Authorization: Bearer TOKEN` on every "
                                                   "request. Default: $SPEC_SERVE_TOKEN; unset: no check.",
         rich_help_panel=SERVER)] = None,
@@ -56,7 +66,7 @@ def serve_target_cmd(
     tensor_plane: Annotated[bool, typer.Option(
         "--tensor-plane/--no-tensor-plane", help="Offer the tensor plane; without it every answer "
                                                  "travels in the HTTP body.", rich_help_panel=SERVER)] = True,
-    chat_template: Annotated[Optional[str], typer.Option(
+    chat_template: Annotated[str | None, typer.Option(
         "--chat-template", help="The chat template the trainers' data is rendered with (a Jinja file or "
                                 "chatml, llama3, gemma, mistral): sent with the tokenizer, and part of the "
                                 "tokenizer fingerprint the server reports. Default: the target's own.",

@@ -23,13 +23,25 @@ from typing import Annotated, Optional
 
 import typer
 
-from spec_cli.commands.options import (AuxLayers, Config, Device, DraftAlgorithm, Dtype, MaxLength, NumProc, Quiet,
-                                       TargetEngine, TargetMemory, TargetTensorParallel, in_panel)
+from spec_cli import train_options
+from spec_cli.commands.options import (
+    AuxLayers,
+    Config,
+    Device,
+    DraftAlgorithm,
+    Dtype,
+    MaxLength,
+    NumProc,
+    Quiet,
+    TargetEngine,
+    TargetMemory,
+    TargetTensorParallel,
+    in_panel,
+)
 from spec_cli.console import set_quiet
 from spec_cli.help import DRAFT, INPUTS
-from spec_cli import train_options
 
-TrainVocabMap = Annotated[Optional[Path], typer.Option(
+TrainVocabMap = Annotated[Path | None, typer.Option(
     "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`. Required, except with --resume "
                               "(then the run's own, from its run.json).", rich_help_panel=INPUTS)]
 DraftAuxLayers = in_panel(DRAFT, AuxLayers)  # train: the layers are part of the draft's design
@@ -72,7 +84,7 @@ def parameters() -> list[inspect.Parameter]:
         if flag is None:
             annotation = SHARED[option.name]
         else:
-            kind = option.type if flag.parse is None else (str if flag.text is not None else Optional[str])
+            kind = option.type if flag.parse is None else (str if flag.text is not None else Optional[str])  # noqa: UP045 (typer reads it at run time)
             annotation = Annotated[kind, typer.Option(*flag.names, help=flag.help, rich_help_panel=flag.panel,
                                                       **flag.checks)]
             default = default if flag.parse is None else flag.text

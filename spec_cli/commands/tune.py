@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,17 +17,17 @@ def tune_cmd(
         help="A `spec export` folder (vLLM's format for --engine vllm), or a run / checkpoint folder (exported "
              "for vLLM on the fly).")],
     target: Target,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Folder for serving.json and speedup.png. Default: EXPORT-tune beside the export.",
         rich_help_panel=INPUTS)] = None,
     engine: Annotated[str, typer.Option(
         "--engine", help="vllm: tokens/s of vLLM with 0..--max-k draft tokens at each batch size, and the "
                          "num_speculative_tokens_per_batch_size schedule that was fastest; torch: spec_cli's "
                          "decoder at batch 1, chains and EAGLE-2 trees.", rich_help_panel=RUNTIME)] = "vllm",
-    max_k: Annotated[Optional[int], typer.Option(
+    max_k: Annotated[int | None, typer.Option(
         "--max-k", help="Draft tokens per step tried: 1 .. this (and none). Default 5; a DFlash draft: its "
                         "block size - 1.", min=1, rich_help_panel=DECODING)] = None,
-    batch_sizes: Annotated[Optional[str], typer.Option(
+    batch_sizes: Annotated[str | None, typer.Option(
         "--batch-sizes", help="Concurrent requests measured, comma-separated. Default: 1,2,4,8,16, those the "
                               "engine's KV cache holds.", rich_help_panel=DECODING)] = None,
     prompts: Annotated[str, typer.Option(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -53,9 +53,9 @@ This module imports no torch: `spec --help` and the CLI read the declarations wi
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 
 @dataclass(frozen=True)

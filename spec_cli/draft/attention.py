@@ -40,8 +40,8 @@ import dataclasses
 import itertools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -90,12 +90,12 @@ class Segments:
         return self.window is not None and any(e - s > self.window for _, s, e in self.spans)
 
     @classmethod
-    def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> "Segments":
+    def from_seq_lens(cls, seq_lens: torch.Tensor, seq_len: int) -> Segments:
         """From [B, D] document lengths (one host sync: use `from_lengths` with host values)."""
         return cls.from_lengths(seq_lens.tolist(), seq_len)
 
     @classmethod
-    def from_lengths(cls, rows: list[list[int]], seq_len: int) -> "Segments":
+    def from_lengths(cls, rows: list[list[int]], seq_len: int) -> Segments:
         """From each row's document lengths (host ints, zero-padded)."""
         spans = []
         for row, lengths in enumerate(rows):

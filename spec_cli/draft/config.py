@@ -179,7 +179,7 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],
-                    **overrides) -> "DraftConfig":
+                    **overrides) -> DraftConfig:
         """Llama-style layer shaped like the target's (hidden size, heads, rope), overridable."""
         text = target_config
         if getattr(text, "num_hidden_layers", None) is None and getattr(text, "text_config", None):
@@ -224,7 +224,7 @@ class DraftConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DraftConfig":
+    def from_dict(cls, data: dict) -> DraftConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -234,5 +234,5 @@ class DraftConfig:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: Path) -> "DraftConfig":
+    def load(cls, path: Path) -> DraftConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))

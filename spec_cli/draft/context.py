@@ -48,7 +48,7 @@ class Context:
     group: object = None
     alone: bool = False  # one process standing for a rank of the group (`spec plan`): LocalShard
 
-    def shard(self, batch: TargetBatch, halo: int = 0) -> tuple[TargetBatch, "ContextShard"]:
+    def shard(self, batch: TargetBatch, halo: int = 0) -> tuple[TargetBatch, ContextShard]:
         """The batch with its rows padded to a multiple of 2 * size slots, and this rank's shard of them.
         A batch read for this rank (batch.slots: kept_ranges(..., halo)) is taken as it is."""
         kind = LocalShard if self.alone else ContextShard
@@ -235,13 +235,13 @@ class ContextBias:
             self.gathered[id(x)] = (x, rows)  # recompute gathers its step-0 keys for itself, unkept
         return rows
 
-    def without_rows(self) -> "ContextBias":
+    def without_rows(self) -> ContextBias:
         """This bias without the kept rows, for the attention's saved state: the rows' autograd history
         reaches back to the attention calls below, and a bias holding them there would be a reference
         cycle that keeps every step's gathered keys alive."""
         return dataclasses.replace(self, gathered={})
 
-    def windowed(self, window: int) -> "ContextBias":
+    def windowed(self, window: int) -> ContextBias:
         return dataclasses.replace(self, segments=attention.with_window(
             self.segments, window, len({s[0] for s in self.segments.spans}), self.shard.length))
 

@@ -26,7 +26,7 @@ class Proposal:
     chain: bool = True
     confidence: torch.Tensor | None = None  # [N] the draft's own P(accepted | the ones before accepted)
 
-    def first(self, k: int) -> "Proposal":
+    def first(self, k: int) -> Proposal:
         """The chain's first k tokens (adaptive verification verifies no more)."""
         cut = lambda x: None if x is None else x[:k]  # noqa: E731
         return Proposal(self.tokens[:k], self.parents[:k], self.depths[:k], cut(self.q), self.chain,

@@ -8,7 +8,7 @@ zero (not NaN) gradient.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint as activation_checkpoint

@@ -68,7 +68,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[s
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         return ({k: v for k, v in model.state_dict().items() if k not in frozen},
                 optimizer.state_dict() if with_optimizer else None)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     model_sd = get_model_state_dict(model, options=_options(cpu_offload=True, ignore_frozen_params=True))
     if not with_optimizer:

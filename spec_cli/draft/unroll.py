@@ -16,8 +16,8 @@ supervised (positions with a loss), correct / total (top-1 hits over the loss_ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -45,7 +45,7 @@ class ObjectiveOutput:
     def acceptance_length(self) -> torch.Tensor:
         return acceptance_length(self.accuracy)
 
-    def merge(self, outs: list["ObjectiveOutput"]) -> "ObjectiveOutput":
+    def merge(self, outs: list[ObjectiveOutput]) -> ObjectiveOutput:
         """The outputs of one batch's units (each a share of its loss and sums) as one (detached)."""
         def total(name):
             return torch.stack([getattr(o, name).detach() for o in outs]).sum(0)

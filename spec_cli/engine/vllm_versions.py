@@ -18,7 +18,7 @@ the rule gets that far.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from spec_cli.errors import ConfigError
 

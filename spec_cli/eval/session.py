@@ -23,7 +23,13 @@ import torch
 from spec_cli.draft import algorithms
 from spec_cli.draft.algorithm import INPUT_EMBEDS
 from spec_cli.errors import ConfigError
-from spec_cli.eval.speculative import Settings, decoding_rule, generate, generate_target, verify_costs
+from spec_cli.eval.speculative import (
+    Settings,
+    decoding_rule,
+    generate,
+    generate_target,
+    verify_costs,
+)
 from spec_cli.eval.target import Target
 from spec_cli.targets import loading
 

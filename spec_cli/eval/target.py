@@ -19,7 +19,6 @@ in the cache gathers its positions (they are not contiguous).
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

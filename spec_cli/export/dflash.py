@@ -20,9 +20,9 @@ from it (`spec eval --draft EXPORT`). Written from vLLM's loader, never with the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -31,8 +31,15 @@ from spec_cli.artifacts import vocab_map
 from spec_cli.draft.config import DraftConfig
 from spec_cli.errors import ArtifactError, ConfigError, listing
 from spec_cli.export import engines
-from spec_cli.export.check import (EXPECTED_FILES, CheckReport, _checkpoint_selected_ids, _materialise,
-                                  compare_predictions, passed, tensor_problems)
+from spec_cli.export.check import (
+    EXPECTED_FILES,
+    CheckReport,
+    _checkpoint_selected_ids,
+    _materialise,
+    compare_predictions,
+    passed,
+    tensor_problems,
+)
 from spec_cli.export.reader import ReadExport, template_record
 from spec_cli.targets import loading
 

@@ -110,7 +110,7 @@ def render(src: DraftSource, files: ExportFiles, folder: Path, dtype_name: str, 
               f"{format_title(fmt)} as `{files.engine_aux_ids}`",
               f"- draft vocab: {c.draft_vocab_size} target ids "
               f"(vocab map `{c.vocab_map_fingerprint or unknown}`)",
-              f"- chat template the training data was rendered with: "
+              "- chat template the training data was rendered with: "
               + (f"{c.chat_template_source} (sha256 `{c.chat_template_sha256}`); serve with the same template"
                  if c.chat_template_sha256 else unknown),
               "", "Serve it with exactly this target: another model (or revision) gives low acceptance "

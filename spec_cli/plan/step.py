@@ -24,10 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm  # noqa: F401
-from spec_cli.plan import plannable  # noqa: F401 (where the plan's callers have it from)
 from spec_cli.draft.optim import ordered
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
 from spec_cli.errors import ConfigError
+from spec_cli.plan import plannable  # noqa: F401 (where the plan's callers have it from)
 from spec_cli.plan.memory import LiveBytes, fake_weights
 from spec_cli.train_options import OptimOptions
 

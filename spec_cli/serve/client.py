@@ -206,7 +206,7 @@ class RemoteBackend(TargetBackend):
                 if response.will_close:
                     self._drop(server)
                 return response.status, response.getheader("Content-Type") or "", data
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 self._drop(server)
                 raise
             except (OSError, http.client.HTTPException) as exc:
@@ -248,7 +248,7 @@ class RemoteBackend(TargetBackend):
                                                      {"X-Spec-Plane": channel.name} if channel else None)
                 if status == 200 and channel is not None and ctype.startswith(wire.JSON_TYPE):
                     return srv, self._receive(srv, channel, data, what)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 raise RemoteError(f"the target server {srv.url} gave no answer to {what} within "
                                   f"{timeout or self.timeout:g} s",
                                   "check the server's log (a batch too large for it?) or raise the "

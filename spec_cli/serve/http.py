@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "spec-serve-target"
     sys_version = ""
     default_request_version = "HTTP/1.0"  # error answers to broken request lines get a status line
-    server: "_HTTPServer"
+    server: _HTTPServer
 
     def setup(self) -> None:
         self.timeout = self.server.request_timeout  # bounds every read: idle, headers and body
@@ -112,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not n:
                     break
                 got += n
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return _error(408, f"timed out reading the body ({got} of {length} bytes)")
         except OSError as exc:
             return _error(400, f"could not read the body: {exc}")

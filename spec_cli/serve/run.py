@@ -10,8 +10,8 @@ import os
 import signal
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from spec_cli import assets
 from spec_cli.console import info, warn

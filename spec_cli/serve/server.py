@@ -36,8 +36,8 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
 
 import torch
 
@@ -74,12 +74,12 @@ class Response:
     after: Callable[[], None] | None = None  # run once the response is flushed (the last goodbye)
 
     @classmethod
-    def json(cls, obj: dict, status: int = 200, **kw) -> "Response":
+    def json(cls, obj: dict, status: int = 200, **kw) -> Response:
         body = wire.dumps(obj)
         return cls(status, wire.JSON_TYPE, [body], len(body), **kw)
 
     @classmethod
-    def tensors(cls, encoded: wire.Encoded, **kw) -> "Response":
+    def tensors(cls, encoded: wire.Encoded, **kw) -> Response:
         return cls(200, wire.TENSOR_TYPE, encoded.parts, encoded.nbytes, **kw)
 
     def body(self) -> bytes:

@@ -16,8 +16,14 @@ from spec_cli.console import progress
 from spec_cli.data import chat_templates
 from spec_cli.data.tokenize import tokenize_data
 from spec_cli.errors import ArtifactError, ConfigError, SpecError
-from spec_cli.targets.loading import (load_config, load_tokenizer, processor_loader, resolve_target,
-                                      tokenizer_fingerprint, vocab_size)
+from spec_cli.targets.loading import (
+    load_config,
+    load_tokenizer,
+    processor_loader,
+    resolve_target,
+    tokenizer_fingerprint,
+    vocab_size,
+)
 
 COUNT_CHUNK = 1 << 24  # tokens per bincount call
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from spec_cli import assets
 from spec_cli.artifacts import checkpoint as ckpt
-from spec_cli.artifacts import feature_cache as fc, outputs
+from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts import outputs
 from spec_cli.artifacts.io import atomic_path, write_json
 from spec_cli.console import info
 from spec_cli.errors import ConfigError, SpecError
@@ -76,7 +77,7 @@ class Profile:
     one_pass_samples: int = 0
     one_pass: bool = False  # set by for_engine: this run's data is one_pass_samples answered in one pass
 
-    def for_engine(self, engine: str) -> "Profile":
+    def for_engine(self, engine: str) -> Profile:
         """The profile as a run with this regenerate engine carries it out."""
         if engine != "vllm" or not self.one_pass_samples or self.one_pass:
             return self

@@ -32,20 +32,18 @@ interrupted run).
 
 from __future__ import annotations
 
-
+import contextlib
 import json
+import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from spec_cli import __version__, assets, threads
-import contextlib
-import statistics
-import tempfile
-from typing import Callable
-
 from spec_cli.artifacts import outputs
 from spec_cli.artifacts.checkpoint import choice_note
 from spec_cli.artifacts.io import SCHEMA_VERSION, atomic_path, write_json
@@ -55,8 +53,8 @@ from spec_cli.draft import algorithms
 from spec_cli.errors import ConfigError, SpecError
 from spec_cli.eval import drafts, prompts
 from spec_cli.eval.report import Tally, fastest_depth, parting, plot_acceptance, turn_speedup
-from spec_cli.eval.speculative import DRAFT_SAMPLING, Generation, Settings, decoding_rule, eos_ids
 from spec_cli.eval.session import TorchSession, VllmSession
+from spec_cli.eval.speculative import DRAFT_SAMPLING, Generation, Settings, decoding_rule, eos_ids
 from spec_cli.eval.target import TREE_ATTENTION
 from spec_cli.targets import loading
 

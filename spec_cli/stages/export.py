@@ -22,8 +22,8 @@ from spec_cli.artifacts.io import atomic_dir
 from spec_cli.console import info, warn
 from spec_cli.draft import algorithms
 from spec_cli.draft.contract import DTYPE_NAMES
-from spec_cli.errors import ConfigError, ExportError, SpecError
 from spec_cli.engine.vllm import cannot_run as vllm_cannot_run
+from spec_cli.errors import ConfigError, ExportError, SpecError
 from spec_cli.eval import engine_check as engine
 from spec_cli.export import DTYPES, formats
 from spec_cli.export import support as engine_support

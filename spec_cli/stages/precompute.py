@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from spec_cli import assets, distributed, threads
-from spec_cli.artifacts import feature_cache as fc, guard, outputs
+from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts import guard, outputs
 from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.batch import EXTRA
 from spec_cli.console import human_bytes, info, progress, warn
@@ -31,7 +32,6 @@ from spec_cli.draft.algorithm import FINAL_HIDDEN
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.targets import loading, local
 from spec_cli.targets.backend import require_images
-
 
 _TEST_SHARD_DELAY = float(os.environ.get("SPEC_TEST_SHARD_DELAY", "0") or 0)
 

@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from spec_cli import __version__, assets, threads
-from spec_cli.artifacts import feature_cache as fc, guard, outputs
+from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts import guard, outputs
 from spec_cli.artifacts.io import atomic_path, sha256_path, write_json
 from spec_cli.console import info, progress
 from spec_cli.data import chat_templates, records, vlm

@@ -789,7 +789,7 @@ def print_tune(result: TuneResult) -> None:
     if result.recommended is not None and result.engine == "vllm":
         last = result.recommended["num_speculative_tokens_per_batch_size"][-1]
         if last[2]:
-            rows.append(("above batch {}".format(last[1]), f"not measured: vLLM keeps k {last[2]} up to its "
+            rows.append((f"above batch {last[1]}", f"not measured: vLLM keeps k {last[2]} up to its "
                          "max_num_seqs; tune with larger --batch-sizes if your server runs bigger batches"))
     if result.serve:
         rows.append(("serve", result.serve))

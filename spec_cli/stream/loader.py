@@ -21,8 +21,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Callable
 
 import torch
 

@@ -32,7 +32,7 @@ class SampleRef:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SampleRef":
+    def from_dict(cls, data: dict) -> SampleRef:
         return cls(**data)
 
 

@@ -29,11 +29,11 @@ class HostBatch:
 
     tensors: dict[str, torch.Tensor]
 
-    def pin_memory(self) -> "HostBatch":
+    def pin_memory(self) -> HostBatch:
         """In page-locked memory, so that `.to(cuda, non_blocking=True)` does not make the host wait."""
         return HostBatch({k: v.pin_memory() for k, v in self.tensors.items()})
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "HostBatch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> HostBatch:
         return HostBatch({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()})
 
 
@@ -127,7 +127,7 @@ class CacheBackend(TargetBackend):
                                           samples).to(self.device))
 
     def read_host(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None,
-                  slots: list[tuple[int, int]] | None = None, samples: list[int] | None = None) -> "HostBatch":
+                  slots: list[tuple[int, int]] | None = None, samples: list[int] | None = None) -> HostBatch:
         """The batch's stored features laid into padded host tensors: file reads and copies only, no
         device work (a reading thread runs this while the device trains; `finish` decodes on the device).
         slots: read only these ranges of the rows' slots, back to back (context parallelism: what one rank
@@ -176,7 +176,7 @@ class CacheBackend(TargetBackend):
                   "slots": None if slots is None else torch.cat([torch.arange(a, b) for a, b in ranges])}
         return HostBatch({**fields, **{k: v for k, v in inputs.items() if v is not None}})
 
-    def finish(self, host: "HostBatch") -> TargetBatch:
+    def finish(self, host: HostBatch) -> TargetBatch:
         """read_host's tensors (already on this backend's device) decoded into the TargetBatch: the
         target's distribution over the draft vocab from the stored final states (--encoding hidden)."""
         f = host.tensors

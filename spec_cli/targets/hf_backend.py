@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import inspect
 import itertools
-
 from pathlib import Path
 
 import torch
 
 from spec_cli.artifacts import vocab_map
 from spec_cli.batch import TargetBatch
-from spec_cli.targets import loading
-from spec_cli.targets.backend import IMAGE_ROWS, TargetBackend, require_images
 from spec_cli.data.vlm import TOKEN_TYPE_KEYS
 from spec_cli.draft.contract import INPUT_EMBEDS
+from spec_cli.errors import ConfigError
+from spec_cli.targets import loading
+from spec_cli.targets.backend import IMAGE_ROWS, TargetBackend, require_images
 from spec_cli.targets.capture import AuxCapture, InputCapture
 from spec_cli.targets.masks import CUSTOM_MASK_ATTENTION, Layout, for_model, image_blocks
-from spec_cli.targets.supervision import assemble_batch, draft_distribution, full_vocab_stats, selected_logits
-from spec_cli.errors import ConfigError
+from spec_cli.targets.supervision import (
+    assemble_batch,
+    draft_distribution,
+    full_vocab_stats,
+    selected_logits,
+)
 
 PACKING = "packing several documents into one row (--pack)"
 # models whose token_type_ids mark image tokens that attend each other both ways (and nothing else)

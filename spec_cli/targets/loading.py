@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spec_cli.data import chat_templates
-from spec_cli.data.chat_templates import tokenizer_fingerprint  # with the target's fingerprints below
 from spec_cli.console import warn
+from spec_cli.data import chat_templates
+from spec_cli.data.chat_templates import (
+    tokenizer_fingerprint,  # with the target's fingerprints below
+)
 from spec_cli.errors import ArtifactError, ConfigError, TargetError
 from spec_cli.paths import spec_home
 
@@ -232,8 +234,10 @@ def auto_model_class(config):
     model whose language model sits inside (Llava, Qwen2-VL, Idefics3 / SmolVLM, ...; its text decoder is
     what spec_cli runs and reads, with the weights as the model's own checkpoint names them)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     kind = getattr(config, "model_type", None)
     if kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and (

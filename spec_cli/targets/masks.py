@@ -47,7 +47,7 @@ class Layout:
     chunk_size: int | None = None
 
     @classmethod
-    def from_config(cls, config) -> "Layout":
+    def from_config(cls, config) -> Layout:
         """config.layer_types, or what transformers infers without it (get_layer_types_and_kwargs): every
         layer sliding when the config sets sliding_window (Mistral), chunked when attention_chunk_size."""
         text = text_config(config)

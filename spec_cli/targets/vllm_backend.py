@@ -50,7 +50,14 @@ from spec_cli.errors import ConfigError, TargetError
 from spec_cli.targets import loading
 from spec_cli.targets.hf_backend import LocalTargetBackend, describe_target, resolve_aux_layers
 from spec_cli.targets.prefix_states import PrefixStates
-from spec_cli.targets.vllm_worker import input_embedding, language_model, no_embedding, step_positions, step_rows, unpack
+from spec_cli.targets.vllm_worker import (
+    input_embedding,
+    language_model,
+    no_embedding,
+    step_positions,
+    step_rows,
+    unpack,
+)
 
 _request_ids = itertools.count()
 # capture_prefixes: KV blocks of 32 tokens. Prefix caching reuses whole blocks, so a row's positions past

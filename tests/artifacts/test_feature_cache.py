@@ -9,7 +9,7 @@ import torch
 
 from spec_cli.artifacts import feature_cache as fc
 from spec_cli.errors import ArtifactError
-from tests.artifacts.caches import H, VD, identity, random_samples, write_cache
+from tests.artifacts.caches import VD, H, identity, random_samples, write_cache
 
 SHARDS = [[[0, 1], [2]], [[3, 4, 5]]]  # shard -> batches -> sample indices
 

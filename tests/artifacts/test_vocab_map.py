@@ -5,8 +5,12 @@ from collections import Counter
 import pytest
 import torch
 
-from spec_cli.artifacts.vocab_map import (build_vocab_map, count_tokens, load_vocab_map,
-                                          save_vocab_map)
+from spec_cli.artifacts.vocab_map import (
+    build_vocab_map,
+    count_tokens,
+    load_vocab_map,
+    save_vocab_map,
+)
 from spec_cli.errors import ArtifactError, ConfigError
 
 
@@ -64,8 +68,8 @@ def test_bad_sizes_and_empty_data_are_clear_errors():
 
 
 def test_tampered_file_is_rejected(tmp_path):
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     vm = build_vocab_map(torch.arange(20), 8, {})
     path = tmp_path / "vm.safetensors"

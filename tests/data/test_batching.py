@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from spec_cli.artifacts.tokens import TokenizedData
-from spec_cli.data.batching import collate, collate_packed, padding_fraction, plan_batches, plan_packed
+from spec_cli.data.batching import (
+    collate,
+    collate_packed,
+    padding_fraction,
+    plan_batches,
+    plan_packed,
+)
 from spec_cli.errors import ConfigError
 
 

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from spec_cli.draft import attention
-from spec_cli.draft.attention import Segments, block_causal_bias, document_index, pick_kernel, ttt_attention
+from spec_cli.draft.attention import (
+    Segments,
+    block_causal_bias,
+    document_index,
+    pick_kernel,
+    ttt_attention,
+)
 from tests.draft import break_fused_kernel, one_thread  # noqa: F401 (autouse fixture)
 
 

@@ -18,8 +18,8 @@ import torch
 from spec_cli.draft.eagle.objective import eagle_forward
 from spec_cli.draft.eagle3.ttt import ttt_forward
 from tests.draft import one_thread, random_batch, tiny_draft  # noqa: F401 (autouse fixture)
-from tests.draft.eagle.test_objective import batch_of
 from tests.draft.eagle.test_model import eagle_draft
+from tests.draft.eagle.test_objective import batch_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.host_syncs import CountSyncs  # noqa: E402

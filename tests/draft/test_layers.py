@@ -7,8 +7,10 @@ import torch
 from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.draft.layers import rope_inv_freq
 from spec_cli.errors import ConfigError
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import tiny_config
+from tests.draft import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    tiny_config,
+)
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from spec_cli.draft.losses import (acceptance, acceptance_length, lk_alpha_loss,
-                                   soft_cross_entropy, step_loss, step_weights, top1_correct)
+from spec_cli.draft.losses import (
+    acceptance,
+    acceptance_length,
+    lk_alpha_loss,
+    soft_cross_entropy,
+    step_loss,
+    step_weights,
+    top1_correct,
+)
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 
 

@@ -26,8 +26,12 @@ def vllm_heads():
 
     engine.configure_env()
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.models import qwen3_dspark
 

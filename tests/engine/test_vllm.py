@@ -216,8 +216,8 @@ def _tampered(trained, tmp_path: Path, how: str) -> Path:
                                           ("wrong-aux", "where the checkpoint accepts"),
                                           ("missing-key", "unloaded")])
 def test_engine_check_catches_a_tampered_export(trained, tmp_path, how, expected):
-    from spec_cli.export import ExportCheckError
     from spec_cli.eval.engine_check import engine_check
+    from spec_cli.export import ExportCheckError
     from spec_cli.export.source import load_source
 
     folder = _tampered(trained, tmp_path, how)

@@ -51,8 +51,9 @@ def test_the_releases_in_the_range_are_run(version):
 
 
 def test_the_extra_pins_the_range_the_code_supports():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm-gpu"] == [versions.REQUIREMENT] and versions.REQUIREMENT == "vllm>=0.32,<0.35"

@@ -14,7 +14,6 @@ from spec_cli.export import formats
 from spec_cli.stages import export as export_stage
 from tests.export.drafts import HT, N, V, make_run
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spec_cli.export import reader
-from tests.export.drafts import FORMATS, H, HT, V, problems_of, tampered
+from tests.export.drafts import FORMATS, HT, H, V, problems_of, tampered
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.cli import main
 from spec_cli.console import set_quiet
+from spec_cli.draft.eagle3 import EAGLE3
 from spec_cli.engine import vllm
 from spec_cli.export import ExportError
 from spec_cli.export import support as engine_support

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.export.source import load_source
-from tests.export.drafts import H, N, V, VD, make_run
+from tests.export.drafts import VD, H, N, V, make_run
 
 # no import at collection: `import speculators` takes seconds (torch._inductor, datasets, transformers)
 if importlib.util.find_spec("speculators") is None:

@@ -7,11 +7,11 @@ import types
 import torch
 
 from spec_cli.draft import algorithms
+from spec_cli.plan.auto import needs_checkpointing
 from spec_cli.plan.report import FRAGMENTATION
 from spec_cli.plan.step import measure_step
-from spec_cli.plan.auto import needs_checkpointing
-from spec_cli.trainer.device import largest_batch
 from spec_cli.train_options import ObjectiveOptions, OptimOptions
+from spec_cli.trainer.device import largest_batch
 from tests.draft import tiny_config
 
 

@@ -13,8 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 from spec_cli.batch import TargetBatch
 from spec_cli.draft import algorithms
 from spec_cli.draft.config import DraftConfig
-from spec_cli.plan.step import measure_step
 from spec_cli.draft.step import forward_backward, make_optimizer, optimizer_step
+from spec_cli.plan.step import measure_step
 from spec_cli.train_options import ObjectiveOptions, OptimOptions
 
 B, T, V = 2, 384, 640

@@ -19,7 +19,6 @@ from tests import tiny
 from tests.conftest import write_jsonl
 from tests.serve.harness import ServerProcess, draft_vocab, load_backend, random_batch, start_server
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

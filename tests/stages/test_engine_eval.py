@@ -179,9 +179,9 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
 
 
 def test_training_png_shows_the_engines_acceptance(peaked_run):
-    from spec_cli.trainer.log import plot_curves
-
     import matplotlib.image
+
+    from spec_cli.trainer.log import plot_curves
 
     path = plot_curves(peaked_run["run"])
     assert matplotlib.image.imread(str(path)).shape[1] > 2000  # four panels: the engine's is the fourth

@@ -14,7 +14,6 @@ from tests import tiny
 from tests.conftest import write_jsonl
 from tests.draft.runs import own_home, vocab_and_cache
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -21,7 +21,6 @@ from tests.conftest import write_jsonl
 from tests.draft.runs import own_home, vocab_and_cache
 from tests.export.drafts import HT, N, V, make_run, read
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from spec_cli.artifacts import feature_cache as fc
+from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.cli import main
 from spec_cli.data.batching import collate
 from spec_cli.errors import ArtifactError
 from spec_cli.targets.cache_backend import CacheBackend
 from spec_cli.targets.hf_backend import HFTargetBackend
-from spec_cli.artifacts.vocab_map import load_vocab_map
 from tests import tiny
 from tests.conftest import write_jsonl
 

@@ -203,7 +203,7 @@ def test_training_from_cache_equals_training_live(setup, tmp_path):
 
 
 def test_it_learns(setup, tmp_path):
-    result = stage.run(config(setup, tmp_path / "learn", max_steps=40, eval_every=40, log_every=5))
+    stage.run(config(setup, tmp_path / "learn", max_steps=40, eval_every=40, log_every=5))
     records = [json.loads(line) for line in (tmp_path / "learn" / "log.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "eval"]

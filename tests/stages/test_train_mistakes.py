@@ -20,8 +20,8 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.guard import LOCK
 from spec_cli.cli import main
 from tests import tiny
-from tests.draft.runs import vocab_and_cache
 from tests.conftest import write_jsonl
+from tests.draft.runs import vocab_and_cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,13 +10,21 @@ import typer.main
 
 from spec_cli.cli import build_app
 from spec_cli.draft import algorithms
-from spec_cli.draft.eagle import EagleOptions
 from spec_cli.draft.dflash import DFlashOptions
 from spec_cli.draft.dspark import DSparkOptions
+from spec_cli.draft.eagle import EagleOptions
 from spec_cli.draft.msd import MsdOptions
 from spec_cli.draft.peagle import PEagleOptions
-from spec_cli.train_options import (ObjectiveFlags, ObjectiveOptions, TrainConfig, all_options, parse_duration,
-                                           parse_size, parse_size_or_auto, resumable_options)
+from spec_cli.train_options import (
+    ObjectiveFlags,
+    ObjectiveOptions,
+    TrainConfig,
+    all_options,
+    parse_duration,
+    parse_size,
+    parse_size_or_auto,
+    resumable_options,
+)
 
 
 def test_sizes_and_durations_parse_as_a_user_writes_them():

@@ -7,8 +7,16 @@ import time
 import pytest
 import torch
 
-from spec_cli.stream import (FolderStore, MemoryStore, Producer, SampleRef, SerializedBackend,
-                             StoreClosedError, StreamLoader, load)
+from spec_cli.stream import (
+    FolderStore,
+    MemoryStore,
+    Producer,
+    SampleRef,
+    SerializedBackend,
+    StoreClosedError,
+    StreamLoader,
+    load,
+)
 from tests.serve.harness import draft_vocab, load_backend, random_batch, start_server
 from tests.stream.fakes import FakeBackend, assert_same_batch, inputs
 

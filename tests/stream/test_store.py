@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from spec_cli.errors import ConfigError
-from spec_cli.stream.store import (FolderStore, MemoryStore, SampleTooLargeError, StoreClosedError,
-                                   StoreError, StoreFullError)
+from spec_cli.stream.store import (
+    FolderStore,
+    MemoryStore,
+    SampleTooLargeError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+)
 
 
 @pytest.fixture(params=["memory", "folder"])

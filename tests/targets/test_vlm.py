@@ -23,8 +23,8 @@ from spec_cli.artifacts.vocab_map import load_vocab_map
 from spec_cli.cli import main
 from spec_cli.data.batching import collate, collate_packed
 from spec_cli.data.tokenize import tokenize_data
-from spec_cli.export.support import VLLM_SERVED
 from spec_cli.errors import ConfigError, DataError
+from spec_cli.export.support import VLLM_SERVED
 from spec_cli.targets import loading
 from spec_cli.targets.cache_backend import CacheBackend
 from spec_cli.targets.hf_backend import HFTargetBackend

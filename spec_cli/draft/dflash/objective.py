@@ -28,11 +28,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from spec_cli.batch import TargetBatch
+from spec_cli.draft.attention import document_index
 from spec_cli.draft.contract import Objective
 from spec_cli.draft.dflash import default_decay
 from spec_cli.draft.dflash.model import DFlashDraft
 from spec_cli.draft.losses import chunked_soft_ce, step_loss, top1_correct, top1_hits
-from spec_cli.draft.attention import document_index
 from spec_cli.draft.unroll import ObjectiveOutput, doc_remaining, positions, shift_left, step_slots
 from spec_cli.errors import ConfigError
 

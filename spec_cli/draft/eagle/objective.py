@@ -18,9 +18,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
-from spec_cli.draft.contract import Objective
 
 from spec_cli.batch import TargetBatch
+from spec_cli.draft.contract import Objective
 from spec_cli.draft.losses import chunked_soft_ce, soft_cross_entropy
 from spec_cli.draft.unroll import ObjectiveOutput, unroll
 from spec_cli.errors import ConfigError

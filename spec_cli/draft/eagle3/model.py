@@ -23,7 +23,6 @@ and `logits(state)` applies `norm` unless `norm_output` already did.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

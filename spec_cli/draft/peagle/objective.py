@@ -42,8 +42,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from spec_cli.batch import TargetBatch
-from spec_cli.draft.contract import Objective
 from spec_cli.draft.attention import Segments
+from spec_cli.draft.contract import Objective
 from spec_cli.draft.losses import chunked_soft_ce, step_loss, top1_correct, top1_hits
 from spec_cli.draft.peagle.model import PEagleDraft
 from spec_cli.draft.unroll import ObjectiveOutput, doc_remaining, positions, shift_left

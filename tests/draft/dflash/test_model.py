@@ -9,14 +9,17 @@ import math
 import pytest
 import torch
 
-from spec_cli.draft.dflash import default_aux_layers
-from spec_cli.draft.dflash import decoding
+from spec_cli.draft.dflash import decoding, default_aux_layers
 from spec_cli.draft.dflash.model import DFlashDraft
 from spec_cli.draft.dflash.objective import DFlashObjective, offset_weights
 from spec_cli.errors import ConfigError
 from spec_cli.train_options import ObjectiveOptions
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import random_batch, selected_ids, tiny_config
+from tests.draft import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_batch,
+    selected_ids,
+    tiny_config,
+)
 
 N_AUX = 5
 

@@ -14,9 +14,17 @@ from spec_cli.draft.dspark.model import DSparkDraft
 from spec_cli.draft.dspark.objective import DSparkObjective, position_weights
 from spec_cli.errors import ConfigError
 from spec_cli.train_options import ObjectiveOptions
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import tiny_config
-from tests.draft.dflash.test_model import _docs, batch_for, checkpointing_changes_nothing, randomised, reference_block
+from tests.draft import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    tiny_config,
+)
+from tests.draft.dflash.test_model import (
+    _docs,
+    batch_for,
+    checkpointing_changes_nothing,
+    randomised,
+    reference_block,
+)
 
 RANK = 6
 

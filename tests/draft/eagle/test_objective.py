@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from spec_cli.batch import TargetBatch
-from spec_cli.train_options import ObjectiveOptions
 from spec_cli.draft.decoding import catch_up
 from spec_cli.draft.eagle.objective import EagleObjective, eagle_forward
 from spec_cli.errors import ConfigError
+from spec_cli.train_options import ObjectiveOptions
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft.eagle.test_model import H, V, eagle_draft, reference
 

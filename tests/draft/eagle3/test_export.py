@@ -13,12 +13,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spec_cli.draft.eagle3.export import sglang_aux_ids, vllm_aux_ids
 from spec_cli.errors import ConfigError
 from spec_cli.export import ExportError
 from spec_cli.export.source import load_source
-from spec_cli.draft.eagle3.export import sglang_aux_ids, vllm_aux_ids
 from spec_cli.stages import export as stage
-from tests.export.drafts import FORMATS, H, HT, N, V, VD, make_run, problems_of, read, selected_ids, tampered
+from tests.export.drafts import (
+    FORMATS,
+    HT,
+    VD,
+    H,
+    N,
+    V,
+    make_run,
+    problems_of,
+    read,
+    selected_ids,
+    tampered,
+)
 
 Q, KV, I = 4 * 8, 2 * 8, 64  # heads * head_dim, kv heads * head_dim, intermediate size
 

@@ -5,13 +5,20 @@ import json
 import pytest
 import torch
 
-from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.draft.attention import Segments
+from spec_cli.draft.config import DraftConfig
+from spec_cli.draft.eagle3.model import Eagle3Draft
 from spec_cli.draft.layers import KVCache, feature_noise
 from spec_cli.errors import ConfigError, TargetError
-from spec_cli.draft.config import DraftConfig
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import V, VD, random_batch, selected_ids, tiny_config, tiny_draft
+from tests.draft import (
+    VD,
+    V,
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_batch,
+    selected_ids,
+    tiny_config,
+    tiny_draft,
+)
 
 LAYER = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
          "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -12,11 +12,15 @@ import math
 import pytest
 import torch
 
-from spec_cli.draft.losses import acceptance_length
 from spec_cli.draft.eagle3.ttt import ttt_forward
+from spec_cli.draft.losses import acceptance_length
 from spec_cli.draft.unroll import doc_remaining, packed_positions, shift_left
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import random_batch, selected_ids, tiny_draft
+from tests.draft import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_batch,
+    selected_ids,
+    tiny_draft,
+)
 
 
 def rms(x, w, eps):

@@ -13,15 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spec_cli.train_options import ObjectiveOptions
 from spec_cli.draft.layers import KVCache, apply_rope
 from spec_cli.draft.peagle import decoding
 from spec_cli.draft.peagle.model import PEagleDraft
 from spec_cli.draft.peagle.objective import PEagleObjective, sample_rollouts, valid_depths
 from spec_cli.draft.unroll import packed_positions
 from spec_cli.errors import ConfigError
-from tests.draft import one_thread  # noqa: F401 (autouse fixture)
-from tests.draft import random_batch, selected_ids, tiny_config
+from spec_cli.train_options import ObjectiveOptions
+from tests.draft import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_batch,
+    selected_ids,
+    tiny_config,
+)
 
 
 def peagle_draft(seed=0, **overrides) -> PEagleDraft:

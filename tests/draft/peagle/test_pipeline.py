@@ -15,7 +15,8 @@ from spec_cli.cli import main
 from spec_cli.errors import ExportCheckError
 from spec_cli.export.check import check_export
 from spec_cli.export.source import load_source
-from tests.draft.runs import log, peagle_train_args as _train_args, tampered, weights
+from tests.draft.runs import log, tampered, weights
+from tests.draft.runs import peagle_train_args as _train_args
 
 LAYER0 = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
