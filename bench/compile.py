@@ -49,15 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="fp32,bf16")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'T':>6} {'precision':>9} {'eager tok/s':>12} {'compiled tok/s':>15} {'ratio':>6} "
-          f"{'first step eager / compiled s':>30} {'max loss diff':>14}")
+    print(
+        f"{'T':>6} {'precision':>9} {'eager tok/s':>12} {'compiled tok/s':>15} {'ratio':>6} "
+        f"{'first step eager / compiled s':>30} {'max loss diff':>14}"
+    )
     for T in (int(x) for x in args.lengths.split(",")):
         for precision in args.precision.split(","):
             eager, first_eager, eager_losses = run(T, precision, args.steps, False)
             comp, first_comp, comp_losses = run(T, precision, args.steps, True)
             diff = max(abs(a - b) / abs(a) for a, b in zip(eager_losses, comp_losses))
-            print(f"{T:>6} {precision:>9} {eager:>12.1f} {comp:>15.1f} {comp / eager:>5.2f}x "
-                  f"{first_eager:>14.1f} / {first_comp:<13.1f} {diff:>14.1e}", flush=True)
+            print(
+                f"{T:>6} {precision:>9} {eager:>12.1f} {comp:>15.1f} {comp / eager:>5.2f}x "
+                f"{first_eager:>14.1f} / {first_comp:<13.1f} {diff:>14.1e}",
+                flush=True,
+            )
     return 0
 
 

@@ -48,8 +48,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PATTERNS = ("gather", "gather-each-step", "ulysses", "ring")
 
 
-def sent_bytes(pattern: str, tokens: int, ranks: int, heads: int, kv: int, dim: int, width: int,
-               steps: int) -> int:
+def sent_bytes(
+    pattern: str, tokens: int, ranks: int, heads: int, kv: int, dim: int, width: int, steps: int
+) -> int:
     """Bytes one rank sends per layer and batch (an unroll of `steps` TTT steps, forward + backward)
     under `pattern`. Gradients of keys and values that add up over ranks travel in fp32 (4 bytes), as
     spec_cli accumulates them; all-gathers and reduce-scatters send N - 1 blocks per rank."""
@@ -57,11 +58,22 @@ def sent_bytes(pattern: str, tokens: int, ranks: int, heads: int, kv: int, dim: 
     kv_block = 2 * local * kv * dim  # this rank's keys and values (elements)
     if pattern == "gather":  # once per unroll: the keys gathered, their gradients reduce-scattered
         return (ranks - 1) * kv_block * (width + 4)
-    if pattern == "gather-each-step":  # per step: gathered forward and again backward, then scattered
+    if (
+        pattern == "gather-each-step"
+    ):  # per step: gathered forward and again backward, then scattered
         return steps * (ranks - 1) * kv_block * (2 * width + 4)
     if pattern == "ulysses":  # per step: q, k, v in and o out, forward; their gradients backward
-        return steps * 2 * (2 * local * heads * dim + 2 * local * kv * dim) * width * (ranks - 1) // ranks
-    if pattern == "ring":  # per step: N - 1 hops of k, v forward; of k, v and their fp32 gradients backward
+        return (
+            steps
+            * 2
+            * (2 * local * heads * dim + 2 * local * kv * dim)
+            * width
+            * (ranks - 1)
+            // ranks
+        )
+    if (
+        pattern == "ring"
+    ):  # per step: N - 1 hops of k, v forward; of k, v and their fp32 gradients backward
         return steps * (ranks - 1) * kv_block * (2 * width + 4)
     raise ValueError(pattern)
 
@@ -76,9 +88,13 @@ def _patterns(rank: int, size: int, args) -> dict[str, float]:
     q = torch.randn(1, args.heads, local, args.head_dim).to(dtype)
     k = torch.randn(1, args.kv_heads, local, args.head_dim).to(dtype)
     v = torch.randn(1, args.kv_heads, local, args.head_dim).to(dtype)
-    whole = torch.randn(1, args.kv_heads, args.tokens, args.head_dim)  # a whole row's fp32 gradients
+    whole = torch.randn(
+        1, args.kv_heads, args.tokens, args.head_dim
+    )  # a whole row's fp32 gradients
 
-    def gather() -> None:  # spec_cli: the same calls its ContextBias.whole_rows makes, once per unroll
+    def gather() -> (
+        None
+    ):  # spec_cli: the same calls its ContextBias.whole_rows makes, once per unroll
         shard.gather(k, 2), shard.gather(v, 2)
         shard.scatter_sum(whole, 2), shard.scatter_sum(whole, 2)
 
@@ -101,7 +117,9 @@ def _patterns(rank: int, size: int, args) -> dict[str, float]:
         return got.movedim(0, 1).flatten(1, 2)
 
     def ulysses() -> None:
-        for _ in range(2 * args.ttt_steps):  # forward; backward moves the same shapes (the gradients)
+        for _ in range(
+            2 * args.ttt_steps
+        ):  # forward; backward moves the same shapes (the gradients)
             qh, _, _ = heads_to_rows(q), heads_to_rows(k), heads_to_rows(v)
             rows_to_heads(qh)  # the output (as many heads as q)
 
@@ -112,14 +130,24 @@ def _patterns(rank: int, size: int, args) -> dict[str, float]:
             for payloads in ([block], [block, grads]):  # forward, backward
                 for _ in range(size - 1):
                     incoming = [torch.empty_like(p) for p in payloads]
-                    ops = [op for p, i in zip(payloads, incoming)
-                           for op in (dist.P2POp(dist.isend, p, (rank + 1) % size),
-                                      dist.P2POp(dist.irecv, i, (rank - 1) % size))]
+                    ops = [
+                        op
+                        for p, i in zip(payloads, incoming)
+                        for op in (
+                            dist.P2POp(dist.isend, p, (rank + 1) % size),
+                            dist.P2POp(dist.irecv, i, (rank - 1) % size),
+                        )
+                    ]
                     for work in dist.batch_isend_irecv(ops):
                         work.wait()
                     payloads = incoming
 
-    runs = {"gather": gather, "gather-each-step": gather_each_step, "ulysses": ulysses, "ring": ring}
+    runs = {
+        "gather": gather,
+        "gather-each-step": gather_each_step,
+        "ulysses": ulysses,
+        "ring": ring,
+    }
     seconds = {name: [] for name in PATTERNS}
     for repeat in range(args.repeats + 1):
         for name in PATTERNS:  # alternating, so drift hits every pattern alike
@@ -147,7 +175,9 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192, help="slots of the whole row")
-    parser.add_argument("--ranks", type=int, default=2, help="the context-parallel group (gloo processes)")
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="the context-parallel group (gloo processes)"
+    )
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--heads", type=int, default=32)
@@ -156,27 +186,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = parser.parse_args(argv)
     if args.tokens % (2 * args.ranks) or args.heads % args.ranks or args.kv_heads % args.ranks:
-        parser.error("--tokens must be divisible by 2 x --ranks (zig-zag chunks), --heads and --kv-heads by "
-                     "--ranks (Ulysses splits heads)")
+        parser.error(
+            "--tokens must be divisible by 2 x --ranks (zig-zag chunks), --heads and --kv-heads by "
+            "--ranks (Ulysses splits heads)"
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn"
+    )
     seconds = queue.get(timeout=5)
     width = DTYPES[args.dtype].itemsize
-    shape = (args.tokens, args.ranks, args.heads, args.kv_heads, args.head_dim, width, args.ttt_steps)
-    print(f"{args.ranks} gloo ranks on this machine, a row of {args.tokens} slots, {args.heads} heads / "
-          f"{args.kv_heads} KV heads of {args.head_dim}, {args.dtype}, {args.ttt_steps} TTT steps; per layer "
-          "and batch, forward + backward\n")
+    shape = (
+        args.tokens,
+        args.ranks,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        width,
+        args.ttt_steps,
+    )
+    print(
+        f"{args.ranks} gloo ranks on this machine, a row of {args.tokens} slots, {args.heads} heads / "
+        f"{args.kv_heads} KV heads of {args.head_dim}, {args.dtype}, {args.ttt_steps} TTT steps; per layer "
+        "and batch, forward + backward\n"
+    )
     print("| pattern | MiB sent per rank | seconds (median) | / gather |")
     print("|---|---|---|---|")
     for name in PATTERNS:
-        print(f"| {name} | {sent_bytes(name, *shape) / 2**20:.1f} | {seconds[name]:.4f} | "
-              f"{seconds[name] / seconds['gather']:.2f} |")
-    print("\nLlama-3.1-8B's draft (32 heads, 8 KV heads of 128, bf16, TTT 7), MiB sent per rank per layer and "
-          "batch, forward + backward:\n")
+        print(
+            f"| {name} | {sent_bytes(name, *shape) / 2**20:.1f} | {seconds[name]:.4f} | "
+            f"{seconds[name] / seconds['gather']:.2f} |"
+        )
+    print(
+        "\nLlama-3.1-8B's draft (32 heads, 8 KV heads of 128, bf16, TTT 7), MiB sent per rank per layer and "
+        "batch, forward + backward:\n"
+    )
     print("| row | N | " + " | ".join(PATTERNS) + " |")
     print("|---|---|" + "---|" * len(PATTERNS))
     for tokens in (32768, 131072):

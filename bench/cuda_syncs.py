@@ -73,14 +73,30 @@ def main(argv: list[str] | None = None) -> int:
                 draft = tiny_draft().to(cuda)
                 seq_lens = None if docs == 1 else [[T // docs] * docs, [T // docs] * (docs - 1)]
                 batch = random_batch(draft.config, [T, T - 5], T, seq_lens).to(cuda)
-                n = count(draft, lambda d, b: ttt_forward(d, b, ttt_steps=depth, checkpoint=ckpt), batch,
-                          where=where and depth == 3 and docs == 4 and not ckpt)
-                rows.append({"algorithm": "eagle3", "ttt": depth, "docs": docs, "checkpointing": ckpt, "syncs": n})
+                n = count(
+                    draft,
+                    lambda d, b: ttt_forward(d, b, ttt_steps=depth, checkpoint=ckpt),
+                    batch,
+                    where=where and depth == 3 and docs == 4 and not ckpt,
+                )
+                rows.append(
+                    {
+                        "algorithm": "eagle3",
+                        "ttt": depth,
+                        "docs": docs,
+                        "checkpointing": ckpt,
+                        "syncs": n,
+                    }
+                )
                 bad += any(x != 1 for x in n)
     for depth in (1, 4):
         draft = eagle_draft().to(cuda)
-        n = count(draft, lambda d, b: eagle_forward(d, b, ttt_steps=depth), batch_of([20, 13], 20).to(cuda),
-                  where=where and depth == 4)
+        n = count(
+            draft,
+            lambda d, b: eagle_forward(d, b, ttt_steps=depth),
+            batch_of([20, 13], 20).to(cuda),
+            where=where and depth == 4,
+        )
         rows.append({"algorithm": "eagle", "ttt": depth, "syncs": n})
         bad += any(x != 1 for x in n)
     for row in rows:

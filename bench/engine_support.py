@@ -52,13 +52,21 @@ def from_source(root: Path, module: str, name: str, seen: set | None = None) -> 
                 if base_name == "SupportsEagle3":
                     return True
                 where = imports.get(base_name)
-                if where and where[0].startswith("vllm.") and from_source(root, where[0], where[1], seen):
+                if (
+                    where
+                    and where[0].startswith("vllm.")
+                    and from_source(root, where[0], where[1], seen)
+                ):
                     return True
                 if not where and base_name and from_source(root, full, base_name, seen):
                     return True
             return False
     where = imports.get(name)
-    return from_source(root, where[0], where[1], seen) if where and where[0].startswith("vllm.") else None
+    return (
+        from_source(root, where[0], where[1], seen)
+        if where and where[0].startswith("vllm.")
+        else None
+    )
 
 
 def main() -> None:
@@ -84,9 +92,11 @@ def main() -> None:
         body = ", ".join(f'"{n}"' for n in sorted(names))
         return "\n".join(textwrap.wrap(body, 104, initial_indent="    ", subsequent_indent="    "))
 
-    sys.stdout.write(f'VLLM_VERSION = "{version()}"\n'
-                     f"VLLM_SERVED = frozenset({{\n{block(served)}\n}})\n"
-                     f"VLLM_NOT_SERVED = frozenset({{\n{block(not_served)}\n}})\n")
+    sys.stdout.write(
+        f'VLLM_VERSION = "{version()}"\n'
+        f"VLLM_SERVED = frozenset({{\n{block(served)}\n}})\n"
+        f"VLLM_NOT_SERVED = frozenset({{\n{block(not_served)}\n}})\n"
+    )
 
 
 if __name__ == "__main__":

@@ -88,11 +88,16 @@ def pick_data(sharegpt: Path, target: Path, n_train: int, long_range: tuple[int,
         if len(train) < n_train:
             train.append(record)
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         if long_range[0] <= len(ids) <= long_range[1]:
-            long_prompt = {"id": record.get("id", "sharegpt"), "category": "long-sharegpt",
-                           "conversations": [{"from": "human", "value": turn}], "prompt_tokens": len(ids)}
+            long_prompt = {
+                "id": record.get("id", "sharegpt"),
+                "category": "long-sharegpt",
+                "conversations": [{"from": "human", "value": turn}],
+                "prompt_tokens": len(ids),
+            }
             break
     if long_prompt is None:
         sys.exit(f"no ShareGPT prompt of {long_range} tokens in the first 5000 records")
@@ -115,50 +120,167 @@ def main_bench() -> None:
     ap.add_argument("--batch-tokens", type=int, default=1024, help="tokens per packed training row")
     ap.add_argument("--mt-bench", type=int, default=2, help="MT-bench questions (2 turns each)")
     ap.add_argument("--new-tokens", type=int, default=64, help="max new tokens per MT-bench turn")
-    ap.add_argument("--long-new-tokens", type=int, default=80, help="max new tokens for the long prompt")
+    ap.add_argument(
+        "--long-new-tokens", type=int, default=80, help="max new tokens for the long prompt"
+    )
     args = ap.parse_args()
 
-    found = assets.ensure_all() | {"gemma3": assets.ensure_gemma3()}  # the user's SPEC_HOME (installs)
+    found = assets.ensure_all() | {
+        "gemma3": assets.ensure_gemma3()
+    }  # the user's SPEC_HOME (installs)
     target, sharegpt = found["gemma3"], found["sharegpt"]
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     os.environ["SPEC_HOME"] = str(out / "home")  # tokenisation caches etc. stay under --out
-    os.environ.setdefault("SPEC_ENGINE_CHECK", "none")  # vLLM cannot load a Gemma 3 EAGLE-3 draft anyway
+    os.environ.setdefault(
+        "SPEC_ENGINE_CHECK", "none"
+    )  # vLLM cannot load a Gemma 3 EAGLE-3 draft anyway
     times: dict[str, float] = {}
 
     start = time.perf_counter()
     # the long prompt: within a few tokens of the window, so decoding crosses it even if the answer is short
-    data, long_file, long_tokens = pick_data(sharegpt, target, args.samples, (WINDOW - 16, WINDOW + 64), out)
+    data, long_file, long_tokens = pick_data(
+        sharegpt, target, args.samples, (WINDOW - 16, WINDOW + 64), out
+    )
     times["pick data"] = time.perf_counter() - start
     vm, cache, run = out / "vocab.safetensors", out / "cache", out / "run"
     template = ["--chat-template", TEMPLATE]
-    for path in (vm, cache, run, out / "export-sglang", out / "export-vllm", out / "eval-mt-bench",
-                 out / "eval-long"):
+    for path in (
+        vm,
+        cache,
+        run,
+        out / "export-sglang",
+        out / "export-vllm",
+        out / "eval-mt-bench",
+        out / "eval-long",
+    ):
         if path.exists():
-            sys.exit(f"{path} exists: pass another --out (the bench measures every stage from scratch)")
+            sys.exit(
+                f"{path} exists: pass another --out (the bench measures every stage from scratch)"
+            )
 
-    times["build-vocab-map"] = spec("build-vocab-map", "-t", target, "-d", data, *template, "--max-length",
-                                    args.max_length, "--draft-vocab-size", args.vocab, "-o", vm)
-    times["precompute"] = spec("precompute", "-t", target, "-d", data, "-v", vm, *template, "--max-length",
-                               args.max_length, "--batch-tokens", 2048, "--threads", 1, "-o", cache)
-    times["train"] = spec("train", "--cache", cache, "-v", vm, "-o", run, "--pack", "--batch-tokens",
-                          args.batch_tokens, "--ttt-steps", 3, "--max-steps", args.steps, "--lr", 1e-3,
-                          "--warmup-ratio", 0.1, "--eval-fraction", 0.1, "--eval-every", args.steps // 2,
-                          "--log-every", 5, "--save-every", args.steps, "--keep-last", 1)
-    times["export sglang"] = spec("export", run, "--format", "sglang", "-t", target, "-o", out / "export-sglang")
-    times["export vllm"] = spec("export", run, "--format", "vllm", "--allow-unsupported-target", "-t", target,
-                                "-o", out / "export-vllm")
-    common = ["-t", target, *template, "--depth", 3, "--topk", 1, "--temperature", 0, "--threads", 1]
-    times["eval mt-bench"] = spec("eval", *common, "--draft", out / "export-sglang", "--prompts", "mt-bench",
-                                  "--num-prompts", args.mt_bench, "--max-new-tokens", args.new_tokens,
-                                  "-o", out / "eval-mt-bench")
-    times["eval long prompt"] = spec("eval", *common, "--draft", out / "export-vllm", "--prompts", long_file,
-                                     "--max-new-tokens", args.long_new_tokens, "-o", out / "eval-long")
+    times["build-vocab-map"] = spec(
+        "build-vocab-map",
+        "-t",
+        target,
+        "-d",
+        data,
+        *template,
+        "--max-length",
+        args.max_length,
+        "--draft-vocab-size",
+        args.vocab,
+        "-o",
+        vm,
+    )
+    times["precompute"] = spec(
+        "precompute",
+        "-t",
+        target,
+        "-d",
+        data,
+        "-v",
+        vm,
+        *template,
+        "--max-length",
+        args.max_length,
+        "--batch-tokens",
+        2048,
+        "--threads",
+        1,
+        "-o",
+        cache,
+    )
+    times["train"] = spec(
+        "train",
+        "--cache",
+        cache,
+        "-v",
+        vm,
+        "-o",
+        run,
+        "--pack",
+        "--batch-tokens",
+        args.batch_tokens,
+        "--ttt-steps",
+        3,
+        "--max-steps",
+        args.steps,
+        "--lr",
+        1e-3,
+        "--warmup-ratio",
+        0.1,
+        "--eval-fraction",
+        0.1,
+        "--eval-every",
+        args.steps // 2,
+        "--log-every",
+        5,
+        "--save-every",
+        args.steps,
+        "--keep-last",
+        1,
+    )
+    times["export sglang"] = spec(
+        "export", run, "--format", "sglang", "-t", target, "-o", out / "export-sglang"
+    )
+    times["export vllm"] = spec(
+        "export",
+        run,
+        "--format",
+        "vllm",
+        "--allow-unsupported-target",
+        "-t",
+        target,
+        "-o",
+        out / "export-vllm",
+    )
+    common = [
+        "-t",
+        target,
+        *template,
+        "--depth",
+        3,
+        "--topk",
+        1,
+        "--temperature",
+        0,
+        "--threads",
+        1,
+    ]
+    times["eval mt-bench"] = spec(
+        "eval",
+        *common,
+        "--draft",
+        out / "export-sglang",
+        "--prompts",
+        "mt-bench",
+        "--num-prompts",
+        args.mt_bench,
+        "--max-new-tokens",
+        args.new_tokens,
+        "-o",
+        out / "eval-mt-bench",
+    )
+    times["eval long prompt"] = spec(
+        "eval",
+        *common,
+        "--draft",
+        out / "export-vllm",
+        "--prompts",
+        long_file,
+        "--max-new-tokens",
+        args.long_new_tokens,
+        "-o",
+        out / "eval-long",
+    )
 
     report(out, target, vm, cache, run, times, long_tokens)
 
 
-def report(out: Path, target: Path, vm: Path, cache: Path, run: Path, times: dict, long_tokens: int) -> None:
+def report(
+    out: Path, target: Path, vm: Path, cache: Path, run: Path, times: dict, long_tokens: int
+) -> None:
     from spec_cli.artifacts.vocab_map import load_vocab_map
 
     vmeta = load_vocab_map(vm).metadata
@@ -167,56 +289,109 @@ def report(out: Path, target: Path, vm: Path, cache: Path, run: Path, times: dic
     train = [r for r in log if r["split"] == "train"]
     evals = [r for r in log if r["split"] == "eval"]
     cache_bytes = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
-    results = {"target": str(target), "template": str(TEMPLATE), "seconds": {k: round(v, 1) for k, v in times.items()}}
+    results = {
+        "target": str(target),
+        "template": str(TEMPLATE),
+        "seconds": {k: round(v, 1) for k, v in times.items()},
+    }
 
-    print("\n" + "=" * 78 + "\nGemma 3 270M (base) + examples/gemma3_chat.jinja, CPU, one niced thread\n" + "=" * 78)
-    print(f"vocab map     {vmeta.get('num_samples')} samples, {vmeta.get('num_tokens_counted')} supervised tokens, "
-          f"{vmeta.get('num_distinct_tokens')} distinct; draft vocab {vmeta.get('draft_vocab_size')} of "
-          f"{vmeta.get('target_vocab_size')}: coverage {float(vmeta.get('coverage', 0)):.4f}")
+    print(
+        "\n"
+        + "=" * 78
+        + "\nGemma 3 270M (base) + examples/gemma3_chat.jinja, CPU, one niced thread\n"
+        + "=" * 78
+    )
+    print(
+        f"vocab map     {vmeta.get('num_samples')} samples, {vmeta.get('num_tokens_counted')} supervised tokens, "
+        f"{vmeta.get('num_distinct_tokens')} distinct; draft vocab {vmeta.get('draft_vocab_size')} of "
+        f"{vmeta.get('target_vocab_size')}: coverage {float(vmeta.get('coverage', 0)):.4f}"
+    )
     tokens = manifest["num_tokens"]
-    print(f"cache         {manifest['num_samples']} samples, {tokens} tokens, encoding {manifest['encoding']}, "
-          f"{cache_bytes / 2**20:.0f} MiB on disk, {tokens / times['precompute']:.0f} tokens/s (stage wall time)")
+    print(
+        f"cache         {manifest['num_samples']} samples, {tokens} tokens, encoding {manifest['encoding']}, "
+        f"{cache_bytes / 2**20:.0f} MiB on disk, {tokens / times['precompute']:.0f} tokens/s (stage wall time)"
+    )
     if train:
         first, last = train[0], train[-1]
-        print(f"train         {last['step']} steps; loss {first['loss']:.3f} (step {first['step']}) -> "
-              f"{last['loss']:.3f}; top-1 acc per TTT step {[round(a, 3) for a in last['acc']]}")
+        print(
+            f"train         {last['step']} steps; loss {first['loss']:.3f} (step {first['step']}) -> "
+            f"{last['loss']:.3f}; top-1 acc per TTT step {[round(a, 3) for a in last['acc']]}"
+        )
     if evals:
         e = evals[-1]
         acc = [round(a, 3) for a in e["acc"]]
-        print(f"              held-out at step {e['step']}: loss {e['loss']:.3f}, acc {acc}, "
-              f"simulated acceptance length {e.get('acceptance_length', float('nan')):.3f}")
-    results.update(vocab_map={k: vmeta.get(k) for k in ("num_samples", "num_tokens_counted", "num_distinct_tokens",
-                                                         "draft_vocab_size", "coverage")},
-                   cache={"tokens": tokens, "bytes": cache_bytes}, train_log={"first": train[:1], "last": train[-1:],
-                                                                                "eval": evals[-1:]})
+        print(
+            f"              held-out at step {e['step']}: loss {e['loss']:.3f}, acc {acc}, "
+            f"simulated acceptance length {e.get('acceptance_length', float('nan')):.3f}"
+        )
+    results.update(
+        vocab_map={
+            k: vmeta.get(k)
+            for k in (
+                "num_samples",
+                "num_tokens_counted",
+                "num_distinct_tokens",
+                "draft_vocab_size",
+                "coverage",
+            )
+        },
+        cache={"tokens": tokens, "bytes": cache_bytes},
+        train_log={"first": train[:1], "last": train[-1:], "eval": evals[-1:]},
+    )
     for name in ("export-sglang", "export-vllm"):
         config = json.loads((out / name / "config.json").read_text())
         size = sum(p.stat().st_size for p in (out / name).iterdir())
         support = config.get("spec_cli", {}).get("engine_support", {})
-        print(f"{name:<14}{size / 2**20:.1f} MiB, {support.get('engine')}: served={support.get('served')}")
+        print(
+            f"{name:<14}{size / 2**20:.1f} MiB, {support.get('engine')}: served={support.get('served')}"
+        )
     for name in ("eval-mt-bench", "eval-long"):
         o = json.loads((out / name / "eval.json").read_text())["overall"]
         turns = read_jsonl(out / name / "outputs.jsonl")
         rates = [round(a, 3) if a is not None else None for a in o["acceptance_rate"]]
-        print(f"{name:<14}{o['turns']} turns: acceptance length {o['acceptance_length']:.3f}, acceptance rate by "
-              f"position {rates}, "
-              f"same_as_target {o['same_as_target']}/{o['turns']}, target {o['target_tokens_per_s']:.2f} tok/s, "
-              f"spec {o['spec_tokens_per_s']:.2f} tok/s ({o['speedup']:.2f}x)")
+        print(
+            f"{name:<14}{o['turns']} turns: acceptance length {o['acceptance_length']:.3f}, acceptance rate by "
+            f"position {rates}, "
+            f"same_as_target {o['same_as_target']}/{o['turns']}, target {o['target_tokens_per_s']:.2f} tok/s, "
+            f"spec {o['spec_tokens_per_s']:.2f} tok/s ({o['speedup']:.2f}x)"
+        )
         for t in turns:
             total = t["prompt_tokens"] + t["tokens"]
-            print(f"              {t['id']} turn {t['turn']}: prompt {t['prompt_tokens']} + output {t['tokens']} = "
-                  f"{total} tokens{' (past the 512 window)' if total > WINDOW else ''}, accepted per step "
-                  f"{t['accepted_per_step'][:24]}{'...' if len(t['accepted_per_step']) > 24 else ''}, "
-                  f"same_as_target {t['same_as_target']}")
-        results[name] = {"overall": o, "turns": [{k: t[k] for k in ("id", "turn", "prompt_tokens", "tokens",
-                                                                      "accepted_per_step", "same_as_target")}
-                                                   for t in turns]}
+            print(
+                f"              {t['id']} turn {t['turn']}: prompt {t['prompt_tokens']} + output {t['tokens']} = "
+                f"{total} tokens{' (past the 512 window)' if total > WINDOW else ''}, accepted per step "
+                f"{t['accepted_per_step'][:24]}{'...' if len(t['accepted_per_step']) > 24 else ''}, "
+                f"same_as_target {t['same_as_target']}"
+            )
+        results[name] = {
+            "overall": o,
+            "turns": [
+                {
+                    k: t[k]
+                    for k in (
+                        "id",
+                        "turn",
+                        "prompt_tokens",
+                        "tokens",
+                        "accepted_per_step",
+                        "same_as_target",
+                    )
+                }
+                for t in turns
+            ],
+        }
     print("seconds       " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     (out / "gemma3.json").write_text(json.dumps(results, indent=2))
     long_turns = results["eval-long"]["turns"]
-    ok = all(t["same_as_target"] for name in ("eval-mt-bench", "eval-long") for t in results[name]["turns"])
+    ok = all(
+        t["same_as_target"]
+        for name in ("eval-mt-bench", "eval-long")
+        for t in results[name]["turns"]
+    )
     past = any(t["prompt_tokens"] + t["tokens"] > WINDOW for t in long_turns)
-    print(f"\ngreedy output identical to the target's on every turn: {ok}; a turn past the window: {past}")
+    print(
+        f"\ngreedy output identical to the target's on every turn: {ok}; a turn past the window: {past}"
+    )
     if not (ok and past):
         sys.exit(1)
 

@@ -22,8 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.index.Tensor_bool",
-           "aten.unique", "aten._unique2", "aten.repeat_interleave.Tensor"}
+SYNCING = {
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten.index.Tensor_bool",
+    "aten.unique",
+    "aten._unique2",
+    "aten.repeat_interleave.Tensor",
+}
 
 
 class CountSyncs(TorchDispatchMode):
@@ -62,13 +69,19 @@ class CountSyncs(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket) if not str(func).startswith("aten.index.Tensor") else "aten.index.Tensor"
+        name = (
+            str(func.overloadpacket)
+            if not str(func).startswith("aten.index.Tensor")
+            else "aten.index.Tensor"
+        )
         if name == "aten._local_scalar_dense" and id(args[0]) in self.host:
             pass
         elif name in SYNCING:
             self.counts[name] += 1
-        elif name == "aten.index.Tensor" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                 for i in (args[1] if len(args) > 1 else []) or []):
+        elif name == "aten.index.Tensor" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 else []) or []
+        ):
             self.counts["aten.index.Tensor_bool"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -97,8 +110,10 @@ def main() -> int:
     for ttt_steps in (1, 3, 7):
         for docs in (1, 4, 8):
             counts = step_syncs(ttt_steps, docs)
-            print(f"{ttt_steps:>9} {docs:>8} {sum(counts.values()):>6}  "
-                  + ", ".join(f"{k.replace('aten.', '')} {v}" for k, v in sorted(counts.items())))
+            print(
+                f"{ttt_steps:>9} {docs:>8} {sum(counts.values()):>6}  "
+                + ", ".join(f"{k.replace('aten.', '')} {v}" for k, v in sorted(counts.items()))
+            )
     return 0
 
 

@@ -28,8 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("the model can write code and answer questions about data in a few lines , then it explains why "
-         "each step matters : 1 2 3 ; training drafts for speculative decoding needs the target's answers").split()
+WORDS = (
+    "the model can write code and answer questions about data in a few lines , then it explains why "
+    "each step matters : 1 2 3 ; training drafts for speculative decoding needs the target's answers"
+).split()
 
 CHILD = r"""
 import json, resource, sys, time
@@ -63,7 +65,9 @@ def huge_text(megabytes: float, seed: int = 0) -> str:
 
 
 def child(way: str, target: str, record: Path, max_length: int) -> dict:
-    code = CHILD.format(root=str(ROOT), target=target, record=str(record), way=way, max_length=max_length)
+    code = CHILD.format(
+        root=str(ROOT), target=target, record=str(record), way=way, max_length=max_length
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{way}: {done.stderr[-2000:]}")
@@ -73,14 +77,35 @@ def child(way: str, target: str, record: Path, max_length: int) -> dict:
 def build_vocab_map(target: str, data: Path, out: Path, max_length: int) -> dict:
     """`spec build-vocab-map` in a process of its own: its peak memory (this process's largest child's)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "spec_cli.cli", "build-vocab-map", "-t", target, "-d", str(data),
-                           "--draft-vocab-size", "4096", "--max-length", str(max_length), "-o", str(out), "-q"],
-                          capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "SPEC_HOME": str(out.parent / "home")})  # no tokenized cache
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spec_cli.cli",
+            "build-vocab-map",
+            "-t",
+            target,
+            "-d",
+            str(data),
+            "--draft-vocab-size",
+            "4096",
+            "--max-length",
+            str(max_length),
+            "-o",
+            str(out),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "SPEC_HOME": str(out.parent / "home")},
+    )  # no tokenized cache
     if done.returncode:
         raise RuntimeError(f"build-vocab-map: {done.stderr[-2000:]}")
-    return {"seconds": time.perf_counter() - start,
-            "peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    return {
+        "seconds": time.perf_counter() - start,
+        "peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,14 +119,27 @@ def main(argv: list[str] | None = None) -> int:
 
         args.target = str(ensure_smollm2(install=False))
     with tempfile.TemporaryDirectory() as tmp:
-        record = {"messages": [{"role": "user", "content": "Write a long story."},
-                               {"role": "assistant", "content": huge_text(args.mb)}]}
+        record = {
+            "messages": [
+                {"role": "user", "content": "Write a long story."},
+                {"role": "assistant", "content": huge_text(args.mb)},
+            ]
+        }
         path = Path(tmp) / "huge.json"
         path.write_text(json.dumps(record))
         data = Path(tmp) / "data.jsonl"
-        ordinary = [{"messages": [{"role": "user", "content": huge_text(0.0005, i)},
-                                  {"role": "assistant", "content": huge_text(0.001, 100 + i)}]} for i in range(20)]
-        data.write_text("".join(json.dumps(r) + "\n" for r in [*ordinary[:10], record, *ordinary[10:]]))
+        ordinary = [
+            {
+                "messages": [
+                    {"role": "user", "content": huge_text(0.0005, i)},
+                    {"role": "assistant", "content": huge_text(0.001, 100 + i)},
+                ]
+            }
+            for i in range(20)
+        ]
+        data.write_text(
+            "".join(json.dumps(r) + "\n" for r in [*ordinary[:10], record, *ordinary[10:]])
+        )
         # first: RUSAGE_CHILDREN is the largest child's so far (the others report their own)
         vocab = build_vocab_map(args.target, data, Path(tmp) / "vm.safetensors", args.max_length)
         cut = child("cut", args.target, path, args.max_length)
@@ -109,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         same = cut["ids"] == whole["ids"] and cut["mask"] == whole["mask"]
     print(f"one record of {args.mb:g} MB, --max-length {args.max_length}, tokenizer {args.target}")
     print(f"  whole (baseline): peak {whole['peak_mb']:8.0f} MB, {whole['seconds']:6.2f} s")
-    print(f"  cut:              peak {cut['peak_mb']:8.0f} MB, {cut['seconds']:6.2f} s   "
-          f"(whole / cut: {whole['peak_mb'] / cut['peak_mb']:.1f}x memory, "
-          f"{whole['seconds'] / max(cut['seconds'], 1e-9):.0f}x time)")
-    print(f"  spec build-vocab-map over it and 20 ordinary records: peak {vocab['peak_mb']:.0f} MB, "
-          f"{vocab['seconds']:.1f} s")
+    print(
+        f"  cut:              peak {cut['peak_mb']:8.0f} MB, {cut['seconds']:6.2f} s   "
+        f"(whole / cut: {whole['peak_mb'] / cut['peak_mb']:.1f}x memory, "
+        f"{whole['seconds'] / max(cut['seconds'], 1e-9):.0f}x time)"
+    )
+    print(
+        f"  spec build-vocab-map over it and 20 ordinary records: peak {vocab['peak_mb']:.0f} MB, "
+        f"{vocab['seconds']:.1f} s"
+    )
     print(f"  the cut record's {len(cut['ids'])} ids and mask equal the whole one's: {same}")
     return 0 if same else 1
 

@@ -48,17 +48,44 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TOKEN = "kill-resume"
-TRAIN_OPTS = ["--ttt-steps", "3", "--lr", "3e-3", "--max-steps", "12", "--save-every", "4", "--keep-last", "2",
-              "--log-every", "1", "--eval-every", "4", "--batch-tokens", "512", "--eval-fraction", "0.2",
-              "--stop-grace", "10", "-q"]
+TRAIN_OPTS = [
+    "--ttt-steps",
+    "3",
+    "--lr",
+    "3e-3",
+    "--max-steps",
+    "12",
+    "--save-every",
+    "4",
+    "--keep-last",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "4",
+    "--batch-tokens",
+    "512",
+    "--eval-fraction",
+    "0.2",
+    "--stop-grace",
+    "10",
+    "-q",
+]
 GRACE = 10.0  # --stop-grace above: how long a `term` trial waits for the command to exit by itself
 PRECOMPUTE_OPTS = ["--batch-tokens", "512", "--shard-tokens", "600", "-q"]
 
 
 def env_for(home: Path) -> dict:
-    env = {**os.environ, "SPEC_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "SPEC_ENGINE_CHECK": "none", "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "SPEC_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "SPEC_ENGINE_CHECK": "none",
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "200",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("SPEC_SERVE_TOKEN", None)
     env.pop("SPEC_TEST_SHARD_DELAY", None)
     return env
@@ -79,15 +106,23 @@ def make_setup(root: Path, samples: int = 48) -> dict:
     from tests import tiny
 
     root.mkdir(parents=True, exist_ok=True)
-    target = tiny.peaked_copy(tiny.save_tiny_target(root / "tiny-llama", "llama3", with_model=True),
-                              root / "peaky-llama")
+    target = tiny.peaked_copy(
+        tiny.save_tiny_target(root / "tiny-llama", "llama3", with_model=True), root / "peaky-llama"
+    )
     rng = random.Random(11)
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(samples)))
     env = env_for(root / "home")
     vm, cache = root / "vm.safetensors", root / "cache"
-    run_ok(spec("build-vocab-map", "-t", target, "-d", data, "--draft-vocab-size", "96", "-o", vm, "-q"), env)
-    run_ok(spec("precompute", "-t", target, "-d", data, "-v", vm, "-o", cache, *PRECOMPUTE_OPTS), env)
+    run_ok(
+        spec(
+            "build-vocab-map", "-t", target, "-d", data, "--draft-vocab-size", "96", "-o", vm, "-q"
+        ),
+        env,
+    )
+    run_ok(
+        spec("precompute", "-t", target, "-d", data, "-v", vm, "-o", cache, *PRECOMPUTE_OPTS), env
+    )
     return {"root": root, "target": target, "data": data, "vm": vm, "cache": cache, "env": env}
 
 
@@ -95,10 +130,28 @@ class Server:
     """`spec serve-target` on 127.0.0.1 (any free port) in a subprocess; its URL read from its output."""
 
     def __init__(self, setup: dict, startup_s: float = 120.0):
-        self.proc = subprocess.Popen(spec("serve-target", "-t", setup["target"], "--host", "127.0.0.1",
-                                          "--port", "0", "--token", TOKEN, "--dtype", "fp32", "--device", "cpu"),
-                                     env=setup["env"], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            spec(
+                "serve-target",
+                "-t",
+                setup["target"],
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--token",
+                TOKEN,
+                "--dtype",
+                "fp32",
+                "--device",
+                "cpu",
+            ),
+            env=setup["env"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.output: list[str] = []
         found = threading.Event()
         self.url: str | None = None
@@ -106,7 +159,9 @@ class Server:
         def read():
             for line in self.proc.stdout:
                 self.output.append(line)
-                if self.url is None and (m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)):
+                if self.url is None and (
+                    m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+                ):
                     self.url = m.group(1)
                     found.set()
             found.set()
@@ -128,6 +183,7 @@ class Server:
 
 # ----------------------------------------------------------------------------- comparing results
 
+
 def train_result(run: Path) -> dict:
     """The final checkpoint's name and model tensors."""
     from safetensors.torch import load_file
@@ -135,8 +191,10 @@ def train_result(run: Path) -> dict:
     from spec_cli.artifacts import checkpoint as ckpt
 
     latest = ckpt.latest_checkpoint(run)
-    return {"checkpoint": None if latest is None else latest.name,
-            "tensors": {} if latest is None else load_file(str(latest / "model.safetensors"))}
+    return {
+        "checkpoint": None if latest is None else latest.name,
+        "tensors": {} if latest is None else load_file(str(latest / "model.safetensors")),
+    }
 
 
 def same_train(a: Path, b: Path) -> str | None:
@@ -155,8 +213,11 @@ def same_train(a: Path, b: Path) -> str | None:
 
 def digest(folder: Path) -> dict:
     """Every file of the folder by content (not the lock file: it names the process that held it)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".spec.lock"}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".spec.lock"
+    }
 
 
 def same_cache(a: Path, b: Path) -> str | None:
@@ -170,11 +231,15 @@ def same_cache(a: Path, b: Path) -> str | None:
 
 def leftovers(folder: Path) -> list[str]:
     """Temporary files a finished command left behind (a half-written file not cleaned up)."""
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and ("tmp" in p.name.lower() or p.name.endswith(".partial")))
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and ("tmp" in p.name.lower() or p.name.endswith(".partial"))
+    )
 
 
 # ----------------------------------------------------------------------------- scenarios
+
 
 def logged_steps(run: Path) -> int:
     """The last step `spec train` logged in `run` (--log-every 1: the steps finished)."""
@@ -201,7 +266,11 @@ def saved_steps(run: Path) -> int:
 def train_kept(run: Path, logged: int) -> str | None:
     """After a SIGTERM: the checkpoint holds every step logged before the signal."""
     saved = saved_steps(run)
-    return None if saved >= logged else f"{logged - saved} finished step(s) lost (logged {logged}, saved {saved})"
+    return (
+        None
+        if saved >= logged
+        else f"{logged - saved} finished step(s) lost (logged {logged}, saved {saved})"
+    )
 
 
 def shards_written(cache: Path) -> set[str]:
@@ -217,11 +286,19 @@ def shards_kept(cache: Path, written: set[str]) -> str | None:
 class Scenario:
     name: str
     command: Callable[[Path, bool], list[str]]  # (output folder, resume) -> argv
-    compare: Callable[[Path, Path], str | None]  # (straight, resumed) -> None when equal, else why not
+    compare: Callable[
+        [Path, Path], str | None
+    ]  # (straight, resumed) -> None when equal, else why not
     env: dict
-    progress: Callable[[Path], object] = logged_steps  # what is finished now, read when the signal is sent
-    kept: Callable[[Path, object], str | None] = train_kept  # after a SIGTERM: nothing finished was lost
-    group: bool = False  # signal the whole process group (torchrun: the agent and its ranks, as Slurm does)
+    progress: Callable[[Path], object] = (
+        logged_steps  # what is finished now, read when the signal is sent
+    )
+    kept: Callable[[Path, object], str | None] = (
+        train_kept  # after a SIGTERM: nothing finished was lost
+    )
+    group: bool = (
+        False  # signal the whole process group (torchrun: the agent and its ranks, as Slurm does)
+    )
 
 
 def free_port() -> int:
@@ -233,36 +310,127 @@ def free_port() -> int:
 
 
 def torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), "-m", "spec_cli.cli", *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "spec_cli.cli",
+        *map(str, args),
+    ]
 
 
 def scenarios(setup: dict, server_url: str | None, torchrun_too: bool = True) -> list[Scenario]:
     s = setup
     resuming = lambda resume: ["--resume"] if resume else []  # noqa: E731
-    out = [Scenario("train --cache",
-                    lambda o, resume: spec("train", "--cache", s["cache"], "-v", s["vm"], "-o", o, *TRAIN_OPTS,
-                                           *resuming(resume)),
-                    same_train, s["env"])]
+    out = [
+        Scenario(
+            "train --cache",
+            lambda o, resume: spec(
+                "train",
+                "--cache",
+                s["cache"],
+                "-v",
+                s["vm"],
+                "-o",
+                o,
+                *TRAIN_OPTS,
+                *resuming(resume),
+            ),
+            same_train,
+            s["env"],
+        )
+    ]
     if server_url is not None:
-        out.append(Scenario("train --remote",
-                            lambda o, resume: spec("train", "--remote", server_url, "--token", TOKEN, "--data",
-                                                   s["data"], "-v", s["vm"], "-o", o, *TRAIN_OPTS,
-                                                   *resuming(resume)),
-                            same_train, s["env"]))
-    out.append(Scenario("train --target",
-                        lambda o, resume: spec("train", "--target", s["target"], "--data", s["data"], "-v", s["vm"],
-                                               "--dtype", "fp32", "-o", o, *TRAIN_OPTS, *resuming(resume)),
-                        same_train, s["env"]))
+        out.append(
+            Scenario(
+                "train --remote",
+                lambda o, resume: spec(
+                    "train",
+                    "--remote",
+                    server_url,
+                    "--token",
+                    TOKEN,
+                    "--data",
+                    s["data"],
+                    "-v",
+                    s["vm"],
+                    "-o",
+                    o,
+                    *TRAIN_OPTS,
+                    *resuming(resume),
+                ),
+                same_train,
+                s["env"],
+            )
+        )
+    out.append(
+        Scenario(
+            "train --target",
+            lambda o, resume: spec(
+                "train",
+                "--target",
+                s["target"],
+                "--data",
+                s["data"],
+                "-v",
+                s["vm"],
+                "--dtype",
+                "fp32",
+                "-o",
+                o,
+                *TRAIN_OPTS,
+                *resuming(resume),
+            ),
+            same_train,
+            s["env"],
+        )
+    )
     if torchrun_too:
-        out.append(Scenario("train --cache, torchrun x2",
-                            lambda o, resume: torchrun("train", "--cache", s["cache"], "-v", s["vm"], "-o", o,
-                                                       *TRAIN_OPTS, *resuming(resume)),
-                            same_train, s["env"], group=True))
-    out.append(Scenario("precompute",
-                        lambda o, resume: spec("precompute", "-t", s["target"], "-d", s["data"], "-v", s["vm"],
-                                               "-o", o, *PRECOMPUTE_OPTS),
-                        same_cache, s["env"], progress=shards_written, kept=shards_kept))
+        out.append(
+            Scenario(
+                "train --cache, torchrun x2",
+                lambda o, resume: torchrun(
+                    "train",
+                    "--cache",
+                    s["cache"],
+                    "-v",
+                    s["vm"],
+                    "-o",
+                    o,
+                    *TRAIN_OPTS,
+                    *resuming(resume),
+                ),
+                same_train,
+                s["env"],
+                group=True,
+            )
+        )
+    out.append(
+        Scenario(
+            "precompute",
+            lambda o, resume: spec(
+                "precompute",
+                "-t",
+                s["target"],
+                "-d",
+                s["data"],
+                "-v",
+                s["vm"],
+                "-o",
+                o,
+                *PRECOMPUTE_OPTS,
+            ),
+            same_cache,
+            s["env"],
+            progress=shards_written,
+            kept=shards_kept,
+        )
+    )
     return out
 
 
@@ -274,7 +442,9 @@ class Trial:
     lost: str | None = None  # term: what finished work the stop lost (None: nothing)
     stop_s: float | None = None  # term: seconds from SIGTERM to the exit
     code: int | None = None  # the first run's exit code (None: SIGKILLed)
-    then_killed: list[bool] = field(default_factory=list)  # the resumed runs killed in turn (`then`)
+    then_killed: list[bool] = field(
+        default_factory=list
+    )  # the resumed runs killed in turn (`then`)
     lock_ok: bool = True
     resumed_ok: bool = True
     equal: bool = True
@@ -313,15 +483,29 @@ def new_files(out: Path) -> Callable[[], bool]:
     return lambda: any(p.is_file() and p not in before for p in out.rglob("*"))
 
 
-def _killed_at(command: list[str], env: dict, kill_at: float | Callable[[], bool], timeout: float = 300.0,
-               how: str = "kill", group: bool = False, progress: Callable[[], object] | None = None,
-               rng: random.Random | None = None) -> tuple[bool, int | None, str, object, float | None]:
+def _killed_at(
+    command: list[str],
+    env: dict,
+    kill_at: float | Callable[[], bool],
+    timeout: float = 300.0,
+    how: str = "kill",
+    group: bool = False,
+    progress: Callable[[], object] | None = None,
+    rng: random.Random | None = None,
+) -> tuple[bool, int | None, str, object, float | None]:
     """Run `command`, signal it `kill_at` s after its start (or once `kill_at()` is true): SIGKILL (`kill`),
     SIGTERM and a wait for its own exit (`term`; SIGKILL after GRACE + 30 s), or SIGTERM then SIGKILL at a
     random moment of the grace period (`term-kill`). (signalled, exit code if it ended first or by
     itself, stderr, `progress()` when the signal was sent, seconds from SIGTERM to the exit)."""
-    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=group)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=group,
+    )
 
     def send(sig) -> None:
         if proc.poll() is None:
@@ -363,9 +547,17 @@ def _killed_at(command: list[str], env: dict, kill_at: float | Callable[[], bool
     return signalled, code, err, before, stop_s
 
 
-def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reruns: int = 3,
-               timeout: float = 300.0, then: tuple = (), how: str = "kill",
-               rng: random.Random | None = None) -> Trial:
+def kill_trial(
+    sc: Scenario,
+    straight: Path,
+    out: Path,
+    kill_at: float,
+    max_reruns: int = 3,
+    timeout: float = 300.0,
+    then: tuple = (),
+    how: str = "kill",
+    rng: random.Random | None = None,
+) -> Trial:
     """Start the command in `out`, signal it (`how`) `kill_at` s later, rerun (resuming) until it completes;
     check the lock, the reruns and the result against `straight` (and after `term`, that nothing finished
     was lost). `then`: the resumed runs are SIGKILLed in turn (a kill of a run that was itself resuming),
@@ -373,8 +565,14 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
     must complete."""
     trial = Trial(kill_at, how=how)
     trial.killed, code, err, before, trial.stop_s = _killed_at(
-        sc.command(out, False), sc.env, kill_at, how=how, group=sc.group, progress=lambda: sc.progress(out),
-        rng=rng)
+        sc.command(out, False),
+        sc.env,
+        kill_at,
+        how=how,
+        group=sc.group,
+        progress=lambda: sc.progress(out),
+        rng=rng,
+    )
     trial.code = code
     if not trial.killed and code != 0:
         trial.problems.append(f"the unsignalled first run failed ({code}): {err.strip()[-500:]}")
@@ -385,10 +583,10 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
             # 0: the signal came as its last step ended; -15 (a shell's 143 too): before spec_cli installed
             # its handler (the interpreter starting) or after the command returned, with nothing in flight
             trial.problems.append(f"SIGTERM: exit {code}, not 143: {err.strip()[-500:]}")
-        if (why := sc.kept(out, before)):
+        if why := sc.kept(out, before):
             trial.lost = why
             trial.problems.append(f"SIGTERM lost finished work: {why}")
-    if (why := lock_free(out)):
+    if why := lock_free(out):
         trial.lock_ok = False
         trial.problems.append(why)
     done = not trial.killed and code == 0
@@ -396,32 +594,41 @@ def kill_trial(sc: Scenario, straight: Path, out: Path, kill_at: float, max_reru
         moment = at(out) if callable(at) else at  # new_files: what the folder holds now
         killed, code, err, _, _ = _killed_at(sc.command(out, True), sc.env, moment, group=sc.group)
         trial.then_killed.append(killed)
-        if (why := lock_free(out)):
+        if why := lock_free(out):
             trial.lock_ok = False
             trial.problems.append(f"after the resumed run's kill: {why}")
         if not killed:  # it finished first
             done = code == 0
             if not done:
                 trial.resumed_ok = False
-                trial.problems.append(f"the resumed run meant to be killed failed ({code}): "
-                                      f"{err.strip()[-500:]}")
+                trial.problems.append(
+                    f"the resumed run meant to be killed failed ({code}): {err.strip()[-500:]}"
+                )
             break
     while not done and trial.reruns < max_reruns:
         trial.reruns += 1
-        rerun = subprocess.run(sc.command(out, True), env=sc.env, cwd=ROOT, capture_output=True, text=True,
-                               timeout=timeout)
+        rerun = subprocess.run(
+            sc.command(out, True),
+            env=sc.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         done = rerun.returncode == 0
         if not done:
             trial.resumed_ok = False
-            trial.problems.append(f"rerun {trial.reruns} exited {rerun.returncode}: "
-                                  f"{(rerun.stdout + rerun.stderr).strip()[-800:]}")
+            trial.problems.append(
+                f"rerun {trial.reruns} exited {rerun.returncode}: "
+                f"{(rerun.stdout + rerun.stderr).strip()[-800:]}"
+            )
     if not done:
         trial.equal = False
         return trial
-    if (why := sc.compare(straight, out)):
+    if why := sc.compare(straight, out):
         trial.equal = False
         trial.problems.append(f"not equal to the straight run: {why}")
-    if (left := leftovers(out)):
+    if left := leftovers(out):
         trial.problems.append(f"temporary files left: {left[:5]}")
     return trial
 
@@ -438,9 +645,14 @@ class ScenarioReport:
         return all(t.ok for t in self.trials)
 
 
-def run_scenario(sc: Scenario, workdir: Path, kill_moments: Callable[[float], list[float]],
-                 keep: bool = False, kinds: tuple[str, ...] = ("kill",),
-                 rng: random.Random | None = None) -> list[ScenarioReport]:
+def run_scenario(
+    sc: Scenario,
+    workdir: Path,
+    kill_moments: Callable[[float], list[float]],
+    keep: bool = False,
+    kinds: tuple[str, ...] = ("kill",),
+    rng: random.Random | None = None,
+) -> list[ScenarioReport]:
     """The straight run, then per signal kind one trial per moment (`kill_moments(straight duration)`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     straight = workdir / "straight"
@@ -458,34 +670,74 @@ def run_scenario(sc: Scenario, workdir: Path, kill_moments: Callable[[float], li
 
 
 def table(reports: list[ScenarioReport]) -> str:
-    rows = [("scenario", "signal", "straight s", "signals", "landed", "lock free", "resumed OK", "equal",
-             "nothing lost", "exit after SIGTERM (s)", "landed at (s)")]
+    rows = [
+        (
+            "scenario",
+            "signal",
+            "straight s",
+            "signals",
+            "landed",
+            "lock free",
+            "resumed OK",
+            "equal",
+            "nothing lost",
+            "exit after SIGTERM (s)",
+            "landed at (s)",
+        )
+    ]
     for r in reports:
         t = r.trials
         landed = sorted(x.kill_at for x in t if x.killed)
         stops = sorted(x.stop_s for x in t if x.stop_s is not None)
-        rows.append((r.name, r.how, f"{r.straight_s:.2f}", str(len(t)), str(len(landed)),
-                     f"{sum(x.lock_ok for x in t)}/{len(t)}", f"{sum(x.resumed_ok for x in t)}/{len(t)}",
-                     f"{sum(x.equal for x in t)}/{len(t)}",
-                     f"{sum(x.lost is None for x in t if x.killed)}/{len(landed)}" if r.how == "term" else "-",
-                     (f"med {stops[len(stops) // 2]:.2f} max {stops[-1]:.2f}; exits "
-                      + ",".join(f"{c}x{n}" for c, n in sorted(Counter(x.code for x in t if x.stop_s is not None).items(),
-                                                           key=lambda kv: str(kv[0])))) if stops else "-",
-                     (f"min {landed[0]:.2f} med {landed[len(landed) // 2]:.2f} max {landed[-1]:.2f}")
-                     if landed else "-"))
+        rows.append(
+            (
+                r.name,
+                r.how,
+                f"{r.straight_s:.2f}",
+                str(len(t)),
+                str(len(landed)),
+                f"{sum(x.lock_ok for x in t)}/{len(t)}",
+                f"{sum(x.resumed_ok for x in t)}/{len(t)}",
+                f"{sum(x.equal for x in t)}/{len(t)}",
+                f"{sum(x.lost is None for x in t if x.killed)}/{len(landed)}"
+                if r.how == "term"
+                else "-",
+                (
+                    f"med {stops[len(stops) // 2]:.2f} max {stops[-1]:.2f}; exits "
+                    + ",".join(
+                        f"{c}x{n}"
+                        for c, n in sorted(
+                            Counter(x.code for x in t if x.stop_s is not None).items(),
+                            key=lambda kv: str(kv[0]),
+                        )
+                    )
+                )
+                if stops
+                else "-",
+                (f"min {landed[0]:.2f} med {landed[len(landed) // 2]:.2f} max {landed[-1]:.2f}")
+                if landed
+                else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows
+    ]
     lines.insert(1, "-" * max(map(len, lines)))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=20, help="signals per scenario and kind (default 20)")
+    ap.add_argument(
+        "--kills", type=int, default=20, help="signals per scenario and kind (default 20)"
+    )
     ap.add_argument("--signals", default="kill,term,term-kill", help="kinds: kill, term, term-kill")
     ap.add_argument("--only", default="", help="run the scenarios whose name contains this")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    ap.add_argument(
+        "--keep", type=Path, help="work in this folder and keep it (default: a temporary one)"
+    )
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.signals.split(",") if k)
     rng = random.Random(args.seed)
@@ -500,14 +752,21 @@ def main(argv: list[str] | None = None) -> int:
             for i, sc in enumerate(scenarios(setup, server.url)):
                 if args.only not in sc.name:
                     continue
-                found = run_scenario(sc, root / f"scenario-{i}",
-                                     lambda d: [rng.uniform(0, d) for _ in range(args.kills)],
-                                     keep=args.keep is not None, kinds=kinds, rng=rng)
+                found = run_scenario(
+                    sc,
+                    root / f"scenario-{i}",
+                    lambda d: [rng.uniform(0, d) for _ in range(args.kills)],
+                    keep=args.keep is not None,
+                    kinds=kinds,
+                    rng=rng,
+                )
                 reports += found
                 for report in found:
-                    print(f"{sc.name} [{report.how}]: straight {report.straight_s:.2f} s, {len(report.trials)} "
-                          f"signals, {'ok' if report.ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)",
-                          flush=True)
+                    print(
+                        f"{sc.name} [{report.how}]: straight {report.straight_s:.2f} s, {len(report.trials)} "
+                        f"signals, {'ok' if report.ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s so far)",
+                        flush=True,
+                    )
         finally:
             server.close()
     finally:
@@ -518,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [(r.name, r.how, t) for r in reports for t in r.trials if not t.ok]
     for name, how, t in failed:
         print(f"\nFAILED {name} [{how}] at {t.kill_at:.2f} s:\n  " + "\n  ".join(t.problems))
-    print(f"\n{'all ok' if not failed else f'{len(failed)} failed trial(s)'} in {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\n{'all ok' if not failed else f'{len(failed)} failed trial(s)'} in {time.perf_counter() - t0:.0f} s"
+    )
     return 1 if failed else 0
 
 

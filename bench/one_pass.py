@@ -42,8 +42,13 @@ def shard_diffs(a: Path, b: Path) -> dict:
         for name in x:
             if x[name].is_floating_point():
                 scale = float(y[name].float().abs().max()) or 1.0
-                out[name] = max(out.get(name, 0.0), float((x[name].float() - y[name].float()).abs().max()) / scale)
-            elif name == "argmax":  # the target's greedy token: the share of positions where it differs
+                out[name] = max(
+                    out.get(name, 0.0),
+                    float((x[name].float() - y[name].float()).abs().max()) / scale,
+                )
+            elif (
+                name == "argmax"
+            ):  # the target's greedy token: the share of positions where it differs
                 out.setdefault("_argmax", [0, 0])
                 out["_argmax"][0] += int((x[name] != y[name]).sum())
                 out["_argmax"][1] += x[name].numel()
@@ -56,7 +61,9 @@ def shard_diffs(a: Path, b: Path) -> dict:
 
 
 def show(diffs: dict) -> str:
-    return ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(diffs.items()))
+    return ", ".join(
+        f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(diffs.items())
+    )
 
 
 def main() -> None:
@@ -70,48 +77,115 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="one-pass-"))
     out.mkdir(parents=True, exist_ok=True)
     target, data = str(found["smollm2"]), str(found["sharegpt"])
-    common = dict(target=target, data=data, temperature=0.0, max_new_tokens=profile.regen_max_new_tokens,
-                  max_length=profile.max_length, max_samples=args.samples, dtype=dtype, engine="vllm")
+    common = dict(
+        target=target,
+        data=data,
+        temperature=0.0,
+        max_new_tokens=profile.regen_max_new_tokens,
+        max_length=profile.max_length,
+        max_samples=args.samples,
+        dtype=dtype,
+        engine="vllm",
+    )
 
     # one-time costs of the first engine in a process (imports, kernels) are not either way's
-    regenerate.run(regenerate.RegenerateConfig(output=out / "warmup.jsonl", **{**common, "max_samples": 2}))
-    two, t_regen = timed(lambda: regenerate.run(regenerate.RegenerateConfig(output=out / "two.jsonl", **common)))
+    regenerate.run(
+        regenerate.RegenerateConfig(output=out / "warmup.jsonl", **{**common, "max_samples": 2})
+    )
+    two, t_regen = timed(
+        lambda: regenerate.run(regenerate.RegenerateConfig(output=out / "two.jsonl", **common))
+    )
     vocab = out / "vocab.safetensors"
-    build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-        target=target, data=str(two.output), output=vocab, draft_vocab_size=profile.draft_vocab_size,
-        max_length=profile.max_length, force=True))
-    pre = dict(target=target, data=str(two.output), vocab_map=vocab, max_length=profile.max_length, dtype=dtype,
-               resume=False)
-    hf, t_hf = timed(lambda: precompute.run(precompute.PrecomputeConfig(output=out / "two-hf", **pre)))
-    _, t_vllm = timed(lambda: precompute.run(precompute.PrecomputeConfig(output=out / "two-vllm",
-                                                                         target_engine="vllm", **pre)))
-    one, t_one = timed(lambda: regenerate.run(regenerate.RegenerateConfig(
-        output=out / "one.jsonl", features=out / "one-cache", vocab_map=vocab, **common)))
-    check, _ = timed(lambda: precompute.run(precompute.PrecomputeConfig(
-        target=target, data=str(one.output), vocab_map=vocab, output=out / "one-check", max_length=profile.max_length,
-        dtype=dtype, target_engine="vllm", resume=False)))
+    build_vocab_map.run(
+        build_vocab_map.BuildVocabMapConfig(
+            target=target,
+            data=str(two.output),
+            output=vocab,
+            draft_vocab_size=profile.draft_vocab_size,
+            max_length=profile.max_length,
+            force=True,
+        )
+    )
+    pre = dict(
+        target=target,
+        data=str(two.output),
+        vocab_map=vocab,
+        max_length=profile.max_length,
+        dtype=dtype,
+        resume=False,
+    )
+    hf, t_hf = timed(
+        lambda: precompute.run(precompute.PrecomputeConfig(output=out / "two-hf", **pre))
+    )
+    _, t_vllm = timed(
+        lambda: precompute.run(
+            precompute.PrecomputeConfig(output=out / "two-vllm", target_engine="vllm", **pre)
+        )
+    )
+    one, t_one = timed(
+        lambda: regenerate.run(
+            regenerate.RegenerateConfig(
+                output=out / "one.jsonl", features=out / "one-cache", vocab_map=vocab, **common
+            )
+        )
+    )
+    check, _ = timed(
+        lambda: precompute.run(
+            precompute.PrecomputeConfig(
+                target=target,
+                data=str(one.output),
+                vocab_map=vocab,
+                output=out / "one-check",
+                max_length=profile.max_length,
+                dtype=dtype,
+                target_engine="vllm",
+                resume=False,
+            )
+        )
+    )
 
     tokens_two = hf.manifest["num_tokens"]
     tokens_one = fc.read_manifest(out / "one-cache")["num_tokens"]
-    same = sum(a == b for a, b in zip((out / "two.jsonl").read_text().splitlines(),
-                                      (out / "one.jsonl").read_text().splitlines()))
-    rows = {"two passes (precompute in transformers)": (t_regen + t_hf, tokens_two),
-            "two passes (precompute in vLLM)": (t_regen + t_vllm, tokens_two),
-            "one pass (regenerate --features)": (t_one, tokens_one)}
-    print(f"\n{args.samples} prompts, {dtype or 'fp32'}, {os.cpu_count()} cores; regenerate {t_regen:.1f} s, "
-          f"precompute {t_hf:.1f} s (transformers) / {t_vllm:.1f} s (vLLM); regenerate --features {t_one:.1f} s")
+    same = sum(
+        a == b
+        for a, b in zip(
+            (out / "two.jsonl").read_text().splitlines(),
+            (out / "one.jsonl").read_text().splitlines(),
+        )
+    )
+    rows = {
+        "two passes (precompute in transformers)": (t_regen + t_hf, tokens_two),
+        "two passes (precompute in vLLM)": (t_regen + t_vllm, tokens_two),
+        "one pass (regenerate --features)": (t_one, tokens_one),
+    }
+    print(
+        f"\n{args.samples} prompts, {dtype or 'fp32'}, {os.cpu_count()} cores; regenerate {t_regen:.1f} s, "
+        f"precompute {t_hf:.1f} s (transformers) / {t_vllm:.1f} s (vLLM); regenerate --features {t_one:.1f} s"
+    )
     for name, (seconds, tokens) in rows.items():
-        print(f"  {name:42s} {seconds:7.1f} s for {tokens} tokens: {1000 * seconds / tokens:.3f} s per 1k tokens")
+        print(
+            f"  {name:42s} {seconds:7.1f} s for {tokens} tokens: {1000 * seconds / tokens:.3f} s per 1k tokens"
+        )
     per = {k: s / t for k, (s, t) in rows.items()}
-    best_two = min(per["two passes (precompute in transformers)"], per["two passes (precompute in vLLM)"])
-    print(f"  two passes / one pass: {best_two / per['one pass (regenerate --features)']:.2f}x (the faster "
-          f"two-pass way)")
+    best_two = min(
+        per["two passes (precompute in transformers)"], per["two passes (precompute in vLLM)"]
+    )
+    print(
+        f"  two passes / one pass: {best_two / per['one pass (regenerate --features)']:.2f}x (the faster "
+        f"two-pass way)"
+    )
     share = one.meta["features"]["from_generation"]
-    print(f"  one pass: {share:.0%} of the rows' positions computed while answering; "
-          f"{same} of {args.samples} conversations identical to the two-pass regeneration")
+    print(
+        f"  one pass: {share:.0%} of the rows' positions computed while answering; "
+        f"{same} of {args.samples} conversations identical to the two-pass regeneration"
+    )
     print("  max |diff| / max |value| per field:")
-    print(f"    one-pass cache vs vLLM precompute of its text:        {show(shard_diffs(out / 'one-cache', out / 'one-check'))}")
-    print(f"    (the yardstick) transformers vs vLLM precompute, same text: {show(shard_diffs(out / 'two-hf', out / 'two-vllm'))}")
+    print(
+        f"    one-pass cache vs vLLM precompute of its text:        {show(shard_diffs(out / 'one-cache', out / 'one-check'))}"
+    )
+    print(
+        f"    (the yardstick) transformers vs vLLM precompute, same text: {show(shard_diffs(out / 'two-hf', out / 'two-vllm'))}"
+    )
 
 
 if __name__ == "__main__":

@@ -81,19 +81,25 @@ def launches(run, device: torch.device) -> tuple[int, int | None]:
     calls = sum(1 for e in events if attention_op(e) and not attention_op(e.cpu_parent))
     kernels = None
     if device.type == "cuda":
-        kernels = sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        kernels = sum(
+            1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        )
     return calls, kernels
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU"
+    )
     parser.add_argument("--row", type=int, default=None)
     parser.add_argument("--doc", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-dense", action="store_true", help="skip the dense bias (O(T^2) memory)")
+    parser.add_argument(
+        "--no-dense", action="store_true", help="skip the dense bias (O(T^2) memory)"
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -108,7 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
         return torch.randn(1, h, row, d, generator=gen).to(device, dtype).requires_grad_()
 
     q, k0, v0 = rand(heads), rand(kv_heads), rand(kv_heads)
-    extra = ([rand(kv_heads) for _ in range(args.steps)], [rand(kv_heads) for _ in range(args.steps)])
+    extra = (
+        [rand(kv_heads) for _ in range(args.steps)],
+        [rand(kv_heads) for _ in range(args.steps)],
+    )
     segments = Segments.from_seq_lens(seq_lens, row)
     variants = {"per document": (segments, per_document)}
     if cuda:
@@ -116,9 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
         variants["one varlen call"] = (segments, contextlib.nullcontext)
         print(f"packed rows run on: {attention.packed_kernel_name(kernel, device, dtype)}")
     if not args.no_dense:
-        variants["dense bias"] = (block_causal_bias(seq_lens.to(device), row, dtype), contextlib.nullcontext)
+        variants["dense bias"] = (
+            block_causal_bias(seq_lens.to(device), row, dtype),
+            contextlib.nullcontext,
+        )
 
-    tol = 1e-4 if dtype == torch.float32 else 1e-2  # relative to the gradient's norm: 16-bit kernels round apart
+    tol = (
+        1e-4 if dtype == torch.float32 else 1e-2
+    )  # relative to the gradient's norm: 16-bit kernels round apart
     results = {}
     for name, (bias, context) in variants.items():
         with context():
@@ -129,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
                     for x, y in zip(a, b):
                         error = float((x.float() - y.float()).norm() / y.float().norm())
                         if error > tol:
-                            raise AssertionError(f"{name}: gradients differ from the first variant's by {error:.2e} "
-                                                 f"(relative norm; over {tol})")
+                            raise AssertionError(
+                                f"{name}: gradients differ from the first variant's by {error:.2e} "
+                                f"(relative norm; over {tol})"
+                            )
             times = []
             for _ in range(args.repeats):
                 if cuda:
@@ -141,17 +157,28 @@ def main(argv: list[str] | None = None) -> dict:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             calls, kernels = launches(lambda: one_pass(bias, q, k0, v0, extra, args.steps), device)
-        results[name] = {"grads": got, "seconds": statistics.median(times), "calls": calls, "kernels": kernels}
+        results[name] = {
+            "grads": got,
+            "seconds": statistics.median(times),
+            "calls": calls,
+            "kernels": kernels,
+        }
     docs = seq_lens.shape[1]
-    print(f"{device.type} {str(dtype).replace('torch.', '')}: row {row} slots, {docs} documents (mean "
-          f"{row / docs:.0f}), heads {heads}/{kv_heads} d {d}, TTT {args.steps}, {torch.get_num_threads()} "
-          "threads; gradients agree")
+    print(
+        f"{device.type} {str(dtype).replace('torch.', '')}: row {row} slots, {docs} documents (mean "
+        f"{row / docs:.0f}), heads {heads}/{kv_heads} d {d}, TTT {args.steps}, {torch.get_num_threads()} "
+        "threads; gradients agree"
+    )
     base = results["per document"]["seconds"]
-    print("| attention | s per fwd+bwd (all steps) | attention kernel calls | CUDA kernels | vs per document |")
+    print(
+        "| attention | s per fwd+bwd (all steps) | attention kernel calls | CUDA kernels | vs per document |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for name, r in results.items():
         kernels = "-" if r["kernels"] is None else r["kernels"]
-        print(f"| {name} | {r['seconds']:.4f} | {r['calls']} | {kernels} | {base / r['seconds']:.2f}x |")
+        print(
+            f"| {name} | {r['seconds']:.4f} | {r['calls']} | {kernels} | {base / r['seconds']:.2f}x |"
+        )
     return {name: {k: v for k, v in r.items() if k != "grads"} for name, r in results.items()}
 
 

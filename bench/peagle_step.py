@@ -38,9 +38,14 @@ def _batch(config, T: int, seed: int = 0):
     return TargetBatch(
         aux_hidden=torch.randn(1, T, 3 * config.target_hidden_size, generator=g),
         input_ids=torch.randint(0, config.vocab_size, (1, T), generator=g),
-        attention_mask=torch.ones(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.long),
-        target_p=target_p, target_mass=torch.ones(1, T), position_mask=torch.ones(1, T, dtype=torch.bool),
-        target_ids=target_p.argmax(-1), seq_lens=torch.tensor([docs]))
+        attention_mask=torch.ones(1, T, dtype=torch.long),
+        loss_mask=torch.ones(1, T, dtype=torch.long),
+        target_p=target_p,
+        target_mass=torch.ones(1, T),
+        position_mask=torch.ones(1, T, dtype=torch.bool),
+        target_ids=target_p.argmax(-1),
+        seq_lens=torch.tensor([docs]),
+    )
 
 
 def one(kind: str, T: int, depths: int, steps: int, segments: int) -> dict:
@@ -53,9 +58,12 @@ def one(kind: str, T: int, depths: int, steps: int, segments: int) -> dict:
     config = DraftConfig(**SHAPE, algorithm=name, mask_token_id=0 if name == "peagle" else None)
     algorithm = algorithms.get(name)
     draft = algorithm.build(config)
-    options = ObjectiveOptions(ttt_steps=depths, cod_ratio=1.0 if kind == "peagle-all" else 0.7,
-                               cod_min=1.0 if kind == "peagle-all" else 0.2,
-                               peagle_segments=segments if kind == "peagle-seg" else 1)
+    options = ObjectiveOptions(
+        ttt_steps=depths,
+        cod_ratio=1.0 if kind == "peagle-all" else 0.7,
+        cod_min=1.0 if kind == "peagle-all" else 0.2,
+        peagle_segments=segments if kind == "peagle-seg" else 1,
+    )
     objective = algorithm.objective(draft, options).train()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -89,20 +97,38 @@ def main() -> None:
         kind, T = args.one.split(":")
         print(json.dumps(one(kind, int(T), args.depths, args.steps, args.segments)))
         return
-    print(f"P-EAGLE vs EAGLE-3 training step, K = {args.depths}, CPU fp32, {torch.get_num_threads()} threads")
+    print(
+        f"P-EAGLE vs EAGLE-3 training step, K = {args.depths}, CPU fp32, {torch.get_num_threads()} threads"
+    )
     print(f"{'T':>6} {'kind':<11} {'s/step':>8} {'x eagle3':>9} {'peak MB':>9} {'x eagle3':>9}")
     for T in (int(x) for x in args.lengths.split(",")):
         rows = {}
         for kind in KINDS:
-            out = subprocess.run([sys.executable, __file__, "--one", f"{kind}:{T}", "--depths", str(args.depths),
-                                  "--steps", str(args.steps), "--segments", str(args.segments)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    f"{kind}:{T}",
+                    "--depths",
+                    str(args.depths),
+                    "--steps",
+                    str(args.steps),
+                    "--segments",
+                    str(args.segments),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows[kind] = json.loads(out.stdout.strip().splitlines()[-1])
         ref = rows["eagle3"]
         for kind, r in rows.items():
             label = kind if kind != "peagle-seg" else f"peagle-seg{args.segments}"
-            print(f"{T:>6} {label:<11} {r['seconds']:>8.3f} {r['seconds'] / ref['seconds']:>8.2f}x "
-                  f"{r['peak_mb']:>9.0f} {r['peak_mb'] / max(ref['peak_mb'], 1):>8.2f}x")
+            print(
+                f"{T:>6} {label:<11} {r['seconds']:>8.3f} {r['seconds'] / ref['seconds']:>8.2f}x "
+                f"{r['peak_mb']:>9.0f} {r['peak_mb'] / max(ref['peak_mb'], 1):>8.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -81,13 +81,21 @@ def version(name: str) -> str:
 def _llama_config(cfg, **extra):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                       intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
-                       num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                       rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                       max_position_embeddings=max(cfg.max_position_embeddings, 16384),
-                       hidden_act=cfg.hidden_act, tie_word_embeddings=False, **extra)
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=max(cfg.max_position_embeddings, 16384),
+        hidden_act=cfg.hidden_act,
+        tie_word_embeddings=False,
+        **extra,
+    )
 
 
 def _copy(peer: nn.Module, draft, rename=lambda k: k) -> None:
@@ -117,12 +125,17 @@ def speculators_model(draft, attn_impl: str = "sdpa", trainable_head: bool = Fal
     layer = _llama_config(cfg)
     layer._attn_implementation = attn_impl
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size,
-        norm_before_residual=False, eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+        transformer_layer_config=layer,
+        draft_vocab_size=cfg.draft_vocab_size,
+        norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", default_proposal_method="greedy",
+            algorithm="eagle3",
+            default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=7)],
-            verifier=VerifierConfig(name_or_path=None, architectures=[])))
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
     model = core.Eagle3DraftModel(config).float()
     _copy(model, draft, lambda k: k.replace("midlayer.", "layers.0."))
     model.verifier_norm = nn.Identity()  # the teacher is fed as log(target_p), see the docstring
@@ -133,19 +146,26 @@ def speculators_model(draft, attn_impl: str = "sdpa", trainable_head: bool = Fal
 
 def speculators_inputs(batch) -> dict:
     B, T = batch.input_ids.shape
-    return dict(hidden_states=batch.aux_hidden, input_ids=batch.input_ids,
-                document_ids=torch.zeros(B, T, dtype=torch.long),
-                loss_mask=batch.position_mask.bool(),
-                verifier_last_hidden_states=batch.target_p.clamp_min(1e-30).log())
+    return dict(
+        hidden_states=batch.aux_hidden,
+        input_ids=batch.input_ids,
+        document_ids=torch.zeros(B, T, dtype=torch.long),
+        loss_mask=batch.position_mask.bool(),
+        verifier_last_hidden_states=batch.target_p.clamp_min(1e-30).log(),
+    )
 
 
 def speculators_step(model, inputs: dict, ttt_steps: int = 7, step_weight: float = 0.8):
     """(loss for backward, [K] soft-CE per step as spec_cli defines it, detached)."""
     from speculators.losses import resolve_loss_config
 
-    _, loss, metrics = model(**inputs, ttt_steps=ttt_steps, ttt_step_loss_decay=step_weight,
-                             loss_config=resolve_loss_config("kl_div", "eager"))
-    kl = torch.stack([metrics[f"loss_{k}_sum"] / step_weight ** k for k in range(ttt_steps)])
+    _, loss, metrics = model(
+        **inputs,
+        ttt_steps=ttt_steps,
+        ttt_step_loss_decay=step_weight,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
+    kl = torch.stack([metrics[f"loss_{k}_sum"] / step_weight**k for k in range(ttt_steps)])
     return loss, kl + _target_entropy(inputs, ttt_steps)
 
 
@@ -178,13 +198,20 @@ def specforge_model(draft, backend: str = "sdpa", compile: bool = False):
 
     mod = _import("specforge")
     cfg = draft.config
-    config = _llama_config(cfg, draft_vocab_size=cfg.draft_vocab_size,
-                           target_hidden_size=cfg.target_hidden_size, pretraining_tp=1)
+    config = _llama_config(
+        cfg,
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=cfg.target_hidden_size,
+        pretraining_tp=1,
+    )
     model = LlamaForCausalLMEagle3(config, attention_backend=backend).float()
     _copy(model, draft)
     model.embed_tokens.weight.requires_grad_(False)  # frozen, as in SpecForge's trainer
-    _ReferenceLoss.fn = sf_loss._compute_loss if compile else \
-        getattr(sf_loss._compute_loss, "_torchdynamo_orig_callable", sf_loss._compute_loss)
+    _ReferenceLoss.fn = (
+        sf_loss._compute_loss
+        if compile
+        else getattr(sf_loss._compute_loss, "_torchdynamo_orig_callable", sf_loss._compute_loss)
+    )
     mod.LogSoftmaxLoss = _ReferenceLoss
     return mod.OnlineEagle3Model(model, length=7, attention_backend=backend)
 
@@ -195,16 +222,20 @@ def specforge_inputs(batch, draft) -> dict:
     target = torch.full((B, T, draft.config.vocab_size), -math.inf)
     selected = torch.nonzero(draft.t2d).squeeze(-1)
     target[..., selected] = batch.target_p.clamp_min(1e-30).log()
-    return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                target=target, loss_mask=batch.loss_mask[..., None].float(),
-                hidden_states=batch.aux_hidden)
+    return dict(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        target=target,
+        loss_mask=batch.loss_mask[..., None].float(),
+        hidden_states=batch.aux_hidden,
+    )
 
 
 def specforge_step(model, inputs: dict, ttt_steps: int = 7, step_weight: float = 0.8):
     """(loss for backward, [K] soft-CE per step as spec_cli defines it, [K] accuracy), the loss as
     SpecForge's Eagle3 strategy forms it: sum_k 0.8**k * ploss_k."""
     plosses, _, acces, *_ = model(**inputs)
-    loss = sum(step_weight ** k * p for k, p in enumerate(plosses))
+    loss = sum(step_weight**k * p for k, p in enumerate(plosses))
     T = inputs["input_ids"].shape[1]
     supervised = _supervised(inputs["loss_mask"][..., 0].bool(), ttt_steps)
     ce = torch.stack([p.detach() * T / n for p, n in zip(plosses, supervised)])
@@ -266,8 +297,14 @@ def _grads(loss, named: dict) -> dict:
     return dict(zip(named, g))
 
 
-def check(name: str, build, T: int = 64, ttt_steps: int = 7, step_weight: float = 0.8,
-          speculators_attn: str = "sdpa") -> dict:
+def check(
+    name: str,
+    build,
+    T: int = 64,
+    ttt_steps: int = 7,
+    step_weight: float = 0.8,
+    speculators_attn: str = "sdpa",
+) -> dict:
     """Copy one draft's weights into the peer, run both on one batch (fp32) and compare:
     ce_err:    max_k |peer soft-CE_k - spec_cli soft-CE_k|;
     acc_err:   the same for top-1 accuracy (SpecForge: correct / loss_mask slots, as spec_cli);
@@ -285,22 +322,33 @@ def check(name: str, build, T: int = 64, ttt_steps: int = 7, step_weight: float 
         model = speculators_model(draft, speculators_attn, trainable_head=True)
         loss, ce = speculators_step(model, speculators_inputs(batch), ttt_steps, step_weight)
         acc = None  # speculators reports cumulative (all earlier steps right) accuracy only
-        equivalent = sum(step_weight ** k * ours[k] for k in range(ttt_steps))
+        equivalent = sum(step_weight**k * ours[k] for k in range(ttt_steps))
         rename = lambda k: k.replace("midlayer.", "layers.0.")  # noqa: E731
         peer_params = dict(model.named_parameters())
     else:
         model = specforge_model(draft)
-        loss, ce, acc = specforge_step(model, specforge_inputs(batch, draft), ttt_steps, step_weight)
+        loss, ce, acc = specforge_step(
+            model, specforge_inputs(batch, draft), ttt_steps, step_weight
+        )
         T_ = batch.input_ids.shape[1]
-        equivalent = sum(step_weight ** k * supervised[k] / T_ * ours[k] for k in range(ttt_steps))
+        equivalent = sum(step_weight**k * supervised[k] / T_ * ours[k] for k in range(ttt_steps))
         rename = lambda k: k  # noqa: E731
         peer_params = dict(model.draft_model.named_parameters())
     g_peer = _grads(loss, {k: peer_params[rename(k)] for k in ours_named})
     g_ours = _grads(equivalent, ours_named)
-    grad_err = max(float((g_peer[k] - g_ours[k]).abs().max() / g_ours[k].abs().max().clamp_min(1e-30))
-                   for k in ours_named)
-    return dict(peer=name, T=T, loss=float(loss.detach()), ce=ce.tolist(), spec_cli_ce=ours.detach().tolist(),
-                ce_err=float((ce - ours.detach()).abs().max()),
-                acc_err=None if acc is None else float((acc - ours_acc).abs().max()),
-                acc=ours_acc.tolist(), grad_err=grad_err,
-                shipped_err=float((ce - shipped.step_loss).abs().max()))
+    grad_err = max(
+        float((g_peer[k] - g_ours[k]).abs().max() / g_ours[k].abs().max().clamp_min(1e-30))
+        for k in ours_named
+    )
+    return dict(
+        peer=name,
+        T=T,
+        loss=float(loss.detach()),
+        ce=ce.tolist(),
+        spec_cli_ce=ours.detach().tolist(),
+        ce_err=float((ce - ours.detach()).abs().max()),
+        acc_err=None if acc is None else float((acc - ours_acc).abs().max()),
+        acc=ours_acc.tolist(),
+        grad_err=grad_err,
+        shipped_err=float((ce - shipped.step_loss).abs().max()),
+    )

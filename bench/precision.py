@@ -49,8 +49,13 @@ def time_steps(draft, batch, precision: str, steps: int) -> tuple[list[float], l
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        out = forward_backward(objective, lambda b, unit: ttt_forward(draft, b, ttt_steps=7), batch, 1,
-                               autocast(cpu, dtype))
+        out = forward_backward(
+            objective,
+            lambda b, unit: ttt_forward(draft, b, ttt_steps=7),
+            batch,
+            1,
+            autocast(cpu, dtype),
+        )
         optimizer_step(params, optimizer, 1.0)
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss.detach()))
@@ -65,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args(argv)
     native = fast_bf16(torch.device("cpu"))
-    print(f"CPU bf16 native: {native} (--precision auto picks {'bf16' if native else 'fp32'}); "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"CPU bf16 native: {native} (--precision auto picks {'bf16' if native else 'fp32'}); "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'T':>6} {'fp32 tok/s':>11} {'bf16 tok/s':>11} {'bf16/fp32':>9} {'max loss diff':>14}")
     for T in (int(x) for x in args.lengths.split(",")):
         fp32, fp32_losses = run(T, "fp32", args.steps)

@@ -50,12 +50,21 @@ def main() -> None:
     vocab = {}
     for vd in (8192, 32000):
         vocab[vd] = work / f"vm{vd}.safetensors"
-        build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-            target=str(target), data=str(data), output=vocab[vd], draft_vocab_size=vd,
-            max_length=args.max_length, num_proc=os.cpu_count() or 1))
+        build_vocab_map.run(
+            build_vocab_map.BuildVocabMapConfig(
+                target=str(target),
+                data=str(data),
+                output=vocab[vd],
+                draft_vocab_size=vd,
+                max_length=args.max_length,
+                num_proc=os.cpu_count() or 1,
+            )
+        )
 
     tokenizer = loading.load_tokenizer(target)
-    tokens = tokenize_data(data, tokenizer, loading.tokenizer_fingerprint(tokenizer), args.max_length)
+    tokens = tokenize_data(
+        data, tokenizer, loading.tokenizer_fingerprint(tokenizer), args.max_length
+    )
     lengths = tokens.lengths[: args.samples]
     batches = plan_batches(lengths, args.batch_tokens)
     n_tokens = int(lengths.sum())
@@ -65,15 +74,26 @@ def main() -> None:
     bare, spec = [], []
     for r in range(args.repeats):
         bare.append(bare_forward_seconds(model, tokens, batches))
-        result = precompute.run(precompute.PrecomputeConfig(
-            target=str(target), data=str(data), vocab_map=vocab[8192], output=work / f"tp{r}",
-            batch_tokens=args.batch_tokens, shard_tokens=1 << 30, max_length=args.max_length,
-            max_samples=args.samples, resume=False))
+        result = precompute.run(
+            precompute.PrecomputeConfig(
+                target=str(target),
+                data=str(data),
+                vocab_map=vocab[8192],
+                output=work / f"tp{r}",
+                batch_tokens=args.batch_tokens,
+                shard_tokens=1 << 30,
+                max_length=args.max_length,
+                max_samples=args.samples,
+                resume=False,
+            )
+        )
         assert result.computed_tokens == n_tokens
         spec.append(result.compute_seconds)
     bare_tps, spec_tps = n_tokens / min(bare), n_tokens / min(spec)
-    print(f"\nsamples {args.samples}, tokens {n_tokens}, batches {len(batches)}, "
-          f"batch tokens {args.batch_tokens}, torch threads {torch.get_num_threads()}")
+    print(
+        f"\nsamples {args.samples}, tokens {n_tokens}, batches {len(batches)}, "
+        f"batch tokens {args.batch_tokens}, torch threads {torch.get_num_threads()}"
+    )
     print(f"bare model(input_ids) forward : {bare_tps:8.1f} tokens/s  (best of {args.repeats})")
     print(f"spec precompute (hidden)      : {spec_tps:8.1f} tokens/s  (best of {args.repeats})")
     print(f"ratio precompute / bare       : {spec_tps / bare_tps:.3f}   (goal >= 0.9)")
@@ -86,20 +106,36 @@ def main() -> None:
     for vd in (8192, 32000):
         for encoding in ("hidden", "probs"):
             out = work / f"size-{encoding}-{vd}"
-            result = precompute.run(precompute.PrecomputeConfig(
-                target=str(target), data=str(data), vocab_map=vocab[vd], output=out, encoding=encoding,
-                batch_tokens=args.batch_tokens, max_length=args.max_length, max_samples=few, resume=False))
+            result = precompute.run(
+                precompute.PrecomputeConfig(
+                    target=str(target),
+                    data=str(data),
+                    vocab_map=vocab[vd],
+                    output=out,
+                    encoding=encoding,
+                    batch_tokens=args.batch_tokens,
+                    max_length=args.max_length,
+                    max_samples=few,
+                    resume=False,
+                )
+            )
             m = result.manifest
             measured = m["bytes"] / m["num_tokens"]
             values = 4 * H if encoding == "hidden" else 3 * H + vd
-            print(f"{'spec_cli ' + encoding + ' (measured, shards only)':44s} {vd:6d} {values:13d} "
-                  f"{measured:12.0f}")
+            print(
+                f"{'spec_cli ' + encoding + ' (measured, shards only)':44s} {vd:6d} {values:13d} "
+                f"{measured:12.0f}"
+            )
         print(f"{'SpecForge layout (3H + H), bf16':44s} {vd:6d} {4 * H:13d} {4 * H * 2:12d}")
         print(f"{'SpecForge layout (3H + H), fp32':44s} {vd:6d} {4 * H:13d} {4 * H * 4:12d}")
-        print(f"{'probs layout (3H aux + Vd probs), bf16':44s} {vd:6d} {3 * H + vd:13d} "
-              f"{(3 * H + vd) * 2:12d}")
+        print(
+            f"{'probs layout (3H aux + Vd probs), bf16':44s} {vd:6d} {3 * H + vd:13d} "
+            f"{(3 * H + vd) * 2:12d}"
+        )
     head = (work / "size-hidden-8192" / fc.HEAD).stat().st_size
-    print(f"(once per cache: head.safetensors {head / 1e6:.1f} MB = lm_head rows for Vd + input embeddings)")
+    print(
+        f"(once per cache: head.safetensors {head / 1e6:.1f} MB = lm_head rows for Vd + input embeddings)"
+    )
 
 
 if __name__ == "__main__":

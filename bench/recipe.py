@@ -61,7 +61,9 @@ LEVERS = {
     "noise0.1": dict(hidden_noise=0.1),
     "wsd": dict(schedule="wsd", decay_ratio=0.2),
     "init": dict(init_from_target=True),
-    "initlayer": dict(init_layer_from_target=True),  # the draft layer from the target layer after the last aux
+    "initlayer": dict(
+        init_layer_from_target=True
+    ),  # the draft layer from the target layer after the last aux
     # the draft's attention over the last N positions only (speculators trains 2048; the demo's rows are <= 256)
     "window32": dict(draft_window=32),
     "window64": dict(draft_window=64),
@@ -108,8 +110,15 @@ REGEN_FROM = 4000  # the prompts a regenN lever has the target answer: after the
 
 def settings_of(name: str, profile: demo.Profile) -> dict:
     """A variant's options: the demo profile's, then each "+"-joined lever's."""
-    options = dict(vocab=profile.draft_vocab_size, extra=0, regen=0, written=0, sampled=0, lr=profile.lr,
-                   ttt_steps=profile.ttt_steps)
+    options = dict(
+        vocab=profile.draft_vocab_size,
+        extra=0,
+        regen=0,
+        written=0,
+        sampled=0,
+        lr=profile.lr,
+        ttt_steps=profile.ttt_steps,
+    )
     for part in name.split("+"):
         if part not in LEVERS:
             raise SystemExit(f"unknown variant {part!r}: use {', '.join(LEVERS)} (joined with +)")
@@ -127,21 +136,38 @@ def regenerated_more(out: Path, profile: demo.Profile, target: str, count: int) 
     if not prompts_path.is_file():
         found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
         chosen = list(demo._sharegpt_after(found, REGEN_FROM - 1, count))
-        prompts_path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in chosen))
+        prompts_path.write_text(
+            "".join(json.dumps({"messages": r["messages"]}) + "\n" for r in chosen)
+        )
     engine = demo.regen_engine(demo.DemoConfig())
     t0 = time.perf_counter()
-    outcome = regenerate.run(regenerate.RegenerateConfig(
-        target=target, data=str(prompts_path), output=path, temperature=0.0,
-        max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length, max_samples=count,
-        engine=engine, dtype=demo.data_dtype(demo.DemoConfig())))
+    outcome = regenerate.run(
+        regenerate.RegenerateConfig(
+            target=target,
+            data=str(prompts_path),
+            output=path,
+            temperature=0.0,
+            max_new_tokens=profile.regen_max_new_tokens,
+            max_length=profile.max_length,
+            max_samples=count,
+            engine=engine,
+            dtype=demo.data_dtype(demo.DemoConfig()),
+        )
+    )
     if not outcome.already_complete:
-        print(f"regenerated {count} answers in {engine}: {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"regenerated {count} answers in {engine}: {time.perf_counter() - t0:.0f} s", flush=True
+        )
     return path
 
 
 def data_key(extra: int, regen: int = 0, written: int = 0, sampled: int = 0) -> str:
-    return (f"{extra}" + (f"+r{regen}" if regen else "") + (f"+w{written}" if written else "")
-            + (f"+s{sampled}" if sampled else ""))
+    return (
+        f"{extra}"
+        + (f"+r{regen}" if regen else "")
+        + (f"+w{written}" if written else "")
+        + (f"+s{sampled}" if sampled else "")
+    )
 
 
 def sampled_again(out: Path, folder: Path, profile: demo.Profile, target: str, seed: int) -> Path:
@@ -152,17 +178,37 @@ def sampled_again(out: Path, folder: Path, profile: demo.Profile, target: str, s
     path = out / f"sampled-{seed}.jsonl"
     engine = demo.regen_engine(demo.DemoConfig())
     t0 = time.perf_counter()
-    outcome = regenerate.run(regenerate.RegenerateConfig(
-        target=target, data=str(folder / "regenerated.jsonl"), output=path, temperature=SAMPLED_TEMPERATURE,
-        seed=seed, max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
-        engine=engine, dtype=demo.data_dtype(demo.DemoConfig())))
+    outcome = regenerate.run(
+        regenerate.RegenerateConfig(
+            target=target,
+            data=str(folder / "regenerated.jsonl"),
+            output=path,
+            temperature=SAMPLED_TEMPERATURE,
+            seed=seed,
+            max_new_tokens=profile.regen_max_new_tokens,
+            max_length=profile.max_length,
+            engine=engine,
+            dtype=demo.data_dtype(demo.DemoConfig()),
+        )
+    )
     if not outcome.already_complete:
-        print(f"sampled answers (seed {seed}) in {engine}: {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"sampled answers (seed {seed}) in {engine}: {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     return path
 
 
-def training_data(out: Path, folder: Path, extra: int, regen: int = 0, profile: demo.Profile | None = None,
-                  target: str | None = None, written: int = 0, sampled: int = 0) -> Path:
+def training_data(
+    out: Path,
+    folder: Path,
+    extra: int,
+    regen: int = 0,
+    profile: demo.Profile | None = None,
+    target: str | None = None,
+    written: int = 0,
+    sampled: int = 0,
+) -> Path:
     """The demo's training data, plus `extra` further ShareGPT conversations as written (after the last
     one the demo used; the held-out prompts come later still), `regen` further ones answered by the
     target (from REGEN_FROM on) and `written` ones from REGEN_FROM on as written (the same prompts)."""
@@ -173,59 +219,132 @@ def training_data(out: Path, folder: Path, extra: int, regen: int = 0, profile: 
         text = (folder / "train.jsonl").read_text()
         if extra:
             found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
-            more = demo._sharegpt_after(found, demo._last_source_index(folder / "train.jsonl"), extra)
+            more = demo._sharegpt_after(
+                found, demo._last_source_index(folder / "train.jsonl"), extra
+            )
             text += "".join(json.dumps({**r, "source": "sharegpt"}) + "\n" for r in more)
         if regen:
             text += regenerated_more(out, profile, target, regen).read_text()
-        if written:  # the prompts regen{written} answered (regenerate skips a prompt over --max-length)
+        if (
+            written
+        ):  # the prompts regen{written} answered (regenerate skips a prompt over --max-length)
             found = {"sharegpt": assets.resolve_data_arg("sharegpt")}
             chosen = list(demo._sharegpt_after(found, REGEN_FROM - 1, written))
-            answered = [json.loads(line)["source_index"]
-                        for line in regenerated_more(out, profile, target, written).read_text().splitlines()]
-            text += "".join(json.dumps({**chosen[i], "source": "sharegpt"}) + "\n" for i in answered)
+            answered = [
+                json.loads(line)["source_index"]
+                for line in regenerated_more(out, profile, target, written).read_text().splitlines()
+            ]
+            text += "".join(
+                json.dumps({**chosen[i], "source": "sharegpt"}) + "\n" for i in answered
+            )
         for seed in range(1, sampled + 1):
             text += sampled_again(out, folder, profile, target, seed).read_text()
         path.write_text(text)
     return path
 
 
-def prepare(out: Path, folder: Path, profile: demo.Profile, vocab: int, extra: int,
-            target: str, algorithm: str = "eagle3", regen: int = 0, written: int = 0,
-            sampled: int = 0) -> tuple[Path, Path]:
+def prepare(
+    out: Path,
+    folder: Path,
+    profile: demo.Profile,
+    vocab: int,
+    extra: int,
+    target: str,
+    algorithm: str = "eagle3",
+    regen: int = 0,
+    written: int = 0,
+    sampled: int = 0,
+) -> tuple[Path, Path]:
     """The vocab map (the demo's data: what the target writes) and feature cache of the training data at
     this vocabulary size, for the algorithm's aux layers (EAGLE-3 and P-EAGLE read the same three)."""
     own = folder / f"vocab-{vocab}.safetensors"
-    kind = "dflash" if algorithm in ("dflash", "dspark") else "eagle3"  # (DSpark reads DFlash's five layers)
-    if own.is_file() and (folder / "cache").is_dir() and not extra and not regen and not written \
-            and not sampled and kind == "eagle3":
+    kind = (
+        "dflash" if algorithm in ("dflash", "dspark") else "eagle3"
+    )  # (DSpark reads DFlash's five layers)
+    if (
+        own.is_file()
+        and (folder / "cache").is_dir()
+        and not extra
+        and not regen
+        and not written
+        and not sampled
+        and kind == "eagle3"
+    ):
         return own, folder / "cache"
     vmap = own if own.is_file() else out / "maps" / f"vocab-{vocab}.safetensors"
-    cache = out / "caches" / (f"vocab-{vocab}+{data_key(extra, regen, written, sampled)}"
-                              + ("-dflash" if kind == "dflash" else ""))
+    cache = (
+        out
+        / "caches"
+        / (
+            f"vocab-{vocab}+{data_key(extra, regen, written, sampled)}"
+            + ("-dflash" if kind == "dflash" else "")
+        )
+    )
     data = str(training_data(out, folder, extra, regen, profile, target, written, sampled))
     if not vmap.is_file():
-        build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-            target=target, data=str(folder / "regenerated.jsonl"), output=vmap, draft_vocab_size=vocab,
-            max_length=profile.max_length, num_proc=2))
-    precompute.run(precompute.PrecomputeConfig(
-        target=target, data=data, vocab_map=vmap, output=cache, max_length=profile.max_length,
-        batch_tokens=8192, num_proc=2, resume=True, algorithm=kind,
-        dtype=demo.data_dtype(demo.DemoConfig())))  # as the demo's precompute: bf16 where it is native
+        build_vocab_map.run(
+            build_vocab_map.BuildVocabMapConfig(
+                target=target,
+                data=str(folder / "regenerated.jsonl"),
+                output=vmap,
+                draft_vocab_size=vocab,
+                max_length=profile.max_length,
+                num_proc=2,
+            )
+        )
+    precompute.run(
+        precompute.PrecomputeConfig(
+            target=target,
+            data=data,
+            vocab_map=vmap,
+            output=cache,
+            max_length=profile.max_length,
+            batch_tokens=8192,
+            num_proc=2,
+            resume=True,
+            algorithm=kind,
+            dtype=demo.data_dtype(demo.DemoConfig()),
+        )
+    )  # as the demo's precompute: bf16 where it is native
     return vmap, cache
 
 
-def train_variant(out: Path, run_name: str, options: dict, vmap: Path, cache: Path, profile: demo.Profile,
-                  steps: int, seed: int) -> tuple[Path, dict, float]:
+def train_variant(
+    out: Path,
+    run_name: str,
+    options: dict,
+    vmap: Path,
+    cache: Path,
+    profile: demo.Profile,
+    steps: int,
+    seed: int,
+) -> tuple[Path, dict, float]:
     """(checkpoint, last held-out eval record, training seconds) of one run, reused when finished."""
     run_dir = out / "runs" / run_name
     latest = ckpt.latest_checkpoint(run_dir)
     t0 = time.perf_counter()
     if latest is None or json.loads((latest / "trainer_state.json").read_text())["step"] < steps:
-        options = {"fc_norm": True, **{k: v for k, v in options.items() if k not in NOT_TRAIN_OPTIONS}}
-        outcome = train.run(train.TrainConfig.from_options(
-            vocab_map=vmap, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
-            max_steps=steps, eval_fraction=0.03, log_every=10, eval_every=10 ** 9,
-            save_every=10 ** 9, seed=seed, resume=latest is not None, **options))
+        options = {
+            "fc_norm": True,
+            **{k: v for k, v in options.items() if k not in NOT_TRAIN_OPTIONS},
+        }
+        outcome = train.run(
+            train.TrainConfig.from_options(
+                vocab_map=vmap,
+                output=run_dir,
+                cache=cache,
+                pack=True,
+                batch_tokens=profile.batch_tokens,
+                max_steps=steps,
+                eval_fraction=0.03,
+                log_every=10,
+                eval_every=10**9,
+                save_every=10**9,
+                seed=seed,
+                resume=latest is not None,
+                **options,
+            )
+        )
         latest = outcome.checkpoint
     seconds = time.perf_counter() - t0
     last_eval = {}
@@ -236,7 +355,9 @@ def train_variant(out: Path, run_name: str, options: dict, vmap: Path, cache: Pa
     return latest, last_eval, seconds
 
 
-def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, conversations, settings) -> dict:
+def acceptance(
+    target: Target, target_dir: Path, checkpoint: Path, tokenizer, conversations, settings
+) -> dict:
     """Acceptance length over every turn's cycles, as `spec eval` counts it (1 + accepted per cycle)."""
     loaded = drafts.load_draft(checkpoint, loading.load_config(target_dir))
     draft = loaded.model
@@ -260,10 +381,16 @@ def acceptance(target: Target, target_dir: Path, checkpoint: Path, tokenizer, co
             outputs.append(g.tokens)
             conv.answers.append(tokenizer.decode(g.tokens, skip_special_tokens=True).strip())
     m = tally.metrics()  # (the confidence head's calibration, for a draft that has one: DSpark)
-    return {"acceptance_length": 1 + accepted / max(1, cycles), "first_position": first / max(1, cycles),
-            "cycles": cycles, "seconds": round(seconds, 2), "draft_seconds": round(draft_seconds, 2),
-            "outputs": outputs, "acceptance_rate": m["acceptance_rate"],
-            "predicted_acceptance": m["predicted_acceptance"]}
+    return {
+        "acceptance_length": 1 + accepted / max(1, cycles),
+        "first_position": first / max(1, cycles),
+        "cycles": cycles,
+        "seconds": round(seconds, 2),
+        "draft_seconds": round(draft_seconds, 2),
+        "outputs": outputs,
+        "acceptance_rate": m["acceptance_rate"],
+        "predicted_acceptance": m["predicted_acceptance"],
+    }
 
 
 def target_alone(target: Target, tokenizer, conversations, settings) -> dict:
@@ -299,9 +426,11 @@ def table(results: dict) -> str:
     by_variant: dict[str, list[dict]] = {}
     for row in results.values():
         by_variant.setdefault((row["variant"], row["scale"]), []).append(row)
-    lines = ["| variant | scale | steps | seeds | depth | held-out top-1 | MT-bench AL | held-out AL | speed-up MT-bench | "
-             "speed-up held-out | draft ms/cycle | train s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | scale | steps | seeds | depth | held-out top-1 | MT-bench AL | held-out AL | speed-up MT-bench | "
+        "speed-up held-out | draft ms/cycle | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def spread(values, digits=3):
         values = [v for v in values if v is not None]
@@ -325,23 +454,43 @@ def table(results: dict) -> str:
             f"{spread([r['mt_bench'].get('speedup') for r in rows], 2)} | "
             f"{spread([r['heldout'].get('speedup') for r in rows], 2)} | "
             f"{spread([ms_per_cycle(r) for r in rows], 1)} | "
-            f"{statistics.mean(r['train_seconds'] for r in rows):.0f} |")
+            f"{statistics.mean(r['train_seconds'] for r in rows):.0f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--demo", type=Path, required=True, help="a `spec demo` folder (quick or full)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--demo", type=Path, required=True, help="a `spec demo` folder (quick or full)"
+    )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", default="base", help=f"comma-separated; levers: {', '.join(LEVERS)}; a+b combines")
-    parser.add_argument("--seeds", default="0", help="comma-separated training seeds, for every variant")
-    parser.add_argument("--scales", default="1", help="training compute as multiples of the profile's steps")
+    parser.add_argument(
+        "--variants",
+        default="base",
+        help=f"comma-separated; levers: {', '.join(LEVERS)}; a+b combines",
+    )
+    parser.add_argument(
+        "--seeds", default="0", help="comma-separated training seeds, for every variant"
+    )
+    parser.add_argument(
+        "--scales", default="1", help="training compute as multiples of the profile's steps"
+    )
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench questions (both turns)")
-    parser.add_argument("--heldout-prompts", type=int, default=8, help="held-out ShareGPT chats (first two turns)")
+    parser.add_argument(
+        "--heldout-prompts", type=int, default=8, help="held-out ShareGPT chats (first two turns)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=3, help="the chain per cycle (a dflashN lever: N - 1)")
-    parser.add_argument("--timed", action="store_true",
-                        help="also time the target alone on the same prompts and report speed-ups")
+    parser.add_argument(
+        "--depth", type=int, default=3, help="the chain per cycle (a dflashN lever: N - 1)"
+    )
+    parser.add_argument(
+        "--timed",
+        action="store_true",
+        help="also time the target alone on the same prompts and report speed-ups",
+    )
     args = parser.parse_args()
     set_quiet(True)
     meta = json.loads((args.demo / demo.DEMO_JSON).read_text())
@@ -353,8 +502,13 @@ def main() -> None:
     results_path = args.out / "recipe.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
 
-    runs = [(v.strip(), float(scale), int(seed)) for v in args.variants.split(",") if v.strip()
-            for scale in args.scales.split(",") for seed in args.seeds.split(",")]
+    runs = [
+        (v.strip(), float(scale), int(seed))
+        for v in args.variants.split(",")
+        if v.strip()
+        for scale in args.scales.split(",")
+        for seed in args.seeds.split(",")
+    ]
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
     mt = prompts.load_conversations("mt-bench", args.prompts)
     held = prompts.load_conversations(str(heldout_file(args.out, args.heldout_prompts)))
@@ -365,8 +519,10 @@ def main() -> None:
     if args.timed:  # the target alone, measured in this process (the speed-ups below divide by it)
         plain = Settings(max_new_tokens=args.max_new_tokens, eos_ids=eos)
         alone = Target(model, [])
-        baseline = {"mt_bench": target_alone(alone, tokenizer, mt, plain),
-                    "heldout": target_alone(alone, tokenizer, held, plain)}
+        baseline = {
+            "mt_bench": target_alone(alone, tokenizer, mt, plain),
+            "heldout": target_alone(alone, tokenizer, held, plain),
+        }
         alone.close()
         print("target alone:", {k: v["seconds"] for k, v in baseline.items()}, "s", flush=True)
     for variant, scale, seed in runs:
@@ -374,38 +530,82 @@ def main() -> None:
         options = settings_of(variant, profile)
         depth = options.get("depth", args.depth)
         steps = max(1, round(profile.steps * scale))
-        vmap, cache = prepare(args.out, args.demo, profile, options["vocab"], options.get("extra", 0), target,
-                              options.get("algorithm", "eagle3"), options.get("regen", 0), options.get("written", 0),
-                              options.get("sampled", 0))
-        checkpoint, last_eval, seconds = train_variant(args.out, run_name, options, vmap, cache, profile, steps, seed)
-        if run_name in results and results[run_name]["steps"] == steps and \
-                (not args.timed or results[run_name]["mt_bench"].get("speedup")):
+        vmap, cache = prepare(
+            args.out,
+            args.demo,
+            profile,
+            options["vocab"],
+            options.get("extra", 0),
+            target,
+            options.get("algorithm", "eagle3"),
+            options.get("regen", 0),
+            options.get("written", 0),
+            options.get("sampled", 0),
+        )
+        checkpoint, last_eval, seconds = train_variant(
+            args.out, run_name, options, vmap, cache, profile, steps, seed
+        )
+        if (
+            run_name in results
+            and results[run_name]["steps"] == steps
+            and (not args.timed or results[run_name]["mt_bench"].get("speedup"))
+        ):
             continue
-        settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0,
-                            max_new_tokens=args.max_new_tokens, eos_ids=eos)
-        target_m = Target(model, drafts.load_draft(checkpoint, loading.load_config(target_dir)).model.config.aux_layer_ids)
+        settings = Settings(
+            depth=depth,
+            topk=1,
+            num_tokens=depth,
+            temperature=0.0,
+            max_new_tokens=args.max_new_tokens,
+            eos_ids=eos,
+        )
+        target_m = Target(
+            model,
+            drafts.load_draft(
+                checkpoint, loading.load_config(target_dir)
+            ).model.config.aux_layer_ids,
+        )
         t0 = time.perf_counter()
-        row = {"variant": variant, "scale": scale, "seed": seed, "steps": steps, "depth": depth, "options": options,
-               "train_seconds": round(seconds, 1), "heldout_top1": (last_eval.get("acc") or [None])[0],
-               "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings),
-               "heldout": acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings)}
+        row = {
+            "variant": variant,
+            "scale": scale,
+            "seed": seed,
+            "steps": steps,
+            "depth": depth,
+            "options": options,
+            "train_seconds": round(seconds, 1),
+            "heldout_top1": (last_eval.get("acc") or [None])[0],
+            "mt_bench": acceptance(target_m, target_dir, checkpoint, tokenizer, mt, settings),
+            "heldout": acceptance(target_m, target_dir, checkpoint, tokenizer, held, settings),
+        }
         row["eval_seconds"] = round(time.perf_counter() - t0, 1)
         target_m.close()
         for part in ("mt_bench", "heldout"):
             outputs = row[part].pop("outputs")
             if baseline:
                 if outputs != baseline[part]["outputs"]:
-                    raise SystemExit(f"{run_name}: speculative decoding did not give the target's greedy text on {part}")
+                    raise SystemExit(
+                        f"{run_name}: speculative decoding did not give the target's greedy text on {part}"
+                    )
                 row[part]["speedup"] = round(baseline[part]["seconds"] / row[part]["seconds"], 3)
         results[run_name] = row
         results_path.write_text(json.dumps(results, indent=2))
-        print(run_name, json.dumps({k: row[k] for k in ("steps", "train_seconds", "heldout_top1")}),
-              f"MT-bench AL {row['mt_bench']['acceptance_length']:.3f}, held-out AL "
-              f"{row['heldout']['acceptance_length']:.3f}"
-              + (f", speed-up {row['mt_bench']['speedup']:.2f}x / {row['heldout']['speedup']:.2f}x" if baseline else ""),
-              flush=True)
-    print(f"\n{profile.name} demo data, {profile.batch_tokens}-token packed steps, chain of {args.depth} (dflashN: N - 1), greedy, "
-          f"{args.prompts} MT-bench questions and {args.heldout_prompts} held-out ShareGPT chats (both turns)\n")
+        print(
+            run_name,
+            json.dumps({k: row[k] for k in ("steps", "train_seconds", "heldout_top1")}),
+            f"MT-bench AL {row['mt_bench']['acceptance_length']:.3f}, held-out AL "
+            f"{row['heldout']['acceptance_length']:.3f}"
+            + (
+                f", speed-up {row['mt_bench']['speedup']:.2f}x / {row['heldout']['speedup']:.2f}x"
+                if baseline
+                else ""
+            ),
+            flush=True,
+        )
+    print(
+        f"\n{profile.name} demo data, {profile.batch_tokens}-token packed steps, chain of {args.depth} (dflashN: N - 1), greedy, "
+        f"{args.prompts} MT-bench questions and {args.heldout_prompts} held-out ShareGPT chats (both turns)\n"
+    )
     print(table(results))
 
 

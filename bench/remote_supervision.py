@@ -63,14 +63,27 @@ DEMO_VOCAB = Path("/work/demo/vocab-8192.safetensors")
 
 
 def start_server(target: Path, token: str, threads: int = 0) -> tuple[subprocess.Popen, str]:
-    code = ("import sys; from spec_cli.serve.run import serve; "
-            "serve(sys.argv[1], port=0, device='cpu', dtype='fp32')")
-    env = {**os.environ, "SPEC_SERVE_TOKEN": token, "PYTHONUNBUFFERED": "1", "COLUMNS": "200",
-           "PYTHONPATH": str(ROOT)}
+    code = (
+        "import sys; from spec_cli.serve.run import serve; "
+        "serve(sys.argv[1], port=0, device='cpu', dtype='fp32')"
+    )
+    env = {
+        **os.environ,
+        "SPEC_SERVE_TOKEN": token,
+        "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "200",
+        "PYTHONPATH": str(ROOT),
+    }
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen([sys.executable, "-c", code, str(target)], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(target)],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + 300
@@ -83,7 +96,7 @@ def start_server(target: Path, token: str, threads: int = 0) -> tuple[subprocess
                 break
             continue
         seen.append(line)
-        if (m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)):
+        if m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
             return proc, m.group(1)
     proc.kill()
     raise SystemExit("the server did not start:\n" + "".join(seen))
@@ -118,8 +131,14 @@ def run_remote(remote: RemoteBackend, requests, prefetch: int) -> tuple[float, l
 def stream(remote: RemoteBackend, requests, prefetch: int) -> StreamLoader:
     keys = ("input_ids", "attention_mask", "loss_mask")
     producer = Producer(remote, MemoryStore(max_samples=prefetch + 1), new_run_id())
-    return StreamLoader(producer, lambda i: dict(zip(keys, requests[i])), 0, len(requests),
-                        prefetch=prefetch, workers=prefetch)
+    return StreamLoader(
+        producer,
+        lambda i: dict(zip(keys, requests[i])),
+        0,
+        len(requests),
+        prefetch=prefetch,
+        workers=prefetch,
+    )
 
 
 def on_a_thread(fn):
@@ -138,8 +157,12 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequential", action="store_true", help="also time prefetch 0")
-    parser.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: default)")
-    parser.add_argument("--control", action="store_true", help="also time in-process on a worker thread")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads per process (0: default)"
+    )
+    parser.add_argument(
+        "--control", action="store_true", help="also time in-process on a worker thread"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.threads:
@@ -153,19 +176,30 @@ def main() -> None:
     # a modest slice of real conversations, batched exactly as `spec train` batches them
     subset = work / "sharegpt-subset.jsonl"
     with open(data, encoding="utf-8") as src:
-        subset.write_text("".join(line for _, line in zip(range(40 * args.batches), src)), encoding="utf-8")
+        subset.write_text(
+            "".join(line for _, line in zip(range(40 * args.batches), src)), encoding="utf-8"
+        )
     tokens = tokenize_data(subset, tokenizer, tok_fp, args.max_length, use_cache=False)
-    plan = plan_batches(tokens.lengths, args.batch_tokens)[:args.batches]
+    plan = plan_batches(tokens.lengths, args.batch_tokens)[: args.batches]
     requests = [collate(tokens, indices) for indices in plan]
     n_tokens = sum(int(am.sum()) for _, am, _ in requests)
 
-    if DEMO_VOCAB.is_file() and load_vocab_map(DEMO_VOCAB).metadata.get("tokenizer_fingerprint") == tok_fp:
+    if (
+        DEMO_VOCAB.is_file()
+        and load_vocab_map(DEMO_VOCAB).metadata.get("tokenizer_fingerprint") == tok_fp
+    ):
         vocab_path = DEMO_VOCAB
     else:
         vocab_path = work / "vocab-8192.safetensors"
-        build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-            target=str(target), data=str(data), output=vocab_path, draft_vocab_size=8192,
-            max_length=args.max_length))
+        build_vocab_map.run(
+            build_vocab_map.BuildVocabMapConfig(
+                target=str(target),
+                data=str(data),
+                output=vocab_path,
+                draft_vocab_size=8192,
+                max_length=args.max_length,
+            )
+        )
     selected = load_vocab_map(vocab_path).selected_token_ids
 
     token = secrets.token_hex(16)
@@ -178,8 +212,10 @@ def main() -> None:
         local.generate_batch(*requests[-1])  # warm-up, both sides
         remote.generate_batch(*requests[-1])
         _, want = run_local(local, requests)  # the reference digests (and a second warm-up)
-        paths = {"in-process": lambda: run_local(local, requests),
-                 f"remote prefetch {args.prefetch}": lambda: run_remote(remote, requests, args.prefetch)}
+        paths = {
+            "in-process": lambda: run_local(local, requests),
+            f"remote prefetch {args.prefetch}": lambda: run_remote(remote, requests, args.prefetch),
+        }
         if args.sequential:
             paths["remote prefetch 0"] = lambda: run_remote(remote, requests, 0)
         if args.control:
@@ -192,7 +228,9 @@ def main() -> None:
                 if got != want:
                     raise SystemExit(f"{key}: supervision differs from the in-process reference")
                 rows[key].append(seconds)
-            print(f"  repeat {r}: " + ", ".join(f"{k} {rows[k][-1]:.1f} s" for k in paths), flush=True)
+            print(
+                f"  repeat {r}: " + ", ".join(f"{k} {rows[k][-1]:.1f} s" for k in paths), flush=True
+            )
         remote.close()
         local.close()
     finally:
@@ -200,20 +238,37 @@ def main() -> None:
         proc.wait(timeout=60)
         shutil.rmtree(work, ignore_errors=True)
 
-    answer_bytes = sum(b * t * (4 * selected.numel() + 4 * 3 * 576 + 8 * 4 + 4 + 1)
-                       for b, t in (r[0].shape for r in requests))
-    print(f"SmolLM2-135M fp32 on {torch.get_num_threads()} threads, {len(requests)} batches, "
-          f"{n_tokens} tokens (B x T <= {args.batch_tokens}), draft vocab {selected.numel()}, "
-          f"{answer_bytes / 2 ** 20:.0f} MiB of answers per pass; all remote batches bit-identical")
+    answer_bytes = sum(
+        b * t * (4 * selected.numel() + 4 * 3 * 576 + 8 * 4 + 4 + 1)
+        for b, t in (r[0].shape for r in requests)
+    )
+    print(
+        f"SmolLM2-135M fp32 on {torch.get_num_threads()} threads, {len(requests)} batches, "
+        f"{n_tokens} tokens (B x T <= {args.batch_tokens}), draft vocab {selected.numel()}, "
+        f"{answer_bytes / 2**20:.0f} MiB of answers per pass; all remote batches bit-identical"
+    )
     result = {}
     for key, times in rows.items():  # per repeat: in-process seconds / this path's seconds
         ratio = statistics.median(a / b for a, b in zip(rows["in-process"], times))
-        result[key] = {"tokens_per_s": round(n_tokens / statistics.median(times), 1),
-                       "ratio": round(ratio, 3), "seconds": [round(t, 2) for t in times]}
-        print(f"  {key:20s} {result[key]['tokens_per_s']:8.1f} tokens/s   x{ratio:.3f} (median of "
-              f"per-repeat ratios)   runs {result[key]['seconds']} s")
-    print(json.dumps({"ratio_remote_over_in_process": result[f"remote prefetch {args.prefetch}"]["ratio"],
-                      "tokens": n_tokens, "batches": len(requests), **result}))
+        result[key] = {
+            "tokens_per_s": round(n_tokens / statistics.median(times), 1),
+            "ratio": round(ratio, 3),
+            "seconds": [round(t, 2) for t in times],
+        }
+        print(
+            f"  {key:20s} {result[key]['tokens_per_s']:8.1f} tokens/s   x{ratio:.3f} (median of "
+            f"per-repeat ratios)   runs {result[key]['seconds']} s"
+        )
+    print(
+        json.dumps(
+            {
+                "ratio_remote_over_in_process": result[f"remote prefetch {args.prefetch}"]["ratio"],
+                "tokens": n_tokens,
+                "batches": len(requests),
+                **result,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,11 +61,13 @@ def compare(want: list, got: list) -> dict:
                 diff = float((x.float() - y.float()).abs().max())
                 diffs[name] = max(diffs.get(name, 0.0), diff)
                 if name == "aux_hidden":
-                    diffs["aux_hidden (relative)"] = max(diffs.get("aux_hidden (relative)", 0.0),
-                                                         diff / float(x.abs().max()))
+                    diffs["aux_hidden (relative)"] = max(
+                        diffs.get("aux_hidden (relative)", 0.0), diff / float(x.abs().max())
+                    )
             else:
-                diffs[f"{name} (entries differing)"] = diffs.get(f"{name} (entries differing)", 0) + \
-                    int((x != y).sum())
+                diffs[f"{name} (entries differing)"] = diffs.get(
+                    f"{name} (entries differing)", 0
+                ) + int((x != y).sum())
     return diffs
 
 
@@ -75,8 +77,12 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=1024)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=160, help="ShareGPT records read (and counted "
-                                                                 "for the draft vocab)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=160,
+        help="ShareGPT records read (and counted for the draft vocab)",
+    )
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     args = parser.parse_args()
     target = assets.ensure_smollm2()
@@ -87,15 +93,23 @@ def main() -> None:
 
     subset = work / "sharegpt-subset.jsonl"
     with open(data, encoding="utf-8") as src:
-        subset.write_text("".join(line for _, line in zip(range(args.samples), src)), encoding="utf-8")
+        subset.write_text(
+            "".join(line for _, line in zip(range(args.samples), src)), encoding="utf-8"
+        )
     tokens = tokenize_data(subset, tokenizer, tok_fp, args.max_length, use_cache=False)
-    plan = plan_batches(tokens.lengths, args.batch_tokens)[:args.batches]
+    plan = plan_batches(tokens.lengths, args.batch_tokens)[: args.batches]
     requests = [collate(tokens, indices) for indices in plan]
     n_tokens = sum(int(am.sum()) for _, am, _ in requests)
     vocab_path = work / "vocab.safetensors"
-    build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-        target=str(target), data=str(subset), output=vocab_path, draft_vocab_size=args.draft_vocab_size,
-        max_length=args.max_length))
+    build_vocab_map.run(
+        build_vocab_map.BuildVocabMapConfig(
+            target=str(target),
+            data=str(subset),
+            output=vocab_path,
+            draft_vocab_size=args.draft_vocab_size,
+            max_length=args.max_length,
+        )
+    )
     selected = load_vocab_map(vocab_path).selected_token_ids
 
     from spec_cli.targets.vllm_backend import VLLMTargetBackend
@@ -115,29 +129,52 @@ def main() -> None:
         diffs = None
         for r in range(args.repeats):
             outs = {}
-            for key in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+            for key in list(paths) if r % 2 == 0 else list(reversed(paths)):
                 seconds, outs[key] = timed_pass(paths[key], requests)
                 rows[key].append(seconds)
             diffs = diffs or compare(outs["transformers"], outs["vllm"])
-            print(f"  repeat {r}: " + ", ".join(f"{k} {rows[k][-1]:.2f} s" for k in paths), flush=True)
+            print(
+                f"  repeat {r}: " + ", ".join(f"{k} {rows[k][-1]:.2f} s" for k in paths), flush=True
+            )
     finally:
         vb.close()
         hf.close()
 
     ratio = statistics.median(a / b for a, b in zip(rows["transformers"], rows["vllm"]))
-    result = {key: {"tokens_per_s": round(n_tokens / statistics.median(times), 1),
-                    "seconds": [round(t, 2) for t in times]} for key, times in rows.items()}
-    print(f"SmolLM2-135M fp32 on {torch.get_num_threads()} torch threads, {len(requests)} batches, "
-          f"{n_tokens} tokens (B x T <= {args.batch_tokens}), draft vocab {selected.numel()}; load "
-          f"transformers {hf_load:.1f} s, vLLM {vllm_load:.1f} s; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    result = {
+        key: {
+            "tokens_per_s": round(n_tokens / statistics.median(times), 1),
+            "seconds": [round(t, 2) for t in times],
+        }
+        for key, times in rows.items()
+    }
+    print(
+        f"SmolLM2-135M fp32 on {torch.get_num_threads()} torch threads, {len(requests)} batches, "
+        f"{n_tokens} tokens (B x T <= {args.batch_tokens}), draft vocab {selected.numel()}; load "
+        f"transformers {hf_load:.1f} s, vLLM {vllm_load:.1f} s; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     for key, row in result.items():
-        print(f"  {key:13s} {row['tokens_per_s']:8.1f} supervision tokens/s   runs {row['seconds']} s")
+        print(
+            f"  {key:13s} {row['tokens_per_s']:8.1f} supervision tokens/s   runs {row['seconds']} s"
+        )
     print(f"  vLLM / transformers: x{ratio:.3f} (median of per-repeat ratios)")
-    print("  vLLM - transformers, max |diff|: " + ", ".join(f"{k} {v:.2g}" for k, v in sorted(diffs.items())))
-    print(json.dumps({"ratio_vllm_over_transformers": round(ratio, 3), "tokens": n_tokens,
-                      "batches": len(requests), "threads": torch.get_num_threads(), **result,
-                      "max_abs_diff": diffs}))
+    print(
+        "  vLLM - transformers, max |diff|: "
+        + ", ".join(f"{k} {v:.2g}" for k, v in sorted(diffs.items()))
+    )
+    print(
+        json.dumps(
+            {
+                "ratio_vllm_over_transformers": round(ratio, 3),
+                "tokens": n_tokens,
+                "batches": len(requests),
+                "threads": torch.get_num_threads(),
+                **result,
+                "max_abs_diff": diffs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,29 +60,62 @@ def supervision_diff(full: Path, half: Path) -> dict:
         aux_norm += float(x.aux_hidden[real].float().pow(2).sum())
     a.close()
     b.close()
-    return {"positions": positions, "target_p_max_abs": max_abs, "kl_mean": kl_sum / max(positions, 1),
-            "kl_max": kl_max, "argmax_agreement": agree / max(positions, 1), "position_mask_equal": masks_equal,
-            "aux_rel_rms": (aux_err / max(aux_norm, 1e-30)) ** 0.5}
+    return {
+        "positions": positions,
+        "target_p_max_abs": max_abs,
+        "kl_mean": kl_sum / max(positions, 1),
+        "kl_max": kl_max,
+        "argmax_agreement": agree / max(positions, 1),
+        "position_mask_equal": masks_equal,
+        "aux_rel_rms": (aux_err / max(aux_norm, 1e-30)) ** 0.5,
+    }
 
 
-def train_losses(cache: Path, vocab_map: Path, out: Path, steps: int, batch_tokens: int, ttt: int) -> dict:
-    result = train.run(train.TrainConfig.from_options(
-        vocab_map=vocab_map, output=out, cache=cache, ttt_steps=ttt, max_steps=steps, log_every=1,
-        eval_every=steps, save_every=steps, batch_tokens=batch_tokens, eval_fraction=0.1, lr=3e-4, seed=0))
+def train_losses(
+    cache: Path, vocab_map: Path, out: Path, steps: int, batch_tokens: int, ttt: int
+) -> dict:
+    result = train.run(
+        train.TrainConfig.from_options(
+            vocab_map=vocab_map,
+            output=out,
+            cache=cache,
+            ttt_steps=ttt,
+            max_steps=steps,
+            log_every=1,
+            eval_every=steps,
+            save_every=steps,
+            batch_tokens=batch_tokens,
+            eval_fraction=0.1,
+            lr=3e-4,
+            seed=0,
+        )
+    )
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["split"] == "train"]
-    return {"losses": losses, "eval": result.final_eval, "seconds": result.seconds,
-            "checkpoint_bytes": sum(p.stat().st_size for p in result.checkpoint.rglob("*") if p.is_file()),
-            "frozen_bytes": (out / "frozen.safetensors").stat().st_size}
+    return {
+        "losses": losses,
+        "eval": result.final_eval,
+        "seconds": result.seconds,
+        "checkpoint_bytes": sum(
+            p.stat().st_size for p in result.checkpoint.rglob("*") if p.is_file()
+        ),
+        "frozen_bytes": (out / "frozen.safetensors").stat().st_size,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--data", default="sharegpt")
-    parser.add_argument("--chat-template", default=None, help="for a base model (e.g. gemma for gemma3-270m)")
+    parser.add_argument(
+        "--chat-template", default=None, help="for a base model (e.g. gemma for gemma3-270m)"
+    )
     parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--records", type=int, default=None, help="records of the data read (4 x --samples)")
+    parser.add_argument(
+        "--records", type=int, default=None, help="records of the data read (4 x --samples)"
+    )
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--draft-vocab-size", type=int, default=4096)
     parser.add_argument("--batch-tokens", type=int, default=2048)
@@ -100,58 +133,104 @@ def main() -> None:
     os.environ["SPEC_HOME"] = str(work / "home")  # tokenisation cache, fingerprints: not the user's
     torch.manual_seed(0)
     vm = work / "vm.safetensors"
-    build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-        target=target, data=data, output=vm, draft_vocab_size=args.draft_vocab_size, max_length=args.max_length,
-        chat_template=args.chat_template))
+    build_vocab_map.run(
+        build_vocab_map.BuildVocabMapConfig(
+            target=target,
+            data=data,
+            output=vm,
+            draft_vocab_size=args.draft_vocab_size,
+            max_length=args.max_length,
+            chat_template=args.chat_template,
+        )
+    )
 
     caches, sizes = {}, {}
     for storage in ("fp32", "bf16"):
         out = work / f"cache-{storage}"
         start = time.perf_counter()
-        result = precompute.run(precompute.PrecomputeConfig(
-            target=target, data=data, vocab_map=vm, output=out, encoding=args.encoding, dtype="fp32",
-            storage_dtype=storage, batch_tokens=args.batch_tokens, max_length=args.max_length,
-            max_samples=args.samples, chat_template=args.chat_template, resume=False, device="cpu"))
+        result = precompute.run(
+            precompute.PrecomputeConfig(
+                target=target,
+                data=data,
+                vocab_map=vm,
+                output=out,
+                encoding=args.encoding,
+                dtype="fp32",
+                storage_dtype=storage,
+                batch_tokens=args.batch_tokens,
+                max_length=args.max_length,
+                max_samples=args.samples,
+                chat_template=args.chat_template,
+                resume=False,
+                device="cpu",
+            )
+        )
         m = result.manifest
         caches[storage] = out
-        sizes[storage] = {"bytes_per_token": m["bytes_per_token"], "tokens": m["num_tokens"],
-                          "shard_bytes": m["bytes"], "head_bytes": m["head_bytes"], "total": result.disk["total"],
-                          "estimated": result.estimated_bytes, "seconds": time.perf_counter() - start}
+        sizes[storage] = {
+            "bytes_per_token": m["bytes_per_token"],
+            "tokens": m["num_tokens"],
+            "shard_bytes": m["bytes"],
+            "head_bytes": m["head_bytes"],
+            "total": result.disk["total"],
+            "estimated": result.estimated_bytes,
+            "seconds": time.perf_counter() - start,
+        }
 
     diff = supervision_diff(caches["fp32"], caches["bf16"])
-    runs = {s: train_losses(caches[s], vm, work / f"run-{s}", args.steps, args.batch_tokens, args.ttt_steps)
-            for s in ("fp32", "bf16")}
+    runs = {
+        s: train_losses(
+            caches[s], vm, work / f"run-{s}", args.steps, args.batch_tokens, args.ttt_steps
+        )
+        for s in ("fp32", "bf16")
+    }
 
     m = fc.read_manifest(caches["fp32"])
-    print(f"\n{Path(target).name}: H {m['hidden_size']}, V {m['vocab_size']}, Vd {m['draft_vocab_size']}, "
-          f"encoding {args.encoding}, {args.samples} samples (max length {args.max_length}), "
-          f"{m['num_tokens']} tokens, fp32 target on CPU")
-    print(f"{'storage':8s} {'bytes/token':>12s} {'shards':>12s} {'head':>12s} {'folder':>12s} {'estimate':>12s}")
+    print(
+        f"\n{Path(target).name}: H {m['hidden_size']}, V {m['vocab_size']}, Vd {m['draft_vocab_size']}, "
+        f"encoding {args.encoding}, {args.samples} samples (max length {args.max_length}), "
+        f"{m['num_tokens']} tokens, fp32 target on CPU"
+    )
+    print(
+        f"{'storage':8s} {'bytes/token':>12s} {'shards':>12s} {'head':>12s} {'folder':>12s} {'estimate':>12s}"
+    )
     for s, z in sizes.items():
-        print(f"{s:8s} {z['bytes_per_token']:12d} {z['shard_bytes']:12d} {z['head_bytes']:12d} {z['total']:12d} "
-              f"{z['estimated']:12d}")
-    print(f"bf16 / fp32: bytes/token {sizes['bf16']['bytes_per_token'] / sizes['fp32']['bytes_per_token']:.3f}, "
-          f"shards {sizes['bf16']['shard_bytes'] / sizes['fp32']['shard_bytes']:.3f}")
+        print(
+            f"{s:8s} {z['bytes_per_token']:12d} {z['shard_bytes']:12d} {z['head_bytes']:12d} {z['total']:12d} "
+            f"{z['estimated']:12d}"
+        )
+    print(
+        f"bf16 / fp32: bytes/token {sizes['bf16']['bytes_per_token'] / sizes['fp32']['bytes_per_token']:.3f}, "
+        f"shards {sizes['bf16']['shard_bytes'] / sizes['fp32']['shard_bytes']:.3f}"
+    )
     print(f"\nsupervision, bf16 vs fp32 cache, at {diff['positions']} supervised positions:")
     print(f"  target_p max |diff|          {diff['target_p_max_abs']:.3e}")
     print(f"  KL(p_fp32 || p_bf16) mean    {diff['kl_mean']:.3e} nats   max {diff['kl_max']:.3e}")
     print(f"  argmax of target_p agrees    {diff['argmax_agreement']:.4%}")
-    print(f"  position_mask identical      {diff['position_mask_equal']} (argmax stored from the fp32 pass)")
+    print(
+        f"  position_mask identical      {diff['position_mask_equal']} (argmax stored from the fp32 pass)"
+    )
     print(f"  aux hidden relative RMS err  {diff['aux_rel_rms']:.3e}")
     a, b = runs["fp32"]["losses"], runs["bf16"]["losses"]
     gaps = [abs(x - y) for x, y in zip(a, b)]
     print(f"\n{args.steps} training steps (TTT {args.ttt_steps}, same seed), train loss per step:")
     for k in sorted({0, len(a) // 4, len(a) // 2, 3 * len(a) // 4, len(a) - 1}):
         print(f"  step {k + 1:3d}: fp32 {a[k]:.5f}  bf16 {b[k]:.5f}  |diff| {gaps[k]:.2e}")
-    print(f"  max |diff| over all steps {max(gaps):.3e}, relative {max(g / x for g, x in zip(gaps, a)):.3e}")
+    print(
+        f"  max |diff| over all steps {max(gaps):.3e}, relative {max(g / x for g, x in zip(gaps, a)):.3e}"
+    )
     for s, r in runs.items():
         e = r["eval"] or {}
         acc = " ".join(f"{v:.4f}" for v in e.get("acc", []))
-        print(f"  eval {s}: loss {e.get('loss', float('nan')):.5f}  acc {acc}  sim. acceptance "
-              f"{e.get('acceptance_length', float('nan')):.4f}")
+        print(
+            f"  eval {s}: loss {e.get('loss', float('nan')):.5f}  acc {acc}  sim. acceptance "
+            f"{e.get('acceptance_length', float('nan')):.4f}"
+        )
     r = runs["fp32"]
-    print(f"\ncheckpoint folder {r['checkpoint_bytes']} bytes; frozen.safetensors (once per run) "
-          f"{r['frozen_bytes']} bytes")
+    print(
+        f"\ncheckpoint folder {r['checkpoint_bytes']} bytes; frozen.safetensors (once per run) "
+        f"{r['frozen_bytes']} bytes"
+    )
     print(f"(work folder: {work})")
 
 

@@ -45,10 +45,14 @@ def make_batch(tokens: int, hidden: int, aux: int, vocab: int, dtype: torch.dtyp
     ids = torch.randint(0, 1000, (1, T), generator=gen)
     return TargetBatch(
         aux_hidden=torch.randn(1, T, aux * hidden, generator=gen).to(dtype),
-        input_ids=ids, attention_mask=torch.ones(1, T, dtype=torch.long),
+        input_ids=ids,
+        attention_mask=torch.ones(1, T, dtype=torch.long),
         loss_mask=torch.ones(1, T, dtype=torch.long),
-        target_p=torch.rand(1, T, vocab, generator=gen), position_mask=torch.ones(1, T, dtype=torch.bool),
-        target_ids=ids.clone(), target_mass=torch.rand(1, T, generator=gen))
+        target_p=torch.rand(1, T, vocab, generator=gen),
+        position_mask=torch.ones(1, T, dtype=torch.bool),
+        target_ids=ids.clone(),
+        target_mass=torch.rand(1, T, generator=gen),
+    )
 
 
 class FixedBackend:
@@ -59,9 +63,16 @@ class FixedBackend:
 
     def __init__(self, batch: TargetBatch, hidden: int, aux: int):
         self.batch = batch
-        self.info = {"architecture": "bench", "vocab_size": 1 << 20, "hidden_size": hidden, "num_layers": 32,
-                     "aux_layers": list(range(aux)), "dtype": str(batch.aux_hidden.dtype).replace("torch.", ""),
-                     "target_fingerprint": "bench", "tokenizer_fingerprint": "bench"}
+        self.info = {
+            "architecture": "bench",
+            "vocab_size": 1 << 20,
+            "hidden_size": hidden,
+            "num_layers": 32,
+            "aux_layers": list(range(aux)),
+            "dtype": str(batch.aux_hidden.dtype).replace("torch.", ""),
+            "target_fingerprint": "bench",
+            "tokenizer_fingerprint": "bench",
+        }
 
     def set_vocab_mapping(self, ids) -> None:
         pass
@@ -79,9 +90,11 @@ def serve(args) -> None:
     from spec_cli.serve.server import Limits, TargetServer
 
     batch = make_batch(args.tokens, args.hidden, args.aux, args.draft_vocab, DTYPES[args.dtype])
-    logic = TargetServer(FixedBackend(batch, args.hidden, args.aux), limits=Limits(max_batch_tokens=1 << 20,
-                                                                                 max_seq_len=1 << 20),
-                         plane=PlaneHost("127.0.0.1", 0, timeout=300))
+    logic = TargetServer(
+        FixedBackend(batch, args.hidden, args.aux),
+        limits=Limits(max_batch_tokens=1 << 20, max_seq_len=1 << 20),
+        plane=PlaneHost("127.0.0.1", 0, timeout=300),
+    )
     handle = HTTPHandle(logic, "127.0.0.1", 0, request_timeout=300)
     print(f"listening on {handle.url}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
@@ -104,27 +117,41 @@ def main() -> None:
     from spec_cli.serve.client import RemoteBackend
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", *sys.argv[1:]],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     line = server.stdout.readline()
     if not line.startswith("listening on "):
         raise SystemExit(f"the server did not start: {line!r}")
     url = line.split()[-1]
-    want = make_batch(args.tokens, args.hidden, args.aux, args.draft_vocab, DTYPES[args.dtype]).tensors()
+    want = make_batch(
+        args.tokens, args.hidden, args.aux, args.draft_vocab, DTYPES[args.dtype]
+    ).tensors()
     nbytes = sum(t.numel() * t.element_size() for t in want.values())
     T = args.tokens
-    request = (torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.long),
-               torch.ones(1, T, dtype=torch.long))
-    clients = {"tensor plane": RemoteBackend(url, timeout=300), "HTTP body": RemoteBackend(url, timeout=300,
-                                                                                           tensor_plane=False)}
+    request = (
+        torch.zeros(1, T, dtype=torch.long),
+        torch.ones(1, T, dtype=torch.long),
+        torch.ones(1, T, dtype=torch.long),
+    )
+    clients = {
+        "tensor plane": RemoteBackend(url, timeout=300),
+        "HTTP body": RemoteBackend(url, timeout=300, tensor_plane=False),
+    }
     times = {key: [] for key in clients}
     try:
-        assert "tensor plane (gloo" in clients["tensor plane"].transport, clients["tensor plane"].transport
+        assert "tensor plane (gloo" in clients["tensor plane"].transport, clients[
+            "tensor plane"
+        ].transport
         for client in clients.values():
             client.set_vocab_mapping(torch.arange(args.draft_vocab))
             client.generate_batch(*request)  # warm-up: connections, the channel
         for r in range(args.repeats):
-            for key in (list(clients) if r % 2 == 0 else list(reversed(clients))):
+            for key in list(clients) if r % 2 == 0 else list(reversed(clients)):
                 start = time.perf_counter()
                 got = clients[key].generate_batch(*request).tensors()
                 times[key].append(time.perf_counter() - start)
@@ -136,15 +163,19 @@ def main() -> None:
             client.close()
         server.stdin.close()
         server.wait(timeout=60)
-    print(f"one answer: {T} tokens, aux {args.aux} x {args.hidden} {args.dtype}, target_p {args.draft_vocab} "
-          f"fp32: {nbytes / 2 ** 20:.0f} MiB; loopback, gloo, {torch.get_num_threads()} threads; "
-          f"every answer bit-identical")
+    print(
+        f"one answer: {T} tokens, aux {args.aux} x {args.hidden} {args.dtype}, target_p {args.draft_vocab} "
+        f"fp32: {nbytes / 2**20:.0f} MiB; loopback, gloo, {torch.get_num_threads()} threads; "
+        f"every answer bit-identical"
+    )
     result = {}
     for key, seconds in times.items():
         median = statistics.median(seconds)
         result[key] = {"seconds": round(median, 4), "GB_per_s": round(nbytes / median / 1e9, 2)}
-        print(f"  {key:13s} {median * 1000:8.1f} ms per answer  {nbytes / median / 1e9:6.2f} GB/s   "
-              f"runs {[round(s, 3) for s in seconds]}")
+        print(
+            f"  {key:13s} {median * 1000:8.1f} ms per answer  {nbytes / median / 1e9:6.2f} GB/s   "
+            f"runs {[round(s, 3) for s in seconds]}"
+        )
     ratio = statistics.median(h / p for h, p in zip(times["HTTP body"], times["tensor plane"]))
     print(f"HTTP-body seconds / tensor-plane seconds: x{ratio:.2f} (median of per-repeat ratios)")
     print(json.dumps({"ratio_http_over_plane": round(ratio, 3), "answer_bytes": nbytes, **result}))

@@ -44,9 +44,20 @@ import time
 import peers  # bench/peers.py (this script's folder is on sys.path)
 import torch
 
-SHAPE = dict(vocab_size=49152, target_hidden_size=576, aux_layer_ids=[1, 14, 26], target_num_layers=30,
-             hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-             head_dim=64, draft_vocab_size=8192, rope_theta=100000.0, rms_norm_eps=1e-5)
+SHAPE = dict(
+    vocab_size=49152,
+    target_hidden_size=576,
+    aux_layer_ids=[1, 14, 26],
+    target_num_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    draft_vocab_size=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def build(T: int, seed: int = 0, supervised: float = 1.0):
@@ -57,7 +68,7 @@ def build(T: int, seed: int = 0, supervised: float = 1.0):
     torch.manual_seed(seed)
     cfg = DraftConfig(**SHAPE)
     draft = Eagle3Draft(cfg)
-    selected = torch.sort(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size]).values
+    selected = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
     draft.set_vocab_map(selected)
     B, Vd = 1, cfg.draft_vocab_size
     loss_mask = (torch.rand(B, T) < supervised).long()
@@ -90,18 +101,26 @@ def reference_ttt(draft, batch, ttt_steps: int = 7, step_weight: float = 0.8) ->
     causal = torch.full((T, T), float("-inf")).triu(1)[None, None]  # [1, 1, T, T]
     hidden = draft.project(batch.aux_hidden)
     cache_k, cache_v = [], []
-    weights = [step_weight ** k for k in range(ttt_steps)]
+    weights = [step_weight**k for k in range(ttt_steps)]
     total = 0.0
     for k in range(ttt_steps):
         ids = torch.cat([batch.input_ids[:, k:], batch.input_ids[:, :k] * 0], 1)
-        cos, sin = draft.rope(positions + k)  # step k: slot t reads token t + k, at its position (serving's)
-        x = torch.cat([layer.input_layernorm(draft.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
+        cos, sin = draft.rope(
+            positions + k
+        )  # step k: slot t reads token t + k, at its position (serving's)
+        x = torch.cat(
+            [layer.input_layernorm(draft.embed_tokens(ids)), layer.hidden_norm(hidden)], -1
+        )
         q, kk, v = attn.qkv(x, cos, sin)
         cache_k.append(kk.repeat_interleave(group, 1))
         cache_v.append(v.repeat_interleave(group, 1))
-        scores = q @ cache_k[0].transpose(-1, -2) / math.sqrt(attn.head_dim) + causal  # [B, h, T, T]
+        scores = (
+            q @ cache_k[0].transpose(-1, -2) / math.sqrt(attn.head_dim) + causal
+        )  # [B, h, T, T]
         for kj in cache_k[1:]:
-            scores = torch.cat([scores, (q * kj).sum(-1, keepdim=True) / math.sqrt(attn.head_dim)], -1)
+            scores = torch.cat(
+                [scores, (q * kj).sum(-1, keepdim=True) / math.sqrt(attn.head_dim)], -1
+            )
         p = scores.softmax(-1)  # [B, h, T, T + k]
         o = p[..., :T] @ cache_v[0]
         for j, vj in enumerate(cache_v[1:]):
@@ -111,10 +130,12 @@ def reference_ttt(draft, batch, ttt_steps: int = 7, step_weight: float = 0.8) ->
         logits = draft.logits(hidden)  # [B, T, Vd]
         valid = torch.arange(T) < T - k
         mask = torch.zeros_like(batch.position_mask)
-        mask[:, :T - k] = batch.position_mask[:, k:]
+        mask[:, : T - k] = batch.position_mask[:, k:]
         target_p = torch.cat([batch.target_p[:, k:], batch.target_p[:, :k] * 0], 1)
         ce = -(target_p * logits.log_softmax(-1)).sum(-1)  # [B, T]
-        total = total + weights[k] / sum(weights) * (ce * (mask & valid)).sum() / mask.sum().clamp_min(1)
+        total = total + weights[k] / sum(weights) * (
+            ce * (mask & valid)
+        ).sum() / mask.sum().clamp_min(1)
     return total
 
 
@@ -184,11 +205,21 @@ def worker(impl: str, T: int, iters: int, checkpoint: bool, supervised: float, a
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         if impl in peers.PEERS and times[-1] > args.peer_max_step_s:
-            return dict(impl=impl, T=T, error=f"too slow: {times[-1]:.0f} s/step", too_slow=times[-1])
+            return dict(
+                impl=impl, T=T, error=f"too slow: {times[-1]:.0f} s/step", too_slow=times[-1]
+            )
     best = min(times[1:])
-    return dict(impl=impl, T=T, seconds=best, tokens_per_s=T / best, cpu_seconds=min(cpu_times[1:]),
-                cpu_tokens_per_s=T / min(cpu_times[1:]), peak_mb=peak_rss_mb() - baseline,
-                baseline_mb=baseline, threads=torch.get_num_threads())
+    return dict(
+        impl=impl,
+        T=T,
+        seconds=best,
+        tokens_per_s=T / best,
+        cpu_seconds=min(cpu_times[1:]),
+        cpu_tokens_per_s=T / min(cpu_times[1:]),
+        peak_mb=peak_rss_mb() - baseline,
+        baseline_mb=baseline,
+        threads=torch.get_num_threads(),
+    )
 
 
 def check_agreement() -> float:
@@ -203,26 +234,38 @@ def check_agreement() -> float:
     ref = reference_ttt(draft, batch, ttt_steps=7)
     g_ours = torch.autograd.grad(ours, params)
     g_ref = torch.autograd.grad(ref, params)
-    err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(g_ours, g_ref))
+    err = max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(g_ours, g_ref)
+    )
     if abs(float((ours - ref).detach())) > 1e-9 or err > 1e-8:
-        raise SystemExit(f"spec_cli and the reference disagree: loss {float(ours)} vs {float(ref)}, "
-                         f"worst relative gradient error {err:.2e}")
+        raise SystemExit(
+            f"spec_cli and the reference disagree: loss {float(ours)} vs {float(ref)}, "
+            f"worst relative gradient error {err:.2e}"
+        )
     return err
 
 
 def check_peers(names: list[str], args) -> None:
     """Each peer's loss, accuracy and gradients equal spec_cli's on one short input (fp32)."""
     tol = dict(ce=1e-4, acc=1e-6, grad=1e-4)
-    print(f"peer check (T=64, fp32, 7 TTT steps, same weights and batch; tolerances: soft-CE {tol['ce']:.0e} "
-          f"abs, accuracy {tol['acc']:.0e}, gradient {tol['grad']:.0e} relative to the largest entry):")
+    print(
+        f"peer check (T=64, fp32, 7 TTT steps, same weights and batch; tolerances: soft-CE {tol['ce']:.0e} "
+        f"abs, accuracy {tol['acc']:.0e}, gradient {tol['grad']:.0e} relative to the largest entry):"
+    )
     for name in names:
         r = peers.check(name, build, speculators_attn=args.speculators_attn)
-        acc = "n/a (speculators reports cumulative accuracy)" if r["acc_err"] is None else f"{r['acc_err']:.1e}"
-        print(f"  {name:<11} soft-CE per step {', '.join(f'{x:.5f}' for x in r['ce'])}\n"
-              f"  {'spec_cli':<11} soft-CE per step {', '.join(f'{x:.5f}' for x in r['spec_cli_ce'])}\n"
-              f"  {'':<11} max soft-CE diff {r['ce_err']:.1e}, accuracy diff {acc} (step accuracies "
-              f"{', '.join(f'{x:.3f}' for x in r['acc'])}), gradient diff {r['grad_err']:.1e}\n"
-              f"  {'':<11} vs ttt_forward as shipped: up to {r['shipped_err']:.1e}")
+        acc = (
+            "n/a (speculators reports cumulative accuracy)"
+            if r["acc_err"] is None
+            else f"{r['acc_err']:.1e}"
+        )
+        print(
+            f"  {name:<11} soft-CE per step {', '.join(f'{x:.5f}' for x in r['ce'])}\n"
+            f"  {'spec_cli':<11} soft-CE per step {', '.join(f'{x:.5f}' for x in r['spec_cli_ce'])}\n"
+            f"  {'':<11} max soft-CE diff {r['ce_err']:.1e}, accuracy diff {acc} (step accuracies "
+            f"{', '.join(f'{x:.3f}' for x in r['acc'])}), gradient diff {r['grad_err']:.1e}\n"
+            f"  {'':<11} vs ttt_forward as shipped: up to {r['shipped_err']:.1e}"
+        )
         bad = [k for k in ("ce", "grad") if r[f"{k}_err"] > tol[k]]
         bad += ["acc"] if r["acc_err"] is not None and r["acc_err"] > tol["acc"] else []
         bad += ["shipped"] if r["shipped_err"] > tol["ce"] else []
@@ -244,12 +287,29 @@ def _rss_mb(pid: int) -> float:
 def run_one(impl: str, T: int, iters: int, checkpoint: bool, supervised: float, args=None) -> dict:
     """One (implementation, length) in a fresh process. Peers are watched: stopped above
     --peer-max-mb of RSS, or when the run outlasts its steps at --peer-max-step-s plus a minute."""
-    cmd = [sys.executable, __file__, "--worker", impl, "--lengths", str(T), "--iters", str(iters),
-           "--supervised", str(supervised), "--threads", str(torch.get_num_threads())]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        impl,
+        "--lengths",
+        str(T),
+        "--iters",
+        str(iters),
+        "--supervised",
+        str(supervised),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
     cmd += ["--checkpoint"] if checkpoint else []
     watched = impl in peers.PEERS
     if watched:
-        cmd += ["--speculators-attn", args.speculators_attn, "--peer-max-step-s", str(args.peer_max_step_s)]
+        cmd += [
+            "--speculators-attn",
+            args.speculators_attn,
+            "--peer-max-step-s",
+            str(args.peer_max_step_s),
+        ]
         cmd += ["--speculators-train-head"] if args.speculators_train_head else []
     limit_s = (iters + 1) * args.peer_max_step_s + 60 if watched else None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -277,34 +337,78 @@ def run_one(impl: str, T: int, iters: int, checkpoint: bool, supervised: float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
-    parser.add_argument("--ref-max-len", type=int, default=4096,
-                        help="skip the reference above this length (its scores grow as T^2: at 8192 "
-                             "they alone need ~17 GB per unroll); 0: no reference")
-    parser.add_argument("--iters", type=int, default=0, help="timed steps per run (0: 3 up to 1024, "
-                                                             "2 up to 2048, else 1), after one warm-up")
-    parser.add_argument("--checkpoint", action="store_true", help="spec_cli with activation checkpointing")
-    parser.add_argument("--supervised", type=float, default=1.0,
-                        help="fraction of positions with a loss (chat data: ~0.5; 1.0 is the worst case)")
+    parser.add_argument(
+        "--ref-max-len",
+        type=int,
+        default=4096,
+        help="skip the reference above this length (its scores grow as T^2: at 8192 "
+        "they alone need ~17 GB per unroll); 0: no reference",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=0,
+        help="timed steps per run (0: 3 up to 1024, 2 up to 2048, else 1), after one warm-up",
+    )
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="spec_cli with activation checkpointing"
+    )
+    parser.add_argument(
+        "--supervised",
+        type=float,
+        default=1.0,
+        help="fraction of positions with a loss (chat data: ~0.5; 1.0 is the worst case)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--peers", default=",".join(peers.PEERS),
-                        help="peers to run where installed (comma-separated; empty: none)")
-    parser.add_argument("--peer-max-mb", type=int, default=8000,
-                        help="stop a peer's run when its process RSS passes this")
-    parser.add_argument("--peer-max-step-s", type=float, default=60.0,
-                        help="stop a peer's run when one step takes longer than this")
-    parser.add_argument("--speculators-attn", choices=["sdpa", "eager"], default="sdpa",
-                        help="speculators' draft attention (its flex attention has no CPU backward)")
-    parser.add_argument("--speculators-train-head", action="store_true",
-                        help="train speculators' draft lm_head like spec_cli does (frozen as shipped)")
-    parser.add_argument("--worker", choices=["spec_cli", "reference", *peers.PEERS], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peers",
+        default=",".join(peers.PEERS),
+        help="peers to run where installed (comma-separated; empty: none)",
+    )
+    parser.add_argument(
+        "--peer-max-mb",
+        type=int,
+        default=8000,
+        help="stop a peer's run when its process RSS passes this",
+    )
+    parser.add_argument(
+        "--peer-max-step-s",
+        type=float,
+        default=60.0,
+        help="stop a peer's run when one step takes longer than this",
+    )
+    parser.add_argument(
+        "--speculators-attn",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="speculators' draft attention (its flex attention has no CPU backward)",
+    )
+    parser.add_argument(
+        "--speculators-train-head",
+        action="store_true",
+        help="train speculators' draft lm_head like spec_cli does (frozen as shipped)",
+    )
+    parser.add_argument(
+        "--worker", choices=["spec_cli", "reference", *peers.PEERS], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
 
     if args.worker:
-        print(json.dumps(worker(args.worker, lengths[0], max(args.iters, 1), args.checkpoint,
-                                args.supervised, args)))
+        print(
+            json.dumps(
+                worker(
+                    args.worker,
+                    lengths[0],
+                    max(args.iters, 1),
+                    args.checkpoint,
+                    args.supervised,
+                    args,
+                )
+            )
+        )
         return
 
     err = check_agreement()
@@ -320,13 +424,17 @@ def main() -> None:
         names += [] if reason else [name]
     if names:
         check_peers(names, args)
-    print(f"threads: {torch.get_num_threads()}, checkpoint: {args.checkpoint}, "
-          f"supervised fraction: {args.supervised}, speculators attention: {args.speculators_attn}, "
-          f"speculators lm_head: {'trained' if args.speculators_train_head else 'frozen (as shipped)'}, "
-          f"specforge attention: sdpa\n")
+    print(
+        f"threads: {torch.get_num_threads()}, checkpoint: {args.checkpoint}, "
+        f"supervised fraction: {args.supervised}, speculators attention: {args.speculators_attn}, "
+        f"speculators lm_head: {'trained' if args.speculators_train_head else 'frozen (as shipped)'}, "
+        f"specforge attention: sdpa\n"
+    )
     impls = ["spec_cli"] + (["reference"] if args.ref_max_len else []) + names
-    header = (f"{'T':>6} {'implementation':<14} | {'tok/s':>7} {'cpu tok/s':>9} {'peak MB':>8} "
-              f"| {'spec_cli/x:':>11} {'speed':>6} {'cpu':>6} {'memory':>7}")
+    header = (
+        f"{'T':>6} {'implementation':<14} | {'tok/s':>7} {'cpu tok/s':>9} {'peak MB':>8} "
+        f"| {'spec_cli/x:':>11} {'speed':>6} {'cpu':>6} {'memory':>7}"
+    )
     print(header)
     print("-" * len(header))
     rows, gave_up = [], {}
@@ -339,25 +447,36 @@ def main() -> None:
             elif impl in gave_up:
                 res[impl] = dict(skipped=f"skipped (stopped at {gave_up[impl]})")
             else:
-                res[impl] = run_one(impl, T, iters, args.checkpoint and impl == "spec_cli",
-                                    args.supervised, args)
+                res[impl] = run_one(
+                    impl, T, iters, args.checkpoint and impl == "spec_cli", args.supervised, args
+                )
                 if impl in peers.PEERS and "error" in res[impl]:
                     gave_up[impl] = T
-            print(f"{T:>6} {impl:<14} | {_cols(res[impl])} | {_ratios(res['spec_cli'], res[impl])}",
-                  flush=True)
+            print(
+                f"{T:>6} {impl:<14} | {_cols(res[impl])} | {_ratios(res['spec_cli'], res[impl])}",
+                flush=True,
+            )
         rows.append((T, res))
-    print("\nspeed: spec_cli tokens/s over the other's (wall clock, best step); cpu: the same from process "
-          "CPU time\n(robust to other processes sharing the cores); memory: the other's peak over spec_cli's")
-    print("peak MB: peak RSS of a fresh process during the steps minus its RSS after building model + batch")
+    print(
+        "\nspeed: spec_cli tokens/s over the other's (wall clock, best step); cpu: the same from process "
+        "CPU time\n(robust to other processes sharing the cores); memory: the other's peak over spec_cli's"
+    )
+    print(
+        "peak MB: peak RSS of a fresh process during the steps minus its RSS after building model + batch"
+    )
     for impl in impls:
         done = [(T, r[impl]["peak_mb"]) for T, r in rows if "peak_mb" in r[impl]]
-        slopes = [f"{t0}->{t1}: {(m1 - m0) / (t1 - t0) * 1024:.0f}"
-                  for (t0, m0), (t1, m1) in zip(done, done[1:])]
+        slopes = [
+            f"{t0}->{t1}: {(m1 - m0) / (t1 - t0) * 1024:.0f}"
+            for (t0, m0), (t1, m1) in zip(done, done[1:])
+        ]
         if slopes:  # constant when memory grows linearly in T, rising when it grows faster
             print(f"{impl} peak memory per extra token (KB): " + ", ".join(slopes))
     skipped = [T for T, r in rows if "skipped" in r.get("reference", {})]
     if skipped:
-        print(f"reference skipped at T = {skipped} (its [1, 9, T, T+7] fp32 scores per step grow as T^2)")
+        print(
+            f"reference skipped at T = {skipped} (its [1, 9, T, T+7] fp32 scores per step grow as T^2)"
+        )
 
 
 def _cols(r: dict) -> str:
@@ -369,9 +488,11 @@ def _cols(r: dict) -> str:
 def _ratios(ours: dict, other: dict) -> str:
     if other is ours or "tokens_per_s" not in ours or "tokens_per_s" not in other:
         return ""
-    return (f"{'':>11} {ours['tokens_per_s'] / other['tokens_per_s']:5.2f}x "
-            f"{other['cpu_seconds'] / ours['cpu_seconds']:5.2f}x "
-            f"{other['peak_mb'] / max(ours['peak_mb'], 1):6.1f}x")
+    return (
+        f"{'':>11} {ours['tokens_per_s'] / other['tokens_per_s']:5.2f}x "
+        f"{other['cpu_seconds'] / ours['cpu_seconds']:5.2f}x "
+        f"{other['peak_mb'] / max(ours['peak_mb'], 1):6.1f}x"
+    )
 
 
 if __name__ == "__main__":

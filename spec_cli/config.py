@@ -20,18 +20,22 @@ def load_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}",
-                          "check the path given to --config") from exc
+        raise ConfigError(
+            f"cannot read config file {path}: {exc.strerror}", "check the path given to --config"
+        ) from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}",
-                          "fix the YAML syntax") from exc
+        raise ConfigError(
+            f"config file {path} is not valid YAML: {exc}", "fix the YAML syntax"
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must be a mapping of option names to values",
-                          "write it as `option-name: value` lines")
+        raise ConfigError(
+            f"config file {path} must be a mapping of option names to values",
+            "write it as `option-name: value` lines",
+        )
     return data
 
 
@@ -42,7 +46,9 @@ def _as_flag_value(param: click.Parameter, value: Any) -> Any:
     return value
 
 
-def apply_config_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+def apply_config_file(
+    ctx: click.Context, param: click.Parameter, value: Path | None
+) -> Path | None:
     """Eager callback for `--config`: validate keys and install them as defaults."""
     if value is None or ctx.resilient_parsing:
         return value
@@ -53,8 +59,10 @@ def apply_config_file(ctx: click.Context, param: click.Parameter, value: Path | 
         name = str(key).replace("-", "_")
         if name not in params:
             known = ", ".join(sorted(n.replace("_", "-") for n in params))
-            raise ConfigError(f"unknown key {key!r} in config file {value}",
-                              f"`spec {ctx.info_name}` accepts: {known}")
+            raise ConfigError(
+                f"unknown key {key!r} in config file {value}",
+                f"`spec {ctx.info_name}` accepts: {known}",
+            )
         defaults[name] = _as_flag_value(params[name], raw)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value

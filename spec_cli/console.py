@@ -50,12 +50,15 @@ def warn(message: str) -> None:
     """A warning the user must see: on stderr, --quiet or not (rank 0's alone under torchrun). Plain text
     (paths, library errors)."""
     if not other_rank():
-        err_console.print(Text.assemble(("warning: ", "bold yellow"), message),
-                          soft_wrap=not err_console.is_terminal)
+        err_console.print(
+            Text.assemble(("warning: ", "bold yellow"), message),
+            soft_wrap=not err_console.is_terminal,
+        )
 
 
 # Off a terminal (a log file, Slurm, nohup) rich would wrap a line at 80 columns: `info` and `warn`
 # leave a line whole there, so a log holds each message on one line that grep finds.
+
 
 def progress_enabled() -> bool:
     """Progress as a live bar: stdout is a terminal (rank 0, not --quiet)."""
@@ -74,6 +77,7 @@ def progress_lines_enabled() -> bool:
 # bar that advances less often than that (precompute: a target batch per ~50 s on CPU) reads
 # `-:--:--` throughout. Here the rate and the time left come from all the work done so far, as of
 # the last advance, and the time left counts down between advances.
+
 
 def human_bytes(n: float) -> str:
     """Decimal units, as disk tools print them: 1234567 -> "1.23 MB"."""
@@ -137,8 +141,10 @@ class RateColumn(ProgressColumn):
         if spent is None:
             return Text(f"- {self.unit}/s", style="progress.data.speed")
         rate = task.fields[self.field] / spent
-        return Text(f"{_amount(rate) if rate >= 100 else f'{rate:.3g}'} {self.unit}/s",
-                    style="progress.data.speed")
+        return Text(
+            f"{_amount(rate) if rate >= 100 else f'{rate:.3g}'} {self.unit}/s",
+            style="progress.data.speed",
+        )
 
 
 class EtaColumn(ProgressColumn):
@@ -163,10 +169,17 @@ def progress_display(unit: str, rate: str | None = None, **kwargs) -> Progress:
     """A rich Progress (not started) whose bars show done/total in `unit`, a rate (per second of
     `unit`, or of `rate` counted by `advance(n, count)`), the time elapsed and the time left. It
     re-renders twice a second, so elapsed and time left move between advances."""
-    return Progress(TextColumn("[bold]{task.description}", table_column=_fixed()), BarColumn(bar_width=None),
-                    CountColumn(unit), RateColumn(rate or unit, counted=rate is not None),
-                    TimeElapsedColumn(table_column=_fixed()), EtaColumn(), console=console,
-                    refresh_per_second=2, **kwargs)
+    return Progress(
+        TextColumn("[bold]{task.description}", table_column=_fixed()),
+        BarColumn(bar_width=None),
+        CountColumn(unit),
+        RateColumn(rate or unit, counted=rate is not None),
+        TimeElapsedColumn(table_column=_fixed()),
+        EtaColumn(),
+        console=console,
+        refresh_per_second=2,
+        **kwargs,
+    )
 
 
 class Bar:
@@ -176,13 +189,20 @@ class Bar:
 
     def __init__(self, display: Progress, description: str, total: int | None, completed: int = 0):
         self.display, self.advanced, self.counted = display, 0, 0
-        self.task_id = display.add_task(description, total=total, completed=completed, advanced=0, counted=0)
+        self.task_id = display.add_task(
+            description, total=total, completed=completed, advanced=0, counted=0
+        )
 
     def advance(self, n: int = 1, count: int = 0) -> None:
         self.advanced += n
         self.counted += count
-        self.display.update(self.task_id, advance=n, advanced=self.advanced, counted=self.counted,
-                            advanced_at=self.display.get_time())
+        self.display.update(
+            self.task_id,
+            advance=n,
+            advanced=self.advanced,
+            counted=self.counted,
+            advanced_at=self.display.get_time(),
+        )
 
 
 class _NullTask:
@@ -226,8 +246,15 @@ class ProgressLines:
     work as of its last advance (`completed`: a resumed run's part done before it), as the bar's
     do."""
 
-    def __init__(self, description: str, total: int | None, *, unit: str, rate: str | None = None,
-                 completed: int = 0):
+    def __init__(
+        self,
+        description: str,
+        total: int | None,
+        *,
+        unit: str,
+        rate: str | None = None,
+        completed: int = 0,
+    ):
         self.description, self.total, self.unit, self.rate = description, total, unit, rate
         self.completed, self.advanced, self.counted = completed, 0, 0
         self.start = self.advanced_at = self.said_at = _now()
@@ -271,8 +298,10 @@ class ProgressLines:
         parts = [f"{_amount(self.completed)}{total} {self.unit}"]
         spent = self.advanced_at - self.start  # to the last advance: what the rate is measured over
         if self.advanced > 0 and spent > 0:
-            parts.append(f"{_per_second((self.counted if self.rate else self.advanced) / spent)} "
-                         f"{self.rate or self.unit}/s")
+            parts.append(
+                f"{_per_second((self.counted if self.rate else self.advanced) / spent)} "
+                f"{self.rate or self.unit}/s"
+            )
         if done:
             return f"{self.description}: {', '.join(parts)}, done in {duration(now - self.start)}"
         parts.append(f"{duration(now - self.start)} so far")
@@ -298,7 +327,9 @@ class ProgressLines:
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int | None, *, unit: str, rate: str | None = None) -> Iterator:
+def progress(
+    description: str, total: int | None, *, unit: str, rate: str | None = None
+) -> Iterator:
     """Progress over `total` `unit`s; yields an object with `advance(n, count=0)`. With `rate` (a
     unit, e.g. "tokens") the rate shown is of the `count`s advanced per second instead of the units.
     A bar on a terminal; off one (a log, Slurm, nohup) `ProgressLines`; nothing with --quiet or on a
@@ -319,6 +350,7 @@ def progress(description: str, total: int | None, *, unit: str, rate: str | None
 
 
 # ----------------------------------------------------------------------------- summaries
+
 
 def summary(title: str, rows: list[tuple[str, object]]) -> None:
     """The one-screen summary printed at the end of each stage. A value too long for the terminal

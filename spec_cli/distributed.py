@@ -36,7 +36,9 @@ from spec_cli import threads
 from spec_cli.console import info
 from spec_cli.errors import ConfigError, TrainingError
 
-DEFAULT_TIMEOUT_S = 1800.0  # a collective's wait; torch's own default (10 min) is short for a checkpoint
+DEFAULT_TIMEOUT_S = (
+    1800.0  # a collective's wait; torch's own default (10 min) is short for a checkpoint
+)
 
 _WAIT_GROUP = None  # gloo group for wait_for_main (monitored_barrier is gloo-only)
 
@@ -72,8 +74,10 @@ def timeout_s() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ConfigError(f"SPEC_DIST_TIMEOUT={raw!r} is not a number of seconds above 0",
-                          "set it to the seconds a collective may wait, e.g. 3600, or unset it")
+        raise ConfigError(
+            f"SPEC_DIST_TIMEOUT={raw!r} is not a number of seconds above 0",
+            "set it to the seconds a collective may wait, e.g. 3600, or unset it",
+        )
     return value
 
 
@@ -97,15 +101,19 @@ def local_device(device: torch.device) -> torch.device:
     if device.type != "cuda" or world_size() == 1:
         return device
     if device.index is not None and threads.ranks_here() > 1:
-        raise ConfigError(f"--device {device} under torchrun would put all {threads.ranks_here()} ranks of this "
-                          f"machine on GPU {device.index}",
-                          "pass --device cuda: rank r takes cuda:LOCAL_RANK (CUDA_VISIBLE_DEVICES picks the GPUs)")
+        raise ConfigError(
+            f"--device {device} under torchrun would put all {threads.ranks_here()} ranks of this "
+            f"machine on GPU {device.index}",
+            "pass --device cuda: rank r takes cuda:LOCAL_RANK (CUDA_VISIBLE_DEVICES picks the GPUs)",
+        )
     index = local_rank() if device.index is None else device.index
     count = torch.cuda.device_count()
     if index >= count:
-        raise ConfigError(f"LOCAL_RANK {index} has no GPU: this machine shows {count}",
-                          "launch at most that many processes per node (torchrun --nproc-per-node), or "
-                          "check CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"LOCAL_RANK {index} has no GPU: this machine shows {count}",
+            "launch at most that many processes per node (torchrun --nproc-per-node), or "
+            "check CUDA_VISIBLE_DEVICES",
+        )
     return torch.device("cuda", index)
 
 
@@ -136,13 +144,20 @@ def wait_for_main(what: str, seconds: float) -> None:
         return
     limit = max(float(seconds), timeout_s())
     if not is_main():
-        info(f"rank {rank()}: waiting for rank 0 to finish {what} (up to {limit / 60:.0f} min)", every_rank=True)
+        info(
+            f"rank {rank()}: waiting for rank 0 to finish {what} (up to {limit / 60:.0f} min)",
+            every_rank=True,
+        )
     try:
-        dist.monitored_barrier(group=_WAIT_GROUP, timeout=timedelta(seconds=limit), wait_all_ranks=True)
+        dist.monitored_barrier(
+            group=_WAIT_GROUP, timeout=timedelta(seconds=limit), wait_all_ranks=True
+        )
     except RuntimeError as exc:
-        raise TrainingError(f"rank {rank()} waited {limit:.0f} s for the other ranks to finish {what}: "
-                            f"{str(exc).splitlines()[0]}",
-                            "see rank 0's log; SPEC_DIST_TIMEOUT (seconds) allows longer waits") from exc
+        raise TrainingError(
+            f"rank {rank()} waited {limit:.0f} s for the other ranks to finish {what}: "
+            f"{str(exc).splitlines()[0]}",
+            "see rank 0's log; SPEC_DIST_TIMEOUT (seconds) allows longer waits",
+        ) from exc
 
 
 def max_over_ranks(n: int) -> int:
@@ -190,7 +205,10 @@ def check_shared_folder(folder: Path, what: str) -> None:
     if not _ours():
         return
     folder = Path(folder)
-    token = [secrets.token_hex(8) if is_main() else None, None]  # [token, the name of the file holding it]
+    token = [
+        secrets.token_hex(8) if is_main() else None,
+        None,
+    ]  # [token, the name of the file holding it]
     try:
         if is_main():
             folder.mkdir(parents=True, exist_ok=True)
@@ -209,8 +227,10 @@ def check_shared_folder(folder: Path, what: str) -> None:
     blind = [b for b in blind if b is not None]
     if blind:
         who = ", ".join(f"rank {r} on {host}" for r, host in blind)
-        raise ConfigError(f"{who} cannot see {what} {folder} as rank 0 ({socket.gethostname()}) writes it",
-                          "put it on a file system every node mounts at the same path (NFS, Lustre, ...)")
+        raise ConfigError(
+            f"{who} cannot see {what} {folder} as rank 0 ({socket.gethostname()}) writes it",
+            "put it on a file system every node mounts at the same path (NFS, Lustre, ...)",
+        )
 
 
 def machine_mesh(device: torch.device):
@@ -220,8 +240,10 @@ def machine_mesh(device: torch.device):
 
     here, world = threads.ranks_here(), world_size()
     if world % here:
-        raise ConfigError(f"{world} ranks in all but {here} on this machine",
-                          "launch the same number of processes on every machine (torchrun --nproc-per-node)")
+        raise ConfigError(
+            f"{world} ranks in all but {here} on this machine",
+            "launch the same number of processes on every machine (torchrun --nproc-per-node)",
+        )
     mesh = init_device_mesh(device.type, (world // here, here), mesh_dim_names=("machine", "local"))
     return mesh["local"]
 

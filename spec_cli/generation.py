@@ -17,8 +17,12 @@ class Generation:
     # per target forward of the speculative loop: (drafts accepted, deepest position verified on the
     # accepted path); the step produced accepted + 1 tokens
     steps: list[tuple[int, int]] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)  # the tokens proposed at each of those forwards
-    draft_seconds: float = 0.0  # of `seconds`, the draft's (catch-up + proposal; the PyTorch loop only)
+    drafts: list[list[int]] = field(
+        default_factory=list
+    )  # the tokens proposed at each of those forwards
+    draft_seconds: float = (
+        0.0  # of `seconds`, the draft's (catch-up + proposal; the PyTorch loop only)
+    )
     # per forward: the draft's own P(accepted | the ones before accepted) of each verified position
     # (a draft with a confidence head: DSpark), else empty
     confidence: list[list[float]] = field(default_factory=list)

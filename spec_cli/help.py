@@ -35,9 +35,24 @@ SERVER = "Server"
 LIMITS = "Request limits"
 RUNTIME = "Runtime"
 OPTIONS = "Options"
-ORDER = (ARGUMENTS, INPUTS, TARGET, DATA, GENERATION, DRAFT, OBJECTIVE, OPTIMISATION, CHECKPOINTS, ENGINE_LOOP,
-         DECODING, CHECKS,
-         SERVER, LIMITS, RUNTIME, OPTIONS)
+ORDER = (
+    ARGUMENTS,
+    INPUTS,
+    TARGET,
+    DATA,
+    GENERATION,
+    DRAFT,
+    OBJECTIVE,
+    OPTIMISATION,
+    CHECKPOINTS,
+    ENGINE_LOOP,
+    DECODING,
+    CHECKS,
+    SERVER,
+    LIMITS,
+    RUNTIME,
+    OPTIONS,
+)
 
 _ONE_LINE = 28  # `--x / --no-x` longer than this puts `/ --no-x` on a line of its own
 _GAP, _EDGES = 2, 4  # between the two columns; a panel's borders and padding
@@ -51,8 +66,10 @@ class Command(TyperCommand):
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         """`[OPTIONS] TARGET`: arguments as click writes them (typer >= 0.29 writes `{target}`)."""
-        return [self.options_metavar, *(_argument(p) for p in self.get_params(ctx)
-                                        if p.param_type_name == "argument")]
+        return [
+            self.options_metavar,
+            *(_argument(p) for p in self.get_params(ctx) if p.param_type_name == "argument"),
+        ]
 
 
 def _argument(param) -> str:
@@ -82,12 +99,25 @@ def print_help(command, ctx) -> None:
             panels.setdefault(_panel_of(param), []).append(param)
     for title in sorted(panels, key=lambda t: ORDER.index(t) if t in ORDER else len(ORDER)):
         names = [_names(p, ctx) for p in panels[title]]
-        width = max(console.width - _EDGES - _GAP - max(line.cell_len for n in names for line in n.split()), 20)
-        console.print(_panel(title, [(n, _help(p, console, width)) for n, p in zip(names, panels[title])]))
+        width = max(
+            console.width - _EDGES - _GAP - max(line.cell_len for n in names for line in n.split()),
+            20,
+        )
+        console.print(
+            _panel(title, [(n, _help(p, console, width)) for n, p in zip(names, panels[title])])
+        )
     if isinstance(command, TyperGroup):
         subcommands = [command.get_command(ctx, name) for name in command.list_commands(ctx)]
-        console.print(_panel("Commands", [(Text(c.name, style="bold cyan"), _prose(c.help or "", first=True))
-                                          for c in subcommands if c is not None and not c.hidden]))
+        console.print(
+            _panel(
+                "Commands",
+                [
+                    (Text(c.name, style="bold cyan"), _prose(c.help or "", first=True))
+                    for c in subcommands
+                    if c is not None and not c.hidden
+                ],
+            )
+        )
 
 
 def _panel(title: str, rows: list[tuple[Text, Text]]) -> Panel:
@@ -107,7 +137,7 @@ def _panel_of(param) -> str:
 def _prose(text: str, first: bool = False) -> Text:
     """A docstring's paragraphs (or the first), each joined into one line for rich to wrap."""
     paragraphs = inspect.cleandoc(text).partition("\f")[0].split("\n\n")
-    return Text("\n\n".join(" ".join(p.split()) for p in paragraphs[:1 if first else None]))
+    return Text("\n\n".join(" ".join(p.split()) for p in paragraphs[: 1 if first else None]))
 
 
 def _long_first(names: list[str]) -> list[str]:
@@ -133,16 +163,27 @@ def _metavar(param) -> str:
     if param.metavar:
         return param.metavar
     kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)  # typer >= 0.2x
-    name = kind.__name__ if isinstance(kind, type) else getattr(getattr(param, "type", None), "name", "")  # click
+    name = (
+        kind.__name__
+        if isinstance(kind, type)
+        else getattr(getattr(param, "type", None), "name", "")
+    )  # click
     return {"int": "INT", "integer": "INT", "float": "FLOAT", "path": "PATH"}.get(
-        (name or "text").split()[0].lower(), "TEXT")
+        (name or "text").split()[0].lower(), "TEXT"
+    )
 
 
 def _default(param) -> object | None:
     """The value in force when the option is not given; None where there is nothing to say."""
-    if param.param_type_name != "option" or param.required or getattr(param, "show_default", True) is False:
+    if (
+        param.param_type_name != "option"
+        or param.required
+        or getattr(param, "show_default", True) is False
+    ):
         return None
-    if getattr(param, "is_flag", False):  # a plain flag is off unless given; `--x/--no-x` names its default
+    if getattr(
+        param, "is_flag", False
+    ):  # a plain flag is off unless given; `--x/--no-x` names its default
         chosen = param.opts if param.default else param.secondary_opts
         return _long_first(chosen)[0] if param.secondary_opts else None
     return param.default
@@ -153,9 +194,11 @@ def _help(param, console: Console, width: int) -> Text:
     last line where it fits in `width`, else on a line of its own."""
     text = Text(" ".join((param.help or "").split()))
     default, envvar = _default(param), getattr(param, "envvar", None)
-    notes = ([f"[default: {default}]"] if default is not None else []) + \
-        ([f"[env var: {envvar}]"] if envvar and getattr(param, "show_envvar", True) else []) + \
-        (["[required]"] if param.required else [])
+    notes = (
+        ([f"[default: {default}]"] if default is not None else [])
+        + ([f"[env var: {envvar}]"] if envvar and getattr(param, "show_envvar", True) else [])
+        + (["[required]"] if param.required else [])
+    )
     for note in notes:
         if text:
             fits = text.wrap(console, width)[-1].cell_len + 2 + len(note) <= width

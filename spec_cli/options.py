@@ -28,8 +28,10 @@ def parse_duration(text: str | None, option: str) -> float | None:
     except ValueError:
         value = -1.0
     if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{option} {text!r} is not a duration", "write e.g. 90s, 45m or 2h (a bare number "
-                                                                   "is minutes)")
+        raise ConfigError(
+            f"{option} {text!r} is not a duration",
+            "write e.g. 90s, 45m or 2h (a bare number is minutes)",
+        )
     return value
 
 
@@ -43,7 +45,9 @@ def parse_size(text: str, option: str) -> int:
     except ValueError:
         value = 0.0
     if not (value >= 1 and math.isfinite(value)):
-        raise ConfigError(f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes")
+        raise ConfigError(
+            f"{option} {text!r} is not a size", "write e.g. 512M, 4G or a number of bytes"
+        )
     return int(value)
 
 
@@ -54,12 +58,15 @@ def parse_size_or_auto(text: str, option: str) -> int | None:
     try:
         return parse_size(text, option)
     except ConfigError as err:
-        raise ConfigError(err.message, "write auto, or a size such as 512M, 4G or a number of bytes") from None
+        raise ConfigError(
+            err.message, "write auto, or a size such as 512M, 4G or a number of bytes"
+        ) from None
 
 
 @dataclass(frozen=True)
 class Range:
     """The values a number option allows: finite, and within lo..hi (`open`: the bound itself excluded)."""
+
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -94,7 +101,9 @@ def check_range(name: str, value, allowed: Range | tuple[str, ...] | None) -> No
     if isinstance(allowed, tuple):  # a word option's choices
         if value is not None and value not in allowed:
             flag = "--" + name.replace("_", "-")
-            choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+            choices = (
+                ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+            )
             raise ConfigError(f"unknown {flag} {value!r}", f"use {choices}")
         return
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -109,27 +118,47 @@ def check_range(name: str, value, allowed: Range | tuple[str, ...] | None) -> No
 @dataclass(frozen=True)
 class Flag:
     """How one option is written on the command line."""
+
     names: tuple[str, ...]  # "--output", "-o"; a pair of flags as "--on/--off"
     help: str
     panel: str  # its --help panel (spec_cli.help)
-    parse: Callable[[str | None, str], object] | None = None  # (text, option name) -> the field's value
+    parse: Callable[[str | None, str], object] | None = (
+        None  # (text, option name) -> the field's value
+    )
     text: str | None = None  # with `parse`: the default as a user writes it ("4G")
-    checks: dict = field(default_factory=dict)  # typer.Option's own: min=, max=, envvar=, file_okay=
+    checks: dict = field(
+        default_factory=dict
+    )  # typer.Option's own: min=, max=, envvar=, file_okay=
 
 
-def option(default, *names: str, help: str, panel: str, parse=None, text: str | None = None,
-           resumable: bool = False, allowed: Range | tuple[str, ...] | None = None, **checks):
+def option(
+    default,
+    *names: str,
+    help: str,
+    panel: str,
+    parse=None,
+    text: str | None = None,
+    resumable: bool = False,
+    allowed: Range | tuple[str, ...] | None = None,
+    **checks,
+):
     """A config field that is a `spec train` option. resumable: it may differ on --resume (it does not
-    change the math: how long, how often, where from, on what). allowed: a number option's range (or a
-word option's choices, a tuple), checked
-    by TrainConfig.from_options (a ConfigError naming the option: exit 1) and shown in --help; any float
-    option must be finite."""
+        change the math: how long, how often, where from, on what). allowed: a number option's range (or a
+    word option's choices, a tuple), checked
+        by TrainConfig.from_options (a ConfigError naming the option: exit 1) and shown in --help; any float
+        option must be finite."""
     if isinstance(allowed, tuple):
         help = f"{help} One of: {', '.join(allowed)}."
     elif allowed is not None:
         help = f"{help} Allowed: {allowed.text}."
-    return field(default=default, metadata={"flag": Flag(names, help, panel, parse, text, checks),
-                                           "resumable": resumable, "allowed": allowed})
+    return field(
+        default=default,
+        metadata={
+            "flag": Flag(names, help, panel, parse, text, checks),
+            "resumable": resumable,
+            "allowed": allowed,
+        },
+    )
 
 
 def shared(default, resumable: bool = False):

@@ -10,7 +10,7 @@ def spec_home() -> Path:
 
 
 def special_kind(path) -> str | None:
-    """"a character device", "a named pipe", ... for a path that exists and is neither a regular file nor
+    """ "a character device", "a named pipe", ... for a path that exists and is neither a regular file nor
     a folder (links followed); None otherwise."""
     try:
         mode = os.stat(path).st_mode
@@ -18,8 +18,12 @@ def special_kind(path) -> str | None:
         return None
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
-    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+    for test, kind in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return kind
     return "a special file"

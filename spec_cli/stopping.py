@@ -25,7 +25,9 @@ SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 DEFAULT_GRACE = 30.0  # seconds: Slurm's default KillWait between SIGTERM and SIGKILL
 
 
-_last_signal: int | None = None  # the signal of the last Stopped raised (typer turns any into exit 130)
+_last_signal: int | None = (
+    None  # the signal of the last Stopped raised (typer turns any into exit 130)
+)
 
 
 class Stopped(KeyboardInterrupt):
@@ -102,13 +104,19 @@ class StopRequests:
         self.grace = float(grace)
         self.signum: int | None = None
         self.at: float | None = None  # time.monotonic() of the first signal
-        self.save_seconds: float | None = None  # the last checkpoint save's duration (the loop reports it)
+        self.save_seconds: float | None = (
+            None  # the last checkpoint save's duration (the loop reports it)
+        )
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
         self._answered = False
-        self._shielded = False  # inside the optimizer update: an abandon waits until the step is counted
+        self._shielded = (
+            False  # inside the optimizer update: an abandon waits until the step is counted
+        )
         self._pending: int | None = None
-        self.stopped = False  # the loop stopped at a step boundary, its work saved (or said why not)
+        self.stopped = (
+            False  # the loop stopped at a step boundary, its work saved (or said why not)
+        )
 
     def __enter__(self) -> StopRequests:
         if _in_main_thread():

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-SAMPLE_SECONDS = 0.25  # how long `other_load` watches the machine before choosing (small next to loading)
+SAMPLE_SECONDS = (
+    0.25  # how long `other_load` watches the machine before choosing (small next to loading)
+)
 IDLE_NOISE = 0.25  # cores of background work (daemons, a shell) not worth giving up a thread for
 # A run is flagged when its figures measure the machine's queue more than the decoders:
 MIN_CPU_SHARE = 0.7  # our threads waited for a core over 30% of the time
@@ -51,8 +53,9 @@ def available_cores() -> int:
     return max(1, cores)
 
 
-def choose(cores: int, other_load: float | None, requested: int | None = None,
-           env: str | None = None) -> Choice:
+def choose(
+    cores: int, other_load: float | None, requested: int | None = None, env: str | None = None
+) -> Choice:
     """The intra-op thread count for a timed run: --threads if given, else OMP_NUM_THREADS if set,
     else the cores other processes are not busy on (at least one)."""
     if requested is not None:
@@ -66,7 +69,9 @@ def choose(cores: int, other_load: float | None, requested: int | None = None,
     threads = max(1, cores - taken)
     if threads == cores:
         return Choice(threads, f"all {cores} cores (other processes: {other_load:.1f} cores busy)")
-    return Choice(threads, f"{threads} of {cores} cores: other processes kept {other_load:.1f} cores busy")
+    return Choice(
+        threads, f"{threads} of {cores} cores: other processes kept {other_load:.1f} cores busy"
+    )
 
 
 def ranks_here() -> int:
@@ -83,7 +88,9 @@ def choose_for_run(requested: int | None = None) -> Choice:
     if ranks > 1:
         share = max(1, cores // ranks)
         if requested is None and not _count(env):
-            return Choice(share, f"{share} of {cores} cores: shared by the {ranks} ranks on this machine")
+            return Choice(
+                share, f"{share} of {cores} cores: shared by the {ranks} ranks on this machine"
+            )
         return choose(share, None, requested, env)
     auto = requested is None and not _count(env) and cores > 1
     return choose(cores, other_load() if auto else None, requested, env)
@@ -111,6 +118,7 @@ def applied(threads: int, restore: bool = True):
 
 # ----------------------------------------------------------------------------- measuring
 
+
 def niced_work_yields() -> bool:
     """Whether other processes' niced CPU time (the `nice` column of /proc/stat) would go to us when we
     wanted it: we run at nice 0 or below, and the scheduler weighs nice across the whole machine (no
@@ -122,8 +130,9 @@ def niced_work_yields() -> bool:
     return not autogroup and os.getpriority(os.PRIO_PROCESS, 0) <= 0
 
 
-def busy_seconds(text: str | None = None, cpus: set[int] | None = None,
-                 count_niced: bool | None = None) -> float | None:
+def busy_seconds(
+    text: str | None = None, cpus: set[int] | None = None, count_niced: bool | None = None
+) -> float | None:
     """CPU seconds spent busy (everything but idle and iowait) on `cpus` (default: ours) since boot,
     from /proc/stat; None where there is none. Niced time is left out when it yields to us
     (`niced_work_yields`, or `count_niced=False`): a niced neighbour takes none of our cores."""
@@ -165,8 +174,9 @@ def other_load(seconds: float = SAMPLE_SECONDS) -> float | None:
     return None if after is None else others(after - busy, ours, wall)
 
 
-def judge(cpu_share: float | None, other: float | None, threads: int, cores: int,
-          on_cpu: bool = True) -> str | None:
+def judge(
+    cpu_share: float | None, other: float | None, threads: int, cores: int, on_cpu: bool = True
+) -> str | None:
     """None when the machine let the run have its cores, else a warning naming the numbers and what to
     do. On an accelerator the timed work is not on these cores: no verdict."""
     if not on_cpu:
@@ -176,13 +186,17 @@ def judge(cpu_share: float | None, other: float | None, threads: int, cores: int
         problems.append(f"this process got {cpu_share:.0%} of the {threads} core(s) it used")
     contention = None if other is None else other - (cores - threads)
     if contention is not None and contention >= MAX_CONTENTION:
-        problems.append(f"other processes kept {other:.1f} of {cores} cores busy (we left them "
-                        f"{cores - threads})")
+        problems.append(
+            f"other processes kept {other:.1f} of {cores} cores busy (we left them "
+            f"{cores - threads})"
+        )
     if not problems:
         return None
     fewer = f" or with fewer --threads (this run: {threads})" if threads > 1 else ""
-    return (f"the machine was too busy for these speeds to mean much: {'; '.join(problems)}. Rerun on a "
-            f"quiet machine{fewer}")
+    return (
+        f"the machine was too busy for these speeds to mean much: {'; '.join(problems)}. Rerun on a "
+        f"quiet machine{fewer}"
+    )
 
 
 def _loadavg() -> float | None:
@@ -196,9 +210,12 @@ class Meter:
     """What this process got while it timed something: started on creation, read by `stop`. The
     readers are arguments so that tests can feed it measurements."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter,
-                 cpu: Callable[[], float] = time.process_time,
-                 busy: Callable[[], float | None] = busy_seconds):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu: Callable[[], float] = time.process_time,
+        busy: Callable[[], float | None] = busy_seconds,
+    ):
         self.clock, self.cpu, self.busy = clock, cpu, busy
         self.start = (clock(), cpu(), busy(), _loadavg())
 
@@ -209,9 +226,14 @@ class Meter:
         share = cpu / (wall * threads) if wall > 0 else None
         other = others(busy - busy0, cpu, wall) if busy is not None and busy0 is not None else None
         warning = judge(share, other, threads, cores, on_cpu)
-        return {"too_busy": warning is not None, "warning": warning,
-                "cpu_share": None if share is None else round(share, 3),
-                "other_load": None if other is None else round(other, 2),
-                "threads": threads, "cores": cores, "seconds": round(wall, 2),
-                "loadavg_1min": [load0, _loadavg()],  # the whole machine's, this process included
-                "thresholds": {"min_cpu_share": MIN_CPU_SHARE, "max_contention": MAX_CONTENTION}}
+        return {
+            "too_busy": warning is not None,
+            "warning": warning,
+            "cpu_share": None if share is None else round(share, 3),
+            "other_load": None if other is None else round(other, 2),
+            "threads": threads,
+            "cores": cores,
+            "seconds": round(wall, 2),
+            "loadavg_1min": [load0, _loadavg()],  # the whole machine's, this process included
+            "thresholds": {"min_cpu_share": MIN_CPU_SHARE, "max_contention": MAX_CONTENTION},
+        }

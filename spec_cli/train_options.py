@@ -52,80 +52,155 @@ from spec_cli.options import (  # noqa: F401
 @dataclass(frozen=True)
 class DataOptions:
     """Where the supervision comes from, and how the data is cut into batches."""
-    vocab_map: Path | None = shared(None)  # required but on --resume (the run's own): train.resumed_config
+
+    vocab_map: Path | None = shared(
+        None
+    )  # required but on --resume (the run's own): train.resumed_config
     cache: Path | None = option(
-        None, "--cache", help="Feature cache from `spec precompute` (no target needed).", panel=INPUTS)
+        None,
+        "--cache",
+        help="Feature cache from `spec precompute` (no target needed).",
+        panel=INPUTS,
+    )
     target: str | None = option(
-        None, "--target", "-t", help="Live target instead of a cache: a transformers folder, a .gguf file, or "
-                                     "`smollm2`. Needs --data.", panel=TARGET)
+        None,
+        "--target",
+        "-t",
+        help="Live target instead of a cache: a transformers folder, a .gguf file, or "
+        "`smollm2`. Needs --data.",
+        panel=TARGET,
+    )
     data: str | None = option(
-        None, "--data", "-d", help="Chat data for a live --target or --remote (as in build-vocab-map).",
-        panel=TARGET)
+        None,
+        "--data",
+        "-d",
+        help="Chat data for a live --target or --remote (as in build-vocab-map).",
+        panel=TARGET,
+    )
     remote: str | None = option(
-        None, "--remote", help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.",
-        panel=TARGET, resumable=True)
+        None,
+        "--remote",
+        help="Targets served by `spec serve-target`: URL[,URL...]. Needs --data.",
+        panel=TARGET,
+        resumable=True,
+    )
     token: str | None = option(  # never written to run.json
-        None, "--token", help="--remote: the servers' token. Default: $SPEC_SERVE_TOKEN.", panel=TARGET,
-        envvar="SPEC_SERVE_TOKEN", resumable=True)
+        None,
+        "--token",
+        help="--remote: the servers' token. Default: $SPEC_SERVE_TOKEN.",
+        panel=TARGET,
+        envvar="SPEC_SERVE_TOKEN",
+        resumable=True,
+    )
     tensor_plane: bool = option(
-        True, "--tensor-plane/--no-tensor-plane", help="--remote: take the supervision over the servers' "
+        True,
+        "--tensor-plane/--no-tensor-plane",
+        help="--remote: take the supervision over the servers' "
         "tensor plane (torch.distributed send/recv: NCCL onto this GPU, else gloo) when they offer one and "
         "it can be joined; else, or with --no-tensor-plane, in HTTP bodies. Same tensors either way.",
-        panel=TARGET, resumable=True)
+        panel=TARGET,
+        resumable=True,
+    )
     chat_template: str | None = option(
-        None, "--chat-template", help="Live --target / --remote: render conversations with this chat "
-                                      "template (a Jinja file or chatml, llama3, gemma, mistral) instead of "
-                                      "the target's own; as for build-vocab-map.", panel=TARGET)
+        None,
+        "--chat-template",
+        help="Live --target / --remote: render conversations with this chat "
+        "template (a Jinja file or chatml, llama3, gemma, mistral) instead of "
+        "the target's own; as for build-vocab-map.",
+        panel=TARGET,
+    )
     batch_tokens: int = option(
-        8192, "--batch-tokens", help="Bound on B x padded length per micro-batch (a cache keeps its own "
-                                     "batches unless --pack).", panel=DATA, min=1)
+        8192,
+        "--batch-tokens",
+        help="Bound on B x padded length per micro-batch (a cache keeps its own "
+        "batches unless --pack).",
+        panel=DATA,
+        min=1,
+    )
     pack: bool = option(
-        False, "--pack", help="Pack several conversations per row (block-causal per document).", panel=DATA)
+        False,
+        "--pack",
+        help="Pack several conversations per row (block-causal per document).",
+        panel=DATA,
+    )
     eval_fraction: float = option(
-        0.02, "--eval-fraction", help="Share of batches held out for evaluation.", panel=DATA,
-        allowed=Range(0, 1, hi_open=True))
+        0.02,
+        "--eval-fraction",
+        help="Share of batches held out for evaluation.",
+        panel=DATA,
+        allowed=Range(0, 1, hi_open=True),
+    )
     max_length: int = shared(2048)
     max_samples: int | None = option(
-        None, "--max-samples", help="Live target: use only the first N samples.", panel=DATA, min=1)
+        None, "--max-samples", help="Live target: use only the first N samples.", panel=DATA, min=1
+    )
     num_proc: int = shared(1, resumable=True)
 
 
 @dataclass(frozen=True)
 class DraftOptions:
     """The draft's shape (the rest comes from the target's config) and its first weights."""
+
     draft_layers: int = option(
-        1, "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", panel=DRAFT, min=1)
+        1, "--draft-layers", help="Decoder layers in the draft (EAGLE-3: 1).", panel=DRAFT, min=1
+    )
     draft_hidden_size: int | None = option(
-        None, "--draft-hidden-size", help="Default: the target's hidden size.", panel=DRAFT)
+        None, "--draft-hidden-size", help="Default: the target's hidden size.", panel=DRAFT
+    )
     draft_intermediate_size: int | None = option(
-        None, "--draft-intermediate-size", help="Default: the target's.", panel=DRAFT)
-    draft_heads: int | None = option(None, "--draft-heads", help="Default: the target's.", panel=DRAFT)
-    draft_kv_heads: int | None = option(None, "--draft-kv-heads", help="Default: the target's.", panel=DRAFT)
+        None, "--draft-intermediate-size", help="Default: the target's.", panel=DRAFT
+    )
+    draft_heads: int | None = option(
+        None, "--draft-heads", help="Default: the target's.", panel=DRAFT
+    )
+    draft_kv_heads: int | None = option(
+        None, "--draft-kv-heads", help="Default: the target's.", panel=DRAFT
+    )
     draft_window: int | None = option(
-        None, "--draft-window", help="Sliding-window attention for the draft: each position attends the last N "
-                                     "positions only, in training, `spec eval` and the vLLM exports "
-                                     "(speculators trains 2048 by default). EAGLE-3. Default: the whole "
-                                     "context.", panel=DRAFT, min=1)
+        None,
+        "--draft-window",
+        help="Sliding-window attention for the draft: each position attends the last N "
+        "positions only, in training, `spec eval` and the vLLM exports "
+        "(speculators trains 2048 by default). EAGLE-3. Default: the whole "
+        "context.",
+        panel=DRAFT,
+        min=1,
+    )
     fc_norm: bool = option(
-        False, "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.", panel=DRAFT)
+        False, "--fc-norm", help="EAGLE-3.1: RMSNorm each aux state before fc.", panel=DRAFT
+    )
     norm_output: bool = option(
-        False, "--norm-output", help="EAGLE-3.1: feed the post-norm state to the next step.", panel=DRAFT)
+        False,
+        "--norm-output",
+        help="EAGLE-3.1: feed the post-norm state to the next step.",
+        panel=DRAFT,
+    )
     init_from_target: bool = option(  # (a --resume then loads its checkpoint over it)
-        False, "--init-from-target/--random-init",
+        False,
+        "--init-from-target/--random-init",
         help="Start the draft's lm_head and final norm from the target's (its lm_head rows of the "
-             "draft vocab) instead of random weights (the default; docs/recipe.md compares the two).",
-        panel=DRAFT, resumable=True)
+        "draft vocab) instead of random weights (the default; docs/recipe.md compares the two).",
+        panel=DRAFT,
+        resumable=True,
+    )
     init_layer_from_target: bool = option(  # (a --resume then loads its checkpoint over it)
-        False, "--init-layer-from-target",
+        False,
+        "--init-layer-from-target",
         help="EAGLE-3: start the draft's decoder layer from the target's layer after its highest "
-             "aux layer (read from the target's safetensors) and fc as a pass-through of that aux "
-             "state, instead of random weights (the default; docs/recipe.md compares the two).",
-        panel=DRAFT, resumable=True)
+        "aux layer (read from the target's safetensors) and fc as a pass-through of that aux "
+        "state, instead of random weights (the default; docs/recipe.md compares the two).",
+        panel=DRAFT,
+        resumable=True,
+    )
     draft_rope_theta: float | None = option(
-        None, "--draft-rope-theta", help="Train the draft with plain rope at this theta instead of the target's "
-                                         "rope (taken from the target by default, scaling included; needed only "
-                                         "for a scaling type the draft does not compute).", panel=DRAFT,
-        allowed=Range(1))
+        None,
+        "--draft-rope-theta",
+        help="Train the draft with plain rope at this theta instead of the target's "
+        "rope (taken from the target by default, scaling included; needed only "
+        "for a scaling type the draft does not compute).",
+        panel=DRAFT,
+        allowed=Range(1),
+    )
     algorithm: str = shared("eagle3")  # spec_cli/draft/algorithms.py
     aux_layers: str | None = shared(None)
 
@@ -133,199 +208,415 @@ class DraftOptions:
 @dataclass(frozen=True)
 class ObjectiveFlags:
     """The objective options every algorithm reads (each algorithm's own follow: Algorithm.options)."""
+
     ttt_steps: int = option(7, "--ttt-steps", help="TTT unroll depth.", panel=OBJECTIVE, min=1)
     step_weight: float = option(
-        0.8, "--step-weight", help="Weight of TTT step k is step_weight**k (normalised).", panel=OBJECTIVE,
-        allowed=POSITIVE)
+        0.8,
+        "--step-weight",
+        help="Weight of TTT step k is step_weight**k (normalised).",
+        panel=OBJECTIVE,
+        allowed=POSITIVE,
+    )
     hidden_noise: float = option(
-        0.0, "--hidden-noise", help="Train on the target's states plus Gaussian noise of this size relative "
-                                    "to each state's RMS (e.g. 0.05; never in evaluation, eval or export).",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        0.0,
+        "--hidden-noise",
+        help="Train on the target's states plus Gaussian noise of this size relative "
+        "to each state's RMS (e.g. 0.05; never in evaluation, eval or export).",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
     loss: str = option(
-        "soft-ce", "--loss", help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
-        panel=OBJECTIVE)
-    lk_kl_scale: float = option(1.0, "--lk-kl-scale", help="lk-lambda: KL weight scale.", panel=OBJECTIVE,
-                                allowed=NON_NEGATIVE)
-    lk_kl_decay: float = option(1.0, "--lk-kl-decay", help="lk-lambda: KL weight decay.", panel=OBJECTIVE,
-                                allowed=NON_NEGATIVE)
+        "soft-ce",
+        "--loss",
+        help="soft-ce, lk-alpha or lk-lambda (LK losses: arXiv 2602.23881).",
+        panel=OBJECTIVE,
+    )
+    lk_kl_scale: float = option(
+        1.0,
+        "--lk-kl-scale",
+        help="lk-lambda: KL weight scale.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
+    lk_kl_decay: float = option(
+        1.0,
+        "--lk-kl-decay",
+        help="lk-lambda: KL weight decay.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
 
 
 @dataclass(frozen=True)
 class OptimOptions:
     """How the weights are updated, and for how long."""
-    lr: float = option(2e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95).", panel=OPTIMISATION,
-                       allowed=POSITIVE)
+
+    lr: float = option(
+        2e-4,
+        "--lr",
+        help="Peak learning rate (AdamW, betas 0.9/0.95).",
+        panel=OPTIMISATION,
+        allowed=POSITIVE,
+    )
     optimizer: str = option(
-        "adamw", "--optimizer", help="adamw, or muon: Muon (torch.optim.Muon, momentum 0.95, its update "
-                                     "scaled to AdamW's RMS) for the draft's matrices, AdamW for norms, "
-                                     "lm_head and embeddings.", panel=OPTIMISATION, allowed=("adamw", "muon"))
+        "adamw",
+        "--optimizer",
+        help="adamw, or muon: Muon (torch.optim.Muon, momentum 0.95, its update "
+        "scaled to AdamW's RMS) for the draft's matrices, AdamW for norms, "
+        "lm_head and embeddings.",
+        panel=OPTIMISATION,
+        allowed=("adamw", "muon"),
+    )
     muon_lr: float | None = option(
-        None, "--muon-lr", help="--optimizer muon: peak learning rate of the matrices. Default: --lr.",
-        panel=OPTIMISATION, allowed=POSITIVE)
+        None,
+        "--muon-lr",
+        help="--optimizer muon: peak learning rate of the matrices. Default: --lr.",
+        panel=OPTIMISATION,
+        allowed=POSITIVE,
+    )
     muon_weight_decay: float = option(
-        0.1, "--muon-weight-decay", help="--optimizer muon: the matrices' decoupled weight decay.",
-        panel=OPTIMISATION, allowed=NON_NEGATIVE)
+        0.1,
+        "--muon-weight-decay",
+        help="--optimizer muon: the matrices' decoupled weight decay.",
+        panel=OPTIMISATION,
+        allowed=NON_NEGATIVE,
+    )
     schedule: str = option(
-        "cosine", "--schedule", help="After the warmup: cosine (decay over all the steps), or wsd (flat, "
-                                     "then a linear decay over the last --decay-ratio of the steps).",
-        panel=OPTIMISATION, allowed=("cosine", "wsd"))
+        "cosine",
+        "--schedule",
+        help="After the warmup: cosine (decay over all the steps), or wsd (flat, "
+        "then a linear decay over the last --decay-ratio of the steps).",
+        panel=OPTIMISATION,
+        allowed=("cosine", "wsd"),
+    )
     decay_ratio: float = option(
-        0.2, "--decay-ratio", help="--schedule wsd: the decay's share of the steps.", panel=OPTIMISATION,
-        allowed=Range(0, 1, lo_open=True))
+        0.2,
+        "--decay-ratio",
+        help="--schedule wsd: the decay's share of the steps.",
+        panel=OPTIMISATION,
+        allowed=Range(0, 1, lo_open=True),
+    )
     min_lr_ratio: float = option(
-        0.0, "--min-lr-ratio", help="The decay's floor as a fraction of --lr.", panel=OPTIMISATION,
-        allowed=FRACTION)
+        0.0,
+        "--min-lr-ratio",
+        help="The decay's floor as a fraction of --lr.",
+        panel=OPTIMISATION,
+        allowed=FRACTION,
+    )
     warmup_ratio: float = option(
-        0.03, "--warmup-ratio", help="Linear warmup as a fraction of the steps.", panel=OPTIMISATION,
-        allowed=FRACTION)
-    weight_decay: float = option(0.0, "--weight-decay", help="AdamW weight decay (with --optimizer muon: "
-                                                            "the AdamW part's).", panel=OPTIMISATION,
-                                 allowed=NON_NEGATIVE)
+        0.03,
+        "--warmup-ratio",
+        help="Linear warmup as a fraction of the steps.",
+        panel=OPTIMISATION,
+        allowed=FRACTION,
+    )
+    weight_decay: float = option(
+        0.0,
+        "--weight-decay",
+        help="AdamW weight decay (with --optimizer muon: the AdamW part's).",
+        panel=OPTIMISATION,
+        allowed=NON_NEGATIVE,
+    )
     grad_clip: float = option(
-        0.5, "--grad-clip", help="Clip the gradient norm to this (0: off).", panel=OPTIMISATION,
-        allowed=NON_NEGATIVE)
+        0.5,
+        "--grad-clip",
+        help="Clip the gradient norm to this (0: off).",
+        panel=OPTIMISATION,
+        allowed=NON_NEGATIVE,
+    )
     grad_accum: int = option(
-        1, "--grad-accum", help="Micro-batches per optimizer step (per process).", panel=OPTIMISATION, min=1)
+        1,
+        "--grad-accum",
+        help="Micro-batches per optimizer step (per process).",
+        panel=OPTIMISATION,
+        min=1,
+    )
     max_steps: int | None = option(
-        None, "--max-steps", help="Optimizer steps to run. Default: --epochs over the data.",
-        panel=OPTIMISATION, min=1, resumable=True)
+        None,
+        "--max-steps",
+        help="Optimizer steps to run. Default: --epochs over the data.",
+        panel=OPTIMISATION,
+        min=1,
+        resumable=True,
+    )
     epochs: float = option(
-        1.0, "--epochs", help="Passes over the training batches.", panel=OPTIMISATION, resumable=True,
-        allowed=POSITIVE)
-    max_time: float | None = option(  # seconds of the training loop; stop cleanly (checkpoint) when reached
-        None, "--max-time", help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
-                                 "number is minutes); --resume continues the schedule.", panel=OPTIMISATION,
-        parse=parse_duration, resumable=True)
-    seed: int = option(0, "--seed", help="Seed for init, data order and eval split.", panel=OPTIMISATION)
+        1.0,
+        "--epochs",
+        help="Passes over the training batches.",
+        panel=OPTIMISATION,
+        resumable=True,
+        allowed=POSITIVE,
+    )
+    max_time: float | None = (
+        option(  # seconds of the training loop; stop cleanly (checkpoint) when reached
+            None,
+            "--max-time",
+            help="Stop cleanly (checkpoint saved) after this long, e.g. 90s, 45m, 2h (a bare "
+            "number is minutes); --resume continues the schedule.",
+            panel=OPTIMISATION,
+            parse=parse_duration,
+            resumable=True,
+        )
+    )
+    seed: int = option(
+        0, "--seed", help="Seed for init, data order and eval split.", panel=OPTIMISATION
+    )
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     """Where the run goes and what it runs on: output, devices, streaming, logs and checkpoints."""
+
     output: Path = option(
-        MISSING, "--output", "-o", help="Run folder (checkpoints, logs, plot).", panel=INPUTS)
+        MISSING, "--output", "-o", help="Run folder (checkpoints, logs, plot).", panel=INPUTS
+    )
     prefetch: int = option(
-        2, "--prefetch", help="--remote: requests in flight per client; --stream: batches the target runs "
-                              "ahead of the trainer; --cache: batches read ahead (0: each when needed).", panel=TARGET, min=0, resumable=True)
+        2,
+        "--prefetch",
+        help="--remote: requests in flight per client; --stream: batches the target runs "
+        "ahead of the trainer; --cache: batches read ahead (0: each when needed).",
+        panel=TARGET,
+        min=0,
+        resumable=True,
+    )
     stream: bool = option(  # live target: producer threads run `prefetch` batches ahead, bounded
-        False, "--stream", help="Live --target/--remote: run the target in producer threads ahead of the "
-                                "trainer through a bounded store (same results as without).", panel=TARGET,
-        resumable=True)
+        False,
+        "--stream",
+        help="Live --target/--remote: run the target in producer threads ahead of the "
+        "trainer through a bounded store (same results as without).",
+        panel=TARGET,
+        resumable=True,
+    )
     stream_max_bytes: int | None = option(  # None: auto (spec_cli/stream/bound.py)
-        None, "--stream-max-bytes", help="--stream: supervision the store may hold; producers wait beyond it. "
-                                         "auto: --prefetch + 1 of the run's largest batches (fewer when "
-                                         "memory, or --stream-dir's disk, has less room), or a size: 512M, "
-                                         "4G, bytes.", panel=TARGET,
-        parse=parse_size_or_auto, text="auto", resumable=True)
+        None,
+        "--stream-max-bytes",
+        help="--stream: supervision the store may hold; producers wait beyond it. "
+        "auto: --prefetch + 1 of the run's largest batches (fewer when "
+        "memory, or --stream-dir's disk, has less room), or a size: 512M, "
+        "4G, bytes.",
+        panel=TARGET,
+        parse=parse_size_or_auto,
+        text="auto",
+        resumable=True,
+    )
     stream_dir: Path | None = option(
-        None, "--stream-dir", help="--stream: keep samples as files in a folder made here (removed at the "
-                                   "end) instead of in memory.", panel=TARGET, file_okay=False, resumable=True)
+        None,
+        "--stream-dir",
+        help="--stream: keep samples as files in a folder made here (removed at the "
+        "end) instead of in memory.",
+        panel=TARGET,
+        file_okay=False,
+        resumable=True,
+    )
     target_parallel: str = option(
-        "auto", "--target-parallel", help="Under torchrun, a live --target: replica (whole on every rank), "
-                                          "tensor (sharded over the machine's ranks by transformers' tensor-"
-                                          "parallel plan: targets bigger than one GPU), or auto (tensor when "
-                                          "its weights take over half a GPU).", panel=TARGET, resumable=True)
+        "auto",
+        "--target-parallel",
+        help="Under torchrun, a live --target: replica (whole on every rank), "
+        "tensor (sharded over the machine's ranks by transformers' tensor-"
+        "parallel plan: targets bigger than one GPU), or auto (tensor when "
+        "its weights take over half a GPU).",
+        panel=TARGET,
+        resumable=True,
+    )
     fsdp: bool = option(  # torchrun: shard the draft (FSDP2) instead of replicating it (DDP)
-        False, "--fsdp", help="Under torchrun: shard the draft's weights, gradients and optimizer state "
-                              "across processes (FSDP2) instead of replicating them (DDP); for large "
-                              "drafts.", panel=RUNTIME, resumable=True)
+        False,
+        "--fsdp",
+        help="Under torchrun: shard the draft's weights, gradients and optimizer state "
+        "across processes (FSDP2) instead of replicating them (DDP); for large "
+        "drafts.",
+        panel=RUNTIME,
+        resumable=True,
+    )
     context_parallel: int = option(
-        1, "--context-parallel", help="Under torchrun: split each row over N ranks (context parallelism, for "
-                                      "long rows: every rank holds 1/N of its activations); the rest of the "
-                                      "ranks' factor is data parallel (DDP or --fsdp). EAGLE-3 and EAGLE-1/2.",
-        panel=RUNTIME, min=1)
+        1,
+        "--context-parallel",
+        help="Under torchrun: split each row over N ranks (context parallelism, for "
+        "long rows: every rank holds 1/N of its activations); the rest of the "
+        "ranks' factor is data parallel (DDP or --fsdp). EAGLE-3 and EAGLE-1/2.",
+        panel=RUNTIME,
+        min=1,
+    )
     activation_checkpointing: bool = option(
-        False, "--activation-checkpointing/--no-activation-checkpointing",
+        False,
+        "--activation-checkpointing/--no-activation-checkpointing",
         help="Recompute activations in backward (long sequences). Neither given: on a GPU it turns on by "
-             "itself when the largest batch would not fit without it (spec plan's measure).",
-        panel=RUNTIME, resumable=True)
+        "itself when the largest batch would not fit without it (spec plan's measure).",
+        panel=RUNTIME,
+        resumable=True,
+    )
     precision: str = option(
-        "auto", "--precision", help="The training step: bf16 (autocast over fp32 weights), fp32, or auto: bf16 on a "
-                                    "GPU and on a CPU that runs it natively (AMX / AVX512-BF16), else fp32. "
-                                    "SPEC_TRAIN_PRECISION=bf16|fp32 sets what auto picks.",
-        panel=RUNTIME, resumable=True)
+        "auto",
+        "--precision",
+        help="The training step: bf16 (autocast over fp32 weights), fp32, or auto: bf16 on a "
+        "GPU and on a CPU that runs it natively (AMX / AVX512-BF16), else fp32. "
+        "SPEC_TRAIN_PRECISION=bf16|fp32 sets what auto picks.",
+        panel=RUNTIME,
+        resumable=True,
+    )
     attention: str = option(
-        "auto", "--attention", help="The draft's TTT attention kernel: auto (the fused kernel once it passes its "
-                                    "self-check, else the math kernel, with a warning), fused (stop rather than "
-                                    "train without it) or math (memory O(T^2); a reference).",
-        panel=RUNTIME, resumable=True)
+        "auto",
+        "--attention",
+        help="The draft's TTT attention kernel: auto (the fused kernel once it passes its "
+        "self-check, else the math kernel, with a warning), fused (stop rather than "
+        "train without it) or math (memory O(T^2); a reference).",
+        panel=RUNTIME,
+        resumable=True,
+    )
     device: str | None = shared(None, resumable=True)
     dtype: str | None = shared(None)  # the live target's
     target_engine: str = shared("transformers", resumable=True)  # what runs a live --target
-    target_memory: float | None = shared(None, resumable=True)  # vLLM's share of the GPU (None: 0.5 here)
+    target_memory: float | None = shared(
+        None, resumable=True
+    )  # vLLM's share of the GPU (None: 0.5 here)
     target_tensor_parallel: int = shared(1, resumable=True)  # vLLM's tensor_parallel_size
     log_every: int = option(
-        10, "--log-every", help="Steps per log record.", panel=CHECKPOINTS, min=1, resumable=True)
+        10, "--log-every", help="Steps per log record.", panel=CHECKPOINTS, min=1, resumable=True
+    )
     eval_every: int = option(
-        200, "--eval-every", help="Steps between evaluations (0: only at the end).", panel=CHECKPOINTS,
-        min=0, resumable=True)
+        200,
+        "--eval-every",
+        help="Steps between evaluations (0: only at the end).",
+        panel=CHECKPOINTS,
+        min=0,
+        resumable=True,
+    )
     save_every: int = option(
-        500, "--save-every", help="Steps between checkpoints (and at the end).", panel=CHECKPOINTS, min=1,
-        resumable=True)
+        500,
+        "--save-every",
+        help="Steps between checkpoints (and at the end).",
+        panel=CHECKPOINTS,
+        min=1,
+        resumable=True,
+    )
     save_every_minutes: float | None = option(
-        None, "--save-every-minutes", help="Also save a checkpoint once this many minutes have passed since "
-                                           "the last one (what a preemption can cost is time, not steps).",
-        panel=CHECKPOINTS, allowed=POSITIVE, resumable=True)
+        None,
+        "--save-every-minutes",
+        help="Also save a checkpoint once this many minutes have passed since "
+        "the last one (what a preemption can cost is time, not steps).",
+        panel=CHECKPOINTS,
+        allowed=POSITIVE,
+        resumable=True,
+    )
     keep_last: int = option(
-        3, "--keep-last", help="Checkpoints to keep.", panel=CHECKPOINTS, min=1, resumable=True)
+        3, "--keep-last", help="Checkpoints to keep.", panel=CHECKPOINTS, min=1, resumable=True
+    )
     stop_grace: float = option(
-        30.0, "--stop-grace", help="Seconds between a stop signal (SIGTERM, Ctrl-C) and the SIGKILL that "
-                                   "follows it (Slurm's KillWait: 30): the step in flight finishes and the "
-                                   "finished steps are saved if that fits in them, else the last checkpoint "
-                                   "stands.", panel=CHECKPOINTS, allowed=POSITIVE, resumable=True)
+        30.0,
+        "--stop-grace",
+        help="Seconds between a stop signal (SIGTERM, Ctrl-C) and the SIGKILL that "
+        "follows it (Slurm's KillWait: 30): the step in flight finishes and the "
+        "finished steps are saved if that fits in them, else the last checkpoint "
+        "stands.",
+        panel=CHECKPOINTS,
+        allowed=POSITIVE,
+        resumable=True,
+    )
     resume: bool = option(
-        False, "--resume", help="Continue the run in --output from its latest checkpoint.", panel=CHECKPOINTS,
-        resumable=True)
+        False,
+        "--resume",
+        help="Continue the run in --output from its latest checkpoint.",
+        panel=CHECKPOINTS,
+        resumable=True,
+    )
     reschedule: bool = option(
-        False, "--reschedule", help="With --resume and another --max-steps or --epochs: lay the learning-rate "
-                                    "schedule anew over the new length (the rate jumps to where the new "
-                                    "schedule is at the resumed step). Without it such a change is refused.",
-        panel=CHECKPOINTS, resumable=True)
+        False,
+        "--reschedule",
+        help="With --resume and another --max-steps or --epochs: lay the learning-rate "
+        "schedule anew over the new length (the rate jumps to where the new "
+        "schedule is at the resumed step). Without it such a change is refused.",
+        panel=CHECKPOINTS,
+        resumable=True,
+    )
     eval_engine: str | None = option(
-        None, "--eval-engine", help="Every --eval-engine-every steps and at the last, export the current weights "
-                                    "through `spec export` (self-check included) and decode held-out prompts "
-                                    "with this engine, greedy, beside the target alone, in a process of its own "
-                                    "started once: the real acceptance length, acceptance per draft position "
-                                    "and speed-up go into log.jsonl, the console and training.png while "
-                                    "training goes on.", panel=ENGINE_LOOP, allowed=("vllm", "torch"),
-        resumable=True)
+        None,
+        "--eval-engine",
+        help="Every --eval-engine-every steps and at the last, export the current weights "
+        "through `spec export` (self-check included) and decode held-out prompts "
+        "with this engine, greedy, beside the target alone, in a process of its own "
+        "started once: the real acceptance length, acceptance per draft position "
+        "and speed-up go into log.jsonl, the console and training.png while "
+        "training goes on.",
+        panel=ENGINE_LOOP,
+        allowed=("vllm", "torch"),
+        resumable=True,
+    )
     eval_engine_every: int = option(
-        200, "--eval-engine-every", help="Steps between engine evaluations (the last step is always one).",
-        panel=ENGINE_LOOP, min=1, resumable=True)
+        200,
+        "--eval-engine-every",
+        help="Steps between engine evaluations (the last step is always one).",
+        panel=ENGINE_LOOP,
+        min=1,
+        resumable=True,
+    )
     eval_engine_wait: bool = option(
-        False, "--eval-engine-wait/--no-eval-engine-wait", help="Wait for each engine evaluation before training "
-                                                                 "on (every one is made, none skipped, at the cost "
-                                                                 "of its time). Default: train while it decodes; "
-                                                                 "an evaluation asked for while two are in flight "
-                                                                 "is skipped (said).",
-        panel=ENGINE_LOOP, resumable=True)
+        False,
+        "--eval-engine-wait/--no-eval-engine-wait",
+        help="Wait for each engine evaluation before training "
+        "on (every one is made, none skipped, at the cost "
+        "of its time). Default: train while it decodes; "
+        "an evaluation asked for while two are in flight "
+        "is skipped (said).",
+        panel=ENGINE_LOOP,
+        resumable=True,
+    )
     keep: str = option(
-        "last", "--keep", help="best: keep the checkpoint whose engine acceptance length was the best (ties: the "
-                               "later step) as RUN/best, which `spec export RUN` and `spec eval RUN` then take "
-                               "(and say so); needs --eval-engine. last: only the checkpoints.",
-        panel=ENGINE_LOOP, allowed=("last", "best"))
+        "last",
+        "--keep",
+        help="best: keep the checkpoint whose engine acceptance length was the best (ties: the "
+        "later step) as RUN/best, which `spec export RUN` and `spec eval RUN` then take "
+        "(and say so); needs --eval-engine. last: only the checkpoints.",
+        panel=ENGINE_LOOP,
+        allowed=("last", "best"),
+    )
     eval_prompts: str | None = option(
-        None, "--eval-prompts", help="The engine's prompts: a chat data file or mt-bench (the user turns of each "
-                                     "record; --eval-engine-prompts of them). Default: conversations of the "
-                                     "batches held out from training (--eval-fraction), first two user turns, "
-                                     "chosen once into RUN/engine-eval/prompts.jsonl.", panel=ENGINE_LOOP)
+        None,
+        "--eval-prompts",
+        help="The engine's prompts: a chat data file or mt-bench (the user turns of each "
+        "record; --eval-engine-prompts of them). Default: conversations of the "
+        "batches held out from training (--eval-fraction), first two user turns, "
+        "chosen once into RUN/engine-eval/prompts.jsonl.",
+        panel=ENGINE_LOOP,
+    )
     eval_engine_prompts: int = option(
-        8, "--eval-engine-prompts", help="Conversations the engine decodes (both turns each).", panel=ENGINE_LOOP,
-        min=1)
+        8,
+        "--eval-engine-prompts",
+        help="Conversations the engine decodes (both turns each).",
+        panel=ENGINE_LOOP,
+        min=1,
+    )
     eval_engine_tokens: int = option(
-        64, "--eval-engine-tokens", help="Tokens generated per turn at most.", panel=ENGINE_LOOP, min=1)
+        64,
+        "--eval-engine-tokens",
+        help="Tokens generated per turn at most.",
+        panel=ENGINE_LOOP,
+        min=1,
+    )
     eval_engine_depth: int | None = option(
-        None, "--eval-engine-depth", help="Draft tokens per target forward (a chain). Default: spec eval's, 3 "
-                                          "(a DFlash draft: its block size - 1).", panel=ENGINE_LOOP, min=1)
+        None,
+        "--eval-engine-depth",
+        help="Draft tokens per target forward (a chain). Default: spec eval's, 3 "
+        "(a DFlash draft: its block size - 1).",
+        panel=ENGINE_LOOP,
+        min=1,
+    )
     eval_engine_target: str | None = option(
-        None, "--eval-engine-target", help="The target the engine runs. Default: the run's --target, or the "
-                                           "one its cache was made from (--remote: required).",
-        panel=ENGINE_LOOP, resumable=True)
+        None,
+        "--eval-engine-target",
+        help="The target the engine runs. Default: the run's --target, or the "
+        "one its cache was made from (--remote: required).",
+        panel=ENGINE_LOOP,
+        resumable=True,
+    )
     eval_engine_memory: float = option(
-        0.2, "--eval-engine-memory", help="On a GPU: the share of its memory the engine process may take "
-                                          "(vLLM's gpu_memory_utilization, split between the target-alone and "
-                                          "the speculative engine; PyTorch's per-process fraction).",
-        panel=ENGINE_LOOP, allowed=Range(0, 1, lo_open=True), resumable=True)
+        0.2,
+        "--eval-engine-memory",
+        help="On a GPU: the share of its memory the engine process may take "
+        "(vLLM's gpu_memory_utilization, split between the target-alone and "
+        "the speculative engine; PyTorch's per-process fraction).",
+        panel=ENGINE_LOOP,
+        allowed=Range(0, 1, lo_open=True),
+        resumable=True,
+    )
 
 
 class ObjectiveOptions:
@@ -338,7 +629,9 @@ class ObjectiveOptions:
         unknown = sorted(set(values) - set(declared))
         if unknown:
             raise TypeError(f"ObjectiveOptions has no option {', '.join(unknown)}")
-        self.__dict__.update({name: values.get(name, default) for name, default in declared.items()})
+        self.__dict__.update(
+            {name: values.get(name, default) for name, default in declared.items()}
+        )
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
@@ -356,6 +649,7 @@ class ObjectiveOptions:
 @dataclass(frozen=True)
 class TrainConfig:
     """What `spec train` runs with: cfg.data.cache, cfg.objective.ttt_steps, cfg.optim.lr, ..."""
+
     data: DataOptions
     draft: DraftOptions
     objective: ObjectiveOptions
@@ -383,18 +677,26 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Option:
     """One `spec train` option, as the CLI and run.json see it."""
+
     name: str
     group: str  # the TrainConfig field that holds it
     type: object  # the field's type
     default: object  # MISSING: required
     flag: Flag | None  # None: shared with other stages, declared in spec_cli/commands/options.py
     resumable: bool
-    allowed: Range | tuple[str, ...] | None  # a number option's range (finite), or a word option's choices
+    allowed: (
+        Range | tuple[str, ...] | None
+    )  # a number option's range (finite), or a word option's choices
 
 
 # TrainConfig's groups, by field
-GROUPS: dict[str, type] = {"data": DataOptions, "draft": DraftOptions, "objective": ObjectiveOptions,
-                           "optim": OptimOptions, "runtime": RuntimeOptions}
+GROUPS: dict[str, type] = {
+    "data": DataOptions,
+    "draft": DraftOptions,
+    "objective": ObjectiveOptions,
+    "optim": OptimOptions,
+    "runtime": RuntimeOptions,
+}
 
 
 def _declared(group: str) -> list[type]:
@@ -415,9 +717,18 @@ def all_options() -> dict[str, Option]:
             hints = typing.get_type_hints(kind)
             for f in dataclasses.fields(kind):
                 if f.name in out:
-                    raise TypeError(f"option {f.name} is declared twice (in {out[f.name].group} and {group})")
-                out[f.name] = Option(f.name, group, hints[f.name], f.default, f.metadata["flag"],
-                                     f.metadata["resumable"], f.metadata["allowed"])
+                    raise TypeError(
+                        f"option {f.name} is declared twice (in {out[f.name].group} and {group})"
+                    )
+                out[f.name] = Option(
+                    f.name,
+                    group,
+                    hints[f.name],
+                    f.default,
+                    f.metadata["flag"],
+                    f.metadata["resumable"],
+                    f.metadata["allowed"],
+                )
     return out
 
 
@@ -431,7 +742,10 @@ def typed_options(ctx=None) -> set[str] | None:
     file) rather than left at their defaults, from click's context (default: the current one); None when
     no `spec train` command is being run (then every option counts as given)."""
     if ctx is None:
-        for package in ("typer._click.globals", "click.globals"):  # typer >= 0.2x runs its own click
+        for package in (
+            "typer._click.globals",
+            "click.globals",
+        ):  # typer >= 0.2x runs its own click
             try:
                 module = __import__(package, fromlist=["get_current_context"])
             except ImportError:
@@ -442,5 +756,8 @@ def typed_options(ctx=None) -> set[str] | None:
     declared = all_options()
     if ctx is None or set(declared) - {p.name for p in ctx.command.params}:
         return None
-    return {name for name in declared
-            if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"}
+    return {
+        name
+        for name in declared
+        if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"
+    }

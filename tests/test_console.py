@@ -22,7 +22,9 @@ def test_time_left_and_rate_come_from_the_work_done_so_far():
     now[0] = 30.0
     bar.advance(100, count=6000)  # one big jump after 30 s: 10% done
     assert eta.render(task).plain == "eta 0:04:30"
-    assert rate.render(task).plain == "3.33 tokens/s" and counted.render(task).plain == "200 tokens/s"
+    assert (
+        rate.render(task).plain == "3.33 tokens/s" and counted.render(task).plain == "200 tokens/s"
+    )
     # what read -:--:-- for 35 minutes: rich's own column has no speed from a single advance
     assert TimeRemainingColumn().render(task).plain == "-:--:--"
 
@@ -58,7 +60,9 @@ def test_the_bar_is_redrawn_between_advances(monkeypatch):
 def test_summary_wraps_a_long_path_at_80_columns_instead_of_cutting_it(monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr(console_mod, "console", Console(file=out, width=80))
-    path = "/data/runs/[exp-1]/" + "/".join(f"folder{i:02d}" for i in range(14)) + "/model.safetensors"
+    path = (
+        "/data/runs/[exp-1]/" + "/".join(f"folder{i:02d}" for i in range(14)) + "/model.safetensors"
+    )
     assert len(path) > 150
     summary("export", [("written", path), ("time", "1.0 s")])
     text = out.getvalue()
@@ -81,6 +85,7 @@ def test_under_torchrun_rank_0_alone_speaks_and_each_rank_its_errors(monkeypatch
     def ends(error):
         def run(*args, **kwargs):
             raise error()  # (a Stopped made inside the command: the command's signal handling records it)
+
         return run
 
     said = {}
@@ -100,6 +105,8 @@ def test_under_torchrun_rank_0_alone_speaks_and_each_rank_its_errors(monkeypatch
     assert said["1"].err == "error: this rank failed; fix it\n"
     out, err = said["0"].out, " ".join(said["0"].err.split())
     assert "a progress line" in out and "RUN" in out and "rank waits for rank 0" in out
-    assert err == ("warning: a warning stopped (SIGTERM); finished work is kept: rerun the same command to continue "
-                   "(regenerate and precompute go on where they stopped, train with --resume) error: this rank "
-                   "failed; fix it")
+    assert err == (
+        "warning: a warning stopped (SIGTERM); finished work is kept: rerun the same command to continue "
+        "(regenerate and precompute go on where they stopped, train with --resume) error: this rank "
+        "failed; fix it"
+    )

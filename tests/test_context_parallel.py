@@ -22,7 +22,10 @@ from tests.test_distributed import (
 )
 
 pytestmark = pytest.mark.slow
-FP32 = ("--precision", "fp32")  # both sides in fp32: their difference is then fp32 rounding, not bf16's
+FP32 = (
+    "--precision",
+    "fp32",
+)  # both sides in fp32: their difference is then fp32 rounding, not bf16's
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -37,14 +40,22 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, train_setup, eagle_pipeline) -> dict:
     root = tmp_path_factory.mktemp("context")
-    out = {name: root / name for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2", "live-cp")}
+    out = {
+        name: root / name
+        for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2", "live-cp")
+    }
     cp = ("--context-parallel", "2", *FP32)
-    torchrun([eagle3_args(train_setup, out["cp"], *cp),
-              eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
-              eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
-              eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
-              eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume"),
-              [*live_args(train_setup, out["live-cp"], "replica"), *cp]], root / "launch")
+    torchrun(
+        [
+            eagle3_args(train_setup, out["cp"], *cp),
+            eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
+            eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
+            eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
+            eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume"),
+            [*live_args(train_setup, out["live-cp"], "replica"), *cp],
+        ],
+        root / "launch",
+    )
     torchrun([eagle3_args(train_setup, out["cp2x2"], *cp)], root / "launch-4", processes=4)
     return out
 
@@ -54,12 +65,34 @@ def singles(train_setup, eagle_pipeline, tmp_path_factory) -> dict:
     """One process: one micro-batch per step (= a context-parallel group's batch), and two (= two groups')."""
     root = tmp_path_factory.mktemp("single")
     for name, accum in (("one", 1), ("two", 2)):
-        assert stage.run(config(train_setup, root / name, max_steps=3, grad_accum=accum, eval_every=0,
-                                save_every=3, log_every=2, precision="fp32")).steps == 3
+        assert (
+            stage.run(
+                config(
+                    train_setup,
+                    root / name,
+                    max_steps=3,
+                    grad_accum=accum,
+                    eval_every=0,
+                    save_every=3,
+                    log_every=2,
+                    precision="fp32",
+                )
+            ).steps
+            == 3
+        )
     assert main(eagle_args(eagle_pipeline, root / "eagle", *FP32)) == 0
-    live = [a for a in live_args(train_setup, root / "live", "replica") if a not in ("--target-parallel", "replica")]
+    live = [
+        a
+        for a in live_args(train_setup, root / "live", "replica")
+        if a not in ("--target-parallel", "replica")
+    ]
     assert main([*live, *FP32]) == 0
-    return {"one": root / "one", "two": root / "two", "eagle": root / "eagle", "live": root / "live"}
+    return {
+        "one": root / "one",
+        "two": root / "two",
+        "eagle": root / "eagle",
+        "live": root / "live",
+    }
 
 
 def logged(run) -> list[dict]:
@@ -69,14 +102,19 @@ def logged(run) -> list[dict]:
 def test_context_parallel_trains_what_one_process_trains(cp_runs, singles):
     for name in ("cp", "cp-fsdp"):
         assert_same(weights(singles["one"]), weights(cp_runs[name]))
-    assert trainer_state(cp_runs["cp"])["parallel"] == "ddp" and trainer_state(cp_runs["cp-fsdp"])["parallel"] == "fsdp"
+    assert (
+        trainer_state(cp_runs["cp"])["parallel"] == "ddp"
+        and trainer_state(cp_runs["cp-fsdp"])["parallel"] == "fsdp"
+    )
     # the logged losses and per-step accuracies: each rank's share, added over the group
     one, cp = logged(singles["one"]), logged(cp_runs["cp"])
     train_one = [r for r in one if r["split"] == "train"]
     train_cp = [r for r in cp if r["split"] == "train"]
     assert [r["step"] for r in train_one] == [r["step"] for r in train_cp] == [2, 3]
     for a, b in zip(train_one, train_cp):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["acc"] == pytest.approx(a["acc"], abs=1e-12)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["acc"] == pytest.approx(
+            a["acc"], abs=1e-12
+        )
         assert b["tokens"] == a["tokens"]
         # the gradient itself, not only its direction (which is all AdamW's weights can tell): each rank's
         # share of the loss is multiplied by N before DDP averages over the N ranks
@@ -125,17 +163,38 @@ def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
         ranges = kept_ranges(2, rank, T, 3)
         source.slots_for = lambda length: (T, ranges)
         part = source.backend.generate_batch(**inputs_for(source, indices, pack))
-        rows = torch.cat([torch.arange(a, b - 1) for a, b in ranges])  # the kept slots but each range's last
-        places = torch.cat([torch.arange(sum(y - x for x, y in ranges[:i]), sum(y - x for x, y in ranges[:i + 1]) - 1)
-                            for i in range(len(ranges))])
+        rows = torch.cat(
+            [torch.arange(a, b - 1) for a, b in ranges]
+        )  # the kept slots but each range's last
+        places = torch.cat(
+            [
+                torch.arange(
+                    sum(y - x for x, y in ranges[:i]), sum(y - x for x, y in ranges[: i + 1]) - 1
+                )
+                for i in range(len(ranges))
+            ]
+        )
         assert part.slots.tolist() == [r for a, b in ranges for r in range(a, b)]
         assert part.attention_mask.shape[1] == T and part.aux_hidden.shape[1] == len(part.slots)
-        padded = {name: torch.nn.functional.pad(getattr(whole, name), (0, 0) * (getattr(whole, name).dim() - 2)
-                                                + (0, T - whole.attention_mask.shape[1]))
-                  for name in ("aux_hidden", "target_p", "target_mass", "target_ids", "position_mask", "loss_mask",
-                               "input_ids")}
+        padded = {
+            name: torch.nn.functional.pad(
+                getattr(whole, name),
+                (0, 0) * (getattr(whole, name).dim() - 2) + (0, T - whole.attention_mask.shape[1]),
+            )
+            for name in (
+                "aux_hidden",
+                "target_p",
+                "target_mass",
+                "target_ids",
+                "position_mask",
+                "loss_mask",
+                "input_ids",
+            )
+        }
         for name, value in padded.items():
-            torch.testing.assert_close(getattr(part, name)[:, places], value[:, rows], msg=name, rtol=0, atol=0)
+            torch.testing.assert_close(
+                getattr(part, name)[:, places], value[:, rows], msg=name, rtol=0, atol=0
+            )
     source.backend.close()
 
 
@@ -146,15 +205,21 @@ def test_a_served_target_is_asked_once_per_group(train_setup, singles, tmp_path)
     from spec_cli.serve.plane import PlaneHost
     from tests.serve.harness import load_backend, start_server
 
-    server = start_server(load_backend(train_setup["target"]), train_setup["target"],
-                          plane=PlaneHost("127.0.0.1", 0, timeout=60))
+    server = start_server(
+        load_backend(train_setup["target"]),
+        train_setup["target"],
+        plane=PlaneHost("127.0.0.1", 0, timeout=60),
+    )
     calls = []
     real = server.logic.backend.generate_batch
-    server.logic.backend.generate_batch = lambda *a, **k: calls.append(a[0].shape if a else k["input_ids"].shape) \
-        or real(*a, **k)
-    args = [a if a != str(train_setup["target"]) else server.url
-            for a in live_args(train_setup, tmp_path / "one", "replica")
-            if a not in ("--target-parallel", "replica", "--dtype", "fp32")]
+    server.logic.backend.generate_batch = lambda *a, **k: (
+        calls.append(a[0].shape if a else k["input_ids"].shape) or real(*a, **k)
+    )
+    args = [
+        a if a != str(train_setup["target"]) else server.url
+        for a in live_args(train_setup, tmp_path / "one", "replica")
+        if a not in ("--target-parallel", "replica", "--dtype", "fp32")
+    ]
     args[args.index("--target")] = "--remote"
     try:
         assert main([*args, *FP32]) == 0

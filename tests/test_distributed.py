@@ -25,43 +25,169 @@ def strs(*args) -> list[str]:
 
 
 def eagle3_args(setup, out, *extra) -> list[str]:
-    return strs("train", "--cache", setup["cache"], "-v", setup["vm"], "-o", out, "--ttt-steps", "3", "--lr", "3e-3",
-            "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0",
-            "--log-every", "2", "--save-every", "3", "-q", *extra)
+    return strs(
+        "train",
+        "--cache",
+        setup["cache"],
+        "-v",
+        setup["vm"],
+        "-o",
+        out,
+        "--ttt-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "3",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "2",
+        "--save-every",
+        "3",
+        "-q",
+        *extra,
+    )
 
 
 def eagle_args(pipeline, out, *extra) -> list[str]:
-    return strs("train", "--cache", pipeline["root"] / "cache", "-v", pipeline["vm"], "--algorithm", "eagle",
-            "--ttt-steps", "2", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens", "512", "--eval-fraction",
-            "0.2", "--eval-every", "0", "--save-every", "3", "-o", out, "-q", *extra)
+    return strs(
+        "train",
+        "--cache",
+        pipeline["root"] / "cache",
+        "-v",
+        pipeline["vm"],
+        "--algorithm",
+        "eagle",
+        "--ttt-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "3",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "3",
+        "-o",
+        out,
+        "-q",
+        *extra,
+    )
 
 
 def peagle_args(pipeline, out, *extra) -> list[str]:
-    return peagle_train_args(pipeline["root"], pipeline["vm"], out, "--eval-every", "0", "--max-steps", "3",
-                             "--save-every", "3", *extra)
+    return peagle_train_args(
+        pipeline["root"],
+        pipeline["vm"],
+        out,
+        "--eval-every",
+        "0",
+        "--max-steps",
+        "3",
+        "--save-every",
+        "3",
+        *extra,
+    )
 
 
 def dspark_args(pipeline, out, *extra) -> list[str]:
     """DSpark from the DFlash pipeline's cache (the same five aux layers), blocks of 3, 3 steps."""
-    return strs("train", "--cache", pipeline["root"] / "cache", "-v", pipeline["vm"], "--algorithm", "dspark",
-                "--block-size", "3", "--markov-rank", "8", "--lr", "3e-3", "--max-steps", "3", "--batch-tokens",
-                "512", "--eval-fraction", "0.2", "--eval-every", "0", "--save-every", "3", "-o", out, "-q", *extra)
+    return strs(
+        "train",
+        "--cache",
+        pipeline["root"] / "cache",
+        "-v",
+        pipeline["vm"],
+        "--algorithm",
+        "dspark",
+        "--block-size",
+        "3",
+        "--markov-rank",
+        "8",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "3",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "3",
+        "-o",
+        out,
+        "-q",
+        *extra,
+    )
 
 
-PEAGLE = {"ddp-1": ["--peagle-segments", "1"], "ddp-2": ["--peagle-segments", "2"],
-          "fsdp-2": ["--peagle-segments", "2", "--fsdp"]}
+PEAGLE = {
+    "ddp-1": ["--peagle-segments", "1"],
+    "ddp-2": ["--peagle-segments", "2"],
+    "fsdp-2": ["--peagle-segments", "2", "--fsdp"],
+}
 
 
 def live_args(setup, out, parallel) -> list[str]:
     """EAGLE-3 from the live tiny target, whole on each rank or sharded over both (--target-parallel)."""
-    return strs("train", "--target", setup["target"], "--data", setup["data"], "-v", setup["vm"], "-o", out,
-                "--dtype", "fp32", "--target-parallel", parallel, "--ttt-steps", "2", "--lr", "3e-3",
-                "--max-steps", "2", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "0", "-q")
+    return strs(
+        "train",
+        "--target",
+        setup["target"],
+        "--data",
+        setup["data"],
+        "-v",
+        setup["vm"],
+        "-o",
+        out,
+        "--dtype",
+        "fp32",
+        "--target-parallel",
+        parallel,
+        "--ttt-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "2",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "0",
+        "-q",
+    )
 
 
 def precompute_args(setup, out) -> list[str]:
-    return strs("precompute", "-t", setup["target"], "-d", setup["data"], "-v", setup["vm"], "-o", out,
-                "--batch-tokens", "512", "--shard-tokens", "600", "-q")
+    return strs(
+        "precompute",
+        "-t",
+        setup["target"],
+        "-d",
+        setup["data"],
+        "-v",
+        setup["vm"],
+        "-o",
+        out,
+        "--batch-tokens",
+        "512",
+        "--shard-tokens",
+        "600",
+        "-q",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,32 +196,81 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline, dflash_
     its own stopped run, so nothing the processes still hold from that run can stand in for what the
     checkpoint must restore."""
     root = tmp_path_factory.mktemp("torchrun")
-    out = {name: root / name for name in ("eagle3-ddp", "eagle3-fsdp", "eagle3-fsdp-straight", "eagle3-fsdp-accum",
-                                           "eagle-fsdp", "eagle3-fsdp-muon",
-                                           *(f"peagle-{k}" for k in PEAGLE), "precompute", "precompute-tensor", "live-replica", "live-tensor",
-                                           "tp-supervision", "muon-shards", "eagle3-fsdp-sigterm",
-                                           "dspark-ddp", "dspark-fsdp")}
-    torchrun([eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
-              eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
-              eagle3_args(train_setup, out["eagle3-ddp"]),
-              eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--max-time", "0.001s"),
-              eagle3_args(train_setup, out["eagle3-fsdp-straight"], "--fsdp"),
-              peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
-              ["-m", "tests.stop_rank", 1, 1, *eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp")],
-              eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
-              eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp", "--resume"),
-              eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
-              eagle3_args(train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--resume"),
-              eagle3_args(train_setup, out["eagle3-fsdp-accum"], "--fsdp", "--grad-accum", "2", "--eval-every", "2"),
-              peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
-              peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
-              dspark_args(dflash_pipeline, out["dspark-ddp"]),
-              dspark_args(dflash_pipeline, out["dspark-fsdp"], "--fsdp"),
-              precompute_args(train_setup, out["precompute"]),
-              [*precompute_args(train_setup, out["precompute-tensor"]), "--target-parallel", "tensor"],
-              live_args(train_setup, out["live-replica"], "replica"),
-              live_args(train_setup, out["live-tensor"], "tensor"),
-              ["-m", "tests.targets.tp_supervision", train_setup["target"], out["tp-supervision"]]], root / "launch")
+    out = {
+        name: root / name
+        for name in (
+            "eagle3-ddp",
+            "eagle3-fsdp",
+            "eagle3-fsdp-straight",
+            "eagle3-fsdp-accum",
+            "eagle-fsdp",
+            "eagle3-fsdp-muon",
+            *(f"peagle-{k}" for k in PEAGLE),
+            "precompute",
+            "precompute-tensor",
+            "live-replica",
+            "live-tensor",
+            "tp-supervision",
+            "muon-shards",
+            "eagle3-fsdp-sigterm",
+            "dspark-ddp",
+            "dspark-fsdp",
+        )
+    }
+    torchrun(
+        [
+            eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
+            eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
+            eagle3_args(train_setup, out["eagle3-ddp"]),
+            eagle3_args(
+                train_setup,
+                out["eagle3-fsdp-muon"],
+                "--fsdp",
+                "--optimizer",
+                "muon",
+                "--max-time",
+                "0.001s",
+            ),
+            eagle3_args(train_setup, out["eagle3-fsdp-straight"], "--fsdp"),
+            peagle_args(peagle_pipeline, out["peagle-ddp-1"], *PEAGLE["ddp-1"]),
+            [
+                "-m",
+                "tests.stop_rank",
+                1,
+                1,
+                *eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp"),
+            ],
+            eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--resume"),
+            eagle3_args(train_setup, out["eagle3-fsdp-sigterm"], "--fsdp", "--resume"),
+            eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--resume"),
+            eagle3_args(
+                train_setup, out["eagle3-fsdp-muon"], "--fsdp", "--optimizer", "muon", "--resume"
+            ),
+            eagle3_args(
+                train_setup,
+                out["eagle3-fsdp-accum"],
+                "--fsdp",
+                "--grad-accum",
+                "2",
+                "--eval-every",
+                "2",
+            ),
+            peagle_args(peagle_pipeline, out["peagle-ddp-2"], *PEAGLE["ddp-2"]),
+            peagle_args(peagle_pipeline, out["peagle-fsdp-2"], *PEAGLE["fsdp-2"]),
+            dspark_args(dflash_pipeline, out["dspark-ddp"]),
+            dspark_args(dflash_pipeline, out["dspark-fsdp"], "--fsdp"),
+            precompute_args(train_setup, out["precompute"]),
+            [
+                *precompute_args(train_setup, out["precompute-tensor"]),
+                "--target-parallel",
+                "tensor",
+            ],
+            live_args(train_setup, out["live-replica"], "replica"),
+            live_args(train_setup, out["live-tensor"], "tensor"),
+            ["-m", "tests.targets.tp_supervision", train_setup["target"], out["tp-supervision"]],
+        ],
+        root / "launch",
+    )
     # in processes of its own: it patches torch's Muon (float64 Newton-Schulz); after the jobs above in the
     # same two processes it once died of a heap corruption (glibc abort) that it never showed alone
     torchrun([["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch-muon")
@@ -129,7 +304,9 @@ def test_eagle3_ddp_two_processes_match_one_process(runs, eagle3_single):
     assert trainer_state(runs["eagle3-ddp"])["parallel"] == "ddp"
 
 
-def test_eagle3_fsdp_two_processes_match_one_process_through_a_resume(runs, eagle3_single, train_setup, tmp_path):
+def test_eagle3_fsdp_two_processes_match_one_process_through_a_resume(
+    runs, eagle3_single, train_setup, tmp_path
+):
     """FSDP2 over 2 gloo ranks == 1 process with the same global batch, also when the sharded run is
     stopped after its first step and resumed (the sharded checkpoint: test_fsdp_checkpoints_...)."""
     fsdp = runs["eagle3-fsdp"]
@@ -158,9 +335,16 @@ def test_muon_orthogonalises_whole_matrices_under_fsdp(runs, train_setup, tmp_pa
     fsdp = runs["eagle3-fsdp-muon"]
     stopped_then_resumed(fsdp)
     single = tmp_path / "single-muon"
-    assert stage.run(config(train_setup, single, max_steps=3, grad_accum=2, eval_every=0, optimizer="muon")).steps == 3
+    assert (
+        stage.run(
+            config(train_setup, single, max_steps=3, grad_accum=2, eval_every=0, optimizer="muon")
+        ).steps
+        == 3
+    )
     for key, value in weights(single).items():
-        torch.testing.assert_close(weights(fsdp)[key], value, rtol=0, atol=2e-3, msg=key)  # a step: ~5e-3
+        torch.testing.assert_close(
+            weights(fsdp)[key], value, rtol=0, atol=2e-3, msg=key
+        )  # a step: ~5e-3
     opt_single = load_file(str(ckpt.latest_checkpoint(single) / "optimizer.safetensors"))
     opt_fsdp = ckpt.read_optimizer(ckpt.latest_checkpoint(fsdp))
     assert opt_single.keys() == opt_fsdp.keys() and "state.fc.weight.momentum_buffer" in opt_fsdp
@@ -173,16 +357,23 @@ def test_fsdp_checkpoints_are_sharded_and_resume_bit_for_bit(runs):
     for step in ckpt.checkpoint_dirs(runs["eagle3-fsdp"]):
         names = sorted(p.name for p in step.iterdir())
         assert "optimizer.safetensors" not in names
-        assert [n for n in names if n.startswith("optimizer-")] == ["optimizer-00000-of-00002.safetensors",
-                                                                     "optimizer-00001-of-00002.safetensors"]
+        assert [n for n in names if n.startswith("optimizer-")] == [
+            "optimizer-00000-of-00002.safetensors",
+            "optimizer-00001-of-00002.safetensors",
+        ]
         assert json.loads((step / "trainer_state.json").read_text())["optimizer_shards"] == 2
         shards = [load_file(str(step / f"optimizer-0000{r}-of-00002.safetensors")) for r in (0, 1)]
         whole = ckpt.read_optimizer(step)
         for key, value in whole.items():  # rank 0 holds the first ceil(n / 2) rows, rank 1 the rest
             if value.dim():
                 half = -(-value.shape[0] // 2)
-                assert torch.equal(shards[0][key], value[:half]) and torch.equal(shards[1][key], value[half:])
-    straight, resumed = ckpt.latest_checkpoint(runs["eagle3-fsdp-straight"]), ckpt.latest_checkpoint(runs["eagle3-fsdp"])
+                assert torch.equal(shards[0][key], value[:half]) and torch.equal(
+                    shards[1][key], value[half:]
+                )
+    straight, resumed = (
+        ckpt.latest_checkpoint(runs["eagle3-fsdp-straight"]),
+        ckpt.latest_checkpoint(runs["eagle3-fsdp"]),
+    )
     assert straight.name == resumed.name == "step-00000003"
     assert_same(weights(runs["eagle3-fsdp-straight"]), weights(runs["eagle3-fsdp"]), exact=True)
     assert_same(ckpt.read_optimizer(straight), ckpt.read_optimizer(resumed), exact=True)
@@ -199,24 +390,45 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_and_the_resume
     assert [d.name for d in ckpt.checkpoint_dirs(run)] == ["step-00000002", "step-00000003"]
     stopped = ckpt.checkpoint_dirs(run)[0]
     assert json.loads((stopped / "trainer_state.json").read_text())["step"] == 2
-    assert sorted(p.name for p in stopped.glob("optimizer-*")) == ["optimizer-00000-of-00002.safetensors",
-                                                                   "optimizer-00001-of-00002.safetensors"]
+    assert sorted(p.name for p in stopped.glob("optimizer-*")) == [
+        "optimizer-00000-of-00002.safetensors",
+        "optimizer-00001-of-00002.safetensors",
+    ]
     assert_same(weights(straight), weights(run), exact=True)
-    assert_same(ckpt.read_optimizer(ckpt.latest_checkpoint(straight)), ckpt.read_optimizer(ckpt.latest_checkpoint(run)),
-                exact=True)
+    assert_same(
+        ckpt.read_optimizer(ckpt.latest_checkpoint(straight)),
+        ckpt.read_optimizer(ckpt.latest_checkpoint(run)),
+        exact=True,
+    )
 
 
-def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(runs, eagle_pipeline, tmp_path,
-                                                                             monkeypatch):
+def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(
+    runs, eagle_pipeline, tmp_path, monkeypatch
+):
     """EAGLE-1/2: torchrun x2 with FSDP2, stopped after its first step and resumed == one process with the
     same global batch; a single-process run stopped and resumed == its straight run, bit for bit. (DDP
     wraps the objective the same way for every algorithm: the EAGLE-3 tests above; measured for EAGLE-1/2
     too, bit-equal to --grad-accum 2, in the CHANGELOG.)"""
     monkeypatch.setenv("SPEC_HOME", str(eagle_pipeline["root"] / "home"))
     assert main(eagle_args(eagle_pipeline, tmp_path / "single", "--grad-accum", "2")) == 0
-    assert main(eagle_args(eagle_pipeline, tmp_path / "stopped", "--grad-accum", "2", "--max-time", "0.001s",
-                           "--save-every", "1")) == 0
-    assert main(eagle_args(eagle_pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
+    assert (
+        main(
+            eagle_args(
+                eagle_pipeline,
+                tmp_path / "stopped",
+                "--grad-accum",
+                "2",
+                "--max-time",
+                "0.001s",
+                "--save-every",
+                "1",
+            )
+        )
+        == 0
+    )
+    assert (
+        main(eagle_args(eagle_pipeline, tmp_path / "stopped", "--grad-accum", "2", "--resume")) == 0
+    )
     single = weights(tmp_path / "single")
     assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
     fsdp = runs["eagle-fsdp"]
@@ -228,17 +440,34 @@ def test_eagle_fsdp_two_processes_match_one_and_a_stopped_run_resumes_exactly(ru
 
 
 def test_peagle_ddp_and_fsdp_segments_match_one_forward_and_a_stopped_run_resumes_exactly(
-        runs, peagle_pipeline, tmp_path, monkeypatch):
+    runs, peagle_pipeline, tmp_path, monkeypatch
+):
     """A run stopped after its first step and resumed == the straight run, bit for bit (COD draws from
     the RNG the checkpoint restores); under torchrun x2, segments with a backward each (DDP, FSDP2) ==
     one forward per batch."""
     monkeypatch.setenv("SPEC_HOME", str(peagle_pipeline["root"] / "home"))
-    args = ("--grad-accum", "2", "--peagle-segments", "2", "--eval-every", "0", "--max-steps", "3",
-            "--save-every", "3")
+    args = (
+        "--grad-accum",
+        "2",
+        "--peagle-segments",
+        "2",
+        "--eval-every",
+        "0",
+        "--max-steps",
+        "3",
+        "--save-every",
+        "3",
+    )
     root, vm = peagle_pipeline["root"], peagle_pipeline["vm"]
     assert main(peagle_train_args(root, vm, tmp_path / "single", *args)) == 0
-    assert main(peagle_train_args(root, vm, tmp_path / "stopped", *args, "--max-time", "0.001s",
-                                  "--save-every", "1")) == 0
+    assert (
+        main(
+            peagle_train_args(
+                root, vm, tmp_path / "stopped", *args, "--max-time", "0.001s", "--save-every", "1"
+            )
+        )
+        == 0
+    )
     assert main(peagle_train_args(root, vm, tmp_path / "stopped", *args, "--resume")) == 0
     single = weights(tmp_path / "single")
     assert all(torch.equal(single[k], v) for k, v in weights(tmp_path / "stopped").items())
@@ -253,9 +482,13 @@ def test_peagle_ddp_and_fsdp_segments_match_one_forward_and_a_stopped_run_resume
     losses = [r["loss"] for r in log(runs["peagle-ddp-1"]) if r["split"] == "train"]
     for name in ("ddp-2", "fsdp-2"):
         run = runs[f"peagle-{name}"]
-        assert [r["loss"] for r in log(run) if r["split"] == "train"] == pytest.approx(losses, rel=1e-5)
+        assert [r["loss"] for r in log(run) if r["split"] == "train"] == pytest.approx(
+            losses, rel=1e-5
+        )
         for key, value in weights(run).items():
-            torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4, msg=f"{name}: {key}")
+            torch.testing.assert_close(
+                value, reference[key], rtol=1e-3, atol=1e-4, msg=f"{name}: {key}"
+            )
     assert any(not torch.equal(v, single[k]) for k, v in reference.items())
 
 
@@ -263,7 +496,9 @@ def test_precompute_two_processes_write_the_same_cache(runs, train_setup, tmp_pa
     monkeypatch.setenv("SPEC_HOME", str(train_setup["root"] / "home"))
     single = tmp_path / "single"
     assert main(precompute_args(train_setup, single)) == 0
-    assert json.loads((single / "manifest.json").read_text())["num_shards"] > 1  # work for both processes
+    assert (
+        json.loads((single / "manifest.json").read_text())["num_shards"] > 1
+    )  # work for both processes
     assert digest(runs["precompute"]) == digest(single)
 
 
@@ -274,10 +509,15 @@ def test_precompute_with_the_target_sharded_over_the_ranks(runs):
     single = runs["precompute"]  # two replicas: one process's cache byte for byte (the test above)
     manifest = json.loads((single / "manifest.json").read_text())
     shards = sorted(p.name for p in single.glob("shard-*.safetensors"))
-    per_rank = [sum(e["batches"] for e in manifest["shards"] if e["shard"] % 2 == r) for r in (0, 1)]
+    per_rank = [
+        sum(e["batches"] for e in manifest["shards"] if e["shard"] % 2 == r) for r in (0, 1)
+    ]
     assert per_rank[0] != per_rank[1]  # so one rank idles through the other's last forward(s)
     assert sorted(p.name for p in runs["precompute-tensor"].glob("shard-*.safetensors")) == shards
-    for name in [*shards, "head.safetensors"]:  # the head: the target's embedding and lm_head rows, whole
+    for name in [
+        *shards,
+        "head.safetensors",
+    ]:  # the head: the target's embedding and lm_head rows, whole
         a, b = load_file(str(single / name)), load_file(str(runs["precompute-tensor"] / name))
         assert a.keys() == b.keys()
         for key in a:
@@ -304,7 +544,10 @@ def test_training_from_a_target_sharded_over_the_ranks_equals_training_from_whol
     supervision (compared itself above)."""
     whole, sharded = weights(runs["live-replica"]), weights(runs["live-tensor"])
     assert_same(whole, sharded, exact=False)
-    assert json.loads((runs["live-tensor"] / "run.json").read_text())["options"]["target_parallel"] == "tensor"
+    assert (
+        json.loads((runs["live-tensor"] / "run.json").read_text())["options"]["target_parallel"]
+        == "tensor"
+    )
 
 
 def test_dspark_ddp_and_fsdp_match_one_process(runs, dflash_pipeline, tmp_path, monkeypatch):

@@ -28,9 +28,15 @@ def test_help_at_80_columns_shows_every_option_whole(name, monkeypatch, capsys):
     assert "…" not in out  # nothing cut: names, values and help all wrap instead
     assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
     assert not re.search(r"<bool>|BOOLEAN", out), "a flag takes no value: no type marker"
-    assert len(re.findall(r"\[default: [^\]\n]+\]", out)) == out.count("[default:")  # each on one line
-    names = ["-h", "--help"] + [n for p in command.params for n in (*p.opts, *p.secondary_opts)
-                                if p.param_type_name == "option"]
+    assert len(re.findall(r"\[default: [^\]\n]+\]", out)) == out.count(
+        "[default:"
+    )  # each on one line
+    names = ["-h", "--help"] + [
+        n
+        for p in command.params
+        for n in (*p.opts, *p.secondary_opts)
+        if p.param_type_name == "option"
+    ]
     for option in names:
         assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", out), (name, option)
 
@@ -38,8 +44,18 @@ def test_help_at_80_columns_shows_every_option_whole(name, monkeypatch, capsys):
 def test_commands_with_many_options_group_them_into_panels(monkeypatch, capsys):
     out = _help_at_80(monkeypatch, capsys, ["train"])
     panels = re.findall(r"╭─ (.+?) ─", out)
-    assert panels == ["Inputs and output", "Live target", "Data", "Draft", "Objective", "Optimisation",
-                      "Checkpoints & logging", "Engine in the loop", "Runtime", "Options"]
+    assert panels == [
+        "Inputs and output",
+        "Live target",
+        "Data",
+        "Draft",
+        "Objective",
+        "Optimisation",
+        "Checkpoints & logging",
+        "Engine in the loop",
+        "Runtime",
+        "Options",
+    ]
     for name in ("precompute", "regenerate", "eval", "serve-target", "export"):
         assert len(re.findall(r"╭─ ", _help_at_80(monkeypatch, capsys, [name]))) >= 3, name
 

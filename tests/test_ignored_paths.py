@@ -23,14 +23,28 @@ TEMPLATES = sorted((Path(__file__).parent / "gitignore_templates").glob("*.gitig
 def tracked() -> list[str]:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs the project's git checkout (the paths git tracks)")
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     return [p for p in out.decode().split("\0") if p]
 
 
 def _hidden(template: Path, paths: list[str], empty_repo: Path) -> list[str]:
     result = subprocess.run(
-        ["git", "-c", f"core.excludesFile={template}", "check-ignore", "--no-index", "--stdin", "-v"],
-        cwd=empty_repo, input="\n".join(paths) + "\n", capture_output=True, text=True)
+        [
+            "git",
+            "-c",
+            f"core.excludesFile={template}",
+            "check-ignore",
+            "--no-index",
+            "--stdin",
+            "-v",
+        ],
+        cwd=empty_repo,
+        input="\n".join(paths) + "\n",
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode in (0, 1), result.stderr  # 1: nothing matched
     return result.stdout.splitlines()
 

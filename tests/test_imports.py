@@ -30,7 +30,9 @@ def _is_module(root: Path, name: str) -> bool:
 
 def _imported(root: Path, path: Path, tree: ast.AST) -> list[tuple[int, str]]:
     """(line, module) for every spec_cli module `path` imports; relative imports resolved."""
-    package = path.relative_to(root.parent).parts[:-1]  # what `from .` means in this file, __init__ too
+    package = path.relative_to(root.parent).parts[
+        :-1
+    ]  # what `from .` means in this file, __init__ too
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -38,7 +40,9 @@ def _imported(root: Path, path: Path, tree: ast.AST) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ((base,) if base else ()))
+                base = ".".join(
+                    package[: len(package) - node.level + 1] + ((base,) if base else ())
+                )
             for alias in node.names:  # `from pkg import module` imports pkg.module; else pkg itself
                 name = f"{base}.{alias.name}"
                 out.append((node.lineno, name if _is_module(root, name) else base))
@@ -63,7 +67,9 @@ def import_graph(root: Path = ROOT, unit=unit) -> dict[tuple[str, str], str]:
         importer = unit(module_name(root, path))
         for line, name in _imported(root, path, ast.parse(path.read_text(encoding="utf-8"))):
             if unit(name) != importer:
-                edges.setdefault((importer, unit(name)), f"{path.relative_to(root.parent)}:{line} imports {name}")
+                edges.setdefault(
+                    (importer, unit(name)), f"{path.relative_to(root.parent)}:{line} imports {name}"
+                )
     return edges
 
 
@@ -124,9 +130,14 @@ def report(edges, loops: list[list[str]]) -> str:
     out = []
     for loop in loops:
         group = sorted(u for u in _reachable(edges, loop[0]) if loop[0] in _reachable(edges, u))
-        out.append(f"import loop {' -> '.join(loop)}:\n{describe(edges, loop)}"
-                   + (f"\n  (the shortest; {len(group)} units reach each other: {', '.join(group)})"
-                      if len(group) > len(loop) - 1 else ""))
+        out.append(
+            f"import loop {' -> '.join(loop)}:\n{describe(edges, loop)}"
+            + (
+                f"\n  (the shortest; {len(group)} units reach each other: {', '.join(group)})"
+                if len(group) > len(loop) - 1
+                else ""
+            )
+        )
     return "\n".join(out)
 
 
@@ -147,13 +158,17 @@ def test_no_two_modules_import_each_other():
 def test_each_known_loop_is_still_there():
     edges = package_graph()
     for (a, b), why in KNOWN_LOOPS.items():
-        assert (a, b) in edges and find_loop(edges, a), \
+        assert (a, b) in edges and find_loop(edges, a), (
             f"{a} -> {b} ({why}) no longer closes a loop: delete it from KNOWN_LOOPS"
+        )
 
 
 def test_lazy_and_relative_imports_count(tmp_path):
     root = tmp_path / "spec_cli"
-    for folder, text in (("a", "def f():\n    from spec_cli.b import y\n"), ("b", "from ..a import x\n")):
+    for folder, text in (
+        ("a", "def f():\n    from spec_cli.b import y\n"),
+        ("b", "from ..a import x\n"),
+    ):
         (root / folder).mkdir(parents=True)
         (root / folder / "__init__.py").write_text("")
         (root / folder / ("x.py" if folder == "a" else "y.py")).write_text(text)
@@ -165,17 +180,32 @@ def test_lazy_and_relative_imports_count(tmp_path):
 def test_module_loops_are_named_by_their_imports(tmp_path):
     root = tmp_path / "spec_cli"
     (root / "a" / "b").mkdir(parents=True)
-    files = {"__init__.py": "", "a/__init__.py": "from spec_cli.a import config\n",
-             "a/config.py": "def f():\n    from spec_cli.a.registry import get\n",
-             "a/registry.py": "from spec_cli.a.b import B\n",
-             "a/b/__init__.py": "from .model import B\n",
-             "a/b/model.py": "from spec_cli.a import config\n"}
+    files = {
+        "__init__.py": "",
+        "a/__init__.py": "from spec_cli.a import config\n",
+        "a/config.py": "def f():\n    from spec_cli.a.registry import get\n",
+        "a/registry.py": "from spec_cli.a.b import B\n",
+        "a/b/__init__.py": "from .model import B\n",
+        "a/b/model.py": "from spec_cli.a import config\n",
+    }
     for name, text in files.items():
         (root / name).write_text(text)
     edges = module_graph(root)
     assert find_loops(package_graph(root)) == []  # all inside one package
-    assert find_loops(edges) == [["spec_cli.a.b", "spec_cli.a.b.model", "spec_cli.a.config",
-                                  "spec_cli.a.registry", "spec_cli.a.b"]]
-    assert edges[("spec_cli.a.config", "spec_cli.a.registry")] == \
-        "spec_cli/a/config.py:2 imports spec_cli.a.registry"
-    assert edges[("spec_cli.a.b", "spec_cli.a.b.model")] == "spec_cli/a/b/__init__.py:1 imports spec_cli.a.b.model"
+    assert find_loops(edges) == [
+        [
+            "spec_cli.a.b",
+            "spec_cli.a.b.model",
+            "spec_cli.a.config",
+            "spec_cli.a.registry",
+            "spec_cli.a.b",
+        ]
+    ]
+    assert (
+        edges[("spec_cli.a.config", "spec_cli.a.registry")]
+        == "spec_cli/a/config.py:2 imports spec_cli.a.registry"
+    )
+    assert (
+        edges[("spec_cli.a.b", "spec_cli.a.b.model")]
+        == "spec_cli/a/b/__init__.py:1 imports spec_cli.a.b.model"
+    )

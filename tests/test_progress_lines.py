@@ -27,8 +27,10 @@ def lines(capsys) -> list[str]:
     return out.splitlines()
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (294, "4m54s"),
-                                           (3600, "1h00m"), (7530, "2h05m"), (-3, "0s")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(0, "0s"), (42.4, "42s"), (294, "4m54s"), (3600, "1h00m"), (7530, "2h05m"), (-3, "0s")],
+)
 def test_durations_read_as_a_person_says_them(seconds, text):
     assert duration(seconds) == text
 
@@ -59,17 +61,20 @@ def test_off_a_terminal_progress_is_a_start_line_interval_lines_and_an_end_line(
     ]
 
 
-def test_the_rate_is_of_the_units_without_a_rate_unit_and_no_time_left_without_a_total(clock,
-                                                                                      capsys):
+def test_the_rate_is_of_the_units_without_a_rate_unit_and_no_time_left_without_a_total(
+    clock, capsys
+):
     with progress("counting", None, unit="records") as bar:
         clock[0] += 40
         bar.advance(100)
         clock[0] += 60
         bar.advance(500)
-    assert lines(capsys) == ["counting: started",
-                             "counting: 100 records, 2.5 records/s, 40s so far",
-                             "counting: 600 records, 6 records/s, 1m40s so far",
-                             "counting: 600 records, 6 records/s, done in 1m40s"]
+    assert lines(capsys) == [
+        "counting: started",
+        "counting: 100 records, 2.5 records/s, 40s so far",
+        "counting: 600 records, 6 records/s, 1m40s so far",
+        "counting: 600 records, 6 records/s, done in 1m40s",
+    ]
 
 
 def test_before_any_advance_a_line_has_no_rate_and_no_time_left(clock, capsys):
@@ -81,9 +86,10 @@ def test_before_any_advance_a_line_has_no_rate_and_no_time_left(clock, capsys):
         clock[0] += 25
         bar.tick()
     # 750,000 tokens left at 100/250,000 s each: 300 s, less the 25 s since the advance
-    assert lines(capsys)[1:3] == ["precompute: 0/1.0M tokens, 1m35s so far",
-                                  "precompute: 250.0k/1.0M tokens, 2500 tokens/s, 2m05s so far, "
-                                  "4m35s left"]
+    assert lines(capsys)[1:3] == [
+        "precompute: 0/1.0M tokens, 1m35s so far",
+        "precompute: 250.0k/1.0M tokens, 2500 tokens/s, 2m05s so far, 4m35s left",
+    ]
 
 
 def test_a_resumed_run_counts_its_rate_and_time_left_from_its_own_work(clock, capsys):
@@ -91,9 +97,11 @@ def test_a_resumed_run_counts_its_rate_and_time_left_from_its_own_work(clock, ca
     clock[0] += 50
     steps.advance(10, count=5000)  # 10 steps in 50 s: 490 left take 2450 s
     steps.close()
-    assert lines(capsys) == ["train: 500 steps to do (500 done before)",
-                             "train: 510/1000 steps, 100 tokens/s, 50s so far, 40m50s left",
-                             "train: 510/1000 steps, 100 tokens/s, done in 50s"]
+    assert lines(capsys) == [
+        "train: 500 steps to do (500 done before)",
+        "train: 510/1000 steps, 100 tokens/s, 50s so far, 40m50s left",
+        "train: 510/1000 steps, 100 tokens/s, done in 50s",
+    ]
 
 
 def test_an_error_ends_the_lines_without_a_done_line(clock, capsys):
@@ -103,13 +111,16 @@ def test_an_error_ends_the_lines_without_a_done_line(clock, capsys):
             bar.advance(3)
             raise KeyboardInterrupt
     # 3 turns in 40 s: 7 left take 93 s
-    assert lines(capsys) == ["eval: 10 turns to do",
-                             "eval: 3/10 turns, 0.075 turns/s, 40s so far, 1m33s left"]
+    assert lines(capsys) == [
+        "eval: 10 turns to do",
+        "eval: 3/10 turns, 0.075 turns/s, 40s so far, 1m33s left",
+    ]
     assert not bar._thread.is_alive()  # the heartbeat ended with it
 
 
-def test_quiet_and_other_ranks_print_nothing_and_a_terminal_keeps_its_bar(clock, capsys,
-                                                                          monkeypatch):
+def test_quiet_and_other_ranks_print_nothing_and_a_terminal_keeps_its_bar(
+    clock, capsys, monkeypatch
+):
     console_mod.set_quiet(True)
     with progress("eval", 10, unit="turns") as bar:
         bar.advance(10)

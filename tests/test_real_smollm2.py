@@ -30,8 +30,25 @@ def test_build_vocab_map_on_real_tokenizer_and_sharegpt(real_assets, sharegpt_su
 
     out = tmp_path / "vm.safetensors"
     target = real_assets["target"]
-    assert main(["build-vocab-map", "-t", str(target), "-d", str(sharegpt_subset),
-                 "--draft-vocab-size", "8192", "--num-proc", "2", "-o", str(out), "-q"]) == 0
+    assert (
+        main(
+            [
+                "build-vocab-map",
+                "-t",
+                str(target),
+                "-d",
+                str(sharegpt_subset),
+                "--draft-vocab-size",
+                "8192",
+                "--num-proc",
+                "2",
+                "-o",
+                str(out),
+                "-q",
+            ]
+        )
+        == 0
+    )
     vm = load_vocab_map(out)
     assert vm.target_vocab_size == 49152 and vm.draft_vocab_size == 8192
     assert vm.metadata["coverage"] > 0.8
@@ -72,8 +89,11 @@ def test_gguf_file_as_target(real_assets):
 
     gguf = assets.package_file(assets.SMOLLM2, install=False)
     folder = resolve_target(gguf)  # converted once, cached under (the test's own) SPEC_HOME/targets
-    assert folder.is_relative_to(Path(os.environ["SPEC_HOME"])) and not folder.is_relative_to(USER_HOME)
+    assert folder.is_relative_to(Path(os.environ["SPEC_HOME"])) and not folder.is_relative_to(
+        USER_HOME
+    )
     assert (folder / "config.json").is_file()
     assert resolve_target(gguf) == folder
     assert tokenizer_fingerprint(load_tokenizer(folder)) == tokenizer_fingerprint(
-        load_tokenizer(real_assets["target"]))
+        load_tokenizer(real_assets["target"])
+    )

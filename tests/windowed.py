@@ -16,33 +16,61 @@ from pathlib import Path
 from tests import tiny
 
 WINDOW = 8
-FAMILY = {"llama": "llama3", "mistral": "mistral", "gemma3": "gemma", "llama4": "llama3",
-          "qwen3next": "chatml"}  # tests/tiny.py chat-template family of each
+FAMILY = {
+    "llama": "llama3",
+    "mistral": "mistral",
+    "gemma3": "gemma",
+    "llama4": "llama3",
+    "qwen3next": "chatml",
+}  # tests/tiny.py chat-template family of each
 AUX = [1, 2, 3]  # aux layer outputs of the 6-layer targets
 
 
-def config(arch: str, vocab_size: int, window: int = WINDOW, num_layers: int = 6, tied: bool = False):
+def config(
+    arch: str, vocab_size: int, window: int = WINDOW, num_layers: int = 6, tied: bool = False
+):
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                  tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tied,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=window)
     if arch == "gemma3":
         kinds = ["sliding_attention", "sliding_attention", "full_attention"]
-        return transformers.Gemma3TextConfig(**common, sliding_window=window,
-                                             layer_types=(kinds * num_layers)[:num_layers])
+        return transformers.Gemma3TextConfig(
+            **common, sliding_window=window, layer_types=(kinds * num_layers)[:num_layers]
+        )
     if arch == "llama4":
-        return transformers.Llama4TextConfig(**common, intermediate_size_mlp=64, attention_chunk_size=window,
-                                             num_local_experts=1, interleave_moe_layer_step=1)
+        return transformers.Llama4TextConfig(
+            **common,
+            intermediate_size_mlp=64,
+            attention_chunk_size=window,
+            num_local_experts=1,
+            interleave_moe_layer_step=1,
+        )
     if arch == "qwen3next":
-        return transformers.Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2,
-                                            moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                            linear_num_value_heads=2, linear_num_key_heads=2,
-                                            linear_key_head_dim=8, linear_value_head_dim=8)
+        return transformers.Qwen3NextConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        )
     raise ValueError(arch)
 
 

@@ -41,9 +41,13 @@ from spec_cli.errors import ArtifactError, listing
 
 CHECKPOINTS = "checkpoints"
 FROZEN = "frozen.safetensors"
-BEST = "best"  # RUN/best: the checkpoint that accepted best in the engine (`spec train --keep best`)
+BEST = (
+    "best"  # RUN/best: the checkpoint that accepted best in the engine (`spec train --keep best`)
+)
 BEST_JSON = "best.json"  # inside it: the step and what the engine measured
-ENGINE_EVAL = "engine-eval"  # RUN/engine-eval/step-N/{checkpoint,eval.json,...}: the in-loop evaluations
+ENGINE_EVAL = (
+    "engine-eval"  # RUN/engine-eval/step-N/{checkpoint,eval.json,...}: the in-loop evaluations
+)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -65,10 +69,16 @@ def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint folder from a run folder (RUN/best when the run kept one, else its latest) or a
     checkpoint folder; one whose files are damaged is refused, naming the run's newest intact one."""
     path = Path(path)
-    chosen = path if (path / "model.safetensors").is_file() else best_checkpoint(path) or latest_checkpoint(path)
+    chosen = (
+        path
+        if (path / "model.safetensors").is_file()
+        else best_checkpoint(path) or latest_checkpoint(path)
+    )
     if chosen is None:
-        raise ArtifactError(f"{path} holds no draft checkpoint",
-                            "pass a run folder written by `spec train` or one of its checkpoints/step-* folders")
+        raise ArtifactError(
+            f"{path} holds no draft checkpoint",
+            "pass a run folder written by `spec train` or one of its checkpoints/step-* folders",
+        )
     _refuse_damaged(path, chosen)
     return chosen
 
@@ -97,11 +107,16 @@ def choice_note(path: Path) -> str | None:
     if record is None:
         return None
     latest = latest_checkpoint(path)
-    last = (f"; the last checkpoint is step {int(latest.name.split('-')[1])} ({latest})"
-            if latest is not None else "")
-    return (f"{path} kept its best checkpoint: taking {Path(path) / BEST} (step {record['step']}, acceptance "
-            f"length {record['acceptance_length']:.3f} in {record['engine']}, the best of the steps the engine "
-            f"measured){last}")
+    last = (
+        f"; the last checkpoint is step {int(latest.name.split('-')[1])} ({latest})"
+        if latest is not None
+        else ""
+    )
+    return (
+        f"{path} kept its best checkpoint: taking {Path(path) / BEST} (step {record['step']}, acceptance "
+        f"length {record['acceptance_length']:.3f} in {record['engine']}, the best of the steps the engine "
+        f"measured){last}"
+    )
 
 
 def run_dir_of(checkpoint: Path) -> Path | None:
@@ -141,6 +156,7 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list, names: l
 
 # ----------------------------------------------------------------------------- frozen weights
 
+
 def frozen_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 (16 hex) of names, shapes and fp32 values: the same for a bf16 table and its fp32 copy."""
     digest = hashlib.sha256()
@@ -149,17 +165,28 @@ def frozen_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{list(t.shape)};".encode())
         flat = t.reshape(-1)
         for start in range(0, flat.numel(), 1 << 24):  # 64 MB of fp32 at a time
-            digest.update(flat[start:start + (1 << 24)].float().numpy().tobytes())
+            digest.update(flat[start : start + (1 << 24)].float().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
-def save_frozen(run_dir: Path, tensors: dict[str, torch.Tensor], fingerprint: str, about: dict) -> Path:
+def save_frozen(
+    run_dir: Path, tensors: dict[str, torch.Tensor], fingerprint: str, about: dict
+) -> Path:
     """RUN_DIR/frozen.safetensors, once per run: the frozen target weights as the target holds them
     (the draft's fp32 copy is an exact upcast). A file with this fingerprint is left as it is."""
     path = Path(run_dir) / FROZEN
     if frozen_meta(path).get("fingerprint") != fingerprint:
-        write_safetensors(path, tensors, {"kind": "frozen_weights", "schema_version": SCHEMA_VERSION,
-                                          "fingerprint": fingerprint, "keys": sorted(tensors), **about})
+        write_safetensors(
+            path,
+            tensors,
+            {
+                "kind": "frozen_weights",
+                "schema_version": SCHEMA_VERSION,
+                "fingerprint": fingerprint,
+                "keys": sorted(tensors),
+                **about,
+            },
+        )
     return path
 
 
@@ -209,31 +236,40 @@ def load_frozen(checkpoint: Path, required: bool = True) -> dict[str, torch.Tens
         try:
             tensors = load_file(str(path))
         except (OSError, SafetensorError) as exc:
-            raise ArtifactError(f"cannot read {path}: {exc}", "the run folder is damaged; train again") from exc
+            raise ArtifactError(
+                f"cannot read {path}: {exc}", "the run folder is damaged; train again"
+            ) from exc
         missing = sorted(set(record["keys"]) - set(tensors))
         if missing:
             raise ArtifactError(f"{path} lacks {missing}", "the run folder is damaged; train again")
         return {k: tensors[k] for k in record["keys"]}
     if seen:
-        raise ArtifactError(f"the frozen weights of {checkpoint} (fingerprint {want}) are not in "
-                            + ", ".join(seen), "use the checkpoint inside the run folder it was trained in")
+        raise ArtifactError(
+            f"the frozen weights of {checkpoint} (fingerprint {want}) are not in "
+            + ", ".join(seen),
+            "use the checkpoint inside the run folder it was trained in",
+        )
     if not required:
         return {}
     places = " or ".join(str(p) for p in frozen_candidates(checkpoint))
-    raise ArtifactError(f"{checkpoint} is saved without its frozen {', '.join(record['keys'])} (once per run, "
-                        f"in {FROZEN}), and {places} does not exist",
-                        f"pass the checkpoint inside its run folder, or copy the run's {FROZEN} into "
-                        "the checkpoint folder")
+    raise ArtifactError(
+        f"{checkpoint} is saved without its frozen {', '.join(record['keys'])} (once per run, "
+        f"in {FROZEN}), and {places} does not exist",
+        f"pass the checkpoint inside its run folder, or copy the run's {FROZEN} into "
+        "the checkpoint folder",
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
 
 def remove_temporaries(run_dir: Path) -> list[str]:
     """Remove what a killed run left half-written in its folder (run.json, frozen weights, logs) and in
     its checkpoints/ (a checkpoint folder being written or being replaced); call it only while holding
     the run folder's lock. The names removed."""
-    return (io.remove_temporaries(run_dir)
-            + io.remove_temporaries(Path(run_dir) / CHECKPOINTS, r"step-\d{8}"))
+    return io.remove_temporaries(run_dir) + io.remove_temporaries(
+        Path(run_dir) / CHECKPOINTS, r"step-\d{8}"
+    )
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
@@ -250,13 +286,18 @@ def begin_sharded_save(run_dir: Path, step: int) -> Path:
     return staging
 
 
-def write_optimizer_shard(staging: Path, rank: int, world: int, tensors: dict[str, torch.Tensor],
-                          layout: dict) -> Path:
+def write_optimizer_shard(
+    staging: Path, rank: int, world: int, tensors: dict[str, torch.Tensor], layout: dict
+) -> Path:
     """One rank's optimizer state (sharding.local_optimizer_state) as optimizer-RRRRR-of-WWWWW.safetensors,
     with each tensor's global shape and first row in its metadata."""
     path = Path(staging) / optimizer_shard_name(rank, world)
     with _resumable(Path(staging).parent.parent):
-        write_safetensors(path, tensors, {"kind": "optimizer_shard", "rank": rank, "world": world, "layout": layout})
+        write_safetensors(
+            path,
+            tensors,
+            {"kind": "optimizer_shard", "rank": rank, "world": world, "layout": layout},
+        )
     return path
 
 
@@ -293,32 +334,55 @@ def read_optimizer(checkpoint: Path, rank: int | None = None) -> dict[str, torch
                     parts.setdefault(key, []).append((start, f.get_tensor(key)))
     out = {}
     for key, pieces in parts.items():
-        value = torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])]) if len(pieces) > 1 else pieces[0][1]
+        value = (
+            torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])])
+            if len(pieces) > 1
+            else pieces[0][1]
+        )
         if list(value.shape) != shapes[key]:
-            raise ArtifactError(f"the optimizer shards of {checkpoint} do not add up to {key}'s shape {shapes[key]}",
-                                "the checkpoint is damaged: resume from the one before it")
+            raise ArtifactError(
+                f"the optimizer shards of {checkpoint} do not add up to {key}'s shape {shapes[key]}",
+                "the checkpoint is damaged: resume from the one before it",
+            )
         out[key] = value
     return out
 
 
-def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tensor],
-                    optimizer_tensors: dict[str, torch.Tensor] | None, rng: dict[str, torch.Tensor],
-                    draft_config: dict, trainer_state: dict, keep_last: int | None = None,
-                    frozen: dict | None = None, staged: Path | None = None, shards: int | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_tensors: dict[str, torch.Tensor] | None,
+    rng: dict[str, torch.Tensor],
+    draft_config: dict,
+    trainer_state: dict,
+    keep_last: int | None = None,
+    frozen: dict | None = None,
+    staged: Path | None = None,
+    shards: int | None = None,
+) -> Path:
     """`frozen`: {"keys": [...], "fingerprint": ...} of the weights model_state leaves out (in the
     run's frozen.safetensors, written by save_frozen). `staged`: the folder of a sharded save, holding
     the ranks' `shards` optimizer files already (optimizer_tensors None); it becomes the checkpoint."""
     final = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
     if shards is not None:
         trainer_state = {**trainer_state, "optimizer_shards": shards}
-    with _resumable(run_dir), (atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final)) as tmp:
+    with (
+        _resumable(run_dir),
+        atomic_dir(final) if staged is None else io.atomic_dir_from(staged, final) as tmp,
+    ):
         _write_weights(tmp, step, model_state, draft_config, trainer_state, frozen)
         if optimizer_tensors is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
-                      str(tmp / "optimizer.safetensors"))
-        elif shards is None or sorted(p.name for p in tmp.glob("optimizer-*")) != \
-                [optimizer_shard_name(r, shards) for r in range(shards)]:
-            raise RuntimeError(f"a sharded checkpoint needs the {shards} ranks' optimizer files in {tmp}")
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in optimizer_tensors.items()},
+                str(tmp / "optimizer.safetensors"),
+            )
+        elif shards is None or sorted(p.name for p in tmp.glob("optimizer-*")) != [
+            optimizer_shard_name(r, shards) for r in range(shards)
+        ]:
+            raise RuntimeError(
+                f"a sharded checkpoint needs the {shards} ranks' optimizer files in {tmp}"
+            )
         save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
     if keep_last:
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
@@ -326,12 +390,20 @@ def save_checkpoint(run_dir: Path, step: int, model_state: dict[str, torch.Tenso
     return final
 
 
-def save_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], draft_config: dict,
-                 trainer_state: dict, frozen: dict | None = None) -> Path:
+def save_weights(
+    folder: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    draft_config: dict,
+    trainer_state: dict,
+    frozen: dict | None = None,
+) -> Path:
     """A checkpoint of the weights alone (model.safetensors, config.json, trainer_state.json; no optimizer
     or RNG state: export and eval read it, a resume does not), written atomically into `folder`."""
     with _resumable(run_dir_of(folder)), atomic_dir(Path(folder)) as tmp:
-        _write_weights(tmp, step, model_state, draft_config, {**trainer_state, "weights_only": True}, frozen)
+        _write_weights(
+            tmp, step, model_state, draft_config, {**trainer_state, "weights_only": True}, frozen
+        )
     return Path(folder)
 
 
@@ -345,28 +417,49 @@ def _resumable(run_dir: Path | None):
         latest = latest_checkpoint(run_dir) if run_dir is not None else None
         if latest is None:  # nothing to continue from: the same command starts the run again
             raise
-        raise io.DiskFullError(exc.message, f"free space there, then continue from {latest.name} with `spec train "
-                               f"--resume -o {run_dir}` (or move the run folder to a disk with room and pass that "
-                               "as -o); nothing half-written was kept") from exc
+        raise io.DiskFullError(
+            exc.message,
+            f"free space there, then continue from {latest.name} with `spec train "
+            f"--resume -o {run_dir}` (or move the run folder to a disk with room and pass that "
+            "as -o); nothing half-written was kept",
+        ) from exc
 
 
-def _write_weights(folder: Path, step: int, model_state: dict[str, torch.Tensor], draft_config: dict,
-                   trainer_state: dict, frozen: dict | None) -> None:
+def _write_weights(
+    folder: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    draft_config: dict,
+    trainer_state: dict,
+    frozen: dict | None,
+) -> None:
     """model.safetensors (its spec_cli record: step, config digest, the frozen weights it leaves out),
     config.json and trainer_state.json into `folder`."""
-    record = {"kind": "draft_checkpoint", "schema_version": SCHEMA_VERSION, "step": step,
-              "config_sha256": config_digest(draft_config)}  # config.json edited later is caught on read
+    record = {
+        "kind": "draft_checkpoint",
+        "schema_version": SCHEMA_VERSION,
+        "step": step,
+        "config_sha256": config_digest(draft_config),
+    }  # config.json edited later is caught on read
     if frozen:
         overlap = sorted(set(frozen["keys"]) & set(model_state))
         if overlap:
             raise ValueError(f"frozen weights {overlap} are also in model_state")
-        record["frozen"] = {"keys": sorted(frozen["keys"]), "fingerprint": frozen["fingerprint"],
-                            "file": FROZEN}
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
-              str(folder / "model.safetensors"), metadata={"spec_cli": json.dumps(record)})
+        record["frozen"] = {
+            "keys": sorted(frozen["keys"]),
+            "fingerprint": frozen["fingerprint"],
+            "file": FROZEN,
+        }
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in model_state.items()},
+        str(folder / "model.safetensors"),
+        metadata={"spec_cli": json.dumps(record)},
+    )
     (folder / "config.json").write_text(json.dumps(draft_config, indent=2, sort_keys=True) + "\n")
     (folder / "trainer_state.json").write_text(
-        json.dumps({"schema_version": SCHEMA_VERSION, **trainer_state}, indent=2, sort_keys=True) + "\n")
+        json.dumps({"schema_version": SCHEMA_VERSION, **trainer_state}, indent=2, sort_keys=True)
+        + "\n"
+    )
 
 
 def config_digest(config: dict) -> str:
@@ -380,10 +473,12 @@ def check_config(checkpoint: Path, config: dict) -> None:
     Checkpoints written before the digest was recorded pass."""
     want = checkpoint_meta(checkpoint).get("config_sha256")
     if want and want != config_digest(config):
-        raise ArtifactError(f"{Path(checkpoint) / 'config.json'} was changed after the checkpoint was saved "
-                            "(its content no longer matches the digest recorded in model.safetensors)",
-                            "restore the file as `spec train` wrote it; options such as the aux layers "
-                            "are part of what the draft learned and cannot be edited afterwards")
+        raise ArtifactError(
+            f"{Path(checkpoint) / 'config.json'} was changed after the checkpoint was saved "
+            "(its content no longer matches the digest recorded in model.safetensors)",
+            "restore the file as `spec train` wrote it; options such as the aux layers "
+            "are part of what the draft learned and cannot be edited afterwards",
+        )
 
 
 def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None = None) -> dict:
@@ -399,16 +494,25 @@ def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None
             world = optimizer_shards(path)
         except (OSError, ValueError):
             world = None  # (the read below names the problem)
-        files += ["optimizer.safetensors"] if world is None else [optimizer_shard_name(r, world) for r in range(world)]
+        files += (
+            ["optimizer.safetensors"]
+            if world is None
+            else [optimizer_shard_name(r, world) for r in range(world)]
+        )
         missing = [name for name in files if not (path / name).is_file()]
         if missing:
-            raise ArtifactError(f"the checkpoint {path} lacks {' and '.join(missing)}, so training cannot "
-                                "resume from it", "restore the file, or move that checkpoint folder out of "
-                                "checkpoints/ to resume from the one before it (export still reads it)")
+            raise ArtifactError(
+                f"the checkpoint {path} lacks {' and '.join(missing)}, so training cannot "
+                "resume from it",
+                "restore the file, or move that checkpoint folder out of "
+                "checkpoints/ to resume from the one before it (export still reads it)",
+            )
     try:
         parts = {
             "model": load_file(str(path / "model.safetensors")),
-            "frozen_keys": (checkpoint_meta(path).get("frozen") or {}).get("keys", []),  # not in "model"
+            "frozen_keys": (checkpoint_meta(path).get("frozen") or {}).get(
+                "keys", []
+            ),  # not in "model"
             "config": json.loads((path / "config.json").read_text()),
             "trainer_state": json.loads((path / "trainer_state.json").read_text()),
         }
@@ -420,8 +524,10 @@ def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None
                 parts["optimizer"] = read_optimizer(path, optimizer_rank)
             parts["rng"] = load_file(str(path / "rng.safetensors"))
     except (OSError, ValueError) as exc:
-        raise ArtifactError(f"cannot read the checkpoint in {path}: {exc}",
-                            "pass a complete checkpoint written by `spec train`") from exc
+        raise ArtifactError(
+            f"cannot read the checkpoint in {path}: {exc}",
+            "pass a complete checkpoint written by `spec train`",
+        ) from exc
     check_config(path, parts["config"])
     return parts
 
@@ -431,7 +537,9 @@ def load_checkpoint(path: Path, resume: bool = False, optimizer_rank: int | None
 # be cut short later (an interrupted copy or sync, a failing disk). Readers check the files they need
 # before trusting the newest checkpoint, and name the newest intact one instead.
 
-DAMAGED = ".damaged"  # checkpoints/step-N.damaged: a damaged checkpoint `spec train --resume` set aside
+DAMAGED = (
+    ".damaged"  # checkpoints/step-N.damaged: a damaged checkpoint `spec train --resume` set aside
+)
 _HEADER_MAX = 100_000_000  # the largest header safetensors reads
 
 
@@ -449,14 +557,25 @@ def safetensors_damage(path: Path) -> str | None:
             if length > _HEADER_MAX:
                 return f"{name} has no readable safetensors header (it gives a header of {length:,} bytes)"
             if 8 + length > size:
-                return f"{name} is cut short ({size:,} bytes; its header alone takes {8 + length:,})"
+                return (
+                    f"{name} is cut short ({size:,} bytes; its header alone takes {8 + length:,})"
+                )
             header = json.loads(f.read(length))
-        end = 8 + length + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        end = (
+            8
+            + length
+            + max(
+                (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+            )
+        )
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         return f"{name} has no readable safetensors header ({exc})"
     if size != end:
-        return (f"{name} is cut short ({size:,} of {end:,} bytes)" if size < end
-                else f"{name} is longer than its header says ({size:,} bytes, {end:,} expected)")
+        return (
+            f"{name} is cut short ({size:,} of {end:,} bytes)"
+            if size < end
+            else f"{name} is longer than its header says ({size:,} bytes, {end:,} expected)"
+        )
     try:
         with safe_open(str(path), framework="pt"):
             return None
@@ -480,7 +599,9 @@ def checkpoint_damage(checkpoint: Path, resume: bool = False) -> str | None:
             problems.append(f"{name} does not parse ({exc})")
     names = ["model.safetensors"]
     if resume:
-        names += sorted(p.name for p in checkpoint.glob("optimizer*.safetensors")) + ["rng.safetensors"]
+        names += sorted(p.name for p in checkpoint.glob("optimizer*.safetensors")) + [
+            "rng.safetensors"
+        ]
     for name in names:
         if (checkpoint / name).is_file():
             problems.append(safetensors_damage(checkpoint / name))
@@ -504,12 +625,19 @@ def _refuse_damaged(given: Path, chosen: Path) -> None:
     run_dir = run_dir_of(chosen)
     intact = newest_intact(run_dir, but=chosen) if run_dir is not None else None
     if intact is None:
-        raise ArtifactError(f"the checkpoint {chosen} is damaged: {damage}",
-                            "restore the file from a copy, or train again (no other checkpoint of the run is intact)")
-    again = (f" (`spec train --resume -o {run_dir}` sets the damaged one aside and trains again from there)"
-             if chosen.parent.name == CHECKPOINTS else "")
-    raise ArtifactError(f"the checkpoint {chosen} is damaged: {damage}",
-                        f"pass the newest intact checkpoint of the run, {intact}, instead of {given}{again}")
+        raise ArtifactError(
+            f"the checkpoint {chosen} is damaged: {damage}",
+            "restore the file from a copy, or train again (no other checkpoint of the run is intact)",
+        )
+    again = (
+        f" (`spec train --resume -o {run_dir}` sets the damaged one aside and trains again from there)"
+        if chosen.parent.name == CHECKPOINTS
+        else ""
+    )
+    raise ArtifactError(
+        f"the checkpoint {chosen} is damaged: {damage}",
+        f"pass the newest intact checkpoint of the run, {intact}, instead of {given}{again}",
+    )
 
 
 def set_aside_damaged(run_dir: Path) -> str | None:
@@ -527,14 +655,18 @@ def set_aside_damaged(run_dir: Path) -> str | None:
     if not damaged:
         return None
     if len(damaged) == len(dirs):
-        raise ArtifactError(f"every checkpoint of {run_dir} is damaged: "
-                            + listing([f"{c.name}: {d}" for c, d in damaged]),
-                            "restore the files from a copy, or start a new run folder (-o)")
+        raise ArtifactError(
+            f"every checkpoint of {run_dir} is damaged: "
+            + listing([f"{c.name}: {d}" for c, d in damaged]),
+            "restore the files from a copy, or start a new run folder (-o)",
+        )
     moved = []
     for checkpoint, damage in damaged:
         aside = _aside_name(checkpoint)
         checkpoint.rename(aside)
-        moved.append(f"{checkpoint} is damaged: {damage}; moved it aside to {aside.name} (kept, not deleted)")
+        moved.append(
+            f"{checkpoint} is damaged: {damage}; moved it aside to {aside.name} (kept, not deleted)"
+        )
     return "; ".join(moved) + f"; resuming from {dirs[-1 - len(damaged)]}"
 
 

@@ -32,9 +32,14 @@ def inside(path: Path, folder: Path) -> bool:
 
 
 # What marks a folder as one of the project's artifacts (or a model), in the order they are told apart.
-_KINDS = (("run.json", "a training run"), ("trainer_state.json", "a checkpoint of a training run"),
-          ("manifest.json", "a feature cache"), ("demo.json", "a spec demo folder"),
-          ("eval.json", "a spec eval folder"), ("state.json", "a spec regenerate work folder"))
+_KINDS = (
+    ("run.json", "a training run"),
+    ("trainer_state.json", "a checkpoint of a training run"),
+    ("manifest.json", "a feature cache"),
+    ("demo.json", "a spec demo folder"),
+    ("eval.json", "a spec eval folder"),
+    ("state.json", "a spec regenerate work folder"),
+)
 
 
 def folder_kind(folder: Path) -> str | None:
@@ -53,8 +58,9 @@ def folder_kind(folder: Path) -> str | None:
     return None
 
 
-def check_replaceable(folder: Path, marker: str, kind: str, inputs: Iterable[Path] = (),
-                      own: Iterable[str] = ()) -> None:
+def check_replaceable(
+    folder: Path, marker: str, kind: str, inputs: Iterable[Path] = (), own: Iterable[str] = ()
+) -> None:
     """Refuse (one line, the folder and the way out) unless `folder` may be removed and rewritten.
 
     It may when it is empty, or when it holds `marker` (this project's file for `kind`), none of
@@ -64,32 +70,45 @@ def check_replaceable(folder: Path, marker: str, kind: str, inputs: Iterable[Pat
     if not folder.exists():
         return
     if not folder.is_dir():
-        raise ArtifactError(f"{folder} is a file, not a {kind} folder",
-                            "pass an --output folder that does not exist yet, or remove that file yourself")
+        raise ArtifactError(
+            f"{folder} is a file, not a {kind} folder",
+            "pass an --output folder that does not exist yet, or remove that file yourself",
+        )
     real = Path(os.path.realpath(folder))
     if real == Path(os.path.realpath(Path.home())) or real.parent == real:
-        raise ArtifactError(f"refusing to replace {folder}: it is the home or root folder",
-                            "pass a new --output folder")
+        raise ArtifactError(
+            f"refusing to replace {folder}: it is the home or root folder",
+            "pass a new --output folder",
+        )
     for path in inputs:
         if path is not None and inside(Path(path), folder):
-            raise ArtifactError(f"refusing to replace {folder}: it holds this command's input {path}",
-                                "write to a new --output folder")
-    entries = [p.name for p in folder.iterdir() if p.name != LOCK]  # a lock file alone: an empty folder
+            raise ArtifactError(
+                f"refusing to replace {folder}: it holds this command's input {path}",
+                "write to a new --output folder",
+            )
+    entries = [
+        p.name for p in folder.iterdir() if p.name != LOCK
+    ]  # a lock file alone: an empty folder
     if not entries:
         return
     if marker not in entries:
-        raise ArtifactError(f"refusing to replace {folder}: it is not a {kind} (no {marker} in it)",
-                            "write to a new --output folder, or empty that folder yourself")
+        raise ArtifactError(
+            f"refusing to replace {folder}: it is not a {kind} (no {marker} in it)",
+            "write to a new --output folder, or empty that folder yourself",
+        )
     allowed = {marker, *own}
     foreign = sorted(n for n in entries if n not in allowed and not n.startswith("."))
     if foreign:
-        raise ArtifactError(f"refusing to replace {folder}: besides the {kind} it holds "
-                            f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}",
-                            "move those files out, or write to a new --output folder")
+        raise ArtifactError(
+            f"refusing to replace {folder}: besides the {kind} it holds "
+            f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}",
+            "move those files out, or write to a new --output folder",
+        )
 
 
-def replace_folder(folder: Path, marker: str, kind: str, inputs: Iterable[Path] = (),
-                   own: Iterable[str] = ()) -> None:
+def replace_folder(
+    folder: Path, marker: str, kind: str, inputs: Iterable[Path] = (), own: Iterable[str] = ()
+) -> None:
     """Remove `folder` after `check_replaceable` allows it (the lock file, if held, stays)."""
     folder = Path(folder)
     check_replaceable(folder, marker, kind, inputs, own)
@@ -127,8 +146,10 @@ class FolderLock:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ArtifactError(f"{self.folder} is in use by {holder}",
-                                    "wait for it to finish or stop it, or write to another folder") from None
+                raise ArtifactError(
+                    f"{self.folder} is in use by {holder}",
+                    "wait for it to finish or stop it, or write to another folder",
+                ) from None
             raise
         os.ftruncate(fd, 0)
         try:  # who holds it, for the message another command prints: worth no failure on a full disk
@@ -142,5 +163,7 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (harmless, rewritten next time)
+            os.close(
+                self._fd
+            )  # closing drops the flock; the file stays (harmless, rewritten next time)
             self._fd = None

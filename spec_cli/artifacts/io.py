@@ -54,9 +54,11 @@ def disk_full(folder: Path, what: str, need: int | None = None) -> DiskFullError
     except OSError:
         free = "an unknown amount"
     needs = f"it needs about {human_bytes(need)} and " if need else ""
-    return DiskFullError(f"no space left on the device holding {folder} while writing {what}: {needs}{free} is "
-                         "free", "free space there or write elsewhere, then rerun the same command (nothing "
-                         "half-written was kept; the work finished before was)")
+    return DiskFullError(
+        f"no space left on the device holding {folder} while writing {what}: {needs}{free} is free",
+        "free space there or write elsewhere, then rerun the same command (nothing "
+        "half-written was kept; the work finished before was)",
+    )
 
 
 @contextlib.contextmanager
@@ -68,8 +70,10 @@ def atomic_path(path: Path, need: int | None = None) -> Iterator[Path]:
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     special = special_kind(path)
     if special:  # a device, a pipe, a socket: never replaced (--force or not)
-        raise ArtifactError(f"{path} is {special}, not a file this command may write",
-                            "pass the path of a regular file")
+        raise ArtifactError(
+            f"{path} is {special}, not a file this command may write",
+            "pass the path of a regular file",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -117,7 +121,9 @@ def atomic_dir_from(staged: Path, path: Path) -> Iterator[Path]:
                 raise disk_full(path.parent, f"{path.name}/", None) from exc
             raise
         os.chmod(staged, 0o777 & ~_umask())
-        for file in staged.rglob("*"):  # some writers create 0600 files; give them normal permissions
+        for file in staged.rglob(
+            "*"
+        ):  # some writers create 0600 files; give them normal permissions
             if file.is_file():
                 os.chmod(file, 0o666 & ~_umask())
         if path.exists():
@@ -148,8 +154,11 @@ def remove_temporaries(folder: Path, names: str = r"[^/]+") -> list[str]:
     if not folder.is_dir():
         return []
     pattern = re.compile(rf"\.({names})(\.[^./]+\.tmp|\.old)$")
-    removed = sorted(p for p in folder.iterdir()
-                     if pattern.match(p.name) or (SAFETENSORS_TMP.match(p.name) and p.is_file()))
+    removed = sorted(
+        p
+        for p in folder.iterdir()
+        if pattern.match(p.name) or (SAFETENSORS_TMP.match(p.name) and p.is_file())
+    )
     for path in removed:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -203,9 +212,12 @@ def read_safetensors(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], di
             raw_meta = (f.metadata() or {}).get("spec_cli")
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ArtifactError(f"{path} is not a readable safetensors file ({exc})",
-                            f"rebuild the {kind}") from exc
+        raise ArtifactError(
+            f"{path} is not a readable safetensors file ({exc})", f"rebuild the {kind}"
+        ) from exc
     if raw_meta is None:
-        raise ArtifactError(f"{path} has no spec_cli metadata, so it is not a spec_cli {kind}",
-                            "build it with spec_cli")
+        raise ArtifactError(
+            f"{path} has no spec_cli metadata, so it is not a spec_cli {kind}",
+            "build it with spec_cli",
+        )
     return tensors, json.loads(raw_meta)

@@ -25,7 +25,9 @@ from spec_cli.artifacts.guard import folder_kind
 from spec_cli.errors import ConfigError
 from spec_cli.paths import spec_home, special_kind
 
-EVAL_MARKER = ".spec-eval"  # a spec eval folder, from its first turn on (eval.json comes at the end)
+EVAL_MARKER = (
+    ".spec-eval"  # a spec eval folder, from its first turn on (eval.json comes at the end)
+)
 
 
 # spec_cli's own work files: a folder's lock, and what a write killed before its rename leaves behind
@@ -37,6 +39,7 @@ _WORK_FILE = re.compile(r"(\.spec\.lock|\..+\.tmp|\..+\.old|.+\.tmp[A-Za-z0-9]{6
 class Kind:
     """What a command writes at an output: its name in messages, a folder or a file, and how an existing
     one that spec_cli wrote is recognised."""
+
     name: str
     folder: bool
     ours: Callable[[Path], bool]
@@ -82,13 +85,28 @@ def _is_eval(folder: Path) -> bool:
 
 VOCAB_MAP = Kind("a vocab map", False, _is_vocab_map)
 CHAT_DATA = Kind("chat data written by spec regenerate", False, _is_regenerated)
-PLAN = Kind("a plan written by spec plan", False, lambda path: (_json(path) or {}).get("kind") == "plan")
-FEATURE_CACHE = Kind("a feature cache", True,
-                     lambda folder: folder_kind(folder) in ("a feature cache", "an unfinished feature cache"))
+PLAN = Kind(
+    "a plan written by spec plan", False, lambda path: (_json(path) or {}).get("kind") == "plan"
+)
+FEATURE_CACHE = Kind(
+    "a feature cache",
+    True,
+    lambda folder: folder_kind(folder) in ("a feature cache", "an unfinished feature cache"),
+)
 # what spec train writes at a run folder's top level: a folder of these alone (no run.json: a run that
 # stopped before writing it, or one whose user removed it) is still the run's
-_RUN_NAMES = {"run.json", "log.jsonl", "checkpoints", "frozen.safetensors", "best", "engine-eval", "eval",
-              "stream.json", "tensorboard", "training.png"}
+_RUN_NAMES = {
+    "run.json",
+    "log.jsonl",
+    "checkpoints",
+    "frozen.safetensors",
+    "best",
+    "engine-eval",
+    "eval",
+    "stream.json",
+    "tensorboard",
+    "training.png",
+}
 
 
 def _is_run(folder: Path) -> bool:
@@ -128,7 +146,11 @@ def what_is(path: Path) -> str:
     if _is_regenerated(path):
         return "chat data written by spec regenerate"
     if path.suffix == ".safetensors":
-        return "a vocab map" if _is_vocab_map(path) else "a .safetensors file (weights or tensors) spec_cli did not write"
+        return (
+            "a vocab map"
+            if _is_vocab_map(path)
+            else "a .safetensors file (weights or tensors) spec_cli did not write"
+        )
     return "a file spec_cli did not write"
 
 
@@ -154,8 +176,13 @@ def _input_paths(inputs: Mapping[str, object]) -> list[tuple[str, Path, Path]]:
     return found
 
 
-def check(outputs: Mapping[str, tuple[object, Kind]], inputs: Mapping[str, object], *,
-          replace_flag: str | None = None, own_places: Iterable[Path] = ()) -> None:
+def check(
+    outputs: Mapping[str, tuple[object, Kind]],
+    inputs: Mapping[str, object],
+    *,
+    replace_flag: str | None = None,
+    own_places: Iterable[Path] = (),
+) -> None:
     """Refuse, in one line that names what would have been replaced, any output the rule forbids.
 
     `outputs`: option -> (path or None, the Kind the command writes there). `inputs`: option -> a path,
@@ -164,8 +191,15 @@ def check(outputs: Mapping[str, tuple[object, Kind]], inputs: Mapping[str, objec
     """
     places = [_real(p) for p in own_places]
     found = _input_paths(inputs)
-    given = {option: (Path(str(path)).expanduser(), kind) for option, (path, kind) in outputs.items() if path}
-    for option, (path, _) in given.items():  # the inputs first: a refusal names what the user would lose
+    given = {
+        option: (Path(str(path)).expanduser(), kind)
+        for option, (path, kind) in outputs.items()
+        if path
+    }
+    for option, (
+        path,
+        _,
+    ) in given.items():  # the inputs first: a refusal names what the user would lose
         _check_place(option, path)
         for what, shown, where in found:
             _check_apart(option, path, _real(path), what, shown, where, places, "input")
@@ -180,13 +214,19 @@ def check(outputs: Mapping[str, tuple[object, Kind]], inputs: Mapping[str, objec
 def _check_place(option: str, path: Path) -> None:
     hint = f"pass {option} a path of a new file or folder (to throw the result away, write it to a temporary folder)"
     if special := special_kind(path):
-        raise ConfigError(f"{option} {path} is {special}, not a file or folder spec_cli can write", hint)
+        raise ConfigError(
+            f"{option} {path} is {special}, not a file or folder spec_cli can write", hint
+        )
     real = _real(path)
     if _within(real, Path("/dev")):
-        raise ConfigError(f"{option} {path} is in the system's device folder {real.parts[0]}{real.parts[1]}", hint)
+        raise ConfigError(
+            f"{option} {path} is in the system's device folder {real.parts[0]}{real.parts[1]}", hint
+        )
     if real == _real(Path.home()) or real.parent == real:
-        raise ConfigError(f"{option} {path} is the {'home' if real.parent != real else 'root'} folder",
-                          f"pass {option} a new folder")
+        raise ConfigError(
+            f"{option} {path} is the {'home' if real.parent != real else 'root'} folder",
+            f"pass {option} a new folder",
+        )
 
 
 def _check_apart(option, path, real, what, shown, where, places, source) -> None:
@@ -200,9 +240,11 @@ def _check_apart(option, path, real, what, shown, where, places, source) -> None
     else:
         return
     whose = what if what.startswith("the ") else f"this command's {source} {what}"
-    raise ConfigError(f"{option} {path} {relation} {whose} {shown}; nothing was written",
-                      f"pass another {option}: a command never writes over, into or around its own "
-                      f"{source}s" + ("" if source == "output" else " (or the built-in assets)"))
+    raise ConfigError(
+        f"{option} {path} {relation} {whose} {shown}; nothing was written",
+        f"pass another {option}: a command never writes over, into or around its own "
+        f"{source}s" + ("" if source == "output" else " (or the built-in assets)"),
+    )
 
 
 def _check_kind(option: str, path: Path, kind: Kind, replace_flag: str | None) -> None:
@@ -210,16 +252,24 @@ def _check_kind(option: str, path: Path, kind: Kind, replace_flag: str | None) -
         return
     if kind.folder:
         if not path.is_dir():
-            raise ConfigError(f"{option} {path} is {what_is(path)}; {kind.name} is a folder",
-                              f"pass {option} a folder path that does not exist yet")
+            raise ConfigError(
+                f"{option} {path} is {what_is(path)}; {kind.name} is a folder",
+                f"pass {option} a folder path that does not exist yet",
+            )
         if _empty(path) or kind.ours(path):
             return
     else:
         if path.is_dir():
-            raise ConfigError(f"{option} {path} is a folder ({what_is(path)}); {kind.name} is one file",
-                              f"pass {option} a file path inside it or elsewhere")
+            raise ConfigError(
+                f"{option} {path} is a folder ({what_is(path)}); {kind.name} is one file",
+                f"pass {option} a file path inside it or elsewhere",
+            )
         if kind.ours(path):
             return
-    flag = f" ({replace_flag} replaces only {kind.name} that spec_cli wrote)" if replace_flag else ""
-    raise ConfigError(f"{option} {path} is {what_is(path)}, not {kind.name}; it is never replaced",
-                      f"pass another {option}{flag}")
+    flag = (
+        f" ({replace_flag} replaces only {kind.name} that spec_cli wrote)" if replace_flag else ""
+    )
+    raise ConfigError(
+        f"{option} {path} is {what_is(path)}, not {kind.name}; it is never replaced",
+        f"pass another {option}{flag}",
+    )

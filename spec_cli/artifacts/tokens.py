@@ -24,7 +24,9 @@ class TokenizedData:
     # beside the ids where its processor gives them (metadata["token_type_key"] names the argument)
     num_images: torch.Tensor | None = None  # [N_samples] int32
     token_types: torch.Tensor | None = None  # [N_tokens] uint8
-    images: object = None  # at run time: data.vlm.ImageInputs, the model inputs for a batch's images
+    images: object = (
+        None  # at run time: data.vlm.ImageInputs, the model inputs for a batch's images
+    )
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -48,8 +50,12 @@ class TokenizedData:
 
 def save_tokenized(data: TokenizedData, path: Path) -> None:
     meta = {**data.metadata, "kind": KIND, "schema_version": SCHEMA_VERSION}
-    tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
-               "source_index": data.source_index}
+    tensors = {
+        "input_ids": data.input_ids,
+        "loss_mask": data.loss_mask,
+        "offsets": data.offsets,
+        "source_index": data.source_index,
+    }
     for name in ("num_images", "token_types"):
         if getattr(data, name) is not None:
             tensors[name] = getattr(data, name)
@@ -59,7 +65,16 @@ def save_tokenized(data: TokenizedData, path: Path) -> None:
 def load_tokenized(path: Path) -> TokenizedData:
     tensors, meta = read_safetensors(path, "tokenised data")
     if meta.get("kind") != KIND or meta.get("schema_version") != SCHEMA_VERSION:
-        raise ArtifactError(f"{path} is not tokenised data of schema {SCHEMA_VERSION}",
-                            "delete it; it is rebuilt from the chat data")
-    return TokenizedData(tensors["input_ids"], tensors["loss_mask"], tensors["offsets"],
-                         tensors["source_index"], meta, tensors.get("num_images"), tensors.get("token_types"))
+        raise ArtifactError(
+            f"{path} is not tokenised data of schema {SCHEMA_VERSION}",
+            "delete it; it is rebuilt from the chat data",
+        )
+    return TokenizedData(
+        tensors["input_ids"],
+        tensors["loss_mask"],
+        tensors["offsets"],
+        tensors["source_index"],
+        meta,
+        tensors.get("num_images"),
+        tensors.get("token_types"),
+    )

@@ -28,8 +28,10 @@ def count_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: i
     """Occurrences of each target id at supervised positions. [V] int64."""
     ids = input_ids[loss_mask.bool()].long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ArtifactError(f"token ids outside the target vocab (0..{vocab_size - 1})",
-                            "the tokenised data does not come from this tokenizer; re-tokenise")
+        raise ArtifactError(
+            f"token ids outside the target vocab (0..{vocab_size - 1})",
+            "the tokenised data does not come from this tokenizer; re-tokenise",
+        )
     return torch.bincount(ids, minlength=vocab_size)
 
 
@@ -37,8 +39,10 @@ def select_token_ids(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tenso
     """Top-`Vd` ids by count, ties by lower id, sorted ascending. [Vd] int64."""
     vocab_size = counts.numel()
     if draft_vocab_size > vocab_size:
-        raise ConfigError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
-                          f"({vocab_size})", f"use at most {vocab_size}")
+        raise ConfigError(
+            f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab ({vocab_size})",
+            f"use at most {vocab_size}",
+        )
     if draft_vocab_size < 1:
         raise ConfigError("--draft-vocab-size must be at least 1", "use e.g. 32000")
     # A stable sort on -count keeps ids in ascending order among equal counts (zero counts too,
@@ -51,11 +55,13 @@ def coverage_by_size(counts: torch.Tensor, sizes: list[int]) -> dict[int, float]
     """Fraction of counted tokens whose id is among the top-`s` ids, for each size `s`."""
     total = int(counts.sum())
     cumulative = torch.cumsum(torch.sort(counts.long(), descending=True).values, 0)
-    return {s: (int(cumulative[min(s, counts.numel()) - 1]) / total if total else 0.0)
-            for s in sizes}
+    return {
+        s: (int(cumulative[min(s, counts.numel()) - 1]) / total if total else 0.0) for s in sizes
+    }
 
 
 # ----------------------------------------------------------------------------- d2t / t2d
+
 
 def d2t_from_ids(selected: torch.Tensor) -> torch.Tensor:
     """Offsets: target_id = draft_id + d2t[draft_id] (vLLM's draft_id_to_target_id). [Vd] int64."""
@@ -133,8 +139,10 @@ class VocabMap:
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int, metadata: dict) -> VocabMap:
     counts = counts.to(torch.int64)
     if int(counts.sum()) == 0:
-        raise ArtifactError("the data has no supervised tokens to count",
-                            "check that the records have assistant turns with text")
+        raise ArtifactError(
+            "the data has no supervised tokens to count",
+            "check that the records have assistant turns with text",
+        )
     selected = select_token_ids(counts, draft_vocab_size)
     vocab_map = VocabMap(selected, counts)
     sizes = sorted({s for s in COVERAGE_SIZES if s < counts.numel()} | {draft_vocab_size})
@@ -168,20 +176,31 @@ def load_vocab_map(path: Path) -> VocabMap:
         raise _a_folder(Path(path))
     tensors, meta = read_safetensors(path, "vocab map")
     if meta.get("kind") != KIND:
-        raise ArtifactError(f"{path} is a {meta.get('kind')!r} artifact, not a vocab map",
-                            "pass the file written by `spec build-vocab-map`")
+        raise ArtifactError(
+            f"{path} is a {meta.get('kind')!r} artifact, not a vocab map",
+            "pass the file written by `spec build-vocab-map`",
+        )
     if meta.get("schema_version") != SCHEMA_VERSION:
-        raise ArtifactError(f"{path} has vocab-map schema {meta.get('schema_version')}, this "
-                            f"spec_cli reads {SCHEMA_VERSION}", "rebuild it with `spec build-vocab-map`")
+        raise ArtifactError(
+            f"{path} has vocab-map schema {meta.get('schema_version')}, this "
+            f"spec_cli reads {SCHEMA_VERSION}",
+            "rebuild it with `spec build-vocab-map`",
+        )
     missing = {"selected_token_ids", "d2t", "t2d", "counts"} - tensors.keys()
     if missing:
-        raise ArtifactError(f"{path} lacks {sorted(missing)}", "rebuild it with `spec build-vocab-map`")
+        raise ArtifactError(
+            f"{path} lacks {sorted(missing)}", "rebuild it with `spec build-vocab-map`"
+        )
     vocab_map = VocabMap(tensors["selected_token_ids"].long(), tensors["counts"].long(), meta)
     # The stored d2t/t2d must agree with the ids: these buffers are what serving engines read.
-    if not (torch.equal(tensors["d2t"].long(), vocab_map.d2t)
-            and torch.equal(tensors["t2d"].bool(), vocab_map.t2d)):
-        raise ArtifactError(f"{path} is inconsistent: d2t/t2d do not match selected_token_ids",
-                            "the file was modified; rebuild it with `spec build-vocab-map`")
+    if not (
+        torch.equal(tensors["d2t"].long(), vocab_map.d2t)
+        and torch.equal(tensors["t2d"].bool(), vocab_map.t2d)
+    ):
+        raise ArtifactError(
+            f"{path} is inconsistent: d2t/t2d do not match selected_token_ids",
+            "the file was modified; rebuild it with `spec build-vocab-map`",
+        )
     return vocab_map
 
 
@@ -201,8 +220,10 @@ def _a_folder(path: Path) -> ArtifactError:
     if recorded:
         hint = f"pass the vocab map file the run was trained with: {recorded}"
     elif "feature cache" in kind:
-        hint = ("pass the vocab map file the cache was made with (`spec precompute -v`; the cache keeps a copy "
-                "of its ids in head.safetensors, but not the file)")
+        hint = (
+            "pass the vocab map file the cache was made with (`spec precompute -v`; the cache keeps a copy "
+            "of its ids in head.safetensors, but not the file)"
+        )
     else:
         hint = "pass the .safetensors file `spec build-vocab-map` wrote"
     return ArtifactError(f"--vocab-map {path} is {kind}, not a vocab map file", hint)

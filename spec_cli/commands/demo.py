@@ -13,22 +13,45 @@ from spec_cli.train_options import parse_duration
 
 
 def demo_cmd(
-    quick: Annotated[bool, typer.Option(
-        "--quick", help="A smaller run that exercises every stage (about a fifth of the default's time; the "
-                        "demo prints this machine's estimate before it starts).")] = False,
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick).")] = None,
-    no_install: Annotated[bool, typer.Option(
-        "--no-install", help="Only find the built-in assets; fail instead of pip-installing.")] = False,
-    max_time: Annotated[str | None, typer.Option(
-        "--max-time", help="Stop training after this long (90s, 10m, 1h; a number is minutes). The draft "
-                           "is then weaker, and the final table says so; a rerun finishes the schedule. "
-                           "Default: no cap (the schedule is fixed in steps, so the result does not depend "
-                           "on the machine's speed).")] = None,
-    engine: Annotated[str, typer.Option(
-        "--engine", help="What runs the target in regenerate, in the training loop's evaluations and in the "
-                         "closing `spec tune`: auto (vLLM where the `vllm` extra is installed, else "
-                         "transformers / spec_cli's PyTorch decoder), transformers or vllm.")] = "auto",
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick",
+            help="A smaller run that exercises every stage (about a fifth of the default's time; the "
+            "demo prints this machine's estimate before it starts).",
+        ),
+    ] = False,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick)."
+        ),
+    ] = None,
+    no_install: Annotated[
+        bool,
+        typer.Option(
+            "--no-install", help="Only find the built-in assets; fail instead of pip-installing."
+        ),
+    ] = False,
+    max_time: Annotated[
+        str | None,
+        typer.Option(
+            "--max-time",
+            help="Stop training after this long (90s, 10m, 1h; a number is minutes). The draft "
+            "is then weaker, and the final table says so; a rerun finishes the schedule. "
+            "Default: no cap (the schedule is fixed in steps, so the result does not depend "
+            "on the machine's speed).",
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="What runs the target in regenerate, in the training loop's evaluations and in the "
+            "closing `spec tune`: auto (vLLM where the `vllm` extra is installed, else "
+            "transformers / spec_cli's PyTorch decoder), transformers or vllm.",
+        ),
+    ] = "auto",
     device: Device = None,
     dtype: Dtype = None,
     quiet: Quiet = False,
@@ -47,7 +70,15 @@ def demo_cmd(
     from spec_cli.ui import print_demo_summary
 
     set_quiet(quiet)
-    result = stage.run(stage.DemoConfig(quick=quick, output=output, install=not no_install,
-                                        device=device, dtype=dtype, engine=engine,
-                                        max_time=parse_duration(max_time, "--max-time")))
+    result = stage.run(
+        stage.DemoConfig(
+            quick=quick,
+            output=output,
+            install=not no_install,
+            device=device,
+            dtype=dtype,
+            engine=engine,
+            max_time=parse_duration(max_time, "--max-time"),
+        )
+    )
     print_demo_summary(result)

@@ -10,11 +10,18 @@ import typer
 from spec_cli.commands.options import Config
 
 
-def inspect_cmd(path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
-                verify: Annotated[bool, typer.Option(
-                    "--verify", help="Feature cache: hash every shard against the manifest's checksums and "
-                                     "name the damaged ones (exit 1 if any).")] = False,
-                config: Config = None):
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="An artifact written by spec_cli.")],
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Feature cache: hash every shard against the manifest's checksums and "
+            "name the damaged ones (exit 1 if any).",
+        ),
+    ] = False,
+    config: Config = None,
+):
     """Print what an artifact holds (vocab map, tokenised data, feature cache)."""
     from spec_cli.ui import inspect_artifact
 

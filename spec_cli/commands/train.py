@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -41,17 +41,32 @@ from spec_cli.commands.options import (
 from spec_cli.console import set_quiet
 from spec_cli.help import DRAFT, INPUTS
 
-TrainVocabMap = Annotated[Path | None, typer.Option(
-    "--vocab-map", "-v", help="Vocab map written by `spec build-vocab-map`. Required, except with --resume "
-                              "(then the run's own, from its run.json).", rich_help_panel=INPUTS)]
+TrainVocabMap = Annotated[
+    Path | None,
+    typer.Option(
+        "--vocab-map",
+        "-v",
+        help="Vocab map written by `spec build-vocab-map`. Required, except with --resume "
+        "(then the run's own, from its run.json).",
+        rich_help_panel=INPUTS,
+    ),
+]
 DraftAuxLayers = in_panel(DRAFT, AuxLayers)  # train: the layers are part of the draft's design
 TrainAlgorithm = in_panel(DRAFT, DraftAlgorithm)
 
 # the train options declared `shared(...)`: option name -> its type, as train shows it
-SHARED = {"vocab_map": TrainVocabMap, "algorithm": TrainAlgorithm, "aux_layers": DraftAuxLayers,
-          "max_length": MaxLength, "num_proc": NumProc, "device": Device, "dtype": Dtype,
-          "target_engine": TargetEngine, "target_memory": TargetMemory,
-          "target_tensor_parallel": TargetTensorParallel}
+SHARED = {
+    "vocab_map": TrainVocabMap,
+    "algorithm": TrainAlgorithm,
+    "aux_layers": DraftAuxLayers,
+    "max_length": MaxLength,
+    "num_proc": NumProc,
+    "device": Device,
+    "dtype": Dtype,
+    "target_engine": TargetEngine,
+    "target_memory": TargetMemory,
+    "target_tensor_parallel": TargetTensorParallel,
+}
 
 
 def train_cmd(config=None, quiet=False, **options):
@@ -84,19 +99,38 @@ def parameters() -> list[inspect.Parameter]:
         if flag is None:
             annotation = SHARED[option.name]
         else:
-            kind = option.type if flag.parse is None else (str if flag.text is not None else Optional[str])  # noqa: UP045 (typer reads it at run time)
-            annotation = Annotated[kind, typer.Option(*flag.names, help=flag.help, rich_help_panel=flag.panel,
-                                                      **flag.checks)]
+            kind = (
+                option.type
+                if flag.parse is None
+                else (str if flag.text is not None else str | None)
+            )
+            annotation = Annotated[
+                kind,
+                typer.Option(
+                    *flag.names, help=flag.help, rich_help_panel=flag.panel, **flag.checks
+                ),
+            ]
             default = default if flag.parse is None else flag.text
-        params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=inspect.Parameter.empty if default is MISSING else default))
-    return params + [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Config),
-                     inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Quiet)]
+        params.append(
+            inspect.Parameter(
+                option.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=annotation,
+                default=inspect.Parameter.empty if default is MISSING else default,
+            )
+        )
+    return params + [
+        inspect.Parameter(
+            "config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Config
+        ),
+        inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Quiet),
+    ]
 
 
 def command():
     """`train_cmd` as typer registers it: a new function each call, whose signature (the parameters
     typer reads) is made now from the options declared now."""
+
     def train(**options):
         train_cmd(**options)
 

@@ -12,8 +12,9 @@ from spec_cli.artifacts.tokens import TokenizedData
 from spec_cli.errors import ConfigError
 
 
-def plan_batches(lengths: torch.Tensor, batch_tokens: int, max_batch_size: int | None = None
-                 ) -> list[list[int]]:
+def plan_batches(
+    lengths: torch.Tensor, batch_tokens: int, max_batch_size: int | None = None
+) -> list[list[int]]:
     """Group samples of similar length: each batch's B * max_len <= batch_tokens.
 
     Samples are taken longest first (ties by index), so a batch's padding is the length spread of
@@ -39,22 +40,28 @@ def plan_batches(lengths: torch.Tensor, batch_tokens: int, max_batch_size: int |
     return batches
 
 
-def plan_by_source(lengths: torch.Tensor, batch_tokens: int, num_images: torch.Tensor | None = None
-                   ) -> list[list[int]]:
+def plan_by_source(
+    lengths: torch.Tensor, batch_tokens: int, num_images: torch.Tensor | None = None
+) -> list[list[int]]:
     """plan_batches, with image-text samples (num_images > 0) and text samples never in one batch: the
     text batches first, then the image-text ones (each planned as plan_batches plans)."""
-    if num_images is None or not bool((num_images[:lengths.numel()] > 0).any()):
+    if num_images is None or not bool((num_images[: lengths.numel()] > 0).any()):
         return plan_batches(lengths, batch_tokens)
-    images = num_images[:lengths.numel()] > 0
+    images = num_images[: lengths.numel()] > 0
     batches = []
     for chosen in (~images, images):
         index = torch.nonzero(chosen).squeeze(1)
-        batches += [[int(index[j]) for j in b] for b in plan_batches(lengths[index], batch_tokens)] if len(index) else []
+        batches += (
+            [[int(index[j]) for j in b] for b in plan_batches(lengths[index], batch_tokens)]
+            if len(index)
+            else []
+        )
     return batches
 
 
-def collate(tokens: TokenizedData, indices: list[int], pad_id: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    tokens: TokenizedData, indices: list[int], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, loss_mask), each [B, T] long."""
     lengths = [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in indices]
     T = max(lengths)
@@ -95,8 +102,9 @@ def plan_packed(lengths: torch.Tensor, row_tokens: int) -> list[list[int]]:
     return rows
 
 
-def collate_packed(tokens: TokenizedData, indices: list[int]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate_packed(
+    tokens: TokenizedData, indices: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed row: (input_ids, attention_mask, loss_mask) [1, T] and seq_lens [1, D]."""
     ids = torch.cat([tokens.sample(i)[0].long() for i in indices]).unsqueeze(0)
     loss = torch.cat([tokens.sample(i)[1].long() for i in indices]).unsqueeze(0)

@@ -26,15 +26,18 @@ OPTION = "--chat-template"
 # `end_of_turn`: the token an answer ends with (generation stops there, as at the eos).
 FAMILIES = {
     "chatml": dict(
-        markers=("<|im_start|>", "<|im_end|>"), end_of_turn="<|im_end|>",
+        markers=("<|im_start|>", "<|im_end|>"),
+        end_of_turn="<|im_end|>",
         text=(
             "{%- for message in messages %}"
             "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
             "{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-        )),
+        ),
+    ),
     "llama3": dict(
-        markers=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), end_of_turn="<|eot_id|>",
+        markers=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        end_of_turn="<|eot_id|>",
         text=(
             "{{- bos_token }}"
             "{%- for message in messages %}"
@@ -43,10 +46,12 @@ FAMILIES = {
             "{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
             "{%- endif %}"
-        )),
+        ),
+    ),
     # Gemma 1-3: a system turn is folded into the first user turn; roles must alternate from `user`.
     "gemma": dict(
-        markers=("<start_of_turn>", "<end_of_turn>"), end_of_turn="<end_of_turn>",
+        markers=("<start_of_turn>", "<end_of_turn>"),
+        end_of_turn="<end_of_turn>",
         text=(
             "{{- bos_token }}"
             "{%- if messages[0]['role'] == 'system' %}"
@@ -62,10 +67,12 @@ FAMILIES = {
             " + message['content'] | trim + '<end_of_turn>\\n' }}"
             "{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
-        )),
+        ),
+    ),
     # Mistral v1 ([INST]): user/assistant only, alternating from `user`; answers end with eos.
     "mistral": dict(
-        markers=("[INST]", "[/INST]"), end_of_turn=None,  # the tokenizer's eos
+        markers=("[INST]", "[/INST]"),
+        end_of_turn=None,  # the tokenizer's eos
         text=(
             "{{- bos_token }}"
             "{%- for message in messages %}"
@@ -76,7 +83,8 @@ FAMILIES = {
             "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
             "{%- else %}{{- raise_exception('Only user and assistant roles are supported!') }}{%- endif %}"
             "{%- endfor %}"
-        )),
+        ),
+    ),
 }
 
 
@@ -103,11 +111,15 @@ def resolve(value: str | Path | None) -> ChatTemplate | None:
     name = str(value).strip()
     if name.lower() in FAMILIES and not Path(name).exists():
         family = FAMILIES[name.lower()]
-        return ChatTemplate(f"family {name.lower()}", family["text"], family["markers"], family["end_of_turn"])
+        return ChatTemplate(
+            f"family {name.lower()}", family["text"], family["markers"], family["end_of_turn"]
+        )
     path = Path(name).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{OPTION} {name!r} is neither a file nor a known template family",
-                          f"pass a Jinja file, or one of {', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"{OPTION} {name!r} is neither a file nor a known template family",
+            f"pass a Jinja file, or one of {', '.join(FAMILIES)}",
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -118,11 +130,19 @@ def resolve(value: str | Path | None) -> ChatTemplate | None:
         except (ValueError, AttributeError):
             text = None
         if isinstance(text, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+            text = next(
+                (
+                    t.get("template")
+                    for t in text
+                    if isinstance(t, dict) and t.get("name") == "default"
+                ),
+                None,
+            )
         if not isinstance(text, str):
-            raise ConfigError(f"{OPTION} {path} holds no `chat_template` string",
-                              "pass a Jinja file, or a tokenizer_config.json that has a chat_template")
+            raise ConfigError(
+                f"{OPTION} {path} holds no `chat_template` string",
+                "pass a Jinja file, or a tokenizer_config.json that has a chat_template",
+            )
     if not text.strip():
         raise ConfigError(f"{OPTION} {path} is empty", "pass a Jinja chat template")
     _compile(text, path)
@@ -135,11 +155,16 @@ def _compile(text: str, path: Path) -> None:
 
     try:
         jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(
-            text.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-            .replace("{%- generation %}", "").replace("{%- endgeneration %}", ""))
+            text.replace("{% generation %}", "")
+            .replace("{% endgeneration %}", "")
+            .replace("{%- generation %}", "")
+            .replace("{%- endgeneration %}", "")
+        )
     except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"{OPTION} {path} is not a valid Jinja template (line {exc.lineno}: {exc.message})",
-                          "fix the template file") from exc
+        raise ConfigError(
+            f"{OPTION} {path} is not a valid Jinja template (line {exc.lineno}: {exc.message})",
+            "fix the template file",
+        ) from exc
 
 
 def apply(tokenizer, template: ChatTemplate | None):
@@ -147,14 +172,20 @@ def apply(tokenizer, template: ChatTemplate | None):
     if template is None:
         return tokenizer
     tokenizer.chat_template = template.text
-    tokenizer.spec_chat_template_override = True  # image-text chats then render with it too (data/vlm.py)
-    split = [m for m in template.markers if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
+    tokenizer.spec_chat_template_override = (
+        True  # image-text chats then render with it too (data/vlm.py)
+    )
+    split = [
+        m for m in template.markers if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1
+    ]
     if split:
         from spec_cli.console import warn
 
-        warn(f"the {template.source} chat template writes {', '.join(split)}, which this tokenizer splits into "
-             "several ordinary tokens: the target was not trained on this format (its end-of-turn is then not "
-             "supervised); use the family the target is served with")
+        warn(
+            f"the {template.source} chat template writes {', '.join(split)}, which this tokenizer splits into "
+            "several ordinary tokens: the target was not trained on this format (its end-of-turn is then not "
+            "supervised); use the family the target is served with"
+        )
     return tokenizer
 
 
@@ -176,15 +207,19 @@ def _closing_special_token(tokenizer, text: str) -> str | None:
     `</s>`), or None (nothing special there, or the template cannot render a plain user/assistant chat)."""
     answer = "spec-cli-answer"
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                                  {"role": "assistant", "content": answer}],
-                                                 chat_template=text, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],
+            chat_template=text,
+            tokenize=False,
+        )
     except Exception:  # noqa: BLE001 - a template may refuse this chat; then there is nothing to read
         return None
     if not isinstance(rendered, str) or answer not in rendered:
         return None
     after = tokenizer(rendered.split(answer, 1)[1], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
     return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
 
 
@@ -212,40 +247,58 @@ def tokenizer_fingerprint(tokenizer, chat_template=_OWN) -> str:
 def require(tokenizer, target: Path | str, purpose: str = "chat data") -> None:
     """One error for a target without a chat template, where conversations must be rendered."""
     if not getattr(tokenizer, "chat_template", None):
-        raise TargetError(f"the tokenizer of {target} has no chat template, so {purpose} cannot be rendered "
-                          "(a base model usually has none)",
-                          f"pass {OPTION} FILE.jinja or a family name ({', '.join(FAMILIES)}): the template "
-                          "the draft will be served with")
+        raise TargetError(
+            f"the tokenizer of {target} has no chat template, so {purpose} cannot be rendered "
+            "(a base model usually has none)",
+            f"pass {OPTION} FILE.jinja or a family name ({', '.join(FAMILIES)}): the template "
+            "the draft will be served with",
+        )
 
 
 def identity(tokenizer, template: ChatTemplate | None) -> dict:
     """What artifacts record about the template in use (and the tokenizer's fingerprint without it, so a
     later mismatch can be put down to the template or to the tokenizer)."""
-    return {"chat_template_sha256": template_sha256(getattr(tokenizer, "chat_template", None)),
-            "chat_template_source": source_of(tokenizer, template),
-            "tokenizer_base_fingerprint": tokenizer_fingerprint(tokenizer, chat_template=None)}
+    return {
+        "chat_template_sha256": template_sha256(getattr(tokenizer, "chat_template", None)),
+        "chat_template_source": source_of(tokenizer, template),
+        "tokenizer_base_fingerprint": tokenizer_fingerprint(tokenizer, chat_template=None),
+    }
 
 
-def mismatch(recorded: dict, tokenizer, template: ChatTemplate | None, what: str) -> tuple[str, str] | None:
+def mismatch(
+    recorded: dict, tokenizer, template: ChatTemplate | None, what: str
+) -> tuple[str, str] | None:
     """(message, hint) when `recorded` (an artifact's metadata) was made with the same tokenizer but another
     chat template than the one in use; None when the templates agree, the tokenizers themselves differ,
     or the artifact did not record them."""
     if "chat_template_sha256" not in recorded or not recorded.get("tokenizer_base_fingerprint"):
         return None
-    if recorded["tokenizer_base_fingerprint"] != tokenizer_fingerprint(tokenizer, chat_template=None):
+    if recorded["tokenizer_base_fingerprint"] != tokenizer_fingerprint(
+        tokenizer, chat_template=None
+    ):
         return None  # another tokenizer altogether: the caller says so
-    made, now = recorded.get("chat_template_sha256"), template_sha256(getattr(tokenizer, "chat_template", None))
+    made, now = (
+        recorded.get("chat_template_sha256"),
+        template_sha256(getattr(tokenizer, "chat_template", None)),
+    )
     if made == now:
         return None
     made_from = recorded.get("chat_template_source") or "an unrecorded source"
-    made_desc = f"the chat template of {made_from} (sha256 {made[:12]})" if made else "no chat template"
-    now_desc = (f"the chat template of {source_of(tokenizer, template)} (sha256 {now[:12]})" if now
-                else "no chat template")
+    made_desc = (
+        f"the chat template of {made_from} (sha256 {made[:12]})" if made else "no chat template"
+    )
+    now_desc = (
+        f"the chat template of {source_of(tokenizer, template)} (sha256 {now[:12]})"
+        if now
+        else "no chat template"
+    )
     if made_from.startswith("family "):
         fix = f"pass {OPTION} {made_from.removeprefix('family ')}"
     elif made_from in ("the target's tokenizer", "none") or not made:
         fix = f"drop {OPTION}"
     else:
         fix = f"pass {OPTION} {made_from}"
-    return (f"{what} was made with {made_desc}; this run renders conversations with {now_desc}",
-            f"{fix} as when it was made, or rebuild it with this template")
+    return (
+        f"{what} was made with {made_desc}; this run renders conversations with {now_desc}",
+        f"{fix} as when it was made, or rebuild it with this template",
+    )

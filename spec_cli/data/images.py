@@ -38,8 +38,11 @@ class ImageRef:
 
 
 def _part_source(part: dict) -> str | None:
-    value = part.get("image_url") if part.get("type") in ("image_url", "input_image") else (
-        part.get("image") or part.get("url") or part.get("path"))
+    value = (
+        part.get("image_url")
+        if part.get("type") in ("image_url", "input_image")
+        else (part.get("image") or part.get("url") or part.get("path"))
+    )
     if isinstance(value, dict):
         value = value.get("url")
     return value if isinstance(value, str) and value else None
@@ -70,24 +73,36 @@ def image_refs(record: dict) -> list[ImageRef]:
             if isinstance(part, dict) and part.get("type") in _PART_TYPES:
                 source = _part_source(part)
                 if source is None:
-                    raise DataError(f"{key}[{t}].content[{p}] is an image part without an image",
-                                    'give it {"type": "image_url", "image_url": {"url": PATH}} or '
-                                    '{"type": "image", "image": PATH}')
+                    raise DataError(
+                        f"{key}[{t}].content[{p}] is an image part without an image",
+                        'give it {"type": "image_url", "image_url": {"url": PATH}} or '
+                        '{"type": "image", "image": PATH}',
+                    )
                 refs.append(ImageRef(source, f"{key}[{t}].content[{p}]"))
-    listed = record.get("images") if record.get("images") is not None else (
-        [record["image"]] if record.get("image") is not None else [])
+    listed = (
+        record.get("images")
+        if record.get("images") is not None
+        else ([record["image"]] if record.get("image") is not None else [])
+    )
     if isinstance(listed, str):
         listed = [listed]
     if not isinstance(listed, list) or not all(isinstance(x, str) and x for x in listed):
-        raise DataError("the record's image / images field is not a path or a list of paths",
-                        'write "images": ["a.png", ...]')
+        raise DataError(
+            "the record's image / images field is not a path or a list of paths",
+            'write "images": ["a.png", ...]',
+        )
     if listed:
         field = "images" if record.get("images") is not None else "image"
-        markers = sum(_text_of(turn).count(MARKER) for turn in turns
-                      if isinstance(turn, dict) and isinstance(_text_of(turn), str))
+        markers = sum(
+            _text_of(turn).count(MARKER)
+            for turn in turns
+            if isinstance(turn, dict) and isinstance(_text_of(turn), str)
+        )
         if markers and markers != len(listed):
-            raise DataError(f"the record's text has {markers} {MARKER} marker(s) for {len(listed)} image(s)",
-                            f"put one {MARKER} where each image goes, or none (all before the first user turn)")
+            raise DataError(
+                f"the record's text has {markers} {MARKER} marker(s) for {len(listed)} image(s)",
+                f"put one {MARKER} where each image goes, or none (all before the first user turn)",
+            )
         refs.extend(ImageRef(source, f"{field}[{i}]") for i, source in enumerate(listed))
     return refs
 
@@ -104,26 +119,36 @@ def image_bytes(source: str, base: Path | None) -> bytes:
     if source.startswith("data:"):
         header, _, payload = source.partition(",")
         if ";base64" not in header or (data := _decode_base64(payload)) is None:
-            raise DataError(f"the data URL {source[:40]}... is not base64 image data",
-                            "write data:image/png;base64,<the file's bytes in base64>")
+            raise DataError(
+                f"the data URL {source[:40]}... is not base64 image data",
+                "write data:image/png;base64,<the file's bytes in base64>",
+            )
         return data
     if source.startswith(_REMOTE):
-        raise DataError(f"the image {source!r} is remote; spec_cli reads training data offline",
-                        "download the images and give their local paths (relative to the data file)")
-    if len(source) > 256 and (data := _decode_base64(source)) is not None:  # bare base64, not a path
+        raise DataError(
+            f"the image {source!r} is remote; spec_cli reads training data offline",
+            "download the images and give their local paths (relative to the data file)",
+        )
+    if (
+        len(source) > 256 and (data := _decode_base64(source)) is not None
+    ):  # bare base64, not a path
         return data  # (a path this long would fail the OS's name limits before it was looked for)
-    path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
+    path = Path(source[len("file://") :] if source.startswith("file://") else source).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     try:
         if path.is_file():
             return path.read_bytes()
     except (OSError, ValueError) as exc:  # a name too long, a NUL byte
-        raise DataError(f"the image {source[:60]!r} is not a readable file: {exc}",
-                        "give a path relative to the data file's folder, an absolute path, or a data URL") from None
-    raise DataError(f"the image {source!r} is not a file" + (f" (looked for {path})" if path.as_posix() != source
-                                                             else ""),
-                    "give a path relative to the data file's folder, an absolute path, or a data URL")
+        raise DataError(
+            f"the image {source[:60]!r} is not a readable file: {exc}",
+            "give a path relative to the data file's folder, an absolute path, or a data URL",
+        ) from None
+    raise DataError(
+        f"the image {source!r} is not a file"
+        + (f" (looked for {path})" if path.as_posix() != source else ""),
+        "give a path relative to the data file's folder, an absolute path, or a data URL",
+    )
 
 
 def open_image(source: str, base: Path | None = None):
@@ -141,8 +166,10 @@ def decode_image(data: bytes, source: str):
             return image.convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
         shown = source if len(source) <= 80 else source[:60] + "..."
-        raise DataError(f"the image {shown!r} cannot be read: {exc}",
-                        "check the file is a PNG, JPEG, WebP or GIF image that opens") from None
+        raise DataError(
+            f"the image {shown!r} cannot be read: {exc}",
+            "check the file is a PNG, JPEG, WebP or GIF image that opens",
+        ) from None
 
 
 def check_images(records, base: Path | None, limit: int = 5, digest=None) -> int:
@@ -170,6 +197,8 @@ def check_images(records, base: Path | None, limit: int = 5, digest=None) -> int
     if problems:
         shown = "; ".join(f"record {i}: {exc.message}" for i, exc in problems[:limit])
         more = " (and more)" if len(problems) > limit else ""
-        raise DataError(f"{len(problems[:limit])} record(s) with images that cannot be used{more}: {shown}",
-                        problems[0][1].hint)
+        raise DataError(
+            f"{len(problems[:limit])} record(s) with images that cannot be used{more}: {shown}",
+            problems[0][1].hint,
+        )
     return count

@@ -22,9 +22,14 @@ from spec_cli.errors import DataError
 
 ROLES = {
     "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
 }
 
 # Why a record was skipped (the keys of the summary's skip table).
@@ -36,7 +41,11 @@ ASSISTANT_FIRST = "begins with an assistant turn (the chat template refuses it)"
 NO_TEMPLATE = "no chat template"  # never in a summary: tokenize_data stops with one error instead
 TRUNCATED = "no supervised token after truncation"
 IMAGES = "holds images (read with a vision-language target's processor: docs/vlm.md)"
-IMAGE_PARTS = ("image", "image_url", "input_image")  # OpenAI-style content parts that carry an image
+IMAGE_PARTS = (
+    "image",
+    "image_url",
+    "input_image",
+)  # OpenAI-style content parts that carry an image
 
 
 def _blank(path: Path) -> bool:
@@ -87,7 +96,9 @@ def _not_utf8(path: Path) -> str | None:
     return None
 
 
-CHUNK = 10 << 20  # bytes read at a time, as datasets' JSON loader does (it types the columns from its first)
+CHUNK = (
+    10 << 20
+)  # bytes read at a time, as datasets' JSON loader does (it types the columns from its first)
 READ_HINT = "check the file is valid JSON lines / JSON / parquet with one record per row"
 
 
@@ -115,14 +126,24 @@ def _objects(path: Path, chunk: bytes, first_line: int) -> list[dict]:
         if not text.strip():
             continue
         try:
-            value = json.loads(text, parse_constant=_no_constant)  # NaN / Infinity: pyarrow refuses them
+            value = json.loads(
+                text, parse_constant=_no_constant
+            )  # NaN / Infinity: pyarrow refuses them
         except ValueError as exc:
-            why = f"{exc.msg}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-            raise DataError(f"{path}: line {number} is not valid JSON ({why})",
-                            "fix or remove that line (JSON lines: one JSON object per line)") from None
+            why = (
+                f"{exc.msg}, column {exc.colno}"
+                if isinstance(exc, json.JSONDecodeError)
+                else str(exc)
+            )
+            raise DataError(
+                f"{path}: line {number} is not valid JSON ({why})",
+                "fix or remove that line (JSON lines: one JSON object per line)",
+            ) from None
         if not isinstance(value, dict):
-            raise DataError(f"{path}: line {number} is a JSON {type(value).__name__}, not an object",
-                            "write each record as one JSON object per line") from None
+            raise DataError(
+                f"{path}: line {number} is a JSON {type(value).__name__}, not an object",
+                "write each record as one JSON object per line",
+            ) from None
         objects.append(value)
     return objects
 
@@ -137,12 +158,19 @@ def _chunk_type(path: Path, chunk: bytes, first_line: int, json_paths: list):
     encoded = chunk
     while True:
         try:  # one block: a record never straddles two
-            table = paj.read_json(io.BytesIO(encoded), read_options=paj.ReadOptions(block_size=len(encoded) + 1))
+            table = paj.read_json(
+                io.BytesIO(encoded), read_options=paj.ReadOptions(block_size=len(encoded) + 1)
+            )
             return pa.struct(list(table.schema))
         except pa.ArrowInvalid as exc:
-            examples = _objects(path, chunk, first_line)  # DataError on a line that is not a JSON object
-            field = get_json_field_path_from_pyarrow_json_error(str(exc), examples=examples) \
-                if ") changed from" in str(exc) else None
+            examples = _objects(
+                path, chunk, first_line
+            )  # DataError on a line that is not a JSON object
+            field = (
+                get_json_field_path_from_pyarrow_json_error(str(exc), examples=examples)
+                if ") changed from" in str(exc)
+                else None
+            )
             if not field or field in json_paths:
                 raise
             json_paths.append(field)
@@ -166,8 +194,11 @@ def _merged(a, b, field: list, json_paths: list):
     if pa.types.is_struct(a) and pa.types.is_struct(b):
         fields = {f.name: f.type for f in a}
         for f in b:
-            fields[f.name] = _merged(fields[f.name], f.type, field + [f.name], json_paths) if f.name in fields \
+            fields[f.name] = (
+                _merged(fields[f.name], f.type, field + [f.name], json_paths)
+                if f.name in fields
                 else f.type
+            )
         return pa.struct(list(fields.items()))
     if pa.types.is_list(a) and pa.types.is_list(b):
         return pa.list_(_merged(a.value_type, b.value_type, field + [0], json_paths))
@@ -215,11 +246,15 @@ def load_records(path: str | Path):
 
     path = Path(path).expanduser()
     if not path.exists():
-        raise DataError(f"data not found: {path}",
-                        "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`")
+        raise DataError(
+            f"data not found: {path}",
+            "pass a .jsonl, .json or .parquet file, a saved dataset folder, or `sharegpt`",
+        )
     datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines: ours says it once
+    datasets.logging.set_verbosity(
+        datasets.logging.CRITICAL
+    )  # its own error lines: ours says it once
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
@@ -229,25 +264,36 @@ def load_records(path: str | Path):
             return loaded
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if builder is None:
-            raise DataError(f"unsupported data file {path.name}",
-                            "use .jsonl, .json, .parquet or a folder saved with datasets' save_to_disk")
+            raise DataError(
+                f"unsupported data file {path.name}",
+                "use .jsonl, .json, .parquet or a folder saved with datasets' save_to_disk",
+            )
         if _blank(path):  # datasets fails on it with an empty message
-            raise DataError(f"{path} is empty: it holds no records",
-                            "pass a data file with one record per line (ShareGPT `conversations`, OpenAI "
-                            "`messages` or `text`)")
+            raise DataError(
+                f"{path} is empty: it holds no records",
+                "pass a data file with one record per line (ShareGPT `conversations`, OpenAI "
+                "`messages` or `text`)",
+            )
         if not _utf8(path):  # pyarrow takes such bytes in, and a later read of the record fails
-            raise DataError(f"{path}: {_not_utf8(path)} is not valid UTF-8",
-                            "fix or remove it (data files are read as UTF-8)")
+            raise DataError(
+                f"{path}: {_not_utf8(path)} is not valid UTF-8",
+                "fix or remove it (data files are read as UTF-8)",
+            )
         if path.suffix == ".json" and path.stat().st_size <= 1 << 16 and _no_records(path):
-            raise DataError(f"no records in {path}", "pass a file that holds conversations (a JSON list of "
-                                                     "records, or JSON lines)")
+            raise DataError(
+                f"no records in {path}",
+                "pass a file that holds conversations (a JSON list of records, or JSON lines)",
+            )
         try:
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception:  # e.g. a field first seen after datasets' first chunk: type every chunk's fields
+        except (
+            Exception
+        ):  # e.g. a field first seen after datasets' first chunk: type every chunk's fields
             if builder != "json" or not _json_lines(path):
                 raise
-            loaded = datasets.load_dataset(builder, data_files=str(path), split="train",
-                                           features=_json_lines_features(path))
+            loaded = datasets.load_dataset(
+                builder, data_files=str(path), split="train", features=_json_lines_features(path)
+            )
         if len(loaded) == 0:
             raise DataError(f"no records in {path}", "pass a file that holds conversations")
         return loaded
@@ -255,8 +301,12 @@ def load_records(path: str | Path):
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for unreadable files
         cause = exc.__cause__ or exc.__context__
-        detail = f"{exc} ({cause})" if cause is not None and str(cause) not in str(exc) else str(exc)
-        raise DataError(f"cannot read {path}: {' '.join(detail.split())}", READ_HINT) from exc  # one line
+        detail = (
+            f"{exc} ({cause})" if cause is not None and str(cause) not in str(exc) else str(exc)
+        )
+        raise DataError(
+            f"cannot read {path}: {' '.join(detail.split())}", READ_HINT
+        ) from exc  # one line
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -266,9 +316,17 @@ def has_images(record: dict) -> bool:
     if record.get("image") or record.get("images"):
         return True
     turns = record.get("messages") or record.get("conversations") or []
-    contents = [turn.get("content") for turn in turns if isinstance(turn, dict)] if isinstance(turns, list) else []
-    return any(isinstance(part, dict) and part.get("type") in IMAGE_PARTS
-               for content in contents if isinstance(content, list) for part in content)
+    contents = (
+        [turn.get("content") for turn in turns if isinstance(turn, dict)]
+        if isinstance(turns, list)
+        else []
+    )
+    return any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+        for content in contents
+        if isinstance(content, list)
+        for part in content
+    )
 
 
 def _content_text(content: Any) -> str | None:
@@ -277,8 +335,11 @@ def _content_text(content: Any) -> str | None:
     if isinstance(content, list):  # OpenAI content parts
         texts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
-                    part.get("text"), str):
+            if (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 texts.append(part["text"])
             else:
                 return None
@@ -289,7 +350,9 @@ def _content_text(content: Any) -> str | None:
 def normalise(record: dict, require_assistant: bool = True) -> tuple[str, Any]:
     """("chat", messages) | ("text", str) | ("skip", reason). `require_assistant=False` keeps chats
     without an assistant turn (prompts for `spec regenerate`)."""
-    if has_images(record):  # counted apart: a vision-language draft needs the images (not built yet)
+    if has_images(
+        record
+    ):  # counted apart: a vision-language draft needs the images (not built yet)
         return "skip", IMAGES
     turns = None
     if record.get("conversations") is not None:
@@ -313,10 +376,16 @@ def normalise(record: dict, require_assistant: bool = True) -> tuple[str, Any]:
         if not isinstance(turn, dict):
             return "skip", MALFORMED
         # tolerate either key spelling inside either container
-        role = turn.get(role_key) if turn.get(role_key) is not None else turn.get(
-            "role" if role_key == "from" else "from")
-        content = turn.get(text_key) if turn.get(text_key) is not None else turn.get(
-            "content" if text_key == "value" else "value")
+        role = (
+            turn.get(role_key)
+            if turn.get(role_key) is not None
+            else turn.get("role" if role_key == "from" else "from")
+        )
+        content = (
+            turn.get(text_key)
+            if turn.get(text_key) is not None
+            else turn.get("content" if text_key == "value" else "value")
+        )
         role = ROLES.get(str(role).strip().lower()) if role is not None else None
         text = _content_text(content)
         if role is None or text is None:

@@ -24,8 +24,9 @@ class TemplateMismatch(Exception):
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def special_token_strings(tokenizer) -> list[str]:
@@ -49,8 +50,9 @@ def _first_special(text: str, start: int, end: int, specials: list[str]) -> tupl
     return best
 
 
-def assistant_spans(tokenizer, messages: list[dict], full: str,
-                    specials: list[str]) -> list[tuple[int, int]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], full: str, specials: list[str]
+) -> list[tuple[int, int]]:
     """Character spans of `full` that the assistant turns produce."""
     spans = []
     cursor = 0
@@ -95,17 +97,23 @@ def _mask_from_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.nd
     return mask
 
 
-def _unmask_unemitted_eot(tokenizer, messages: list[dict], ids: np.ndarray, mask: np.ndarray) -> None:
+def _unmask_unemitted_eot(
+    tokenizer, messages: list[dict], ids: np.ndarray, mask: np.ndarray
+) -> None:
     """Generation-marker masks: run k of supervised tokens is assistant message k. Where that message
     was cut at the length limit, drop the run's last token when it is a special token (the end-of-turn
     token the template adds). Left as is when the runs do not line up with the messages."""
     edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # run k: [starts[k], ends[k])
+    starts, ends = (
+        np.flatnonzero(edges == 1),
+        np.flatnonzero(edges == -1),
+    )  # run k: [starts[k], ends[k])
     answers = [m for m in messages if m["role"] == "assistant"]
     if len(starts) != len(answers):
         return
     special_ids = set(tokenizer.all_special_ids) | {
-        i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+        i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
+    }
     for message, end in zip(answers, ends):
         if cut_at_length(message) and int(ids[end - 1]) in special_ids:
             mask[end - 1] = 0
@@ -113,15 +121,19 @@ def _unmask_unemitted_eot(tokenizer, messages: list[dict], ids: np.ndarray, mask
 
 def has_generation_markers(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace(
-        "-%}", "%}")
+    return isinstance(template, str) and "{% generation %}" in template.replace(
+        "{%-", "{%"
+    ).replace("-%}", "%}")
 
 
-def encode_chat(tokenizer, messages: list[dict], specials: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_chat(
+    tokenizer, messages: list[dict], specials: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids [T] int32, loss_mask [T] uint8) for one conversation."""
     if has_generation_markers(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids = np.asarray(out["input_ids"], dtype=np.int32)
         mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
         if any(cut_at_length(m) for m in messages if m["role"] == "assistant"):
@@ -177,14 +189,15 @@ def bounded(kind: str, value, tokenizer, max_length: int):
     for message in value:
         content = message.get("content")
         if isinstance(content, str) and len(content) > max(left, 1):
-            message = {**message, "content": content[:max(left, 1)]}
+            message = {**message, "content": content[: max(left, 1)]}
         out.append(message)
         left -= len(content) if isinstance(content, str) else 0
     return out
 
 
-def encode_record(tokenizer, record: dict, max_length: int,
-                  specials: list[str]) -> tuple[np.ndarray, np.ndarray] | str:
+def encode_record(
+    tokenizer, record: dict, max_length: int, specials: list[str]
+) -> tuple[np.ndarray, np.ndarray] | str:
     """Tokens and loss mask for one record, or the reason it is skipped."""
     kind, value = records.normalise(record)
     if kind == "skip":
@@ -200,7 +213,11 @@ def encode_record(tokenizer, record: dict, max_length: int,
     except TemplateMismatch:
         return records.TEMPLATE
     except Exception:  # jinja errors: e.g. roles that do not alternate, unsupported system turn
-        return records.ASSISTANT_FIRST if kind == "chat" and begins_with_assistant(value) else records.TEMPLATE
+        return (
+            records.ASSISTANT_FIRST
+            if kind == "chat" and begins_with_assistant(value)
+            else records.TEMPLATE
+        )
     if not mask.any():
         return records.EMPTY
     ids, mask = ids[:max_length], mask[:max_length]

@@ -36,7 +36,9 @@ from spec_cli.errors import DataError
 # Why an image record was skipped (keys of the tokenising summary's skip table)
 IMAGE_IN_ANSWER = "an image in an assistant turn (the draft is trained on the assistant's text)"
 IMAGES_CUT = "its images do not fit in --max-length (an image is never cut)"
-IMAGES_TWICE = "images both in its turns' parts and in an images field (which goes where is not written)"
+IMAGES_TWICE = (
+    "images both in its turns' parts and in an images field (which goes where is not written)"
+)
 # Per-token ids some processors return beside the tokens, that the model reads (Gemma 3's token types
 # let an image's tokens attend to each other both ways; Qwen3-VL's mark image and video tokens).
 TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
@@ -44,12 +46,22 @@ TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 def processor_fingerprint(processor) -> str:
     """The processor's settings and chat template: they decide the tokens an image-text record gets."""
-    described = {"class": type(processor).__name__,
-                 "image_processor": processor.image_processor.to_dict(),
-                 "chat_template": getattr(processor, "chat_template", None)}
-    for name in ("image_seq_length", "image_seq_len", "num_image_tokens", "patch_size", "image_token"):
+    described = {
+        "class": type(processor).__name__,
+        "image_processor": processor.image_processor.to_dict(),
+        "chat_template": getattr(processor, "chat_template", None),
+    }
+    for name in (
+        "image_seq_length",
+        "image_seq_len",
+        "num_image_tokens",
+        "patch_size",
+        "image_token",
+    ):
         described[name] = getattr(processor, name, None)
-    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[
+        :20
+    ]
 
 
 def chat_template_tokenizer(processor, tokenizer):
@@ -71,16 +83,23 @@ def check_renders_images(processor, renderer) -> None:
     with one drawn image goes through both, before any record does."""
     from PIL import Image
 
-    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
-             {"role": "assistant", "content": "A gray square."}]
+    probe = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+        {"role": "assistant", "content": "A gray square."},
+    ]
     try:
-        processor(text=[render(renderer, probe)], images=[[Image.new("RGB", (64, 64), (128, 128, 128))]])
+        processor(
+            text=[render(renderer, probe)], images=[[Image.new("RGB", (64, 64), (128, 128, 128))]]
+        )
     except Exception as exc:  # noqa: BLE001 (jinja's errors, the processor's count check)
         override = getattr(renderer, "spec_chat_template_override", False)
-        raise DataError(f"the chat template{' from --chat-template' if override else ''} does not place an image "
-                        f"where the target's processor expects it ({type(exc).__name__}: {str(exc)[:160]})",
-                        "drop --chat-template for image-text data: the target's own template renders images"
-                        if override else "check the target's chat template renders image content parts") from None
+        raise DataError(
+            f"the chat template{' from --chat-template' if override else ''} does not place an image "
+            f"where the target's processor expects it ({type(exc).__name__}: {str(exc)[:160]})",
+            "drop --chat-template for image-text data: the target's own template renders images"
+            if override
+            else "check the target's chat template renders image content parts",
+        ) from None
 
 
 def _parts(content, listed: bool) -> list[dict] | None:
@@ -118,13 +137,21 @@ def image_chat(record: dict, require_assistant: bool = True) -> tuple[str, list[
     model sees them (a user turn's content a list of parts; an assistant's its text), or ("skip",
     reason). `require_assistant=False` keeps chats without an answer (prompts for `spec regenerate`)."""
     listed = record.get("images") is not None or record.get("image") is not None
-    key = "messages" if isinstance(record.get("messages"), list) else "conversations"  # (images.image_refs' order)
+    key = (
+        "messages" if isinstance(record.get("messages"), list) else "conversations"
+    )  # (images.image_refs' order)
     turns = record.get(key)
     if not isinstance(turns, list) or not turns:
         return "skip", records.MALFORMED
-    inline = any(isinstance(t, dict) and isinstance(t.get("content", t.get("value")), list) and any(
-        isinstance(p, dict) and p.get("type") in records.IMAGE_PARTS for p in t.get("content", t.get("value")))
-        for t in turns)
+    inline = any(
+        isinstance(t, dict)
+        and isinstance(t.get("content", t.get("value")), list)
+        and any(
+            isinstance(p, dict) and p.get("type") in records.IMAGE_PARTS
+            for p in t.get("content", t.get("value"))
+        )
+        for t in turns
+    )
     if listed and inline:  # two orders for the images: which goes where is not written down
         return "skip", IMAGES_TWICE
     messages, markers = [], 0
@@ -145,15 +172,22 @@ def image_chat(record: dict, require_assistant: bool = True) -> tuple[str, list[
             if turn.get("finish_reason") in ("stop", "length"):
                 message["finish_reason"] = turn["finish_reason"]
         else:
-            message = {"role": role, "content": parts if images else "".join(p["text"] for p in parts)}
+            message = {
+                "role": role,
+                "content": parts if images else "".join(p["text"] for p in parts),
+            }
         messages.append(message)
-    if listed and not markers:  # LLaVA's convention: the images come before the first user turn's text
+    if (
+        listed and not markers
+    ):  # LLaVA's convention: the images come before the first user turn's text
         count = len(image_refs(record))
         first = next((m for m in messages if m["role"] == "user"), None)
         if first is None:
             return "skip", records.MALFORMED
         text = first["content"]
-        first["content"] = [{"type": "image"}] * count + ([{"type": "text", "text": text}] if text else [])
+        first["content"] = [{"type": "image"}] * count + (
+            [{"type": "text", "text": text}] if text else []
+        )
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return "skip", records.NO_ASSISTANT
     return "chat", messages
@@ -164,7 +198,7 @@ def resolved_source(source: str, base: Path | None) -> str:
     (the data file's folder); data URLs, base64 and absolute paths as they are."""
     if source.startswith("data:") or len(source) > 256:
         return source
-    path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
+    path = Path(source[len("file://") :] if source.startswith("file://") else source).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     return str(path.resolve()) if path.is_absolute() else source
@@ -179,8 +213,12 @@ def sourced_image_chat(record: dict, base: Path | None, require_assistant: bool 
     sources = iter(image_refs(record))
     for message in messages:
         if isinstance(message["content"], list):
-            message["content"] = [{"type": "image", "image": resolved_source(next(sources).source, base)}
-                                  if part["type"] == "image" else part for part in message["content"]]
+            message["content"] = [
+                {"type": "image", "image": resolved_source(next(sources).source, base)}
+                if part["type"] == "image"
+                else part
+                for part in message["content"]
+            ]
     return kind, messages
 
 
@@ -197,18 +235,28 @@ def image_prompt(processor, renderer, messages: list[dict], pictures: list) -> I
     """The prompt of a chat with images (`pictures`: those of its image parts, in order), ending with the
     assistant's generation prompt, as the processor expands them."""
     text = render(renderer, messages, add_generation_prompt=True)
-    out = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False,
-                    return_tensors="pt")
-    return ImagePrompt(out["input_ids"][0].tolist(),
-                       {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+    out = processor(
+        text=[text],
+        images=[pictures] if pictures else None,
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    return ImagePrompt(
+        out["input_ids"][0].tolist(),
+        {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")},
+    )
 
 
 def has_image_parts(messages: list[dict]) -> bool:
-    return any(isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
-               for m in messages)
+    return any(
+        isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"])
+        for m in messages
+    )
 
 
-def align_mask(plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def align_mask(
+    plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(mask over `expanded`, 1 where a token came from the expansion) by aligning the tokens of the
     rendered text (`plain`, with `mask`) to the processor's (`expanded`): tokens the two share keep their
     mask; tokens the processor inserted or rewrote (the image's) are never supervised. TemplateMismatch
@@ -225,8 +273,9 @@ def align_mask(plain: np.ndarray, mask: np.ndarray, expanded: np.ndarray) -> tup
     return out, added
 
 
-def encode_image_chat(processor, renderer, messages: list[dict], images: list, specials: list[str]
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+def encode_image_chat(
+    processor, renderer, messages: list[dict], images: list, specials: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
     """(input_ids [T] int32, loss_mask [T] uint8, (argument name, token types [T] uint8) or None, how
     many leading tokens hold every image token) for one image-text conversation, the images expanded as
     the processor expands them."""
@@ -238,7 +287,9 @@ def encode_image_chat(processor, renderer, messages: list[dict], images: list, s
     out = processor(text=[full], images=[images], add_special_tokens=False)
     expanded = np.asarray(out["input_ids"][0], dtype=np.int64)
     loss_mask, added = align_mask(plain, mask, expanded)
-    types = next(((k, np.asarray(out[k][0], dtype=np.uint8)) for k in TOKEN_TYPE_KEYS if k in out), None)
+    types = next(
+        ((k, np.asarray(out[k][0], dtype=np.uint8)) for k in TOKEN_TYPE_KEYS if k in out), None
+    )
     return expanded.astype(np.int32), loss_mask, types, image_reach(renderer, expanded, added)
 
 
@@ -249,7 +300,9 @@ def image_reach(tokenizer, expanded: np.ndarray, added: np.ndarray) -> int:
     inserted = np.flatnonzero(added)
     if not len(inserted):
         return 0
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
     marks = [t for t in set(expanded[inserted].tolist()) if t in special]
     last = int(inserted[-1])
     if marks:
@@ -257,8 +310,9 @@ def image_reach(tokenizer, expanded: np.ndarray, added: np.ndarray) -> int:
     return last + 1
 
 
-def encode_image_record(processor, renderer, record: dict, base: Path | None, max_length: int,
-                        specials: list[str]):
+def encode_image_record(
+    processor, renderer, record: dict, base: Path | None, max_length: int, specials: list[str]
+):
     """(ids, mask, (type key, types) or None, number of images) for one image-text record, or the reason
     it is skipped.
     The images were checked before (images.check_images): a failure to open one here is a DataError."""
@@ -267,7 +321,9 @@ def encode_image_record(processor, renderer, record: dict, base: Path | None, ma
         return messages
     pictures = [open_image(ref.source, base) for ref in image_refs(record)]
     try:
-        ids, mask, types, reach = encode_image_chat(processor, renderer, messages, pictures, specials)
+        ids, mask, types, reach = encode_image_chat(
+            processor, renderer, messages, pictures, specials
+        )
     except TemplateMismatch:
         return records.TEMPLATE
     except DataError:
@@ -295,8 +351,16 @@ class ImageInputs:
     from, through the processor's image processor (one call per batch: it pads and stacks as the
     model expects), plus the per-token types some models read, right-padded like the tokens."""
 
-    def __init__(self, processor, data_path: Path, source_index: torch.Tensor, num_images: torch.Tensor,
-                 token_types: torch.Tensor | None, type_key: str | None, offsets: torch.Tensor):
+    def __init__(
+        self,
+        processor,
+        data_path: Path,
+        source_index: torch.Tensor,
+        num_images: torch.Tensor,
+        token_types: torch.Tensor | None,
+        type_key: str | None,
+        offsets: torch.Tensor,
+    ):
         from spec_cli.data.records import load_records
 
         self.processor, self.base = processor, image_base(data_path)
@@ -310,8 +374,13 @@ class ImageInputs:
         chosen = [i for i in indices if int(self.num_images[i])]
         if not chosen:
             return None
-        pictures = [[open_image(ref.source, self.base) for ref in image_refs(self.dataset[int(self.source_index[i])])]
-                    for i in chosen]
+        pictures = [
+            [
+                open_image(ref.source, self.base)
+                for ref in image_refs(self.dataset[int(self.source_index[i])])
+            ]
+            for i in chosen
+        ]
         inputs = dict(self.processor.image_processor(images=pictures, return_tensors="pt"))
         if self.type_key is not None:
             types = torch.zeros(1 if packed else len(indices), length, dtype=torch.long)
@@ -319,9 +388,9 @@ class ImageInputs:
             for row, i in enumerate(indices):
                 a, b = int(self.offsets[i]), int(self.offsets[i + 1])
                 if packed:
-                    types[0, at:at + b - a] = self.token_types[a:b].long()
+                    types[0, at : at + b - a] = self.token_types[a:b].long()
                     at += b - a
                 else:
-                    types[row, :b - a] = self.token_types[a:b].long()
+                    types[row, : b - a] = self.token_types[a:b].long()
             inputs[self.type_key] = types
         return inputs

@@ -61,18 +61,23 @@ from types import ModuleType
 @dataclass(frozen=True)
 class ExportFormat:
     """One `spec export --format`: a folder layout a serving engine reads."""
+
     name: str  # what --format takes
     title: str  # how the README and the summary name it ("vLLM (speculators format)")
     engine: str | None  # the serving engine that reads it: "vllm", "sglang" (None: no engine)
     method: str = ""  # what that engine calls such drafts: vLLM's speculative_config "method",
     #                   SGLang's --speculative-algorithm
     engine_options: tuple[tuple[str, object], ...] = ()  # more keys of vLLM's speculative_config
-    runner: str = ""  # the one vLLM model runner that serves it ("": either): "v2" needs Triton (a GPU);
+    runner: str = (
+        ""  # the one vLLM model runner that serves it ("": either): "v2" needs Triton (a GPU);
+    )
     #                   "v1" is gone from vLLM 0.34 (spec_cli/engine/vllm_versions.py)
 
 
 FINAL_HIDDEN = "final_hidden"  # a need: the target's last hidden state after its final norm
-INPUT_EMBEDS = "input_embeds"  # a need: what the target's first decoder layer reads (MSD's token inputs)
+INPUT_EMBEDS = (
+    "input_embeds"  # a need: what the target's first decoder layer reads (MSD's token inputs)
+)
 LM_HEAD = "lm_head"  # a need: the target's output head (the draft proposes through it)
 
 
@@ -119,8 +124,11 @@ class Algorithm:
         if len(config.aux_layer_ids) != self.aux_layers:
             from spec_cli.errors import ConfigError  # (no torch)
 
-            raise ConfigError(f"{self.name} drafts read exactly {self.aux_layers} aux layers, this config has "
-                              f"{len(config.aux_layer_ids)}", f"pass {self.aux_layers} --aux-layers")
+            raise ConfigError(
+                f"{self.name} drafts read exactly {self.aux_layers} aux layers, this config has "
+                f"{len(config.aux_layer_ids)}",
+                f"pass {self.aux_layers} --aux-layers",
+            )
         return self.code.build(config)
 
     @property

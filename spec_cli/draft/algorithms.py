@@ -19,5 +19,7 @@ def get(name: str | None) -> Algorithm:
     """The algorithm called `name` (None: the default), or a ConfigError listing the known ones."""
     name = name or DEFAULT
     if name not in ALGORITHMS:
-        raise ConfigError(f"unknown draft algorithm {name!r}", f"use one of {', '.join(ALGORITHMS)}")
+        raise ConfigError(
+            f"unknown draft algorithm {name!r}", f"use one of {', '.join(ALGORITHMS)}"
+        )
     return ALGORITHMS[name]

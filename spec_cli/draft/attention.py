@@ -154,10 +154,15 @@ def _segmented_fwd(kernel, q, k, v, segments: Segments, scale):
     lse = torch.empty(q.shape[:3], dtype=_acc_dtype(q.dtype), device=q.device)
     states = []
     for b, qs, qe, ks, bias in _pieces(segments, q):
-        o, l, state = kernel.fwd(q[b:b + 1, :, qs:qe].contiguous(), k[b:b + 1, :, ks:qe].contiguous(),
-                                 v[b:b + 1, :, ks:qe].contiguous(), bias, scale)
-        out[b:b + 1, :, qs:qe] = o
-        lse[b:b + 1, :, qs:qe] = l
+        o, l, state = kernel.fwd(
+            q[b : b + 1, :, qs:qe].contiguous(),
+            k[b : b + 1, :, ks:qe].contiguous(),
+            v[b : b + 1, :, ks:qe].contiguous(),
+            bias,
+            scale,
+        )
+        out[b : b + 1, :, qs:qe] = o
+        lse[b : b + 1, :, qs:qe] = l
         states.append(state)
     return out, lse, states
 
@@ -168,20 +173,36 @@ def _segmented_bwd(kernel, dout, q, k, v, segments: Segments, out, lse, scale, s
     overlap = segments.window_binds
     dq = torch.empty_like(q)
     acc = _acc_dtype(q.dtype)  # overlapping chunks' key gradients add up: in fp32, cast once
-    dk, dv = ((torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-              if overlap else (torch.empty_like(k), torch.empty_like(v)))
+    dk, dv = (
+        (
+            torch.zeros(k.shape, dtype=acc, device=k.device),
+            torch.zeros(v.shape, dtype=acc, device=v.device),
+        )
+        if overlap
+        else (torch.empty_like(k), torch.empty_like(v))
+    )
     for (b, qs, qe, ks, bias), state in zip(_pieces(segments, q), states):
+
         def rows(x):
-            return x[b:b + 1, :, qs:qe].contiguous()
-        gq, gk, gv = kernel.bwd(rows(dout), rows(q), k[b:b + 1, :, ks:qe].contiguous(),
-                                v[b:b + 1, :, ks:qe].contiguous(), bias, rows(out),
-                                lse[b:b + 1, :, qs:qe].contiguous(), scale, state)
-        dq[b:b + 1, :, qs:qe] = gq
+            return x[b : b + 1, :, qs:qe].contiguous()
+
+        gq, gk, gv = kernel.bwd(
+            rows(dout),
+            rows(q),
+            k[b : b + 1, :, ks:qe].contiguous(),
+            v[b : b + 1, :, ks:qe].contiguous(),
+            bias,
+            rows(out),
+            lse[b : b + 1, :, qs:qe].contiguous(),
+            scale,
+            state,
+        )
+        dq[b : b + 1, :, qs:qe] = gq
         if overlap:
-            dk[b:b + 1, :, ks:qe] += gk
-            dv[b:b + 1, :, ks:qe] += gv
+            dk[b : b + 1, :, ks:qe] += gk
+            dv[b : b + 1, :, ks:qe] += gv
         else:
-            dk[b:b + 1, :, ks:qe], dv[b:b + 1, :, ks:qe] = gk, gv
+            dk[b : b + 1, :, ks:qe], dv[b : b + 1, :, ks:qe] = gk, gv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -308,9 +329,24 @@ def _flash_varlen_fwd(q, k, v, segments: Segments, scale):
     B = q.shape[0]
     plan = _varlen_plan(segments, q.device)
     fwd, _ = VARLEN_OPS["flash"]
-    out, lse, rng, unused, _ = _op(fwd)(_flat(q), _flat(k), _flat(v), plan.cu_seqlens, plan.cu_seqlens,
-                                         plan.max_len, plan.max_len, 0.0, True, False, scale=scale)
-    return _unflat(out, B), _lse_from_kernel(lse, plan, B), (rng, unused, (tuple(lse.shape), lse.dtype))
+    out, lse, rng, unused, _ = _op(fwd)(
+        _flat(q),
+        _flat(k),
+        _flat(v),
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_len,
+        plan.max_len,
+        0.0,
+        True,
+        False,
+        scale=scale,
+    )
+    return (
+        _unflat(out, B),
+        _lse_from_kernel(lse, plan, B),
+        (rng, unused, (tuple(lse.shape), lse.dtype)),
+    )
 
 
 def _flash_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):
@@ -318,9 +354,23 @@ def _flash_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state)
     plan = _varlen_plan(segments, q.device)
     rng, unused, kernel_lse = state
     _, bwd = VARLEN_OPS["flash"]
-    dq, dk, dv = _op(bwd)(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
-                          _lse_to_kernel(lse, plan, kernel_lse), plan.cu_seqlens, plan.cu_seqlens,
-                          plan.max_len, plan.max_len, 0.0, True, rng, unused, scale=scale)
+    dq, dk, dv = _op(bwd)(
+        _flat(dout),
+        _flat(q),
+        _flat(k),
+        _flat(v),
+        _flat(out),
+        _lse_to_kernel(lse, plan, kernel_lse),
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_len,
+        plan.max_len,
+        0.0,
+        True,
+        rng,
+        unused,
+        scale=scale,
+    )
     return _unflat(dq, B), _unflat(dk, B), _unflat(dv, B)
 
 
@@ -334,9 +384,24 @@ def _efficient_varlen_fwd(q, k, v, segments: Segments, scale):
     fwd, _ = VARLEN_OPS["efficient"]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     out, lse, seed, offset, _, _ = _op(fwd)(
-        _flat(q)[None], _flat(k)[None], _flat(v)[None], None, plan.cu_seqlens, plan.cu_seqlens,
-        plan.max_len, plan.max_len, 0.0, _CAUSAL_FROM_TOP_LEFT, True, scale=scale)
-    return _unflat(out[0], B), _lse_from_kernel(lse, plan, B), (seed, offset, (tuple(lse.shape), lse.dtype))
+        _flat(q)[None],
+        _flat(k)[None],
+        _flat(v)[None],
+        None,
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_len,
+        plan.max_len,
+        0.0,
+        _CAUSAL_FROM_TOP_LEFT,
+        True,
+        scale=scale,
+    )
+    return (
+        _unflat(out[0], B),
+        _lse_from_kernel(lse, plan, B),
+        (seed, offset, (tuple(lse.shape), lse.dtype)),
+    )
 
 
 def _efficient_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, state):
@@ -346,10 +411,29 @@ def _efficient_varlen_bwd(dout, q, k, v, segments: Segments, out, lse, scale, st
     _, bwd = VARLEN_OPS["efficient"]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     dq, dk, dv, _ = _op(bwd)(
-        _flat(dout)[None], _flat(q)[None], _flat(k)[None], _flat(v)[None], None, _flat(out)[None],
-        plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, _lse_to_kernel(lse, plan, kernel_lse),
-        0.0, seed, offset, _CAUSAL_FROM_TOP_LEFT, False, scale=scale)
-    return _unflat(dq[0], B), _sum_groups(_unflat(dk[0], B), kv_heads), _sum_groups(_unflat(dv[0], B), kv_heads)
+        _flat(dout)[None],
+        _flat(q)[None],
+        _flat(k)[None],
+        _flat(v)[None],
+        None,
+        _flat(out)[None],
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_len,
+        plan.max_len,
+        _lse_to_kernel(lse, plan, kernel_lse),
+        0.0,
+        seed,
+        offset,
+        _CAUSAL_FROM_TOP_LEFT,
+        False,
+        scale=scale,
+    )
+    return (
+        _unflat(dq[0], B),
+        _sum_groups(_unflat(dk[0], B), kv_heads),
+        _sum_groups(_unflat(dv[0], B), kv_heads),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,14 +468,16 @@ def _mask(bias) -> tuple[torch.Tensor | None, bool]:
 def _cpu_flash_fwd(q, k, v, bias, scale):
     mask, causal = _mask(bias)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
     return out, lse, None
 
 
 def _cpu_flash_bwd(dout, q, k, v, bias, out, lse, scale, state):
     mask, causal = _mask(bias)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -407,9 +493,12 @@ def _cuda_efficient_fwd(q, k, v, bias, scale):
     B, h, T, _ = q.shape
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     bias, causal = _mask(bias)
-    bias = None if bias is None else bias.expand(B, h, T, k.shape[2])  # (windowed calls: more keys than queries)
+    bias = (
+        None if bias is None else bias.expand(B, h, T, k.shape[2])
+    )  # (windowed calls: more keys than queries)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, causal, scale=scale)
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
     return out, lse[..., :T], (seed, offset, lse.shape[-1])  # lse comes padded to a multiple of 32
 
 
@@ -424,8 +513,20 @@ def _cuda_efficient_bwd(dout, q, k, v, bias, out, lse, scale, state):
     # the kernel reads `out` (and `dout`) in the layout its forward wrote: [B, T, h, d] in memory. In
     # 16-bit, an `out` laid out [B, h, T, d] gives garbage dq and dk on a GPU (an H200), no error
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _bthd(dout), q, k, v, bias, _bthd(out), lse, seed, offset, 0.0,
-        [True, True, True, False], causal, scale=scale)
+        _bthd(dout),
+        q,
+        k,
+        v,
+        bias,
+        _bthd(out),
+        lse,
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
@@ -442,11 +543,12 @@ def _chunk_bias(bias, start, end, like):
     if bias is FULL:
         return 0.0
     if bias is not None:
-        return bias[:, :, start:end, :end + bias.shape[-1] - bias.shape[-2]]
+        return bias[:, :, start:end, : end + bias.shape[-1] - bias.shape[-2]]
     rows = torch.arange(start, end, device=like.device)[:, None]
     cols = torch.arange(end, device=like.device)[None, :]
-    return torch.zeros(end - start, end, dtype=like.dtype, device=like.device
-                       ).masked_fill_(cols > rows, float("-inf"))
+    return torch.zeros(end - start, end, dtype=like.dtype, device=like.device).masked_fill_(
+        cols > rows, float("-inf")
+    )
 
 
 def _math_fwd(q, k, v, bias, scale):
@@ -489,8 +591,11 @@ def _math_bwd(dout, q, k, v, bias, out, lse, scale, state):
         ds = p * (doc @ v[:, :, :end].transpose(-1, -2) - D[:, :, start:stop])
         dq[:, :, start:stop] = ds @ k[:, :, :end] * scale
         dk[:, :, :end] += ds.transpose(-1, -2) @ qc * scale
-    return (dq.to(q.dtype), _sum_groups(dk, kv_heads).to(q.dtype),
-            _sum_groups(dv, kv_heads).to(q.dtype))
+    return (
+        dq.to(q.dtype),
+        _sum_groups(dk, kv_heads).to(q.dtype),
+        _sum_groups(dv, kv_heads).to(q.dtype),
+    )
 
 
 @dataclass(frozen=True)
@@ -568,7 +673,9 @@ def _self_check(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> boo
     return _checked[key]
 
 
-def choose(device: torch.device, dtype: torch.dtype, impl: str = "auto") -> tuple[Kernel, str | None]:
+def choose(
+    device: torch.device, dtype: torch.dtype, impl: str = "auto"
+) -> tuple[Kernel, str | None]:
     """The kernel a training run will use for activations of `dtype` on `device` (--attention `impl`),
     self-checked now rather than at the first step, and why the fused kernel is not used (None when it
     is, or when `impl` is "math"). "fused" raises ConfigError when it cannot be used: a run that asked
@@ -583,13 +690,17 @@ def choose(device: torch.device, dtype: torch.dtype, impl: str = "auto") -> tupl
     if kernel is None:
         why = f"there is no fused TTT attention kernel for {device.type}/{str(dtype).replace('torch.', '')}"
     elif not _self_check(kernel, device, dtype):
-        why = (f"the fused TTT attention kernel {kernel.name} failed its self-check on {device.type}/"
-               f"{str(dtype).replace('torch.', '')} ({_failures.get(_key(kernel, device, dtype), 'see the warning above')})")
+        why = (
+            f"the fused TTT attention kernel {kernel.name} failed its self-check on {device.type}/"
+            f"{str(dtype).replace('torch.', '')} ({_failures.get(_key(kernel, device, dtype), 'see the warning above')})"
+        )
     else:
         return kernel, None
     if impl == "fused":
-        raise ConfigError(f"--attention fused: {why}",
-                          "use --attention auto to train with the math kernel instead (slower; memory O(T^2))")
+        raise ConfigError(
+            f"--attention fused: {why}",
+            "use --attention auto to train with the math kernel instead (slower; memory O(T^2))",
+        )
     return MATH, why
 
 
@@ -605,12 +716,19 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    q, k, v, dout = rand(B, h, T, d), rand(B, kv_heads, T, d), rand(B, kv_heads, T, d), rand(B, h, T, d)
+    q, k, v, dout = (
+        rand(B, h, T, d),
+        rand(B, kv_heads, T, d),
+        rand(B, kv_heads, T, d),
+        rand(B, h, T, d),
+    )
     seq_lens = torch.tensor([[7, 12], [19, 0]], device=device)
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     varlen = kernel in (FLASH_VARLEN, EFFICIENT_VARLEN)
     try:
-        with torch.autocast(device.type, enabled=False):  # the kernels at `dtype`, whatever the caller runs
+        with torch.autocast(
+            device.type, enabled=False
+        ):  # the kernels at `dtype`, whatever the caller runs
             if varlen:
                 _compare_varlen_to_math(kernel, q, k, v, dout, seq_lens, T, dtype, d, tol)
             else:
@@ -618,8 +736,10 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype) 
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
         _failures[_key(kernel, device, dtype)] = str(err)
         instead = "one kernel call per document" if varlen else "the slower math kernel"
-        warnings.warn(f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
-                      f"self-check ({err}); using {instead}")
+        warnings.warn(
+            f"fused TTT attention kernel {kernel.name} on {device.type}/{dtype} failed its "
+            f"self-check ({err}); using {instead}"
+        )
         return False
     return True
 
@@ -629,35 +749,42 @@ def _agree(pairs, tol: float) -> None:
         raise RuntimeError("results differ from the math kernel")
 
 
-def _compare_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
-                     tol: float) -> None:
+def _compare_to_math(
+    kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int, tol: float
+) -> None:
     """Raise when `kernel`'s forward or backward differs from the math kernel's beyond `tol`: causal rows,
     packed documents, and the calls a sliding window and context parallelism make (the last queries of
     more keys under a window's bias; queries against keys all before them, unmasked)."""
-    cases = [(slice(None), slice(None), None), (slice(None), slice(None), block_causal_bias(seq_lens, T, dtype)),
-             (slice(11, T), slice(5, T), window_bias(T - 11, T - 5, 6, dtype, q.device)),
-             (slice(12, T), slice(0, 9), FULL)]
+    cases = [
+        (slice(None), slice(None), None),
+        (slice(None), slice(None), block_causal_bias(seq_lens, T, dtype)),
+        (slice(11, T), slice(5, T), window_bias(T - 11, T - 5, 6, dtype, q.device)),
+        (slice(12, T), slice(0, 9), FULL),
+    ]
     for rows, keys, bias in cases:
         q_, dout_, k_, v_ = q[:, :, rows], dout[:, :, rows], k[:, :, keys], v[:, :, keys]
-        out, lse, state = kernel.fwd(q_, k_, v_, bias, d ** -0.5)
-        ref_out, ref_lse, _ = MATH.fwd(q_, k_, v_, bias, d ** -0.5)
-        grads = kernel.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d ** -0.5, state)
-        ref_grads = MATH.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d ** -0.5, None)
+        out, lse, state = kernel.fwd(q_, k_, v_, bias, d**-0.5)
+        ref_out, ref_lse, _ = MATH.fwd(q_, k_, v_, bias, d**-0.5)
+        grads = kernel.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d**-0.5, state)
+        ref_grads = MATH.bwd(dout_, q_, k_, v_, bias, ref_out, ref_lse, d**-0.5, None)
         _agree([(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)], tol)
 
 
-def _compare_varlen_to_math(kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int,
-                            tol: float) -> None:
+def _compare_varlen_to_math(
+    kernel: Kernel, q, k, v, dout, seq_lens, T: int, dtype: torch.dtype, d: int, tol: float
+) -> None:
     """As _compare_to_math for a varlen kernel: documents of 7 and 12 slots, a whole row, and a
     row of one document and its padding; the backward is given another (out, lse) than its forward
     made, as the TTT merge does."""
     for lengths in ([[7, 12], [19, 0]], [[1, 16], [5, 0]]):
         segments = Segments.from_lengths(lengths, T)
         bias = block_causal_bias(torch.tensor(lengths, device=q.device), T, dtype)
-        out, lse, state = kernel.fwd(q, k, v, segments, d ** -0.5)
-        ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d ** -0.5)
-        grads = kernel.bwd(dout, q, k, v, segments, ref_out.clone(), ref_lse.clone(), d ** -0.5, state)
-        ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d ** -0.5, None)
+        out, lse, state = kernel.fwd(q, k, v, segments, d**-0.5)
+        ref_out, ref_lse, _ = MATH.fwd(q, k, v, bias, d**-0.5)
+        grads = kernel.bwd(
+            dout, q, k, v, segments, ref_out.clone(), ref_lse.clone(), d**-0.5, state
+        )
+        ref_grads = MATH.bwd(dout, q, k, v, bias, ref_out, ref_lse, d**-0.5, None)
         _agree([(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)], tol)
 
 
@@ -691,10 +818,14 @@ class _TTTAttention(torch.autograd.Function):
             extra_v = [x.to(acc) for x in extra[n_extra:]]
             s = _extra_scores(q.to(acc), extra_k, scale)  # [B, h, T, n]
             lse = torch.logaddexp(lse_c, s.logsumexp(-1))  # [B, h, T] global normaliser
-            out = (torch.exp(lse_c - lse)[..., None] * out_c.to(acc)
-                   + _extra_values(torch.exp(s - lse[..., None]), extra_v)).to(q.dtype)
+            out = (
+                torch.exp(lse_c - lse)[..., None] * out_c.to(acc)
+                + _extra_values(torch.exp(s - lse[..., None]), extra_v)
+            ).to(q.dtype)
         ctx.kernel, ctx.scale, ctx.n_extra, ctx.state = kernel, scale, n_extra, state
-        ctx.segments = None if bias is None or isinstance(bias, torch.Tensor) else bias  # (a structure, not a tensor)
+        ctx.segments = (
+            None if bias is None or isinstance(bias, torch.Tensor) else bias
+        )  # (a structure, not a tensor)
         ctx.save_for_backward(None if ctx.segments else bias, out, lse, q, k0, v0, *extra)
         return out
 
@@ -726,9 +857,15 @@ class _TTTAttention(torch.autograd.Function):
         return (None, None, None, None, dq.to(q.dtype), dk0, dv0, *dks, *dvs)
 
 
-def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                  extra_k: list[torch.Tensor] = (), extra_v: list[torch.Tensor] = (),
-                  bias: torch.Tensor | Segments | None = None, impl: str = "auto") -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    extra_k: list[torch.Tensor] = (),
+    extra_v: list[torch.Tensor] = (),
+    bias: torch.Tensor | Segments | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
     """Attention of TTT step n = len(extra_k): causal over (k0, v0), plus each query's own position
     in every extra (k_j, v_j).
 
@@ -743,7 +880,11 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     scale = 1.0 / math.sqrt(q.shape[-1])
     if isinstance(bias, torch.Tensor):
         bias = bias.to(q.dtype)
-    if hasattr(bias, "whole_rows"):  # a context-parallel shard: the causal part reads whole rows' keys
+    if hasattr(
+        bias, "whole_rows"
+    ):  # a context-parallel shard: the causal part reads whole rows' keys
         k0, v0 = bias.whole_rows(k0), bias.whole_rows(v0)
-        bias = bias.without_rows()  # (the graph keeps this copy: the gathered rows must not be in it)
+        bias = (
+            bias.without_rows()
+        )  # (the graph keeps this copy: the gathered rows must not be in it)
     return _TTTAttention.apply(kernel, bias, scale, len(extra_k), q, k0, v0, *extra_k, *extra_v)

@@ -37,17 +37,29 @@ def _scaling_of(entry: dict, max_positions: int | None) -> dict | None:
     """A rope dict -> its scaling part (theta and partial_rotary_factor dropped), `type` -> `rope_type`,
     with the fields the engines require filled the way transformers fills them."""
     out = {k: v for k, v in entry.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if "type" in out:  # 4.x spelling; transformers 5 merges a Gemma 3 `{"type": "linear"}` next to its
-        old = out.pop("type")  # own "rope_type": "default", so the published `type` wins over that default
+    if (
+        "type" in out
+    ):  # 4.x spelling; transformers 5 merges a Gemma 3 `{"type": "linear"}` next to its
+        old = out.pop(
+            "type"
+        )  # own "rope_type": "default", so the published `type` wins over that default
         if out.get("rope_type", "default") == "default":
             out["rope_type"] = old
     kind = out.get("rope_type", "default")
     if kind == "default":
         return None
-    if kind in ("llama3", "yarn") and out.get("original_max_position_embeddings") is None and max_positions:
-        out["original_max_position_embeddings"] = max_positions  # transformers' standardize_rope_params
+    if (
+        kind in ("llama3", "yarn")
+        and out.get("original_max_position_embeddings") is None
+        and max_positions
+    ):
+        out["original_max_position_embeddings"] = (
+            max_positions  # transformers' standardize_rope_params
+        )
     if kind == "yarn" and out.get("factor") is None and max_positions:
-        out["factor"] = max_positions / out["original_max_position_embeddings"]  # _compute_yarn_parameters
+        out["factor"] = (
+            max_positions / out["original_max_position_embeddings"]
+        )  # _compute_yarn_parameters
     return out
 
 
@@ -84,17 +96,25 @@ def target_rope(text) -> RopeChoice:
         elif len(nested) == 1:
             key = next(iter(nested))
         else:
-            raise ConfigError(f"the target's rope_parameters are set per layer type ({', '.join(nested)}) and "
-                              "none is full_attention, so it is not clear which one a full-attention draft "
-                              "layer should copy", "pass --draft-rope-theta THETA to train plain rope")
-        others = ", ".join(f"{k}: theta {float(v.get('rope_theta', legacy_theta or DEFAULT_THETA)):g}"
-                           + (f", {v['rope_type']}" if v.get("rope_type", "default") != "default" else "")
-                           for k, v in nested.items() if k != key)
+            raise ConfigError(
+                f"the target's rope_parameters are set per layer type ({', '.join(nested)}) and "
+                "none is full_attention, so it is not clear which one a full-attention draft "
+                "layer should copy",
+                "pass --draft-rope-theta THETA to train plain rope",
+            )
+        others = ", ".join(
+            f"{k}: theta {float(v.get('rope_theta', legacy_theta or DEFAULT_THETA)):g}"
+            + (f", {v['rope_type']}" if v.get("rope_type", "default") != "default" else "")
+            for k, v in nested.items()
+            if k != key
+        )
         entry = dict(nested[key])
         where = f"rope_parameters[{key!r}]"
         if others:
-            note = (f"; the draft is a full-attention layer, so it copies the target's {key} layers, not "
-                    f"its other layer types ({others})")
+            note = (
+                f"; the draft is a full-attention layer, so it copies the target's {key} layers, not "
+                f"its other layer types ({others})"
+            )
     else:
         entry = params
     theta = entry.get("rope_theta", legacy_theta)
@@ -105,25 +125,42 @@ def target_rope(text) -> RopeChoice:
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "mrope" or "mrope_section" in entry or "mrope_section" in (scaling or {}):
         # Qwen2-VL / 2.5-VL / 3-VL's multimodal rope: the sections go, a scaling on top of it (yarn) stays
-        scaling = {k: v for k, v in (scaling or {}).items() if k not in ("mrope_section", "mrope_interleaved")}
+        scaling = {
+            k: v
+            for k, v in (scaling or {}).items()
+            if k not in ("mrope_section", "mrope_interleaved")
+        }
         kind = scaling.get("rope_type", "default")
         if kind in ("mrope", "default"):
             scaling, kind = None, "default"
-        note += ("; the target's M-RoPE rotates by (temporal, height, width) positions, which are all the "
-                 "token's index on text; vLLM hands a plain-rope draft the first (temporal) one, so the draft "
-                 f"is {'plain' if scaling is None else kind} rope at the target's theta")
-    if kind == "proportional":  # Gemma 4's full-attention layers: rope on a part of each head, the rest
-        scaling, kind = None, "default"  # unrotated; the draft (a Llama layer) rotates all of its head
+        note += (
+            "; the target's M-RoPE rotates by (temporal, height, width) positions, which are all the "
+            "token's index on text; vLLM hands a plain-rope draft the first (temporal) one, so the draft "
+            f"is {'plain' if scaling is None else kind} rope at the target's theta"
+        )
+    if (
+        kind == "proportional"
+    ):  # Gemma 4's full-attention layers: rope on a part of each head, the rest
+        scaling, kind = (
+            None,
+            "default",
+        )  # unrotated; the draft (a Llama layer) rotates all of its head
         note += "; its proportional rope is plain rope at this theta on a part of each head"
     if kind not in ROPE_TYPES:
-        raise ConfigError(f"the target's rope scaling {kind!r} ({where}) is not one the draft computes "
-                          f"({', '.join(ROPE_TYPES)})",
-                          "pass --draft-rope-theta THETA to train the draft with plain rope at that theta")
+        raise ConfigError(
+            f"the target's rope scaling {kind!r} ({where}) is not one the draft computes "
+            f"({', '.join(ROPE_TYPES)})",
+            "pass --draft-rope-theta THETA to train the draft with plain rope at that theta",
+        )
     partial = entry.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
-        note += (f"; the target rotates {partial:g} of each head, the draft (a Llama layer, as the engines "
-                 "build it) all of its head")
-    described = f"theta {float(theta):g}" + (f", {kind} scaling {_fields(scaling)}" if scaling else "")
+        note += (
+            f"; the target rotates {partial:g} of each head, the draft (a Llama layer, as the engines "
+            "build it) all of its head"
+        )
+    described = f"theta {float(theta):g}" + (
+        f", {kind} scaling {_fields(scaling)}" if scaling else ""
+    )
     return RopeChoice(float(theta), scaling, f"target {where}: {described}{note}")
 
 
@@ -152,7 +189,9 @@ class DraftConfig:
     rope_source: str = ""  # where the rope settings came from (target_rope), in words
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
-    sliding_window: int | None = None  # --draft-window: the draft's attention sees the last W positions
+    sliding_window: int | None = (
+        None  # --draft-window: the draft's attention sees the last W positions
+    )
     # EAGLE-3.1 options
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc
     norm_output: bool = False  # feed the post-norm state to the next TTT step
@@ -165,31 +204,49 @@ class DraftConfig:
     tokenizer_base_fingerprint: str = ""  # the tokenizer without its template (tells the two apart)
     vocab_map_fingerprint: str = ""
     mask_token_id: int | None = None  # P-EAGLE: the token of the mask slots (parallel drafting)
-    algorithm: str = "eagle3"  # the draft algorithm (spec_cli/draft/algorithms.py); older checkpoints: eagle3
+    algorithm: str = (
+        "eagle3"  # the draft algorithm (spec_cli/draft/algorithms.py); older checkpoints: eagle3
+    )
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"a sliding window of {self.sliding_window} positions", "use --draft-window 1 or more")
+            raise ConfigError(
+                f"a sliding window of {self.sliding_window} positions",
+                "use --draft-window 1 or more",
+            )
         if self.num_hidden_layers < 1:
-            raise ConfigError("the draft needs at least 1 decoder layer", "use --draft-layers 1 or more")
+            raise ConfigError(
+                "the draft needs at least 1 decoder layer", "use --draft-layers 1 or more"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"draft heads {self.num_attention_heads} not divisible by kv heads "
-                              f"{self.num_key_value_heads}", "choose kv heads that divide the heads")
+            raise ConfigError(
+                f"draft heads {self.num_attention_heads} not divisible by kv heads "
+                f"{self.num_key_value_heads}",
+                "choose kv heads that divide the heads",
+            )
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],
-                    **overrides) -> DraftConfig:
+    def from_target(
+        cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int], **overrides
+    ) -> DraftConfig:
         """Llama-style layer shaped like the target's (hidden size, heads, rope), overridable."""
         text = target_config
         if getattr(text, "num_hidden_layers", None) is None and getattr(text, "text_config", None):
             text = text.text_config
         heads = text.num_attention_heads
-        if overrides.get("rope_theta") is not None:  # --draft-rope-theta: plain rope, chosen by the user
-            rope = RopeChoice(float(overrides["rope_theta"]), None,
-                              f"--draft-rope-theta: theta {float(overrides['rope_theta']):g}, no scaling "
-                              "(not taken from the target)")
-            overrides = {k: v for k, v in overrides.items() if k not in ("rope_theta", "rope_scaling")}
+        if (
+            overrides.get("rope_theta") is not None
+        ):  # --draft-rope-theta: plain rope, chosen by the user
+            rope = RopeChoice(
+                float(overrides["rope_theta"]),
+                None,
+                f"--draft-rope-theta: theta {float(overrides['rope_theta']):g}, no scaling "
+                "(not taken from the target)",
+            )
+            overrides = {
+                k: v for k, v in overrides.items() if k not in ("rope_theta", "rope_scaling")
+            }
         else:
             rope = target_rope(text)
         values = dict(
@@ -214,7 +271,9 @@ class DraftConfig:
         )
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ConfigError(f"unknown draft option(s) {sorted(unknown)}", "check the option names")
+            raise ConfigError(
+                f"unknown draft option(s) {sorted(unknown)}", "check the option names"
+            )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "hidden_size" in overrides and overrides["hidden_size"] and "head_dim" not in overrides:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]

@@ -43,6 +43,7 @@ from spec_cli.draft.attention import Segments
 class Context:
     """This process's place in context parallelism: `size` ranks per group (consecutive global ranks),
     this one the group's `rank`-th. What the trainer gives the objective (Objective.context)."""
+
     size: int
     rank: int
     group: object = None
@@ -58,8 +59,10 @@ class Context:
         T = batch.attention_mask.shape[1]
         ranges = kept_ranges(self.size, self.rank, T, halo)
         if batch.slots.numel() != sum(b - a for a, b in ranges):
-            raise ValueError(f"the batch holds {batch.slots.numel()} slots of its rows; this rank needs the "
-                             f"ranges {ranges} (context parallel {self.size}, halo {halo})")
+            raise ValueError(
+                f"the batch holds {batch.slots.numel()} slots of its rows; this rank needs the "
+                f"ranges {ranges} (context parallel {self.size}, halo {halo})"
+            )
         return batch, kind(self.size, self.rank, T, self.group, kept=tuple(ranges))
 
 
@@ -87,22 +90,28 @@ def pad_rows(batch: TargetBatch, length: int) -> TargetBatch:
         if t.dim() < 2 or t is batch.seq_lens:  # seq_lens [B, D] lists documents, not slots
             return t
         return torch.cat([t, t.new_zeros((t.shape[0], extra, *t.shape[2:]))], 1)
+
     return batch.map(pad)
 
 
 @dataclass(frozen=True)
 class ContextShard:
     """This rank's share of rows of `length` slots (a multiple of 2 * size) in a CP group of `size`."""
+
     size: int
     rank: int
     length: int
     group: object = None  # torch.distributed ProcessGroup (None: the default group)
-    kept: tuple | None = None  # the batch holds only these slot ranges of its rows (kept_ranges); None: all
+    kept: tuple | None = (
+        None  # the batch holds only these slot ranges of its rows (kept_ranges); None: all
+    )
     _index: dict = field(default_factory=dict, compare=False, repr=False)  # by device
 
     def __post_init__(self):
         if self.length % (2 * self.size):
-            raise ValueError(f"rows of {self.length} slots do not split into {2 * self.size} equal chunks")
+            raise ValueError(
+                f"rows of {self.length} slots do not split into {2 * self.size} equal chunks"
+            )
 
     @property
     def chunk(self) -> int:
@@ -146,7 +155,12 @@ class ContextShard:
         kept = self._index.get(key)
         if kept is None:
             first = self.kept[0][1] - self.kept[0][0]
-            kept = torch.cat([torch.arange(self.chunk, device=device), first + torch.arange(self.chunk, device=device)])
+            kept = torch.cat(
+                [
+                    torch.arange(self.chunk, device=device),
+                    first + torch.arange(self.chunk, device=device),
+                ]
+            )
             self._index[key] = kept
         return kept
 
@@ -180,7 +194,9 @@ class ContextShard:
 
     def mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """The group's mean of a quantity this rank has summed over `count` positions (no host wait)."""
-        both = self.all_reduce(torch.stack([total.double(), total.new_tensor(count, dtype=torch.float64)]))
+        both = self.all_reduce(
+            torch.stack([total.double(), total.new_tensor(count, dtype=torch.float64)])
+        )
         return (both[0] / both[1].clamp_min(1)).to(total.dtype)
 
 
@@ -193,7 +209,7 @@ class LocalShard(ContextShard):
         return torch.cat([x] * self.size, dim)
 
     def scatter_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x.movedim(dim, 0).contiguous()[:2 * self.chunk].clone().movedim(0, dim)
+        return x.movedim(dim, 0).contiguous()[: 2 * self.chunk].clone().movedim(0, dim)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
@@ -210,7 +226,9 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        wide = torch.promote_types(grad.dtype, torch.float32)  # bf16/fp16 -> fp32; fp32/fp64 as they are
+        wide = torch.promote_types(
+            grad.dtype, torch.float32
+        )  # bf16/fp16 -> fp32; fp32/fp64 as they are
         return None, ctx.shard.scatter_sum(grad.to(wide), 2).to(grad.dtype)
 
 
@@ -219,9 +237,12 @@ class ContextBias:
     """The attention structure of a CP shard: whole rows' documents (`segments`, maybe windowed), whose
     queries this rank holds in part. `ttt_attention` takes it where it takes a Segments, and hands its
     causal part the whole rows' keys (`whole_rows`)."""
+
     shard: ContextShard
     segments: Segments
-    gathered: dict = field(default_factory=dict, compare=False, repr=False)  # id(keys) -> (keys, rows)
+    gathered: dict = field(
+        default_factory=dict, compare=False, repr=False
+    )  # id(keys) -> (keys, rows)
 
     def whole_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The whole rows of this rank's keys or values x, gathered once per tensor: every TTT step of an
@@ -242,8 +263,12 @@ class ContextBias:
         return dataclasses.replace(self, gathered={})
 
     def windowed(self, window: int) -> ContextBias:
-        return dataclasses.replace(self, segments=attention.with_window(
-            self.segments, window, len({s[0] for s in self.segments.spans}), self.shard.length))
+        return dataclasses.replace(
+            self,
+            segments=attention.with_window(
+                self.segments, window, len({s[0] for s in self.segments.spans}), self.shard.length
+            ),
+        )
 
     def pieces(self):
         """The kernel calls of this rank's queries: (row, local query start, global query start, query
@@ -274,12 +299,19 @@ class ContextBias:
         states = []
         for b, lq, gq, n, ks, ke, bias in self.pieces():
             bias = self._bias(bias, n, ks, ke, q)
-            o, l, state = kernel.fwd(q[b:b + 1, :, lq:lq + n].contiguous(), keys[b:b + 1, :, ks:ke].contiguous(),
-                                     values[b:b + 1, :, ks:ke].contiguous(), bias, scale)
+            o, l, state = kernel.fwd(
+                q[b : b + 1, :, lq : lq + n].contiguous(),
+                keys[b : b + 1, :, ks:ke].contiguous(),
+                values[b : b + 1, :, ks:ke].contiguous(),
+                bias,
+                scale,
+            )
             rows = (slice(b, b + 1), slice(None), slice(lq, lq + n))
             merged = torch.logaddexp(lse[rows], l.to(acc))
-            out[rows] = out[rows] * torch.exp(lse[rows] - merged)[..., None] \
+            out[rows] = (
+                out[rows] * torch.exp(lse[rows] - merged)[..., None]
                 + o.to(acc) * torch.exp(l.to(acc) - merged)[..., None]
+            )
             lse[rows] = merged
             states.append(state)
         return out.to(q.dtype), lse, states
@@ -290,18 +322,30 @@ class ContextBias:
         keys, values = k, v
         acc = attention._acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk, dv = torch.zeros(keys.shape, dtype=acc, device=q.device), torch.zeros(values.shape, dtype=acc, device=q.device)
+        dk, dv = (
+            torch.zeros(keys.shape, dtype=acc, device=q.device),
+            torch.zeros(values.shape, dtype=acc, device=q.device),
+        )
         for (b, lq, gq, n, ks, ke, bias), state in zip(self.pieces(), states):
             bias = self._bias(bias, n, ks, ke, q)
 
             def rows(x):
-                return x[b:b + 1, :, lq:lq + n].contiguous()
-            gq_, gk, gv = kernel.bwd(rows(dout), rows(q), keys[b:b + 1, :, ks:ke].contiguous(),
-                                     values[b:b + 1, :, ks:ke].contiguous(), bias, rows(out),
-                                     lse[b:b + 1, :, lq:lq + n].contiguous(), scale, state)
-            dq[b:b + 1, :, lq:lq + n] += gq_.to(acc)
-            dk[b:b + 1, :, ks:ke] += gk.to(acc)
-            dv[b:b + 1, :, ks:ke] += gv.to(acc)
+                return x[b : b + 1, :, lq : lq + n].contiguous()
+
+            gq_, gk, gv = kernel.bwd(
+                rows(dout),
+                rows(q),
+                keys[b : b + 1, :, ks:ke].contiguous(),
+                values[b : b + 1, :, ks:ke].contiguous(),
+                bias,
+                rows(out),
+                lse[b : b + 1, :, lq : lq + n].contiguous(),
+                scale,
+                state,
+            )
+            dq[b : b + 1, :, lq : lq + n] += gq_.to(acc)
+            dk[b : b + 1, :, ks:ke] += gk.to(acc)
+            dv[b : b + 1, :, ks:ke] += gv.to(acc)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def _bias(self, kind, n: int, ks: int, ke: int, like: torch.Tensor):
@@ -313,4 +357,3 @@ class ContextBias:
 def whole_rows(rows: int, length: int) -> Segments:
     """Unpacked rows as documents: one range per row (causal over the row, as bias None is)."""
     return Segments.from_lengths([[length]] * rows, length)
-

@@ -45,6 +45,7 @@ class Objective(torch.nn.Module):
 
 class Checkpoint(Protocol):
     """What an algorithm's exporter reads of a trained draft (export/source.py's DraftSource)."""
+
     checkpoint: Path
     step: int
     config: DraftConfig
@@ -58,7 +59,9 @@ class ExportFiles:
     format: str
     config: dict  # config.json
     tensors: dict[str, torch.Tensor]  # model.safetensors
-    engine_aux_ids: list[int]  # as written, in the engine's convention (and its concatenation order)
+    engine_aux_ids: list[
+        int
+    ]  # as written, in the engine's convention (and its concatenation order)
     aux_layer_outputs: list[int]  # the same layers in spec_cli's convention, in that order
     num_speculative_tokens: int
 
@@ -68,12 +71,22 @@ def provenance(src: Checkpoint, fmt: str, dtype: torch.dtype) -> dict:
     key; `spec export --overwrite`, `spec inspect` and `spec eval` read it). Every writer puts it there."""
     c = src.config
     return {
-        "kind": "draft_export", "format": fmt, "algorithm": src.config.algorithm, "schema_version": SCHEMA_VERSION, "version": __version__,
-        "checkpoint": str(src.checkpoint), "step": src.step, "dtype": DTYPE_NAMES[dtype],
-        "aux_layer_outputs": list(c.aux_layer_ids), "target_num_layers": c.target_num_layers,
-        "target": src.target, "target_architecture": c.target_architecture,
-        "target_fingerprint": c.target_fingerprint, "tokenizer_fingerprint": c.tokenizer_fingerprint,
-        "chat_template_sha256": c.chat_template_sha256, "chat_template_source": c.chat_template_source,
+        "kind": "draft_export",
+        "format": fmt,
+        "algorithm": src.config.algorithm,
+        "schema_version": SCHEMA_VERSION,
+        "version": __version__,
+        "checkpoint": str(src.checkpoint),
+        "step": src.step,
+        "dtype": DTYPE_NAMES[dtype],
+        "aux_layer_outputs": list(c.aux_layer_ids),
+        "target_num_layers": c.target_num_layers,
+        "target": src.target,
+        "target_architecture": c.target_architecture,
+        "target_fingerprint": c.target_fingerprint,
+        "tokenizer_fingerprint": c.tokenizer_fingerprint,
+        "chat_template_sha256": c.chat_template_sha256,
+        "chat_template_source": c.chat_template_source,
         "tokenizer_base_fingerprint": c.tokenizer_base_fingerprint,
         "rope_source": c.rope_source,
         "vocab_map_fingerprint": c.vocab_map_fingerprint,
@@ -87,6 +100,7 @@ class TargetField:
     input_ids [B, T]) -> [B, T, width]`, position-aligned like the aux states (the final hidden state is
     the target's last layer after its final norm, in the target's dtype). A feature cache stores it
     (precompute asks the algorithm), a server sends it, streaming carries it."""
+
     name: str
     width: Callable[[int], int]  # the target's hidden size -> the field's last dimension
     compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,5 +111,6 @@ class TargetField:
 
 
 # the need every backend knows: the target's final hidden state (EAGLE-1/2's feature)
-FINAL_HIDDEN_FIELD = TargetField("final_hidden", width=lambda hidden: hidden,
-                                 compute=lambda final, aux, ids: final)
+FINAL_HIDDEN_FIELD = TargetField(
+    "final_hidden", width=lambda hidden: hidden, compute=lambda final, aux, ids: final
+)

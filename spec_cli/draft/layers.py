@@ -15,10 +15,15 @@ from spec_cli.errors import ConfigError
 # rotary embeddings
 
 
-def _yarn(inv_freq: torch.Tensor, base: float, d: int, scaling: dict, max_positions: int) -> torch.Tensor:
+def _yarn(
+    inv_freq: torch.Tensor, base: float, d: int, scaling: dict, max_positions: int
+) -> torch.Tensor:
     """YaRN (transformers' _compute_yarn_parameters; vLLM's YaRNScalingRotaryEmbedding): dims that rotate
     fast enough keep their frequency, slow ones are interpolated by `factor`, a linear ramp in between."""
-    factor, old_len = scaling["factor"], scaling.get("original_max_position_embeddings") or max_positions
+    factor, old_len = (
+        scaling["factor"],
+        scaling.get("original_max_position_embeddings") or max_positions,
+    )
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over old_len
@@ -28,7 +33,9 @@ def _yarn(inv_freq: torch.Tensor, base: float, d: int, scaling: dict, max_positi
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    ramp = (
+        (torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)
+    ).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
@@ -61,7 +68,11 @@ def rope_inv_freq(config: DraftConfig) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
@@ -71,8 +82,10 @@ def rope_inv_freq(config: DraftConfig) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
         return _yarn(inv_freq, config.rope_theta, d, scaling, config.max_position_embeddings)
-    raise ConfigError(f"rope type {kind!r} is not supported by the draft model",
-                      "supported: default, linear, llama3, yarn; train with --draft-rope-theta THETA")
+    raise ConfigError(
+        f"rope type {kind!r} is not supported by the draft model",
+        "supported: default, linear, llama3, yarn; train with --draft-rope-theta THETA",
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +105,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # blocks
 
 
-def feature_noise(x: torch.Tensor, std: float, parts: int = 1, offset: int | None = None) -> torch.Tensor:
+def feature_noise(
+    x: torch.Tensor, std: float, parts: int = 1, offset: int | None = None
+) -> torch.Tensor:
     """x + std * RMS * N(0, 1): Gaussian noise on the target's states, relative to each state's size
     (the RMS per token over each of `parts` equal slices of the last dim: EAGLE-3's aux states are
     three layers' states side by side, of different sizes). Training only: the draft learns to
@@ -105,8 +120,12 @@ def feature_noise(x: torch.Tensor, std: float, parts: int = 1, offset: int | Non
     rms = slices.detach().float().pow(2).mean(-1, keepdim=True).sqrt()
     generator = None
     if offset is not None:  # (a host draw from the CPU generator: no device sync)
-        generator = torch.Generator(x.device).manual_seed(int(torch.randint(2 ** 62, (1,))) + offset)
-    noise = torch.randn(slices.shape, device=x.device, dtype=torch.float32, generator=generator) * rms * std
+        generator = torch.Generator(x.device).manual_seed(int(torch.randint(2**62, (1,))) + offset)
+    noise = (
+        torch.randn(slices.shape, device=x.device, dtype=torch.float32, generator=generator)
+        * rms
+        * std
+    )
     return (slices + noise.to(x.dtype)).flatten(-2)
 
 
@@ -172,7 +191,9 @@ class KVCache:
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.positions: torch.Tensor | None = None  # [L] each slot's position (kept by windowed drafts)
+        self.positions: torch.Tensor | None = (
+            None  # [L] each slot's position (kept by windowed drafts)
+        )
 
     def add_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Record the positions [n] of the slots this call appends; returns every slot's [L + n]. (Tree

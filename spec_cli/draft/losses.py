@@ -55,9 +55,16 @@ class _SoftCrossEntropy(torch.autograd.Function):
 HEAD_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk of positions in chunked_soft_ce
 
 
-def chunked_soft_ce(logits_of: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, where: tuple,
-                    target_p: torch.Tensor, at: tuple, vocab: int, weight: torch.Tensor | None = None,
-                    chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_soft_ce(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    state: torch.Tensor,
+    where: tuple,
+    target_p: torch.Tensor,
+    at: tuple,
+    vocab: int,
+    weight: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """soft_cross_entropy(logits_of(state[where]), target_p[at] * weight) and the logits' argmax [N],
     chunk by chunk of positions, each chunk checkpointed: no [N, V] tensor ever exists (not the logits,
     their fp32 log-softmax, the gathered target_p, nor the gradient) and nothing of a chunk is kept for
@@ -72,26 +79,39 @@ def chunked_soft_ce(logits_of: Callable[[torch.Tensor], torch.Tensor], state: to
     n = where[0].shape[0]
     if n == 0:  # the plain head on nothing: 0, with a (zero) gradient like any other step's
         return _soft_ce_sum(logits_of, state, where, target_p, at, weight)
-    loss = state.new_zeros((), dtype=torch.float64 if state.dtype == torch.float64 else torch.float32)
+    loss = state.new_zeros(
+        (), dtype=torch.float64 if state.dtype == torch.float64 else torch.float32
+    )
     argmax = []
     for start in range(0, n, chunk_rows):
         part = slice(start, start + chunk_rows)
-        value, top = activation_checkpoint(_soft_ce_sum, logits_of, state, tuple(i[part] for i in where), target_p,
-                                           tuple(i[part] for i in at), None if weight is None else weight[part],
-                                           use_reentrant=False)
+        value, top = activation_checkpoint(
+            _soft_ce_sum,
+            logits_of,
+            state,
+            tuple(i[part] for i in where),
+            target_p,
+            tuple(i[part] for i in at),
+            None if weight is None else weight[part],
+            use_reentrant=False,
+        )
         loss = loss + value
         argmax.append(top)
     return loss / n, torch.cat(argmax)
 
 
-def _soft_ce_sum(logits_of, state, where, target_p, at, weight) -> tuple[torch.Tensor, torch.Tensor]:
+def _soft_ce_sum(
+    logits_of, state, where, target_p, at, weight
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's soft-CE summed over its positions, and its argmax."""
     logits = logits_of(state[where])  # [c, V]
     p = target_p[at] if weight is None else target_p[at] * weight[:, None]
     return soft_cross_entropy(logits, p) * where[0].shape[0], logits.detach().argmax(-1)
 
 
-def acceptance(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor) -> torch.Tensor:
+def acceptance(
+    logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor
+) -> torch.Tensor:
     """alpha [N] = sum_v min(p_target, p_draft) over the draft vocab: the probability that
     speculative sampling accepts the draft's token. p_target uses the full-vocab normaliser."""
     p_target = target_p * target_mass[..., None]  # [N, Vd]
@@ -105,20 +125,33 @@ def lk_alpha_loss(alpha: torch.Tensor) -> torch.Tensor:
     return _mean(-torch.where(accepted, alpha, torch.ones_like(alpha)).log())
 
 
-def lk_lambda_loss(soft_ce: torch.Tensor, alpha: torch.Tensor, kl_scale: float = 1.0,
-                   kl_decay: float = 1.0, weight_alpha: torch.Tensor | None = None) -> torch.Tensor:
+def lk_lambda_loss(
+    soft_ce: torch.Tensor,
+    alpha: torch.Tensor,
+    kl_scale: float = 1.0,
+    kl_decay: float = 1.0,
+    weight_alpha: torch.Tensor | None = None,
+) -> torch.Tensor:
     """w * soft_ce + (1 - w) * (1 - mean(alpha)),  w = kl_scale * exp(-kl_decay * mean(alpha)):
     mostly soft-CE while the draft is poor, mostly acceptance once it is good. weight_alpha: the mean
     alpha w is computed from, when it is not this call's (context parallelism: the whole batch's, so that
     each rank's loss is its share of the single-process loss; the rest is linear in the positions)."""
     mean_alpha = _mean(alpha)
-    w = kl_scale * torch.exp(-kl_decay * (mean_alpha if weight_alpha is None else weight_alpha).detach())
+    w = kl_scale * torch.exp(
+        -kl_decay * (mean_alpha if weight_alpha is None else weight_alpha).detach()
+    )
     return w * soft_ce + (1 - w) * (1 - mean_alpha)
 
 
-def step_loss(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
-              loss: str = "soft-ce", kl_scale: float = 1.0, kl_decay: float = 1.0,
-              group_mean: Callable | None = None) -> torch.Tensor:
+def step_loss(
+    logits: torch.Tensor,
+    target_p: torch.Tensor,
+    target_mass: torch.Tensor,
+    loss: str = "soft-ce",
+    kl_scale: float = 1.0,
+    kl_decay: float = 1.0,
+    group_mean: Callable | None = None,
+) -> torch.Tensor:
     """The loss of one TTT step over its N supervised positions. group_mean(sum, count) -> the mean over a
     context-parallel group's positions (lk-lambda's weight reads it)."""
     if loss == "soft-ce":
@@ -127,8 +160,12 @@ def step_loss(logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.T
     if loss == "lk-alpha":
         return lk_alpha_loss(alpha)
     if loss == "lk-lambda":
-        weight_alpha = None if group_mean is None else group_mean(alpha.detach().sum(), alpha.numel())
-        return lk_lambda_loss(soft_cross_entropy(logits, target_p), alpha, kl_scale, kl_decay, weight_alpha)
+        weight_alpha = (
+            None if group_mean is None else group_mean(alpha.detach().sum(), alpha.numel())
+        )
+        return lk_lambda_loss(
+            soft_cross_entropy(logits, target_p), alpha, kl_scale, kl_decay, weight_alpha
+        )
     raise ValueError(f"unknown loss {loss!r}: use one of {', '.join(LOSSES)}")
 
 
@@ -145,7 +182,7 @@ def top1_hits(argmax: torch.Tensor, d2t: torch.Tensor, target_ids: torch.Tensor)
 
 def step_weights(ttt_steps: int, step_weight: float) -> list[float]:
     """step_weight**k for k < ttt_steps, normalised to sum 1."""
-    raw = [step_weight ** k for k in range(ttt_steps)]
+    raw = [step_weight**k for k in range(ttt_steps)]
     return [w / sum(raw) for w in raw]
 
 

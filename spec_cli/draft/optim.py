@@ -28,7 +28,12 @@ import torch
 
 ADAMW_BETAS = (0.9, 0.95)
 # 2-D weights kept on AdamW: token-indexed tables (rows are tokens, not directions)
-VOCAB_MATRICES = ("lm_head", "embed_tokens", "markov_w1", "markov_w2")  # (DSpark's Markov head: vocab rows)
+VOCAB_MATRICES = (
+    "lm_head",
+    "embed_tokens",
+    "markov_w1",
+    "markov_w2",
+)  # (DSpark's Markov head: vocab rows)
 
 
 def is_matrix(name: str, param: torch.Tensor) -> bool:
@@ -46,19 +51,38 @@ def ordered(named: Sequence[tuple[str, torch.Tensor]], optim) -> list[tuple[str,
 class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon over `matrices`, torch.optim.AdamW over `others`, as one optimizer."""
 
-    def __init__(self, matrices: list, others: list, lr: float, muon_lr: float, weight_decay: float,
-                 muon_weight_decay: float, momentum: float = 0.95):
+    def __init__(
+        self,
+        matrices: list,
+        others: list,
+        lr: float,
+        muon_lr: float,
+        weight_decay: float,
+        muon_weight_decay: float,
+        momentum: float = 0.95,
+    ):
         parts = []
         if matrices:
             # match_rms_adamw: Muon's update scaled to AdamW's RMS, so --lr means the same on both parts
-            parts.append(torch.optim.Muon(matrices, lr=muon_lr, weight_decay=muon_weight_decay,
-                                          momentum=momentum, adjust_lr_fn="match_rms_adamw"))
+            parts.append(
+                torch.optim.Muon(
+                    matrices,
+                    lr=muon_lr,
+                    weight_decay=muon_weight_decay,
+                    momentum=momentum,
+                    adjust_lr_fn="match_rms_adamw",
+                )
+            )
         if others:
-            parts.append(torch.optim.AdamW(others, lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay))
+            parts.append(
+                torch.optim.AdamW(others, lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay)
+            )
         if not parts:
             raise ValueError("no parameters to optimize")
         self.parts = parts
-        super().__init__([p for part in parts for g in part.param_groups for p in g["params"]], {"lr": lr})
+        super().__init__(
+            [p for part in parts for g in part.param_groups for p in g["params"]], {"lr": lr}
+        )
         self.param_groups = [g for part in parts for g in part.param_groups]
         for group in self.param_groups:
             group["lr_scale"] = group["lr"] / lr
@@ -69,12 +93,14 @@ class MuonAdamW(torch.optim.Optimizer):
         start = 0
         for part in self.parts:
             n = len(part.param_groups)
-            part.param_groups = self.param_groups[start:start + n]
+            part.param_groups = self.param_groups[start : start + n]
             part.state = self.state
             start += n
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)  # new group dicts and a new state: hand them to the parts
+        super().load_state_dict(
+            state_dict
+        )  # new group dicts and a new state: hand them to the parts
         self._share()
 
     @torch.no_grad()
@@ -94,7 +120,9 @@ def make_optimizer(params: list, optim, names: list[str] | None = None) -> torch
     `params` in `ordered` order."""
     kind = getattr(optim, "optimizer", "adamw")
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=optim.lr, betas=ADAMW_BETAS, weight_decay=optim.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=optim.lr, betas=ADAMW_BETAS, weight_decay=optim.weight_decay
+        )
     if kind != "muon":
         raise ValueError(f"unknown optimizer {kind!r}: use adamw or muon")
     if names is None:
@@ -102,9 +130,14 @@ def make_optimizer(params: list, optim, names: list[str] | None = None) -> torch
     flags = [is_matrix(n, p) for n, p in zip(names, params)]
     if flags != sorted(flags, reverse=True):
         raise ValueError("Muon: pass the parameters in optim.ordered() order (matrices first)")
-    return MuonAdamW([p for p, m in zip(params, flags) if m], [p for p, m in zip(params, flags) if not m],
-                     lr=optim.lr, muon_lr=optim.muon_lr or optim.lr, weight_decay=optim.weight_decay,
-                     muon_weight_decay=optim.muon_weight_decay)
+    return MuonAdamW(
+        [p for p, m in zip(params, flags) if m],
+        [p for p, m in zip(params, flags) if not m],
+        lr=optim.lr,
+        muon_lr=optim.muon_lr or optim.lr,
+        weight_decay=optim.weight_decay,
+        muon_weight_decay=optim.muon_weight_decay,
+    )
 
 
 def lr_at(step: int, total: int, optim) -> float:

@@ -29,8 +29,9 @@ def policy(device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if device.type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=False)
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
@@ -58,42 +59,63 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], sharded: bool,
-               with_optimizer: bool = True):
+def full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    sharded: bool,
+    with_optimizer: bool = True,
+):
     """(model state dict, optimizer state dict in torch's index-keyed form), full tensors on CPU.
     Frozen parameters (requires_grad False: the embedding copied from the target) are left out; a
     checkpoint does not repeat them. Collective when sharded: every rank calls it, and only rank 0
     receives the optimizer state. with_optimizer False: the model alone (optimizer None)."""
     if not sharded:
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-        return ({k: v for k, v in model.state_dict().items() if k not in frozen},
-                optimizer.state_dict() if with_optimizer else None)
+        return (
+            {k: v for k, v in model.state_dict().items() if k not in frozen},
+            optimizer.state_dict() if with_optimizer else None,
+        )
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    model_sd = get_model_state_dict(model, options=_options(cpu_offload=True, ignore_frozen_params=True))
+    model_sd = get_model_state_dict(
+        model, options=_options(cpu_offload=True, ignore_frozen_params=True)
+    )
     if not with_optimizer:
         return model_sd, None
     osd = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if "state" not in osd:  # with cpu_offload only rank 0 receives the full state
         return model_sd, None
     index = {name: i for i, name in enumerate(names)}
-    return model_sd, {"state": {index[n]: s for n, s in osd["state"].items()},
-                      "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                       for g in osd["param_groups"]]}
+    return model_sd, {
+        "state": {index[n]: s for n, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optimizer_sd: dict,
-                    names: list[str], sharded: bool, frozen: list[str] = ()) -> None:
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_sd: dict,
+    optimizer_sd: dict,
+    names: list[str],
+    sharded: bool,
+    frozen: list[str] = (),
+) -> None:
     """Inverse of full_state: each rank passes the full state dicts (read from the checkpoint).
     `frozen`: the keys the checkpoint left out (the model already holds them, copied from the target);
     any other missing or unknown key is an error."""
     expected = set(model.state_dict())  # the same names with FSDP2 (DTensor values)
     wrong = sorted((expected - set(model_sd)) ^ set(frozen)) + sorted(set(model_sd) - expected)
     if wrong:
-        raise RuntimeError(f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}")
+        raise RuntimeError(
+            f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}"
+        )
     if not sharded:
         model.load_state_dict(model_sd, strict=False)
         optimizer.load_state_dict(optimizer_sd)
@@ -103,9 +125,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     set_model_state_dict(model, model_sd, options=_options(strict=False))
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    by_name = {"state": {names[i]: s for i, s in optimizer_sd["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                                for g in optimizer_sd["param_groups"]]}
+    by_name = {
+        "state": {names[i]: s for i, s in optimizer_sd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in optimizer_sd["param_groups"]
+        ],
+    }
     set_optimizer_state_dict(model, optimizer, by_name, options=_options())
 
 
@@ -132,12 +157,15 @@ def _local(value, rank: int, world: int) -> tuple[torch.Tensor, int | None]:
     local = value.to_local()
     start, rows = shard_rows(value.shape[0], world, rank)
     if tuple(local.shape) != (rows, *value.shape[1:]):
-        raise RuntimeError(f"unexpected FSDP2 shard: {tuple(local.shape)} of {tuple(value.shape)} on rank {rank}")
+        raise RuntimeError(
+            f"unexpected FSDP2 shard: {tuple(local.shape)} of {tuple(value.shape)} on rank {rank}"
+        )
     return local, start
 
 
-def local_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str], params: list, rank: int,
-                          world: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+def local_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: list[str], params: list, rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """This rank's AdamW state, flat (state.<name>.<field>, as checkpoint.flatten_optimizer names them),
     on the CPU, and each tensor's [global shape, first row] (first row None: the whole tensor)."""
     tensors, layout = {}, {}
@@ -151,9 +179,18 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str], pa
     return tensors, layout
 
 
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], params: list,
-                     model_file, optimizer_tensors: dict, groups: list, rank: int, world: int,
-                     frozen: list[str] = ()) -> None:
+def load_local_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    params: list,
+    model_file,
+    optimizer_tensors: dict,
+    groups: list,
+    rank: int,
+    world: int,
+    frozen: list[str] = (),
+) -> None:
     """This rank's rows of each parameter from model_file (read as a slice: no rank reads the whole
     file), the buffers whole, and its own optimizer state; the inverse of local_optimizer_state."""
     from safetensors import safe_open
@@ -164,17 +201,21 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: 
         keys = set(f.keys())
         wrong = sorted((expected - keys) ^ set(frozen)) + sorted(keys - expected)
         if wrong:
-            raise RuntimeError(f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}")
+            raise RuntimeError(
+                f"the checkpoint does not fit the draft: missing or unexpected keys {wrong[:5]}"
+            )
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in frozen:
                     continue
                 if isinstance(p, DTensor):
                     local, start = _local(p, rank, world)
-                    local.copy_(f.get_slice(name)[start:start + local.shape[0]])
+                    local.copy_(f.get_slice(name)[start : start + local.shape[0]])
                 else:
                     p.copy_(f.get_tensor(name))
-            buffers = {name: f.get_tensor(name) for name, _ in model.named_buffers() if name in keys}
+            buffers = {
+                name: f.get_tensor(name) for name, _ in model.named_buffers() if name in keys
+            }
     model.load_state_dict(buffers, strict=False)
     for name, p in zip(names, params):
         state = {}
@@ -182,8 +223,14 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: 
             field = key.rsplit(".", 1)[1]
             value = optimizer_tensors[key]
             if isinstance(p, DTensor) and value.dim() > 0:
-                value = DTensor.from_local(value.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                           shape=p.shape, stride=p.stride(), run_check=False)
+                value = DTensor.from_local(
+                    value.to(p.device, p.dtype),
+                    p.device_mesh,
+                    p.placements,
+                    shape=p.shape,
+                    stride=p.stride(),
+                    run_check=False,
+                )
             state[field] = value
         if state:
             optimizer.state[p] = state

@@ -17,14 +17,26 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The optimizer's param groups as its state_dict writes them (hyperparameters, parameter indices)."""
     out, start = [], 0
     for group in optimizer.param_groups:
-        out.append({**{k: v for k, v in group.items() if k != "params"},
-                    "params": list(range(start, start + len(group["params"])))})
+        out.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(start, start + len(group["params"]))),
+            }
+        )
         start += len(group["params"])
     return out
 
 
-def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gradients=None, sync: bool = True,
-                     gradient_scale: int = 1):
+def forward_backward(
+    objective,
+    model,
+    batch,
+    grad_accum: int,
+    autocast,
+    hold_gradients=None,
+    sync: bool = True,
+    gradient_scale: int = 1,
+):
     """One micro-batch's forward and backward through `model` (the objective or its DDP / FSDP2 wrap),
     its loss divided by grad_accum; the objective's units (P-EAGLE's segments) one after another.
     hold_gradients: under torchrun, a context that keeps the ranks from sharing gradients (None: one
@@ -35,9 +47,11 @@ def forward_backward(objective, model, batch, grad_accum: int, autocast, hold_gr
     outs = []
     for i, unit in enumerate(units):
         share = hold_gradients is None or (sync and i == len(units) - 1)
-        with (nullcontext() if share else hold_gradients()), autocast:
+        with nullcontext() if share else hold_gradients(), autocast:
             out = model(batch, unit)
-            (out.loss * (gradient_scale / grad_accum)).backward()  # each backward adds: average them
+            (
+                out.loss * (gradient_scale / grad_accum)
+            ).backward()  # each backward adds: average them
         outs.append(out)
     return outs[0] if len(outs) == 1 else outs[0].merge(outs)
 
@@ -51,4 +65,6 @@ def optimizer_step(params: list, optimizer, grad_clip: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (FSDP2: a replicated DTensor)
+    return (
+        norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    )  # (FSDP2: a replicated DTensor)

@@ -20,7 +20,9 @@ from spec_cli.draft.layers import KVCache, rope_attention_scale, rope_inv_freq
 
 class SteppedDraft(nn.Module):
     attn_impl = "auto"  # TTT attention kernel: auto | fused | math
-    hidden_noise = 0.0  # --hidden-noise: relative noise on the target's states in training (project)
+    hidden_noise = (
+        0.0  # --hidden-noise: relative noise on the target's states in training (project)
+    )
     noise_offset = None  # --context-parallel: this rank's place in its group (layers.feature_noise)
 
     def new_cache(self) -> KVCache:
@@ -49,28 +51,43 @@ class SteppedDraft(nn.Module):
 
     # -- TTT (training) --------------------------------------------------------------------------
 
-    def ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, caches: list[list], bias: torch.Tensor | None = None,
-                 checkpoint: bool = False) -> torch.Tensor:
+    def ttt_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[list],
+        bias: torch.Tensor | None = None,
+        checkpoint: bool = False,
+    ) -> torch.Tensor:
         """One TTT step over whole rows.
 
         input_ids [B, T]; hidden [B, T, H]: project(aux) at step 0, the previous step's state after;
         caches: one list per layer of the (k, v) of earlier steps ([0] = step 0), appended to here;
         bias: None (causal), attention.Segments (packed) or block_causal_bias. Returns the state for the next step [B, T, H].
         """
-        attends = [_ttt_attend(list(cache), bias, self.attn_impl, self.config.sliding_window) for cache in caches]
+        attends = [
+            _ttt_attend(list(cache), bias, self.attn_impl, self.config.sliding_window)
+            for cache in caches
+        ]
         if checkpoint:  # recompute the layers in backward: keeps only their inputs and k/v
-            state, kvs = activation_checkpoint(self._layers, input_ids, hidden, cos, sin, attends,
-                                               use_reentrant=False)
+            state, kvs = activation_checkpoint(
+                self._layers, input_ids, hidden, cos, sin, attends, use_reentrant=False
+            )
         else:
             state, kvs = self._layers(input_ids, hidden, cos, sin, attends)
         for cache, kv in zip(caches, kvs):
             cache.append(kv)
         return state
 
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                position_ids: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Step 0 over whole rows (causal): [B, T] ids, what `project` reads [B, T, ...] -> state [B, T, H]."""
         B, T = input_ids.shape[:2]  # (ids [B, T], or embeddings [B, T, H]: MSD)
         if position_ids is None:
@@ -81,9 +98,14 @@ class SteppedDraft(nn.Module):
 
     # -- incremental decoding --------------------------------------------------------------------
 
-    def forward_step(self, input_ids: torch.Tensor, hidden: torch.Tensor,
-                     position_ids: torch.Tensor, cache: KVCache,
-                     attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode n new positions against the cache: input_ids [B, n], hidden [B, n, H]
         (project(aux) for positions the target verified, the draft's own state when drafting),
         position_ids [B, n]. attn_mask [B, 1, n, L_old + n] bool (True = attend) for tree drafts;
@@ -91,7 +113,9 @@ class SteppedDraft(nn.Module):
         the next tokens)."""
         n, past = input_ids.shape[1], len(cache)
         if attn_mask is None:
-            attn_mask = torch.ones(n, past + n, dtype=torch.bool, device=input_ids.device).tril(past)
+            attn_mask = torch.ones(n, past + n, dtype=torch.bool, device=input_ids.device).tril(
+                past
+            )
         window = self.config.sliding_window
         if window is not None:  # --draft-window: keys at positions > the query's - W (vLLM's rule)
             keys = cache.add_positions(position_ids[0])  # [past + n] each cached slot's position
@@ -102,11 +126,11 @@ class SteppedDraft(nn.Module):
             def attend(q, k, v):
                 k, v = cache.update(i, k, v)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+
             return attend
 
         attends = [attend_fn(i) for i in range(len(self.decoder_layers))]
-        state, _ = self._layers(input_ids, hidden.to(self.fc.weight.dtype),
-                                cos, sin, attends)
+        state, _ = self._layers(input_ids, hidden.to(self.fc.weight.dtype), cos, sin, attends)
         return state
 
 
@@ -118,12 +142,18 @@ def _ttt_attend(cache: list, bias, impl: str, window: int | None = None):
     sliding-window layer (vLLM: key position > query position - W). Slot t's query sits at position
     t + k at step k and its extra keys at t + 1 .. t + k (all inside, as W > k), so of the step-0 keys
     it sees those at positions t + k - W + 1 .. t: a window of W - k slots."""
+
     def attend(q, k, v):
-        step_bias = bias if window is None else with_window(bias, window - len(cache), q.shape[0], q.shape[2])
+        step_bias = (
+            bias
+            if window is None
+            else with_window(bias, window - len(cache), q.shape[0], q.shape[2])
+        )
         if not cache:
             return ttt_attention(q, k, v, bias=step_bias, impl=impl)
         (k0, v0), later = cache[0], cache[1:]
         extra_k = [kv[0] for kv in later] + [k]
         extra_v = [kv[1] for kv in later] + [v]
         return ttt_attention(q, k0, v0, extra_k, extra_v, bias=step_bias, impl=impl)
+
     return attend

@@ -47,9 +47,16 @@ class ObjectiveOutput:
 
     def merge(self, outs: list[ObjectiveOutput]) -> ObjectiveOutput:
         """The outputs of one batch's units (each a share of its loss and sums) as one (detached)."""
+
         def total(name):
             return torch.stack([getattr(o, name).detach() for o in outs]).sum(0)
-        return ObjectiveOutput(**{name: total(name) for name in ("loss", "step_loss", "correct", "total", "supervised")})
+
+        return ObjectiveOutput(
+            **{
+                name: total(name)
+                for name in ("loss", "step_loss", "correct", "total", "supervised")
+            }
+        )
 
 
 def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,7 +66,9 @@ def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], dim=1)
 
 
-def doc_remaining(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+def doc_remaining(
+    attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, T] slots left in each slot's document, itself included (0 on padding). No host sync.
 
     Unpacked rows: a document is a run of attention_mask ones (right padding makes it the row's real
@@ -78,8 +87,12 @@ def doc_remaining(attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = 
     return torch.where(doc < ends.shape[1], end - t, 0)
 
 
-def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torch.Tensor | None = None,
-               fetch: list | None = None) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Segments | None]:
+def step_slots(
+    masks: torch.Tensor,
+    attention_mask: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    fetch: list | None = None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, Segments | None]:
     """masks [K, B, T] bool -> ([(rows, slots)] of each step's True slots, counts [K], the packed
     rows' `Segments` or None), with one host sync for all K steps, the documents (their sizes) and
     the right-padding check; `nonzero_static` then needs none. `fetch`: [tensor, ...] more 1-d integer
@@ -92,30 +105,38 @@ def step_slots(masks: torch.Tensor, attention_mask: torch.Tensor, seq_lens: torc
     K, B, T = masks.shape
     T = attention_mask.shape[1]
     counts = masks.flatten(1).sum(1)  # [K] on the device
-    if is_fake(counts):  # `spec plan` runs the step on fake tensors: no data, so every slot with a target counts
+    if is_fake(
+        counts
+    ):  # `spec plan` runs the step on fake tensors: no data, so every slot with a target counts
         if seq_lens is not None:
             raise ValueError("packed rows have no plan: their documents are data")
         rows, slots = _every_slot(K, B, masks.shape[2], masks.device)
-        for i, x in enumerate(fetch or []):  # (the group's counts: this rank's, as good as any for memory)
-            fetch[i] = [max(int(r.numel()), 1) for r in rows][:x.numel()]
+        for i, x in enumerate(
+            fetch or []
+        ):  # (the group's counts: this rank's, as good as any for memory)
+            fetch[i] = [max(int(r.numel()), 1) for r in rows][: x.numel()]
         return list(zip(rows, slots)), counts, None
     left_padded = (attention_mask[:, 1:] > attention_mask[:, :-1]).any().long().reshape(1)
     more = [x.long().reshape(-1) for x in (fetch or [])]
     host = [counts, left_padded, *more] + ([] if seq_lens is None else [seq_lens.long().flatten()])
-    sizes = torch.cat(host).tolist()  # the one sync: index sets and documents have data-dependent sizes
-    sizes, bad, rest = sizes[:K], sizes[K], sizes[K + 1:]
+    sizes = torch.cat(
+        host
+    ).tolist()  # the one sync: index sets and documents have data-dependent sizes
+    sizes, bad, rest = sizes[:K], sizes[K], sizes[K + 1 :]
     for i, x in enumerate(more):
-        fetch[i], rest = rest[:x.numel()], rest[x.numel():]
+        fetch[i], rest = rest[: x.numel()], rest[x.numel() :]
     lengths = rest
     if bad:
         raise ValueError("attention_mask must be right-padded (ones, then zeros)")
     local = masks.shape[2]
-    flat = torch.nonzero_static(masks.reshape(-1), size=sum(sizes)).squeeze(1)  # sorted by (k, b, t)
+    flat = torch.nonzero_static(masks.reshape(-1), size=sum(sizes)).squeeze(
+        1
+    )  # sorted by (k, b, t)
     rows, slots = (flat // local) % B, flat % local
     segments = None
     if seq_lens is not None:
         D = seq_lens.shape[1]
-        segments = Segments.from_lengths([lengths[b * D:(b + 1) * D] for b in range(B)], T)
+        segments = Segments.from_lengths([lengths[b * D : (b + 1) * D] for b in range(B)], T)
     return list(zip(rows.split(sizes), slots.split(sizes))), counts, segments
 
 
@@ -142,15 +163,26 @@ def positions(batch: TargetBatch) -> torch.Tensor:
     """[B, T] each slot's position: the batch's own, per document when packed, else 0..T-1."""
     if batch.position_ids is not None:
         return batch.position_ids
-    B, T = batch.attention_mask.shape  # (whole rows, also in a batch read for one context-parallel rank)
+    B, T = (
+        batch.attention_mask.shape
+    )  # (whole rows, also in a batch read for one context-parallel rank)
     if batch.seq_lens is not None:
         return packed_positions(batch.seq_lens, T)
     return torch.arange(T, device=batch.input_ids.device).expand(B, T)
 
 
-def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, supervised: torch.Tensor,
-           ttt_steps: int, step_weight: float, checkpoint: bool = False, shard=None,
-           inputs: torch.Tensor | None = None) -> ObjectiveOutput:
+def unroll(
+    draft,
+    batch: TargetBatch,
+    state: torch.Tensor,
+    head: Callable,
+    supervised: torch.Tensor,
+    ttt_steps: int,
+    step_weight: float,
+    checkpoint: bool = False,
+    shard=None,
+    inputs: torch.Tensor | None = None,
+) -> ObjectiveOutput:
     """Run `ttt_steps` steps of `draft` (rope, ttt_step, decoder_layers) from `state` [B, T, H] (what
     the draft reads at step 0); `supervised` [B, T] marks the slots that carry a loss at step 0 (rolled
     with the step). checkpoint: recompute each step's decoder layers and head in backward (a head with a
@@ -164,7 +196,9 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
 
     inputs: what the slots read besides the state, [B, T] or [B, T, H] (MSD: the target's input embeddings),
     rolled with the step as the ids are; default the batch's input_ids."""
-    B, T = batch.attention_mask.shape  # (whole rows: under context parallelism the other fields may not be)
+    B, T = (
+        batch.attention_mask.shape
+    )  # (whole rows: under context parallelism the other fields may not be)
     if shard is None:
         own = lambda x: x  # noqa: E731
         ahead = shift_left  # slot t's value k slots on: x[:, t + k]
@@ -185,7 +219,9 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
         from spec_cli.draft.context import ContextBias, whole_rows
 
         local = [int(r.numel()) for r, _ in slots]
-        share = [n / max(g, 1) for n, g in zip(local, fetch[0])]  # this rank's part of each step's mean
+        share = [
+            n / max(g, 1) for n, g in zip(local, fetch[0])
+        ]  # this rank's part of each step's mean
         bias = ContextBias(shard, bias if bias is not None else whole_rows(B, T))
     weights = step_weights(ttt_steps, step_weight)
     score = head
@@ -203,10 +239,17 @@ def unroll(draft, batch: TargetBatch, state: torch.Tensor, head: Callable, super
         if shard is None:
             value, hits = score(draft, state, batch, sup_b, sup_t, k)
         else:
-            value, hits = score(draft, state, batch, sup_b, sup_t, k, shard.in_batch(sup_t.device)[sup_t])
+            value, hits = score(
+                draft, state, batch, sup_b, sup_t, k, shard.in_batch(sup_t.device)[sup_t]
+            )
             value = value * share[k]
         total_loss = total_loss + weights[k] * value
         losses.append(value.detach())
         correct.append(hits)
-    return ObjectiveOutput(loss=total_loss, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                           total=scored.flatten(1).sum(1), supervised=counted)
+    return ObjectiveOutput(
+        loss=total_loss,
+        step_loss=torch.stack(losses),
+        correct=torch.stack(correct),
+        total=scored.flatten(1).sum(1),
+        supervised=counted,
+    )

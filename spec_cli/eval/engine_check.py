@@ -38,15 +38,21 @@ from spec_cli.export.source import DraftSource
 from spec_cli.targets import loading
 
 MODES = ("auto", "vllm", "none")
-PROMPTS = ("Write a short poem about the sea.",
-           "Explain what a hash table is, in two sentences.",
-           "Give three tips for someone learning to cook.",
-           "What is 17 times 23? Show your steps.")
+PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain what a hash table is, in two sentences.",
+    "Give three tips for someone learning to cook.",
+    "What is 17 times 23? Show your steps.",
+)
 MAX_NEW_TOKENS = 32
-DEPTH = 3  # draft tokens per verification when the export does not say (its README's serving command)
+DEPTH = (
+    3  # draft tokens per verification when the export does not say (its README's serving command)
+)
 ABS_TOLERANCE = 0.05
 REL_TOLERANCE = 0.05
-MIN_DRAFTS_EQUAL = 0.9  # proposals compared step by step: a near-tie flip changes one, wrong layers most
+MIN_DRAFTS_EQUAL = (
+    0.9  # proposals compared step by step: a near-tie flip changes one, wrong layers most
+)
 
 
 @dataclass
@@ -59,10 +65,14 @@ class EngineCheckReport:
     accepted: list[int]  # per draft position, vLLM
     reference_accepted: list[int]
     same_tokens: int  # prompts whose vLLM output equals the reference's token for token
-    drafts_compared: int = 0  # verify steps whose proposals were compared (prompts with equal outputs)
+    drafts_compared: int = (
+        0  # verify steps whose proposals were compared (prompts with equal outputs)
+    )
     drafts_equal: float = 0.0  # share of those where vLLM proposed exactly the checkpoint's tokens
     shared: list[str] = field(default_factory=list)  # draft weights vLLM takes from the target
-    model_impl: str | None = None  # vLLM's --model-impl the target ran under (None: its native class)
+    model_impl: str | None = (
+        None  # vLLM's --model-impl the target ran under (None: its native class)
+    )
 
 
 def resolve_mode(mode: str | None, fmt, title: str = "") -> str:
@@ -75,20 +85,34 @@ def resolve_mode(mode: str | None, fmt, title: str = "") -> str:
 
     mode = (mode or os.environ.get("SPEC_ENGINE_CHECK") or "auto").lower()
     if mode not in MODES:
-        raise ConfigError(f"--engine-check {mode!r} is not one of {', '.join(MODES)}", "e.g. --engine-check vllm")
+        raise ConfigError(
+            f"--engine-check {mode!r} is not one of {', '.join(MODES)}", "e.g. --engine-check vllm"
+        )
     if mode == "vllm" and fmt.engine != "vllm":
-        raise ConfigError(f"vLLM does not read the {fmt.name} format, so it cannot check this export",
-                          f"use --engine-check none for {fmt.name} exports")
-    if mode != "none" and fmt.engine == "vllm" and vllm.unserved(fmt):  # the installed release, on any machine
-        raise ConfigError(f"the installed vLLM cannot serve {title + ' drafts' if title else 'this export'}: "
-                          f"{vllm.unserved(fmt)}", "or pass --engine-check none to write the export for a vLLM "
-                          "that serves it")
+        raise ConfigError(
+            f"vLLM does not read the {fmt.name} format, so it cannot check this export",
+            f"use --engine-check none for {fmt.name} exports",
+        )
+    if (
+        mode != "none" and fmt.engine == "vllm" and vllm.unserved(fmt)
+    ):  # the installed release, on any machine
+        raise ConfigError(
+            f"the installed vLLM cannot serve {title + ' drafts' if title else 'this export'}: "
+            f"{vllm.unserved(fmt)}",
+            "or pass --engine-check none to write the export for a vLLM that serves it",
+        )
     if mode == "vllm" and vllm.cannot_run(fmt):
-        raise ConfigError(f"no engine check for {fmt.method} exports here: {vllm.cannot_run(fmt)}",
-                          "--engine-check none writes the export with the self-check (vLLM's reading rules); "
-                          "run the engine check on a GPU machine")
+        raise ConfigError(
+            f"no engine check for {fmt.method} exports here: {vllm.cannot_run(fmt)}",
+            "--engine-check none writes the export with the self-check (vLLM's reading rules); "
+            "run the engine check on a GPU machine",
+        )
     if mode == "auto":
-        return "vllm" if fmt.engine == "vllm" and vllm.available() and not vllm.cannot_run(fmt) else "none"
+        return (
+            "vllm"
+            if fmt.engine == "vllm" and vllm.available() and not vllm.cannot_run(fmt)
+            else "none"
+        )
     return mode
 
 
@@ -99,14 +123,18 @@ def refuse_unservable(target_config) -> None:
     arch = (getattr(target_config, "architectures", None) or [""])[0]
     ok, why = vllm.target_supports_eagle3(arch)
     if not ok and "cannot be asked here" in why:  # the engine serves it, but not in this install
-        raise ArtifactError(f"the vLLM engine check cannot load this target here: {why}",
-                            "--engine-check none writes the export with the checks that need no engine (the "
-                            "engine's own loader and the predictions); or run the engine check where vLLM "
-                            "imports its class (a vLLM install with its torchvision)")
+        raise ArtifactError(
+            f"the vLLM engine check cannot load this target here: {why}",
+            "--engine-check none writes the export with the checks that need no engine (the "
+            "engine's own loader and the predictions); or run the engine check where vLLM "
+            "imports its class (a vLLM install with its torchvision)",
+        )
     if not ok:
-        raise ArtifactError(f"vLLM cannot serve a draft that reads aux states (EAGLE-3, P-EAGLE) for this target: {why}",
-                            "export for another engine (--format sglang), or --engine-check none to write it "
-                            "anyway")
+        raise ArtifactError(
+            f"vLLM cannot serve a draft that reads aux states (EAGLE-3, P-EAGLE) for this target: {why}",
+            "export for another engine (--format sglang), or --engine-check none to write it "
+            "anyway",
+        )
 
 
 def reference_draft(src: DraftSource, dtype: torch.dtype):
@@ -118,12 +146,21 @@ def reference_draft(src: DraftSource, dtype: torch.dtype):
 
 
 def check_prompts(tokenizer) -> list[list[int]]:
-    conversations = [prompts.Conversation(id=str(i), turns=[text]) for i, text in enumerate(PROMPTS)]
+    conversations = [
+        prompts.Conversation(id=str(i), turns=[text]) for i, text in enumerate(PROMPTS)
+    ]
     return [prompts.prompt_ids(tokenizer, conv, 0) for conv in conversations]
 
 
-def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, target_dir: Path,
-                 depth: int = DEPTH, model_impl: str | None = None) -> EngineCheckReport:
+def engine_check(
+    folder: Path,
+    fmt: str,
+    src: DraftSource,
+    dtype: torch.dtype,
+    target_dir: Path,
+    depth: int = DEPTH,
+    model_impl: str | None = None,
+) -> EngineCheckReport:
     """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report.
     model_impl "transformers": the target through vLLM's Transformers backend (a target whose native class
     cannot capture aux states, exported with --allow-unsupported-target)."""
@@ -132,12 +169,20 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
     vllm.require("the export's engine check (--engine-check vllm)")
     config = loading.load_config(target_dir)
     algorithm = algorithms.get(src.config.algorithm)
-    if algorithm.aux_layers and not model_impl:  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
+    if (
+        algorithm.aux_layers and not model_impl
+    ):  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
         refuse_unservable(config)
     tokenizer = loading.load_tokenizer(target_dir)
     ids = check_prompts(tokenizer)
-    settings = Settings(depth=depth, topk=1, num_tokens=depth, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
-                        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)))
+    settings = Settings(
+        depth=depth,
+        topk=1,
+        num_tokens=depth,
+        temperature=0.0,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)),
+    )
 
     # the reference first: building a vLLM engine lowers this process's torch threads for good
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
@@ -152,9 +197,18 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
 
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
     served_as = algorithm.format(fmt)  # vLLM's speculative method and options for this format
-    with vllm.Engine(target_dir, folder, depth, torch.float32, length, track_loading=True,
-                     method=served_as.method, speculative_options=dict(served_as.engine_options),
-                     draft_class=algorithm.vllm_draft_class, model_impl=model_impl) as engine:
+    with vllm.Engine(
+        target_dir,
+        folder,
+        depth,
+        torch.float32,
+        length,
+        track_loading=True,
+        method=served_as.method,
+        speculative_options=dict(served_as.engine_options),
+        draft_class=algorithm.vllm_draft_class,
+        model_impl=model_impl,
+    ) as engine:
         served = [engine.generate(p, MAX_NEW_TOKENS, 0.0, settings.eos_ids) for p in ids]
         load = engine.load_report
 
@@ -163,29 +217,45 @@ def engine_check(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype, t
         ours.add(r, None)
         theirs.add(s, None)
     o, t = ours.metrics(), theirs.metrics()
-    report = EngineCheckReport(engine="vllm", version=vllm.version() or "", prompts=len(ids),
-                               acceptance_length=t["acceptance_length"],
-                               reference_acceptance_length=o["acceptance_length"],
-                               accepted=t["accepted"], reference_accepted=o["accepted"],
-                               same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
-                               shared=list(load.shared), model_impl=model_impl)
-    pairs = [(a, b) for r, s in zip(reference, served) if r.tokens == s.tokens and s.drafts
-             for a, b in zip(r.drafts, s.drafts)]
+    report = EngineCheckReport(
+        engine="vllm",
+        version=vllm.version() or "",
+        prompts=len(ids),
+        acceptance_length=t["acceptance_length"],
+        reference_acceptance_length=o["acceptance_length"],
+        accepted=t["accepted"],
+        reference_accepted=o["accepted"],
+        same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
+        shared=list(load.shared),
+        model_impl=model_impl,
+    )
+    pairs = [
+        (a, b)
+        for r, s in zip(reference, served)
+        if r.tokens == s.tokens and s.drafts
+        for a, b in zip(r.drafts, s.drafts)
+    ]
     report.drafts_compared = len(pairs)
     report.drafts_equal = sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
     problems = load.problems()
     if pairs and report.drafts_equal < MIN_DRAFTS_EQUAL:
-        problems.append(f"vLLM proposed the checkpoint's draft tokens at only {report.drafts_equal:.0%} of "
-                        f"{len(pairs)} verify steps (same context on both sides)")
+        problems.append(
+            f"vLLM proposed the checkpoint's draft tokens at only {report.drafts_equal:.0%} of "
+            f"{len(pairs)} verify steps (same context on both sides)"
+        )
     gap = abs(report.acceptance_length - report.reference_acceptance_length)
     if gap > max(ABS_TOLERANCE, REL_TOLERANCE * report.reference_acceptance_length):
-        problems.append(f"vLLM accepts {report.acceptance_length:.2f} tokens per step (accepted per position "
-                        f"{report.accepted}) where the checkpoint accepts "
-                        f"{report.reference_acceptance_length:.2f} ({report.reference_accepted}) on the "
-                        f"same {len(ids)} greedy prompts")
+        problems.append(
+            f"vLLM accepts {report.acceptance_length:.2f} tokens per step (accepted per position "
+            f"{report.accepted}) where the checkpoint accepts "
+            f"{report.reference_acceptance_length:.2f} ({report.reference_accepted}) on the "
+            f"same {len(ids)} greedy prompts"
+        )
     if problems:
-        raise ExportCheckError(f"vLLM {report.version} does not serve the {fmt} export as trained: "
-                               + listing(problems),
-                               "nothing was written to the output folder; --engine-check none skips this "
-                               "check (SPEC_DEBUG=1 shows vLLM's log)")
+        raise ExportCheckError(
+            f"vLLM {report.version} does not serve the {fmt} export as trained: "
+            + listing(problems),
+            "nothing was written to the output folder; --engine-check none skips this "
+            "check (SPEC_DEBUG=1 shows vLLM's log)",
+        )
     return report

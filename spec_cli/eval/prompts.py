@@ -36,18 +36,28 @@ class Conversation:
         """The chat up to user turn `turn`, with the model's earlier answers."""
         out = [{"role": "system", "content": self.system}] if self.system else []
         for j in range(turn):
-            out += [{"role": "user", "content": self.turns[j]},
-                    {"role": "assistant", "content": self.answers[j]}]
+            out += [
+                {"role": "user", "content": self.turns[j]},
+                {"role": "assistant", "content": self.answers[j]},
+            ]
         return out + [{"role": "user", "content": self.turns[turn]}]
 
 
 def _user_turns(record: dict) -> tuple[list[str], str | None]:
     """(user turns, system prompt) of one record."""
-    if isinstance(record.get("turns"), list):  # MT-bench; spec train's held-out prompts add a "system"
+    if isinstance(
+        record.get("turns"), list
+    ):  # MT-bench; spec train's held-out prompts add a "system"
         system = record.get("system")
-        return ([t for t in record["turns"] if isinstance(t, str) and t.strip()],
-                system if isinstance(system, str) and system.strip() else None)
-    chat = record.get("conversations") if record.get("conversations") is not None else record.get("messages")
+        return (
+            [t for t in record["turns"] if isinstance(t, str) and t.strip()],
+            system if isinstance(system, str) and system.strip() else None,
+        )
+    chat = (
+        record.get("conversations")
+        if record.get("conversations") is not None
+        else record.get("messages")
+    )
     if isinstance(chat, list):
         turns, system = [], None
         for i, turn in enumerate(chat):
@@ -95,12 +105,21 @@ def load_conversations(prompts: str, num_prompts: int | None = None) -> list[Con
             turns, system = _user_turns(record)
         if turns:
             category = record.get("category")
-            found.append(Conversation(id=str(record.get("question_id", record.get("id", i))), turns=turns,
-                                      category=str(category) if category else None, system=system,
-                                      images=sources, base=base))
+            found.append(
+                Conversation(
+                    id=str(record.get("question_id", record.get("id", i))),
+                    turns=turns,
+                    category=str(category) if category else None,
+                    system=system,
+                    images=sources,
+                    base=base,
+                )
+            )
     if not found:
-        raise DataError(f"no user turns found in {prompts}",
-                        "each record needs `turns`, `conversations`/`messages` with user turns, or `prompt`")
+        raise DataError(
+            f"no user turns found in {prompts}",
+            "each record needs `turns`, `conversations`/`messages` with user turns, or `prompt`",
+        )
     if num_prompts is None or num_prompts >= len(found):
         return found
     by_category: dict[str | None, list[int]] = {}
@@ -133,10 +152,19 @@ def _image_prompt(tokenizer, processor, conv: Conversation, messages: list[dict]
     from spec_cli.data.images import open_image
 
     if processor is None:
-        raise DataError(f"prompt {conv.id!r} has images, and the target folder has no processor",
-                        "evaluate a vision-language target saved with its processor (preprocessor_config.json), "
-                        "or use prompts without images")
-    shown = sum(1 for m in messages if isinstance(m["content"], list) for part in m["content"]
-                if part["type"] == "image")
+        raise DataError(
+            f"prompt {conv.id!r} has images, and the target folder has no processor",
+            "evaluate a vision-language target saved with its processor (preprocessor_config.json), "
+            "or use prompts without images",
+        )
+    shown = sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if part["type"] == "image"
+    )
     pictures = [open_image(source, conv.base) for source in conv.images[:shown]]
-    return vlm.image_prompt(processor, vlm.chat_template_tokenizer(processor, tokenizer), messages, pictures)
+    return vlm.image_prompt(
+        processor, vlm.chat_template_tokenizer(processor, tokenizer), messages, pictures
+    )

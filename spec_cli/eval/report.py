@@ -1,21 +1,21 @@
 """What `spec eval` measured, summed per category: acceptance, tokens/s of both decoders, speed-up.
 
-    acceptance length      tokens produced per target forward of the speculative loop (the accepted
-                           drafts + the target's own token), over all such forwards
-    acceptance rate at j   P(draft position j accepted | positions 1..j-1 accepted): of the forwards in
-                           which position j was verified on the accepted path, the share that accepted it
-                           (tree: position = depth)
-    tokens/s               new tokens / wall time of the whole generation (prefill included), for the
-                           speculative decoder and for the target alone on the same prompts
-    speed-up               speculative tokens/s / the target's, over all turns (each turn's median time
-                           when it was timed more than once)
-    per-turn spread        the same ratio for each turn alone: median, quartiles, min and max; a wide
-                           spread means the total rests on a few turns (or on a noisy machine)
-    same as target         greedy: turns whose speculative output equals the target's token for token
-    parted at a tie        greedy: of the others, those whose first differing token had a logit
-                           within rounding of the target's choice there (see `parting`): a
-                           verification of several tokens rounds differently from one-token decoding,
-                           which in bf16 flips such ties; fp32 decodes identically
+acceptance length      tokens produced per target forward of the speculative loop (the accepted
+                       drafts + the target's own token), over all such forwards
+acceptance rate at j   P(draft position j accepted | positions 1..j-1 accepted): of the forwards in
+                       which position j was verified on the accepted path, the share that accepted it
+                       (tree: position = depth)
+tokens/s               new tokens / wall time of the whole generation (prefill included), for the
+                       speculative decoder and for the target alone on the same prompts
+speed-up               speculative tokens/s / the target's, over all turns (each turn's median time
+                       when it was timed more than once)
+per-turn spread        the same ratio for each turn alone: median, quartiles, min and max; a wide
+                       spread means the total rests on a few turns (or on a noisy machine)
+same as target         greedy: turns whose speculative output equals the target's token for token
+parted at a tie        greedy: of the others, those whose first differing token had a logit
+                       within rounding of the target's choice there (see `parting`): a
+                       verification of several tokens rounds differently from one-token decoding,
+                       which in bf16 flips such ties; fp32 decodes identically
 """
 
 from __future__ import annotations
@@ -34,19 +34,27 @@ class Tally:
     steps: int = 0  # target forwards in the speculative loops
     produced: int = 0  # tokens those forwards produced
     accepted: list[int] = field(default_factory=list)  # [j-1]: forwards that accepted position j
-    verified: list[int] = field(default_factory=list)  # [j-1]: forwards that verified position j on the path
-    predicted: list[float] = field(default_factory=list)  # [j-1]: the draft's confidences summed over those
+    verified: list[int] = field(
+        default_factory=list
+    )  # [j-1]: forwards that verified position j on the path
+    predicted: list[float] = field(
+        default_factory=list
+    )  # [j-1]: the draft's confidences summed over those
     spec_tokens: int = 0
     spec_seconds: float = 0.0
     draft_seconds: float = 0.0  # of spec_seconds, the draft's (PyTorch loop; 0 from vLLM)
     target_tokens: int = 0
     target_seconds: float = 0.0
     same_as_target: int = 0  # greedy: turns whose output equals the target's token for token
-    parted_at_tie: int = 0  # greedy: turns that part from it at a rounding tie of its logits (`parting`)
+    parted_at_tie: int = (
+        0  # greedy: turns that part from it at a rounding tie of its logits (`parting`)
+    )
     parted_not_tie: int = 0  # ... and where its logits do not tie (not rounding)
     tie_margins: list[float] = field(default_factory=list)  # the margins at those ties
     ratios: list[float] = field(default_factory=list)  # each turn's speed-up (tokens on both sides)
-    by_depth: dict[int, Tally] = field(default_factory=dict)  # the same turns as chains of other depths
+    by_depth: dict[int, Tally] = field(
+        default_factory=dict
+    )  # the same turns as chains of other depths
 
     def add(self, spec: Generation, base: Generation | None, parted: dict | None = None) -> None:
         self.turns += 1
@@ -88,8 +96,12 @@ class Tally:
             "acceptance_rate": [a / v if v else None for a, v in zip(self.accepted, self.verified)],
             "accepted": list(self.accepted),
             # the confidence head's mean P(accepted | earlier accepted) where acceptance_rate was measured
-            "predicted_acceptance": [self.predicted[j] / v if j < len(self.predicted) and v else None
-                                     for j, v in enumerate(self.verified)] if self.predicted else None,
+            "predicted_acceptance": [
+                self.predicted[j] / v if j < len(self.predicted) and v else None
+                for j, v in enumerate(self.verified)
+            ]
+            if self.predicted
+            else None,
             "verified": list(self.verified),
             "target_forwards": self.steps,
             "tokens_produced": self.produced,
@@ -97,9 +109,11 @@ class Tally:
             "spec_seconds": round(self.spec_seconds, 4),
             "spec_tokens_per_s": spec_tps,
             # drafting time per draft-verify cycle (catch-up on the verified tokens + the proposal)
-            "draft_ms_per_cycle": 1000 * self.draft_seconds / self.steps if self.draft_seconds and self.steps
+            "draft_ms_per_cycle": 1000 * self.draft_seconds / self.steps
+            if self.draft_seconds and self.steps
             else None,
-            "draft_share": self.draft_seconds / self.spec_seconds if self.draft_seconds and self.spec_seconds
+            "draft_share": self.draft_seconds / self.spec_seconds
+            if self.draft_seconds and self.spec_seconds
             else None,
             "target_tokens": self.target_tokens,
             "target_seconds": round(self.target_seconds, 4),
@@ -114,7 +128,9 @@ class Tally:
 
 
 TIE_ULPS = 8  # a margin within this many units in the last place of the logit is rounding
-TIE_FLOOR = 1e-3  # ... or within this much (fp32's ulps are tiny; 30 layers add more than 8 of them)
+TIE_FLOOR = (
+    1e-3  # ... or within this much (fp32's ulps are tiny; 30 layers add more than 8 of them)
+)
 
 
 def parting(spec: Generation, base: Generation, eps: float) -> dict | None:
@@ -125,8 +141,10 @@ def parting(spec: Generation, base: Generation, eps: float) -> dict | None:
     no logits (vLLM)}. Equal logits count as a tie whichever of them argmax took."""
     if spec.tokens == base.tokens:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b),
-              min(len(spec.tokens), len(base.tokens)))
+    at = next(
+        (i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b),
+        min(len(spec.tokens), len(base.tokens)),
+    )
     ours = spec.tokens[at] if at < len(spec.tokens) else None
     theirs = base.tokens[at] if at < len(base.tokens) else None
     margin, tie = None, (False if base.top else None)
@@ -142,13 +160,17 @@ def identity_text(overall: dict, dtype: str) -> str:
     same, turns, ties = overall["same_as_target"], overall["turns"], overall.get("parted_at_tie", 0)
     text = f"greedy outputs identical to the target's: {same}/{turns} turns"
     if ties:
-        text += (f"; {ties} more part from it where its logit for our token ties its choice within {dtype} "
-                 f"rounding (margin <= {overall['largest_tie_margin']:.3g}): a verification of several tokens "
-                 "rounds differently from one-token decoding (fp32 decodes identically)")
+        text += (
+            f"; {ties} more part from it where its logit for our token ties its choice within {dtype} "
+            f"rounding (margin <= {overall['largest_tie_margin']:.3g}): a verification of several tokens "
+            "rounds differently from one-token decoding (fp32 decodes identically)"
+        )
     other = overall.get("parted_not_tie", 0)
     if other:
-        text += (f"; WARNING: {other} part from it where its logits do not tie (outputs.jsonl: "
-                 "parted_at): not rounding")
+        text += (
+            f"; WARNING: {other} part from it where its logits do not tie (outputs.jsonl: "
+            "parted_at): not rounding"
+        )
     return text
 
 
@@ -172,21 +194,31 @@ def spread(values: list[float]) -> dict | None:
     """Median, quartiles (linear interpolation, as numpy.percentile), min and max of `values`."""
     if not values:
         return None
-    q1, median, q3 = (statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1
-                      else values * 3)
-    return {"turns": len(values), "median": median, "q1": q1, "q3": q3, "min": min(values),
-            "max": max(values)}
+    q1, median, q3 = (
+        statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    )
+    return {
+        "turns": len(values),
+        "median": median,
+        "q1": q1,
+        "q3": q3,
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 def spread_text(s: dict | None) -> str:
-    """"median 1.40x, middle half 1.31-1.55x, range 1.10-1.90x over 8 turns" ("" without a spread)."""
+    """ "median 1.40x, middle half 1.31-1.55x, range 1.10-1.90x over 8 turns" ("" without a spread)."""
     if not s:
         return ""
-    return (f"median {s['median']:.2f}x, middle half {s['q1']:.2f}-{s['q3']:.2f}x, range "
-            f"{s['min']:.2f}-{s['max']:.2f}x over {s['turns']} turn{'s' if s['turns'] != 1 else ''}")
+    return (
+        f"median {s['median']:.2f}x, middle half {s['q1']:.2f}-{s['q3']:.2f}x, range "
+        f"{s['min']:.2f}-{s['max']:.2f}x over {s['turns']} turn{'s' if s['turns'] != 1 else ''}"
+    )
 
 
 # ----------------------------------------------------------------------------- output
+
 
 def print_table(result) -> None:
     """The per-category table, the acceptance by position, how the speed was timed, and a WARNING when
@@ -199,49 +231,87 @@ def print_table(result) -> None:
     if is_quiet():
         return
     s = result.settings
-    shape = (f"chain of {s['depth']}" if s["topk"] == 1 else
-             f"tree depth {s['depth']}, top-{s['topk']}, {s['num_tokens']} nodes")
+    shape = (
+        f"chain of {s['depth']}"
+        if s["topk"] == 1
+        else f"tree depth {s['depth']}, top-{s['topk']}, {s['num_tokens']} nodes"
+    )
     mode = "greedy" if s["temperature"] == 0 else f"sampling T={s['temperature']:g}"
-    table = Table(title=Text(f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})"),
-                  title_justify="left")  # a path in the title: wrapped, and not read as rich markup
-    for name, justify in (("category", "left"), ("turns", "right"), ("accept len", "right"),
-                          ("spec tok/s", "right"), ("target tok/s", "right"), ("speed-up", "right"),
-                          ("per turn", "right")):
+    table = Table(
+        title=Text(f"spec eval: {result.draft} on {result.target_name} ({shape}, {mode})"),
+        title_justify="left",
+    )  # a path in the title: wrapped, and not read as rich markup
+    for name, justify in (
+        ("category", "left"),
+        ("turns", "right"),
+        ("accept len", "right"),
+        ("spec tok/s", "right"),
+        ("target tok/s", "right"),
+        ("speed-up", "right"),
+        ("per turn", "right"),
+    ):
         table.add_column(name, justify=justify, overflow="fold")
     rows = list(result.categories.items()) if len(result.categories) > 1 else []
     for i, (name, m) in enumerate(rows + [("all", result.overall)]):
         q = m.get("speedup_spread")
-        table.add_row(name, str(m["turns"]), f"{m['acceptance_length']:.2f}",
-                      f"{m['spec_tokens_per_s']:.1f}", f"{m['target_tokens_per_s']:.1f}",
-                      f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
-                      style="bold" if name == "all" else None, end_section=i == len(rows) - 1)
+        table.add_row(
+            name,
+            str(m["turns"]),
+            f"{m['acceptance_length']:.2f}",
+            f"{m['spec_tokens_per_s']:.1f}",
+            f"{m['target_tokens_per_s']:.1f}",
+            f"{m['speedup']:.2f}x",
+            f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
+            style="bold" if name == "all" else None,
+            end_section=i == len(rows) - 1,
+        )
     console.print(table)
     if getattr(result, "depths", None):
         print_depths(result.depths, s.get("dtype", "its dtype"), greedy=s["temperature"] == 0)
     console.print(rule_text(s, getattr(result, "engine", "torch")), markup=False)
-    rates = "  ".join(f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
-                      for j, r in enumerate(result.overall["acceptance_rate"]))
-    console.print(f"acceptance rate by draft position (given the ones before were accepted): {rates}")
+    rates = "  ".join(
+        f"{j + 1}: {'-' if r is None else f'{r:.2f}'}"
+        for j, r in enumerate(result.overall["acceptance_rate"])
+    )
+    console.print(
+        f"acceptance rate by draft position (given the ones before were accepted): {rates}"
+    )
     predicted = result.overall.get("predicted_acceptance")
     if predicted:
-        pairs = "  ".join(f"{j + 1}: {p:.2f} vs {r:.2f}" for j, (p, r) in
-                          enumerate(zip(predicted, result.overall["acceptance_rate"])) if p is not None and r is not None)
-        console.print(f"confidence head, predicted vs realised acceptance by position: {pairs}", markup=False)
+        pairs = "  ".join(
+            f"{j + 1}: {p:.2f} vs {r:.2f}"
+            for j, (p, r) in enumerate(zip(predicted, result.overall["acceptance_rate"]))
+            if p is not None and r is not None
+        )
+        console.print(
+            f"confidence head, predicted vs realised acceptance by position: {pairs}", markup=False
+        )
     o = result.overall
     if o.get("draft_ms_per_cycle") is not None:
-        console.print(f"drafting: {o['draft_ms_per_cycle']:.1f} ms per draft-verify cycle (catch-up + proposal), "
-                      f"{o['draft_share']:.0%} of the speculative decoding time", markup=False)
+        console.print(
+            f"drafting: {o['draft_ms_per_cycle']:.1f} ms per draft-verify cycle (catch-up + proposal), "
+            f"{o['draft_share']:.0%} of the speculative decoding time",
+            markup=False,
+        )
     if s["temperature"] == 0:
         console.print(identity_text(o, s.get("dtype", "its dtype")), markup=False)
     text = spread_text(result.overall.get("speedup_spread"))
     if text:
-        console.print(f"per-turn speed-up ('per turn' above: the middle half): {text}", markup=False)
+        console.print(
+            f"per-turn speed-up ('per turn' above: the middle half): {text}", markup=False
+        )
     if s.get("threads"):
         repeats = s.get("timing_repeats", 1)
-        timed = ("each turn timed once per decoder" if repeats == 1 else
-                 f"each turn timed {repeats} times per decoder, alternating, median kept")
-        console.print(f"timing: {s['threads']} thread{'s' if s['threads'] != 1 else ''} "
-                      f"({s.get('threads_reason')}); {timed}", markup=False)
+        timed = (
+            "each turn timed once per decoder"
+            if repeats == 1
+            else f"each turn timed {repeats} times per decoder, alternating, median kept"
+        )
+        console.print(
+            f"timing: {s['threads']} thread{'s' if s['threads'] != 1 else ''} "
+            f"({s.get('threads_reason')}); {timed}",
+            markup=False,
+        )
     busy = getattr(result, "busy", None) or {}
     if busy.get("warning"):
         console.print(Text(f"WARNING: {busy['warning']}", style="bold yellow"))
@@ -261,18 +331,28 @@ def print_depths(depths: dict[int, dict], dtype: str, greedy: bool = True) -> No
     from spec_cli.console import console
 
     fastest = fastest_depth(depths)
-    table = Table(title="chains of each depth, same turns, same target-alone timing", title_justify="left")
+    table = Table(
+        title="chains of each depth, same turns, same target-alone timing", title_justify="left"
+    )
     for name in ("depth", "accept len", "spec tok/s", "speed-up", "per turn", "same as target"):
         table.add_column(name, justify="right")
     for d, m in depths.items():
         q = m.get("speedup_spread")
-        table.add_row(str(d), f"{m['acceptance_length']:.2f}", f"{m['spec_tokens_per_s']:.1f}",
-                      f"{m['speedup']:.2f}x", f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
-                      f"{m['same_as_target']}/{m['turns']}" if greedy else "-",
-                      style="bold" if d == fastest else None)
+        table.add_row(
+            str(d),
+            f"{m['acceptance_length']:.2f}",
+            f"{m['spec_tokens_per_s']:.1f}",
+            f"{m['speedup']:.2f}x",
+            f"{q['q1']:.2f}-{q['q3']:.2f}" if q else "-",
+            f"{m['same_as_target']}/{m['turns']}" if greedy else "-",
+            style="bold" if d == fastest else None,
+        )
     console.print(table)
-    console.print(f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x over the target "
-                  f"alone, {dtype}, this machine)", markup=False)
+    console.print(
+        f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x over the target "
+        f"alone, {dtype}, this machine)",
+        markup=False,
+    )
 
 
 def plot_acceptance(path: Path, overall: dict, categories: dict, title: str) -> Path:
@@ -283,6 +363,7 @@ def plot_acceptance(path: Path, overall: dict, categories: dict, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+
     def curve(m):  # positions never verified (None) are left out
         points = [(j + 1, r) for j, r in enumerate(m["acceptance_rate"]) if r is not None]
         return [j for j, _ in points], [r for _, r in points]

@@ -55,20 +55,35 @@ class TorchSession:
         draft = loaded.model
         if loaded.needs_embeddings:  # engines share the target's table with the draft
             draft.copy_embeddings(self.model.get_input_embeddings().weight.float().cpu())
-        if loaded.needs_head:  # EAGLE-1/2 proposes through the target's lm_head (the engines share it)
+        if (
+            loaded.needs_head
+        ):  # EAGLE-1/2 proposes through the target's lm_head (the engines share it)
             draft.copy_head(self.model.get_output_embeddings().weight.float().cpu())
         draft.to(device=self.device, dtype=self.dtype).eval()
         algorithm = algorithms.get(draft.config.algorithm)
-        if hasattr(draft, "use_target_embeddings"):  # MSD: drafted tokens go through the target's embedding
+        if hasattr(
+            draft, "use_target_embeddings"
+        ):  # MSD: drafted tokens go through the target's embedding
             draft.use_target_embeddings(self.model.get_input_embeddings())
-        reads = (tuple(draft.config.aux_layer_ids), algorithm.final_hidden, INPUT_EMBEDS in algorithm.needs)
+        reads = (
+            tuple(draft.config.aux_layer_ids),
+            algorithm.final_hidden,
+            INPUT_EMBEDS in algorithm.needs,
+        )
         if self.target is None:
-            self.target = Target(self.model, draft.config.aux_layer_ids, final_hidden=algorithm.final_hidden,
-                                 input_embeds=INPUT_EMBEDS in algorithm.needs)
+            self.target = Target(
+                self.model,
+                draft.config.aux_layer_ids,
+                final_hidden=algorithm.final_hidden,
+                input_embeds=INPUT_EMBEDS in algorithm.needs,
+            )
             self.reads = reads
         elif reads != self.reads:
-            raise ConfigError(f"this draft reads target layers {list(reads[0])}; the session's target was set up "
-                              f"for {list(self.reads[0])}", "evaluate drafts of one run in one session")
+            raise ConfigError(
+                f"this draft reads target layers {list(reads[0])}; the session's target was set up "
+                f"for {list(self.reads[0])}",
+                "evaluate drafts of one run in one session",
+            )
         target = self.target
 
         def generator(seed: int | None):
@@ -101,8 +116,16 @@ class VllmSession:
 
     name = "vllm"
 
-    def __init__(self, target_dir: Path, dtype: torch.dtype, depth: int, algorithm_name: str, seed: int = 0,
-                 max_model_len: int | None = None, memory: float | None = None):
+    def __init__(
+        self,
+        target_dir: Path,
+        dtype: torch.dtype,
+        depth: int,
+        algorithm_name: str,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        memory: float | None = None,
+    ):
         """memory: on a GPU, the share of it each engine may take (vLLM's gpu_memory_utilization)."""
         from spec_cli.engine import vllm
 
@@ -117,9 +140,13 @@ class VllmSession:
 
     @property
     def info(self) -> dict:
-        return {"name": "vllm", "version": self.vllm.version(), "draft_folder": str(self.folder),
-                "load_problems": self.load_problems,
-                **(self.spec_engine.sample_methods() if self.spec_engine is not None else {})}
+        return {
+            "name": "vllm",
+            "version": self.vllm.version(),
+            "draft_folder": str(self.folder),
+            "load_problems": self.load_problems,
+            **(self.spec_engine.sample_methods() if self.spec_engine is not None else {}),
+        }
 
     def decoders(self, folder: Path, settings: Settings):
         """(spec, base) for the draft in the vLLM export `folder`."""
@@ -134,14 +161,30 @@ class VllmSession:
                 # an export written with --allow-unsupported-target: served through vLLM's Transformers backend
                 # (the target alone below stays on its native class, as a server without the draft runs it)
                 self.spec_engine = self.vllm.Engine(
-                    self.target_dir, folder, self.depth, self.dtype, self.length, self.seed, track_loading=True,
-                    method=fmt.method, draft_class=self.algorithm.vllm_draft_class,
-                    speculative_options=options, gpu_memory_utilization=self.memory,
-                    seeded=settings.temperature > 0, model_impl=export_model_impl(folder))
+                    self.target_dir,
+                    folder,
+                    self.depth,
+                    self.dtype,
+                    self.length,
+                    self.seed,
+                    track_loading=True,
+                    method=fmt.method,
+                    draft_class=self.algorithm.vllm_draft_class,
+                    speculative_options=options,
+                    gpu_memory_utilization=self.memory,
+                    seeded=settings.temperature > 0,
+                    model_impl=export_model_impl(folder),
+                )
                 self.load_problems = self.spec_engine.load_report.problems()
-                self.base_engine = self.vllm.Engine(self.target_dir, None, dtype=self.dtype, max_model_len=self.length,
-                                                    seed=self.seed, gpu_memory_utilization=self.memory,
-                                                    seeded=settings.temperature > 0)
+                self.base_engine = self.vllm.Engine(
+                    self.target_dir,
+                    None,
+                    dtype=self.dtype,
+                    max_model_len=self.length,
+                    seed=self.seed,
+                    gpu_memory_utilization=self.memory,
+                    seeded=settings.temperature > 0,
+                )
             except BaseException:  # both or neither: a later draft starts them again
                 self.close()
                 raise

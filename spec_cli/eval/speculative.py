@@ -52,9 +52,13 @@ class Settings:
     topk: int = 1  # 1: a chain; > 1: an EAGLE-2 tree expanding top-k nodes per depth
     num_tokens: int = 0  # tree: drafted nodes verified per step (0: all); chain: depth
     temperature: float = 0.0  # 0: greedy
-    draft_sampling: str = "greedy"  # temperature > 0, a chain: "greedy" argmax drafts (q one-hot, as vLLM's
+    draft_sampling: str = (
+        "greedy"  # temperature > 0, a chain: "greedy" argmax drafts (q one-hot, as vLLM's
+    )
     #                                 default) or "sampled" from the draft's q (see the docstring)
-    adaptive: float = 0.0  # > 0: verify a chain's positions while the running product of the draft's
+    adaptive: float = (
+        0.0  # > 0: verify a chain's positions while the running product of the draft's
+    )
     #                        confidences stays at least this (adaptive verification); 0: all of them
     max_new_tokens: int = 256
     eos_ids: frozenset[int] = frozenset()
@@ -74,11 +78,11 @@ DRAFT_SAMPLING = ("greedy", "sampled")
 ACCEPTANCE_RULES = {
     "target-argmax": "accepted while it is the target's argmax (temperature 0)",
     "target-prob": "the draft's argmax, accepted with probability p_target(token); on rejection a token from "
-                   "p_target without it (q one-hot: vLLM's default, draft_sample_method greedy)",
+    "p_target without it (q one-hot: vLLM's default, draft_sample_method greedy)",
     "prob-ratio": "sampled from the draft's q, accepted with probability min(1, p_target/q); on rejection a "
-                  "token from norm(max(p_target - q, 0)) (vLLM's draft_sample_method probabilistic)",
+    "token from norm(max(p_target - q, 0)) (vLLM's draft_sample_method probabilistic)",
     "tree-target-prob": "the draft's top-k children, y ~ p_target accepted when it is one of them (q one-hot "
-                        "on each child in turn)",
+    "on each child in turn)",
 }
 
 
@@ -103,6 +107,7 @@ def eos_ids(tokenizer, generation_config) -> frozenset[int]:
 
 # ----------------------------------------------------------------------------- sampling
 
+
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index drawn from the probabilities p [V]."""
     return int(torch.multinomial(p, 1, generator=generator))
@@ -116,6 +121,7 @@ def next_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
 
 
 # ----------------------------------------------------------------------------- the target
+
 
 def prefill(target: Target, cache, prompt: torch.Tensor, images: dict | None = None):
     """The prompt [P] through the target: (logits of the last position [V], aux states [P, 3*H_t]).
@@ -131,19 +137,24 @@ def verify(target: Target, cache, root: torch.Tensor, proposal: Proposal):
     row 0 predicts the token after the root, row i + 1 the token after node i."""
     past = Target.cache_length(cache)
     ids = torch.cat([root.view(1), proposal.tokens])[None]  # [1, N + 1]
-    positions = (past + torch.cat([proposal.depths.new_zeros(1), proposal.depths]))[None]  # [1, N + 1]
+    positions = (past + torch.cat([proposal.depths.new_zeros(1), proposal.depths]))[
+        None
+    ]  # [1, N + 1]
     mask = None if proposal.chain else tree_attention(proposal.parents, past)
     return target.forward(ids, positions, cache, tree_mask=mask)
 
 
-def accept(proposal: Proposal, logits: torch.Tensor, temperature: float,
-           generator: torch.Generator | None) -> tuple[list[int], int]:
+def accept(
+    proposal: Proposal, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[list[int], int]:
     """(accepted node indices, root to leaf, the token emitted after them). logits [N + 1, V]."""
     if temperature > 0 and proposal.chain:
         return accept_sampled_chain(proposal, logits, temperature, generator)
     path, node = [], -1  # -1: the root, row 0
     while True:
-        y = next_token(logits[node + 1], temperature, generator)  # argmax, or y ~ p (see the docstring)
+        y = next_token(
+            logits[node + 1], temperature, generator
+        )  # argmax, or y ~ p (see the docstring)
         child = ((proposal.parents == node) & (proposal.tokens == y)).nonzero()
         if child.numel() == 0:
             return path, y
@@ -151,8 +162,9 @@ def accept(proposal: Proposal, logits: torch.Tensor, temperature: float,
         path.append(node)
 
 
-def accept_sampled_chain(proposal: Proposal, logits: torch.Tensor, temperature: float,
-                         generator: torch.Generator | None) -> tuple[list[int], int]:
+def accept_sampled_chain(
+    proposal: Proposal, logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[list[int], int]:
     """Speculative sampling over a chain. p: target probs, q: the draft probs x_j was drawn from; an
     argmax draft has none: q is a point mass on x_j, so it is accepted with prob p(x_j)."""
     p = probs(logits, temperature)  # [k + 1, V]
@@ -173,6 +185,7 @@ def accept_sampled_chain(proposal: Proposal, logits: torch.Tensor, temperature: 
 
 # ----------------------------------------------------------------------------- the loop
 
+
 def _finished(appended: list[int], generated: int, settings: Settings) -> bool:
     """Stop once max_new_tokens are out or one of the tokens just appended is an eos."""
     return generated >= settings.max_new_tokens or any(t in settings.eos_ids for t in appended)
@@ -180,16 +193,22 @@ def _finished(appended: list[int], generated: int, settings: Settings) -> bool:
 
 def _cut(new: list[int], settings: Settings) -> list[int]:
     """The output: up to the first eos (kept), at most max_new_tokens."""
-    new = new[:settings.max_new_tokens]
+    new = new[: settings.max_new_tokens]
     for i, t in enumerate(new):
         if t in settings.eos_ids:
-            return new[:i + 1]
+            return new[: i + 1]
     return new
 
 
 @torch.no_grad()
-def generate(target: Target, draft, prompt: list[int], settings: Settings,
-             generator: torch.Generator | None = None, algorithm=None) -> Generation:
+def generate(
+    target: Target,
+    draft,
+    prompt: list[int],
+    settings: Settings,
+    generator: torch.Generator | None = None,
+    algorithm=None,
+) -> Generation:
     """Speculative decoding of one prompt with `draft` (a module of its algorithm, default: the one its
     config names); the output is distributed as the target's own decoding (token for token the same
     under greedy)."""
@@ -198,23 +217,41 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
     device = next(draft.parameters()).device
     target.capture = True
     t_cache, d_cache = target.new_cache(), draft.new_cache()
-    logits, pending = prefill(target, t_cache, torch.tensor(prompt, device=device),  # pending [P, 3*H_t]
-                              getattr(prompt, "images", None))
+    logits, pending = prefill(
+        target,
+        t_cache,
+        torch.tensor(prompt, device=device),  # pending [P, 3*H_t]
+        getattr(prompt, "images", None),
+    )
     tokens = list(prompt) + [next_token(logits, settings.temperature, generator)]
     steps, drafts, confidence, appended = [], [], [], tokens[-1:]
     draft_seconds = 0.0
     while not _finished(appended, len(tokens) - len(prompt), settings):
         n = len(tokens)  # target cache: x[0..n-2]; draft cache: slots 0..n-2-len(pending)
-        new_ids = torch.tensor(tokens[n - len(pending):], device=device)  # x[i+1] for the pending slots i
+        new_ids = torch.tensor(
+            tokens[n - len(pending) :], device=device
+        )  # x[i+1] for the pending slots i
         t0 = _clock(device)
         state = algorithm.catch_up(draft, d_cache, new_ids, pending)  # draft cache: slots 0..n-2
-        proposal = algorithm.propose(draft, d_cache, state, settings.depth, settings.topk, settings.num_tokens,
-                                     settings.draft_temperature, generator)
+        proposal = algorithm.propose(
+            draft,
+            d_cache,
+            state,
+            settings.depth,
+            settings.topk,
+            settings.num_tokens,
+            settings.draft_temperature,
+            generator,
+        )
         if proposal.confidence is not None and settings.adaptive > 0:
             survival = torch.cumprod(proposal.confidence.float(), 0)
-            proposal = proposal.first(int((survival >= settings.adaptive).sum()))  # survival only falls
+            proposal = proposal.first(
+                int((survival >= settings.adaptive).sum())
+            )  # survival only falls
         draft_seconds += _clock(device) - t0
-        d_cache.crop(n - 1)  # drafted slots go; the accepted ones are re-run with the target's aux states
+        d_cache.crop(
+            n - 1
+        )  # drafted slots go; the accepted ones are re-run with the target's aux states
         logits, aux = verify(target, t_cache, new_ids[-1], proposal)  # [N + 1, V], [N + 1, 3*H_t]
         path, bonus = accept(proposal, logits, settings.temperature, generator)
         rows = [0] + [i + 1 for i in path]  # the root and the accepted nodes
@@ -223,19 +260,29 @@ def generate(target: Target, draft, prompt: list[int], settings: Settings,
         appended = proposal.tokens[path].tolist() + [bonus]
         tokens += appended
         last = path[-1] if path else -1
-        verified = len(path) + int(bool((proposal.parents == last).any()))  # a child of the last was tried
+        verified = len(path) + int(
+            bool((proposal.parents == last).any())
+        )  # a child of the last was tried
         steps.append((len(path), verified))
         drafts.append(proposal.tokens.tolist())
         if proposal.confidence is not None:
             confidence.append(proposal.confidence[:verified].tolist())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return Generation(tokens=_cut(tokens[len(prompt):], settings), seconds=time.perf_counter() - start,
-                      steps=steps, drafts=drafts, draft_seconds=draft_seconds, confidence=confidence)
+    return Generation(
+        tokens=_cut(tokens[len(prompt) :], settings),
+        seconds=time.perf_counter() - start,
+        steps=steps,
+        drafts=drafts,
+        draft_seconds=draft_seconds,
+        confidence=confidence,
+    )
 
 
 @torch.no_grad()
-def verify_costs(target: Target, prompt: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
+def verify_costs(
+    target: Target, prompt: list[int], sizes: list[int], repeats: int = 5
+) -> dict[int, float]:
     """Seconds of one target forward over n tokens (a verification of n - 1 drafts), for each n in
     `sizes`, after the prompt's prefill, the tokens taken back each time: the median of `repeats`,
     the sizes interleaved so that a change in the machine's load hits all. -> {n: seconds}."""
@@ -262,18 +309,23 @@ def _clock(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def generate_target(target: Target, prompt: list[int], settings: Settings,
-                    generator: torch.Generator | None = None) -> Generation:
+def generate_target(
+    target: Target, prompt: list[int], settings: Settings, generator: torch.Generator | None = None
+) -> Generation:
     """The baseline: the target alone, one token per forward, with its KV cache."""
     start = time.perf_counter()
     device = target.model.device
     target.capture = False
     cache = target.new_cache(rollback=False)  # the model's own: nothing is ever taken back
-    row, _ = prefill(target, cache, torch.tensor(prompt, device=device), getattr(prompt, "images", None))  # [V]
+    row, _ = prefill(
+        target, cache, torch.tensor(prompt, device=device), getattr(prompt, "images", None)
+    )  # [V]
     greedy = settings.temperature == 0
     new, top, keeping = [], [], 0.0
     while True:
-        if greedy:  # the choice and the logits nearest it (for report.parting; not timed as decoding)
+        if (
+            greedy
+        ):  # the choice and the logits nearest it (for report.parting; not timed as decoding)
             t0 = time.perf_counter()
             values, ids = row.topk(min(TOP_LOGITS, row.numel()))
             top.append(dict(zip(ids.tolist(), values.tolist())))
@@ -287,4 +339,6 @@ def generate_target(target: Target, prompt: list[int], settings: Settings,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     target.capture = True
-    return Generation(tokens=_cut(new, settings), seconds=time.perf_counter() - start - keeping, top=top)
+    return Generation(
+        tokens=_cut(new, settings), seconds=time.perf_counter() - start - keeping, top=top
+    )

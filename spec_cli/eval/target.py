@@ -30,8 +30,13 @@ TREE_ATTENTION = CUSTOM_MASK_ATTENTION  # attention implementations that read a 
 
 
 class Target:
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int], final_hidden: bool = False,
-                 input_embeds: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: list[int],
+        final_hidden: bool = False,
+        input_embeds: bool = False,
+    ):
         """final_hidden: what the draft reads ends with the final hidden state (EAGLE-1/2); input_embeds:
         and then with the first decoder layer's input (MSD: token embeddings, image features in place)."""
         self.model = model
@@ -43,9 +48,12 @@ class Target:
         if final_hidden:  # the draft reads the target's post-norm last hidden state (EAGLE-1/2)
             norm = getattr(loading.text_decoder(model), "norm", None)
             if norm is None:
-                raise ValueError(f"{type(model).__name__} has no final norm to read the draft's feature from")
+                raise ValueError(
+                    f"{type(model).__name__} has no final norm to read the draft's feature from"
+                )
             self._final_hook = norm.register_forward_hook(
-                lambda _m, _i, out: self._final.append(out) if self.capture else None)
+                lambda _m, _i, out: self._final.append(out) if self.capture else None
+            )
         self._cache_arg = loading.cache_argument(model)
         self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.layout = Layout.from_config(model.config)
@@ -76,8 +84,10 @@ class Target:
         from transformers import DynamicCache
 
         if rollback:
-            self.layout.require("speculative decoding (verifying drafts and dropping the rejected ones)",
-                                "evaluate a target whose layers are all full, sliding or chunked attention")
+            self.layout.require(
+                "speculative decoding (verifying drafts and dropping the rejected ones)",
+                "evaluate a target whose layers are all full, sliding or chunked attention",
+            )
             return DynamicCache()
         try:
             return DynamicCache(config=self.model.config)
@@ -104,16 +114,29 @@ class Target:
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache,
-                tree_mask: torch.Tensor | None = None, last_only: bool = False, images: dict | None = None):
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        tree_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+        images: dict | None = None,
+    ):
         """ids, positions [1, n] appended to `cache`; tree_mask [n, past + n] bool (None: causal);
         `images`: a prompt's image inputs (the prefill of an image prompt).
         Returns (logits fp32 [n, V] ([1, V] with last_only), what the draft reads [n, ...] or None: the
         aux layers' outputs, then the final hidden state when asked)."""
         mask = None
-        if tree_mask is not None:  # each layer kind's rule on the nodes' positions (target/masks.py)
-            mask = for_model(self.layout.tree(tree_mask, positions), self.attn_implementation,
-                             self.model.dtype, "tree verification (--topk 2 or more)")
+        if (
+            tree_mask is not None
+        ):  # each layer kind's rule on the nodes' positions (target/masks.py)
+            mask = for_model(
+                self.layout.tree(tree_mask, positions),
+                self.attn_implementation,
+                self.model.dtype,
+                "tree verification (--topk 2 or more)",
+            )
         extra = {} if images is None else loading.image_inputs(self.model, images, ids.device)
         # M-RoPE (Qwen-VL): an image prompt's positions come from its images' grids, and the model computes
         # them when given none; every later token sits `delta` past its index (kept with the cache)
@@ -121,21 +144,29 @@ class Target:
         position_ids = None if grid else positions + getattr(cache, "spec_rope_delta", 0)
         self.aux_capture.clear()
         self._final.clear()
-        out = self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1 if last_only else 0, **{self._cache_arg: cache}, **extra)
+        out = self.model(
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **{self._cache_arg: cache},
+            **extra,
+        )
         if grid:
             cache.spec_rope_delta = int(self.model.base_model.rope_deltas.reshape(-1)[0])
         logits = out.logits[0].float()
         if not self.capture:
             return logits, None
         final = self._final[-1] if self._final_hook is not None else None
-        aux = self.aux_capture.take(final if final is not None else out.logits)[0]  # [n, n_aux * H_t]
+        aux = self.aux_capture.take(final if final is not None else out.logits)[
+            0
+        ]  # [n, n_aux * H_t]
         if final is not None:
             aux = torch.cat([aux, final[0].to(aux.dtype)], dim=-1)
         if self.input_capture is not None:
             aux = torch.cat([aux, self.input_capture.take()[0].to(aux.dtype)], dim=-1)
         return logits, aux
-
 
 
 def tree_attention(parents: torch.Tensor, past: int) -> torch.Tensor:

@@ -40,10 +40,14 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 class CheckReport:
     format: str
     params_loaded: int
-    aux_layer_outputs: list[int]  # what the engine feeds the draft, spec_cli convention, engine order
+    aux_layer_outputs: list[
+        int
+    ]  # what the engine feeds the draft, spec_cli convention, engine order
     positions: int  # (draft step, position) pairs compared
     confident: int  # of which the fp32 checkpoint's top-1 margin is not tiny
-    agreement_fp32: float  # share of those where the export's prediction equals the fp32 checkpoint's
+    agreement_fp32: (
+        float  # share of those where the export's prediction equals the fp32 checkpoint's
+    )
 
 
 def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -> CheckReport:
@@ -51,7 +55,9 @@ def check_export(folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype) -
     return passed(fmt, *find_problems(folder, fmt, src, dtype))
 
 
-def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp32: tuple[str, ...] = ()) -> list[str]:
+def tensor_problems(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp32: tuple[str, ...] = ()
+) -> list[str]:
     """The file's tensors as the engine needs them: d2t int64 offsets, t2d a bool mask, the weights in the
     requested dtype (those whose names start with one of `fp32`: in fp32, as the engine builds them) and
     finite."""
@@ -64,7 +70,9 @@ def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp32: 
             problems.append(f"t2d is {tensor.dtype}, not a bool mask")
         elif key not in ("d2t", "t2d"):
             if tensor.dtype != want:
-                problems.append(f"{key} is {tensor.dtype}, not the {'requested ' if want == dtype else ''}{want}")
+                problems.append(
+                    f"{key} is {tensor.dtype}, not the {'requested ' if want == dtype else ''}{want}"
+                )
             elif not bool(torch.isfinite(tensor.float()).all()):
                 problems.append(f"{key} has inf/nan values in {want}")
     return problems
@@ -73,15 +81,17 @@ def tensor_problems(tensors: dict[str, torch.Tensor], dtype: torch.dtype, fp32: 
 def passed(fmt: str, problems: list[str], report: CheckReport | None) -> CheckReport:
     """The report of a self-check that found nothing; else ExportCheckError listing what it found."""
     if problems:
-        raise ExportCheckError(f"the {fmt} export would not serve as trained: "
-                               + listing(problems),
-                               "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
-                               "report this, or export another checkpoint")
+        raise ExportCheckError(
+            f"the {fmt} export would not serve as trained: " + listing(problems),
+            "nothing was written to the output folder; rerun with SPEC_DEBUG=1 and "
+            "report this, or export another checkpoint",
+        )
     return report
 
 
-def compare_predictions(got: list, want: list, fp32: list, dtype: torch.dtype,
-                        label: str, first: int = 0) -> tuple[list[str], int, float]:
+def compare_predictions(
+    got: list, want: list, fp32: list, dtype: torch.dtype, label: str, first: int = 0
+) -> tuple[list[str], int, float]:
     """The export's (logits, target ids) per step against the checkpoint cast to `dtype` (same logits,
     same ids wherever the top-1 margin is not tiny) and against the fp32 checkpoint (same top-1 on 90% of
     the positions where it is confident). -> (problems, confident positions, agreement)."""
@@ -91,9 +101,11 @@ def compare_predictions(got: list, want: list, fp32: list, dtype: torch.dtype,
         diff = float((g_logits - w_logits).abs().max())
         sure = _margin(w_logits) > 1e-4 * scale  # positions not decided by float summation order
         if diff > 1e-4 * scale or not torch.equal(g_ids[sure], w_ids[sure]):
-            problems.append(f"{label.format(k + first)}: the export's predictions differ from the checkpoint cast to "
-                            f"{dtype} (max logit diff {diff:.3g}, "
-                            f"{int((g_ids != w_ids)[sure].sum())} target ids differ)")
+            problems.append(
+                f"{label.format(k + first)}: the export's predictions differ from the checkpoint cast to "
+                f"{dtype} (max logit diff {diff:.3g}, "
+                f"{int((g_ids != w_ids)[sure].sum())} target ids differ)"
+            )
     confident = agree = 0
     for (_, g_ids), (w_logits, w_ids) in zip(got, fp32):
         sure = _margin(w_logits) > 0.05 * (1.0 + w_logits.max(-1).values.abs())
@@ -101,13 +113,16 @@ def compare_predictions(got: list, want: list, fp32: list, dtype: torch.dtype,
         agree += int((g_ids == w_ids)[sure].sum())
     agreement = agree / confident if confident else 1.0
     if agreement < 0.9:
-        problems.append(f"in {dtype} the export agrees with the fp32 checkpoint on only {agreement:.0%} of "
-                        "the positions where the checkpoint is confident")
+        problems.append(
+            f"in {dtype} the export agrees with the fp32 checkpoint on only {agreement:.0%} of "
+            "the positions where the checkpoint is confident"
+        )
     return problems, confident, agreement
 
 
-def find_problems(folder: Path, fmt: str, src: DraftSource,
-                  dtype: torch.dtype) -> tuple[list[str], CheckReport | None]:
+def find_problems(
+    folder: Path, fmt: str, src: DraftSource, dtype: torch.dtype
+) -> tuple[list[str], CheckReport | None]:
     folder = Path(folder)
     present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     problems = [f"{name} is missing" for name in sorted(EXPECTED_FILES - present)]
@@ -119,7 +134,9 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     except reader.Unreadable as exc:
         return problems + [f"the files cannot be read ({exc})"], None
     if engine.meta.get("format") != "pt":
-        problems.append("model.safetensors lacks the metadata format 'pt' transformers loaders require")
+        problems.append(
+            "model.safetensors lacks the metadata format 'pt' transformers loaders require"
+        )
 
     view = engine.view
     problems += view.problems
@@ -129,8 +146,11 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
 
     # -- weights: every file key loaded by the engine's loader, none skipped -----------------------
     problems += [f"'{key}': {r.why}" for key, r in engine.unloaded.items()]
-    problems += [f"the engine's {name} is not in the file (it keeps its initial value: random "
-                 "weights, or an identity vocab map)" for name in engine.missing]
+    problems += [
+        f"the engine's {name} is not in the file (it keeps its initial value: random "
+        "weights, or an identity vocab map)"
+        for name in engine.missing
+    ]
     problems += engine.misshapen
     problems += tensor_problems(engine.tensors, dtype)
 
@@ -140,11 +160,18 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
         problems.append("the checkpoint's d2t and t2d disagree")
     loaded, V = engine.loaded, view.vocab_size
     targets = engine.targets
-    if targets is not None and selected is not None and (targets.shape != selected.shape
-                                                         or not torch.equal(targets, selected)):
-        wrong = int((targets != selected).sum()) if targets.shape == selected.shape else targets.numel()
-        problems.append(f"draft ids map to the wrong target ids ({wrong} of {targets.numel()} differ; "
-                        "arange instead of offsets, or a zeroed/damaged d2t)")
+    if (
+        targets is not None
+        and selected is not None
+        and (targets.shape != selected.shape or not torch.equal(targets, selected))
+    ):
+        wrong = (
+            int((targets != selected).sum()) if targets.shape == selected.shape else targets.numel()
+        )
+        problems.append(
+            f"draft ids map to the wrong target ids ({wrong} of {targets.numel()} differ; "
+            "arange instead of offsets, or a zeroed/damaged d2t)"
+        )
     if "t2d" in loaded and selected is not None and loaded["t2d"].shape == (V,):
         if not torch.equal(vocab_map.ids_from_t2d(loaded["t2d"]), selected):
             problems.append("t2d does not mark exactly the draft vocabulary's target ids")
@@ -155,13 +182,17 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     if why:
         problems.append(why)
     elif len(set(c.aux_layer_ids)) < len(c.aux_layer_ids):
-        problems.append(f"the draft was trained on aux layers {c.aux_layer_ids}, which repeat a layer: the engine "
-                        f"captures each layer once, so fc would get {len(set(c.aux_layer_ids))} states of the "
-                        f"{len(c.aux_layer_ids)} it expects (train again with distinct --aux-layers; `spec eval "
-                        "--engine torch` runs this draft)")
+        problems.append(
+            f"the draft was trained on aux layers {c.aux_layer_ids}, which repeat a layer: the engine "
+            f"captures each layer once, so fc would get {len(set(c.aux_layer_ids))} states of the "
+            f"{len(c.aux_layer_ids)} it expects (train again with distinct --aux-layers; `spec eval "
+            "--engine torch` runs this draft)"
+        )
     elif outputs != sorted(c.aux_layer_ids):
-        problems.append(f"the engine would feed the draft the outputs of layers {outputs} "
-                        f"(ids {view.aux_ids}); it was trained on {sorted(c.aux_layer_ids)}")
+        problems.append(
+            f"the engine would feed the draft the outputs of layers {outputs} "
+            f"(ids {view.aux_ids}); it was trained on {sorted(c.aux_layer_ids)}"
+        )
 
     if problems or targets is None:
         return problems, None
@@ -179,10 +210,15 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
     except (ConfigError, RuntimeError, KeyError) as exc:
         return problems + [f"the engine's draft cannot be built from the export ({exc})"], None
 
-    cast = {k: (v.to(dtype).float() if v.dtype in _FLOATS else v) for k, v in src.state.items()
-            if k != "embed_tokens.weight"}
+    cast = {
+        k: (v.to(dtype).float() if v.dtype in _FLOATS else v)
+        for k, v in src.state.items()
+        if k != "embed_tokens.weight"
+    }
     as_cast = _materialise(c, {**cast, "embed_tokens.weight": embed})  # embed shared, not copied
-    as_trained = _materialise(c, {k: (v.float() if v.dtype in _FLOATS else v) for k, v in src.state.items()})
+    as_trained = _materialise(
+        c, {k: (v.float() if v.dtype in _FLOATS else v) for k, v in src.state.items()}
+    )
 
     g = torch.Generator().manual_seed(0)
     B, T, steps = 2, 16, 2
@@ -197,12 +233,19 @@ def find_problems(folder: Path, fmt: str, src: DraftSource,
 
     found, confident, agreement = compare_predictions(got, want, fp32, dtype, "draft step {}")
     problems += found
-    report = CheckReport(format=fmt, params_loaded=len(loaded), aux_layer_outputs=outputs,
-                         positions=B * T * steps, confident=confident, agreement_fp32=agreement)
+    report = CheckReport(
+        format=fmt,
+        params_loaded=len(loaded),
+        aux_layer_outputs=outputs,
+        positions=B * T * steps,
+        confident=confident,
+        agreement_fp32=agreement,
+    )
     return problems, report
 
 
 # ----------------------------------------------------------------------------- pieces
+
 
 def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
     """The draft the engine builds vs the one that was trained."""
@@ -230,14 +273,21 @@ def _config_problems(view: engines.EngineView, c: DraftConfig) -> list[str]:
     ]
     if c.mask_token_id is not None or view.parallel_drafting:  # a parallel-drafting (P-EAGLE) draft
         fields.append(("mask_token_id (parallel drafting)", view.mask_token_id, c.mask_token_id))
-    problems = [f"{name} is {got} for the engine, {want} in training"
-                for name, got, want in fields if got != want]
+    problems = [
+        f"{name} is {got} for the engine, {want} in training"
+        for name, got, want in fields
+        if got != want
+    ]
     if view.norm_before_residual:
-        problems.append("the engine would apply hidden_norm before taking the residual "
-                        "(norm_before_residual); the draft was trained without it")
+        problems.append(
+            "the engine would apply hidden_norm before taking the residual "
+            "(norm_before_residual); the draft was trained without it"
+        )
     if view.norm_before_fc:
-        problems.append("the engine would RMSNorm the concatenated aux states (norm_before_fc); "
-                        "the draft was trained without it")
+        problems.append(
+            "the engine would RMSNorm the concatenated aux states (norm_before_fc); "
+            "the draft was trained without it"
+        )
     if not view.use_aux_hidden_state:
         problems.append("eagle_config.use_aux_hidden_state is false: the engine would skip fc")
     return problems
@@ -267,10 +317,14 @@ def _predict(draft, ids: torch.Tensor, aux: torch.Tensor, steps: int):
     B, T = ids.shape
     if hasattr(draft, "parallel_forward"):
         rows, anchors = torch.ones(B, T, dtype=torch.bool).nonzero(as_tuple=True)
-        state0, deep = draft.parallel_forward(ids, aux, torch.arange(T).expand(B, T), None,
-                                              [(rows, anchors)] * (steps - 1))
+        state0, deep = draft.parallel_forward(
+            ids, aux, torch.arange(T).expand(B, T), None, [(rows, anchors)] * (steps - 1)
+        )
         states = [state0] + [s.view(B, T, -1) for s in deep]
-        return [(draft.logits(s).float(), draft.to_target_ids(draft.logits(s).float().argmax(-1))) for s in states]
+        return [
+            (draft.logits(s).float(), draft.to_target_ids(draft.logits(s).float().argmax(-1)))
+            for s in states
+        ]
     cos, sin = draft.rope(torch.arange(T).expand(B, T))
     caches = [[] for _ in draft.decoder_layers]
     hidden = draft.project(aux)

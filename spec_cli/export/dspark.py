@@ -36,21 +36,31 @@ def _heads(raw: dict, fmt: str, view: dflash.View) -> None:
         view.problems.append(f"markov_rank is {rank!r}: vLLM's DSpark model needs a positive rank")
         rank = 0
     confidence = bool(raw.get("enable_confidence_head", False))
-    view.heads = {"markov_rank": rank, "confidence_head": confidence,
-                  "confidence_with_markov": confidence and bool(raw.get("confidence_head_with_markov", False))}
+    view.heads = {
+        "markov_rank": rank,
+        "confidence_head": confidence,
+        "confidence_with_markov": confidence
+        and bool(raw.get("confidence_head_with_markov", False)),
+    }
     if not raw.get("sample_from_anchor", fmt == "vllm"):
-        view.problems.append("sample_from_anchor is false: vLLM would run the block with the anchor as a bonus token "
-                             "(1 + N queries); the draft was trained to propose from its anchor")
+        view.problems.append(
+            "sample_from_anchor is false: vLLM would run the block with the anchor as a bonus token "
+            "(1 + N queries); the draft was trained to propose from its anchor"
+        )
     if raw.get("markov_head_type", "vanilla") != "vanilla":
-        view.problems.append(f"markov_head_type {raw['markov_head_type']!r}: vLLM's DSpark model has the vanilla head only")
+        view.problems.append(
+            f"markov_head_type {raw['markov_head_type']!r}: vLLM's DSpark model has the vanilla head only"
+        )
     if fmt == "vllm" and raw.get("block_size") is not None:
         view.speculative_tokens = int(raw["block_size"])  # vLLM's default num_speculative_tokens
 
 
 def _params(v: dflash.View) -> dict[str, tuple[int, ...]]:
     L, h = v.layer, v.heads
-    out = {"markov_head.markov_w1.weight": (L.vocab_size, h["markov_rank"]),
-           "markov_head.markov_w2.weight": (v.draft_vocab_size, h["markov_rank"])}
+    out = {
+        "markov_head.markov_w1.weight": (L.vocab_size, h["markov_rank"]),
+        "markov_head.markov_w2.weight": (v.draft_vocab_size, h["markov_rank"]),
+    }
     if h["confidence_head"]:
         width = L.hidden_size + (h["markov_rank"] if h["confidence_with_markov"] else 0)
         out.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
@@ -73,9 +83,18 @@ def _predict(draft, ids, aux, positions):
     return out, conf
 
 
-DSPARK = dflash.Family(title="DSpark", algorithm="dspark", architectures=("Qwen3DSparkModel",), speculators_type="dspark",
-                       first=0, reads_causal_key=False, heads=_heads, params=_params, predict=_predict,
-                       fp32=("confidence_head.",))
+DSPARK = dflash.Family(
+    title="DSpark",
+    algorithm="dspark",
+    architectures=("Qwen3DSparkModel",),
+    speculators_type="dspark",
+    first=0,
+    reads_causal_key=False,
+    heads=_heads,
+    params=_params,
+    predict=_predict,
+    fp32=("confidence_head.",),
+)
 
 
 def recognise(raw: dict) -> str | None:

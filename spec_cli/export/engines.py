@@ -40,6 +40,7 @@ SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 @dataclass
 class EngineView:
     """The draft model an engine builds from config.json (before any weight is loaded)."""
+
     engine: str
     architecture: str | None = None
     vocab_size: int = 0
@@ -63,7 +64,9 @@ class EngineView:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states
     use_aux_hidden_state: bool = True
     aux_ids: list[int] | None = None  # as written; None: the engine's default
-    parallel_drafting: bool = False  # a P-EAGLE draft: mask_hidden + mask_token_id, all depths in one forward
+    parallel_drafting: bool = (
+        False  # a P-EAGLE draft: mask_hidden + mask_token_id, all depths in one forward
+    )
     mask_token_id: int | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -71,12 +74,16 @@ class EngineView:
 @dataclass
 class Route:
     """Where the engine's loader sends one file key."""
-    kind: str  # "param" | "skipped" (dropped, silently or with a log line) | "rejected" (load fails)
+
+    kind: (
+        str  # "param" | "skipped" (dropped, silently or with a log line) | "rejected" (load fails)
+    )
     name: str | None = None  # the engine's parameter (q/k/v and gate/up as their unfused shards)
     why: str = ""
 
 
 # ----------------------------------------------------------------------------- config.json
+
 
 def _rope(d: dict, problems: list[str]) -> tuple[float, dict | None]:
     """transformers 5 reads `rope_parameters`, transformers 4 `rope_theta` + `rope_scaling` (vLLM's
@@ -89,9 +96,11 @@ def _rope(d: dict, problems: list[str]) -> tuple[float, dict | None]:
     theta = float(params.get("rope_theta", legacy_theta))
     scaling = rope_scaling_of(params)
     if ("rope_theta" in d and legacy_theta != theta) or ("rope_scaling" in d and legacy != scaling):
-        problems.append(f"rope_parameters {d['rope_parameters']} and rope_theta/rope_scaling "
-                        f"({d.get('rope_theta')}, {d.get('rope_scaling')}) disagree: transformers 4 and 5 "
-                        "would build different rotary embeddings")
+        problems.append(
+            f"rope_parameters {d['rope_parameters']} and rope_theta/rope_scaling "
+            f"({d.get('rope_theta')}, {d.get('rope_scaling')}) disagree: transformers 4 and 5 "
+            "would build different rotary embeddings"
+        )
     return theta, scaling
 
 
@@ -124,8 +133,10 @@ def _llama_fields(view: EngineView, d: dict) -> None:
     view.rope_theta, view.rope_scaling = _rope(d, view.problems)
     view.sliding_window = _window(d, view.num_hidden_layers, view.problems)
     if d.get("attention_bias") or d.get("mlp_bias"):
-        view.problems.append("attention_bias/mlp_bias is set: the engine would add bias parameters the "
-                             "draft does not have and leave them uninitialised")
+        view.problems.append(
+            "attention_bias/mlp_bias is set: the engine would add bias parameters the "
+            "draft does not have and leave them uninitialised"
+        )
 
 
 def _window(d: dict, num_layers: int, problems: list[str]) -> int | None:
@@ -137,8 +148,10 @@ def _window(d: dict, num_layers: int, problems: list[str]) -> int | None:
     if not types:
         return None
     if len(types) < num_layers:
-        problems.append(f"layer_types lists {len(types)} layer(s) for {num_layers} draft layers (vLLM asserts "
-                        "every draft layer has an entry)")
+        problems.append(
+            f"layer_types lists {len(types)} layer(s) for {num_layers} draft layers (vLLM asserts "
+            "every draft layer has an entry)"
+        )
         return None
     sliding = [t == "sliding_attention" for t in types[:num_layers]]
     if not any(sliding):
@@ -148,8 +161,10 @@ def _window(d: dict, num_layers: int, problems: list[str]) -> int | None:
         problems.append(f"layer_types asks for sliding attention but sliding_window is {window!r}")
         return None
     if not all(sliding):
-        problems.append(f"layer_types {types} mixes sliding and full attention; spec_cli's drafts use one "
-                        "window for every layer")
+        problems.append(
+            f"layer_types {types} mixes sliding and full attention; spec_cli's drafts use one "
+            "window for every layer"
+        )
     return window
 
 
@@ -159,8 +174,10 @@ def read_vllm(d: dict, engine: str = "vllm") -> EngineView:
     archs = d.get("architectures") or [None]
     view.architecture = archs[0]
     if view.architecture not in VLLM_ARCHITECTURES:
-        view.problems.append(f"architecture {view.architecture!r} is not one vLLM loads as an EAGLE-3 draft "
-                             f"({', '.join(VLLM_ARCHITECTURES)})")
+        view.problems.append(
+            f"architecture {view.architecture!r} is not one vLLM loads as an EAGLE-3 draft "
+            f"({', '.join(VLLM_ARCHITECTURES)})"
+        )
     _llama_fields(view, d)
     # Eagle3LlamaForCausalLM.__init__: draft_vocab_size defaults to vocab_size when absent.
     view.draft_vocab_size = int(d.get("draft_vocab_size") or view.vocab_size)
@@ -180,7 +197,10 @@ def read_vllm(d: dict, engine: str = "vllm") -> EngineView:
     # parallel drafting (served with "parallel_drafting": true): llm_base_proposer.py
     # _init_parallel_drafting_params reads the mask slots' token from mask_token_id, else pard_token
     # (what update_peagle writes for a speculators folder), else ptd_token_id
-    token = next((d[k] for k in ("mask_token_id", "pard_token", "ptd_token_id") if d.get(k) is not None), None)
+    token = next(
+        (d[k] for k in ("mask_token_id", "pard_token", "ptd_token_id") if d.get(k) is not None),
+        None,
+    )
     view.parallel_drafting = token is not None
     view.mask_token_id = int(token) if token is not None else None
     return view
@@ -192,34 +212,45 @@ def read_sglang(d: dict) -> EngineView:
     archs = d.get("architectures") or [None]
     view.architecture = archs[0]
     if view.architecture not in SGLANG_ARCHITECTURES:
-        view.problems.append(f"architecture {view.architecture!r} is not SGLang's EAGLE-3 Llama draft "
-                             f"({', '.join(SGLANG_ARCHITECTURES)})")
+        view.problems.append(
+            f"architecture {view.architecture!r} is not SGLang's EAGLE-3 Llama draft "
+            f"({', '.join(SGLANG_ARCHITECTURES)})"
+        )
     _llama_fields(view, d)
     if d.get("draft_vocab_size") is None:
-        view.problems.append("draft_vocab_size is missing: SGLang then loads the target's full lm_head "
-                             "(load_lm_head_from_target) and ignores the draft's")
+        view.problems.append(
+            "draft_vocab_size is missing: SGLang then loads the target's full lm_head "
+            "(load_lm_head_from_target) and ignores the draft's"
+        )
     view.draft_vocab_size = int(d.get("draft_vocab_size") or view.vocab_size)
     if d.get("tie_word_embeddings"):
-        view.problems.append("tie_word_embeddings is true: SGLang then uses embed_tokens as the lm_head")
+        view.problems.append(
+            "tie_word_embeddings is true: SGLang then uses embed_tokens as the lm_head"
+        )
     if view.num_hidden_layers != 1:
-        view.problems.append(f"num_hidden_layers is {view.num_hidden_layers}: SGLang versions build and name "
-                             "the extra layers differently (additional_layers / layers.{i})")
+        view.problems.append(
+            f"num_hidden_layers is {view.num_hidden_layers}: SGLang versions build and name "
+            "the extra layers differently (additional_layers / layers.{i})"
+        )
     view.target_hidden_size = int(d.get("target_hidden_size") or view.hidden_size)
     # LlamaModel: fc_norm (or the legacy use_aux_norm), norm_output; the residual is always the
     # un-normed hidden (LlamaDecoderLayer.forward) and there is no input_norm.
     view.fc_norm = bool(d.get("fc_norm") or d.get("use_aux_norm", False))
     view.norm_output = bool(d.get("norm_output", False))
     if d.get("norm_before_residual") or d.get("norm_before_fc"):
-        view.problems.append("norm_before_residual/norm_before_fc is set, which SGLang's EAGLE-3 Llama "
-                             "draft ignores")
+        view.problems.append(
+            "norm_before_residual/norm_before_fc is set, which SGLang's EAGLE-3 Llama draft ignores"
+        )
     eagle_config = d.get("eagle_config") or {}
     view.use_aux_hidden_state = bool(eagle_config.get("use_aux_hidden_state", True))
     # model_runner.py reads eagle_config["eagle_aux_hidden_state_layer_ids"] only.
     ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     view.aux_ids = [int(i) for i in ids] if isinstance(ids, (list, tuple)) and ids else None
     if view.aux_ids is None and d.get("eagle_aux_hidden_state_layer_ids"):
-        view.problems.append("the aux layer ids are at the top level, where SGLang does not look "
-                             "(it reads eagle_config.eagle_aux_hidden_state_layer_ids)")
+        view.problems.append(
+            "the aux layer ids are at the top level, where SGLang does not look "
+            "(it reads eagle_config.eagle_aux_hidden_state_layer_ids)"
+        )
     return view
 
 
@@ -231,18 +262,24 @@ def read_speculators(d: dict) -> EngineView:
     if kind not in ("eagle3", "peagle"):
         problems.append(f"speculators_model_type {kind!r} is not 'eagle3' or 'peagle'")
     if d.get("model_type") != "speculators" and d.get("speculators_config") is None:
-        problems.append("neither model_type 'speculators' nor speculators_config: vLLM would not read "
-                        "this as a speculators model")
+        problems.append(
+            "neither model_type 'speculators' nor speculators_config: vLLM would not read "
+            "this as a speculators model"
+        )
     try:
         spec = d["speculators_config"]
         int(spec["proposal_methods"][0]["speculative_tokens"])
         spec["verifier"]["name_or_path"]
     except (KeyError, IndexError, TypeError, ValueError):
-        problems.append("speculators_config lacks proposal_methods[0].speculative_tokens or "
-                        "verifier.name_or_path (vLLM: 'Invalid speculators config structure')")
+        problems.append(
+            "speculators_config lacks proposal_methods[0].speculative_tokens or "
+            "verifier.name_or_path (vLLM: 'Invalid speculators config structure')"
+        )
     layer = d.get("transformer_layer_config")
     if not isinstance(layer, dict):
-        problems.append("transformer_layer_config is missing (vLLM: 'Must provide transformer_layer_config')")
+        problems.append(
+            "transformer_layer_config is missing (vLLM: 'Must provide transformer_layer_config')"
+        )
         layer = {}
     merged = dict(layer)
     # algos.py update_eagle3
@@ -251,10 +288,16 @@ def read_speculators(d: dict) -> EngineView:
         merged["target_hidden_size"] = d["target_hidden_size"]
     # NB: update_eagle3 defaults it to True, update_peagle to False
     merged["norm_before_residual"] = d.get("norm_before_residual", kind != "peagle")
-    merged["architectures"] = ["Eagle3LlamaForCausalLM"]  # PeagleLlamaForCausalLM is registered as it too
-    if kind == "peagle":  # update_peagle: mask_token_id (required) -> pard_token; method eagle3 + parallel
+    merged["architectures"] = [
+        "Eagle3LlamaForCausalLM"
+    ]  # PeagleLlamaForCausalLM is registered as it too
+    if (
+        kind == "peagle"
+    ):  # update_peagle: mask_token_id (required) -> pard_token; method eagle3 + parallel
         if d.get("mask_token_id") is None:
-            problems.append("a peagle speculators config without mask_token_id (vLLM: KeyError in update_peagle)")
+            problems.append(
+                "a peagle speculators config without mask_token_id (vLLM: KeyError in update_peagle)"
+            )
         else:
             merged["pard_token"] = d["mask_token_id"]
     if d.get("eagle_aux_hidden_state_layer_ids"):
@@ -263,14 +306,17 @@ def read_speculators(d: dict) -> EngineView:
     # them from the top level only in some vLLM versions, so both places must agree.
     for flag in ("fc_norm", "norm_output", "norm_before_fc"):
         if bool(d.get(flag, False)) != bool(layer.get(flag, False)):
-            problems.append(f"{flag} is {d.get(flag)} at the top level but {layer.get(flag)} in "
-                            "transformer_layer_config: vLLM versions read different ones")
+            problems.append(
+                f"{flag} is {d.get(flag)} at the top level but {layer.get(flag)} in "
+                "transformer_layer_config: vLLM versions read different ones"
+            )
     view = read_vllm(merged, engine="speculators")
     view.problems = problems + view.problems
     return view
 
 
 # ----------------------------------------------------------------------------- parameters
+
 
 def full_vocab(v: EngineView) -> bool:
     """The draft proposes over the whole target vocabulary (draft_vocab_size == vocab_size). vLLM
@@ -286,7 +332,9 @@ def vllm_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     H, Ht, I = v.hidden_size, v.target_hidden_size, v.intermediate_size
     q, kv = v.num_attention_heads * v.head_dim, v.num_key_value_heads * v.head_dim
     p = {"lm_head.weight": (v.draft_vocab_size, H), "model.norm.weight": (H,)}
-    if not full_vocab(v):  # Eagle3LlamaForCausalLM.__init__ builds the map only for a smaller draft vocab
+    if not full_vocab(
+        v
+    ):  # Eagle3LlamaForCausalLM.__init__ builds the map only for a smaller draft vocab
         p["draft_id_to_target_id"] = (v.draft_vocab_size,)
     if v.use_aux_hidden_state:
         p["model.fc.weight"] = (H, 3 * Ht)
@@ -299,11 +347,19 @@ def vllm_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     for i in range(v.num_hidden_layers):
         d_in = 2 * H if i == 0 else H  # the first layer reads cat(embeds, hidden)
         pre = f"model.layers.{i}."
-        p.update({pre + "input_layernorm.weight": (H,), pre + "post_attention_layernorm.weight": (H,),
-                  pre + "self_attn.q_proj.weight": (q, d_in), pre + "self_attn.k_proj.weight": (kv, d_in),
-                  pre + "self_attn.v_proj.weight": (kv, d_in), pre + "self_attn.o_proj.weight": (H, q),
-                  pre + "mlp.gate_proj.weight": (I, H), pre + "mlp.up_proj.weight": (I, H),
-                  pre + "mlp.down_proj.weight": (H, I)})
+        p.update(
+            {
+                pre + "input_layernorm.weight": (H,),
+                pre + "post_attention_layernorm.weight": (H,),
+                pre + "self_attn.q_proj.weight": (q, d_in),
+                pre + "self_attn.k_proj.weight": (kv, d_in),
+                pre + "self_attn.v_proj.weight": (kv, d_in),
+                pre + "self_attn.o_proj.weight": (H, q),
+                pre + "mlp.gate_proj.weight": (I, H),
+                pre + "mlp.up_proj.weight": (I, H),
+                pre + "mlp.down_proj.weight": (H, I),
+            }
+        )
         if i == 0:
             p[pre + "hidden_norm.weight"] = (H,)
     return p
@@ -313,8 +369,12 @@ def vllm_optional(v: EngineView) -> dict[str, tuple[int, ...]]:
     """Parameters vLLM loads when present but does not need: embed_tokens (else the target's is shared,
     load_eagle_model) and the unused hidden_norm of layers after the first."""
     p = {"model.embed_tokens.weight": (v.vocab_size, v.hidden_size)}
-    p.update({f"model.layers.{i}.hidden_norm.weight": (v.hidden_size,)
-              for i in range(1, v.num_hidden_layers)})
+    p.update(
+        {
+            f"model.layers.{i}.hidden_norm.weight": (v.hidden_size,)
+            for i in range(1, v.num_hidden_layers)
+        }
+    )
     return p
 
 
@@ -331,14 +391,22 @@ def sglang_params(v: EngineView) -> dict[str, tuple[int, ...]]:
     H, Ht, I = v.hidden_size, v.target_hidden_size, v.intermediate_size
     q, kv = v.num_attention_heads * v.head_dim, v.num_key_value_heads * v.head_dim
     pre = "model.layers.0."
-    p = {"lm_head.weight": (v.draft_vocab_size, H), "model.norm.weight": (H,), "model.fc.weight": (H, 3 * Ht),
-         "hot_token_id": (v.draft_vocab_size,),
-         pre + "input_layernorm.weight": (H,), pre + "hidden_norm.weight": (H,),
-         pre + "post_attention_layernorm.weight": (H,),
-         pre + "self_attn.q_proj.weight": (q, 2 * H), pre + "self_attn.k_proj.weight": (kv, 2 * H),
-         pre + "self_attn.v_proj.weight": (kv, 2 * H), pre + "self_attn.o_proj.weight": (H, q),
-         pre + "mlp.gate_proj.weight": (I, H), pre + "mlp.up_proj.weight": (I, H),
-         pre + "mlp.down_proj.weight": (H, I)}
+    p = {
+        "lm_head.weight": (v.draft_vocab_size, H),
+        "model.norm.weight": (H,),
+        "model.fc.weight": (H, 3 * Ht),
+        "hot_token_id": (v.draft_vocab_size,),
+        pre + "input_layernorm.weight": (H,),
+        pre + "hidden_norm.weight": (H,),
+        pre + "post_attention_layernorm.weight": (H,),
+        pre + "self_attn.q_proj.weight": (q, 2 * H),
+        pre + "self_attn.k_proj.weight": (kv, 2 * H),
+        pre + "self_attn.v_proj.weight": (kv, 2 * H),
+        pre + "self_attn.o_proj.weight": (H, q),
+        pre + "mlp.gate_proj.weight": (I, H),
+        pre + "mlp.up_proj.weight": (I, H),
+        pre + "mlp.down_proj.weight": (H, I),
+    }
     if v.fc_norm:
         p.update({f"model.fc_norm.{j}.weight": (Ht,) for j in range(3)})
     return p
@@ -346,16 +414,20 @@ def sglang_params(v: EngineView) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------- routing file keys
 
+
 def route_vllm(key: str, v: EngineView) -> Route:
     """Eagle3LlamaForCausalLM.load_weights, then LlamaModel's "midlayer." -> "layers.0." mapping and
     AutoWeightsLoader (which raises on a name the model does not have)."""
     if "t2d" in key:
-        return Route("skipped", why="vLLM drops t2d (`if \"t2d\" in name: continue`)")
+        return Route("skipped", why='vLLM drops t2d (`if "t2d" in name: continue`)')
     if "d2t" in key:
         if full_vocab(v):
-            return Route("rejected", why="vLLM has no draft_id_to_target_id when draft_vocab_size equals "
-                                        "vocab_size, and its loader fails on the key (\"There is no module or "
-                                        "parameter named 'draft_id_to_target_id'\")")
+            return Route(
+                "rejected",
+                why="vLLM has no draft_id_to_target_id when draft_vocab_size equals "
+                'vocab_size, and its loader fails on the key ("There is no module or '
+                "parameter named 'draft_id_to_target_id'\")",
+            )
         return Route("param", "draft_id_to_target_id")
     if "mask_hidden" in key:
         if v.parallel_drafting:  # copied into the mask_hidden buffer
@@ -371,8 +443,11 @@ def route_vllm(key: str, v: EngineView) -> Route:
 def route_speculators(key: str, v: EngineView) -> Route:
     if "t2d" in key:
         if full_vocab(v):  # DraftVocabMixin._init_vocab: use_draft_vocab False, no vocab buffers
-            return Route("skipped", why="vLLM drops t2d, and the speculators library keeps none when the "
-                                        "draft's vocab is the target's")
+            return Route(
+                "skipped",
+                why="vLLM drops t2d, and the speculators library keeps none when the "
+                "draft's vocab is the target's",
+            )
         # vLLM drops it; the speculators library reads it (Eagle3DraftModel vocab buffers).
         return Route("param", "t2d")
     return route_vllm(key, v)
@@ -384,20 +459,26 @@ def route_sglang(key: str, v: EngineView) -> Route:
     if "d2t" in key:
         return Route("param", "hot_token_id")
     if "t2d" in key:
-        return Route("skipped", why="SGLang drops t2d (`if \"t2d\" in name: continue`)")
+        return Route("skipped", why='SGLang drops t2d (`if "t2d" in name: continue`)')
     if key.startswith("layers."):
-        return Route("skipped", why=f"older SGLang (a `midlayer` module) silently skips {key}; "
-                                    "only `midlayer.*` loads in every version")
+        return Route(
+            "skipped",
+            why=f"older SGLang (a `midlayer` module) silently skips {key}; "
+            "only `midlayer.*` loads in every version",
+        )
     name = key.replace("midlayer", "layers.0")  # newer loader's legacy_name_map
     name = name if name in sglang_params(v) else "model." + name
     if name == "model.embed_tokens.weight":
-        return Route("skipped", why="SGLang replaces the draft's embed_tokens with the target's (set_embed)")
+        return Route(
+            "skipped", why="SGLang replaces the draft's embed_tokens with the target's (set_embed)"
+        )
     if name in sglang_params(v):
         return Route("param", name)
     return Route("skipped", why=f"SGLang silently skips {key}: no parameter {name}")
 
 
 # ----------------------------------------------------------------------------- vocab and aux layers
+
 
 def draft_to_target(engine_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The target id the engine emits for each draft id [Vd]."""
@@ -412,8 +493,9 @@ def hot_token_id(d2t: torch.Tensor) -> torch.Tensor:
     return vocab_map.ids_from_d2t(d2t)
 
 
-def captured_layer_outputs(v: EngineView, num_layers: int,
-                           target_architecture: str) -> tuple[list[int], str | None]:
+def captured_layer_outputs(
+    v: EngineView, num_layers: int, target_architecture: str
+) -> tuple[list[int], str | None]:
     """The target layers (as 0-indexed layer OUTPUTS) whose states the engine feeds the draft, in the
     order it concatenates them, or a problem."""
     N = num_layers
@@ -426,16 +508,24 @@ def captured_layer_outputs(v: EngineView, num_layers: int,
         if v.aux_ids is None:
             inputs = sorted({2, N // 2, N - 3})  # set_eagle3_layers_to_capture(None): no shift
         elif target_architecture == "GptOssForCausalLM":
-            return [], "SGLang reads a GPT-OSS target's aux ids as hidden-state boundaries (PR 32334)"
+            return (
+                [],
+                "SGLang reads a GPT-OSS target's aux ids as hidden-state boundaries (PR 32334)",
+            )
         elif target_architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") or v.aux_ids[0] == 1:
             # llama.py / qwen3.py: val + 1 always; deepseek_v2.py: val + 1 when the first id is 1
             inputs = sorted({i + 1 for i in v.aux_ids})
         else:
-            return [], (f"SGLang's reading of aux ids {v.aux_ids} (first id not 1) depends on the "
-                        f"{target_architecture or 'target'} model file")
+            return [], (
+                f"SGLang's reading of aux ids {v.aux_ids} (first id not 1) depends on the "
+                f"{target_architecture or 'target'} model file"
+            )
     missed = [k for k in inputs if not 1 <= k < N]
     if missed:
-        return [], f"the engine never captures layer inputs {missed} (it records inputs of layers 0..{N - 1})"
+        return (
+            [],
+            f"the engine never captures layer inputs {missed} (it records inputs of layers 0..{N - 1})",
+        )
     return [k - 1 for k in inputs], None
 
 
@@ -449,7 +539,7 @@ def to_draft_key(engine_name: str) -> str | None:
         return "mask_hidden.weight"
     name = engine_name.removeprefix("model.")
     if name.startswith("layers.0."):
-        return "midlayer." + name[len("layers.0."):]
+        return "midlayer." + name[len("layers.0.") :]
     if name.startswith("layers.") and name.endswith(".hidden_norm.weight"):
         return None  # layers after the first have a hidden_norm the forward never uses
     return name

@@ -40,9 +40,15 @@ class EngineRead:
     tensors: dict[str, torch.Tensor]  # file key -> tensor, as written
     view: engines.EngineView  # the draft the engine builds from config.json (its problems included)
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)  # engine parameter -> tensor
-    unloaded: dict[str, engines.Route] = field(default_factory=dict)  # file key -> skipped / rejected
-    missing: list[str] = field(default_factory=list)  # parameters the engine needs and the file lacks
-    misshapen: list[str] = field(default_factory=list)  # loaded with another shape than the engine's
+    unloaded: dict[str, engines.Route] = field(
+        default_factory=dict
+    )  # file key -> skipped / rejected
+    missing: list[str] = field(
+        default_factory=list
+    )  # parameters the engine needs and the file lacks
+    misshapen: list[str] = field(
+        default_factory=list
+    )  # loaded with another shape than the engine's
 
     @property
     def rejected(self) -> list[str]:
@@ -80,13 +86,17 @@ def read(folder: Path, fmt: str | None = None) -> EngineRead:
         if r.kind != "param":
             out.unloaded[key] = r
         else:  # SGLang's load_weights builds hot_token_id from the file's d2t
-            out.loaded[r.name] = engines.hot_token_id(tensor.long()) if r.name == "hot_token_id" else tensor
+            out.loaded[r.name] = (
+                engines.hot_token_id(tensor.long()) if r.name == "hot_token_id" else tensor
+            )
     expected, optional = params_of(out.view), optional_of(out.view)
     out.missing = sorted(set(expected) - set(out.loaded))
     for name, tensor in out.loaded.items():
         shape = expected.get(name) or optional.get(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
-            out.misshapen.append(f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}")
+            out.misshapen.append(
+                f"{name} has shape {list(tensor.shape)}, the engine's is {list(shape)}"
+            )
     return out
 
 
@@ -104,26 +114,44 @@ def export_format(raw: dict) -> str:
         return "sglang"
     if arch in engines.VLLM_ARCHITECTURES:
         return "vllm"
-    raise ArtifactError(f"cannot tell which engine the config.json of this folder is for (architecture "
-                        f"{arch!r})", "pass a folder written by `spec export`, or a vLLM/SGLang/speculators "
-                                      "EAGLE-3 draft")
+    raise ArtifactError(
+        f"cannot tell which engine the config.json of this folder is for (architecture {arch!r})",
+        "pass a folder written by `spec export`, or a vLLM/SGLang/speculators EAGLE-3 draft",
+    )
 
 
-def draft_config(view: engines.EngineView, aux_layer_ids: list[int], target_num_layers: int,
-                 **recorded) -> DraftConfig:
+def draft_config(
+    view: engines.EngineView, aux_layer_ids: list[int], target_num_layers: int, **recorded
+) -> DraftConfig:
     """The draft the engine builds, as spec_cli's config; `aux_layer_ids` are the layer outputs it
     captures (in its order), `recorded` what the folder says about its target (fingerprints...)."""
     return DraftConfig(
-        vocab_size=view.vocab_size, target_hidden_size=view.target_hidden_size, aux_layer_ids=aux_layer_ids,
-        target_num_layers=target_num_layers, hidden_size=view.hidden_size,
-        intermediate_size=view.intermediate_size, num_attention_heads=view.num_attention_heads,
-        num_key_value_heads=view.num_key_value_heads, head_dim=view.head_dim,
-        draft_vocab_size=view.draft_vocab_size, num_hidden_layers=view.num_hidden_layers,
-        rms_norm_eps=view.rms_norm_eps, rope_theta=view.rope_theta, rope_scaling=view.rope_scaling,
-        max_position_embeddings=view.max_position_embeddings, hidden_act=view.hidden_act,
-        fc_norm=view.fc_norm, norm_output=view.norm_output, sliding_window=view.sliding_window,
-        **({"algorithm": "peagle", "mask_token_id": view.mask_token_id} if view.parallel_drafting else {}),
-        **recorded)
+        vocab_size=view.vocab_size,
+        target_hidden_size=view.target_hidden_size,
+        aux_layer_ids=aux_layer_ids,
+        target_num_layers=target_num_layers,
+        hidden_size=view.hidden_size,
+        intermediate_size=view.intermediate_size,
+        num_attention_heads=view.num_attention_heads,
+        num_key_value_heads=view.num_key_value_heads,
+        head_dim=view.head_dim,
+        draft_vocab_size=view.draft_vocab_size,
+        num_hidden_layers=view.num_hidden_layers,
+        rms_norm_eps=view.rms_norm_eps,
+        rope_theta=view.rope_theta,
+        rope_scaling=view.rope_scaling,
+        max_position_embeddings=view.max_position_embeddings,
+        hidden_act=view.hidden_act,
+        fc_norm=view.fc_norm,
+        norm_output=view.norm_output,
+        sliding_window=view.sliding_window,
+        **(
+            {"algorithm": "peagle", "mask_token_id": view.mask_token_id}
+            if view.parallel_drafting
+            else {}
+        ),
+        **recorded,
+    )
 
 
 def draft_state(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -140,16 +168,27 @@ def draft_state(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @dataclass
 class ReadExport:
     """An export folder read as its engine reads it: the draft that engine would serve (`spec eval`)."""
+
     model: object  # the algorithm's draft module, CPU, fp32; aux_layer_ids in the engine's concatenation order
     format: str
     step: int | None  # the training step the folder records
-    recorded: dict  # what the folder says the draft was made for (target shapes, fingerprints, template)
+    recorded: (
+        dict  # what the folder says the draft was made for (target shapes, fingerprints, template)
+    )
     needs_embeddings: bool  # the target's input embedding must be copied in (engines share it)
-    needs_head: bool = False  # the target's lm_head must be copied in (the draft proposes through it)
+    needs_head: bool = (
+        False  # the target's lm_head must be copied in (the draft proposes through it)
+    )
 
 
 def template_record(sha256: str | None, source: str | None, base_fingerprint: str | None) -> dict:
     """The chat template a draft's data was rendered with (and its tokenizer without it), when recorded."""
-    return {"chat_template_sha256": sha256, "chat_template_source": source,
-            "tokenizer_base_fingerprint": base_fingerprint} if base_fingerprint else {}
-
+    return (
+        {
+            "chat_template_sha256": sha256,
+            "chat_template_source": source,
+            "tokenizer_base_fingerprint": base_fingerprint,
+        }
+        if base_fingerprint
+        else {}
+    )

@@ -11,6 +11,8 @@ def plannable(algorithm: Algorithm) -> str | None:
     if unknown:
         return f"it reads target fields the planner cannot shape ({', '.join(sorted(unknown))})"
     if algorithm.name == "peagle":
-        return ("P-EAGLE's step samples its elements from the data (COD), so its memory depends on the "
-                "batch's content, which a plan does not have")
+        return (
+            "P-EAGLE's step samples its elements from the data (COD), so its memory depends on the "
+            "batch's content, which a plan does not have"
+        )
     return None

@@ -64,8 +64,14 @@ def fake_weights(module: nn.Module, device: torch.device) -> nn.Module:
     FakeTensorMode they are fake tensors of that device. requires_grad is kept."""
     for mod in module.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            setattr(mod, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                            requires_grad=p.requires_grad))
+            setattr(
+                mod,
+                name,
+                nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device),
+                    requires_grad=p.requires_grad,
+                ),
+            )
         for name, b in list(mod.named_buffers(recurse=False)):
             mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
     return module

@@ -35,9 +35,12 @@ from spec_cli.train_options import OptimOptions
 @dataclass(frozen=True)
 class StepMeasure:
     """One rank's training step at [batch, seq_len] tokens."""
+
     resident: int  # bytes alive when the step starts: weights, optimizer state, the batch
     peak: int  # bytes at the step's peak (resident included)
-    flops: int  # forward + backward FLOPs (matmuls and attention, as torch's FlopCounterMode counts)
+    flops: (
+        int  # forward + backward FLOPs (matmuls and attention, as torch's FlopCounterMode counts)
+    )
     trained: int  # trained parameters
     frozen: int  # frozen parameters (the target's embedding, EAGLE-1/2's lm_head)
     batch_bytes: int  # the supervision batch alone (part of resident)
@@ -50,12 +53,25 @@ def _attention_flops(q_shape, k_shape, causal: bool) -> int:  # (FlopCounterMode
     return 4 * B * h * Tq * Tk * d // (2 if causal else 1)
 
 
-def _flash_cpu_fwd(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+def _flash_cpu_fwd(
+    query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs
+) -> int:
     return _attention_flops(query, key, is_causal)
 
 
-def _flash_cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
-                   out_shape=None, **kwargs) -> int:
+def _flash_cpu_bwd(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    dropout_p=0.0,
+    is_causal=False,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     # recompute S, then dV, dP, dQ, dK: 5 matmuls to the forward's 2
     return 5 * _attention_flops(query, key, is_causal) // 2
 
@@ -67,10 +83,18 @@ ATTENTION_FLOPS = {
 }
 
 
-def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: torch.device,
-               target_dtype: torch.dtype, slots: int | None = None) -> TargetBatch:
+def plan_batch(
+    algorithm: Algorithm,
+    config,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    target_dtype: torch.dtype,
+    slots: int | None = None,
+) -> TargetBatch:
     """Empty tensors shaped as a backend hands the trainer (spec_cli/batch.py's contract); slots: as a
     feature cache hands one context-parallel rank its rows' slots (that many of them)."""
+
     def empty(*shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device=device)
 
@@ -79,18 +103,33 @@ def plan_batch(algorithm: Algorithm, config, batch: int, seq_len: int, device: t
     long = torch.long
     return TargetBatch(
         aux_hidden=empty(B, n, len(config.aux_layer_ids) * H, dtype=target_dtype),
-        input_ids=empty(B, n, dtype=long), attention_mask=empty(B, T, dtype=long),
-        loss_mask=empty(B, n, dtype=long), target_p=empty(B, n, config.draft_vocab_size),
-        position_mask=empty(B, n, dtype=torch.bool), target_ids=empty(B, n, dtype=long),
+        input_ids=empty(B, n, dtype=long),
+        attention_mask=empty(B, T, dtype=long),
+        loss_mask=empty(B, n, dtype=long),
+        target_p=empty(B, n, config.draft_vocab_size),
+        position_mask=empty(B, n, dtype=torch.bool),
+        target_ids=empty(B, n, dtype=long),
         target_mass=empty(B, n),
-        final_hidden=empty(B, n, H, dtype=target_dtype) if FINAL_HIDDEN in algorithm.needs else None,
-        slots=None if slots is None else empty(n, dtype=long))
+        final_hidden=empty(B, n, H, dtype=target_dtype)
+        if FINAL_HIDDEN in algorithm.needs
+        else None,
+        slots=None if slots is None else empty(n, dtype=long),
+    )
 
 
-def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int = 1,
-                 activation_checkpointing: bool = False, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                 target_dtype: torch.dtype = torch.bfloat16, grad_clip: float = 1.0,
-                 optim=None, context: int = 1) -> StepMeasure:
+def measure_step(
+    algorithm: Algorithm,
+    config,
+    options,
+    seq_len: int,
+    batch: int = 1,
+    activation_checkpointing: bool = False,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    target_dtype: torch.dtype = torch.bfloat16,
+    grad_clip: float = 1.0,
+    optim=None,
+    context: int = 1,
+) -> StepMeasure:
     """Run `algorithm`'s training step for a draft of `config` (a DraftConfig) on fake tensors.
     options: the objective's (ObjectiveOptions); autocast_dtype None runs fp32 (a CPU run); context:
     --context-parallel's N, one rank of whose group is measured (its collectives done locally, with the
@@ -98,8 +137,10 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
 
     reason = plannable(algorithm)
     if reason:
-        raise ConfigError(f"no plan for --algorithm {algorithm.name}: {reason}",
-                          "plan the same target with --algorithm eagle3 for a bound")
+        raise ConfigError(
+            f"no plan for --algorithm {algorithm.name}: {reason}",
+            "plan the same target with --algorithm eagle3 for a bound",
+        )
     optim = optim or OptimOptions()
     device = torch.device("cpu")
     with torch.device("meta"):
@@ -107,23 +148,32 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_weights(draft, device)
         draft.attn_impl = "fused"  # what "auto" picks once the kernel passes its self-check
-        objective = algorithm.objective(draft, options, activation_checkpointing=activation_checkpointing)
+        objective = algorithm.objective(
+            draft, options, activation_checkpointing=activation_checkpointing
+        )
         slots = None
         if context > 1:
             if not algorithm.context_parallel:
-                raise ConfigError(f"--context-parallel: {algorithm.title} does not split its rows over ranks",
-                                  "plan it without --context-parallel, or plan --algorithm eagle3")
+                raise ConfigError(
+                    f"--context-parallel: {algorithm.title} does not split its rows over ranks",
+                    "plan it without --context-parallel, or plan --algorithm eagle3",
+                )
             from spec_cli.draft.context import Context, kept_ranges, padded_length
 
             objective.context = Context(context, 0, alone=True)
-            seq_len = padded_length(seq_len, context)  # the rank's slots, as a feature cache reads them
+            seq_len = padded_length(
+                seq_len, context
+            )  # the rank's slots, as a feature cache reads them
             slots = sum(b - a for a, b in kept_ranges(context, 0, seq_len, objective.context_halo))
         data = plan_batch(algorithm, config, batch, seq_len, device, target_dtype, slots)
         named = ordered([(n, p) for n, p in draft.named_parameters() if p.requires_grad], optim)
         params = [p for _, p in named]
         optimizer = make_optimizer(params, optim, [n for n, _ in named])
-        autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-                    else torch.autocast("cpu", enabled=False))
+        autocast = (
+            torch.autocast("cpu", dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else torch.autocast("cpu", enabled=False)
+        )
         memory = LiveBytes()
         memory.track(list(draft.parameters()), list(draft.buffers()), data.tensors())
         flops = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
@@ -134,10 +184,15 @@ def measure_step(algorithm: Algorithm, config, options, seq_len: int, batch: int
                     memory.reset_peak()
                 forward_backward(objective, objective, data, 1, autocast)
                 optimizer_step(params, optimizer, grad_clip)
-        with flops:  # a step of its own: the counter holds on to what it sees, which the memory would count
+        with (
+            flops
+        ):  # a step of its own: the counter holds on to what it sees, which the memory would count
             forward_backward(objective, objective, data, 1, autocast)
         return StepMeasure(
-            resident=resident, peak=memory.peak, flops=int(flops.get_total_flops()),
+            resident=resident,
+            peak=memory.peak,
+            flops=int(flops.get_total_flops()),
             trained=sum(p.numel() for p in params),
             frozen=sum(p.numel() for p in draft.parameters() if not p.requires_grad),
-            batch_bytes=sum(t.numel() * t.element_size() for t in data.tensors().values()))
+            batch_bytes=sum(t.numel() * t.element_size() for t in data.tensors().values()),
+        )

@@ -26,12 +26,23 @@ import re
 from dataclasses import dataclass
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_topk")
+EXPERTS_PER_TOKEN_KEYS = (
+    "num_experts_per_tok",
+    "experts_per_token",
+    "num_experts_per_token",
+    "moe_topk",
+)
 # bytes per stored value of the quantized weights (scales included)
 QUANTIZED_BYTES = {"mxfp4": 4.25 / 8, "fp8": 1 + 4 / (128 * 128)}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # the fields a plan of a Llama-style dense decoder reads (the draft's shape, the target's count by formula)
-DECODER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+DECODER_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 @dataclass
@@ -77,20 +88,26 @@ def plan_assumption(text) -> str | None:
     kind = getattr(text, "model_type", None) or "(none)"
     known = type(text) is not PretrainedConfig
     if known and _attention_free(type(text)):
-        raise ConfigError(f"model_type {kind!r} ({type(text).__name__}) is a state-space or recurrent model (no "
-                          "attention layers), not a transformer decoder",
-                          "spec plan plans drafts for transformer decoders (Llama, Qwen, Mistral, Gemma, MoE ...)")
+        raise ConfigError(
+            f"model_type {kind!r} ({type(text).__name__}) is a state-space or recurrent model (no "
+            "attention layers), not a transformer decoder",
+            "spec plan plans drafts for transformer decoders (Llama, Qwen, Mistral, Gemma, MoE ...)",
+        )
     # a known class supplies its own defaults (what transformers loads); an unknown type has only its file
     needed = [f for f in DECODER_FIELDS if not (known and f == "intermediate_size")]
     missing = [f for f in needed if not _positive_int(getattr(text, f, None))]
     if missing:
-        raise ConfigError(f"the target's config (model_type {kind!r}) has no {', '.join(missing)}, which "
-                          "spec plan needs to shape the draft and count the target",
-                          "add it to config.json, or pass the model's own config.json")
+        raise ConfigError(
+            f"the target's config (model_type {kind!r}) has no {', '.join(missing)}, which "
+            "spec plan needs to shape the draft and count the target",
+            "add it to config.json, or pass the model's own config.json",
+        )
     if known:
         return None
-    return (f"model_type {kind!r} is not one transformers knows: planned as a Llama-style dense decoder "
-            "(attention + gated MLP per layer)")
+    return (
+        f"model_type {kind!r} is not one transformers knows: planned as a Llama-style dense decoder "
+        "(attention + gated MLP per layer)"
+    )
 
 
 def _positive_int(value) -> bool:
@@ -146,8 +163,9 @@ def count(config, text, build) -> TargetCount:
     H = text.hidden_size
     dense = getattr(text, "intermediate_size", None) or 4 * H
     expert_width = getattr(text, "moe_intermediate_size", None) or dense
-    shared = (getattr(text, "n_shared_experts", None) or 0) * expert_width + \
-        (getattr(text, "shared_expert_intermediate_size", None) or 0)
+    shared = (getattr(text, "n_shared_experts", None) or 0) * expert_width + (
+        getattr(text, "shared_expert_intermediate_size", None) or 0
+    )
     try:
         model = build()
     except Exception:  # noqa: BLE001 (an architecture this transformers cannot build): by formula
@@ -173,10 +191,14 @@ def count(config, text, build) -> TargetCount:
     active = total - round(experts * (1 - k / E)) if E else total
     layers = getattr(text, "num_hidden_layers", 0) or 0
     width = max(k * expert_width + shared if E else 0, dense if len(moe_layers) < layers else 0)
-    return TargetCount(total, active, embedding, E, k, experts, len(moe_layers), method, quantized, width)
+    return TargetCount(
+        total, active, embedding, E, k, experts, len(moe_layers), method, quantized, width
+    )
 
 
-def _formula(config, text, E: int, k: int, method, dense: int, expert_width: int, shared: int) -> TargetCount:
+def _formula(
+    config, text, E: int, k: int, method, dense: int, expert_width: int, shared: int
+) -> TargetCount:
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
@@ -191,4 +213,6 @@ def _formula(config, text, E: int, k: int, method, dense: int, expert_width: int
     active = total - round(L * routed * (1 - k / E)) if E else total
     quantized = L * routed if method in QUANTIZED_BYTES else 0
     width = k * expert_width + shared if E else dense
-    return TargetCount(total, active, V * H, E, k, L * routed, L if E else 0, method, quantized, width)
+    return TargetCount(
+        total, active, V * H, E, k, L * routed, L if E else 0, method, quantized, width
+    )

@@ -46,12 +46,23 @@ class _Handler(BaseHTTPRequestHandler):
         """The base class's own errors (bad request line, headers too long, unknown method) in JSON,
         always as a 4xx: they are the client's mistakes."""
         if code == HTTPStatus.NOT_IMPLEMENTED:
-            code, message = HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command!r} is not supported"
+            code, message = (
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                f"method {self.command!r} is not supported",
+            )
         elif code == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:
-            code, message = HTTPStatus.BAD_REQUEST, f"{message} (this server speaks HTTP/1.0 and 1.1)"
+            code, message = (
+                HTTPStatus.BAD_REQUEST,
+                f"{message} (this server speaks HTTP/1.0 and 1.1)",
+            )
         self.close_connection = True
-        self._write(Response.json({"error": message or HTTPStatus(code).phrase, "status": int(code)},
-                                  int(code), close=True))
+        self._write(
+            Response.json(
+                {"error": message or HTTPStatus(code).phrase, "status": int(code)},
+                int(code),
+                close=True,
+            )
+        )
         self._drain()
 
     def do_GET(self) -> None:
@@ -102,8 +113,11 @@ class _Handler(BaseHTTPRequestHandler):
             # refuse before reading (or buffering) anything an unauthenticated peer sends
             return logic.handle(self.command, self.path, self.headers, b"")
         if length > logic.limits.max_body_bytes:
-            return _error(413, f"body of {length} bytes exceeds the limit of "
-                               f"{logic.limits.max_body_bytes} (--max-body-bytes)")
+            return _error(
+                413,
+                f"body of {length} bytes exceeds the limit of "
+                f"{logic.limits.max_body_bytes} (--max-body-bytes)",
+            )
         body = bytearray(length)
         view, got = memoryview(body), 0
         try:
@@ -164,7 +178,9 @@ class _HTTPServer(ThreadingHTTPServer):
         """socketserver prints a traceback for any error in a connection's thread. A client that reset or
         dropped its connection (a trainer killed mid-request) is an ordinary event: one log line."""
         exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):  # reset, broken pipe, aborted, timed out
+        if isinstance(
+            exc, (ConnectionError, TimeoutError)
+        ):  # reset, broken pipe, aborted, timed out
             log.info("connection from %s ended mid-request: %s", client_address[0], exc)
             return
         super().handle_error(request, client_address)
@@ -192,14 +208,23 @@ class _HTTPServer(ThreadingHTTPServer):
 class HTTPHandle:
     """A running HTTP server (serve_forever in a background thread)."""
 
-    def __init__(self, logic: TargetServer, host: str = "127.0.0.1", port: int = 8000,
-                 request_timeout: float = 120.0):
+    def __init__(
+        self,
+        logic: TargetServer,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        request_timeout: float = 120.0,
+    ):
         self.logic = logic
         self.httpd = _HTTPServer((host, port), logic, request_timeout)
         self.host = host
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                       name="spec-serve-http", daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="spec-serve-http",
+            daemon=True,
+        )
         self.thread.start()
 
     @property

@@ -45,12 +45,17 @@ PREFIX = "spec-plane/"
 MAX_CHANNELS = 256  # open channels per server (each is a two-rank process group)
 TAG_STRIDE = wire.MAX_TENSORS  # tag of tensor i of request n: n * TAG_STRIDE + i
 TAG_WRAP = 1 << 20
-IDLE_SECONDS = 3600.0  # a channel unused this long is closed (its client is gone, or will reopen one)
+IDLE_SECONDS = (
+    3600.0  # a channel unused this long is closed (its client is gone, or will reopen one)
+)
 # How a channel's NCCL group meets a failed or timed-out transfer: abort that communicator and leave the
 # process up (torch's default, 3, ends the process: a trainer gone mid-transfer would take the server with
 # it), and no flight-recorder dump or heartbeat monitor (a monitor may end the process after a dump)
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_NCCL_ENABLE_MONITORING": "0"}
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
 _ENV_LOCK = threading.Lock()
 
 
@@ -66,8 +71,14 @@ def backends() -> list[str]:
     return out
 
 
-def pair(store: dist.Store, rank: int, backend: str, address: str, timeout: datetime.timedelta,
-         connect: datetime.timedelta | None = None) -> dist.ProcessGroup:
+def pair(
+    store: dist.Store,
+    rank: int,
+    backend: str,
+    address: str,
+    timeout: datetime.timedelta,
+    connect: datetime.timedelta | None = None,
+) -> dist.ProcessGroup:
     """A two-rank process group of `backend` through `store`; gloo's sockets bind `address`.
 
     `connect` bounds the rendezvous (gloo connects in the constructor; default `timeout`), `timeout`
@@ -130,7 +141,9 @@ class Channel:
     last_used: float = field(default_factory=time.monotonic)  # the server closes long-idle channels
 
     def _failed(self, what: str, exc: Exception) -> PlaneError:
-        return PlaneError(f"{what} failed: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}")
+        return PlaneError(
+            f"{what} failed: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}"
+        )
 
     def _wait(self, works, what: str) -> None:
         """Wait for every posted transfer, `timeout` seconds at most. On NCCL, wait() only orders the
@@ -147,7 +160,9 @@ class Channel:
                     work.wait()
                 return
             for work in works:
-                if not work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))):
+                if not work.wait(
+                    datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                ):
                     raise PlaneError(f"{what} did not finish within {self.timeout:g} s")
         except PlaneError:
             raise
@@ -167,15 +182,27 @@ class Channel:
         self.last_used = time.monotonic()
         what = "sending the supervision over the tensor plane"
         buffers = [t.detach().to(self.device).contiguous() for t in tensors.values()]
-        self._wait(self._post(self.group.send, 1, buffers, (tag % TAG_WRAP) * TAG_STRIDE, what), what)
+        self._wait(
+            self._post(self.group.send, 1, buffers, (tag % TAG_WRAP) * TAG_STRIDE, what), what
+        )
 
-    def recv(self, specs: list[tuple[str, torch.dtype, list[int]]], tag: int) -> dict[str, torch.Tensor]:
+    def recv(
+        self, specs: list[tuple[str, torch.dtype, list[int]]], tag: int
+    ) -> dict[str, torch.Tensor]:
         """Receive the tensors `specs` names (the answer's header), sent by `send` with the same tag."""
         self.last_used = time.monotonic()
         what = "receiving the supervision over the tensor plane"
-        out = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, dtype, shape in specs}
-        self._wait(self._post(self.group.recv, 0, list(out.values()), (tag % TAG_WRAP) * TAG_STRIDE, what), what)
-        if self.device.type == "cuda":  # the batch is read by the trainer's thread, on its own stream
+        out = {
+            name: torch.empty(shape, dtype=dtype, device=self.device)
+            for name, dtype, shape in specs
+        }
+        self._wait(
+            self._post(self.group.recv, 0, list(out.values()), (tag % TAG_WRAP) * TAG_STRIDE, what),
+            what,
+        )
+        if (
+            self.device.type == "cuda"
+        ):  # the batch is read by the trainer's thread, on its own stream
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
@@ -192,8 +219,13 @@ class PlaneHost:
     A join answers at once; the channel's rank 0 is made in a thread and waited for by the first
     generate that names it (up to `timeout` seconds)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 120.0,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 120.0,
+        device: torch.device | str | None = None,
+    ):
         self.host, self.timeout = host, timeout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:  # set_device needs an index
@@ -202,29 +234,46 @@ class PlaneHost:
         sock = socket.create_server((host, port), family=family, backlog=128)
         self.port = sock.getsockname()[1]
         # the store takes the bound socket (and closes it): it listens on --host only
-        self.store = dist.TCPStore(host, self.port, None, True, datetime.timedelta(seconds=timeout),
-                                   wait_for_workers=False, master_listen_fd=sock.detach())
+        self.store = dist.TCPStore(
+            host,
+            self.port,
+            None,
+            True,
+            datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+        )
         self.backends = [b for b in backends() if b != "nccl" or self.device.type == "cuda"]
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[str, threading.Event, list]] = {}  # name -> (client, ready, [Channel])
+        self._channels: dict[
+            str, tuple[str, threading.Event, list]
+        ] = {}  # name -> (client, ready, [Channel])
         self._tags: dict[str, int] = {}
 
     def info(self) -> dict:
         """What /v1/info offers: the rendezvous port, the backends, and the GPU an NCCL channel's
         end would use (a trainer on that same GPU takes gloo: NCCL cannot pair a GPU with itself)."""
-        return {"port": self.port, "backends": self.backends,
-                "gpu": gpu_identity(self.device) if "nccl" in self.backends else None}
+        return {
+            "port": self.port,
+            "backends": self.backends,
+            "gpu": gpu_identity(self.device) if "nccl" in self.backends else None,
+        }
 
     def _reap(self) -> None:
         """Close channels unused for IDLE_SECONDS (a trainer gone without its goodbye), and when the
         server is full the least recently used one idle past `timeout` (its client reopens one)."""
         now = time.monotonic()
         with self._lock:
-            idle = sorted((holder[0].last_used, name) for name, (_, _, holder) in self._channels.items()
-                          if holder)
+            idle = sorted(
+                (holder[0].last_used, name)
+                for name, (_, _, holder) in self._channels.items()
+                if holder
+            )
         gone = [(used, name) for used, name in idle if now - used > IDLE_SECONDS]
         if len(self._channels) - len(gone) >= MAX_CHANNELS:
-            gone += [(used, name) for used, name in idle if IDLE_SECONDS >= now - used > self.timeout][:1]
+            gone += [
+                (used, name) for used, name in idle if IDLE_SECONDS >= now - used > self.timeout
+            ][:1]
         for used, name in gone:
             log.info("tensor-plane channel %s closed: unused for %.0f s", name[:8], now - used)
             self.drop(name)
@@ -233,8 +282,11 @@ class PlaneHost:
         """Start a channel for one client thread; `address` is this server's address as the client
         reached it (gloo binds it). The answer tells the client how to join."""
         if backend not in self.backends:
-            return {"channel": None, "reason": f"this server runs no {backend} tensor plane "
-                                               f"(it has {', '.join(self.backends) or 'none'})"}
+            return {
+                "channel": None,
+                "reason": f"this server runs no {backend} tensor plane "
+                f"(it has {', '.join(self.backends) or 'none'})",
+            }
         self._reap()
         with self._lock:
             if len(self._channels) >= MAX_CHANNELS:
@@ -248,8 +300,13 @@ class PlaneHost:
             try:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
-                group = pair(dist.PrefixStore(PREFIX + name, self.store), 0, backend, address,
-                             datetime.timedelta(seconds=self.timeout))
+                group = pair(
+                    dist.PrefixStore(PREFIX + name, self.store),
+                    0,
+                    backend,
+                    address,
+                    datetime.timedelta(seconds=self.timeout),
+                )
                 holder.append(Channel(name, group, backend, device, self.timeout))
             except Exception as exc:  # the client never joined, or could not: the channel is gone
                 log.info("tensor-plane channel %s not opened: %s", name[:8], exc)

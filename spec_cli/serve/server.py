@@ -48,7 +48,9 @@ from spec_cli.serve import wire
 log = logging.getLogger(__name__)
 
 GENERATE_TENSORS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "seq_lens")
-IMAGES = "images."  # the prefix of an image-text batch's image inputs (pixel values, grids, token types)
+IMAGES = (
+    "images."  # the prefix of an image-text batch's image inputs (pixel values, grids, token types)
+)
 KEPT_VOCAB_MAPS = 8  # draft vocabs remembered at once (several trainers may share a server)
 MAX_CLIENTS = 4096  # client ids tracked for exit_on_disconnect
 
@@ -103,6 +105,7 @@ def _bad(message: str) -> RequestError:
 
 # ----------------------------------------------------------------------------- validation
 
+
 def _int64(name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
     if t.dtype != torch.int64:
         raise _bad(f"{name} must be int64, got {str(t.dtype).replace('torch.', '')}")
@@ -116,18 +119,24 @@ def _binary(name: str, t: torch.Tensor) -> None:
         raise _bad(f"{name} must hold only 0 and 1")
 
 
-def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits: Limits,
-                      max_positions: int | None) -> dict[str, torch.Tensor | None]:
+def validate_generate(
+    tensors: dict[str, torch.Tensor], vocab_size: int, limits: Limits, max_positions: int | None
+) -> dict[str, torch.Tensor | None]:
     """The keyword arguments of generate_batch, or RequestError(400) naming the first problem."""
-    images = {name[len(IMAGES):]: t for name, t in tensors.items() if name.startswith(IMAGES)}
-    for name, t in images.items():  # image-text rows: the model inputs of their images (data/vlm.py)
+    images = {name[len(IMAGES) :]: t for name, t in tensors.items() if name.startswith(IMAGES)}
+    for (
+        name,
+        t,
+    ) in images.items():  # image-text rows: the model inputs of their images (data/vlm.py)
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name):
             raise _bad(f"bad image input name {name[:40]!r}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise _bad(f"image input {name} holds NaN or infinite values")
     unknown = sorted(set(tensors) - set(GENERATE_TENSORS) - {IMAGES + n for n in images})
     if unknown:
-        raise _bad(f"unknown tensor(s) {unknown}; a generate request holds {list(GENERATE_TENSORS)}")
+        raise _bad(
+            f"unknown tensor(s) {unknown}; a generate request holds {list(GENERATE_TENSORS)}"
+        )
     missing = [n for n in GENERATE_TENSORS[:3] if n not in tensors]
     if missing:
         raise _bad(f"missing tensor(s) {missing}")
@@ -140,14 +149,18 @@ def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits:
     if T > limits.max_seq_len:
         raise _bad(f"sequence length {T} exceeds the server's limit of {limits.max_seq_len}")
     if B * T > limits.max_batch_tokens:
-        raise _bad(f"batch of {B} x {T} = {B * T} tokens exceeds the server's limit of "
-                   f"{limits.max_batch_tokens}")
+        raise _bad(
+            f"batch of {B} x {T} = {B * T} tokens exceeds the server's limit of "
+            f"{limits.max_batch_tokens}"
+        )
     for name in ("attention_mask", "loss_mask", "position_ids"):
         if name in tensors and list(_int64(name, tensors[name], 2).shape) != [B, T]:
             raise _bad(f"{name} has shape {list(tensors[name].shape)}, input_ids has {[B, T]}")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise _bad(f"input_ids must lie in [0, {vocab_size}) (the target's vocab), got "
-                   f"[{int(ids.min())}, {int(ids.max())}]")
+        raise _bad(
+            f"input_ids must lie in [0, {vocab_size}) (the target's vocab), got "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
     am, lm = tensors["attention_mask"], tensors["loss_mask"]
     _binary("attention_mask", am)
     _binary("loss_mask", lm)
@@ -164,8 +177,9 @@ def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits:
     if seq_lens is not None:
         _int64("seq_lens", seq_lens, 2)
         if seq_lens.shape[0] != B or not 1 <= seq_lens.shape[1] <= T:
-            raise _bad(f"seq_lens must have shape [{B}, D] with 1 <= D <= {T}, got "
-                       f"{list(seq_lens.shape)}")
+            raise _bad(
+                f"seq_lens must have shape [{B}, D] with 1 <= D <= {T}, got {list(seq_lens.shape)}"
+            )
         if int(seq_lens.min()) < 0:
             raise _bad("seq_lens must be non-negative")
         total = seq_lens.sum(dim=1)  # [B]
@@ -173,14 +187,24 @@ def validate_generate(tensors: dict[str, torch.Tensor], vocab_size: int, limits:
             raise _bad(f"seq_lens of a row sum to more than the row length {T}")
         real = torch.arange(T).unsqueeze(0) < total.unsqueeze(1)  # [B, T]
         if not torch.equal(real.long(), am):
-            raise _bad("attention_mask must be 1 exactly on the first sum(seq_lens) tokens of each row")
-    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "position_ids": position_ids,
-            "seq_lens": seq_lens, **({"images": images} if images else {})}
+            raise _bad(
+                "attention_mask must be 1 exactly on the first sum(seq_lens) tokens of each row"
+            )
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": lm,
+        "position_ids": position_ids,
+        "seq_lens": seq_lens,
+        **({"images": images} if images else {}),
+    }
 
 
 def validate_vocab_mapping(tensors: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor:
     if set(tensors) != {"selected_token_ids"}:
-        raise _bad(f"a vocab mapping holds exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
+        raise _bad(
+            f"a vocab mapping holds exactly one tensor 'selected_token_ids', got {sorted(tensors)}"
+        )
     ids = _int64("selected_token_ids", tensors["selected_token_ids"], 1)
     if not 1 <= ids.numel() <= vocab_size:
         raise _bad(f"selected_token_ids must hold 1..{vocab_size} ids, got {ids.numel()}")
@@ -193,6 +217,7 @@ def validate_vocab_mapping(tensors: dict[str, torch.Tensor], vocab_size: int) ->
 
 # ----------------------------------------------------------------------------- the server logic
 
+
 class TargetServer:
     """Answers supervision requests with a loaded target backend (HFTargetBackend or alike).
 
@@ -200,20 +225,31 @@ class TargetServer:
     trainer that has neither build its draft and tokenise its data; both are optional.
     """
 
-    def __init__(self, backend, *, target_config: dict | None = None,
-                 tokenizer_files: dict[str, str] | None = None, token: str | None = None,
-                 limits: Limits | None = None, exit_on_disconnect: bool = False, fields: dict | None = None,
-                 plane=None):
+    def __init__(
+        self,
+        backend,
+        *,
+        target_config: dict | None = None,
+        tokenizer_files: dict[str, str] | None = None,
+        token: str | None = None,
+        limits: Limits | None = None,
+        exit_on_disconnect: bool = False,
+        fields: dict | None = None,
+        plane=None,
+    ):
         self.backend = backend
         self.plane = plane  # a PlaneHost: supervision tensors over torch.distributed (None: HTTP bodies only)
-        self.fields = dict(fields or {})  # name -> TargetField: the per-token fields a trainer may ask for
+        self.fields = dict(
+            fields or {}
+        )  # name -> TargetField: the per-token fields a trainer may ask for
         self.target_config = target_config
         self.tokenizer_files = tokenizer_files
         self.token = token or None
         self.limits = replace(limits or Limits())  # a copy: max_seq_len is capped below
         self.vocab_size = int(backend.info["vocab_size"])
-        self.max_positions = (target_config or {}).get("max_position_embeddings") or \
-            ((target_config or {}).get("text_config") or {}).get("max_position_embeddings")
+        self.max_positions = (target_config or {}).get("max_position_embeddings") or (
+            (target_config or {}).get("text_config") or {}
+        ).get("max_position_embeddings")
         if self.max_positions:
             self.limits.max_seq_len = min(self.limits.max_seq_len, int(self.max_positions))
         self.exit_on_disconnect = exit_on_disconnect
@@ -236,8 +272,9 @@ class TargetServer:
         }
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, method: str, path: str, headers, body: bytes | bytearray,
-               address: str | None = None) -> Response:
+    def handle(
+        self, method: str, path: str, headers, body: bytes | bytearray, address: str | None = None
+    ) -> Response:
         """One request -> one response. Never raises: errors become 4xx/5xx JSON answers.
 
         `address`: this server's address as the client reached it (a tensor-plane channel binds it)."""
@@ -254,8 +291,11 @@ class TargetServer:
             return Response.json({"error": str(exc), "status": 400}, 400, close=True)
         except Exception as exc:  # the model failed (e.g. out of memory): say so, keep serving
             log.exception("%s %s failed", method, path)
-            return Response.json({"error": f"internal error: {type(exc).__name__}: {exc}",
-                                  "status": 500}, 500, close=True)
+            return Response.json(
+                {"error": f"internal error: {type(exc).__name__}: {exc}", "status": 500},
+                500,
+                close=True,
+            )
 
     def _handle(self, method, path, headers, body, address=None) -> Response:
         lowered = {str(k).lower(): v for k, v in headers.items()}  # header names ignore case
@@ -268,8 +308,9 @@ class TargetServer:
         if self.shutdown_event.is_set() and path != "/v1/health":
             raise RequestError(503, "the server is shutting down")
         if len(body) > self.limits.max_body_bytes:
-            raise RequestError(413, f"body of {len(body)} bytes exceeds the limit of "
-                                    f"{self.limits.max_body_bytes}")
+            raise RequestError(
+                413, f"body of {len(body)} bytes exceeds the limit of {self.limits.max_body_bytes}"
+            )
         if path not in self.routes:
             raise RequestError(404, f"no endpoint {path!r}; see /v1/info")
         allowed, handler = self.routes[path]
@@ -297,11 +338,16 @@ class TargetServer:
         return Response.json({"status": "ok", "protocol": wire.PROTOCOL})
 
     def info(self) -> dict:
-        return {"protocol": wire.PROTOCOL, **self.backend.info, "target_config": self.target_config,
-                "limits": asdict(self.limits), "has_tokenizer": self.tokenizer_files is not None,
-                "reads_images": bool(getattr(self.backend, "reads_images", False)),
-                "plane": self.plane.info() if self.plane is not None else None,
-                "vocab_ids": list(self._vocab_maps)}
+        return {
+            "protocol": wire.PROTOCOL,
+            **self.backend.info,
+            "target_config": self.target_config,
+            "limits": asdict(self.limits),
+            "has_tokenizer": self.tokenizer_files is not None,
+            "reads_images": bool(getattr(self.backend, "reads_images", False)),
+            "plane": self.plane.info() if self.plane is not None else None,
+            "vocab_ids": list(self._vocab_maps),
+        }
 
     def model_info(self, body, **_) -> Response:
         return Response.json(self.info())
@@ -309,8 +355,12 @@ class TargetServer:
     def tokenizer(self, body, **_) -> Response:
         if self.tokenizer_files is None:
             raise RequestError(404, "this server has no tokenizer to share")
-        return Response.json({"files": self.tokenizer_files,
-                              "tokenizer_fingerprint": self.backend.info.get("tokenizer_fingerprint")})
+        return Response.json(
+            {
+                "files": self.tokenizer_files,
+                "tokenizer_fingerprint": self.backend.info.get("tokenizer_fingerprint"),
+            }
+        )
 
     def input_embeddings(self, body, **_) -> Response:
         return Response.tensors(wire.encode({"weight": self.backend.get_input_embeddings()}))
@@ -330,12 +380,19 @@ class TargetServer:
 
     def _use_vocab(self, vid) -> None:
         """Under generate_lock: make `vid` the backend's active vocab mapping."""
-        if not isinstance(vid, str):  # a list or number would fail as a dict key: the request's fault
-            raise _bad(f"vocab_id must be a string (the id /v1/vocab_mapping answered), got "
-                       f"{type(vid).__name__}")
+        if not isinstance(
+            vid, str
+        ):  # a list or number would fail as a dict key: the request's fault
+            raise _bad(
+                f"vocab_id must be a string (the id /v1/vocab_mapping answered), got "
+                f"{type(vid).__name__}"
+            )
         if vid not in self._vocab_maps:
-            raise RequestError(409, f"unknown vocab_id {vid!r}: send the vocab mapping first "
-                                    "(POST /v1/vocab_mapping)", code="vocab")
+            raise RequestError(
+                409,
+                f"unknown vocab_id {vid!r}: send the vocab mapping first (POST /v1/vocab_mapping)",
+                code="vocab",
+            )
         if vid != self._active_vocab:  # another trainer switched it: switch back (cheap)
             self.backend.set_vocab_mapping(self._vocab_maps[vid])
             self._active_vocab = vid
@@ -347,21 +404,34 @@ class TargetServer:
             head = self.backend.get_output_head()
         if head is None:
             raise RequestError(404, "this target has no output head to share")
-        return Response.tensors(wire.encode({k: v.detach().cpu().contiguous() for k, v in head.items()}))
+        return Response.tensors(
+            wire.encode({k: v.detach().cpu().contiguous() for k, v in head.items()})
+        )
 
-    def supervise(self, tensors: dict[str, torch.Tensor], vid, final_hidden: bool = False,
-                  extras: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def supervise(
+        self,
+        tensors: dict[str, torch.Tensor],
+        vid,
+        final_hidden: bool = False,
+        extras: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor]:
         """Validate one generate request and run the target on it (under the model lock); with
         final_hidden the answer carries the target's final hidden states too (EAGLE-1/2 trainers), and
         each of `extras` as `extra.NAME` (the per-token fields of the draft algorithm served)."""
         kwargs = validate_generate(tensors, self.vocab_size, self.limits, self.max_positions)
         if "images" in kwargs and not getattr(self.backend, "reads_images", False):
-            raise RequestError(422, "this server's target does not run its vision encoder on image-text rows",
-                               hint="serve the target with --target-engine transformers")
+            raise RequestError(
+                422,
+                "this server's target does not run its vision encoder on image-text rows",
+                hint="serve the target with --target-engine transformers",
+            )
         unknown = [name for name in extras if name not in self.fields]
         if unknown:
-            raise RequestError(422, f"this server computes no per-token field {', '.join(unknown)}",
-                               hint="start `spec serve-target` with the --algorithm the trainer trains")
+            raise RequestError(
+                422,
+                f"this server computes no per-token field {', '.join(unknown)}",
+                hint="start `spec serve-target` with the --algorithm the trainer trains",
+            )
         with self.generate_lock:
             self._use_vocab(vid)
             self.backend.keep_final_hidden = bool(final_hidden)
@@ -373,8 +443,12 @@ class TargetServer:
 
     def open_plane(self, body, client=None, address=None, **_) -> Response:
         if self.plane is None:
-            return Response.json({"channel": None, "reason": "the server runs without a tensor plane "
-                                                             "(--no-tensor-plane)"})
+            return Response.json(
+                {
+                    "channel": None,
+                    "reason": "the server runs without a tensor plane (--no-tensor-plane)",
+                }
+            )
         backend = wire.loads(body).get("backend", "gloo")
         if not isinstance(backend, str):
             raise _bad("backend must be a string (gloo or nccl)")
@@ -385,7 +459,9 @@ class TargetServer:
         if not isinstance(meta, dict):
             raise _bad(f"the request's metadata must be a JSON object, got {type(meta).__name__}")
         if "final_hidden" in meta and not isinstance(meta["final_hidden"], bool):
-            raise _bad(f"final_hidden must be true or false, got {type(meta['final_hidden']).__name__}")
+            raise _bad(
+                f"final_hidden must be true or false, got {type(meta['final_hidden']).__name__}"
+            )
         extras = meta.get("extras", [])
         if not isinstance(extras, list) or not all(isinstance(name, str) for name in extras):
             raise _bad("extras must be a list of field names")
@@ -393,23 +469,40 @@ class TargetServer:
         if plane is not None:  # checked before the target runs: a lost channel costs no forward
             channel = self.plane.get(plane) if self.plane is not None else None
             if channel is None:
-                raise RequestError(409, f"no tensor-plane channel {plane[:16]!r} (the server restarted, or "
-                                        "the channel failed): open a new one", code="plane")
-        out = self.supervise(tensors, meta.get("vocab_id"), final_hidden=meta.get("final_hidden") is True,
-                             extras=tuple(extras))
+                raise RequestError(
+                    409,
+                    f"no tensor-plane channel {plane[:16]!r} (the server restarted, or "
+                    "the channel failed): open a new one",
+                    code="plane",
+                )
+        out = self.supervise(
+            tensors,
+            meta.get("vocab_id"),
+            final_hidden=meta.get("final_hidden") is True,
+            extras=tuple(extras),
+        )
         if channel is None:
             return Response.tensors(wire.encode(out, {"vocab_id": meta.get("vocab_id")}))
         tag = self.plane.next_tag(channel.name)
 
-        def send() -> None:  # after the answer is flushed: the client posts its receives on reading it
+        def send() -> (
+            None
+        ):  # after the answer is flushed: the client posts its receives on reading it
             try:
                 channel.send(out, tag)
             except Exception as exc:  # noqa: BLE001 - whatever failed, this channel's peer is out of step
                 log.info("tensor plane: %s; channel %s closed", exc, channel.name[:8])
                 self.plane.drop(channel.name)
 
-        return Response.json({"plane": channel.name, "tag": tag, "tensors": plane_module.header(out),
-                              "vocab_id": meta.get("vocab_id")}, after=send)
+        return Response.json(
+            {
+                "plane": channel.name,
+                "tag": tag,
+                "tensors": plane_module.header(out),
+                "vocab_id": meta.get("vocab_id"),
+            },
+            after=send,
+        )
 
     def disconnect(self, body, client=None, **_) -> Response:
         with self._state_lock:
@@ -419,8 +512,9 @@ class TargetServer:
             self.plane.drop_client(client)
         if self.exit_on_disconnect and last:
             log.info("the last client disconnected: shutting down")
-            return Response.json({"ok": True, "shutting_down": True}, close=True,
-                                 after=self.shutdown_event.set)
+            return Response.json(
+                {"ok": True, "shutting_down": True}, close=True, after=self.shutdown_event.set
+            )
         return Response.json({"ok": True, "shutting_down": False})
 
     def close(self) -> None:

@@ -78,8 +78,11 @@ def encode(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> Encode
         if t.dtype not in CODES:
             raise WireError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         parts.append(_raw(t))
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -103,10 +106,12 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
         raise WireError(f"a tensor message needs at least 8 bytes, got {len(view)}")
     (n,) = struct.unpack("<Q", view[:8])
     if n > MAX_HEADER_BYTES or n > len(view) - 8:
-        raise WireError(f"header length {n} exceeds the message ({len(view)} bytes) or "
-                        f"the limit ({MAX_HEADER_BYTES} bytes)")
+        raise WireError(
+            f"header length {n} exceeds the message ({len(view)} bytes) or "
+            f"the limit ({MAX_HEADER_BYTES} bytes)"
+        )
     try:
-        header = json.loads(bytes(view[8:8 + n]).decode("utf-8"))
+        header = json.loads(bytes(view[8 : 8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise WireError(f"the header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -131,8 +136,11 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
             raise WireError(f"tensor {name!r}: unknown dtype {entry['dtype']!r}")
         shape = _shape(name, entry["shape"])
         offsets = entry["data_offsets"]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and
-                all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise WireError(f"tensor {name!r}: data_offsets must be two integers")
         begin, end = offsets
         numel = 1
@@ -140,8 +148,10 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
             numel *= d
         itemsize = DTYPES[entry["dtype"]].itemsize
         if not 0 <= begin <= end <= data_len or end - begin != numel * itemsize:
-            raise WireError(f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} "
-                            f"x {itemsize} bytes within {data_len} data bytes")
+            raise WireError(
+                f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} "
+                f"x {itemsize} bytes within {data_len} data bytes"
+            )
         spans.append((begin, end, name, DTYPES[entry["dtype"]], shape, numel))
     spans.sort()
     covered = 0
@@ -157,10 +167,14 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
         if numel == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
-        chunk = view[data_start + begin:data_start + end]
+        chunk = view[data_start + begin : data_start + end]
         if writable:
             t = torch.frombuffer(chunk, dtype=torch.uint8)
-            t = (t.view(dtype) if (data_start + begin) % dtype.itemsize == 0 else t.clone().view(dtype))
+            t = (
+                t.view(dtype)
+                if (data_start + begin) % dtype.itemsize == 0
+                else t.clone().view(dtype)
+            )
         else:
             t = torch.frombuffer(bytearray(chunk), dtype=dtype)
         tensors[name] = t.view(shape)

@@ -54,8 +54,8 @@ def count_supervised(tokens: TokenizedData, vocab_size: int) -> torch.Tensor:
     n = tokens.num_tokens
     with progress("counting", total=n, unit="tokens") as bar:
         for start in range(0, n, COUNT_CHUNK):
-            ids = tokens.input_ids[start:start + COUNT_CHUNK].long()
-            mask = tokens.loss_mask[start:start + COUNT_CHUNK].bool()
+            ids = tokens.input_ids[start : start + COUNT_CHUNK].long()
+            mask = tokens.loss_mask[start : start + COUNT_CHUNK].bool()
             counts += torch.bincount(ids[mask], minlength=vocab_size)
             bar.advance(ids.numel())
     return counts
@@ -74,22 +74,29 @@ def _existing(output: Path, force: bool) -> dict | None:
     try:
         return dict(load_vocab_map(output).metadata)
     except SpecError:  # (outputs.check let it through as a vocab map: damaged since)
-        raise ArtifactError(f"{output} already exists and is not a readable vocab map",
-                            "pass another -o, or --force to replace it") from None
+        raise ArtifactError(
+            f"{output} already exists and is not a readable vocab map",
+            "pass another -o, or --force to replace it",
+        ) from None
 
 
 def _check_same(output: Path, old: dict, new: dict) -> None:
     differs = [k for k in SAME_INPUTS if old.get(k) != new.get(k)]
     if differs:
-        raise ArtifactError(f"{output} already holds a vocab map made from other inputs ({', '.join(differs)} "
-                            "differ)", "pass another -o, or --force to replace it")
+        raise ArtifactError(
+            f"{output} already holds a vocab map made from other inputs ({', '.join(differs)} "
+            "differ)",
+            "pass another -o, or --force to replace it",
+        )
 
 
 def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     start = time.perf_counter()
-    outputs.check({"-o": (cfg.output, outputs.VOCAB_MAP)},
-                  {"--target": cfg.target, "--data": cfg.data, "--chat-template": cfg.chat_template},
-                  replace_flag="--force")
+    outputs.check(
+        {"-o": (cfg.output, outputs.VOCAB_MAP)},
+        {"--target": cfg.target, "--data": cfg.data, "--chat-template": cfg.chat_template},
+        replace_flag="--force",
+    )
     old = _existing(cfg.output, cfg.force)
     target_dir = resolve_target(assets.resolve_target_arg(cfg.target))
     data_path = Path(assets.resolve_data_arg(cfg.data))
@@ -97,22 +104,36 @@ def run(cfg: BuildVocabMapConfig) -> BuildVocabMapResult:
     tokenizer = load_tokenizer(target_dir, template)
     v = vocab_size(load_config(target_dir), tokenizer)
     if cfg.draft_vocab_size > v:  # fail before tokenising anything
-        raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target vocab "
-                          f"({v})", f"use at most {v}")
+        raise ConfigError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target vocab ({v})",
+            f"use at most {v}",
+        )
     tok_fp = tokenizer_fingerprint(tokenizer)
-    tokens = tokenize_data(data_path, tokenizer, tok_fp, cfg.max_length, cfg.num_proc,
-                           load_processor=processor_loader(target_dir))  # image-text records: their answers count
+    tokens = tokenize_data(
+        data_path,
+        tokenizer,
+        tok_fp,
+        cfg.max_length,
+        cfg.num_proc,
+        load_processor=processor_loader(target_dir),
+    )  # image-text records: their answers count
     counts = count_supervised(tokens, v)
-    vocab_map = build_vocab_map(counts, cfg.draft_vocab_size, {
-        "tokenizer_fingerprint": tok_fp,
-        **chat_templates.identity(tokenizer, template),
-        "target": str(target_dir),
-        "data": str(data_path),
-        "data_fingerprint": tokens.metadata["data_fingerprint"],
-        "max_length": cfg.max_length,
-        "num_samples": len(tokens),
-    })
+    vocab_map = build_vocab_map(
+        counts,
+        cfg.draft_vocab_size,
+        {
+            "tokenizer_fingerprint": tok_fp,
+            **chat_templates.identity(tokenizer, template),
+            "target": str(target_dir),
+            "data": str(data_path),
+            "data_fingerprint": tokens.metadata["data_fingerprint"],
+            "max_length": cfg.max_length,
+            "num_samples": len(tokens),
+        },
+    )
     if old is not None:
-        _check_same(cfg.output, old, {**vocab_map.metadata, "draft_vocab_size": cfg.draft_vocab_size})
+        _check_same(
+            cfg.output, old, {**vocab_map.metadata, "draft_vocab_size": cfg.draft_vocab_size}
+        )
     save_vocab_map(vocab_map, cfg.output)
     return BuildVocabMapResult(vocab_map, tokens, cfg.output, time.perf_counter() - start)

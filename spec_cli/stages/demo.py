@@ -52,7 +52,9 @@ class Profile:
     heldout_prompts: int  # ShareGPT conversations after the regenerated ones (first two user turns)
     expected_minutes: float  # minutes it is sized for on 2 bf16-native CPU cores (in demo.json)
     eval_depth: int = 3
-    original_samples: int = 0  # further ShareGPT conversations trained on with their original answers
+    original_samples: int = (
+        0  # further ShareGPT conversations trained on with their original answers
+    )
     expected_minutes_avx2: float = 0.0  # ... and on 2 cores with AVX2 only
     schedule: str = "cosine"  # spec train --schedule (docs/recipe.md: what the levers measured)
     optimizer: str = "adamw"  # spec train --optimizer
@@ -75,7 +77,9 @@ class Profile:
     # feature cache as it answers (spec regenerate --features: one pass of the target per answer); none
     # as written (docs/recipe.md: the written half teaches nothing the target's answers do not)
     one_pass_samples: int = 0
-    one_pass: bool = False  # set by for_engine: this run's data is one_pass_samples answered in one pass
+    one_pass: bool = (
+        False  # set by for_engine: this run's data is one_pass_samples answered in one pass
+    )
 
     def for_engine(self, engine: str) -> Profile:
         """The profile as a run with this regenerate engine carries it out."""
@@ -86,22 +90,61 @@ class Profile:
     def describe(self) -> str:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
         one_pass = ", the cache kept as it answers" if self.one_pass else ""
-        return (f"{self.samples} ShareGPT prompts answered by the target itself{one_pass}{original} (<= {self.max_length} "
-                f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps "
-                f"({self.optimizer}, {self.schedule}), eval on {self.eval_prompts} MT-bench questions and "
-                f"{self.heldout_prompts} held-out ShareGPT conversations")
+        return (
+            f"{self.samples} ShareGPT prompts answered by the target itself{one_pass}{original} (<= {self.max_length} "
+            f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps "
+            f"({self.optimizer}, {self.schedule}), eval on {self.eval_prompts} MT-bench questions and "
+            f"{self.heldout_prompts} held-out ShareGPT conversations"
+        )
 
 
 PROFILES = {
-    "quick": Profile("quick", samples=48, original_samples=100, max_length=256, regen_max_new_tokens=192,
-                     draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=130, lr=1e-3, eval_prompts=4,
-                     eval_max_new_tokens=32, heldout_prompts=4, expected_minutes=8, expected_minutes_avx2=9,
-                     schedule="wsd", engine_every=130, engine_prompts=4, engine_tokens=32, tune_repeats=1,
-                     one_pass_samples=96, eval_compare_depths=(), tune_max_k=2, tune_batch_sizes=(1, 4, 16)),
-    "full": Profile("full", samples=320, original_samples=1300, max_length=256, regen_max_new_tokens=192,
-                    draft_vocab_size=4096, ttt_steps=3, batch_tokens=2048, steps=1000, lr=1e-3, eval_prompts=8,
-                    eval_max_new_tokens=64, heldout_prompts=8, expected_minutes=40, expected_minutes_avx2=50,
-                    schedule="wsd", engine_every=250, one_pass_samples=1100),
+    "quick": Profile(
+        "quick",
+        samples=48,
+        original_samples=100,
+        max_length=256,
+        regen_max_new_tokens=192,
+        draft_vocab_size=4096,
+        ttt_steps=3,
+        batch_tokens=2048,
+        steps=130,
+        lr=1e-3,
+        eval_prompts=4,
+        eval_max_new_tokens=32,
+        heldout_prompts=4,
+        expected_minutes=8,
+        expected_minutes_avx2=9,
+        schedule="wsd",
+        engine_every=130,
+        engine_prompts=4,
+        engine_tokens=32,
+        tune_repeats=1,
+        one_pass_samples=96,
+        eval_compare_depths=(),
+        tune_max_k=2,
+        tune_batch_sizes=(1, 4, 16),
+    ),
+    "full": Profile(
+        "full",
+        samples=320,
+        original_samples=1300,
+        max_length=256,
+        regen_max_new_tokens=192,
+        draft_vocab_size=4096,
+        ttt_steps=3,
+        batch_tokens=2048,
+        steps=1000,
+        lr=1e-3,
+        eval_prompts=8,
+        eval_max_new_tokens=64,
+        heldout_prompts=8,
+        expected_minutes=40,
+        expected_minutes_avx2=50,
+        schedule="wsd",
+        engine_every=250,
+        one_pass_samples=1100,
+    ),
 }
 
 
@@ -112,8 +155,12 @@ class DemoConfig:
     install: bool = True  # pip-install the built-in assets when missing
     device: str | None = None
     dtype: str | None = None
-    max_time: float | None = None  # seconds: stop training early (a weaker draft, warned about); None: no cap
-    engine: str = "auto"  # what runs the target in regenerate: auto (vLLM when installed), transformers, vllm
+    max_time: float | None = (
+        None  # seconds: stop training early (a weaker draft, warned about); None: no cap
+    )
+    engine: str = (
+        "auto"  # what runs the target in regenerate: auto (vLLM when installed), transformers, vllm
+    )
 
     @property
     def profile(self) -> Profile:
@@ -145,20 +192,28 @@ class DemoResult:
     heldout_speedup: float | None = None
     speed_note: str = ""  # the per-turn spread of each eval's speed-up (report.spread_text)
     heldout_speed_note: str = ""
-    fastest: dict | None = None  # MT-bench: the fastest chain of those compared {"depth", "acceptance_length", "speedup"}
+    fastest: dict | None = (
+        None  # MT-bench: the fastest chain of those compared {"depth", "acceptance_length", "speedup"}
+    )
     train_steps: str = ""
     # the engine in the loop: its answers ({"step", "acceptance_length", ...}), and the step exported
     engine_curve: list[dict] = field(default_factory=list)
     exported_step: int | None = None
     last_step: int | None = None
-    tune: dict | None = None  # the closing spec tune: {"engine", "table", "recommended", "serve", ...}
-    vllm: dict | None = None  # MT-bench in vLLM: acceptance_length, speedup, both sides' tokens/s, note
+    tune: dict | None = (
+        None  # the closing spec tune: {"engine", "table", "recommended", "serve", ...}
+    )
+    vllm: dict | None = (
+        None  # MT-bench in vLLM: acceptance_length, speedup, both sides' tokens/s, note
+    )
     torch_tps: dict | None = None  # MT-bench in PyTorch: both sides' tokens/s
     missing: str = ""  # what the demo cannot show without vLLM (said at the start and in the table)
     eval_json: Path | None = None
     serve_command: str = ""
     seconds: float = 0.0
-    estimate: dict | None = None  # measured at the start: this machine's speeds and the stages' minutes
+    estimate: dict | None = (
+        None  # measured at the start: this machine's speeds and the stages' minutes
+    )
 
     def artifact(self, name: str) -> Path:
         return next(s.artifact for s in self.stages if s.name == name)
@@ -174,11 +229,15 @@ def run(cfg: DemoConfig) -> DemoResult:
     _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)
     info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
-    if eval_engine(cfg) == "torch" and cfg.engine == "auto":  # said once: what the demo cannot show here
-        result.missing = (f"vLLM is not installed, so regenerate runs in transformers (about 2x slower), the "
-                          "training loop's evaluations and the closing tune run spec_cli's PyTorch decoder (one "
-                          "request at a time), and the speed-ups are the PyTorch evaluator's, not what a vLLM "
-                          f"server gets; for those: {_VLLM_INSTALL}")
+    if (
+        eval_engine(cfg) == "torch" and cfg.engine == "auto"
+    ):  # said once: what the demo cannot show here
+        result.missing = (
+            f"vLLM is not installed, so regenerate runs in transformers (about 2x slower), the "
+            "training loop's evaluations and the closing tune run spec_cli's PyTorch decoder (one "
+            "request at a time), and the speed-ups are the PyTorch evaluator's, not what a vLLM "
+            f"server gets; for those: {_VLLM_INSTALL}"
+        )
         info(result.missing)
 
     def stage(name: str, artifact: Path, work) -> None:
@@ -186,11 +245,16 @@ def run(cfg: DemoConfig) -> DemoResult:
         info(f"[{len(result.stages) + 1}/{STAGES}] {name}")
         status = work()
         seconds = time.perf_counter() - t0
-        if status == "reused" and name in earlier:  # keep the real time and result of the run that made it
+        if (
+            status == "reused" and name in earlier
+        ):  # keep the real time and result of the run that made it
             produced = earlier[name]
         else:
-            produced = {"status": status, "seconds": round(seconds, 1),
-                        "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            produced = {
+                "status": status,
+                "seconds": round(seconds, 1),
+                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
         result.stages.append(StageRecord(name, status, seconds, artifact, produced))
         _record(folder, profile, result)
 
@@ -200,17 +264,30 @@ def run(cfg: DemoConfig) -> DemoResult:
     regenerated = folder / "regenerated.jsonl"
     vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
     cache = folder / "cache"
-    stage("regenerate", regenerated, lambda: _regenerate(cfg, profile, found, regenerated, vocab_map, cache))
+    stage(
+        "regenerate",
+        regenerated,
+        lambda: _regenerate(cfg, profile, found, regenerated, vocab_map, cache),
+    )
     _revise(result)
     # one pass: the vocab map and the cache were made by regenerate (this run's, unless it was reused)
-    made_in_regenerate = "in regenerate" if profile.one_pass and result.stages[-1].status != "reused" else None
+    made_in_regenerate = (
+        "in regenerate" if profile.one_pass and result.stages[-1].status != "reused" else None
+    )
     data = folder / "train.jsonl"
     stage("training data", data, lambda: _training_data(profile, found, regenerated, data))
     # the draft vocabulary from what the target itself writes (what it must predict when served): the
     # originals' other wording would take slots from the target's own tokens (docs/results.md)
-    stage("build-vocab-map", vocab_map,
-          lambda: _vocab_map(profile, found, regenerated, vocab_map, made_in_regenerate))
-    stage("precompute", cache, lambda: _precompute(cfg, profile, found, data, vocab_map, cache, made_in_regenerate))
+    stage(
+        "build-vocab-map",
+        vocab_map,
+        lambda: _vocab_map(profile, found, regenerated, vocab_map, made_in_regenerate),
+    )
+    stage(
+        "precompute",
+        cache,
+        lambda: _precompute(cfg, profile, found, data, vocab_map, cache, made_in_regenerate),
+    )
     run_dir = folder / "run"
     stage("train", run_dir, lambda: _train(cfg, profile, vocab_map, cache, run_dir, result))
     export_dir = folder / "export-vllm"
@@ -219,10 +296,25 @@ def run(cfg: DemoConfig) -> DemoResult:
     stage("eval", eval_dir, lambda: _eval(cfg, profile, found, export_dir, eval_dir, result))
     if eval_engine(cfg) == "vllm":  # the same MT-bench turns in vLLM: the speed-up a server gets
         vllm_dir = folder / "eval-vllm"
-        stage("eval-vllm", vllm_dir, lambda: _eval_vllm(cfg, profile, found, export_dir, vllm_dir, result))
+        stage(
+            "eval-vllm",
+            vllm_dir,
+            lambda: _eval_vllm(cfg, profile, found, export_dir, vllm_dir, result),
+        )
     heldout_dir = folder / "eval-heldout"
-    stage("eval-heldout", heldout_dir, lambda: _eval(cfg, profile, found, export_dir, heldout_dir, result,
-                                                     heldout=_heldout_prompts(profile, found, data, folder)))
+    stage(
+        "eval-heldout",
+        heldout_dir,
+        lambda: _eval(
+            cfg,
+            profile,
+            found,
+            export_dir,
+            heldout_dir,
+            result,
+            heldout=_heldout_prompts(profile, found, data, folder),
+        ),
+    )
     tune_dir = folder / "tune"
     stage("tune", tune_dir, lambda: _tune(cfg, profile, found, export_dir, tune_dir, result))
     result.seconds = time.perf_counter() - start
@@ -231,6 +323,7 @@ def run(cfg: DemoConfig) -> DemoResult:
 
 
 # ----------------------------------------------------------------------------- stages
+
 
 def data_dtype(cfg: DemoConfig) -> str | None:
     """The target's dtype in regenerate and precompute: --dtype when given, else bf16 where it is native
@@ -250,8 +343,15 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     minutes the stages not yet done will take at it; None when every stage is done."""
     from spec_cli.stages import demo_clock
 
-    stages = ("regenerate", "precompute", "train", "eval", *(("eval-vllm",) if eval_engine(cfg) == "vllm" else ()),
-              "eval-heldout", "tune")
+    stages = (
+        "regenerate",
+        "precompute",
+        "train",
+        "eval",
+        *(("eval-vllm",) if eval_engine(cfg) == "vllm" else ()),
+        "eval-heldout",
+        "tune",
+    )
     left = [name for name in stages if name not in earlier]
     if not left:
         return None
@@ -261,25 +361,52 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
 
     device = loading.choose_device(cfg.device)
     t0 = time.perf_counter()
-    meter = threads.Meter()  # a crowded machine measures slow speeds, and so a long estimate: say so
-    speeds = demo_clock.measure(loading.resolve_target(found["smollm2"]), device,
-                                loading.choose_dtype(data_dtype(cfg), device), loading.choose_dtype(cfg.dtype, device),
-                                profile.draft_vocab_size, profile.batch_tokens, profile.ttt_steps)
+    meter = (
+        threads.Meter()
+    )  # a crowded machine measures slow speeds, and so a long estimate: say so
+    speeds = demo_clock.measure(
+        loading.resolve_target(found["smollm2"]),
+        device,
+        loading.choose_dtype(data_dtype(cfg), device),
+        loading.choose_dtype(cfg.dtype, device),
+        profile.draft_vocab_size,
+        profile.batch_tokens,
+        profile.ttt_steps,
+    )
     compared = None
     if "eval" in left and profile.eval_compare_depths == "auto":
-        compared = demo_clock.chains_compared(loading.resolve_target(found["smollm2"]), device,
-                                              loading.choose_dtype(cfg.dtype, device), profile.eval_depth)
-    busy = meter.stop(torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu")
-    per_stage = demo_clock.stage_seconds(profile, speeds, regen_engine(cfg), compared, eval_engine(cfg))
+        compared = demo_clock.chains_compared(
+            loading.resolve_target(found["smollm2"]),
+            device,
+            loading.choose_dtype(cfg.dtype, device),
+            profile.eval_depth,
+        )
+    busy = meter.stop(
+        torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu"
+    )
+    per_stage = demo_clock.stage_seconds(
+        profile, speeds, regen_engine(cfg), compared, eval_engine(cfg)
+    )
     seconds = {name: per_stage[name] for name in left if name in per_stage}
     total = (sum(seconds.values()) + per_stage["fixed"]) / 60
-    info(f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
-         f"take about {total:.0f} min (" + ", ".join(f"{n} {s / 60:.1f}" for n, s in seconds.items()) + ")"
-         + (f". WARNING: {busy['warning']}; this estimate assumes the machine stays that busy (the demo "
-            "states its total again after regenerate and after 50 training steps)" if busy["too_busy"] else ""))
-    return {"minutes": round(total, 1), "stages": {n: round(s, 2) for n, s in seconds.items()},
-            "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()},
-            "busy": {k: busy.get(k) for k in ("too_busy", "warning", "cpu_share", "other_load")}}
+    info(
+        f"this machine, measured in {time.perf_counter() - t0:.0f} s: {speeds.text()}; so the stages left "
+        f"take about {total:.0f} min ("
+        + ", ".join(f"{n} {s / 60:.1f}" for n, s in seconds.items())
+        + ")"
+        + (
+            f". WARNING: {busy['warning']}; this estimate assumes the machine stays that busy (the demo "
+            "states its total again after regenerate and after 50 training steps)"
+            if busy["too_busy"]
+            else ""
+        )
+    )
+    return {
+        "minutes": round(total, 1),
+        "stages": {n: round(s, 2) for n, s in seconds.items()},
+        "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()},
+        "busy": {k: busy.get(k) for k in ("too_busy", "warning", "cpu_share", "other_load")},
+    }
 
 
 def _revise(result: DemoResult) -> None:
@@ -290,10 +417,14 @@ def _revise(result: DemoResult) -> None:
     if not estimate or "regenerate" not in estimate["stages"] or done.status != "ran":
         return
     took = done.seconds / 60
-    left = estimate["minutes"] - estimate["stages"]["regenerate"] / 60  # the other stages and the fixed part
+    left = (
+        estimate["minutes"] - estimate["stages"]["regenerate"] / 60
+    )  # the other stages and the fixed part
     estimate["revised_minutes"] = round(sum(s.seconds for s in result.stages) / 60 + left, 1)
-    info(f"regenerate took {took:.1f} min (estimated {estimate['stages']['regenerate'] / 60:.1f}); the stages left "
-         f"take about {left:.0f} min, the whole demo about {estimate['revised_minutes']:g}")
+    info(
+        f"regenerate took {took:.1f} min (estimated {estimate['stages']['regenerate'] / 60:.1f}); the stages left "
+        f"take about {left:.0f} min, the whole demo about {estimate['revised_minutes']:g}"
+    )
 
 
 class TrainPace:
@@ -314,20 +445,34 @@ class TrainPace:
         ran = self.clock() - self.start
         stage = ran * (self.total - self.first) / (step - self.first)
         estimate = self.result.estimate
-        line = (f"training: {step - self.first} steps in {ran / 60:.1f} min, so the stage takes about "
-                f"{stage / 60:.1f} min at this pace")
+        line = (
+            f"training: {step - self.first} steps in {ran / 60:.1f} min, so the stage takes about "
+            f"{stage / 60:.1f} min at this pace"
+        )
         if estimate and "train" in estimate["stages"]:
-            done = sum(s.seconds for s in self.result.stages)  # the stages before this one, as they ran
-            later = estimate["minutes"] * 60 - sum(estimate["stages"].get(n, 0.0) for n in EARLIER_THAN_EVAL)
+            done = sum(
+                s.seconds for s in self.result.stages
+            )  # the stages before this one, as they ran
+            later = estimate["minutes"] * 60 - sum(
+                estimate["stages"].get(n, 0.0) for n in EARLIER_THAN_EVAL
+            )
             estimate["train_paced_minutes"] = round(stage / 60, 1)
             estimate["paced_minutes"] = round((done + stage + later) / 60, 1)
-            line += (f" (estimated {estimate['stages']['train'] / 60:.1f}); the whole demo about "
-                     f"{estimate['paced_minutes']:g} min")
+            line += (
+                f" (estimated {estimate['stages']['train'] / 60:.1f}); the whole demo about "
+                f"{estimate['paced_minutes']:g} min"
+            )
         info(line)
 
 
-PACE_STEPS = 50  # training steps timed before the demo states its total again (one eval and save among them)
-EARLIER_THAN_EVAL = ("regenerate", "precompute", "train")  # the estimate's stages that run before train ends
+PACE_STEPS = (
+    50  # training steps timed before the demo states its total again (one eval and save among them)
+)
+EARLIER_THAN_EVAL = (
+    "regenerate",
+    "precompute",
+    "train",
+)  # the estimate's stages that run before train ends
 
 
 def regen_engine(cfg: DemoConfig) -> str:
@@ -345,22 +490,42 @@ def _assets(cfg: DemoConfig, found: dict) -> str:
     return "ready"
 
 
-def _regenerate(cfg: DemoConfig, profile: Profile, found: dict, path: Path, vocab_map: Path, cache: Path) -> str:
+def _regenerate(
+    cfg: DemoConfig, profile: Profile, found: dict, path: Path, vocab_map: Path, cache: Path
+) -> str:
     """The target's answers; with a one-pass profile (vLLM) also the feature cache, kept as it answers,
     and the vocab map it needs, built from the answers as the build-vocab-map stage builds it."""
     from spec_cli.stages import regenerate
     from spec_cli.ui import print_regenerate_summary
 
     engine = regen_engine(cfg)
-    info(f"regenerate runs the target in {engine}" + (
-        " (installed; --engine transformers runs it in transformers instead)" if engine == "vllm" and cfg.engine == "auto"
-        else ""))
-    outcome = regenerate.run(regenerate.RegenerateConfig(
-        target=str(found["smollm2"]), data=str(found["sharegpt"]), output=path, temperature=0.0,
-        max_new_tokens=profile.regen_max_new_tokens, max_length=profile.max_length,
-        max_samples=profile.samples, device=cfg.device, dtype=data_dtype(cfg), engine=engine,
-        **(dict(features=cache, vocab_map=vocab_map, draft_vocab_size=profile.draft_vocab_size)
-           if profile.one_pass else {})))
+    info(
+        f"regenerate runs the target in {engine}"
+        + (
+            " (installed; --engine transformers runs it in transformers instead)"
+            if engine == "vllm" and cfg.engine == "auto"
+            else ""
+        )
+    )
+    outcome = regenerate.run(
+        regenerate.RegenerateConfig(
+            target=str(found["smollm2"]),
+            data=str(found["sharegpt"]),
+            output=path,
+            temperature=0.0,
+            max_new_tokens=profile.regen_max_new_tokens,
+            max_length=profile.max_length,
+            max_samples=profile.samples,
+            device=cfg.device,
+            dtype=data_dtype(cfg),
+            engine=engine,
+            **(
+                dict(features=cache, vocab_map=vocab_map, draft_vocab_size=profile.draft_vocab_size)
+                if profile.one_pass
+                else {}
+            ),
+        )
+    )
     if outcome.already_complete:
         return "reused"
     print_regenerate_summary(outcome)
@@ -375,8 +540,10 @@ def _jsonl_lines(path: Path) -> list[str]:
 
 
 def _last_source_index(data: Path) -> int:
-    return max((json.loads(line).get("source_index", -1) for line in _jsonl_lines(data)
-                if line.strip()), default=-1)
+    return max(
+        (json.loads(line).get("source_index", -1) for line in _jsonl_lines(data) if line.strip()),
+        default=-1,
+    )
 
 
 def _sharegpt_after(found: dict, used: int, count: int, keep_users: int | None = None):
@@ -402,7 +569,7 @@ def _sharegpt_after(found: dict, used: int, count: int, keep_users: int | None =
             if not users or messages[users[0]]["content"].strip() == "":
                 continue
             if keep_users is not None and len(users) > keep_users:
-                messages = messages[:users[keep_users]]
+                messages = messages[: users[keep_users]]
             yield {"messages": messages, "source_index": index}
             count -= 1
             if count == 0:
@@ -414,8 +581,10 @@ def _training_data(profile: Profile, found: dict, regenerated: Path, path: Path)
     their original answers (written once; a rerun with the same inputs reuses it)."""
     lines = [line for line in _jsonl_lines(regenerated) if line.strip()]
     used = _last_source_index(regenerated)
-    lines += [json.dumps({**r, "source": "sharegpt"}, ensure_ascii=False)
-              for r in _sharegpt_after(found, used, profile.original_samples)]
+    lines += [
+        json.dumps({**r, "source": "sharegpt"}, ensure_ascii=False)
+        for r in _sharegpt_after(found, used, profile.original_samples)
+    ]
     text = "".join(line + "\n" for line in lines)
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return "reused"
@@ -430,14 +599,20 @@ def _heldout_prompts(profile: Profile, found: dict, data: Path, folder: Path) ->
     path = folder / "heldout.jsonl"
     if path.is_file():
         return path
-    chosen = [json.dumps(r, ensure_ascii=False)
-              for r in _sharegpt_after(found, _last_source_index(data), profile.heldout_prompts, keep_users=2)]
+    chosen = [
+        json.dumps(r, ensure_ascii=False)
+        for r in _sharegpt_after(
+            found, _last_source_index(data), profile.heldout_prompts, keep_users=2
+        )
+    ]
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in chosen), encoding="utf-8")
     return path
 
 
-def _vocab_map(profile: Profile, found: dict, data: Path, path: Path, made_by: str | None = None) -> str:
+def _vocab_map(
+    profile: Profile, found: dict, data: Path, path: Path, made_by: str | None = None
+) -> str:
     from spec_cli.artifacts.vocab_map import load_vocab_map
     from spec_cli.stages import build_vocab_map
     from spec_cli.ui import print_vocab_map_summary
@@ -445,40 +620,74 @@ def _vocab_map(profile: Profile, found: dict, data: Path, path: Path, made_by: s
     if path.is_file():
         try:
             made = load_vocab_map(path)
-            if made.draft_vocab_size == profile.draft_vocab_size and made.metadata.get("data") == str(data):
+            if made.draft_vocab_size == profile.draft_vocab_size and made.metadata.get(
+                "data"
+            ) == str(data):
                 return made_by or "reused"
         except SpecError:
             pass  # unreadable or stale: build it again (written atomically over it)
-    result = build_vocab_map.run(build_vocab_map.BuildVocabMapConfig(
-        target=str(found["smollm2"]), data=str(data), output=path,
-        draft_vocab_size=profile.draft_vocab_size, max_length=profile.max_length, num_proc=2,
-        force=True))  # the demo's own file under its folder
+    result = build_vocab_map.run(
+        build_vocab_map.BuildVocabMapConfig(
+            target=str(found["smollm2"]),
+            data=str(data),
+            output=path,
+            draft_vocab_size=profile.draft_vocab_size,
+            max_length=profile.max_length,
+            num_proc=2,
+            force=True,
+        )
+    )  # the demo's own file under its folder
     print_vocab_map_summary(result)
     return "ran"
 
 
-def _precompute(cfg: DemoConfig, profile: Profile, found: dict, data: Path, vocab_map: Path,
-                cache: Path, made: str | None = None) -> str:
+def _precompute(
+    cfg: DemoConfig,
+    profile: Profile,
+    found: dict,
+    data: Path,
+    vocab_map: Path,
+    cache: Path,
+    made: str | None = None,
+) -> str:
     from spec_cli.stages import precompute
     from spec_cli.ui import print_precompute_summary
 
-    if profile.one_pass:  # regenerate wrote it as it answered (and writes it again if it is not complete)
+    if (
+        profile.one_pass
+    ):  # regenerate wrote it as it answered (and writes it again if it is not complete)
         fc.check_files(cache, fc.read_manifest(cache))
         info(f"feature cache {cache}: written by regenerate as the target answered (one pass)")
         return made or "reused"
     partial = cache.is_dir() and any(cache.iterdir())
-    result = precompute.run(precompute.PrecomputeConfig(
-        target=str(found["smollm2"]), data=str(data), vocab_map=vocab_map, output=cache,
-        max_length=profile.max_length, batch_tokens=8192, num_proc=2,
-        device=cfg.device, dtype=data_dtype(cfg), resume=True))
+    result = precompute.run(
+        precompute.PrecomputeConfig(
+            target=str(found["smollm2"]),
+            data=str(data),
+            vocab_map=vocab_map,
+            output=cache,
+            max_length=profile.max_length,
+            batch_tokens=8192,
+            num_proc=2,
+            device=cfg.device,
+            dtype=data_dtype(cfg),
+            resume=True,
+        )
+    )
     if result.computed_shards == 0 and (cache / fc.MANIFEST).is_file() and partial:
         return "reused"
     print_precompute_summary(result)
     return "resumed" if result.reused_shards else "ran"
 
 
-def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_dir: Path,
-           result: DemoResult) -> str:
+def _train(
+    cfg: DemoConfig,
+    profile: Profile,
+    vocab_map: Path,
+    cache: Path,
+    run_dir: Path,
+    result: DemoResult,
+) -> str:
     from spec_cli.stages import train
     from spec_cli.ui import print_train_summary
 
@@ -489,27 +698,53 @@ def _train(cfg: DemoConfig, profile: Profile, vocab_map: Path, cache: Path, run_
             result.train_steps = f"{state['step']} of {state['total_steps']}"
             result.engine_curve = engine_curve(run_dir)
             return "reused"
-    first = json.loads((latest / "trainer_state.json").read_text())["step"] if latest is not None else 0
+    first = (
+        json.loads((latest / "trainer_state.json").read_text())["step"] if latest is not None else 0
+    )
     engine = eval_engine(cfg)
-    info(f"training keeps the checkpoint that accepts best in {engine} (every {profile.engine_every} steps: "
-         f"{profile.engine_prompts} held-out conversations, both turns), and exports that one")
-    outcome = train.run(train.TrainConfig.from_options(
-        vocab_map=vocab_map, output=run_dir, cache=cache, pack=True, batch_tokens=profile.batch_tokens,
-        ttt_steps=profile.ttt_steps, lr=profile.lr, max_steps=profile.steps, fc_norm=True,
-        schedule=profile.schedule, optimizer=profile.optimizer,
-        eval_fraction=0.03, log_every=5, eval_every=50, save_every=50,
-        eval_engine=engine, eval_engine_every=profile.engine_every, keep="best",
-        eval_engine_prompts=profile.engine_prompts, eval_engine_tokens=profile.engine_tokens,
-        eval_engine_depth=profile.eval_depth,
-        max_time=cfg.max_time, resume=latest is not None, device=cfg.device, dtype=cfg.dtype),
-        after_step=TrainPace(result, profile.steps, first))
+    info(
+        f"training keeps the checkpoint that accepts best in {engine} (every {profile.engine_every} steps: "
+        f"{profile.engine_prompts} held-out conversations, both turns), and exports that one"
+    )
+    outcome = train.run(
+        train.TrainConfig.from_options(
+            vocab_map=vocab_map,
+            output=run_dir,
+            cache=cache,
+            pack=True,
+            batch_tokens=profile.batch_tokens,
+            ttt_steps=profile.ttt_steps,
+            lr=profile.lr,
+            max_steps=profile.steps,
+            fc_norm=True,
+            schedule=profile.schedule,
+            optimizer=profile.optimizer,
+            eval_fraction=0.03,
+            log_every=5,
+            eval_every=50,
+            save_every=50,
+            eval_engine=engine,
+            eval_engine_every=profile.engine_every,
+            keep="best",
+            eval_engine_prompts=profile.engine_prompts,
+            eval_engine_tokens=profile.engine_tokens,
+            eval_engine_depth=profile.eval_depth,
+            max_time=cfg.max_time,
+            resume=latest is not None,
+            device=cfg.device,
+            dtype=cfg.dtype,
+        ),
+        after_step=TrainPace(result, profile.steps, first),
+    )
     result.engine_curve = engine_curve(run_dir)
     print_train_summary(outcome)
     result.train_steps = f"{outcome.steps} of {outcome.total_steps}"
     if outcome.steps < outcome.total_steps:  # the draft is weaker than the profile's: say so loudly
-        result.warnings.append(f"training stopped by --max-time at step {outcome.steps} of "
-                               f"{outcome.total_steps}: the draft is weaker than this profile's; rerun "
-                               "`spec demo` (without --max-time) to finish the schedule")
+        result.warnings.append(
+            f"training stopped by --max-time at step {outcome.steps} of "
+            f"{outcome.total_steps}: the draft is weaker than this profile's; rerun "
+            "`spec demo` (without --max-time) to finish the schedule"
+        )
     return "resumed" if latest is not None else "ran"
 
 
@@ -522,52 +757,91 @@ def _export(run_dir: Path, export_dir: Path, found: dict, result: DemoResult) ->
     step = json.loads((chosen / "trainer_state.json").read_text())["step"]
     latest = ckpt.latest_checkpoint(run_dir)
     result.exported_step = step
-    result.last_step = json.loads((latest / "trainer_state.json").read_text())["step"] if latest else step
+    result.last_step = (
+        json.loads((latest / "trainer_state.json").read_text())["step"] if latest else step
+    )
     config = export_dir / "config.json"
     if config.is_file():
         recorded = json.loads(config.read_text()).get("spec_cli", {})
         if recorded.get("checkpoint") == str(chosen) and recorded.get("step") == step:
             result.serve_command = _serve_command(export_dir)
             return "reused"
-    outcome = export.run(export.ExportConfig(source=run_dir, format="vllm", output=export_dir, check=True,
-                                             target=str(found["smollm2"]), overwrite=True))
+    outcome = export.run(
+        export.ExportConfig(
+            source=run_dir,
+            format="vllm",
+            output=export_dir,
+            check=True,
+            target=str(found["smollm2"]),
+            overwrite=True,
+        )
+    )
     summary("export", outcome.summary_rows())
     result.serve_command = outcome.serve_command
     return "ran"
 
 
-_VLLM_INSTALL = ("pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec (a CPU "
-                 "machine; on a GPU machine, pip install vllm for your torch)")
+_VLLM_INSTALL = (
+    "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec (a CPU "
+    "machine; on a GPU machine, pip install vllm for your torch)"
+)
 
 
-def _eval_vllm(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
-               result: DemoResult) -> str:
+def _eval_vllm(
+    cfg: DemoConfig,
+    profile: Profile,
+    found: dict,
+    export_dir: Path,
+    eval_dir: Path,
+    result: DemoResult,
+) -> str:
     """MT-bench in vLLM: the PyTorch eval's turns, chain and tokens, the target alone beside the draft in
     vLLM, acceptance from vLLM's own counters: the demo's headline speed-up."""
     from spec_cli.eval.report import print_table, spread_text
     from spec_cli.stages import eval as evaluate
 
-    settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
-                "num_prompts": profile.eval_prompts, "prompts": str(found["mt-bench"]), "engine": "vllm"}
+    settings = {
+        "depth": profile.eval_depth,
+        "topk": 1,
+        "max_new_tokens": profile.eval_max_new_tokens,
+        "num_prompts": profile.eval_prompts,
+        "prompts": str(found["mt-bench"]),
+        "engine": "vllm",
+    }
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
 
     def keep(overall: dict, busy: dict | None) -> None:
-        result.vllm = {k: overall[k] for k in ("acceptance_length", "speedup", "spec_tokens_per_s",
-                                               "target_tokens_per_s")}
+        result.vllm = {
+            k: overall[k]
+            for k in ("acceptance_length", "speedup", "spec_tokens_per_s", "target_tokens_per_s")
+        }
         result.vllm["note"] = spread_text(overall.get("speedup_spread"))
         if (busy or {}).get("warning"):
             result.warnings.append(f"MT-bench eval in vLLM: {busy['warning']}")
 
     if report.is_file():
         done = json.loads(report.read_text())
-        if done["draft"]["step"] == step and all(done["settings"].get(k) == v for k, v in settings.items()):
+        if done["draft"]["step"] == step and all(
+            done["settings"].get(k) == v for k, v in settings.items()
+        ):
             keep(done["overall"], done.get("busy"))
             return "reused"
-    outcome = evaluate.run(evaluate.EvalConfig(
-        target=str(found["smollm2"]), draft=export_dir, prompts=str(found["mt-bench"]), output=eval_dir,
-        depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
-        num_prompts=profile.eval_prompts, device=cfg.device, dtype=cfg.dtype, engine="vllm"))
+    outcome = evaluate.run(
+        evaluate.EvalConfig(
+            target=str(found["smollm2"]),
+            draft=export_dir,
+            prompts=str(found["mt-bench"]),
+            output=eval_dir,
+            depth=profile.eval_depth,
+            topk=1,
+            max_new_tokens=profile.eval_max_new_tokens,
+            num_prompts=profile.eval_prompts,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            engine="vllm",
+        )
+    )
     print_table(outcome)
     keep(outcome.overall, outcome.busy)
     return "ran"
@@ -591,13 +865,21 @@ def engine_curve(run_dir: Path) -> list[dict]:
         except ValueError:
             continue
         if record.get("split") == "engine" and "error" not in record:
-            curve[record["step"]] = {k: record.get(k) for k in ("step", "engine", "acceptance_length", "speedup",
-                                                                "best", "seconds")}
+            curve[record["step"]] = {
+                k: record.get(k)
+                for k in ("step", "engine", "acceptance_length", "speedup", "best", "seconds")
+            }
     return [curve[s] for s in sorted(curve)]
 
 
-def _tune(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, tune_dir: Path,
-          result: DemoResult) -> str:
+def _tune(
+    cfg: DemoConfig,
+    profile: Profile,
+    found: dict,
+    export_dir: Path,
+    tune_dir: Path,
+    result: DemoResult,
+) -> str:
     """`spec tune` of the exported draft: vLLM's tokens/s with 0 .. tune_max_k draft tokens at batch sizes
     1 .. 16 (the PyTorch decoder's chains at batch 1 without vLLM) and the schedule that was fastest."""
     from spec_cli.stages import tune
@@ -605,26 +887,50 @@ def _tune(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, tune
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     engine = eval_engine(cfg)
     report = tune_dir / "serving.json"
-    settings = {"max_k": profile.tune_max_k, "requests": profile.tune_requests,
-                "max_new_tokens": profile.tune_tokens, "repeats": profile.tune_repeats}
+    settings = {
+        "max_k": profile.tune_max_k,
+        "requests": profile.tune_requests,
+        "max_new_tokens": profile.tune_tokens,
+        "repeats": profile.tune_repeats,
+    }
     sizes = list(profile.tune_batch_sizes) if engine == "vllm" else None  # PyTorch: batch 1
     if report.is_file():
         done = json.loads(report.read_text())
-        if done["draft"]["step"] == step and done["engine"] == engine and \
-                all(done["settings"].get(k) == v for k, v in settings.items()) and \
-                done["settings"].get("batch_sizes_asked") == sizes:
+        if (
+            done["draft"]["step"] == step
+            and done["engine"] == engine
+            and all(done["settings"].get(k) == v for k, v in settings.items())
+            and done["settings"].get("batch_sizes_asked") == sizes
+        ):
             result.tune = done
             return "reused"
-    outcome = tune.run(tune.TuneConfig(draft=export_dir, target=str(found["smollm2"]), output=tune_dir,
-                                       engine=engine, device=cfg.device, dtype=cfg.dtype, fit_sizes=True,
-                                       batch_sizes=None if sizes is None else tuple(sizes), **settings))
+    outcome = tune.run(
+        tune.TuneConfig(
+            draft=export_dir,
+            target=str(found["smollm2"]),
+            output=tune_dir,
+            engine=engine,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            fit_sizes=True,
+            batch_sizes=None if sizes is None else tuple(sizes),
+            **settings,
+        )
+    )
     tune.print_tune(outcome)
     result.tune = json.loads(report.read_text())
     return "ran"
 
 
-def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval_dir: Path,
-          result: DemoResult, heldout: Path | None = None) -> str:
+def _eval(
+    cfg: DemoConfig,
+    profile: Profile,
+    found: dict,
+    export_dir: Path,
+    eval_dir: Path,
+    result: DemoResult,
+    heldout: Path | None = None,
+) -> str:
     """MT-bench, or with `heldout` those prompts (the second eval row of the demo's table)."""
     from spec_cli.eval.report import print_table, spread_text
     from spec_cli.stages import eval as evaluate
@@ -632,11 +938,21 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
     prompts = str(heldout) if heldout is not None else str(found["mt-bench"])
     count = profile.heldout_prompts if heldout is not None else profile.eval_prompts
     compare = () if heldout is not None else profile.eval_compare_depths
-    settings = {"depth": profile.eval_depth, "topk": 1, "max_new_tokens": profile.eval_max_new_tokens,
-                "num_prompts": count, "prompts": prompts,
-                **({"compare_depths_asked": compare} if compare == "auto" else
-                   {"compare_depths": sorted(d for d in set(compare) if d != profile.eval_depth)}),
-                "dtype": str(loading.choose_dtype(cfg.dtype, loading.choose_device(cfg.device))).replace("torch.", "")}
+    settings = {
+        "depth": profile.eval_depth,
+        "topk": 1,
+        "max_new_tokens": profile.eval_max_new_tokens,
+        "num_prompts": count,
+        "prompts": prompts,
+        **(
+            {"compare_depths_asked": compare}
+            if compare == "auto"
+            else {"compare_depths": sorted(d for d in set(compare) if d != profile.eval_depth)}
+        ),
+        "dtype": str(loading.choose_dtype(cfg.dtype, loading.choose_device(cfg.device))).replace(
+            "torch.", ""
+        ),
+    }
     step = json.loads((export_dir / "config.json").read_text())["spec_cli"]["step"]
     report = eval_dir / "eval.json"
 
@@ -644,39 +960,67 @@ def _eval(cfg: DemoConfig, profile: Profile, found: dict, export_dir: Path, eval
         note = spread_text(overall.get("speedup_spread"))
         if depths:
             best = evaluate.fastest_depth(depths)
-            result.fastest = {"depth": best, "acceptance_length": depths[best]["acceptance_length"],
-                              "speedup": depths[best]["speedup"],
-                              "compared": sorted(d for d in depths if d != profile.eval_depth)}
+            result.fastest = {
+                "depth": best,
+                "acceptance_length": depths[best]["acceptance_length"],
+                "speedup": depths[best]["speedup"],
+                "compared": sorted(d for d in depths if d != profile.eval_depth),
+            }
         if heldout is not None:
-            result.heldout_acceptance_length, result.heldout_speedup = overall["acceptance_length"], \
-                overall["speedup"]
+            result.heldout_acceptance_length, result.heldout_speedup = (
+                overall["acceptance_length"],
+                overall["speedup"],
+            )
             result.heldout_speed_note = note
         else:
             result.eval_json = report
-            result.acceptance_length, result.speedup = overall["acceptance_length"], overall["speedup"]
+            result.acceptance_length, result.speedup = (
+                overall["acceptance_length"],
+                overall["speedup"],
+            )
             result.speed_note = note
-            result.torch_tps = {k: overall.get(k) for k in ("spec_tokens_per_s", "target_tokens_per_s")}
+            result.torch_tps = {
+                k: overall.get(k) for k in ("spec_tokens_per_s", "target_tokens_per_s")
+            }
         if (busy or {}).get("warning"):  # the speed-up above came from a crowded machine: say so
             which = "held-out" if heldout is not None else "MT-bench"
             result.warnings.append(f"{which} eval: {busy['warning']}")
 
     if report.is_file():
         done = json.loads(report.read_text())
-        before = {"compare_depths": [], **done["settings"]}  # an eval.json from before --compare-depths
+        before = {
+            "compare_depths": [],
+            **done["settings"],
+        }  # an eval.json from before --compare-depths
         if done["draft"]["step"] == step and all(before.get(k) == v for k, v in settings.items()):
-            keep(done["overall"], done.get("busy"), {int(d): m for d, m in (done.get("depths") or {}).items()})
+            keep(
+                done["overall"],
+                done.get("busy"),
+                {int(d): m for d, m in (done.get("depths") or {}).items()},
+            )
             return "reused"
-    outcome = evaluate.run(evaluate.EvalConfig(
-        target=str(found["smollm2"]), draft=export_dir, prompts=prompts, output=eval_dir,
-        depth=profile.eval_depth, topk=1, max_new_tokens=profile.eval_max_new_tokens,
-        num_prompts=count, device=cfg.device, dtype=cfg.dtype,
-        compare_depths=compare if compare == "auto" else tuple(compare)))
+    outcome = evaluate.run(
+        evaluate.EvalConfig(
+            target=str(found["smollm2"]),
+            draft=export_dir,
+            prompts=prompts,
+            output=eval_dir,
+            depth=profile.eval_depth,
+            topk=1,
+            max_new_tokens=profile.eval_max_new_tokens,
+            num_prompts=count,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            compare_depths=compare if compare == "auto" else tuple(compare),
+        )
+    )
     print_table(outcome)
     keep(outcome.overall, outcome.busy, outcome.depths)
     return "ran"
 
 
 # ----------------------------------------------------------------------------- bookkeeping
+
 
 def _serve_command(export_dir: Path) -> str:
     """The vLLM command from the export's README (the first `vllm serve` line)."""
@@ -695,11 +1039,15 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
     if record.is_file():
         before = json.loads(record.read_text()).get("profile", {})
         if before.get("name") != profile.name or _shaping(before) != _shaping(asdict(profile)):
-            raise ConfigError(f"{folder} holds a demo with other settings ({before.get('name')})",
-                              "use another --output folder, or delete that one to start over")
+            raise ConfigError(
+                f"{folder} holds a demo with other settings ({before.get('name')})",
+                "use another --output folder, or delete that one to start over",
+            )
     elif folder.is_dir() and any(folder.iterdir()):
-        raise ConfigError(f"{folder} is not empty and holds no {DEMO_JSON}",
-                          "give `spec demo --output` a new or empty folder")
+        raise ConfigError(
+            f"{folder} is not empty and holds no {DEMO_JSON}",
+            "give `spec demo --output` a new or empty folder",
+        )
     folder.mkdir(parents=True, exist_ok=True)
     write_json(record, {"kind": "demo", "profile": asdict(profile), "stages": []})
 
@@ -709,8 +1057,11 @@ def _shaping(profile: dict) -> dict:
     compares (the eval reruns when its own settings differ) and the engine's and tune's settings (a
     finished run is kept; tune reruns when its settings differ), so that a new estimate or comparison in
     a release does not disown a folder whose stages it would make the same."""
-    return {k: v for k, v in profile.items()
-            if not k.startswith(("expected_minutes", "engine_", "tune_")) and k != "eval_compare_depths"}
+    return {
+        k: v
+        for k, v in profile.items()
+        if not k.startswith(("expected_minutes", "engine_", "tune_")) and k != "eval_compare_depths"
+    }
 
 
 def _produced(folder: Path) -> dict[str, dict]:
@@ -722,19 +1073,48 @@ def _produced(folder: Path) -> dict[str, dict]:
     out = {}
     for s in stages:
         if isinstance(s, dict) and s.get("name"):
-            out[s["name"]] = s.get("produced") or {"status": s.get("status"), "seconds": s.get("seconds")}
+            out[s["name"]] = s.get("produced") or {
+                "status": s.get("status"),
+                "seconds": s.get("seconds"),
+            }
     return out
 
 
 def _record(folder: Path, profile: Profile, result: DemoResult) -> None:
-    write_json(folder / DEMO_JSON, {
-        "kind": "demo", "profile": asdict(profile),
-        "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1),
-                    "artifact": str(s.artifact), "produced": s.produced} for s in result.stages],
-        "acceptance_length": result.acceptance_length, "speedup": result.speedup,
-        "heldout": {"acceptance_length": result.heldout_acceptance_length, "speedup": result.heldout_speedup},
-        "fastest_chain": result.fastest, "vllm": result.vllm, "torch_tokens_per_s": result.torch_tps,
-        "engine_curve": result.engine_curve, "exported_step": result.exported_step, "last_step": result.last_step,
-        "tune": None if result.tune is None else {k: result.tune.get(k) for k in
-                                                  ("engine", "speculative_config", "decoding", "why", "verified")},
-        "estimate": result.estimate, "seconds": round(result.seconds, 1)})
+    write_json(
+        folder / DEMO_JSON,
+        {
+            "kind": "demo",
+            "profile": asdict(profile),
+            "stages": [
+                {
+                    "name": s.name,
+                    "status": s.status,
+                    "seconds": round(s.seconds, 1),
+                    "artifact": str(s.artifact),
+                    "produced": s.produced,
+                }
+                for s in result.stages
+            ],
+            "acceptance_length": result.acceptance_length,
+            "speedup": result.speedup,
+            "heldout": {
+                "acceptance_length": result.heldout_acceptance_length,
+                "speedup": result.heldout_speedup,
+            },
+            "fastest_chain": result.fastest,
+            "vllm": result.vllm,
+            "torch_tokens_per_s": result.torch_tps,
+            "engine_curve": result.engine_curve,
+            "exported_step": result.exported_step,
+            "last_step": result.last_step,
+            "tune": None
+            if result.tune is None
+            else {
+                k: result.tune.get(k)
+                for k in ("engine", "speculative_config", "decoding", "why", "verified")
+            },
+            "estimate": result.estimate,
+            "seconds": round(result.seconds, 1),
+        },
+    )

@@ -30,7 +30,9 @@ from spec_cli.targets import loading
 # for the quick profile's 48 samples), tokens per training conversation after templating (31,948 for 148)
 ANSWER_TOKENS_PER_SAMPLE = 163
 TOKENS_PER_CONVERSATION = 216
-SUPERVISED_SHARE = 0.68  # of a training conversation's tokens, its answers' (the default demo's cache: 0.680)
+SUPERVISED_SHARE = (
+    0.68  # of a training conversation's tokens, its answers' (the default demo's cache: 0.680)
+)
 # each stage's time over what its measured kind of step predicts, fitted on whole quick demos on 2 AMD
 # EPYC cores (one run capped to AVX2: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; one in bf16):
 # regenerate 1.0 min (vLLM, start-up included) / 2.1x in transformers, precompute 1.2 min (the head's
@@ -41,8 +43,14 @@ SUPERVISED_SHARE = 0.68  # of a training conversation's tokens, its answers' (th
 # checkpoints every 50 steps: ~1.28x); the cache's reading beside the step is most of it. Not refitted
 # on the EPYC cores (its old factor, 0.62, went with a calibration step that scored every slot); the
 # demo states its total again once training has run 50 steps (stages/demo.py TrainPace).
-OVERHEAD = {"regenerate/vllm": 0.33, "regenerate/transformers": 2.1, "precompute": 1.15, "train": 1.25,
-            "eval": 2.0, "one-pass cache": 0.5}
+OVERHEAD = {
+    "regenerate/vllm": 0.33,
+    "regenerate/transformers": 2.1,
+    "precompute": 1.15,
+    "train": 1.25,
+    "eval": 2.0,
+    "one-pass cache": 0.5,
+}
 # vLLM in regenerate: its engine's start (VLLM_REGEN_START_SECONDS), then its answers at 0.33x the seconds
 # the one-engine batched decode predicts (vLLM batches far more rows than the clock's 16: measured on 2
 # Intel Xeon cores with AMX, 320 answers in 98 s with the clock at 208 tokens/s, 1,100 in 372 s of
@@ -72,14 +80,17 @@ TUNE_BATCH_SIZES = (1, 2, 4, 8, 16)
 @dataclass(frozen=True)
 class Speeds:
     """Tokens per second on this machine."""
+
     batched_decode: float  # regenerate's kind: 16 rows at a time, KV cache
     prefill: float  # precompute's kind: 512-token rows
     decode: float  # eval's kind: one row, one token at a time
     train: float  # the demo's draft, its batch_tokens packed, at the trainer's precision
 
     def text(self) -> str:
-        return (f"target {self.batched_decode:.0f} tok/s batched, {self.decode:.0f} tok/s alone, prefill "
-                f"{self.prefill:.0f} tok/s; draft training {self.train:.0f} tok/s")
+        return (
+            f"target {self.batched_decode:.0f} tok/s batched, {self.decode:.0f} tok/s alone, prefill "
+            f"{self.prefill:.0f} tok/s; draft training {self.train:.0f} tok/s"
+        )
 
 
 def _best(fn, repeats: int) -> float:
@@ -93,8 +104,9 @@ def _best(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
-                  only_decode: bool = False) -> tuple[float, float, float]:
+def target_speeds(
+    target_dir: Path, device: torch.device, dtype: torch.dtype, only_decode: bool = False
+) -> tuple[float, float, float]:
     """(batched decode, prefill, one-row decode) tokens/s of the target at `dtype` (only_decode: the
     last alone; the others 0)."""
     from transformers import DynamicCache
@@ -124,8 +136,15 @@ def target_speeds(target_dir: Path, device: torch.device, dtype: torch.dtype,
     return batched, prefill, single
 
 
-def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, batch_tokens: int,
-                ttt_steps: int, precision: str = "auto", data_dtype: torch.dtype = torch.float32) -> float:
+def train_speed(
+    target_dir: Path,
+    device: torch.device,
+    draft_vocab_size: int,
+    batch_tokens: int,
+    ttt_steps: int,
+    precision: str = "auto",
+    data_dtype: torch.dtype = torch.float32,
+) -> float:
     """Tokens/s of the demo's EAGLE-3 draft trained as `spec train` steps it (forward, backward, AdamW)
     on one row of `batch_tokens` random supervision laid out as the demo's rows are: conversations of
     TOKENS_PER_CONVERSATION packed back to back, the last SUPERVISED_SHARE of each (its answers) scored.
@@ -144,11 +163,15 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
 
     config = loading.load_config(target_dir)
     layers = config.num_hidden_layers
-    aux = [min(i, layers - 1) for i in (1, layers // 2, layers - 3)]  # three states: only their count costs
+    aux = [
+        min(i, layers - 1) for i in (1, layers // 2, layers - 3)
+    ]  # three states: only their count costs
     draft_config = DraftConfig.from_target(config, draft_vocab_size, aux, fc_norm=True)
     gen = torch.Generator().manual_seed(0)
     draft = Eagle3Draft(draft_config)
-    draft.set_vocab_map(torch.sort(torch.randperm(draft_config.vocab_size, generator=gen)[:draft_vocab_size]).values)
+    draft.set_vocab_map(
+        torch.sort(torch.randperm(draft_config.vocab_size, generator=gen)[:draft_vocab_size]).values
+    )
     draft.to(device)
     T, Vd = batch_tokens, draft_vocab_size
     lengths = [TOKENS_PER_CONVERSATION] * (T // TOKENS_PER_CONVERSATION)
@@ -157,24 +180,35 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     positions = torch.zeros(1, T, dtype=torch.long)
     start = 0
     for n in lengths:
-        mask[0, start + n - max(1, round(n * SUPERVISED_SHARE)):start + n - 1] = 1  # answers; not the last
-        positions[0, start:start + n] = torch.arange(n)
+        mask[0, start + n - max(1, round(n * SUPERVISED_SHARE)) : start + n - 1] = (
+            1  # answers; not the last
+        )
+        positions[0, start : start + n] = torch.arange(n)
         start += n
     batch = TargetBatch(
         aux_hidden=torch.randn(1, T, 3 * draft_config.target_hidden_size, generator=gen),
         input_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
-        attention_mask=torch.ones(1, T, dtype=torch.long), loss_mask=mask,
-        target_p=torch.randn(1, T, Vd, generator=gen).softmax(-1), position_mask=mask.bool(),
+        attention_mask=torch.ones(1, T, dtype=torch.long),
+        loss_mask=mask,
+        target_p=torch.randn(1, T, Vd, generator=gen).softmax(-1),
+        position_mask=mask.bool(),
         target_ids=torch.randint(0, draft_config.vocab_size, (1, T), generator=gen),
-        target_mass=torch.ones(1, T), position_ids=positions, seq_lens=torch.tensor([lengths])).to(device)
+        target_mass=torch.ones(1, T),
+        position_ids=positions,
+        seq_lens=torch.tensor([lengths]),
+    ).to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, OptimOptions(lr=1e-4))
     step_autocast = autocast(device, step_precision(precision, device))
 
     def step():
-        forward_backward(SimpleNamespace(plan=lambda b: [None]),
-                         lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps), batch, 1,
-                         step_autocast)
+        forward_backward(
+            SimpleNamespace(plan=lambda b: [None]),
+            lambda b, unit: ttt_forward(draft, b, ttt_steps=ttt_steps),
+            batch,
+            1,
+            step_autocast,
+        )
         optimizer_step(params, optimizer, 0.5)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -182,7 +216,9 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     from spec_cli.targets.supervision import draft_distribution, selected_logits
 
     hidden = torch.randn(1, T, config.hidden_size, generator=gen).to(device, data_dtype)
-    head = (torch.randn(Vd, config.hidden_size, generator=gen) / config.hidden_size ** 0.5).to(device, data_dtype)
+    head = (torch.randn(Vd, config.hidden_size, generator=gen) / config.hidden_size**0.5).to(
+        device, data_dtype
+    )
     lse = torch.zeros(1, T, device=device)
 
     def decode():
@@ -193,13 +229,26 @@ def train_speed(target_dir: Path, device: torch.device, draft_vocab_size: int, b
     return T / (_best(step, 1) + _best(decode, 2))
 
 
-def measure(target_dir: Path, device: torch.device, data_dtype: torch.dtype, eval_dtype: torch.dtype,
-            draft_vocab_size: int, batch_tokens: int, ttt_steps: int) -> Speeds:
+def measure(
+    target_dir: Path,
+    device: torch.device,
+    data_dtype: torch.dtype,
+    eval_dtype: torch.dtype,
+    draft_vocab_size: int,
+    batch_tokens: int,
+    ttt_steps: int,
+) -> Speeds:
     batched, prefill, single = target_speeds(target_dir, device, data_dtype)
     if eval_dtype != data_dtype:
         single = target_speeds(target_dir, device, eval_dtype, only_decode=True)[2]
-    return Speeds(batched, prefill, single, train_speed(target_dir, device, draft_vocab_size, batch_tokens,
-                                                        ttt_steps, data_dtype=data_dtype))
+    return Speeds(
+        batched,
+        prefill,
+        single,
+        train_speed(
+            target_dir, device, draft_vocab_size, batch_tokens, ttt_steps, data_dtype=data_dtype
+        ),
+    )
 
 
 @torch.no_grad()
@@ -212,17 +261,30 @@ def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, 
     from spec_cli.stages.eval import cheaper_depths
 
     model = loading.load_model(target_dir, device, dtype)
-    prompt = torch.randint(0, model.get_input_embeddings().weight.shape[0], (64,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0,
+        model.get_input_embeddings().weight.shape[0],
+        (64,),
+        generator=torch.Generator().manual_seed(0),
+    ).tolist()
     target = Target(model, [])
     try:
-        return len(cheaper_depths(verify_costs(target, prompt, list(range(1, depth + 2)), repeats=3), depth))
+        return len(
+            cheaper_depths(
+                verify_costs(target, prompt, list(range(1, depth + 2)), repeats=3), depth
+            )
+        )
     finally:
         target.close()
 
 
-def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compared: int | None = None,
-                  eval_engine: str = "torch") -> dict[str, float]:
+def stage_seconds(
+    profile,
+    speeds: Speeds,
+    engine: str = "transformers",
+    compared: int | None = None,
+    eval_engine: str = "torch",
+) -> dict[str, float]:
     """The profile's stages on a machine of these speeds (seconds); engine: what regenerates; compared:
     the shorter chains the MT-bench eval decodes too (default: the profile's list, or none for auto);
     eval_engine: what decodes in the training loop and in the closing tune."""
@@ -238,14 +300,23 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
     # the engine in the loop: each evaluation decodes its prompts' both turns twice (draft, target alone)
     evaluations = len(range(profile.engine_every, profile.steps, profile.engine_every)) + 1
     engine_tokens = evaluations * profile.engine_prompts * 2 * profile.engine_tokens * 2
-    if eval_engine == "vllm":  # the target alone and k = 0 .. max_k at each batch size, `requests` prompts
-        configs, rate = profile.tune_max_k + 2, lambda b: speeds.decode * b ** TUNE_BATCH_POWER  # noqa: E731
-        tune_seconds = sum(configs * max(profile.tune_requests, b) * profile.tune_tokens / rate(b)
-                           for b in getattr(profile, "tune_batch_sizes", TUNE_BATCH_SIZES))
+    if (
+        eval_engine == "vllm"
+    ):  # the target alone and k = 0 .. max_k at each batch size, `requests` prompts
+        configs, rate = profile.tune_max_k + 2, lambda b: speeds.decode * b**TUNE_BATCH_POWER  # noqa: E731
+        tune_seconds = sum(
+            configs * max(profile.tune_requests, b) * profile.tune_tokens / rate(b)
+            for b in getattr(profile, "tune_batch_sizes", TUNE_BATCH_SIZES)
+        )
     else:  # batch 1: the target alone, chains 1 .. max_k and two trees per depth from 2
         configs = 1 + profile.tune_max_k + 2 * max(0, profile.tune_max_k - 1)
         tune_seconds = configs * profile.tune_requests * profile.tune_tokens / speeds.decode
-    regenerate = profile.samples * ANSWER_TOKENS_PER_SAMPLE / speeds.batched_decode * OVERHEAD[f"regenerate/{engine}"]
+    regenerate = (
+        profile.samples
+        * ANSWER_TOKENS_PER_SAMPLE
+        / speeds.batched_decode
+        * OVERHEAD[f"regenerate/{engine}"]
+    )
     precompute = conversations * TOKENS_PER_CONVERSATION / speeds.prefill
     if engine == "vllm":
         regenerate += VLLM_REGEN_START_SECONDS
@@ -259,9 +330,16 @@ def stage_seconds(profile, speeds: Speeds, engine: str = "transformers", compare
         + engine_tokens / speeds.decode * ENGINE_SLOWDOWN,
         "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
         "eval-heldout": heldout_tokens / speeds.decode * OVERHEAD["eval"],
-        "tune": TUNE_FIXED_SECONDS[eval_engine] + profile.tune_repeats * tune_seconds * TUNE_OVERHEAD,
+        "tune": TUNE_FIXED_SECONDS[eval_engine]
+        + profile.tune_repeats * tune_seconds * TUNE_OVERHEAD,
         # MT-bench again in vLLM (its two engines' loading, then the target alone and the chain)
-        **({"eval-vllm": VLLM_EVAL_FIXED_SECONDS + profile.eval_prompts * 2 * profile.eval_max_new_tokens * 2
-            / speeds.decode} if eval_engine == "vllm" else {}),
+        **(
+            {
+                "eval-vllm": VLLM_EVAL_FIXED_SECONDS
+                + profile.eval_prompts * 2 * profile.eval_max_new_tokens * 2 / speeds.decode
+            }
+            if eval_engine == "vllm"
+            else {}
+        ),
         "fixed": FIXED_SECONDS,
     }

@@ -43,8 +43,9 @@ class Worker:
         self.tokenizer = loading.load_tokenizer(self.target_dir, self.template)
         self.device = loading.choose_device(cfg.device)
         self.dtype = loading.choose_dtype(cfg.dtype, self.device)
-        self.eos = eos_ids(self.tokenizer, loading.generation_config(self.target_dir)) | \
-            chat_templates.end_of_turn_ids(self.tokenizer, self.template)
+        self.eos = eos_ids(
+            self.tokenizer, loading.generation_config(self.target_dir)
+        ) | chat_templates.end_of_turn_ids(self.tokenizer, self.template)
         if self.device.type == "cuda" and cfg.memory is not None and cfg.engine == "torch":
             torch.cuda.set_per_process_memory_fraction(cfg.memory, self.device)
         self.session = None
@@ -54,9 +55,19 @@ class Worker:
 
         if self.session is None:
             if self.cfg.engine == "vllm":
-                share = None if self.cfg.memory is None or self.device.type != "cuda" else self.cfg.memory / 2
-                self.session = VllmSession(self.target_dir, self.dtype, self.cfg.depth, algorithm, memory=share,
-                                           max_model_len=self._context(conversations))
+                share = (
+                    None
+                    if self.cfg.memory is None or self.device.type != "cuda"
+                    else self.cfg.memory / 2
+                )
+                self.session = VllmSession(
+                    self.target_dir,
+                    self.dtype,
+                    self.cfg.depth,
+                    algorithm,
+                    memory=share,
+                    max_model_len=self._context(conversations),
+                )
             else:
                 self.session = TorchSession(self.target_dir, self.device, self.dtype)
         return self.session
@@ -72,7 +83,11 @@ class Worker:
         for conv in conversations:
             last = len(conv.turns) - 1
             conv.answers = [""] * last
-            longest = max(longest, len(prompts.prompt_ids(self.tokenizer, conv, last)) + last * self.cfg.max_new_tokens)
+            longest = max(
+                longest,
+                len(prompts.prompt_ids(self.tokenizer, conv, last))
+                + last * self.cfg.max_new_tokens,
+            )
             conv.answers = []
         need = longest + self.cfg.max_new_tokens + self.cfg.depth + 64
         return min(loading.max_positions(self.target_config), need)
@@ -86,54 +101,110 @@ class Worker:
         finally:  # the metrics are kept; the weights are in the snapshot
             shutil.rmtree(export_dir, ignore_errors=True)
 
-    def _evaluate(self, step: int, checkpoint: Path, folder: Path, export_dir: Path, start: float) -> dict:
+    def _evaluate(
+        self, step: int, checkpoint: Path, folder: Path, export_dir: Path, start: float
+    ) -> dict:
         from spec_cli import threads
         from spec_cli.eval import drafts, prompts
         from spec_cli.eval.speculative import Settings
         from spec_cli.stages import eval as evaluation
         from spec_cli.stages import export
 
-        exported = export.run(export.ExportConfig(
-            source=Path(checkpoint), format=self.cfg.export_format, output=export_dir, dtype="fp32", check=True,
-            target=str(self.target_dir), engine_check="none", overwrite=True))
+        exported = export.run(
+            export.ExportConfig(
+                source=Path(checkpoint),
+                format=self.cfg.export_format,
+                output=export_dir,
+                dtype="fp32",
+                check=True,
+                target=str(self.target_dir),
+                engine_check="none",
+                overwrite=True,
+            )
+        )
         export_seconds = time.perf_counter() - start
         loaded = drafts.load_draft(export_dir, self.target_config)
-        drafts.check_target(loaded, self.target_dir, self.target_config, self.tokenizer, True, self.template)
-        settings = Settings(depth=self.cfg.depth, topk=1, num_tokens=self.cfg.depth, temperature=0.0,
-                            max_new_tokens=self.cfg.max_new_tokens, eos_ids=self.eos)
+        drafts.check_target(
+            loaded, self.target_dir, self.target_config, self.tokenizer, True, self.template
+        )
+        settings = Settings(
+            depth=self.cfg.depth,
+            topk=1,
+            num_tokens=self.cfg.depth,
+            temperature=0.0,
+            max_new_tokens=self.cfg.max_new_tokens,
+            eos_ids=self.eos,
+        )
         conversations = prompts.load_conversations(self.cfg.prompts, self.cfg.num_prompts)
         session = self._session(loaded.model.config.algorithm, conversations)
         spec, base = session.decoders(export_dir if self.cfg.engine == "vllm" else loaded, settings)
         first = prompts.prompt_ids(self.tokenizer, conversations[0], 0)
-        warm = replace(settings, max_new_tokens=min(evaluation.WARMUP_TOKENS, settings.max_new_tokens))
+        warm = replace(
+            settings, max_new_tokens=min(evaluation.WARMUP_TOKENS, settings.max_new_tokens)
+        )
         spec(first, None, warm)
         base(first, None, warm)
         meter = threads.Meter()
         decoding = time.perf_counter()
-        overall, _, _ = evaluation.decode_all(spec, base, self.tokenizer, conversations, settings, None,
-                                              outputs=folder / "outputs.jsonl")
+        overall, _, _ = evaluation.decode_all(
+            spec,
+            base,
+            self.tokenizer,
+            conversations,
+            settings,
+            None,
+            outputs=folder / "outputs.jsonl",
+        )
         used = __import__("torch").get_num_threads()
         busy = meter.stop(used, threads.available_cores(), on_cpu=self.device.type == "cpu")
         metrics = overall.metrics()
         seconds = time.perf_counter() - start
-        write_json(folder / "eval.json", {
-            "kind": "engine_eval", "step": step, "engine": session.info, "checkpoint": str(checkpoint),
-            "export": {"format": exported.format, "self_check": exported.check is not None,
-                       "seconds": round(export_seconds, 2)},
-            "settings": {"depth": self.cfg.depth, "topk": 1, "temperature": 0.0, **session.decoding_rule(settings),
-                         "max_new_tokens": self.cfg.max_new_tokens, "prompts": self.cfg.prompts,
-                         "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
-                         "threads": used},
-            "overall": metrics, "busy": busy, "seconds": round(seconds, 2)})
-        return {"engine": self.cfg.engine, "depth": self.cfg.depth, "prompts": self.cfg.prompts,
-                "turns": metrics["turns"], "acceptance_length": metrics["acceptance_length"],
-                "acceptance_rate": metrics["acceptance_rate"], "accepted": metrics["accepted"],
-                "verified": metrics["verified"], "speedup": metrics["speedup"],
-                "spec_tokens_per_s": metrics["spec_tokens_per_s"],
-                "target_tokens_per_s": metrics["target_tokens_per_s"],
-                "same_as_target": metrics["same_as_target"], "seconds": round(seconds, 2),
-                "decode_seconds": round(time.perf_counter() - decoding, 2),
-                "export_seconds": round(export_seconds, 2), "warning": busy.get("warning")}
+        write_json(
+            folder / "eval.json",
+            {
+                "kind": "engine_eval",
+                "step": step,
+                "engine": session.info,
+                "checkpoint": str(checkpoint),
+                "export": {
+                    "format": exported.format,
+                    "self_check": exported.check is not None,
+                    "seconds": round(export_seconds, 2),
+                },
+                "settings": {
+                    "depth": self.cfg.depth,
+                    "topk": 1,
+                    "temperature": 0.0,
+                    **session.decoding_rule(settings),
+                    "max_new_tokens": self.cfg.max_new_tokens,
+                    "prompts": self.cfg.prompts,
+                    "dtype": str(self.dtype).replace("torch.", ""),
+                    "device": str(self.device),
+                    "threads": used,
+                },
+                "overall": metrics,
+                "busy": busy,
+                "seconds": round(seconds, 2),
+            },
+        )
+        return {
+            "engine": self.cfg.engine,
+            "depth": self.cfg.depth,
+            "prompts": self.cfg.prompts,
+            "turns": metrics["turns"],
+            "acceptance_length": metrics["acceptance_length"],
+            "acceptance_rate": metrics["acceptance_rate"],
+            "accepted": metrics["accepted"],
+            "verified": metrics["verified"],
+            "speedup": metrics["speedup"],
+            "spec_tokens_per_s": metrics["spec_tokens_per_s"],
+            "target_tokens_per_s": metrics["target_tokens_per_s"],
+            "same_as_target": metrics["same_as_target"],
+            "seconds": round(seconds, 2),
+            "decode_seconds": round(time.perf_counter() - decoding, 2),
+            "export_seconds": round(export_seconds, 2),
+            "warning": busy.get("warning"),
+        }
 
     def close(self) -> None:
         if self.session is not None:
@@ -168,10 +239,16 @@ def main(argv: list[str] | None = None) -> int:
                 worker = worker or Worker(cfg)
                 answer = {"step": step, **worker.evaluate(step, Path(request["checkpoint"]))}
             except SpecError as exc:
-                answer = {"step": step, "error": exc.message + (f" ({exc.hint})" if exc.hint else "")}
+                answer = {
+                    "step": step,
+                    "error": exc.message + (f" ({exc.hint})" if exc.hint else ""),
+                }
             except Exception as exc:  # noqa: BLE001 (a bug: its traceback goes to the log)
                 traceback.print_exc()
-                answer = {"step": step, "error": f"{type(exc).__name__}: {exc} (see {Path(cfg.run_dir) / ckpt.ENGINE_EVAL / WORKER_LOG})"}
+                answer = {
+                    "step": step,
+                    "error": f"{type(exc).__name__}: {exc} (see {Path(cfg.run_dir) / ckpt.ENGINE_EVAL / WORKER_LOG})",
+                }
             print(f"step {step}: {json.dumps(answer)}", flush=True)
             answers.write(json.dumps(answer) + "\n")
     finally:

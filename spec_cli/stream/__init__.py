@@ -10,15 +10,31 @@ from spec_cli.stream.bound import StoreBound, free_room, store_bound
 from spec_cli.stream.loader import StreamLoader, load, new_run_id, report_rows
 from spec_cli.stream.producer import Producer, SampleRef, SerializedBackend
 from spec_cli.stream.store import (
-                                   FeatureStore,
-                                   FolderStore,
-                                   MemoryStore,
-                                   SampleTooLargeError,
-                                   StoreClosedError,
-                                   StoreError,
-                                   StoreFullError,
+    FeatureStore,
+    FolderStore,
+    MemoryStore,
+    SampleTooLargeError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
 )
 
-__all__ = ["FeatureStore", "FolderStore", "MemoryStore", "Producer", "SampleRef", "SampleTooLargeError",
-           "SerializedBackend", "StoreBound", "StoreClosedError", "StoreError", "StoreFullError", "StreamLoader",
-           "free_room", "load", "new_run_id", "report_rows", "store_bound"]
+__all__ = [
+    "FeatureStore",
+    "FolderStore",
+    "MemoryStore",
+    "Producer",
+    "SampleRef",
+    "SampleTooLargeError",
+    "SerializedBackend",
+    "StoreBound",
+    "StoreClosedError",
+    "StoreError",
+    "StoreFullError",
+    "StreamLoader",
+    "free_room",
+    "load",
+    "new_run_id",
+    "report_rows",
+    "store_bound",
+]

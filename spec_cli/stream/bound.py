@@ -26,7 +26,9 @@ import torch
 
 from spec_cli.errors import ConfigError
 
-SAMPLE_OVERHEAD = 64 << 10  # a sample's bytes beyond its tensors: a --stream-dir file's header (~1.5 KiB)
+SAMPLE_OVERHEAD = (
+    64 << 10
+)  # a sample's bytes beyond its tensors: a --stream-dir file's header (~1.5 KiB)
 ROOM_SHARE = 0.75  # of the free room, what the store may take; the rest is the target's, the draft's, the data's
 
 
@@ -36,23 +38,32 @@ class StoreBound:
     source: str  # where it came from, for the log and stream.json: "auto: 3 batches of 4.66 GiB"
 
 
-def store_bound(given: int | None, batch_bytes: int, batches: int, free: int | None = None,
-                where: str = "host memory") -> StoreBound:
+def store_bound(
+    given: int | None,
+    batch_bytes: int,
+    batches: int,
+    free: int | None = None,
+    where: str = "host memory",
+) -> StoreBound:
     """The store's byte bound for samples of `batch_bytes` (the largest batch's tensors): `given`, or
     (None) `batches` of them within ROOM_SHARE of `free` bytes free in `where` (None: unknown)."""
     one = batch_bytes + SAMPLE_OVERHEAD  # one sample's room in the store
     if given is not None:
         if given < one:
-            raise ConfigError(f"--stream-max-bytes {size_text(given)} is smaller than one batch of this run "
-                              f"({size_text(one)}, its largest), which the stream store could never hold",
-                              f"raise --stream-max-bytes to at least {math.ceil(one / 2**20)}M (or leave it "
-                              "out: auto), or lower --batch-tokens")
+            raise ConfigError(
+                f"--stream-max-bytes {size_text(given)} is smaller than one batch of this run "
+                f"({size_text(one)}, its largest), which the stream store could never hold",
+                f"raise --stream-max-bytes to at least {math.ceil(one / 2**20)}M (or leave it "
+                "out: auto), or lower --batch-tokens",
+            )
         return StoreBound(given, "given: --stream-max-bytes")
     room = None if free is None else int(free * ROOM_SHARE)
     if room is not None and room < one:
-        raise ConfigError(f"one batch of this run holds {size_text(one)} of supervision, more than the stream "
-                          f"store may take of {where} ({size_text(room)}: {ROOM_SHARE:.0%} of {size_text(free)} free)",
-                          "lower --batch-tokens, or free room there (--stream-dir keeps the store on a disk)")
+        raise ConfigError(
+            f"one batch of this run holds {size_text(one)} of supervision, more than the stream "
+            f"store may take of {where} ({size_text(room)}: {ROOM_SHARE:.0%} of {size_text(free)} free)",
+            "lower --batch-tokens, or free room there (--stream-dir keeps the store on a disk)",
+        )
     n = batches if room is None else min(batches, room // one)
     source = f"auto: {n} batch{'es' if n > 1 else ''} of {size_text(one)}"
     if n < batches:

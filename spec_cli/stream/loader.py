@@ -41,21 +41,36 @@ def load(store: FeatureStore, ref: SampleRef, device: torch.device | str) -> Tar
     sample = store.get(ref.sample_id)
     meta, tensors = sample.metadata, sample.tensors
     shapes = {k: list(t.shape) for k, t in tensors.items()}
-    if meta.get("run_id") != ref.run_id or meta.get("index") != ref.index or shapes != ref.shapes \
-            or {k for k in tensors if not k.startswith(EXTRA)} - set(BATCH_FIELDS):
-        raise StoreError(f"the stream sample {ref.sample_id!r} does not match its reference "
-                         f"(stored {meta.get('run_id')}/{meta.get('index')} {shapes}, ref "
-                         f"{ref.run_id}/{ref.index} {ref.shapes})",
-                         "give each producing run its own store (or run id)")
+    if (
+        meta.get("run_id") != ref.run_id
+        or meta.get("index") != ref.index
+        or shapes != ref.shapes
+        or {k for k in tensors if not k.startswith(EXTRA)} - set(BATCH_FIELDS)
+    ):
+        raise StoreError(
+            f"the stream sample {ref.sample_id!r} does not match its reference "
+            f"(stored {meta.get('run_id')}/{meta.get('index')} {shapes}, ref "
+            f"{ref.run_id}/{ref.index} {ref.shapes})",
+            "give each producing run its own store (or run id)",
+        )
     batch = TargetBatch.from_tensors(dict(tensors)).to(device)
     store.release(ref.sample_id)
     return batch
 
 
 class StreamLoader:
-    def __init__(self, producer: Producer, inputs: Callable[[int], dict], start: int, stop: int,
-                 prefetch: int = 2, workers: int = 1, device: torch.device | str = "cpu",
-                 join_s: float = 10.0, bound_source: str | None = None):
+    def __init__(
+        self,
+        producer: Producer,
+        inputs: Callable[[int], dict],
+        start: int,
+        stop: int,
+        prefetch: int = 2,
+        workers: int = 1,
+        device: torch.device | str = "cpu",
+        join_s: float = 10.0,
+        bound_source: str | None = None,
+    ):
         self.producer, self.store = producer, producer.store
         self.bound_source = bound_source  # where the store's max_bytes came from (auto, given)
         self.inputs, self.stop_at, self.prefetch = inputs, stop, max(0, prefetch)
@@ -68,10 +83,17 @@ class StreamLoader:
         self._refs: dict[int, SampleRef] = {}
         self._failed: tuple[int, BaseException] | None = None
         self._stopped = False
-        self._stats = {"produced": 0, "consumed": 0, "discarded": 0, "trainer_wait_s": 0.0,
-                       "target_s": 0.0}
-        self._threads = [threading.Thread(target=self._work, name=f"spec-stream-{k}", daemon=True)
-                         for k in range(max(1, workers))]
+        self._stats = {
+            "produced": 0,
+            "consumed": 0,
+            "discarded": 0,
+            "trainer_wait_s": 0.0,
+            "target_s": 0.0,
+        }
+        self._threads = [
+            threading.Thread(target=self._work, name=f"spec-stream-{k}", daemon=True)
+            for k in range(max(1, workers))
+        ]
         for t in self._threads:
             t.start()
 
@@ -79,9 +101,14 @@ class StreamLoader:
     def _work(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._failed is not None
-                                    or self._next >= self.stop_at
-                                    or self._next <= self._want + self.prefetch)
+                self._cond.wait_for(
+                    lambda: (
+                        self._stopped
+                        or self._failed is not None
+                        or self._next >= self.stop_at
+                        or self._next <= self._want + self.prefetch
+                    )
+                )
                 if self._stopped or self._failed is not None or self._next >= self.stop_at:
                     return
                 i, self._next = self._next, self._next + 1
@@ -90,8 +117,13 @@ class StreamLoader:
                 batch = self.producer.generate(**self.inputs(i))
                 target_s = time.perf_counter() - t0
                 with self._cond:  # puts in batch order
-                    self._cond.wait_for(lambda: self._turn == i or self._stopped
-                                        or (self._failed is not None and self._failed[0] < i))
+                    self._cond.wait_for(
+                        lambda: (
+                            self._turn == i
+                            or self._stopped
+                            or (self._failed is not None and self._failed[0] < i)
+                        )
+                    )
                     if self._turn != i:
                         return
                 ref = self.producer.publish(i, batch)  # may wait on the store's bounds
@@ -121,18 +153,27 @@ class StreamLoader:
                 raise StoreClosedError("the stream loader is closed", "this is a bug in the caller")
             expected = self._want + 1 if self._asked else self._want
             if i != expected or i >= self.stop_at:
-                raise RuntimeError(f"stream batches come in order, {expected} next (the last is "
-                                   f"{self.stop_at - 1}); asked for {i}")
+                raise RuntimeError(
+                    f"stream batches come in order, {expected} next (the last is "
+                    f"{self.stop_at - 1}); asked for {i}"
+                )
             self._want, self._asked = i, True
             self._cond.notify_all()
             t0 = time.perf_counter()
-            self._cond.wait_for(lambda: i in self._refs or self._stopped
-                                or (self._failed is not None and self._failed[0] <= i))
+            self._cond.wait_for(
+                lambda: (
+                    i in self._refs
+                    or self._stopped
+                    or (self._failed is not None and self._failed[0] <= i)
+                )
+            )
             self._stats["trainer_wait_s"] += time.perf_counter() - t0
             ref = self._refs.pop(i, None)
             if ref is None:
                 if self._stopped:
-                    raise StoreClosedError("the stream loader was closed", "the run is shutting down")
+                    raise StoreClosedError(
+                        "the stream loader was closed", "the run is shutting down"
+                    )
                 raise self._failed[1]
         batch = load(self.store, ref, self.device)
         with self._cond:
@@ -167,8 +208,13 @@ class StreamLoader:
         """The store's health plus the pipeline's counts and waits."""
         with self._cond:
             stats = dict(self._stats)
-        return {**self.store.health(), **stats, "workers": len(self._threads), "prefetch": self.prefetch,
-                "max_bytes_source": self.bound_source}
+        return {
+            **self.store.health(),
+            **stats,
+            "workers": len(self._threads),
+            "prefetch": self.prefetch,
+            "max_bytes_source": self.bound_source,
+        }
 
     def __enter__(self):
         return self
@@ -187,12 +233,21 @@ def report_rows(report: dict) -> list[tuple[str, str]]:
     if report.get("max_bytes_source"):
         bound += f" ({report['max_bytes_source']})"
     return [
-        ("stream store", f"{report['backend']}, peak {report['peak_bytes'] / 2**20:.1f} MiB of {bound}, "
-                         f"peak {report['peak_samples']} of {report['max_samples']} samples, "
-                         f"{report['samples']} left"),
-        ("stream batches", f"{report['produced']} produced, {report['consumed']} consumed, "
-                           f"{report['evicted']} evicted unused"),
-        ("stream waits", f"trainer waited {report['trainer_wait_s']:.1f} s for batches; producers "
-                         f"waited {report['put_wait_s']:.1f} s on the bound, ran the target "
-                         f"{report['target_s']:.1f} s"),
+        (
+            "stream store",
+            f"{report['backend']}, peak {report['peak_bytes'] / 2**20:.1f} MiB of {bound}, "
+            f"peak {report['peak_samples']} of {report['max_samples']} samples, "
+            f"{report['samples']} left",
+        ),
+        (
+            "stream batches",
+            f"{report['produced']} produced, {report['consumed']} consumed, "
+            f"{report['evicted']} evicted unused",
+        ),
+        (
+            "stream waits",
+            f"trainer waited {report['trainer_wait_s']:.1f} s for batches; producers "
+            f"waited {report['put_wait_s']:.1f} s on the bound, ran the target "
+            f"{report['target_s']:.1f} s",
+        ),
     ]

@@ -81,14 +81,23 @@ class FeatureStore:
     def __init__(self, max_samples: int | None = None, max_bytes: int | None = None):
         for name, value in (("max_samples", max_samples), ("max_bytes", max_bytes)):
             if value is not None and value < 1:
-                raise ConfigError(f"the stream store's {name} must be at least 1, got {value}",
-                                  "e.g. --stream-max-bytes 4294967296 (4 GiB)")
+                raise ConfigError(
+                    f"the stream store's {name} must be at least 1, got {value}",
+                    "e.g. --stream-max-bytes 4294967296 (4 GiB)",
+                )
         self.max_samples, self.max_bytes = max_samples, max_bytes
         self._cond = threading.Condition()
         self._closed = False
         self._writing = 0  # puts between reservation and commit
-        self._stats = {"puts": 0, "released": 0, "evicted": 0, "put_waits": 0, "put_wait_s": 0.0,
-                       "peak_samples": 0, "peak_bytes": 0}
+        self._stats = {
+            "puts": 0,
+            "released": 0,
+            "evicted": 0,
+            "put_waits": 0,
+            "put_wait_s": 0.0,
+            "peak_samples": 0,
+            "peak_bytes": 0,
+        }
 
     # ------------------------------------------------------------------ what subclasses implement
     def _prepare(self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict):
@@ -123,24 +132,35 @@ class FeatureStore:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the interface
-    def put(self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None,
-            block: bool = True, timeout: float | None = None) -> int:
+    def put(
+        self,
+        sample_id: str,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> int:
         """Store a sample; return its bytes. Waits while a bound would be exceeded (block=True)."""
         if not _ID.fullmatch(sample_id):
-            raise StoreError(f"bad sample id {sample_id!r}", "use letters, digits, '_', '.' and '-'")
+            raise StoreError(
+                f"bad sample id {sample_id!r}", "use letters, digits, '_', '.' and '-'"
+            )
         payload, nbytes = self._prepare(sample_id, tensors, metadata or {})
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise SampleTooLargeError(
                 f"one streamed sample holds {_mb(nbytes)}, more than the store's bound of "
                 f"{_mb(self.max_bytes)}, so it could never fit",
-                "raise --stream-max-bytes, or lower --batch-tokens / --max-length")
+                "raise --stream-max-bytes, or lower --batch-tokens / --max-length",
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             waited_from = None
             try:
                 while True:
                     if self._closed:
-                        raise StoreClosedError("the stream store is closed", "the run is shutting down")
+                        raise StoreClosedError(
+                            "the stream store is closed", "the run is shutting down"
+                        )
                     held = self._reserve(sample_id, payload, nbytes)
                     if held is not None:
                         break
@@ -149,11 +169,14 @@ class FeatureStore:
                         raise StoreFullError(
                             f"the stream store is full ({samples} samples, {_mb(used)}; bounds "
                             f"{self.max_samples} samples, {_mb(self.max_bytes or 0)})",
-                            "release samples first, or put with block=True")
+                            "release samples first, or put with block=True",
+                        )
                     if waited_from is None:
                         waited_from = time.monotonic()
                         self._stats["put_waits"] += 1
-                    self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    self._cond.wait(
+                        None if deadline is None else max(0.0, deadline - time.monotonic())
+                    )
             finally:
                 if waited_from is not None:
                     self._stats["put_wait_s"] += time.monotonic() - waited_from
@@ -165,8 +188,9 @@ class FeatureStore:
             self._write(sample_id, payload)
             with self._cond:
                 if self._closed:
-                    raise StoreClosedError("the stream store was closed during a put",
-                                           "the run is shutting down")
+                    raise StoreClosedError(
+                        "the stream store was closed during a put", "the run is shutting down"
+                    )
                 self._commit(sample_id)
                 committed = True
                 self._stats["puts"] += 1
@@ -182,8 +206,10 @@ class FeatureStore:
         """The consumer is done with a sample: free it (and wake a waiting put)."""
         with self._cond:
             if not self._remove(sample_id):
-                raise StoreError(f"no sample {sample_id!r} in the stream store to release",
-                                 "release each sample once, after get()")
+                raise StoreError(
+                    f"no sample {sample_id!r} in the stream store to release",
+                    "release each sample once, after get()",
+                )
             self._stats["released"] += 1
             self._cond.notify_all()
 
@@ -229,9 +255,15 @@ class FeatureStore:
         """Size, bounds, peaks and waits."""
         with self._cond:
             samples, used = self._usage()
-            return {"backend": self.kind, "samples": samples, "bytes": used,
-                    "max_samples": self.max_samples, "max_bytes": self.max_bytes,
-                    "closed": self._closed, **self._stats}
+            return {
+                "backend": self.kind,
+                "samples": samples,
+                "bytes": used,
+                "max_samples": self.max_samples,
+                "max_bytes": self.max_bytes,
+                "closed": self._closed,
+                **self._stats,
+            }
 
     def __enter__(self):
         return self
@@ -255,10 +287,13 @@ class MemoryStore(FeatureStore):
 
     def _reserve(self, sample_id, payload, nbytes):
         if sample_id in self._samples:
-            raise StoreError(f"sample {sample_id!r} is already in the stream store", "use unique ids")
+            raise StoreError(
+                f"sample {sample_id!r} is already in the stream store", "use unique ids"
+            )
         samples, used = self._usage()
-        if (self.max_samples is not None and samples + 1 > self.max_samples) or \
-                (self.max_bytes is not None and used + nbytes > self.max_bytes):
+        if (self.max_samples is not None and samples + 1 > self.max_samples) or (
+            self.max_bytes is not None and used + nbytes > self.max_bytes
+        ):
             return None
         self._samples[sample_id], self._bytes[sample_id] = payload, nbytes
         return samples + 1, used + nbytes
@@ -280,8 +315,10 @@ class MemoryStore(FeatureStore):
         with self._cond:
             sample = self._samples.get(sample_id)
         if sample is None:
-            raise StoreError(f"no sample {sample_id!r} in the stream store",
-                             "a sample can be read until it is released or evicted")
+            raise StoreError(
+                f"no sample {sample_id!r} in the stream store",
+                "a sample can be read until it is released or evicted",
+            )
         return sample
 
 
@@ -314,10 +351,10 @@ class FolderStore(FeatureStore):
             name = entry.name
             if name.endswith(SUFFIX) and not name.startswith("."):
                 try:
-                    yield name[:-len(SUFFIX)], entry.stat().st_size, None
+                    yield name[: -len(SUFFIX)], entry.stat().st_size, None
                 except FileNotFoundError:  # released meanwhile
                     continue
-            elif (m := _TMP.fullmatch(name)):
+            elif m := _TMP.fullmatch(name):
                 yield m["id"], int(m["nbytes"]), Path(entry.path)
 
     def _usage(self):
@@ -337,18 +374,23 @@ class FolderStore(FeatureStore):
         samples = used = 0
         for other, size, _ in self._entries():
             if other == sample_id:
-                raise StoreError(f"sample {sample_id!r} is already in the stream folder {self.folder}",
-                                 "use unique sample ids (prefix them with a run id)")
+                raise StoreError(
+                    f"sample {sample_id!r} is already in the stream folder {self.folder}",
+                    "use unique sample ids (prefix them with a run id)",
+                )
             samples, used = samples + 1, used + size
-        if (self.max_samples is not None and samples + 1 > self.max_samples) or \
-                (self.max_bytes is not None and used + nbytes > self.max_bytes):
+        if (self.max_samples is not None and samples + 1 > self.max_samples) or (
+            self.max_bytes is not None and used + nbytes > self.max_bytes
+        ):
             return None
         tmp = self.folder / f".{sample_id}.{nbytes}.tmp"
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileNotFoundError:
-            raise StoreError(f"the stream folder {self.folder} is gone",
-                             "something deleted it during the run; keep it for this trainer alone") from None
+            raise StoreError(
+                f"the stream folder {self.folder} is gone",
+                "something deleted it during the run; keep it for this trainer alone",
+            ) from None
         self._mine[sample_id] = tmp
         return samples + 1, used + nbytes
 
@@ -360,8 +402,10 @@ class FolderStore(FeatureStore):
         try:
             os.replace(self._mine.pop(sample_id), self._path(sample_id))
         except FileNotFoundError:
-            raise StoreError(f"the stream folder {self.folder} is gone",
-                             "something deleted it during the run; keep it for this trainer alone") from None
+            raise StoreError(
+                f"the stream folder {self.folder} is gone",
+                "something deleted it during the run; keep it for this trainer alone",
+            ) from None
 
     def _abandon(self, sample_id):
         tmp = self._mine.pop(sample_id, None)
@@ -398,10 +442,13 @@ class FolderStore(FeatureStore):
                 metadata = json.loads((f.metadata() or {}).get("spec_cli", "{}"))
                 tensors = {key: f.get_tensor(key) for key in f.keys()}
         except FileNotFoundError:
-            raise StoreError(f"no sample {sample_id!r} in the stream folder {self.folder}",
-                             "a sample can be read until it is released or evicted") from None
+            raise StoreError(
+                f"no sample {sample_id!r} in the stream folder {self.folder}",
+                "a sample can be read until it is released or evicted",
+            ) from None
         except (SafetensorError, OSError, ValueError) as exc:
-            raise StoreError(f"the stream sample {self._path(sample_id)} is unreadable ({exc})",
-                             "check the disk holding --stream-dir") from exc
+            raise StoreError(
+                f"the stream sample {self._path(sample_id)} is unreadable ({exc})",
+                "check the disk holding --stream-dir",
+            ) from exc
         return Sample(tensors, metadata)
-

@@ -17,9 +17,12 @@ def require_images(backend) -> None:
     """ConfigError unless `backend` runs the target's vision part on image-text rows (data/vlm.py): the
     in-process transformers target does; a served target, the vLLM engine and a feature cache do not."""
     if not getattr(backend, "reads_images", False):
-        raise ConfigError(f"{IMAGE_ROWS} need the target's vision encoder, which {type(backend).__name__} does "
-                          "not run", "supervise image-text data with the transformers target (--target-engine "
-                          "transformers, in this process or in `spec serve-target`), or precompute it that way")
+        raise ConfigError(
+            f"{IMAGE_ROWS} need the target's vision encoder, which {type(backend).__name__} does "
+            "not run",
+            "supervise image-text data with the transformers target (--target-engine "
+            "transformers, in this process or in `spec serve-target`), or precompute it that way",
+        )
 
 
 class TargetBackend:
@@ -37,9 +40,14 @@ class TargetBackend:
     #: generate_batch takes `images` (the model inputs of image-text rows) and runs the vision part on them
     reads_images: bool = False
 
-    def generate_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       seq_lens: torch.Tensor | None = None) -> TargetBatch:
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+    ) -> TargetBatch:
         raise NotImplementedError
 
     def get_input_embeddings(self) -> torch.Tensor:

@@ -20,7 +20,9 @@ class AuxCapture:
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         self.layer_ids = list(layer_ids)
-        self.enabled = True  # off: the hooks keep nothing (a forward whose aux states are not needed)
+        self.enabled = (
+            True  # off: the hooks keep nothing (a forward whose aux states are not needed)
+        )
         self._captured: dict[int, torch.Tensor] = {}
         layers = loading.decoder_layers(model)
         # Layers a forward may skip (Mllama's cross-attention layers, on rows without an image): one that
@@ -40,6 +42,7 @@ class AuxCapture:
         def hook(_module, _inputs, output):
             if self.enabled:
                 self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def clear(self) -> None:
@@ -52,8 +55,13 @@ class AuxCapture:
             if like is None:
                 raise ValueError("AuxCapture of no layers: pass `like` to shape the empty result")
             return like.new_zeros(*like.shape[:-1], 0)
-        aux = torch.cat([self._captured[i] if i in self._captured else self._captured[self._fallback[i]]
-                         for i in self.layer_ids], dim=-1)
+        aux = torch.cat(
+            [
+                self._captured[i] if i in self._captured else self._captured[self._fallback[i]]
+                for i in self.layer_ids
+            ],
+            dim=-1,
+        )
         self._captured.clear()
         return aux
 

@@ -51,8 +51,14 @@ def final_norm_scale(norm, hidden_size: int) -> torch.Tensor | None:
         return (norm(ones.to(weight.dtype)).float()[0] * (1.0 + eps) ** 0.5).cpu()
 
 
-def describe_target(target_dir: Path, config, architecture: str, lm_head_weight: torch.Tensor,
-                    aux_layers: list[int], dtype: torch.dtype) -> dict:
+def describe_target(
+    target_dir: Path,
+    config,
+    architecture: str,
+    lm_head_weight: torch.Tensor,
+    aux_layers: list[int],
+    dtype: torch.dtype,
+) -> dict:
     """The target facts a backend reports (`TargetBackend.info`); they do not depend on the engine."""
     return {
         "architecture": architecture,
@@ -86,39 +92,53 @@ class LocalTargetBackend(TargetBackend):
     lm_head_bias: torch.Tensor | None = None
     softcap: float | None = None
     final_norm = None
-    norm_scale: torch.Tensor | None = None  # the final norm's scale where the module is elsewhere (vLLM TP)
+    norm_scale: torch.Tensor | None = (
+        None  # the final norm's scale where the module is elsewhere (vLLM TP)
+    )
     selected: torch.Tensor | None = None
-    input_embeds: torch.Tensor | None = None  # the last forward's, when a field reads them (INPUT_EMBEDS)
+    input_embeds: torch.Tensor | None = (
+        None  # the last forward's, when a field reads them (INPUT_EMBEDS)
+    )
 
     @property
     def wants_input_embeds(self) -> bool:
         return any(f.reads == INPUT_EMBEDS for f in self.extra_fields.values())
 
-    def field_values(self, fields: dict, hidden: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor) -> dict:
+    def field_values(
+        self, fields: dict, hidden: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor
+    ) -> dict:
         """name -> the field computed from the last forward (TargetField.compute)."""
         out = {}
         for name, f in fields.items():
             first = hidden
             if f.reads == INPUT_EMBEDS:
                 if self.input_embeds is None:
-                    raise ConfigError(f"the target field {name!r} reads the target's input embeddings, which "
-                                      f"{type(self).__name__} does not capture",
-                                      "use the in-process transformers target (--target-engine transformers)")
+                    raise ConfigError(
+                        f"the target field {name!r} reads the target's input embeddings, which "
+                        f"{type(self).__name__} does not capture",
+                        "use the in-process transformers target (--target-engine transformers)",
+                    )
                 first = self.input_embeds
             out[name] = f.compute(first, aux, ids)
         return out
 
-    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_target(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype."""
         raise NotImplementedError
 
     def set_vocab_mapping(self, selected_token_ids: torch.Tensor) -> None:
         selected = selected_token_ids.long().to(self.device)
         if selected.numel() and int(selected.max()) >= self.info["vocab_size"]:
-            raise ConfigError("the vocab map has ids beyond this target's vocab",
-                              "build the vocab map with this target's tokenizer")
+            raise ConfigError(
+                "the vocab map has ids beyond this target's vocab",
+                "build the vocab map with this target's tokenizer",
+            )
         self.selected = selected
         self.t2d = vocab_map.t2d_from_ids(selected, self.info["vocab_size"])
         self.lm_head_selected = self.lm_head_weight[selected].contiguous()  # [Vd, H]
@@ -128,8 +148,11 @@ class LocalTargetBackend(TargetBackend):
         if self.selected is None:
             return None
         head = {"lm_head_selected": self.lm_head_selected.detach()}
-        scale = self.norm_scale if self.norm_scale is not None else \
-            final_norm_scale(self.final_norm, self.info["hidden_size"])
+        scale = (
+            self.norm_scale
+            if self.norm_scale is not None
+            else final_norm_scale(self.final_norm, self.info["hidden_size"])
+        )
         if scale is not None:
             head["final_norm"] = scale
         return head
@@ -141,23 +164,43 @@ class LocalTargetBackend(TargetBackend):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return selected_logits(hidden, self.lm_head_selected, self.bias_selected, self.softcap)
 
-    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None,
-                       seq_lens=None, images: dict | None = None) -> TargetBatch:
+    def generate_batch(
+        self,
+        input_ids,
+        attention_mask,
+        loss_mask,
+        position_ids=None,
+        seq_lens=None,
+        images: dict | None = None,
+    ) -> TargetBatch:
         if self.selected is None:
             raise RuntimeError("set_vocab_mapping() must be called before generate_batch()")
         if images is None:
             aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens)
         else:  # image-text rows (data/vlm.py): only a target that runs its vision part takes them
             require_images(self)
-            aux, hidden = self.run_target(input_ids, attention_mask, position_ids, seq_lens, images=images)
+            aux, hidden = self.run_target(
+                input_ids, attention_mask, position_ids, seq_lens, images=images
+            )
         with torch.no_grad():
             argmax, lse = self.full_vocab_stats(hidden)
             target_p, target_mass = draft_distribution(self.draft_logits(hidden), lse)
             ids = input_ids.to(self.device)
             extras = self.field_values(self.extra_fields, hidden, aux, ids)
-            return assemble_batch(aux, ids, attention_mask.to(self.device),
-                                  loss_mask.to(self.device), target_p, target_mass, argmax, self.t2d,
-                                  position_ids, seq_lens, hidden if self.keep_final_hidden else None, extras)
+            return assemble_batch(
+                aux,
+                ids,
+                attention_mask.to(self.device),
+                loss_mask.to(self.device),
+                target_p,
+                target_mass,
+                argmax,
+                self.t2d,
+                position_ids,
+                seq_lens,
+                hidden if self.keep_final_hidden else None,
+                extras,
+            )
 
 
 def packs_by_positions(implementation: str, layout) -> bool:
@@ -185,42 +228,68 @@ class HFTargetBackend(LocalTargetBackend):
 
     reads_images = True  # image-text rows run through the whole model: the image features in place
 
-    def __init__(self, target_dir: Path, aux_layers: list[int] | str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                 mesh=None):
+    def __init__(
+        self,
+        target_dir: Path,
+        aux_layers: list[int] | str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        mesh=None,
+    ):
         self.device = device if isinstance(device, torch.device) else loading.choose_device(device)
-        self.dtype = dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
+        self.dtype = (
+            dtype if isinstance(dtype, torch.dtype) else loading.choose_dtype(dtype, self.device)
+        )
         config = loading.load_config(target_dir)
         # validated before the (slow) model load
         self.aux_layers = resolve_aux_layers(aux_layers, loading.num_layers(config))
         # flash attention only where packed rows can go to it as offsets (no chunked layers)
-        attention = (loading.supervision_attention(self.device, self.dtype)
-                     if Layout.from_config(config).packs_by_positions() else None)
+        attention = (
+            loading.supervision_attention(self.device, self.dtype)
+            if Layout.from_config(config).packs_by_positions()
+            else None
+        )
         self.model = loading.load_model(target_dir, self.device, self.dtype, mesh, attention)
-        self.group = None if mesh is None else mesh.get_group()  # the ranks a forward runs on together
+        self.group = (
+            None if mesh is None else mesh.get_group()
+        )  # the ranks a forward runs on together
         self.decoder = loading.text_decoder(self.model)
         self.final_norm = getattr(self.decoder, "norm", None)
         head = self.model.get_output_embeddings()
         weight = head.weight
-        self.lm_head_weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # [V, H]
+        self.lm_head_weight = (
+            weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+        )  # [V, H]
         self.lm_head_bias = getattr(head, "bias", None)
         text = config.text_config if getattr(config, "num_hidden_layers", None) is None else config
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.aux_capture = AuxCapture(self.model, self.aux_layers)
         self.input_capture = InputCapture(self.model)  # on when a field reads the input embeddings
         self.selected = None
-        self.layout = Layout.from_config(self.model.config)  # the attention each layer runs (--pack)
-        self.info = describe_target(target_dir, config,
-                                    (config.architectures or [type(self.model).__name__])[0],
-                                    self.lm_head_weight, self.aux_layers, self.dtype)
+        self.layout = Layout.from_config(
+            self.model.config
+        )  # the attention each layer runs (--pack)
+        self.info = describe_target(
+            target_dir,
+            config,
+            (config.architectures or [type(self.model).__name__])[0],
+            self.lm_head_weight,
+            self.aux_layers,
+            self.dtype,
+        )
 
     # ------------------------------------------------------------------ interface
     def get_input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
-    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                   images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_target(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        images: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux_hidden [B, T, 3*H], final normed hidden [B, T, H]) in the model's dtype. `images`: the
         rows' image inputs (data.vlm.ImageInputs). Sharded over ranks (`mesh`), every rank of the group
         calls it as often as the others: one with nothing to run passes input_ids None (`idle`) and gets
@@ -229,17 +298,31 @@ class HFTargetBackend(LocalTargetBackend):
             return self._forward(input_ids, attention_mask, position_ids, seq_lens, images)
         import torch.distributed as dist
 
-        mine = None if input_ids is None else (*(
-            None if t is None else t.cpu() for t in (input_ids, attention_mask, position_ids, seq_lens)), images)
+        mine = (
+            None
+            if input_ids is None
+            else (
+                *(
+                    None if t is None else t.cpu()
+                    for t in (input_ids, attention_mask, position_ids, seq_lens)
+                ),
+                images,
+            )
+        )
         batches = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(batches, mine, group=self.group)  # every rank's batch, in rank order
         me, kept, embeds = dist.get_rank(self.group), None, None
         for r, batch in enumerate(batches):
-            if batch is None:  # that rank has nothing to run this time (precompute: its shards are done)
+            if (
+                batch is None
+            ):  # that rank has nothing to run this time (precompute: its shards are done)
                 continue
             out = self._forward(*batch)  # together: each layer's all-reduce spans the ranks
             if r == me:
-                kept, embeds = out, self.input_embeds  # the others' outputs are dropped as soon as they are made
+                kept, embeds = (
+                    out,
+                    self.input_embeds,
+                )  # the others' outputs are dropped as soon as they are made
         self.input_embeds = embeds  # this rank's (each forward overwrote it)
         return kept
 
@@ -249,9 +332,14 @@ class HFTargetBackend(LocalTargetBackend):
             self.run_target(None, None)
 
     @torch.no_grad()
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                 images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        images: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = input_ids.to(self.device)
         mask = attention_mask.to(self.device)
         self.input_capture.enabled = self.wants_input_embeds
@@ -259,24 +347,33 @@ class HFTargetBackend(LocalTargetBackend):
         self.input_embeds = self.input_capture.take()
         return aux, last
 
-    def _run(self, input_ids, mask, position_ids, seq_lens, images) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, input_ids, mask, position_ids, seq_lens, images
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if images is not None:
-            if seq_lens is not None:  # packed image rows: the documents' masks and positions, as for text
+            if (
+                seq_lens is not None
+            ):  # packed image rows: the documents' masks and positions, as for text
                 mask, position_ids = self._packed_images(input_ids, seq_lens, position_ids, images)
             return self._with_images(input_ids, mask, position_ids, images)
-        if seq_lens is not None:  # packed rows: each layer kind's mask per document, positions restart
+        if (
+            seq_lens is not None
+        ):  # packed rows: each layer kind's mask per document, positions restart
             self.layout.require(PACKING, "train without --pack (one document per row)")
             masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1])
             implementation = self.model.config._attn_implementation or "sdpa"
-            if packs_by_positions(implementation, self.layout):  # flash attention: one varlen call per layer
+            if packs_by_positions(
+                implementation, self.layout
+            ):  # flash attention: one varlen call per layer
                 return self._packed_rows(input_ids, seq_lens, doc_positions)
             mask = for_model(masks, implementation, self.dtype, PACKING)
             position_ids = doc_positions if position_ids is None else position_ids.to(self.device)
         elif position_ids is not None:
             position_ids = position_ids.to(self.device)
         self.aux_capture.clear()
-        out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                           use_cache=False)
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        )
         return self.aux_capture.take(out.last_hidden_state), out.last_hidden_state
 
     def _packed_images(self, input_ids, seq_lens, position_ids, images: dict):
@@ -287,17 +384,29 @@ class HFTargetBackend(LocalTargetBackend):
         what = f"{PACKING} of {IMAGE_ROWS}"
         m_rope = hasattr(self.model.base_model, "get_rope_index")
         blocks = None
-        if "token_type_ids" in images and getattr(self.model.config, "model_type", "") in BIDIRECTIONAL_IMAGES:
-            blocks = image_blocks(images["token_type_ids"])  # Gemma 3: an image's tokens see each other both ways
+        if (
+            "token_type_ids" in images
+            and getattr(self.model.config, "model_type", "") in BIDIRECTIONAL_IMAGES
+        ):
+            blocks = image_blocks(
+                images["token_type_ids"]
+            )  # Gemma 3: an image's tokens see each other both ways
         elif any(k in images for k in TOKEN_TYPE_KEYS if not (m_rope and k == "mm_token_type_ids")):
-            raise ConfigError(f"{what}: {type(self.model).__name__} masks image tokens by per-token types this "
-                              "packing does not know", "train without --pack")
+            raise ConfigError(
+                f"{what}: {type(self.model).__name__} masks image tokens by per-token types this "
+                "packing does not know",
+                "train without --pack",
+            )
         self.layout.require(what, "train without --pack (one document per row)")
         implementation = self.model.config._attn_implementation or "sdpa"
         if implementation not in CUSTOM_MASK_ATTENTION:
-            raise ConfigError(f"{what} needs the documents' masks, which {implementation} does not take",
-                              "train without --pack, or load the target with sdpa attention")
-        masks, doc_positions = self.layout.packed(seq_lens.to(self.device), input_ids.shape[1], blocks)
+            raise ConfigError(
+                f"{what} needs the documents' masks, which {implementation} does not take",
+                "train without --pack, or load the target with sdpa attention",
+            )
+        masks, doc_positions = self.layout.packed(
+            seq_lens.to(self.device), input_ids.shape[1], blocks
+        )
         mask = for_model(masks, implementation, self.dtype, what)
         if m_rope:
             doc_positions = self._m_rope_positions(input_ids, seq_lens, images)
@@ -310,7 +419,7 @@ class HFTargetBackend(LocalTargetBackend):
         base = self.model.base_model
         types, grids = images["mm_token_type_ids"], images.get("image_grid_thw")
         merge = getattr(getattr(self.model.config, "vision_config", None), "spatial_merge_size", 1)
-        spans = [] if grids is None else (grids.prod(-1) // merge ** 2).tolist()
+        spans = [] if grids is None else (grids.prod(-1) // merge**2).tolist()
         B, T = input_ids.shape
         out = torch.arange(T).expand(3, B, T).clone()
         taken = 0  # images already placed
@@ -319,31 +428,41 @@ class HFTargetBackend(LocalTargetBackend):
             for n in [*seq_lens[b].tolist(), T - int(seq_lens[b].sum())]:
                 if n <= 0:
                     continue
-                doc_types = types[b, start:start + n]
-                count, mine = int((doc_types == 1).sum()), 0  # 1: an image's token (2 would be a video's)
+                doc_types = types[b, start : start + n]
+                count, mine = (
+                    int((doc_types == 1).sum()),
+                    0,
+                )  # 1: an image's token (2 would be a video's)
                 while count > 0:
                     count -= spans[taken + mine]
                     mine += 1
                 if mine:
-                    pos, _ = base.get_rope_index(input_ids[b:b + 1, start:start + n].to(self.device),
-                                                 mm_token_type_ids=doc_types[None].to(self.device),
-                                                 image_grid_thw=grids[taken:taken + mine].to(self.device),
-                                                 attention_mask=torch.ones(1, n, dtype=torch.long, device=self.device))
-                    out[:, b, start:start + n] = pos[:, 0].cpu()
+                    pos, _ = base.get_rope_index(
+                        input_ids[b : b + 1, start : start + n].to(self.device),
+                        mm_token_type_ids=doc_types[None].to(self.device),
+                        image_grid_thw=grids[taken : taken + mine].to(self.device),
+                        attention_mask=torch.ones(1, n, dtype=torch.long, device=self.device),
+                    )
+                    out[:, b, start : start + n] = pos[:, 0].cpu()
                 else:
-                    out[:, b, start:start + n] = torch.arange(n)
+                    out[:, b, start : start + n] = torch.arange(n)
                 taken += mine
                 start += n
         return out.to(self.device)
 
-    def _with_images(self, input_ids, mask, position_ids, images: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _with_images(
+        self, input_ids, mask, position_ids, images: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole model's forward (vision tower, projector, language model): each image's features
         replace its placeholder tokens' embeddings, as the engine computes them when it serves the
         target; positions the model's own (Qwen-VL's M-RoPE reads the image grid)."""
         model = self.model.base_model
         accepted = inspect.signature(model.forward).parameters
-        inputs = {name: value.to(self.device, self.dtype if value.is_floating_point() else None)
-                  for name, value in images.items() if name in accepted}
+        inputs = {
+            name: value.to(self.device, self.dtype if value.is_floating_point() else None)
+            for name, value in images.items()
+            if name in accepted
+        }
         if position_ids is not None:
             inputs["position_ids"] = position_ids.to(self.device)
         self.aux_capture.clear()
@@ -358,9 +477,16 @@ class HFTargetBackend(LocalTargetBackend):
             cu, longest = varlen_offsets(seq_lens[b].tolist(), input_ids.shape[1])
             cu = torch.tensor(cu, dtype=torch.int32).to(self.device)
             self.aux_capture.clear()
-            out = self.decoder(input_ids=input_ids[b:b + 1], attention_mask=None, position_ids=positions[b:b + 1],
-                               use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                               max_length_k=longest)
+            out = self.decoder(
+                input_ids=input_ids[b : b + 1],
+                attention_mask=None,
+                position_ids=positions[b : b + 1],
+                use_cache=False,
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=longest,
+                max_length_k=longest,
+            )
             aux.append(self.aux_capture.take(out.last_hidden_state))
             last.append(out.last_hidden_state)
             embeds.append(self.input_capture.take())

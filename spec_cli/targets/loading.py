@@ -28,6 +28,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # ----------------------------------------------------------------------------- device / dtype
 
+
 def choose_device(device: str | None) -> torch.device:
     """`None`/"auto": cuda if available, else cpu."""
     if device in (None, "", "auto"):
@@ -37,8 +38,9 @@ def choose_device(device: str | None) -> torch.device:
     except RuntimeError as exc:
         raise ConfigError(f"unknown --device {device!r}", "use cpu, cuda or cuda:N") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible",
-                          "use --device cpu")
+        raise ConfigError(
+            "--device cuda was asked for but no CUDA GPU is visible", "use --device cpu"
+        )
     return dev
 
 
@@ -63,9 +65,13 @@ def fast_bf16(device: torch.device) -> bool:
     # matmuls): the bf16 path is emulated as on an AVX2-only CPU, whatever this one has
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "ZVECTOR", "VSX") or (
-            isa and isa != "ALL" and "BF16" not in isa and "AMX" not in isa):
+        isa and isa != "ALL" and "BF16" not in isa and "AMX" not in isa
+    ):
         return False
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    probes = [
+        getattr(torch.cpu, name, None)
+        for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    ]
     return any(probe is not None and probe() for probe in probes)
 
 
@@ -73,12 +79,15 @@ def bf16_hint(dtype_option: str | None, device: torch.device) -> str | None:
     """A line for a stage that runs the target over batches (regenerate, precompute) on a CPU where bf16
     is native but fp32 was chosen by default; None otherwise."""
     if dtype_option in (None, "", "auto") and device.type == "cpu" and fast_bf16(device):
-        return ("this CPU runs bf16 natively (AMX / AVX512-BF16): --dtype bf16 runs the target's batched "
-                "forwards 1.3-2x faster (fp32 stays the default)")
+        return (
+            "this CPU runs bf16 natively (AMX / AVX512-BF16): --dtype bf16 runs the target's batched "
+            "forwards 1.3-2x faster (fp32 stays the default)"
+        )
     return None
 
 
 # ----------------------------------------------------------------------------- locating a target
+
 
 def resolve_target(target: str | Path) -> Path:
     """A transformers folder for `target` (a folder, or a .gguf converted once and cached)."""
@@ -88,16 +97,22 @@ def resolve_target(target: str | Path) -> Path:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
                 return convert_gguf(ggufs[0])
-            raise TargetError(f"{path} has no config.json, so it is not a transformers model folder",
-                              "pass a folder saved with save_pretrained, or a .gguf file")
+            raise TargetError(
+                f"{path} has no config.json, so it is not a transformers model folder",
+                "pass a folder saved with save_pretrained, or a .gguf file",
+            )
         return path
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path.exists():
-        raise TargetError(f"--target {path} is neither a model folder nor a .gguf file",
-                          "pass a transformers model folder or a .gguf file")
-    raise TargetError(f"--target {target} does not exist",
-                      "pass a transformers model folder, a .gguf file, or `smollm2` for the built-in")
+        raise TargetError(
+            f"--target {path} is neither a model folder nor a .gguf file",
+            "pass a transformers model folder or a .gguf file",
+        )
+    raise TargetError(
+        f"--target {target} does not exist",
+        "pass a transformers model folder, a .gguf file, or `smollm2` for the built-in",
+    )
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -119,14 +134,22 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     info(f"converting {gguf.name} to a transformers folder (once) -> {out}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                      dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as exc:  # transformers raises many types for unsupported GGUF files
-        raise TargetError(f"transformers cannot load {gguf}: {exc}",
-                          "check that the file is a complete GGUF of a supported architecture") from exc
+        raise TargetError(
+            f"transformers cannot load {gguf}: {exc}",
+            "check that the file is a complete GGUF of a supported architecture",
+        ) from exc
     # save_pretrained refuses a GGUF-loaded model: rebuild it from a clean config.
-    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
-                                     if k not in ("quantization_config", "_name_or_path")})
+    config = AutoConfig.for_model(
+        **{
+            k: v
+            for k, v in loaded.config.to_dict().items()
+            if k not in ("quantization_config", "_name_or_path")
+        }
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     with atomic_dir(out) as tmp:
@@ -138,6 +161,7 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- tokenizer / model
 
+
 def load_tokenizer(path: Path, chat_template=None):
     """The target's fast tokenizer; `chat_template` (a data.chat_templates.ChatTemplate, from
     --chat-template) replaces its own template, and so enters its fingerprint."""
@@ -146,11 +170,15 @@ def load_tokenizer(path: Path, chat_template=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        raise TargetError(f"cannot load a tokenizer from {path}: {exc}",
-                          "the target folder needs its tokenizer files") from exc
+        raise TargetError(
+            f"cannot load a tokenizer from {path}: {exc}",
+            "the target folder needs its tokenizer files",
+        ) from exc
     if not getattr(tokenizer, "is_fast", False):
-        raise TargetError(f"the tokenizer in {path} is a slow (Python) tokenizer",
-                          "spec_cli needs a fast tokenizer (tokenizer.json) for exact loss masks")
+        raise TargetError(
+            f"the tokenizer in {path} is a slow (Python) tokenizer",
+            "spec_cli needs a fast tokenizer (tokenizer.json) for exact loss masks",
+        )
     return chat_templates.apply(tokenizer, chat_template)
 
 
@@ -168,9 +196,11 @@ def load_processor(path: Path):
     try:
         processor = AutoProcessor.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 (transformers raises many types here)
-        hint = ("install torchvision built for this torch (this processor's image or video part needs it)"
-                if "torchvision" in str(exc).lower() or "_extra_content" in str(exc) else
-                "check the folder's processor files, or remove them to train on its text records only")
+        hint = (
+            "install torchvision built for this torch (this processor's image or video part needs it)"
+            if "torchvision" in str(exc).lower() or "_extra_content" in str(exc)
+            else "check the folder's processor files, or remove them to train on its text records only"
+        )
         raise TargetError(f"cannot load the image processor in {path}: {exc}", hint) from exc
     return processor if getattr(processor, "image_processor", None) is not None else None
 
@@ -189,8 +219,11 @@ def image_inputs(model, images: dict, device) -> dict:
     import inspect
 
     accepted = inspect.signature(model.forward).parameters
-    return {name: value.to(device, model.dtype if value.is_floating_point() else None)
-            for name, value in images.items() if name in accepted}
+    return {
+        name: value.to(device, model.dtype if value.is_floating_point() else None)
+        for name, value in images.items()
+        if name in accepted
+    }
 
 
 def load_config(path: Path):
@@ -199,8 +232,9 @@ def load_config(path: Path):
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as exc:
-        raise TargetError(f"cannot read the model config in {path}: {exc}",
-                          "pass a transformers model folder") from exc
+        raise TargetError(
+            f"cannot read the model config in {path}: {exc}", "pass a transformers model folder"
+        ) from exc
 
 
 def config_from_dict(data: dict):
@@ -241,15 +275,18 @@ def auto_model_class(config):
 
     kind = getattr(config, "model_type", None)
     if kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and (
-            kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "vision_config", None) is not None):
+        kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or getattr(config, "vision_config", None) is not None
+    ):
         # (Llama 4 and Mllama map to a text-only causal LM too, whose weight names are not those of their
         # published, multimodal checkpoints: a config with a vision part loads as the whole model)
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None,
-               attention: str | None = None) -> nn.Module:
+def load_model(
+    path: Path, device: torch.device, dtype: torch.dtype, mesh=None, attention: str | None = None
+) -> nn.Module:
     """The target as a frozen causal LM in eval mode. `mesh` (a device mesh of ranks): sharded over it
     by transformers' tensor-parallel plan for the architecture, each rank loading only its shards.
     attention: the attn_implementation to ask for (None: transformers' default); an architecture that
@@ -261,21 +298,37 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None,
     AutoModelForCausalLM = auto_model_class(config)  # noqa: N806 (the auto class this target loads with)
     if mesh is not None:
         if not getattr(config, "base_model_tp_plan", None):
-            raise TargetError(f"transformers has no tensor-parallel plan for {(config.architectures or ['this'])[0]}",
-                              "use --target-parallel replica, or serve the target (`spec serve-target`)")
-    kwargs = {"dtype": dtype} if mesh is None else {"dtype": dtype, "tp_plan": "auto", "device_mesh": mesh}
+            raise TargetError(
+                f"transformers has no tensor-parallel plan for {(config.architectures or ['this'])[0]}",
+                "use --target-parallel replica, or serve the target (`spec serve-target`)",
+            )
+    kwargs = (
+        {"dtype": dtype}
+        if mesh is None
+        else {"dtype": dtype, "tp_plan": "auto", "device_mesh": mesh}
+    )
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(path), **kwargs, **({} if attention is None else {"attn_implementation": attention}))
-        except (ValueError, ImportError) as exc:  # transformers' answer to an attention the model lacks
+                str(path),
+                **kwargs,
+                **({} if attention is None else {"attn_implementation": attention}),
+            )
+        except (
+            ValueError,
+            ImportError,
+        ) as exc:  # transformers' answer to an attention the model lacks
             if attention is None:
                 raise
-            warn(f"the target does not load with {attention} ({exc}); using transformers' default attention")
+            warn(
+                f"the target does not load with {attention} ({exc}); using transformers' default attention"
+            )
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     except Exception as exc:
-        raise TargetError(f"cannot load the target model from {path}: {exc}",
-                          "pass a decoder-only causal LM that transformers supports") from exc
+        raise TargetError(
+            f"cannot load the target model from {path}: {exc}",
+            "pass a decoder-only causal LM that transformers supports",
+        ) from exc
     if mesh is None:
         model.to(device)
     model.eval().requires_grad_(False)
@@ -285,7 +338,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, mesh=None,
 def weights_bytes(path: Path) -> int:
     """What the target's weight files hold on disk (safetensors, else any .bin/.pt/.gguf)."""
     files = [f for f in Path(path).glob("*.safetensors")] or [
-        f for ext in ("*.bin", "*.pt", "*.gguf") for f in Path(path).glob(ext)]
+        f for ext in ("*.bin", "*.pt", "*.gguf") for f in Path(path).glob(ext)
+    ]
     return sum(f.stat().st_size for f in files)
 
 
@@ -309,12 +363,17 @@ def cache_argument(model) -> str:
 
 def max_positions(config) -> int | None:
     """The target's context length (max_position_embeddings, also in `text_config`), if it says."""
-    text = config if getattr(config, "max_position_embeddings", None) else getattr(config, "text_config", None)
+    text = (
+        config
+        if getattr(config, "max_position_embeddings", None)
+        else getattr(config, "text_config", None)
+    )
     value = getattr(text, "max_position_embeddings", None)
     return int(value) if value else None
 
 
 # ----------------------------------------------------------------------------- layers / aux ids
+
 
 def num_layers(config) -> int:
     """The target's decoder depth, also when it sits in `config.text_config`."""
@@ -322,8 +381,10 @@ def num_layers(config) -> int:
     if n is None and getattr(config, "text_config", None) is not None:
         n = getattr(config.text_config, "num_hidden_layers", None)
     if n is None:
-        raise TargetError("the target config has no num_hidden_layers (nor text_config.num_hidden_layers)",
-                          "spec_cli supports decoder-only causal LMs")
+        raise TargetError(
+            "the target config has no num_hidden_layers (nor text_config.num_hidden_layers)",
+            "spec_cli supports decoder-only causal LMs",
+        )
     return int(n)
 
 
@@ -334,7 +395,9 @@ def text_decoder(model: nn.Module) -> nn.Module:
     """The base text decoder (embeddings, layers, final norm; its output `last_hidden_state`), also where a
     VLM's get_decoder() answers its whole causal LM (Llama 4: language_model is a Llama4ForCausalLM)."""
     decoder = model.get_decoder()
-    while getattr(decoder, "lm_head", None) is not None and isinstance(getattr(decoder, "model", None), nn.Module):
+    while getattr(decoder, "lm_head", None) is not None and isinstance(
+        getattr(decoder, "model", None), nn.Module
+    ):
         decoder = decoder.model
     return decoder
 
@@ -365,8 +428,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         off_text = any(part in name for part in _NON_TEXT)
         candidates.append((off_text, name.count("."), name, layers))
     if not candidates:
-        raise TargetError(f"cannot find the {n} decoder layers of {type(model).__name__}",
-                          "spec_cli needs a transformers decoder-only causal LM")
+        raise TargetError(
+            f"cannot find the {n} decoder layers of {type(model).__name__}",
+            "spec_cli needs a transformers decoder-only causal LM",
+        )
     return min(candidates, key=lambda c: c[:3])[3]
 
 
@@ -392,13 +457,17 @@ def parse_aux_layers(text: str | None, n: int, algorithm=None) -> list[int]:
         try:
             ids = [int(part) for part in str(text).split(",")]
         except ValueError as exc:
-            raise ConfigError(f"--aux-layers {text!r} is not a comma-separated list of integers",
-                              "write e.g. --aux-layers 1,14,26") from exc
+            raise ConfigError(
+                f"--aux-layers {text!r} is not a comma-separated list of integers",
+                "write e.g. --aux-layers 1,14,26",
+            ) from exc
     validate_aux_layers(ids, n, algorithm)
     if text not in (None, "", "auto") and len(set(ids)) != len(ids):
-        warn(f"--aux-layers {ids} repeats a layer: the draft reads the same hidden state twice, which "
-             "vLLM cannot serve (it captures each layer once, and fc would be short of an input); "
-             "spec eval in PyTorch runs it")
+        warn(
+            f"--aux-layers {ids} repeats a layer: the draft reads the same hidden state twice, which "
+            "vLLM cannot serve (it captures each layer once, and fc would be short of an input); "
+            "spec eval in PyTorch runs it"
+        )
     return ids
 
 
@@ -407,13 +476,21 @@ def validate_aux_layers(ids: list[int], n: int, algorithm=None) -> None:
     algo = _algorithm(algorithm)
     count = algo.aux_layers
     if n < count + 1:  # distinct outputs of layers 0..n-2
-        raise TargetError(f"the target has only {n} decoder layers", f"{algo.name} needs at least {count + 1}")
+        raise TargetError(
+            f"the target has only {n} decoder layers", f"{algo.name} needs at least {count + 1}"
+        )
     if count == 0 and ids:
-        raise ConfigError(f"{algo.name} reads no intermediate layer (its input is the target's final hidden "
-                          "state)", "drop --aux-layers")
+        raise ConfigError(
+            f"{algo.name} reads no intermediate layer (its input is the target's final hidden "
+            "state)",
+            "drop --aux-layers",
+        )
     if len(ids) != count:
-        raise ConfigError(f"--aux-layers needs exactly {count} layer ids ({algo.name} reads {count}), got "
-                          f"{len(ids)}", f"e.g. the default {','.join(map(str, default_aux_layers(n, algo)))}")
+        raise ConfigError(
+            f"--aux-layers needs exactly {count} layer ids ({algo.name} reads {count}), got "
+            f"{len(ids)}",
+            f"e.g. the default {','.join(map(str, default_aux_layers(n, algo)))}",
+        )
     check_layer_ids(ids, n)
 
 
@@ -423,12 +500,15 @@ def check_layer_ids(ids: list[int], n: int) -> None:
     warns: vLLM captures each layer once and cannot serve such a draft); the defaults never do."""
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
-        raise ConfigError(f"--aux-layers {bad} out of range: the target has {n} decoder layers",
-                          f"use ids in 0..{n - 2} (0-indexed layer outputs; vLLM and SGLang capture "
-                          "a layer's input, so the last layer's output cannot be served)")
+        raise ConfigError(
+            f"--aux-layers {bad} out of range: the target has {n} decoder layers",
+            f"use ids in 0..{n - 2} (0-indexed layer outputs; vLLM and SGLang capture "
+            "a layer's input, so the last layer's output cannot be served)",
+        )
 
 
 # ----------------------------------------------------------------------------- fingerprints
+
 
 def check_tokenizer(recorded: dict, tokenizer, chat_template, what: str, rebuild: str) -> str:
     """The tokenizer fingerprint, after checking it is the one `recorded` (an artifact's metadata) was
@@ -442,8 +522,15 @@ def check_tokenizer(recorded: dict, tokenizer, chat_template, what: str, rebuild
     raise ArtifactError(f"{what} was built with a different tokenizer than this target's", rebuild)
 
 
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype",
-                         "quantization_config", "_commit_hash", "use_cache"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "_commit_hash",
+    "use_cache",
+}
 
 
 def config_fingerprint(config) -> str:
@@ -469,8 +556,9 @@ def vocab_size(config, tokenizer=None) -> int:
 def target_fingerprint(path: Path) -> str:
     """Config + weights. The weight-file hash is cached per (path, size, mtime) under SPEC_HOME."""
     config_fp = config_fingerprint(load_config(path))
-    weight_files = sorted(p for p in Path(path).iterdir()
-                          if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    weight_files = sorted(
+        p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
+    )
     key = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in weight_files)
     cache_file = spec_home() / "fingerprints.json"
     try:
@@ -493,9 +581,17 @@ def target_fingerprint(path: Path) -> str:
     return hashlib.sha256(f"{config_fp}|{weights}".encode()).hexdigest()[:16]
 
 
-LAYER_PARTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-               "input_layernorm.weight", "post_attention_layernorm.weight")
+LAYER_PARTS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 
 
 def read_decoder_layer(path: Path, index: int) -> dict[str, torch.Tensor]:
@@ -506,7 +602,9 @@ def read_decoder_layer(path: Path, index: int) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
-    pattern = re.compile(rf"^(.*\.)?layers\.{index}\.(" + "|".join(re.escape(p) for p in LAYER_PARTS) + ")$")
+    pattern = re.compile(
+        rf"^(.*\.)?layers\.{index}\.(" + "|".join(re.escape(p) for p in LAYER_PARTS) + ")$"
+    )
     found: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -516,8 +614,10 @@ def read_decoder_layer(path: Path, index: int) -> dict[str, torch.Tensor]:
                     found.setdefault(match.group(2), f.get_tensor(key))
     missing = [p for p in LAYER_PARTS if p not in found]
     if missing:
-        raise TargetError(f"the target's safetensors in {path} do not hold layer {index}'s "
-                          f"{', '.join(missing)}" + ("" if files else " (there are no .safetensors files)"),
-                          "start the draft's layer random (leave out --init-layer-from-target), or pass a "
-                          "Llama-style target saved as safetensors")
+        raise TargetError(
+            f"the target's safetensors in {path} do not hold layer {index}'s "
+            f"{', '.join(missing)}" + ("" if files else " (there are no .safetensors files)"),
+            "start the draft's layer random (leave out --init-layer-from-target), or pass a "
+            "Llama-style target saved as safetensors",
+        )
     return found

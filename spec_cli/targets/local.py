@@ -29,8 +29,11 @@ def check_engine(name: str) -> str:
 
         engine.require("--target-engine vllm")
         if distributed.world_size() > 1:
-            raise ConfigError("--target-engine vllm runs one engine in this process; it does not run "
-                              "under torchrun", "run without torchrun, or use --target-engine transformers")
+            raise ConfigError(
+                "--target-engine vllm runs one engine in this process; it does not run "
+                "under torchrun",
+                "run without torchrun, or use --target-engine transformers",
+            )
     return name
 
 
@@ -38,33 +41,56 @@ PARALLEL = ("auto", "replica", "tensor")  # --target-parallel
 AUTO_SHARE = 0.5  # auto: shard a target whose weights take more than this share of one GPU
 
 
-def tensor_parallel(choice: str, name: str, target_dir: Path, device: torch.device) -> tuple[bool, str]:
+def tensor_parallel(
+    choice: str, name: str, target_dir: Path, device: torch.device
+) -> tuple[bool, str]:
     """--target-parallel: (shard the live target over this machine's ranks?, why), under torchrun.
     A target that fits one GPU with room for the draft stays a replica per rank: no communication in
     its forward. One that does not is sharded (`auto` decides by its weights' size against the GPU)."""
     if choice not in PARALLEL:
-        raise ConfigError(f"unknown --target-parallel {choice!r}", f"use one of {', '.join(PARALLEL)}")
+        raise ConfigError(
+            f"unknown --target-parallel {choice!r}", f"use one of {', '.join(PARALLEL)}"
+        )
     if distributed.world_size() == 1 or choice == "replica":
-        return False, "one process" if distributed.world_size() == 1 else "--target-parallel replica"
+        return (
+            False,
+            "one process" if distributed.world_size() == 1 else "--target-parallel replica",
+        )
     if choice == "auto":
         if device.type != "cuda":
             return False, "auto: a replica per rank off GPUs"
-        weights, gpu = loading.weights_bytes(target_dir), torch.cuda.get_device_properties(device).total_memory
+        weights, gpu = (
+            loading.weights_bytes(target_dir),
+            torch.cuda.get_device_properties(device).total_memory,
+        )
         if weights <= AUTO_SHARE * gpu:
-            return False, (f"auto: its weights ({weights / 2**30:.1f} GiB) fit in {AUTO_SHARE:.0%} of a GPU "
-                           f"({gpu / 2**30:.0f} GiB)")
+            return False, (
+                f"auto: its weights ({weights / 2**30:.1f} GiB) fit in {AUTO_SHARE:.0%} of a GPU "
+                f"({gpu / 2**30:.0f} GiB)"
+            )
         why = f"auto: its weights ({weights / 2**30:.1f} GiB) take over {AUTO_SHARE:.0%} of a GPU ({gpu / 2**30:.0f} GiB)"
     else:
         why = "--target-parallel tensor"
     if name != "transformers":
-        raise ConfigError(f"a target sharded over ranks runs in transformers ({why}); --target-engine {name} "
-                          "runs one engine per process", "use --target-engine transformers, or serve the target")
+        raise ConfigError(
+            f"a target sharded over ranks runs in transformers ({why}); --target-engine {name} "
+            "runs one engine per process",
+            "use --target-engine transformers, or serve the target",
+        )
     return True, why
 
 
-def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None,
-                 device: torch.device | str | None, dtype: torch.dtype | str | None, chat_template=None,
-                 parallel: str = "replica", memory: float | None = None, vllm_tensor_parallel: int = 1):
+def open_backend(
+    name: str,
+    target_dir: Path,
+    aux_layers: list[int] | str | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | str | None,
+    chat_template=None,
+    parallel: str = "replica",
+    memory: float | None = None,
+    vllm_tensor_parallel: int = 1,
+):
     """The target loaded by target engine `name` (a LocalTargetBackend). `chat_template` (--chat-template, a
     data.chat_templates.ChatTemplate) is the template its data is tokenised with: it enters the
     tokenizer fingerprint the backend reports. `parallel`: --target-parallel (torchrun); `memory`:
@@ -72,13 +98,21 @@ def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None
     workers)."""
     check_engine(name)
     if vllm_tensor_parallel > 1 and name != "vllm":
-        raise ConfigError(f"--target-tensor-parallel is vLLM's (--target-engine vllm), not {name}'s",
-                          "with transformers, shard the target over torchrun's ranks: --target-parallel tensor")
+        raise ConfigError(
+            f"--target-tensor-parallel is vLLM's (--target-engine vllm), not {name}'s",
+            "with transformers, shard the target over torchrun's ranks: --target-parallel tensor",
+        )
     if name == "vllm":
         from spec_cli.targets.vllm_backend import VLLMTargetBackend
 
-        backend = VLLMTargetBackend(target_dir, aux_layers, device, dtype, memory=memory,
-                                    tensor_parallel=vllm_tensor_parallel)
+        backend = VLLMTargetBackend(
+            target_dir,
+            aux_layers,
+            device,
+            dtype,
+            memory=memory,
+            tensor_parallel=vllm_tensor_parallel,
+        )
     else:
         from spec_cli.targets.hf_backend import HFTargetBackend
 
@@ -86,13 +120,20 @@ def open_backend(name: str, target_dir: Path, aux_layers: list[int] | str | None
         sharded, why = tensor_parallel(parallel, name, target_dir, device)
         if sharded:
             info(f"target: sharded over this machine's {threads.ranks_here()} ranks ({why})")
-        backend = HFTargetBackend(target_dir, aux_layers, device, dtype,
-                                  mesh=distributed.machine_mesh(device) if sharded else None)
+        backend = HFTargetBackend(
+            target_dir,
+            aux_layers,
+            device,
+            dtype,
+            mesh=distributed.machine_mesh(device) if sharded else None,
+        )
     if chat_template is not None:
         tokenizer = loading.load_tokenizer(target_dir)
         tokenizer.chat_template = chat_template.text
         backend.info["tokenizer_fingerprint"] = loading.tokenizer_fingerprint(tokenizer)
-        backend.info["chat_template_source"] = chat_template.source  # provenance (a server reports it)
+        backend.info["chat_template_source"] = (
+            chat_template.source
+        )  # provenance (a server reports it)
     return backend
 
 
@@ -102,5 +143,8 @@ def check_reads_input_embeds(engine: str, algorithm, what: str) -> None:
     from spec_cli.draft.algorithm import INPUT_EMBEDS
 
     if engine != "transformers" and INPUT_EMBEDS in algorithm.needs:
-        raise ConfigError(f"{algorithm.title} reads the target's input embeddings (its first layer's input), which "
-                          f"the {engine} target backend does not capture", f"{what} with --target-engine transformers")
+        raise ConfigError(
+            f"{algorithm.title} reads the target's input embeddings (its first layer's input), which "
+            f"the {engine} target backend does not capture",
+            f"{what} with --target-engine transformers",
+        )

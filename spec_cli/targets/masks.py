@@ -42,6 +42,7 @@ def text_config(config):
 @dataclass(frozen=True)
 class Layout:
     """Which attention each decoder layer runs, and the sizes its rule needs."""
+
     layer_types: tuple[str, ...]  # per decoder layer, the config's names
     sliding_window: int | None = None
     chunk_size: int | None = None
@@ -57,8 +58,11 @@ class Layout:
         if not types:
             kind = SLIDING if window is not None else CHUNKED if chunk is not None else FULL
             types = [kind] * int(getattr(text, "num_hidden_layers", 1) or 1)
-        return cls(tuple(types), int(window) if window is not None else None,
-                   int(chunk) if chunk is not None else None)
+        return cls(
+            tuple(types),
+            int(window) if window is not None else None,
+            int(chunk) if chunk is not None else None,
+        )
 
     @property
     def kinds(self) -> list[str]:
@@ -69,8 +73,10 @@ class Layout:
         """Why masks cannot express this target's attention, or None when they can."""
         other = [k for k in self.kinds if k not in KINDS]
         if other:
-            return (f"its {', '.join(other)} layers keep a state over the whole sequence (or choose keys "
-                    "across it), which neither an attention mask nor a cache rollback can confine")
+            return (
+                f"its {', '.join(other)} layers keep a state over the whole sequence (or choose keys "
+                "across it), which neither an attention mask nor a cache rollback can confine"
+            )
         if SLIDING in self.kinds and not self.sliding_window:
             return "it has sliding_attention layers but no sliding_window in its config"
         if CHUNKED in self.kinds and not self.chunk_size:
@@ -97,12 +103,14 @@ class Layout:
         if kind == SLIDING:
             return q_pos - k_pos < self.sliding_window
         if kind == CHUNKED:
-            return torch.div(q_pos, self.chunk_size, rounding_mode="floor") == \
-                torch.div(k_pos, self.chunk_size, rounding_mode="floor")
+            return torch.div(q_pos, self.chunk_size, rounding_mode="floor") == torch.div(
+                k_pos, self.chunk_size, rounding_mode="floor"
+            )
         return None
 
-    def restrict(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
-                 ) -> dict[str, torch.Tensor]:
+    def restrict(
+        self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """{kind: allowed & rule}. allowed [B, 1, n, L] bool, q_pos [B, n], k_pos [B, L] long."""
         masks = {}
         for kind in self.kinds:
@@ -110,8 +118,9 @@ class Layout:
             masks[kind] = allowed if rule is None else allowed & rule
         return masks
 
-    def packed(self, seq_lens: torch.Tensor, T: int, blocks: torch.Tensor | None = None
-               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def packed(
+        self, seq_lens: torch.Tensor, T: int, blocks: torch.Tensor | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({kind: mask [B, 1, T, T] bool}, position_ids [B, T]) for rows of documents of seq_lens [B, D]:
         causal within each document, positions restart per document; padding sees only itself.
         blocks [B, T]: tokens of one block (>= 0; -1: none) also see each other both ways, inside
@@ -121,7 +130,9 @@ class Layout:
         causal = index[None, :, None] >= index[None, None, :]
         if blocks is not None:
             blocks = blocks.to(seq_lens.device)
-            causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+            causal = causal | (
+                (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+            )
         same = (docs[:, :, None] == docs[:, None, :]) & causal
         return self.restrict(same[:, None], positions, positions), positions
 
@@ -143,8 +154,8 @@ def document_ids(seq_lens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Te
         lengths = [int(n) for n in seq_lens[b].tolist() if n > 0]
         start = 0
         for d, n in enumerate(lengths):
-            docs[b, start:start + n] = d
-            positions[b, start:start + n] = torch.arange(n, device=seq_lens.device)
+            docs[b, start : start + n] = d
+            positions[b, start : start + n] = torch.arange(n, device=seq_lens.device)
             start += n
         docs[b, start:] = -1 - torch.arange(T - start, device=seq_lens.device)
     return docs, positions
@@ -155,12 +166,16 @@ def for_model(masks: dict[str, torch.Tensor], implementation: str, dtype: torch.
     for sdpa, additive float (0 / dtype min) for eager."""
     if implementation == "eager":
         low = torch.finfo(dtype).min
-        masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, low)
-                 for k, m in masks.items()}
+        masks = {
+            k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, low)
+            for k, m in masks.items()
+        }
     elif implementation != "sdpa":
-        raise ConfigError(f"{what} needs a custom attention mask, which the target's {implementation!r} "
-                          "attention does not take",
-                          f"load the target with {' or '.join(CUSTOM_MASK_ATTENTION)} attention")
+        raise ConfigError(
+            f"{what} needs a custom attention mask, which the target's {implementation!r} "
+            "attention does not take",
+            f"load the target with {' or '.join(CUSTOM_MASK_ATTENTION)} attention",
+        )
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 

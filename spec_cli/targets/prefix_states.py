@@ -36,19 +36,27 @@ class PrefixStates:
 
     def __init__(self):
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self._blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [n, H], aux [n, A]) on the CPU
+        self._blocks: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # (hidden [n, H], aux [n, A]) on the CPU
         self._index: dict[int, tuple[int, int]] = {}  # prefix key -> (block, row in it)
 
     def __len__(self) -> int:
         return len(self._index)
 
-    def add(self, request: str, positions: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor) -> None:
+    def add(
+        self, request: str, positions: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor
+    ) -> None:
         """One step's tokens of `request`: their positions [n], final hidden [n, H], aux [n, A]."""
         if positions.numel():
             # copies: on a CPU .cpu() returns the engine's own buffer, which its next step may reuse
-            self._pending.setdefault(request, []).append((positions.long().to("cpu", copy=True),
-                                                          hidden.detach().to("cpu", copy=True),
-                                                          aux.detach().to("cpu", copy=True)))
+            self._pending.setdefault(request, []).append(
+                (
+                    positions.long().to("cpu", copy=True),
+                    hidden.detach().to("cpu", copy=True),
+                    aux.detach().to("cpu", copy=True),
+                )
+            )
 
     def commit(self, request: str, tokens: list[int]) -> int:
         """File `request`'s kept states under the prefixes of `tokens` (its prompt, then what it
@@ -60,7 +68,9 @@ class PrefixStates:
             block = len(self._blocks)
             self._blocks.append((hidden, aux))
             for row, p in enumerate(positions.tolist()):
-                if 0 <= p < len(keys):  # a later computation of the same prefix replaces an earlier one
+                if (
+                    0 <= p < len(keys)
+                ):  # a later computation of the same prefix replaces an earlier one
                     self._index[keys[p]] = (block, row)
                     filed += 1
         return filed
@@ -83,7 +93,9 @@ class PrefixStates:
         for block, (slots, rows) in by_block.items():
             hidden, aux = self._blocks[block]
             at, take = torch.tensor(slots), torch.tensor(rows)
-            hidden_out[at.to(hidden_out.device)] = hidden[take].to(hidden_out.device, hidden_out.dtype)
+            hidden_out[at.to(hidden_out.device)] = hidden[take].to(
+                hidden_out.device, hidden_out.dtype
+            )
             aux_out[at.to(aux_out.device)] = aux[take].to(aux_out.device, aux_out.dtype)
         return 0
 

@@ -18,7 +18,9 @@ from safetensors import safe_open
 from spec_cli.artifacts.io import atomic_path
 
 
-def write_rows(path: Path, rows: list[list[int]], hidden: list[torch.Tensor], aux: list[torch.Tensor]) -> None:
+def write_rows(
+    path: Path, rows: list[list[int]], hidden: list[torch.Tensor], aux: list[torch.Tensor]
+) -> None:
     """One chunk's rows and their states [n_i, H] / [n_i, A], atomically."""
     from safetensors.torch import save_file
 
@@ -56,11 +58,18 @@ class ReplayBackend:
             setattr(self.live, name, value)
 
     @torch.no_grad()
-    def run_target(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   position_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                   **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_target(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, A], final hidden [B, T, H]) as the live backend gives them, zero at padding."""
-        if position_ids is not None or seq_lens is not None or kwargs:  # packed or image rows: not kept
+        if (
+            position_ids is not None or seq_lens is not None or kwargs
+        ):  # packed or image rows: not kept
             self.computed += input_ids.shape[0]
             return self.live.run_target(input_ids, attention_mask, position_ids, seq_lens, **kwargs)
         B, T = input_ids.shape

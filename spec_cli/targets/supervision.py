@@ -27,9 +27,13 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def full_vocab_stats(hidden: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None = None,
-                     cap: float | None = None, chunk_bytes: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def full_vocab_stats(
+    hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    cap: float | None = None,
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [...] long, logsumexp [...] fp32) of hidden @ lm_head.T, a chunk of tokens at a time."""
     if chunk_bytes is None:
         chunk_bytes = CPU_LOGITS_CHUNK_BYTES if hidden.device.type == "cpu" else LOGITS_CHUNK_BYTES
@@ -39,21 +43,25 @@ def full_vocab_stats(hidden: torch.Tensor, lm_head: torch.Tensor, bias: torch.Te
     argmax = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
     lse = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, flat.shape[0], chunk):
-        logits = flat[start:start + chunk] @ lm_head.T  # [n, V] model dtype
+        logits = flat[start : start + chunk] @ lm_head.T  # [n, V] model dtype
         if bias is not None:
             logits = logits + bias
         logits = softcap(logits.float(), cap)
         # lse = m + log(sum(exp(logits - m))), m the row max (whose index is the argmax: the first, as
         # argmax's), in place: one [n, V] buffer, about twice torch.logsumexp + argmax on a CPU
         m, index = logits.max(dim=-1, keepdim=True)
-        argmax[start:start + chunk] = index.squeeze(-1)
+        argmax[start : start + chunk] = index.squeeze(-1)
         m = m.squeeze(-1)
-        lse[start:start + chunk] = logits.sub_(m.unsqueeze(-1)).exp_().sum(-1).log_().add_(m)
+        lse[start : start + chunk] = logits.sub_(m.unsqueeze(-1)).exp_().sum(-1).log_().add_(m)
     return argmax.view(hidden.shape[:-1]), lse.view(hidden.shape[:-1])
 
 
-def selected_logits(hidden: torch.Tensor, lm_head_selected: torch.Tensor,
-                    bias_selected: torch.Tensor | None = None, cap: float | None = None) -> torch.Tensor:
+def selected_logits(
+    hidden: torch.Tensor,
+    lm_head_selected: torch.Tensor,
+    bias_selected: torch.Tensor | None = None,
+    cap: float | None = None,
+) -> torch.Tensor:
     """The target's logits at the draft-vocab ids. hidden [B, T, H] -> [B, T, Vd] fp32."""
     logits = hidden @ lm_head_selected.T
     if bias_selected is not None:
@@ -61,7 +69,9 @@ def selected_logits(hidden: torch.Tensor, lm_head_selected: torch.Tensor,
     return softcap(logits.float(), cap)
 
 
-def draft_distribution(sel_logits: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_distribution(
+    sel_logits: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(target_p [B, T, Vd], target_mass [B, T]) from the draft-vocab logits and the full lse."""
     target_p = torch.softmax(sel_logits, dim=-1)
     target_mass = torch.exp(torch.logsumexp(sel_logits, dim=-1) - lse)
@@ -75,11 +85,21 @@ def shift_left(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
-                   argmax: torch.Tensor, t2d: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   seq_lens: torch.Tensor | None = None, final_hidden: torch.Tensor | None = None,
-                   extras: dict[str, torch.Tensor] | None = None, slots: torch.Tensor | None = None) -> TargetBatch:
+def assemble_batch(
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_p: torch.Tensor,
+    target_mass: torch.Tensor,
+    argmax: torch.Tensor,
+    t2d: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    final_hidden: torch.Tensor | None = None,
+    extras: dict[str, torch.Tensor] | None = None,
+    slots: torch.Tensor | None = None,
+) -> TargetBatch:
     """Shift the per-token supervision left by one and zero everything at invalid positions.
 
     All inputs are unshifted and position-aligned: [B, T] (+ [n*H] / [Vd] / [H] trailing dims); the
@@ -93,7 +113,9 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
     """
     real = attention_mask.bool()  # [B, T]
     valid = shift_left(real) & real  # position t has a next token t+1
-    if seq_lens is not None:  # packed: ... of its own document (the last token of a document predicts
+    if (
+        seq_lens is not None
+    ):  # packed: ... of its own document (the last token of a document predicts
         # nothing: the token after it starts the next document, whose first token may carry loss)
         docs, _ = document_ids(seq_lens.to(real.device), real.shape[1])
         valid &= torch.cat([docs[:, 1:] == docs[:, :-1], torch.zeros_like(real[:, :1])], 1)
@@ -115,8 +137,14 @@ def assemble_batch(aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_
         target_mass=torch.where(valid, shift_left(target_mass.float()), 0.0),
         position_ids=position_ids,
         seq_lens=seq_lens,
-        final_hidden=None if final_hidden is None else torch.where(real.unsqueeze(-1), final_hidden, zero),
-        extras={name: torch.where(real.unsqueeze(-1), value, torch.zeros((), dtype=value.dtype, device=value.device))
-                for name, value in (extras or {}).items()},
+        final_hidden=None
+        if final_hidden is None
+        else torch.where(real.unsqueeze(-1), final_hidden, zero),
+        extras={
+            name: torch.where(
+                real.unsqueeze(-1), value, torch.zeros((), dtype=value.dtype, device=value.device)
+            )
+            for name, value in (extras or {}).items()
+        },
         slots=slots,
     )

@@ -15,7 +15,12 @@ import torch
 
 from spec_cli.engine import vllm_runner
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
 
 
 def pack(t: torch.Tensor) -> list:
@@ -38,16 +43,27 @@ def step_positions(args, kwargs) -> torch.Tensor:
     return kwargs["positions"] if "positions" in kwargs else args[1]
 
 
-def step_rows(runner, args, kwargs, hidden: torch.Tensor, aux: list, order: list[int],
-              positions: torch.Tensor | None = None):
+def step_rows(
+    runner,
+    args,
+    kwargs,
+    hidden: torch.Tensor,
+    aux: list,
+    order: list[int],
+    positions: torch.Tensor | None = None,
+):
     """For each request of the model runner's running step: (request id, positions [n] of its tokens
     in this step, their final hidden [n, H], their aux states [n, len(order) * H] in `order`). The runner
     must follow its steps (vllm_runner.follow_steps). `positions`: the step's, already on the CPU (else
     read from the forward's arguments)."""
     positions = step_positions(args, kwargs) if positions is None else positions
     for rid, lo, hi in vllm_runner.step_requests(runner):
-        yield (rid, positions[lo:hi].long().cpu(), hidden[lo:hi],
-               torch.cat([aux[i][lo:hi] for i in order], dim=-1))
+        yield (
+            rid,
+            positions[lo:hi].long().cpu(),
+            hidden[lo:hi],
+            torch.cat([aux[i][lo:hi] for i in order], dim=-1),
+        )
 
 
 def _tp_rank() -> int:
@@ -58,8 +74,11 @@ def _tp_rank() -> int:
 
 def language_model(model):
     """The module that owns embed_tokens / layers / norm (vLLM's own unwrap rule for aux layers)."""
-    parent = model.get_language_model() if hasattr(model, "get_language_model") else \
-        getattr(model, "language_model", model)
+    parent = (
+        model.get_language_model()
+        if hasattr(model, "get_language_model")
+        else getattr(model, "language_model", model)
+    )
     return getattr(parent, "model", parent)
 
 
@@ -76,8 +95,10 @@ def input_embedding(lm) -> torch.Tensor | None:
 
 def no_embedding(model) -> str:
     """The one line for a vLLM model whose input embedding input_embedding cannot find."""
-    return (f"vLLM's {type(model).__name__} keeps its input embedding under neither `embed_tokens` nor "
-            "`embedding` (where vLLM's EAGLE proposer looks for it)")
+    return (
+        f"vLLM's {type(model).__name__} keeps its input embedding under neither `embed_tokens` nor "
+        "`embedding` (where vLLM's EAGLE proposer looks for it)"
+    )
 
 
 class CaptureExtension:
@@ -129,12 +150,17 @@ class CaptureExtension:
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)
         if weight is None or weight.ndim != 2 or not weight.is_floating_point():
-            return {"error": f"vLLM's {type(model).__name__} keeps no plain lm_head weight (quantized?)"}
+            return {
+                "error": f"vLLM's {type(model).__name__} keeps no plain lm_head weight (quantized?)"
+            }
         bias = getattr(head, "bias", None)
         scale = final_norm_scale(getattr(lm, "norm", None), int(weight.shape[1]))
         embed = input_embedding(lm)
         if embed is None:
             return {"error": no_embedding(model)}
-        return {"lm_head": pack(weight), "embed": pack(embed),
-                "bias": pack(bias) if isinstance(bias, torch.Tensor) else None,
-                "norm_scale": pack(scale) if scale is not None else None}
+        return {
+            "lm_head": pack(weight),
+            "embed": pack(embed),
+            "bias": pack(bias) if isinstance(bias, torch.Tensor) else None,
+            "norm_scale": pack(scale) if scale is not None else None,
+        }

@@ -36,8 +36,12 @@ def write_run(trainer, run_json: dict) -> None:
         output.mkdir(parents=True, exist_ok=True)
         # beside the options (--precision auto), what this run chose on this machine
         write_json(output / "run.json", {**run_json, "chosen": {"precision": trainer.precision}})
-        ckpt.save_frozen(output, trainer.frozen, trainer.frozen_record["fingerprint"],
-                         {"target_fingerprint": trainer.source.identity["target_fingerprint"]})
+        ckpt.save_frozen(
+            output,
+            trainer.frozen,
+            trainer.frozen_record["fingerprint"],
+            {"target_fingerprint": trainer.source.identity["target_fingerprint"]},
+        )
     trainer.frozen = None  # the draft holds its copy
 
 
@@ -48,10 +52,12 @@ def check_room(trainer) -> None:
     need = sum(p.numel() for p in trainer.draft.parameters() if p.requires_grad) * 4 * 3
     free = shutil.disk_usage(output).free
     if distributed.any_rank(free < need):
-        raise ArtifactError(f"{output} has {human_bytes(free)} free, and each checkpoint of this draft needs about "
-                            f"{human_bytes(need)} (its weights and optimizer state)",
-                            "free space there, or pass an -o on a disk with room (--resume continues a run "
-                            "moved there)")
+        raise ArtifactError(
+            f"{output} has {human_bytes(free)} free, and each checkpoint of this draft needs about "
+            f"{human_bytes(need)} (its weights and optimizer state)",
+            "free space there, or pass an -o on a disk with room (--resume continues a run "
+            "moved there)",
+        )
 
 
 def save(trainer, step: int) -> Path | None:
@@ -63,36 +69,60 @@ def save(trainer, step: int) -> Path | None:
     distributed.check_shared_folder)."""
     output, s, o = trainer.cfg.runtime.output, trainer.schedule, trainer.cfg.optim
     model_state, optimizer_state = sharding.full_state(
-        trainer.draft, trainer.optimizer, trainer.names, sharded=trainer.sharded,
-        with_optimizer=not trainer.sharded)
+        trainer.draft,
+        trainer.optimizer,
+        trainer.names,
+        sharded=trainer.sharded,
+        with_optimizer=not trainer.sharded,
+    )
     staged = shards = None
     if trainer.sharded:
         if s.rank == 0:
             ckpt.begin_sharded_save(output, step)
         distributed.barrier()
-        tensors, layout = sharding.local_optimizer_state(trainer.optimizer, trainer.names,
-                                                         trainer.params, s.rank, s.world)
+        tensors, layout = sharding.local_optimizer_state(
+            trainer.optimizer, trainer.names, trainer.params, s.rank, s.world
+        )
         ckpt.write_optimizer_shard(ckpt.staging_dir(output, step), s.rank, s.world, tensors, layout)
         distributed.barrier()  # every shard written before rank 0 finishes the folder
         staged, shards = ckpt.staging_dir(output, step), s.world
     if s.rank != 0:
         return None
     if trainer.sharded:
-        opt_tensors, groups = None, [{**g, "params": [trainer.names[i] for i in g["params"]]}
-                                     for g in optimizer_groups(trainer.optimizer)]
+        opt_tensors, groups = (
+            None,
+            [
+                {**g, "params": [trainer.names[i] for i in g["params"]]}
+                for g in optimizer_groups(trainer.optimizer)
+            ],
+        )
     else:
         opt_tensors, groups = ckpt.flatten_optimizer(optimizer_state, trainer.names)
     return ckpt.save_checkpoint(
-        output, step, model_state, opt_tensors, _rng_state(trainer.device),
+        output,
+        step,
+        model_state,
+        opt_tensors,
+        _rng_state(trainer.device),
         trainer.draft_config.to_dict(),
-        {"step": step, "epoch": s.epoch(step), "micro_batches_done": step * s.per_step,
-         "total_steps": s.total_steps, "lr": lr_at(max(step - 1, 0), s.total_steps, o),
-         "param_groups": groups, "world_size": s.world, "grad_accum": o.grad_accum,
-         "precision": trainer.precision,
-         "parallel": "fsdp" if trainer.sharded else ("ddp" if s.world > 1 else "single"),
-         **({"curriculum": s.curriculum.state(step)} if s.curriculum is not None else {})},
-        keep_last=trainer.cfg.runtime.keep_last, frozen=trainer.frozen_record, staged=staged,
-        shards=shards)
+        {
+            "step": step,
+            "epoch": s.epoch(step),
+            "micro_batches_done": step * s.per_step,
+            "total_steps": s.total_steps,
+            "lr": lr_at(max(step - 1, 0), s.total_steps, o),
+            "param_groups": groups,
+            "world_size": s.world,
+            "grad_accum": o.grad_accum,
+            "precision": trainer.precision,
+            "parallel": "fsdp" if trainer.sharded else ("ddp" if s.world > 1 else "single"),
+            **({"curriculum": s.curriculum.state(step)} if s.curriculum is not None else {}),
+        },
+        keep_last=trainer.cfg.runtime.keep_last,
+        frozen=trainer.frozen_record,
+        staged=staged,
+        shards=shards,
+    )
 
 
 def restore(trainer, checkpoint: Path) -> int:
@@ -101,39 +131,66 @@ def restore(trainer, checkpoint: Path) -> int:
     s = trainer.schedule
     # a sharded checkpoint of as many ranks as this run: each rank reads its own rows alone
     own_rows = trainer.sharded and ckpt.optimizer_shards(checkpoint) == s.world
-    parts = ckpt.load_checkpoint(checkpoint, resume=True,
-                                 optimizer_rank=s.rank if own_rows else None)
+    parts = ckpt.load_checkpoint(
+        checkpoint, resume=True, optimizer_rank=s.rank if own_rows else None
+    )
     saved = (ckpt.checkpoint_meta(checkpoint).get("frozen") or {}).get("fingerprint")
     if saved is not None and saved != trainer.frozen_record["fingerprint"]:
-        raise ArtifactError(f"--resume with a different input embedding than the run trained with "
-                            f"({checkpoint} was saved with embedding {saved}, the target's is now "
-                            f"{trainer.frozen_record['fingerprint']})",
-                            "resume with the same target and --dtype, or start a new run folder")
+        raise ArtifactError(
+            f"--resume with a different input embedding than the run trained with "
+            f"({checkpoint} was saved with embedding {saved}, the target's is now "
+            f"{trainer.frozen_record['fingerprint']})",
+            "resume with the same target and --dtype, or start a new run folder",
+        )
     groups = parts["trainer_state"]["param_groups"]
     if own_rows:  # this rank's rows only: a slice of the model file and its own optimizer file
         held = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in parts["optimizer"]}
         missing = sorted(set(trainer.names) - held)
         if missing:
-            raise ArtifactError(f"the optimizer shard of rank {s.rank} in {checkpoint} lacks "
-                                f"{missing[:3]}", "resume from the checkpoint before it")
-        sharding.load_local_state(trainer.draft, trainer.optimizer, trainer.names, trainer.params,
-                                  Path(checkpoint) / "model.safetensors", parts["optimizer"], groups,
-                                  s.rank, s.world, frozen=parts["frozen_keys"])
+            raise ArtifactError(
+                f"the optimizer shard of rank {s.rank} in {checkpoint} lacks {missing[:3]}",
+                "resume from the checkpoint before it",
+            )
+        sharding.load_local_state(
+            trainer.draft,
+            trainer.optimizer,
+            trainer.names,
+            trainer.params,
+            Path(checkpoint) / "model.safetensors",
+            parts["optimizer"],
+            groups,
+            s.rank,
+            s.world,
+            frozen=parts["frozen_keys"],
+        )
     else:
         optimizer_state = ckpt.unflatten_optimizer(parts["optimizer"], groups, trainer.names)
-        sharding.load_full_state(trainer.draft, trainer.optimizer, parts["model"], optimizer_state,
-                                 trainer.names, sharded=trainer.sharded,
-                                 frozen=parts["frozen_keys"])
+        sharding.load_full_state(
+            trainer.draft,
+            trainer.optimizer,
+            parts["model"],
+            optimizer_state,
+            trainer.names,
+            sharded=trainer.sharded,
+            frozen=parts["frozen_keys"],
+        )
     _restore_rng(parts["rng"], trainer.device)
     step = parts["trainer_state"]["step"]
     if s.curriculum is not None:  # MSD: the steps so far drew the sources this run would
         recorded, now = parts["trainer_state"].get("curriculum"), s.curriculum.state(step)
         if recorded != now:
-            raise ArtifactError(f"{checkpoint} was trained on another curriculum ({recorded}; this run's "
-                                f"at step {step}: {now})", "resume with the options it was started with")
+            raise ArtifactError(
+                f"{checkpoint} was trained on another curriculum ({recorded}; this run's "
+                f"at step {step}: {now})",
+                "resume with the options it was started with",
+            )
     info(f"resuming from {checkpoint} (step {step})")
-    say_precision(parts["trainer_state"].get("precision"), trainer.precision,
-                  trainer.cfg.runtime.precision, checkpoint)
+    say_precision(
+        parts["trainer_state"].get("precision"),
+        trainer.precision,
+        trainer.cfg.runtime.precision,
+        checkpoint,
+    )
     return step
 
 

@@ -28,19 +28,37 @@ from spec_cli.artifacts import checkpoint as ckpt
 from spec_cli.artifacts.io import atomic_dir_from, write_json
 
 WORKER_LOG = "worker.log"
-BACKLOG = 2  # evaluations handed to the worker and not answered; past it a step's evaluation is skipped
+BACKLOG = (
+    2  # evaluations handed to the worker and not answered; past it a step's evaluation is skipped
+)
 RESULT_FD = "SPEC_ENGINE_EVAL_FD"  # the worker writes its answers to this file descriptor
 PARENT_PID = "SPEC_ENGINE_EVAL_PARENT"  # the trainer's pid: the worker ends itself when it is gone
 # torchrun's variables: the worker is one process of its own, not a rank of the trainer's group
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 @dataclass
 class WorkerConfig:
     """What the worker process is started with (JSON in a file it is given)."""
+
     run_dir: str
     engine: str  # vllm | torch
     target: str  # the target folder the engine runs
@@ -51,7 +69,9 @@ class WorkerConfig:
     export_format: str  # the algorithm's vLLM format (the torch engine reads it back the same way)
     device: str | None = None
     dtype: str | None = None
-    memory: float | None = None  # on a GPU: the share of its memory the worker's engines take together
+    memory: float | None = (
+        None  # on a GPU: the share of its memory the worker's engines take together
+    )
     threads: int = 1  # intra-op threads on a CPU
     chat_template: str | None = None
 
@@ -68,8 +88,15 @@ class EngineEvaluator:
     # the worker, given its config's path
     command = (sys.executable, "-m", "spec_cli.stages.engine_worker")
 
-    def __init__(self, config: WorkerConfig, keep_best: bool, on_result, env: dict | None = None,
-                 signature: dict | None = None, warn=None):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        keep_best: bool,
+        on_result,
+        env: dict | None = None,
+        signature: dict | None = None,
+        warn=None,
+    ):
         """on_result(record) is called (in the trainer's thread, from poll/finish) for every answer, with
         `best` set when it became RUN/best; `signature`: what the measurements are comparable under (engine,
         prompts, depth, tokens), kept in best.json; `warn(text)`: a line about the engine process."""
@@ -102,9 +129,15 @@ class EngineEvaluator:
         env[PARENT_PID] = str(os.getpid())  # the worker ends itself when this process is gone
         log = open(self.folder / WORKER_LOG, "ab")
         try:
-            process = subprocess.Popen([*self.command, str(config_path)],
-                                       stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                       pass_fds=(write,), env=env, start_new_session=True)
+            process = subprocess.Popen(
+                [*self.command, str(config_path)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write,),
+                env=env,
+                start_new_session=True,
+            )
         except BaseException:
             os.close(read)
             raise
@@ -113,7 +146,9 @@ class EngineEvaluator:
             log.close()
         self.process, self.dead, self._said = process, None, None
         self.starts += 1
-        self.reader = threading.Thread(target=self._read, args=(read, process), daemon=True, name="engine-eval")
+        self.reader = threading.Thread(
+            target=self._read, args=(read, process), daemon=True, name="engine-eval"
+        )
         self.reader.start()
 
     def _read(self, fd: int, process) -> None:
@@ -126,14 +161,23 @@ class EngineEvaluator:
                 if isinstance(answer, dict) and isinstance(answer.get("step"), int):
                     with self.lock:
                         self.answers.append(answer)
-        code = process.wait()  # the pipe closed: the worker is ending (outside the lock: it may take a while)
+        code = (
+            process.wait()
+        )  # the pipe closed: the worker is ending (outside the lock: it may take a while)
         with self.lock:
-            self.dead = f"the engine process ended (exit {code}); its log: {self.folder / WORKER_LOG}"
+            self.dead = (
+                f"the engine process ended (exit {code}); its log: {self.folder / WORKER_LOG}"
+            )
 
     def ready(self) -> bool:
         """Whether a new evaluation can be handed over now (the worker alive, its backlog short). A worker
         that died is started again, once."""
-        if self.dead is not None and not self.pending and self.starts < 2 and self.process is not None:
+        if (
+            self.dead is not None
+            and not self.pending
+            and self.starts < 2
+            and self.process is not None
+        ):
             self.warn(f"{self.dead}: starting it again")
             self.start()
         return self.dead is None and self.process is not None and len(self.pending) < BACKLOG
@@ -141,7 +185,9 @@ class EngineEvaluator:
     def submit(self, step: int, checkpoint: Path) -> None:
         self.pending[step] = time.perf_counter()
         try:
-            self.process.stdin.write((json.dumps({"step": step, "checkpoint": str(checkpoint)}) + "\n").encode())
+            self.process.stdin.write(
+                (json.dumps({"step": step, "checkpoint": str(checkpoint)}) + "\n").encode()
+            )
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the reader sees the end and says why
@@ -155,9 +201,13 @@ class EngineEvaluator:
         done = [self._handle(a) for a in answers]
         if dead is not None:
             if self.pending:
-                done += [self._handle({"step": step, "error": dead}) for step in sorted(self.pending)]
+                done += [
+                    self._handle({"step": step, "error": dead}) for step in sorted(self.pending)
+                ]
             elif dead != self._said:
-                self.warn(dead + ("" if self.starts < 2 else "; no more engine evaluations in this run"))
+                self.warn(
+                    dead + ("" if self.starts < 2 else "; no more engine evaluations in this run")
+                )
             self._said = dead
         return done
 
@@ -172,8 +222,10 @@ class EngineEvaluator:
             if not self.pending:
                 break
             if time.perf_counter() - start > timeout:
-                self.warn(f"the engine took over {timeout:.0f} s for step(s) {sorted(self.pending)}: stopping it "
-                          "(SPEC_ENGINE_EVAL_TIMEOUT sets the limit)")
+                self.warn(
+                    f"the engine took over {timeout:.0f} s for step(s) {sorted(self.pending)}: stopping it "
+                    "(SPEC_ENGINE_EVAL_TIMEOUT sets the limit)"
+                )
                 self.stop(hurry=True)
                 with self.lock:
                     self.dead = self.dead or f"stopped after {timeout:.0f} s"
@@ -200,7 +252,11 @@ class EngineEvaluator:
         if started is not None:
             self.busy.append((started, time.perf_counter()))
         snapshot = step_dir(self.run_dir, step) / "checkpoint"
-        record = {"split": "engine", "step": step, **{k: v for k, v in answer.items() if k != "step"}}
+        record = {
+            "split": "engine",
+            "step": step,
+            **{k: v for k, v in answer.items() if k != "step"},
+        }
         try:
             if "error" not in record:
                 self.seconds.append(float(record.get("seconds", 0.0)))
@@ -210,7 +266,9 @@ class EngineEvaluator:
             self.done.append(record)
             self.on_result(record)
         except Exception as exc:  # noqa: BLE001 (a full disk, say: training goes on, and says so)
-            self.warn(f"engine @ {step}: its answer could not be kept ({type(exc).__name__}: {exc})")
+            self.warn(
+                f"engine @ {step}: its answer could not be kept ({type(exc).__name__}: {exc})"
+            )
         return record
 
     def stop(self, hurry: bool = False) -> None:
@@ -269,29 +327,46 @@ class BestKeeper:
         self.run_dir = Path(run_dir)
         self.signature = signature
         self.record = ckpt.best_record(self.run_dir)
-        self.comparable = self.record is not None and (signature is None or self.record.get("signature") == signature)
+        self.comparable = self.record is not None and (
+            signature is None or self.record.get("signature") == signature
+        )
 
     def consider(self, result: dict, snapshot: Path) -> bool:
         """Make `snapshot` (the evaluated step's weights) RUN/best when it accepts at least as well as
         the best so far; True when it did."""
         best = self.record if self.comparable else None
-        if best is not None and (result["acceptance_length"], result["step"]) < (best["acceptance_length"], best["step"]):
+        if best is not None and (result["acceptance_length"], result["step"]) < (
+            best["acceptance_length"],
+            best["step"],
+        ):
             return False
         if not (snapshot / "model.safetensors").is_file():
             return False
-        record = {"step": result["step"], "engine": result["engine"],
-                  "acceptance_length": result["acceptance_length"],
-                  "acceptance_rate": result.get("acceptance_rate"), "speedup": result.get("speedup"),
-                  "depth": result.get("depth"), "prompts": result.get("prompts"), "turns": result.get("turns"),
-                  "signature": self.signature,
-                  "before": None if self.record is None else {"step": self.record["step"],
-                                                              "acceptance_length": self.record["acceptance_length"],
-                                                              "comparable": self.comparable}}
+        record = {
+            "step": result["step"],
+            "engine": result["engine"],
+            "acceptance_length": result["acceptance_length"],
+            "acceptance_rate": result.get("acceptance_rate"),
+            "speedup": result.get("speedup"),
+            "depth": result.get("depth"),
+            "prompts": result.get("prompts"),
+            "turns": result.get("turns"),
+            "signature": self.signature,
+            "before": None
+            if self.record is None
+            else {
+                "step": self.record["step"],
+                "acceptance_length": self.record["acceptance_length"],
+                "comparable": self.comparable,
+            },
+        }
         staged = Path(tempfile.mkdtemp(prefix=f".{ckpt.BEST}.", suffix=".tmp", dir=self.run_dir))
         try:
             for item in snapshot.iterdir():
                 shutil.move(str(item), staged / item.name)
-            (staged / ckpt.BEST_JSON).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            (staged / ckpt.BEST_JSON).write_text(
+                json.dumps(record, indent=2, sort_keys=True) + "\n"
+            )
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

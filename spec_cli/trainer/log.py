@@ -32,7 +32,11 @@ def forget_after(path: Path, step: int) -> None:
             record = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("step"), int)
+            or record["step"] <= step
+        ):
             kept.append(line if line.endswith("\n") else line + "\n")
     if kept != lines:
         with atomic_path(path) as tmp:
@@ -43,8 +47,14 @@ class TrainLogger:
     """On a terminal: the last log record as a table over a bar of the steps, which advances every
     step with the tokens/s of this process and the time left, re-rendered twice a second."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, start_step: int = 0,
-                 world: int = 1):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        enabled: bool = True,
+        start_step: int = 0,
+        world: int = 1,
+    ):
         self.run_dir = Path(run_dir)
         self.total = total_steps
         self.enabled = enabled  # rank 0 only
@@ -67,8 +77,12 @@ class TrainLogger:
             self.tb = None
         if progress_enabled():
             self.display = progress_display("steps", rate="tokens")
-            self.bar = Bar(self.display, "train" if world == 1 else "train (rank 0)", total_steps, start_step)
-            self.live = Live(self._view(None), console=console, refresh_per_second=2, transient=False)
+            self.bar = Bar(
+                self.display, "train" if world == 1 else "train (rank 0)", total_steps, start_step
+            )
+            self.live = Live(
+                self._view(None), console=console, refresh_per_second=2, transient=False
+            )
             self.live.start()
 
     def step(self, tokens: int) -> None:
@@ -81,7 +95,14 @@ class TrainLogger:
 
     def _table(self, record: dict | None) -> Table:
         table = Table(title="spec train", show_header=True, title_justify="left")
-        columns = ["step", "loss", "acc per TTT step", "sim. accept len", "tokens/s", "eval acc0 / accept len"]
+        columns = [
+            "step",
+            "loss",
+            "acc per TTT step",
+            "sim. accept len",
+            "tokens/s",
+            "eval acc0 / accept len",
+        ]
         engine = self.last_engine
         if engine is not None:
             columns.append(f"{engine['engine']} accept len @ step")
@@ -89,9 +110,14 @@ class TrainLogger:
             table.add_column(col, overflow="fold")
         if record:
             ev = self.last_eval
-            row = [f"{record['step']}/{self.total}", f"{record['loss']:.4f}", _fmt_acc(record["acc"]),
-                   f"{record['acceptance_length']:.3f}", f"{record['tokens_per_s']:.0f}",
-                   f"{ev['acc'][0]:.3f} / {ev['acceptance_length']:.3f}" if ev else "-"]
+            row = [
+                f"{record['step']}/{self.total}",
+                f"{record['loss']:.4f}",
+                _fmt_acc(record["acc"]),
+                f"{record['acceptance_length']:.3f}",
+                f"{record['tokens_per_s']:.0f}",
+                f"{ev['acc'][0]:.3f} / {ev['acceptance_length']:.3f}" if ev else "-",
+            ]
             if engine is not None:
                 row.append(f"{engine['acceptance_length']:.3f} @ {engine['step']}")
             table.add_row(*row)
@@ -117,21 +143,31 @@ class TrainLogger:
         if self.tb is not None:
             prefix = record["split"]
             self.tb.add_scalar(f"{prefix}/loss", record["loss"], record["step"])
-            self.tb.add_scalar(f"{prefix}/acceptance_length", record["acceptance_length"], record["step"])
+            self.tb.add_scalar(
+                f"{prefix}/acceptance_length", record["acceptance_length"], record["step"]
+            )
             for k, a in enumerate(record["acc"]):
                 self.tb.add_scalar(f"{prefix}/acc_step{k}", a, record["step"])
         if self.live is not None and record["split"] == "train":
             self.live.update(self._view(record))
         elif not is_quiet():
             if record["split"] == "train":
-                info(f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  acc "
-                     f"{_fmt_acc(record['acc'])}  accept len {record['acceptance_length']:.3f}  "
-                     f"{record['tokens_per_s']:.0f} tok/s  "
-                     + (f"peak {record['peak_memory_gb']:.1f} GB  " if "peak_memory_gb" in record else "")
-                     + f"eta {record['eta_s'] / 60:.1f} min")
+                info(
+                    f"step {record['step']}/{self.total}  loss {record['loss']:.4f}  acc "
+                    f"{_fmt_acc(record['acc'])}  accept len {record['acceptance_length']:.3f}  "
+                    f"{record['tokens_per_s']:.0f} tok/s  "
+                    + (
+                        f"peak {record['peak_memory_gb']:.1f} GB  "
+                        if "peak_memory_gb" in record
+                        else ""
+                    )
+                    + f"eta {record['eta_s'] / 60:.1f} min"
+                )
             else:
-                info(f"eval @ {record['step']}  loss {record['loss']:.4f}  acc {_fmt_acc(record['acc'])}  "
-                     f"accept len {record['acceptance_length']:.3f}")
+                info(
+                    f"eval @ {record['step']}  loss {record['loss']:.4f}  acc {_fmt_acc(record['acc'])}  "
+                    f"accept len {record['acceptance_length']:.3f}"
+                )
 
     def _engine(self, record: dict, text: str | None) -> None:
         """An answer of the engine in the loop (spec_cli/trainer/engine.py): logged when it arrives,
@@ -141,11 +177,15 @@ class TrainLogger:
         if "error" not in record:
             self.last_engine = record
             if self.tb is not None:
-                self.tb.add_scalar("engine/acceptance_length", record["acceptance_length"], record["step"])
+                self.tb.add_scalar(
+                    "engine/acceptance_length", record["acceptance_length"], record["step"]
+                )
                 self.tb.add_scalar("engine/speedup", record["speedup"], record["step"])
                 for j, rate in enumerate(record.get("acceptance_rate") or []):
                     if rate is not None:
-                        self.tb.add_scalar(f"engine/acceptance_rate_pos{j + 1}", rate, record["step"])
+                        self.tb.add_scalar(
+                            f"engine/acceptance_rate_pos{j + 1}", rate, record["step"]
+                        )
         if text and not is_quiet():
             info(text)
 
@@ -184,22 +224,49 @@ def plot_curves(run_dir: Path) -> Path | None:
         axes[0].plot(steps, [r["loss"] for r in rows], style, label=split)
         for k in range(len(rows[0]["acc"])):
             if split == "eval" or k == 0:
-                axes[1].plot(steps, [r["acc"][k] for r in rows], style,
-                             label=f"{split} step {k}", alpha=1.0 if k == 0 else 0.5)
+                axes[1].plot(
+                    steps,
+                    [r["acc"][k] for r in rows],
+                    style,
+                    label=f"{split} step {k}",
+                    alpha=1.0 if k == 0 else 0.5,
+                )
         axes[2].plot(steps, [r["acceptance_length"] for r in rows], style, label=split)
     titles = ["loss", "top-1 accuracy per TTT step", "simulated acceptance length"]
-    if engine:  # the engine's real acceptance beside the teacher-forced simulation, and per position
+    if (
+        engine
+    ):  # the engine's real acceptance beside the teacher-forced simulation, and per position
         engine.sort(key=lambda r: r["step"])
         name, steps = engine[0]["engine"], [r["step"] for r in engine]
-        axes[2].plot(steps, [r["acceptance_length"] for r in engine], "s-", color="black",
-                     label=f"{name}, decoded")
+        axes[2].plot(
+            steps,
+            [r["acceptance_length"] for r in engine],
+            "s-",
+            color="black",
+            label=f"{name}, decoded",
+        )
         best = [r for r in engine if r.get("best")]
         if best:
-            axes[2].plot([best[-1]["step"]], [best[-1]["acceptance_length"]], "*", color="red", markersize=14,
-                         label=f"RUN/best (step {best[-1]['step']})")
+            axes[2].plot(
+                [best[-1]["step"]],
+                [best[-1]["acceptance_length"]],
+                "*",
+                color="red",
+                markersize=14,
+                label=f"RUN/best (step {best[-1]['step']})",
+            )
         for j in range(max(len(r.get("acceptance_rate") or []) for r in engine)):
-            axes[3].plot(steps, [(r.get("acceptance_rate") or [None] * (j + 1))[j] if j < len(r.get("acceptance_rate") or [])
-                                 else None for r in engine], "o-", label=f"position {j + 1}")
+            axes[3].plot(
+                steps,
+                [
+                    (r.get("acceptance_rate") or [None] * (j + 1))[j]
+                    if j < len(r.get("acceptance_rate") or [])
+                    else None
+                    for r in engine
+                ],
+                "o-",
+                label=f"position {j + 1}",
+            )
         titles[2] = f"acceptance length: simulated, and decoded in {name}"
         titles.append(f"{name}: acceptance rate per draft position")
     for ax, title in zip(axes, titles):

@@ -42,6 +42,7 @@ from spec_cli.trainer.trainer import Trainer
 @dataclass
 class LoopState:
     """What the loop carries from one step to the next."""
+
     step: int  # optimizer steps done
     window: Metrics  # the sums of the steps since the last train record
     window_start: float  # when that window began (time.perf_counter)
@@ -51,8 +52,9 @@ class LoopState:
     final_eval: dict | None = None  # the last evaluation's metrics
 
 
-def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
-               after_step=None, engine=None) -> tuple[int, dict | None, dict | None]:
+def train_loop(
+    trainer: Trainer, batches, logger: TrainLogger, step: int, after_step=None, engine=None
+) -> tuple[int, dict | None, dict | None]:
     """Optimizer steps from `step` to the end of the schedule, or until --max-time; (the step
     reached, the last train and eval records). A stop signal (Ctrl-C, SIGTERM) finishes the step in
     flight, logs and saves the finished steps (all ranks at the same step) and raises Stopped
@@ -65,13 +67,21 @@ def train_loop(trainer: Trainer, batches, logger: TrainLogger, step: int,
         return _loop(trainer, batches, logger, step, after_step, engine, stops)
 
 
-def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step, engine,
-          stops: StopRequests) -> tuple[int, dict | None, dict | None]:
+def _loop(
+    trainer: Trainer,
+    batches,
+    logger: TrainLogger,
+    step: int,
+    after_step,
+    engine,
+    stops: StopRequests,
+) -> tuple[int, dict | None, dict | None]:
     cfg, total = trainer.cfg, trainer.schedule.total_steps
     o, rt = cfg.optim, cfg.runtime
     engine_every = rt.eval_engine_every if rt.eval_engine else 0
-    state = LoopState(step, _window(trainer), time.perf_counter(), last_saved=step,
-                      saved_at=time.monotonic())
+    state = LoopState(
+        step, _window(trainer), time.perf_counter(), last_saved=step, saved_at=time.monotonic()
+    )
     loop_start, out_of_time = time.perf_counter(), False
     try:
         while state.step < total and not out_of_time:
@@ -88,8 +98,10 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
             if o.max_time is not None and state.step < total:
                 out_of_time = distributed.any_rank(time.perf_counter() - loop_start >= o.max_time)
                 if out_of_time:
-                    info(f"--max-time {o.max_time:g}s reached after step {state.step} of {total}; "
-                         f"saving (rerun with --resume to continue the schedule)")
+                    info(
+                        f"--max-time {o.max_time:g}s reached after step {state.step} of {total}; "
+                        f"saving (rerun with --resume to continue the schedule)"
+                    )
             last = state.step == total or out_of_time  # the last step logs, evaluates and saves
             evaluating = (rt.eval_every and state.step % rt.eval_every == 0) or last
             # a stop that came during the step: it is logged and saved now, not after an evaluation
@@ -120,11 +132,14 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
                 # other ranks wait for rank 0 on their own barrier, not in a collective's timeout
                 if engine is not None:
                     engine.finish()
-                distributed.wait_for_main(f"the engine's evaluation of step {state.step}",
-                                          wait_limit())
+                distributed.wait_for_main(
+                    f"the engine's evaluation of step {state.step}", wait_limit()
+                )
     except TrainingError:
         raise  # nothing saved: the state after a non-finite loss is not worth keeping
-    except KeyboardInterrupt as exc:  # a second signal, or the grace ran out mid-step: the step is abandoned
+    except (
+        KeyboardInterrupt
+    ) as exc:  # a second signal, or the grace ran out mid-step: the step is abandoned
         if not stops.stopped:  # (else _stop saved what it could and said so)
             _abandoned(trainer, state, stops, exc)
         raise
@@ -133,8 +148,9 @@ def _loop(trainer: Trainer, batches, logger: TrainLogger, step: int, after_step,
 
 def _window(trainer: Trainer) -> Metrics:
     """The empty sums of a new window of steps."""
-    return Metrics(metric_steps(trainer.cfg, trainer.algorithm), trainer.device,
-                   trainer.schedule.context)
+    return Metrics(
+        metric_steps(trainer.cfg, trainer.algorithm), trainer.device, trainer.schedule.context
+    )
 
 
 def _record(trainer: Trainer, state: LoopState, engine) -> dict:
@@ -142,8 +158,9 @@ def _record(trainer: Trainer, state: LoopState, engine) -> dict:
     return train_record(trainer, state.window, state.window_start, state.step, engine)
 
 
-def _step(trainer: Trainer, batches, state: LoopState,
-          stops: StopRequests) -> tuple[int, float, float]:
+def _step(
+    trainer: Trainer, batches, state: LoopState, stops: StopRequests
+) -> tuple[int, float, float]:
     """Optimizer step state.step + 1: (this rank's tokens, a stop asked, a timed save due), the last
     two agreed by the ranks (0 or 1). The step is counted together with its update."""
     o, rt, schedule = trainer.cfg.optim, trainer.cfg.runtime, trainer.schedule
@@ -157,14 +174,19 @@ def _step(trainer: Trainer, batches, state: LoopState,
         tokens.append(batch.attention_mask.sum().double().reshape(1))
         state.window.add(out, tokens[-1])
     losses = torch.cat(losses)
-    if schedule.context > 1:  # a group's ranks hold shares of one batch: a NaN in any stops them all
+    if (
+        schedule.context > 1
+    ):  # a group's ranks hold shares of one batch: a NaN in any stops them all
         torch.distributed.all_reduce(losses, group=trainer.objective.context.group)
-    due = (rt.save_every_minutes is not None
-           and time.monotonic() - state.saved_at >= rt.save_every_minutes * 60)
+    due = (
+        rt.save_every_minutes is not None
+        and time.monotonic() - state.saved_at >= rt.save_every_minutes * 60
+    )
     asked = _asked(stops.requested, due, trainer.device)  # [stop, save], agreed by the ranks
     # the host's one wait of the step: the losses, the tokens and the requests together
-    *losses, step_tokens, stop, due = torch.cat([losses, torch.cat(tokens).sum().reshape(1),
-                                                 asked]).tolist()
+    *losses, step_tokens, stop, due = torch.cat(
+        [losses, torch.cat(tokens).sum().reshape(1), asked]
+    ).tolist()
     bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
     if bad is not None:  # before the optimizer step: the weights stay the last good ones
         raise _bad_loss(trainer, step + 1, step * o.grad_accum + bad, losses[bad])
@@ -187,29 +209,39 @@ def _asked(stop: bool, save: bool, device: torch.device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- stopping
 
+
 def _stop(trainer: Trainer, state: LoopState, stops: StopRequests) -> None:
     """Every rank after the same step: save it if the save fits in the grace period (the ranks
     agree), say how to go on, and raise Stopped."""
     step, last_saved = state.step, state.last_saved
-    signum = stops.signum if stops.signum is not None else signal.SIGTERM  # (a rank that had no signal)
+    signum = (
+        stops.signum if stops.signum is not None else signal.SIGTERM
+    )  # (a rank that had no signal)
     name, output = SIGNAL_NAMES.get(signum, f"signal {signum}"), trainer.cfg.runtime.output
     if step > last_saved and not distributed.any_rank(not stops.save_fits()):
         saved = checkpoints.save(trainer, step)
         if saved is not None:
-            info(f"stopped by {name} after step {step}: saved {saved}; rerun with --resume to continue")
+            info(
+                f"stopped by {name} after step {step}: saved {saved}; rerun with --resume to continue"
+            )
     elif step > last_saved:
         if distributed.is_main():
-            warn(f"stopped by {name} after step {step}: saving takes about {stops.save_seconds or 0:.0f} s and "
-                 f"{max(stops.left(), 0):.0f} s of --stop-grace {stops.grace:g} are left, so the last checkpoint "
-                 f"({_latest_name(output)}) stands; rerun with --resume to continue from it")
+            warn(
+                f"stopped by {name} after step {step}: saving takes about {stops.save_seconds or 0:.0f} s and "
+                f"{max(stops.left(), 0):.0f} s of --stop-grace {stops.grace:g} are left, so the last checkpoint "
+                f"({_latest_name(output)}) stands; rerun with --resume to continue from it"
+            )
     elif distributed.is_main():
-        info(f"stopped by {name} after step {step}, which is saved; rerun with --resume to continue")
+        info(
+            f"stopped by {name} after step {step}, which is saved; rerun with --resume to continue"
+        )
     stops.stopped = True
     raise Stopped(signum)
 
 
-def _abandoned(trainer: Trainer, state: LoopState, stops: StopRequests,
-               exc: KeyboardInterrupt) -> None:
+def _abandoned(
+    trainer: Trainer, state: LoopState, stops: StopRequests, exc: KeyboardInterrupt
+) -> None:
     """The step in flight was cut off: one process saves the finished steps if that fits (the ranks of
     torchrun are at different points, so they keep the last checkpoint)."""
     step, last_saved = state.step, state.last_saved
@@ -219,12 +251,19 @@ def _abandoned(trainer: Trainer, state: LoopState, stops: StopRequests,
         if saved is not None:
             info(f"interrupted by {name}: saved {saved}; rerun with --resume to continue")
     elif step > last_saved and distributed.is_main():
-        why = (f"no time left in --stop-grace {stops.grace:g} to save them" if distributed.world_size() == 1
-               else "the ranks were cut off at different points")
-        info(f"interrupted by {name} with {step} steps done ({why}): the last checkpoint "
-             f"({_latest_name(output)}) stands; rerun with --resume to continue from it")
+        why = (
+            f"no time left in --stop-grace {stops.grace:g} to save them"
+            if distributed.world_size() == 1
+            else "the ranks were cut off at different points"
+        )
+        info(
+            f"interrupted by {name} with {step} steps done ({why}): the last checkpoint "
+            f"({_latest_name(output)}) stands; rerun with --resume to continue from it"
+        )
     elif distributed.is_main():
-        info(f"interrupted by {name} with {step} steps done, all saved; rerun with --resume to continue")
+        info(
+            f"interrupted by {name} with {step} steps done, all saved; rerun with --resume to continue"
+        )
 
 
 def _latest_name(output: Path) -> str:
@@ -234,22 +273,34 @@ def _latest_name(output: Path) -> str:
 
 # ----------------------------------------------------------------------------- a non-finite loss
 
+
 def _bad_loss(trainer: Trainer, step: int, micro_batch: int, loss: float) -> TrainingError:
     """The error for a non-finite loss at optimizer `step`: which supervision it came from, and the way out."""
     cfg = trainer.cfg
     kept = ckpt.latest_checkpoint(cfg.runtime.output)
-    keep = f"; the last good checkpoint {kept} is kept" if kept is not None else "; no checkpoint was written"
+    keep = (
+        f"; the last good checkpoint {kept} is kept"
+        if kept is not None
+        else "; no checkpoint was written"
+    )
     if cfg.data.cache is not None:
         shards = _shards_of(trainer.source, trainer.schedule.indices(micro_batch))
-        where = (f"from {', '.join(str(Path(cfg.data.cache) / name) for name in shards)}" if shards
-                 else f"from the feature cache {cfg.data.cache}")
-        return TrainingError(f"step {step}: the loss is {loss} on a batch {where}{keep}",
-                             f"check it with `spec inspect {cfg.data.cache} --verify` and rebuild the cache "
-                             f"with `spec precompute ... -o {cfg.data.cache} --no-resume`, then rerun "
-                             "(--resume continues from the checkpoint)")
-    return TrainingError(f"step {step}: the loss is {loss}{keep}",
-                         "lower --lr or check the target's outputs (--dtype), then rerun "
-                         "(--resume continues from the checkpoint)")
+        where = (
+            f"from {', '.join(str(Path(cfg.data.cache) / name) for name in shards)}"
+            if shards
+            else f"from the feature cache {cfg.data.cache}"
+        )
+        return TrainingError(
+            f"step {step}: the loss is {loss} on a batch {where}{keep}",
+            f"check it with `spec inspect {cfg.data.cache} --verify` and rebuild the cache "
+            f"with `spec precompute ... -o {cfg.data.cache} --no-resume`, then rerun "
+            "(--resume continues from the checkpoint)",
+        )
+    return TrainingError(
+        f"step {step}: the loss is {loss}{keep}",
+        "lower --lr or check the target's outputs (--dtype), then rerun "
+        "(--resume continues from the checkpoint)",
+    )
 
 
 def _shards_of(source: Source, indices: list[int]) -> list[str]:

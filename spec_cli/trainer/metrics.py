@@ -52,18 +52,28 @@ class Metrics:
         self.batches += self.share
 
     def all_reduce(self) -> None:
-        if distributed.world_size() > 1 and torch.distributed.is_initialized():  # not vLLM's own group
-            flat = torch.cat([self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches])
+        if (
+            distributed.world_size() > 1 and torch.distributed.is_initialized()
+        ):  # not vLLM's own group
+            flat = torch.cat(
+                [self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches]
+            )
             torch.distributed.all_reduce(flat)
             k = self.correct.numel()
-            self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches = flat.split(
-                [1, k, k, k, 1, 1])
+            self.loss, self.step_loss, self.correct, self.total, self.tokens, self.batches = (
+                flat.split([1, k, k, k, 1, 1])
+            )
 
     def record(self) -> dict:
         n = max(float(self.batches), 1.0)
         acc = self.correct / self.total.clamp_min(1)  # [K] top-1 accuracy per TTT step
-        record = {"loss": float(self.loss) / n, "step_loss": (self.step_loss / n).tolist(), "acc": acc.tolist(),
-                  "acceptance_length": float(acceptance_length(acc)), "tokens": int(round(float(self.tokens)))}
+        record = {
+            "loss": float(self.loss) / n,
+            "step_loss": (self.step_loss / n).tolist(),
+            "acc": acc.tolist(),
+            "acceptance_length": float(acceptance_length(acc)),
+            "tokens": int(round(float(self.tokens))),
+        }
         if self.steps:  # the mean gradient norm of the optimizer steps in the record
             record["grad_norm"] = float(self.grad_norm) / self.steps
         return record
@@ -74,17 +84,29 @@ def train_record(trainer, window: Metrics, window_start: float, step: int, engin
     `step`; `engine`: the engine in the loop (rank 0), whose busy share of the window it adds."""
     window.all_reduce()
     elapsed = time.perf_counter() - window_start
-    record = {"split": "train", "step": step, "lr": trainer.lr, **window.record(),
-              "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
-              "steps_in_record": int(float(window.batches) / trainer.schedule.per_step) or 1,
-              "peak_memory_gb": peak_memory_gb(trainer.device)}
+    record = {
+        "split": "train",
+        "step": step,
+        "lr": trainer.lr,
+        **window.record(),
+        "tokens_per_s": float(window.tokens) / max(elapsed, 1e-9),
+        "steps_in_record": int(float(window.batches) / trainer.schedule.per_step) or 1,
+        "peak_memory_gb": peak_memory_gb(trainer.device),
+    }
     if engine is not None:  # how much of the window the engine was decoding beside training
         record["engine_busy"] = round(engine.busy_share(window_start, time.perf_counter()), 3)
     return record
 
 
-def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: TrainConfig,
-             device: torch.device, autocast_dtype: torch.dtype | None = None, steps: int | None = None) -> dict | None:
+def evaluate(
+    objective: nn.Module,
+    source: Source,
+    eval_batches: list,
+    cfg: TrainConfig,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    steps: int | None = None,
+) -> dict | None:
     """The metrics of the held-out batches (shared out over the ranks, summed), the objective in
     eval mode, without gradients; None when the run holds none out."""
     if not eval_batches:
@@ -100,7 +122,9 @@ def evaluate(objective: nn.Module, source: Source, eval_batches: list, cfg: Trai
     with torch.no_grad(), autocast(device, autocast_dtype):
         for r in range(rounds):
             i = r * world + rank
-            batch = supervise(source, eval_batches[min(i, len(eval_batches) - 1)], cfg.data.pack, device)
+            batch = supervise(
+                source, eval_batches[min(i, len(eval_batches) - 1)], cfg.data.pack, device
+            )
             out = objective(batch)
             if i < len(eval_batches):
                 metrics.add(out, batch.num_tokens)

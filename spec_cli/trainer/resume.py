@@ -59,17 +59,26 @@ def resumed_config(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
         cfg = _from_run_json(cfg, given, path)
     if cfg.runtime.resume and not path.is_file():
         kind = guard.folder_kind(output)
-        what = (f"{output} does not exist" if not output.exists() else f"{output} is {kind}" if kind
-                else f"{output} holds no run (no run.json)")
+        what = (
+            f"{output} does not exist"
+            if not output.exists()
+            else f"{output} is {kind}"
+            if kind
+            else f"{output} holds no run (no run.json)"
+        )
         if cfg.data.vocab_map is None or kind is not None:
-            raise ConfigError(f"--resume: there is no run to continue in {output}: {what}",
-                              "pass the folder of the run to continue as -o, or drop --resume and give the "
-                              "inputs to start a run")
+            raise ConfigError(
+                f"--resume: there is no run to continue in {output}: {what}",
+                "pass the folder of the run to continue as -o, or drop --resume and give the "
+                "inputs to start a run",
+            )
         if distributed.is_main():  # a requeued job whose first attempt never got going: start it
             warn(f"--resume: {what}; starting the run there at step 0")
     if cfg.data.vocab_map is None:
-        raise ConfigError("--vocab-map is required (with --resume, the run's own is used)",
-                          "pass the vocab map written by `spec build-vocab-map`")
+        raise ConfigError(
+            "--vocab-map is required (with --resume, the run's own is used)",
+            "pass the vocab map written by `spec build-vocab-map`",
+        )
     return cfg
 
 
@@ -81,27 +90,37 @@ def kept_batch(cfg: TrainConfig, given: set[str] | None) -> TrainConfig:
     --grad-accum (`given`; None: all of them) would change them."""
     state = _resumed_state(Path(cfg.runtime.output)) if cfg.runtime.resume else None
     world, context = distributed.world_size(), cfg.runtime.context_parallel
-    if state is None or world % context:  # (Schedule.plan refuses a --context-parallel that does not divide)
+    if (
+        state is None or world % context
+    ):  # (Schedule.plan refuses a --context-parallel that does not divide)
         return cfg
     per_step, was_world = state["micro_batches_done"] // state["step"], state.get("world_size", 1)
     replicas, accum = world // context, cfg.optim.grad_accum
-    trained = (f"the run's steps take {_many(per_step, 'micro-batch')} ({_many(was_world, 'process')} x "
-               f"--grad-accum {state.get('grad_accum', '?')})")
+    trained = (
+        f"the run's steps take {_many(per_step, 'micro-batch')} ({_many(was_world, 'process')} x "
+        f"--grad-accum {state.get('grad_accum', '?')})"
+    )
     if per_step % replicas:
         can = [str(n * context) for n in range(1, per_step + 1) if per_step % n == 0]
         listed = " or ".join(filter(None, [", ".join(can[:-1]), can[-1]]))  # 1, 2, 4 or 8
-        raise ConfigError(f"--resume over {_many(world, 'process')}: {trained}, which {replicas} data-parallel "
-                          "replicas cannot split evenly",
-                          f"resume over {listed} process{'es' if can != ['1'] else ''} (torchrun --nproc-per-node)")
+        raise ConfigError(
+            f"--resume over {_many(world, 'process')}: {trained}, which {replicas} data-parallel "
+            "replicas cannot split evenly",
+            f"resume over {listed} process{'es' if can != ['1'] else ''} (torchrun --nproc-per-node)",
+        )
     needed = per_step // replicas
     if needed != accum and (given is None or "grad_accum" in given):
-        raise ConfigError(f"--resume with --grad-accum {accum} over {_many(world, 'process')}: "
-                          f"{_many(accum * replicas, 'micro-batch')} a step, and {trained}",
-                          f"drop --grad-accum (--grad-accum {needed} keeps the run's batch here), or start a "
-                          "new run folder")
+        raise ConfigError(
+            f"--resume with --grad-accum {accum} over {_many(world, 'process')}: "
+            f"{_many(accum * replicas, 'micro-batch')} a step, and {trained}",
+            f"drop --grad-accum (--grad-accum {needed} keeps the run's batch here), or start a "
+            "new run folder",
+        )
     if needed != accum or world != was_world:
-        info(f"--resume over {_many(world, 'process')} of a run trained over {was_world}: --grad-accum {needed} "
-             f"keeps its {_many(per_step, 'micro-batch')} a step")
+        info(
+            f"--resume over {_many(world, 'process')} of a run trained over {was_world}: --grad-accum {needed} "
+            f"keeps its {_many(per_step, 'micro-batch')} a step"
+        )
     if needed == accum:
         return cfg
     return TrainConfig.from_options(**{**cfg.options(), "grad_accum": needed})
@@ -133,8 +152,10 @@ def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig
     try:
         recorded = json.loads(path.read_text())["options"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ArtifactError(f"{path} cannot be read ({exc})",
-                            "resume needs the run.json spec train wrote; start a new run folder") from None
+        raise ArtifactError(
+            f"{path} cannot be read ({exc})",
+            "resume needs the run.json spec train wrote; start a new run folder",
+        ) from None
     source_typed = any(name in given for name in _SOURCES)
     options, declared = cfg.options(), all_options()
     for name, value in recorded.items():
@@ -142,19 +163,32 @@ def _from_run_json(cfg: TrainConfig, given: set[str], path: Path) -> TrainConfig
             continue
         if source_typed and name in _SOURCES:
             continue
-        if value is not None and (declared[name].type is Path or Path in typing.get_args(declared[name].type)):
+        if value is not None and (
+            declared[name].type is Path or Path in typing.get_args(declared[name].type)
+        ):
             value = Path(value)
         options[name] = value
-    if "vocab_map" not in given and options["vocab_map"] is not None and not Path(options["vocab_map"]).exists():
-        raise ConfigError(f"the run's vocab map {options['vocab_map']} (recorded in {path}) no longer exists",
-                          "pass -v/--vocab-map with where it is now")
+    if (
+        "vocab_map" not in given
+        and options["vocab_map"] is not None
+        and not Path(options["vocab_map"]).exists()
+    ):
+        raise ConfigError(
+            f"the run's vocab map {options['vocab_map']} (recorded in {path}) no longer exists",
+            "pass -v/--vocab-map with where it is now",
+        )
     return TrainConfig.from_options(**options)
 
 
 def run_record(cfg: TrainConfig, source: Source, vocab_map) -> dict:
     """What run.json records: the options, flat (never the token), and what a --resume must match."""
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.options().items() if k != "token"}
-    return {"options": options, "identity": {**source.identity, "vocab_map_fingerprint": vocab_map.fingerprint}}
+    options = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.options().items() if k != "token"
+    }
+    return {
+        "options": options,
+        "identity": {**source.identity, "vocab_map_fingerprint": vocab_map.fingerprint},
+    }
 
 
 def check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
@@ -165,30 +199,48 @@ def check_run_dir(cfg: TrainConfig, run_json: dict) -> None:
     path = Path(cfg.runtime.output) / "run.json"
     latest = ckpt.latest_checkpoint(cfg.runtime.output)
     if latest is not None and not cfg.runtime.resume:
-        raise ConfigError(f"{cfg.runtime.output} already holds checkpoints (latest {latest.name})",
-                          "pass --resume to continue that run, or choose a new --output folder")
+        raise ConfigError(
+            f"{cfg.runtime.output} already holds checkpoints (latest {latest.name})",
+            "pass --resume to continue that run, or choose a new --output folder",
+        )
     if cfg.runtime.resume and path.is_file():
         before = json.loads(path.read_text())
         # an option newer than the run's spec_cli had its default value there
         defaults = {name: o.default for name, o in all_options().items()}
         resumable = resumable_options()
         for key in sorted(set(before["options"]) | set(run_json["options"])):
-            if key in resumable or key in _LOCATION or key in _BY_CONTENT or key in _PER_STEP:  # a moved run resumes
+            if (
+                key in resumable or key in _LOCATION or key in _BY_CONTENT or key in _PER_STEP
+            ):  # a moved run resumes
                 continue
             was, now = before["options"].get(key, defaults.get(key)), run_json["options"].get(key)
             if key in _PATHS and _same_path(was, now):
                 continue
             if was != now:
-                raise ConfigError(f"--resume with a different {key.replace('_', '-')}: the run used "
-                                  f"{before['options'].get(key)!r}, now {run_json['options'].get(key)!r}",
-                                  "resume with the run's options, or start a new run folder")
+                raise ConfigError(
+                    f"--resume with a different {key.replace('_', '-')}: the run used "
+                    f"{before['options'].get(key)!r}, now {run_json['options'].get(key)!r}",
+                    "resume with the run's options, or start a new run folder",
+                )
         for key, value in before["identity"].items():
             if run_json["identity"].get(key) != value:
-                raise ArtifactError(f"--resume against a different {key.replace('_', ' ')}",
-                                    "resume with the same target/cache and vocab map")
-        for key in ("max_steps", "epochs"):  # the schedule's length: its warmup and decay are laid over it
-            flag, was, now = all_options()[key].flag.names[0], before["options"].get(key), run_json["options"].get(key)
+                raise ArtifactError(
+                    f"--resume against a different {key.replace('_', ' ')}",
+                    "resume with the same target/cache and vocab map",
+                )
+        for key in (
+            "max_steps",
+            "epochs",
+        ):  # the schedule's length: its warmup and decay are laid over it
+            flag, was, now = (
+                all_options()[key].flag.names[0],
+                before["options"].get(key),
+                run_json["options"].get(key),
+            )
             if key in before["options"] and was != now and not cfg.runtime.reschedule:
-                raise ConfigError(f"--resume with {flag} {now}: the run's schedule was laid over {flag} {was} and "
-                                  f"its learning rate would jump", f"drop {flag} to finish the run's schedule, or "
-                                  f"add --reschedule to lay it anew over {flag} {now}")
+                raise ConfigError(
+                    f"--resume with {flag} {now}: the run's schedule was laid over {flag} {was} and "
+                    f"its learning rate would jump",
+                    f"drop {flag} to finish the run's schedule, or "
+                    f"add --reschedule to lay it anew over {flag} {now}",
+                )

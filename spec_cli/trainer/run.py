@@ -52,11 +52,14 @@ class TrainResult:
     plot: Path | None
     total_steps: int | None = None  # the planned steps (> steps when --max-time stopped the run)
     stream: dict | None = None  # the stream store's health report (--stream)
-    engine: dict | None = None  # --eval-engine: {"evaluations": [answers], "best": RUN/best's record or None}
+    engine: dict | None = (
+        None  # --eval-engine: {"evaluations": [answers], "best": RUN/best's record or None}
+    )
 
 
-def train(cfg: TrainConfig, given: set[str] | None, natural_depth: Callable,
-          after_step=None) -> TrainResult:
+def train(
+    cfg: TrainConfig, given: set[str] | None, natural_depth: Callable, after_step=None
+) -> TrainResult:
     """Train as `cfg` says; `after_step(step)` is called after each optimizer step (tests use it).
 
     `given`: the options the user gave (command line or --config); with --resume the others come
@@ -64,16 +67,27 @@ def train(cfg: TrainConfig, given: set[str] | None, natural_depth: Callable,
     chain `spec eval` decodes a draft with, which the engine in the loop decodes when
     --eval-engine-depth is not given. The run folder is locked (rank 0) while it is written."""
     start_time = time.perf_counter()
-    _check_output(cfg)  # before anything: the inputs as given (a resumed run's own come from its folder)
+    _check_output(
+        cfg
+    )  # before anything: the inputs as given (a resumed run's own come from its folder)
     cfg = resume.resumed_config(cfg, given)
     cfg = resume.kept_batch(cfg, given)
     device = _start(cfg)
-    with ExitStack() as lock:  # taken (rank 0) once the inputs are checked, before the folder is touched
+    with (
+        ExitStack() as lock
+    ):  # taken (rank 0) once the inputs are checked, before the folder is touched
         return _run(cfg, device, start_time, after_step, lock, given, natural_depth)
 
 
-def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, lock: ExitStack,
-         given: set[str] | None, natural_depth: Callable) -> TrainResult:
+def _run(
+    cfg: TrainConfig,
+    device: torch.device,
+    start_time: float,
+    after_step,
+    lock: ExitStack,
+    given: set[str] | None,
+    natural_depth: Callable,
+) -> TrainResult:
     vocab_map = load_vocab_map(cfg.data.vocab_map)
     engine.check_options(cfg)  # before the target loads
     info(serving_line(algorithms.get(cfg.draft.algorithm)))  # where the trained draft can be served
@@ -87,9 +101,18 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
         algorithm = check_algorithm(cfg, source)
         schedule = Schedule.plan(source, cfg)
         source.backend.keep_final_hidden = algorithm.final_hidden  # EAGLE-1/2's feature
-        source.backend.extra_fields = algorithm_fields(algorithm)  # the algorithm's own per-token fields
-        trainer = Trainer(cfg, algorithm, source, vocab_map, schedule, device,
-                          auto_checkpointing=given is not None and "activation_checkpointing" not in given)
+        source.backend.extra_fields = algorithm_fields(
+            algorithm
+        )  # the algorithm's own per-token fields
+        trainer = Trainer(
+            cfg,
+            algorithm,
+            source,
+            vocab_map,
+            schedule,
+            device,
+            auto_checkpointing=given is not None and "activation_checkpointing" not in given,
+        )
         plan = None
         if cfg.runtime.eval_engine:
             plan = engine.plan(cfg, source, schedule, trainer, natural_depth)
@@ -100,25 +123,44 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
             engine.recover_best(cfg.runtime.output)
             ckpt.remove_temporaries(cfg.runtime.output)  # a killed run's half-written files
         resume.check_run_dir(cfg, run_json)
-        if distributed.is_main() and not cfg.runtime.resume:  # an abandoned run's RUN/best is not this run's
+        if (
+            distributed.is_main() and not cfg.runtime.resume
+        ):  # an abandoned run's RUN/best is not this run's
             engine.clear_abandoned(cfg.runtime.output)
-        if distributed.is_main() and cfg.runtime.resume and (damaged := ckpt.set_aside_damaged(cfg.runtime.output)):
-            warn(damaged)  # newest checkpoints cut short (a copy, a failing disk): set aside, resumed from the one before
-        distributed.check_shared_folder(cfg.runtime.output, "the run folder")  # torchrun: one folder for all
+        if (
+            distributed.is_main()
+            and cfg.runtime.resume
+            and (damaged := ckpt.set_aside_damaged(cfg.runtime.output))
+        ):
+            warn(
+                damaged
+            )  # newest checkpoints cut short (a copy, a failing disk): set aside, resumed from the one before
+        distributed.check_shared_folder(
+            cfg.runtime.output, "the run folder"
+        )  # torchrun: one folder for all
         latest = ckpt.latest_checkpoint(cfg.runtime.output) if cfg.runtime.resume else None
         step = checkpoints.restore(trainer, latest) if latest is not None else 0
         checkpoints.write_run(trainer, run_json)  # rank 0: run.json and the frozen weights
         trainer.make_model()
         checkpoints.check_room(trainer)
-        logger = TrainLogger(cfg.runtime.output, schedule.total_steps, enabled=schedule.rank == 0,
-                             start_step=step, world=schedule.world)
+        logger = TrainLogger(
+            cfg.runtime.output,
+            schedule.total_steps,
+            enabled=schedule.rank == 0,
+            start_step=step,
+            world=schedule.world,
+        )
         _say_plan(trainer, schedule, device)
         if plan is not None and distributed.is_main():
             evaluator = engine.start(cfg, plan, logger)
         batches = open_batches(cfg, source, schedule, step * cfg.optim.grad_accum, device)
-        step, final_train, final_eval = train_loop(trainer, batches, logger, step, after_step, evaluator)
+        step, final_train, final_eval = train_loop(
+            trainer, batches, logger, step, after_step, evaluator
+        )
     finally:
-        if evaluator is not None:  # the worker stops (at once on an error or Ctrl-C); unanswered snapshots go
+        if (
+            evaluator is not None
+        ):  # the worker stops (at once on an error or Ctrl-C); unanswered snapshots go
             try:
                 evaluator.close(hurry=sys.exc_info()[0] is not None)
             except Exception as exc:  # noqa: BLE001 (never hide the error that ended the run)
@@ -132,8 +174,10 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
             logger.close()
         received = getattr(getattr(source.backend, "backend", source.backend), "received", None)
         if received:  # --remote: how the answers came (the tensor plane, or HTTP bodies)
-            info(f"remote supervision: {received['plane']} batch(es) over the tensor plane, "
-                 f"{received['http']} in HTTP bodies")
+            info(
+                f"remote supervision: {received['plane']} batch(es) over the tensor plane, "
+                f"{received['http']} in HTTP bodies"
+            )
         source.backend.close()
     distributed.barrier()
     plot = plot_curves(cfg.runtime.output) if distributed.is_main() else None
@@ -141,36 +185,63 @@ def _run(cfg: TrainConfig, device: torch.device, start_time: float, after_step, 
     distributed.shutdown()
     engine_report = None
     if evaluator is not None:
-        engine_report = {"evaluations": evaluator.done, "best": ckpt.best_record(cfg.runtime.output)
-                         if cfg.runtime.keep == "best" else None, "seconds": evaluator.seconds}
-    return TrainResult(Path(cfg.runtime.output), checkpoint_dir, step, time.perf_counter() - start_time,
-                       final_train, final_eval, plot, schedule.total_steps, stream_report, engine_report)
+        engine_report = {
+            "evaluations": evaluator.done,
+            "best": ckpt.best_record(cfg.runtime.output) if cfg.runtime.keep == "best" else None,
+            "seconds": evaluator.seconds,
+        }
+    return TrainResult(
+        Path(cfg.runtime.output),
+        checkpoint_dir,
+        step,
+        time.perf_counter() - start_time,
+        final_train,
+        final_eval,
+        plot,
+        schedule.total_steps,
+        stream_report,
+        engine_report,
+    )
 
 
 # ----------------------------------------------------------------------------- setup
+
 
 def _check_output(cfg: TrainConfig) -> None:
     """-o is a run folder of its own: not one of the run's inputs (nor inside one, nor holding one), not a
     folder of another kind (a cache, a model, an export, files of yours), before anything is written."""
     d, r = cfg.data, cfg.runtime
     if distributed.is_main():
-        outputs.check({"-o": (r.output, outputs.TRAINING_RUN)},
-                      {"--cache": d.cache, "--target": d.target, "--data": d.data, "--vocab-map": d.vocab_map,
-                       "--chat-template": d.chat_template, "--stream-dir": r.stream_dir,
-                       "--eval-prompts": r.eval_prompts, "--eval-engine-target": r.eval_engine_target})
+        outputs.check(
+            {"-o": (r.output, outputs.TRAINING_RUN)},
+            {
+                "--cache": d.cache,
+                "--target": d.target,
+                "--data": d.data,
+                "--vocab-map": d.vocab_map,
+                "--chat-template": d.chat_template,
+                "--stream-dir": r.stream_dir,
+                "--eval-prompts": r.eval_prompts,
+                "--eval-engine-target": r.eval_engine_target,
+            },
+        )
 
 
 def _start(cfg: TrainConfig) -> torch.device:
     """This process's device (torchrun: its rank's), the process group, the seed; a --target-engine check."""
     device = distributed.local_device(loading.choose_device(cfg.runtime.device))
     distributed.init(device)
-    if distributed.world_size() > 1:  # the machine's cores shared by its ranks, not all of them each
+    if (
+        distributed.world_size() > 1
+    ):  # the machine's cores shared by its ranks, not all of them each
         torch.set_num_threads(threads.choose_for_run().threads)
     torch.manual_seed(cfg.optim.seed)
     local.check_engine(cfg.runtime.target_engine)
     if cfg.runtime.target_engine != "transformers" and cfg.data.target is None:
-        raise ConfigError(f"--target-engine {cfg.runtime.target_engine} runs a live --target in this process",
-                          "drop --target-engine (a cache or a server decides), or train from --target")
+        raise ConfigError(
+            f"--target-engine {cfg.runtime.target_engine} runs a live --target in this process",
+            "drop --target-engine (a cache or a server decides), or train from --target",
+        )
     return device
 
 
@@ -178,27 +249,41 @@ def _say_plan(trainer: Trainer, schedule: Schedule, device: torch.device) -> Non
     """The run in one line: batches, steps, objective, device, precision, attention, parallelism
     (and MSD's curriculum in another)."""
     cfg, precision = trainer.cfg, "bf16" if trainer.autocast_dtype else "fp32"
-    info(f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
-         f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), "
-         f"{trainer.algorithm.steps_name} {metric_steps(cfg, trainer.algorithm)}, "
-         f"loss {cfg.objective.loss}, device {device}, {precision}, attention {trainer.attention}"
-         + (f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
-            if schedule.world > 1 else "")
-         + (f" (context parallel: each row split over {schedule.context} of them, {schedule.data_world} "
-            "data-parallel replica(s))" if schedule.context > 1 else ""))
+    info(
+        f"training: {len(schedule.train)} train / {len(schedule.eval)} eval batches, "
+        f"{schedule.total_steps} steps of {schedule.per_step} micro-batch(es), "
+        f"{trainer.algorithm.steps_name} {metric_steps(cfg, trainer.algorithm)}, "
+        f"loss {cfg.objective.loss}, device {device}, {precision}, attention {trainer.attention}"
+        + (
+            f", {'FSDP2' if trainer.sharded else 'DDP'} over {schedule.world} processes"
+            if schedule.world > 1
+            else ""
+        )
+        + (
+            f" (context parallel: each row split over {schedule.context} of them, {schedule.data_world} "
+            "data-parallel replica(s))"
+            if schedule.context > 1
+            else ""
+        )
+    )
     if schedule.curriculum is not None:
-        info(f"curriculum: {schedule.curriculum.describe()}; {len(schedule.pools[0])} text and "
-             f"{len(schedule.pools[1])} image-text train batches")
+        info(
+            f"curriculum: {schedule.curriculum.describe()}; {len(schedule.pools[0])} text and "
+            f"{len(schedule.pools[1])} image-text train batches"
+        )
 
 
 # ----------------------------------------------------------------------------- teardown
 
+
 def _save_stream_report(cfg: TrainConfig, report: dict) -> None:
     """stream.json in the run folder (rank 0; also after an error or Ctrl-C) and one log line."""
-    info(f"stream: {report['produced']} batches produced, {report['consumed']} consumed, peak "
-         f"{report['peak_bytes'] / 2**20:.1f} MiB in the store, bound {size_text(report['max_bytes'])} "
-         f"({report['max_bytes_source']}); the trainer waited "
-         f"{report['trainer_wait_s']:.1f} s, producers {report['put_wait_s']:.1f} s on the bound")
+    info(
+        f"stream: {report['produced']} batches produced, {report['consumed']} consumed, peak "
+        f"{report['peak_bytes'] / 2**20:.1f} MiB in the store, bound {size_text(report['max_bytes'])} "
+        f"({report['max_bytes_source']}); the trainer waited "
+        f"{report['trainer_wait_s']:.1f} s, producers {report['put_wait_s']:.1f} s on the bound"
+    )
     if distributed.is_main():
         try:
             write_json(Path(cfg.runtime.output) / "stream.json", report)

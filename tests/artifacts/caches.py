@@ -14,10 +14,20 @@ H, V, VD = 8, 50, 10  # hidden size, target vocab, draft vocab
 
 
 def identity(encoding: str = "hidden", **overrides) -> dict:
-    values = {"target_fingerprint": "t" * 16, "chat_template_sha256": "c" * 64, "tokenizer_fingerprint": "k" * 16,
-              "vocab_map_fingerprint": "v" * 16, "aux_layers": [1, 3, 4], "encoding": encoding,
-              "dtype": "float32", "storage_dtype": "float32", "data_fingerprint": "d" * 16, "max_length": 64,
-              "batch_tokens": 64, "shard_tokens": 40}
+    values = {
+        "target_fingerprint": "t" * 16,
+        "chat_template_sha256": "c" * 64,
+        "tokenizer_fingerprint": "k" * 16,
+        "vocab_map_fingerprint": "v" * 16,
+        "aux_layers": [1, 3, 4],
+        "encoding": encoding,
+        "dtype": "float32",
+        "storage_dtype": "float32",
+        "data_fingerprint": "d" * 16,
+        "max_length": 64,
+        "batch_tokens": 64,
+        "shard_tokens": 40,
+    }
     return {**values, **overrides}
 
 
@@ -27,11 +37,19 @@ def random_samples(n: int, seed: int = 0) -> list[torch.Tensor]:
     samples = []
     for i in range(n):
         length = int(torch.randint(2, 9, (1,), generator=gen))
-        samples.append(torch.cat([torch.tensor([i + 1]), torch.randint(1, V, (length,), generator=gen)]))
+        samples.append(
+            torch.cat([torch.tensor([i + 1]), torch.randint(1, V, (length,), generator=gen)])
+        )
     return samples
 
-def write_cache(folder: Path, samples: list[torch.Tensor], shards: list[list[list[int]]],
-                encoding: str = "hidden", seed: int = 0) -> dict:
+
+def write_cache(
+    folder: Path,
+    samples: list[torch.Tensor],
+    shards: list[list[list[int]]],
+    encoding: str = "hidden",
+    seed: int = 0,
+) -> dict:
     """shards[s] is shard s's batches, each a list of indices into `samples`. Returns what was stored:
     {"identity", "shards": [tensors per shard], "entries", "head", "loss_masks", "selected"}."""
     gen = torch.Generator().manual_seed(seed)
@@ -63,11 +81,38 @@ def write_cache(folder: Path, samples: list[torch.Tensor], shards: list[list[lis
     selected = torch.sort(torch.randperm(V, generator=gen)[:VD]).values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[selected] = True
-    head = {"lm_head_selected": torch.randn(VD, H, generator=gen), "embed_tokens": torch.randn(V, H, generator=gen),
-            "final_norm": torch.rand(H, generator=gen) + 0.5}
-    fc.write_head(folder, head["lm_head_selected"], None, selected, t2d, None, head["embed_tokens"],
-                  head["final_norm"])
-    fc.write_manifest(folder, ident, {"architecture": "LlamaForCausalLM", "vocab_size": V, "hidden_size": H,
-                                      "num_layers": 8, "draft_vocab_size": VD}, entries)
-    return {"identity": ident, "shards": stored, "entries": entries, "head": head, "loss_masks": loss_masks,
-            "selected": selected}
+    head = {
+        "lm_head_selected": torch.randn(VD, H, generator=gen),
+        "embed_tokens": torch.randn(V, H, generator=gen),
+        "final_norm": torch.rand(H, generator=gen) + 0.5,
+    }
+    fc.write_head(
+        folder,
+        head["lm_head_selected"],
+        None,
+        selected,
+        t2d,
+        None,
+        head["embed_tokens"],
+        head["final_norm"],
+    )
+    fc.write_manifest(
+        folder,
+        ident,
+        {
+            "architecture": "LlamaForCausalLM",
+            "vocab_size": V,
+            "hidden_size": H,
+            "num_layers": 8,
+            "draft_vocab_size": VD,
+        },
+        entries,
+    )
+    return {
+        "identity": ident,
+        "shards": stored,
+        "entries": entries,
+        "head": head,
+        "loss_masks": loss_masks,
+        "selected": selected,
+    }

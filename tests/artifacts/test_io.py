@@ -19,7 +19,7 @@ def half_then_fail(tensors, filename, metadata=None):
     with open(filename, "rb") as f:
         data = f.read()
     with open(filename, "wb") as f:
-        f.write(data[:len(data) // 2])
+        f.write(data[: len(data) // 2])
     raise OSError("disk full")
 
 
@@ -84,8 +84,12 @@ def test_atomic_dir_replaces_the_whole_folder_or_leaves_it_as_it_was(tmp_path):
 
 
 def test_safetensors_round_trip_keeps_values_dtypes_and_metadata(tmp_path):
-    tensors = {"w": torch.randn(3, 4).t(), "ids": torch.tensor([1, 2], dtype=torch.int32),
-               "b": torch.tensor([True, False]), "h": torch.randn(2).bfloat16()}  # w: not contiguous
+    tensors = {
+        "w": torch.randn(3, 4).t(),
+        "ids": torch.tensor([1, 2], dtype=torch.int32),
+        "b": torch.tensor([True, False]),
+        "h": torch.randn(2).bfloat16(),
+    }  # w: not contiguous
     meta = {"kind": "thing", "nested": {"a": [1, 2]}}
     io.write_safetensors(tmp_path / "t.safetensors", tensors, meta)
     got, got_meta = io.read_safetensors(tmp_path / "t.safetensors", "thing")
@@ -113,7 +117,9 @@ def test_content_hashes_of_files_and_folders(tmp_path):
     (a / "x.bin").write_bytes(b"hello")
     (a / "sub" / "y.bin").write_bytes(b"world" * 1000)
     assert io.sha256_path(a / "x.bin") == hashlib.sha256(b"hello").hexdigest()
-    assert io.sha256_file(a / "sub" / "y.bin", chunk=7) == hashlib.sha256(b"world" * 1000).hexdigest()
+    assert (
+        io.sha256_file(a / "sub" / "y.bin", chunk=7) == hashlib.sha256(b"world" * 1000).hexdigest()
+    )
     b = tmp_path / "b"  # a copy elsewhere hashes the same
     (b / "sub").mkdir(parents=True)
     (b / "x.bin").write_bytes(b"hello")

@@ -19,9 +19,12 @@ def tokenized(lengths: list[int], seed: int = 0) -> TokenizedData:
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     offsets = torch.cumsum(torch.tensor([0] + lengths), 0)
-    return TokenizedData(torch.randint(1, 100, (total,), generator=gen).to(torch.int32),
-                         (torch.rand(total, generator=gen) < 0.5).to(torch.uint8), offsets,
-                         torch.arange(len(lengths)))
+    return TokenizedData(
+        torch.randint(1, 100, (total,), generator=gen).to(torch.int32),
+        (torch.rand(total, generator=gen) < 0.5).to(torch.uint8),
+        offsets,
+        torch.arange(len(lengths)),
+    )
 
 
 LENGTHS = torch.tensor([5, 100, 7, 98, 50, 52, 6, 99, 7, 300, 1])
@@ -30,7 +33,9 @@ LENGTHS = torch.tensor([5, 100, 7, 98, 50, 52, 6, 99, 7, 300, 1])
 @pytest.mark.parametrize("budget,max_batch_size", [(200, None), (64, None), (512, 3), (1, None)])
 def test_plans_keep_the_budget_and_take_samples_longest_first(budget, max_batch_size):
     plan = plan_batches(LENGTHS, batch_tokens=budget, max_batch_size=max_batch_size)
-    order = sorted(range(len(LENGTHS)), key=lambda i: (-int(LENGTHS[i]), i))  # longest first, ties by index
+    order = sorted(
+        range(len(LENGTHS)), key=lambda i: (-int(LENGTHS[i]), i)
+    )  # longest first, ties by index
     assert [i for batch in plan for i in batch] == order
     for k, batch in enumerate(plan):
         padded = len(batch) * int(LENGTHS[batch].max())
@@ -38,8 +43,9 @@ def test_plans_keep_the_budget_and_take_samples_longest_first(budget, max_batch_
         assert max_batch_size is None or len(batch) <= max_batch_size
         if k + 1 < len(plan):  # greedy: the next sample would not have fitted
             grown = batch + [plan[k + 1][0]]
-            assert (len(grown) * int(LENGTHS[grown].max()) > budget
-                    or (max_batch_size is not None and len(batch) == max_batch_size))
+            assert len(grown) * int(LENGTHS[grown].max()) > budget or (
+                max_batch_size is not None and len(batch) == max_batch_size
+            )
 
 
 def test_batches_are_length_bucketed():
@@ -70,7 +76,9 @@ def test_collate_right_pads_each_sample():
 
 def test_padding_fraction_from_known_counts():
     lengths = torch.tensor([4, 2, 3])
-    assert padding_fraction(lengths, [[0, 1], [2]]) == pytest.approx(1 - 9 / 11)  # 4+4 and 3 padded slots
+    assert padding_fraction(lengths, [[0, 1], [2]]) == pytest.approx(
+        1 - 9 / 11
+    )  # 4+4 and 3 padded slots
     assert padding_fraction(lengths, [[0], [1], [2]]) == 0.0
     assert padding_fraction(lengths, []) == 0.0
 
@@ -95,6 +103,6 @@ def test_a_packed_row_keeps_each_document_whole_and_in_order():
     start = 0
     for doc, n in zip(docs, seq_lens[0].tolist()):
         sample_ids, sample_mask = data.sample(doc)
-        assert torch.equal(ids[0, start:start + n], sample_ids.long())
-        assert torch.equal(lm[0, start:start + n], sample_mask.long())
+        assert torch.equal(ids[0, start : start + n], sample_ids.long())
+        assert torch.equal(lm[0, start : start + n], sample_mask.long())
         start += n

@@ -35,23 +35,48 @@ def folder(tmp_path):
 
 def test_every_place_an_image_can_be(folder):
     data_url = "data:image/png;base64," + base64.b64encode(png()).decode()
-    openai = {"messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "imgs/red.png"}},
-                                     {"type": "text", "text": "what is this?"},
-                                     {"type": "image", "image": data_url},
-                                     {"type": "input_image", "image_url": str(folder / "imgs" / "gray.png")}]},
-        {"role": "assistant", "content": "a square"}]}
+    openai = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "imgs/red.png"}},
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image", "image": data_url},
+                    {"type": "input_image", "image_url": str(folder / "imgs" / "gray.png")},
+                ],
+            },
+            {"role": "assistant", "content": "a square"},
+        ]
+    }
     refs = images.image_refs(openai)
-    assert [r.where for r in refs] == ["messages[0].content[0]", "messages[0].content[2]", "messages[0].content[3]"]
+    assert [r.where for r in refs] == [
+        "messages[0].content[0]",
+        "messages[0].content[2]",
+        "messages[0].content[3]",
+    ]
     opened = [images.open_image(r.source, folder) for r in refs]
-    assert [i.size for i in opened] == [(12, 8), (12, 8), (5, 5)] and {i.mode for i in opened} == {"RGB"}
+    assert [i.size for i in opened] == [(12, 8), (12, 8), (5, 5)] and {i.mode for i in opened} == {
+        "RGB"
+    }
     assert opened[0].tobytes() == Image.open(io.BytesIO(png())).convert("RGB").tobytes()
-    sharegpt = {"images": ["imgs/red.png", "file://" + str(folder / "imgs" / "gray.png")],
-                "conversations": [{"from": "human", "value": "<image>\nand <image>: same?"},
-                                  {"from": "gpt", "value": "no"}]}
+    sharegpt = {
+        "images": ["imgs/red.png", "file://" + str(folder / "imgs" / "gray.png")],
+        "conversations": [
+            {"from": "human", "value": "<image>\nand <image>: same?"},
+            {"from": "gpt", "value": "no"},
+        ],
+    }
     assert [r.where for r in images.image_refs(sharegpt)] == ["images[0]", "images[1]"]
-    assert images.check_images([openai, sharegpt, {"image": "imgs/red.png", "conversations": []}], folder) == 6
-    big = Image.frombytes("RGB", (64, 64), random.Random(3).randbytes(64 * 64 * 3))  # noise: PNG keeps it big
+    assert (
+        images.check_images(
+            [openai, sharegpt, {"image": "imgs/red.png", "conversations": []}], folder
+        )
+        == 6
+    )
+    big = Image.frombytes(
+        "RGB", (64, 64), random.Random(3).randbytes(64 * 64 * 3)
+    )  # noise: PNG keeps it big
     encoded = io.BytesIO()
     big.save(encoded, format="PNG")
     bare = base64.b64encode(encoded.getvalue()).decode()  # longer than a file name may be
@@ -61,20 +86,57 @@ def test_every_place_an_image_can_be(folder):
     assert images.image_refs({"messages": [{"role": "user", "content": "text only"}]}) == []
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"images": ["missing.png"], "conversations": []}, "record 0: images[0]: the image 'missing.png' is not a file"),
-    ({"image": "broken.png", "conversations": []}, "record 0: image[0]: the image 'broken.png' cannot be read"),
-    ({"image": "cut.png", "conversations": []}, "record 0: image[0]: the image 'cut.png' cannot be read"),
-    ({"image": "https://example.com/a.png", "conversations": []}, "is remote; spec_cli reads training data offline"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,@@"}]}]},
-     "the data URL data:image/png;base64,@@... is not base64 image data"),
-    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
-     "messages[0].content[0] is an image part without an image"),
-    ({"images": ["imgs/red.png"], "conversations": [{"from": "human", "value": "<image> <image>"}]},
-     "has 2 <image> marker(s) for 1 image(s)"),
-    ({"images": "imgs/red.png", "conversations": [{"from": "human", "value": "x"}]}, None),  # one path: fine
-    ({"images": [3], "conversations": []}, "image / images field is not a path or a list of paths"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {"images": ["missing.png"], "conversations": []},
+            "record 0: images[0]: the image 'missing.png' is not a file",
+        ),
+        (
+            {"image": "broken.png", "conversations": []},
+            "record 0: image[0]: the image 'broken.png' cannot be read",
+        ),
+        (
+            {"image": "cut.png", "conversations": []},
+            "record 0: image[0]: the image 'cut.png' cannot be read",
+        ),
+        (
+            {"image": "https://example.com/a.png", "conversations": []},
+            "is remote; spec_cli reads training data offline",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": "data:image/png;base64,@@"}],
+                    }
+                ]
+            },
+            "the data URL data:image/png;base64,@@... is not base64 image data",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0].content[0] is an image part without an image",
+        ),
+        (
+            {
+                "images": ["imgs/red.png"],
+                "conversations": [{"from": "human", "value": "<image> <image>"}],
+            },
+            "has 2 <image> marker(s) for 1 image(s)",
+        ),
+        (
+            {"images": "imgs/red.png", "conversations": [{"from": "human", "value": "x"}]},
+            None,
+        ),  # one path: fine
+        (
+            {"images": [3], "conversations": []},
+            "image / images field is not a path or a list of paths",
+        ),
+    ],
+)
 def test_unusable_images_are_one_error_naming_the_record(folder, record, message):
     if message is None:
         assert images.check_images([record], folder) == 1

@@ -28,8 +28,15 @@ def test_all_file_shapes_give_the_same_tokens(tmp_path, tokenizer):
 
     rng = random.Random(3)
     sharegpt = [tiny.random_sharegpt(rng) for _ in range(12)]
-    openai = [{"messages": [{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
-                            for t in r["conversations"]]} for r in sharegpt]
+    openai = [
+        {
+            "messages": [
+                {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+                for t in r["conversations"]
+            ]
+        }
+        for r in sharegpt
+    ]
     ref = _run(write_jsonl(tmp_path / "a.jsonl", sharegpt), tokenizer)
     (tmp_path / "b.json").write_text(json.dumps(openai))
     datasets.Dataset.from_list(sharegpt).to_parquet(str(tmp_path / "c.parquet"))
@@ -49,18 +56,28 @@ def test_skips_are_counted_by_reason(tmp_path, tokenizer):
         {"conversations": [{"from": "human", "value": "only a question"}]},
         {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
         {"text": "   "},
-        {"conversations": [{"from": "human", "value": " ".join(["water"] * 300)},
-                           {"from": "gpt", "value": "fine"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": " ".join(["water"] * 300)},
+                {"from": "gpt", "value": "fine"},
+            ]
+        },
     ]
     data = _run(write_jsonl(tmp_path / "mixed.jsonl", good + bad), tokenizer, max_length=128)
     assert len(data) == 5
-    assert data.metadata["skipped"] == {records.EMPTY: 2, records.NO_ASSISTANT: 1, records.MALFORMED: 1,
-                                        records.TRUNCATED: 1}
+    assert data.metadata["skipped"] == {
+        records.EMPTY: 2,
+        records.NO_ASSISTANT: 1,
+        records.MALFORMED: 1,
+        records.TRUNCATED: 1,
+    }
     assert data.source_index.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_zero_usable_records_is_an_error(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}])
+    path = write_jsonl(
+        tmp_path / "bad.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}]
+    )
     with pytest.raises(DataError, match="no usable records.*no assistant turn: 1"):
         _run(path, tokenizer)
 

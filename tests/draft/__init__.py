@@ -24,9 +24,18 @@ def one_thread():
 
 
 def tiny_config(**overrides) -> DraftConfig:
-    values = dict(vocab_size=V, target_hidden_size=12, aux_layer_ids=[1, 3, 4], target_num_layers=8,
-                  hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, draft_vocab_size=VD)
+    values = dict(
+        vocab_size=V,
+        target_hidden_size=12,
+        aux_layer_ids=[1, 3, 4],
+        target_num_layers=8,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        draft_vocab_size=VD,
+    )
     values.update(overrides)
     return DraftConfig(**values)
 
@@ -47,8 +56,14 @@ def selected_ids() -> torch.Tensor:
     return torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(7))[:VD]).values
 
 
-def random_batch(config: DraftConfig, lengths: list[int], T: int, seq_lens: list[list[int]] | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> TargetBatch:
+def random_batch(
+    config: DraftConfig,
+    lengths: list[int],
+    T: int,
+    seq_lens: list[list[int]] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> TargetBatch:
     """Right-padded rows of `lengths` real tokens, or packed rows of documents `seq_lens`."""
     gen = torch.Generator().manual_seed(seed)
     B = len(lengths)
@@ -62,7 +77,7 @@ def random_batch(config: DraftConfig, lengths: list[int], T: int, seq_lens: list
         for b, docs in enumerate(seq_lens):
             start = 0
             for n in docs:
-                position_ids[b, start:start + n] = torch.arange(n)
+                position_ids[b, start : start + n] = torch.arange(n)
                 start += n
     sel = selected_ids()
     logits = torch.randn(B, T, config.vocab_size, generator=gen, dtype=torch.float64) * 2

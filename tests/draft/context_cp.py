@@ -29,19 +29,30 @@ T = 24
 CASES = {  # name: (draft options, batch (lengths, packed documents), objective options)
     "rows": ({}, ([24, 17], None), dict(ttt_steps=3)),
     "packed": ({}, ([24, 24], [[7, 9, 8], [5, 19]]), dict(ttt_steps=4)),
-    "packed-2-layers-checkpointed": (dict(num_hidden_layers=2), ([24, 24], [[11, 13], [24]]),
-                                     dict(ttt_steps=3, checkpoint=True)),
+    "packed-2-layers-checkpointed": (
+        dict(num_hidden_layers=2),
+        ([24, 24], [[11, 13], [24]]),
+        dict(ttt_steps=3, checkpoint=True),
+    ),
     "window": (dict(sliding_window=5), ([24, 21], None), dict(ttt_steps=3)),
     "window-packed": (dict(sliding_window=4), ([24, 24], [[10, 14], [3, 21]]), dict(ttt_steps=2)),
     "lk-alpha": ({}, ([24, 20], None), dict(ttt_steps=3, loss="lk-alpha")),
-    "lk-lambda": ({}, ([24, 24], [[7, 9, 8], [24]]), dict(ttt_steps=3, loss="lk-lambda", lk_kl_decay=3.0)),
+    "lk-lambda": (
+        {},
+        ([24, 24], [[7, 9, 8], [24]]),
+        dict(ttt_steps=3, loss="lk-lambda", lk_kl_decay=3.0),
+    ),
 }
 
 PEAGLE = {  # name: (draft options, (lengths, packed documents, row width), objective options, training)
     "rows": ({}, ([24, 17], None, 24), dict(ttt_steps=4), True),
     "rows-padded": ({}, ([22, 15], None, 22), dict(ttt_steps=3), True),  # 22 slots: padded to 24
-    "packed-2-layers-checkpointed": (dict(num_hidden_layers=2), ([24, 24], [[7, 9, 8], [5, 19]], 24),
-                                     dict(ttt_steps=4), True),
+    "packed-2-layers-checkpointed": (
+        dict(num_hidden_layers=2),
+        ([24, 24], [[7, 9, 8], [5, 19]], 24),
+        dict(ttt_steps=4),
+        True,
+    ),
     "lk-alpha": ({}, ([24, 20], None, 24), dict(ttt_steps=3, loss="lk-alpha"), True),
     "eval": ({}, ([24, 24], [[11, 13], [24]], 24), dict(ttt_steps=4), False),  # every valid element
 }
@@ -57,8 +68,12 @@ def _peagle(rank: int) -> dict:
     for name, (options, (lengths, docs, width), objective, training) in PEAGLE.items():
         drafts = [peagle_draft(**options).double() for _ in range(2)]
         checkpoint = "checkpointed" in name
-        whole, parts = (PEagleObjective(d, ObjectiveOptions(**objective), activation_checkpointing=checkpoint)
-                        .train(training) for d in drafts)
+        whole, parts = (
+            PEagleObjective(
+                d, ObjectiveOptions(**objective), activation_checkpointing=checkpoint
+            ).train(training)
+            for d in drafts
+        )
         parts.context = Context(2, rank)
         batch = random_batch(drafts[0].config, lengths, width, docs, seed=3, dtype=torch.float64)
         outs = []
@@ -69,9 +84,14 @@ def _peagle(rank: int) -> dict:
             out.loss.backward()
             outs.append(out)
         results[f"peagle-{name}"] = _compare(outs[0], outs[1], *drafts)
-        results[f"peagle-{name}"].update(_counts(), layers=options.get("num_hidden_layers", 1),
-                                         steps=objective["ttt_steps"], checkpoint=False, mask_gathers=1,
-                                         sampled=training)
+        results[f"peagle-{name}"].update(
+            _counts(),
+            layers=options.get("num_hidden_layers", 1),
+            steps=objective["ttt_steps"],
+            checkpoint=False,
+            mask_gathers=1,
+            sampled=training,
+        )
     return results
 
 
@@ -80,13 +100,18 @@ def _compare(whole, parts, draft_whole, draft_cp) -> dict:
         t = t.detach().clone().double()
         dist.all_reduce(t)
         return t
-    diffs = {name: float((total(getattr(parts, name)) - getattr(whole, name).double()).abs().max())
-             for name in ("loss", "step_loss", "correct", "total", "supervised")}
+
+    diffs = {
+        name: float((total(getattr(parts, name)) - getattr(whole, name).double()).abs().max())
+        for name in ("loss", "step_loss", "correct", "total", "supervised")
+    }
     grads = {}
     for (name, p), (_, q) in zip(draft_whole.named_parameters(), draft_cp.named_parameters()):
         if p.grad is None:
             continue
-        grads[name] = float((total(q.grad) - p.grad.double()).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+        grads[name] = float(
+            (total(q.grad) - p.grad.double()).abs().max() / p.grad.abs().max().clamp_min(1e-30)
+        )
     diffs["grad_rel"] = max(grads.values())
     diffs["loss_value"] = float(whole.loss)
     return diffs
@@ -104,6 +129,7 @@ def _count_collectives() -> None:
         def counted(*args, _real=real, _name=name, **kwargs):
             COLLECTIVES[_name] += 1
             return _real(*args, **kwargs)
+
         setattr(dist, name, counted)
 
 
@@ -132,9 +158,12 @@ def main(out: str) -> None:
             parts = ttt_forward(cp_draft, batch, shard=shard, **objective)
             parts.loss.backward()
             results[f"eagle3-{name}-{impl}"] = _compare(whole, parts, whole_draft, cp_draft)
-            results[f"eagle3-{name}-{impl}"].update(_counts(), layers=options.get("num_hidden_layers", 1),
-                                                     steps=objective["ttt_steps"],
-                                                     checkpoint=objective.get("checkpoint", False))
+            results[f"eagle3-{name}-{impl}"].update(
+                _counts(),
+                layers=options.get("num_hidden_layers", 1),
+                steps=objective["ttt_steps"],
+                checkpoint=objective.get("checkpoint", False),
+            )
     # EAGLE-1/2: the same unroll, its head reading the final hidden state one slot further on
     whole_draft, cp_draft = eagle_draft().double(), eagle_draft().double()
     batch = batch_of([24, 19], T).map(lambda t: t.double() if t.is_floating_point() else t)

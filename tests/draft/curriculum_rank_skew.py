@@ -15,7 +15,9 @@ def main(*argv: str) -> None:
 
     if os.environ["RANK"] == "1":
         real = curriculum.Curriculum.source
-        curriculum.Curriculum.source = lambda self, step: 1 - real(self, step) if step == 2 else real(self, step)
+        curriculum.Curriculum.source = lambda self, step: (
+            1 - real(self, step) if step == 2 else real(self, step)
+        )
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = spec(list(argv))

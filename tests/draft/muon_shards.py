@@ -37,7 +37,9 @@ def main(out: str) -> None:
 
     distributed.init(torch.device("cpu"))
     real = muon_impl._zeropower_via_newtonschulz
-    muon_impl._zeropower_via_newtonschulz = newton_schulz_fp64  # (the launch's next jobs get it back)
+    muon_impl._zeropower_via_newtonschulz = (
+        newton_schulz_fp64  # (the launch's next jobs get it back)
+    )
     try:
         compare(out, DTensor, distribute_tensor)
     finally:
@@ -58,13 +60,21 @@ def compare(out: str, DTensor, distribute_tensor) -> None:
         for _ in range(3):
             for _, p in named:
                 grad = torch.randn(p.shape, generator=gen)
-                p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
+                p.grad = (
+                    distribute_tensor(grad, p.device_mesh, p.placements)
+                    if isinstance(p, DTensor)
+                    else grad
+                )
             optimizer.step()
-        results.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in named})
+        results.append(
+            {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in named}
+        )
     if distributed.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
-        moved = {n: (results[0][n] - tiny_draft(num_hidden_layers=2).state_dict()[n]).abs().max().item()
-                 for n in results[0]}
+        moved = {
+            n: (results[0][n] - tiny_draft(num_hidden_layers=2).state_dict()[n]).abs().max().item()
+            for n in results[0]
+        }
         diff = {n: (results[0][n] - results[1][n]).abs().max().item() for n in results[0]}
         (Path(out) / "muon.json").write_text(json.dumps({"diff": diff, "moved": moved}))
 

@@ -48,33 +48,117 @@ def own_home(root):
         mp.undo()
 
 
-def vocab_and_cache(root, target, data, vocab_size: int = 64, *precompute_extra: str, vm: str = "vm.safetensors",
-                    cache: str = "cache") -> tuple:
+def vocab_and_cache(
+    root,
+    target,
+    data,
+    vocab_size: int = 64,
+    *precompute_extra: str,
+    vm: str = "vm.safetensors",
+    cache: str = "cache",
+) -> tuple:
     """`spec build-vocab-map` + `spec precompute` of `data` for `target` into root/`vm` and root/`cache`
     (SPEC_HOME root/home): the inputs most CLI tests start from. -> (vocab map, cache)."""
     from spec_cli.cli import main
 
     vm, cache = root / vm, root / cache
     with own_home(root):
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", str(vocab_size),
-                     "-o", str(vm), "-q"]) == 0
-        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache), "-q",
-                     *precompute_extra]) == 0
+        assert (
+            main(
+                [
+                    "build-vocab-map",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "--draft-vocab-size",
+                    str(vocab_size),
+                    "-o",
+                    str(vm),
+                    "-q",
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "precompute",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "-v",
+                    str(vm),
+                    "-o",
+                    str(cache),
+                    "-q",
+                    *precompute_extra,
+                ]
+            )
+            == 0
+        )
     return vm, cache
 
 
 def peagle_train_args(root, vm, out, *extra) -> list[str]:
     """`spec train --algorithm peagle` from root/cache: the P-EAGLE pipeline's run, 4 steps."""
-    return ["train", "--cache", str(root / "cache"), "-v", str(vm), "--algorithm", "peagle", "--ttt-steps", "4",
-            "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512", "--eval-fraction", "0.2",
-            "--save-every", "4", "-o", str(out), "-q", *extra]
+    return [
+        "train",
+        "--cache",
+        str(root / "cache"),
+        "-v",
+        str(vm),
+        "--algorithm",
+        "peagle",
+        "--ttt-steps",
+        "4",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "4",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--save-every",
+        "4",
+        "-o",
+        str(out),
+        "-q",
+        *extra,
+    ]
 
 
 def dflash_train_args(root, vm, out, *extra) -> list[str]:
     """`spec train --algorithm dflash` from root/cache: the DFlash pipeline's run, 4 steps, blocks of 4."""
-    return ["train", "--cache", str(root / "cache"), "-v", str(vm), "--algorithm", "dflash", "--block-size", "4",
-            "--draft-layers", "2", "--lr", "3e-3", "--max-steps", "4", "--batch-tokens", "512",
-            "--eval-fraction", "0.2", "--save-every", "4", "-o", str(out), "-q", *extra]
+    return [
+        "train",
+        "--cache",
+        str(root / "cache"),
+        "-v",
+        str(vm),
+        "--algorithm",
+        "dflash",
+        "--block-size",
+        "4",
+        "--draft-layers",
+        "2",
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        "4",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--save-every",
+        "4",
+        "-o",
+        str(out),
+        "-q",
+        *extra,
+    ]
 
 
 def pipeline(root, target, algorithm: str) -> dict:
@@ -92,13 +176,51 @@ def pipeline(root, target, algorithm: str) -> dict:
     rng = random.Random({"eagle": 3, "peagle": 5, "dflash": 9}[algorithm])
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(12)])
     prompts = write_jsonl(root / "prompts.jsonl", [tiny.random_sharegpt(rng) for _ in range(2)])
-    vm = str(vocab_and_cache(root, target, data, V if algorithm == "eagle" else 96, "--algorithm", algorithm,
-                             "--batch-tokens", "512")[0])
+    vm = str(
+        vocab_and_cache(
+            root,
+            target,
+            data,
+            V if algorithm == "eagle" else 96,
+            "--algorithm",
+            algorithm,
+            "--batch-tokens",
+            "512",
+        )[0]
+    )
     with own_home(root):
         if algorithm == "eagle":
-            assert main(["train", "--cache", str(root / "cache"), "-v", vm, "--algorithm", "eagle", "--ttt-steps",
-                         "2", "--max-steps", "4", "--lr", "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2",
-                         "--save-every", "4", "--draft-layers", "2", "-o", str(root / "run"), "-q"]) == 0
+            assert (
+                main(
+                    [
+                        "train",
+                        "--cache",
+                        str(root / "cache"),
+                        "-v",
+                        vm,
+                        "--algorithm",
+                        "eagle",
+                        "--ttt-steps",
+                        "2",
+                        "--max-steps",
+                        "4",
+                        "--lr",
+                        "3e-3",
+                        "--batch-tokens",
+                        "512",
+                        "--eval-fraction",
+                        "0.2",
+                        "--save-every",
+                        "4",
+                        "--draft-layers",
+                        "2",
+                        "-o",
+                        str(root / "run"),
+                        "-q",
+                    ]
+                )
+                == 0
+            )
         elif algorithm == "dflash":
             assert main(dflash_train_args(root, vm, root / "run")) == 0
         else:
@@ -106,8 +228,9 @@ def pipeline(root, target, algorithm: str) -> dict:
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}
 
 
-def context_parallel_equals_one_process(runs: dict[str, list], common: list, folder: Path,
-                                        atol: float = 1e-5) -> None:
+def context_parallel_equals_one_process(
+    runs: dict[str, list], common: list, folder: Path, atol: float = 1e-5
+) -> None:
     """Each of `runs` (name -> its source options) trained under torchrun x2 with --context-parallel 2 and
     in one process, both with `common`: the same weights (fp32 rounding: the attention is summed in other
     pieces, and Adam divides a tiny gradient's rounding by its tiny RMS: `atol` of weights moved by a few
@@ -118,14 +241,22 @@ def context_parallel_equals_one_process(runs: dict[str, list], common: list, fol
     from spec_cli.cli import main
     from tests.launch import torchrun
 
-    torchrun([["train", *source, "-o", str(folder / f"cp-{name}"), "--context-parallel", "2", *common]
-              for name, source in runs.items()], folder / "launch")
+    torchrun(
+        [
+            ["train", *source, "-o", str(folder / f"cp-{name}"), "--context-parallel", "2", *common]
+            for name, source in runs.items()
+        ],
+        folder / "launch",
+    )
     for name, source in runs.items():
         assert main(["train", *source, "-o", str(folder / f"one-{name}"), *common]) == 0
         one, cp = weights(folder / f"one-{name}"), weights(folder / f"cp-{name}")
         for key, value in one.items():
             torch.testing.assert_close(cp[key], value, rtol=1e-4, atol=atol, msg=f"{name}: {key}")
-        train = [[r for r in log(folder / f"{kind}-{name}") if r["split"] == "train"] for kind in ("one", "cp")]
+        train = [
+            [r for r in log(folder / f"{kind}-{name}") if r["split"] == "train"]
+            for kind in ("one", "cp")
+        ]
         assert [r["step"] for r in train[0]] == [r["step"] for r in train[1]] and train[0]
         for a, b in zip(*train):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["tokens"] == a["tokens"]

@@ -20,8 +20,14 @@ def test_every_algorithm_names_itself_and_reads_its_own_count_of_layers():
         assert algorithm.name == name
         assert len(algorithm.default_aux_layers(30)) == algorithm.aux_layers
         assert (algorithm.export is None) == (algorithm.formats == ())
-        assert callable(algorithm.build) and callable(algorithm.objective) and algorithm.code is not None
-        for fmt in algorithm.formats:  # each format's reading rules are there, and its engine is one spec_cli knows
+        assert (
+            callable(algorithm.build)
+            and callable(algorithm.objective)
+            and algorithm.code is not None
+        )
+        for fmt in (
+            algorithm.formats
+        ):  # each format's reading rules are there, and its engine is one spec_cli knows
             assert fmt.engine in (None, "vllm", "sglang") and callable(algorithm.rules.check)
             assert callable(algorithm.rules.recognise) and callable(algorithm.rules.read)
     assert EAGLE3.default_aux_layers(30) == [1, 14, 26]  # SmolLM2: what vLLM and SGLang capture
@@ -30,8 +36,9 @@ def test_every_algorithm_names_itself_and_reads_its_own_count_of_layers():
     assert "eagle3" in err.value.hint
 
 
-TWO = dataclasses.replace(EAGLE3, name="eagle3-two", aux_layers=2, default_aux_layers=lambda n: [1, n - 3],
-                          formats=())
+TWO = dataclasses.replace(
+    EAGLE3, name="eagle3-two", aux_layers=2, default_aux_layers=lambda n: [1, n - 3], formats=()
+)
 
 
 @pytest.fixture

@@ -41,8 +41,13 @@ def _inputs(B, h, kv, T, d, n, dtype, seed=0):
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
 
-    return (rand(B, h, T, d), rand(B, kv, T, d), rand(B, kv, T, d),
-            [rand(B, kv, T, d) for _ in range(n)], [rand(B, kv, T, d) for _ in range(n)])
+    return (
+        rand(B, h, T, d),
+        rand(B, kv, T, d),
+        rand(B, kv, T, d),
+        [rand(B, kv, T, d) for _ in range(n)],
+        [rand(B, kv, T, d) for _ in range(n)],
+    )
 
 
 def _allowed(B, T, seq_lens):
@@ -53,7 +58,7 @@ def _allowed(B, T, seq_lens):
     for b, docs in enumerate(seq_lens.tolist()):
         start = 0
         for n in docs + [T - sum(docs)]:  # trailing padding is its own block
-            allowed[b, start:start + n, start:start + n] = causal[:n, :n]
+            allowed[b, start : start + n, start : start + n] = causal[:n, :n]
             start += n
     return allowed
 
@@ -108,7 +113,9 @@ WINDOW_CASES = [  # heads, kv heads, extra steps, packing, window
 
 @pytest.mark.parametrize("impl", ["fused", "math"])
 @pytest.mark.parametrize("heads,kv_heads,n_extra,packed,window", WINDOW_CASES)
-def test_sliding_window_matches_explicit(impl, heads, kv_heads, n_extra, packed, window, monkeypatch):
+def test_sliding_window_matches_explicit(
+    impl, heads, kv_heads, n_extra, packed, window, monkeypatch
+):
     """--draft-window: query t attends keys t - window + 1 .. t of its document (plus its own extra
     keys), forward and backward exact, whatever the kernel calls are cut into (chunks of 2 rows here,
     so the chunks' key ranges overlap and their key gradients add up)."""
@@ -125,7 +132,7 @@ def test_sliding_window_matches_explicit(impl, heads, kv_heads, n_extra, packed,
     windowed = attention.with_window(bias, window, B, T)
     out = ttt_attention(q, k0, v0, ek, ev, windowed, impl=impl)
     t = torch.arange(T)
-    near = (t[None, :] > t[:, None] - window)  # [T, T] keys inside each query's window
+    near = t[None, :] > t[:, None] - window  # [T, T] keys inside each query's window
     ref = explicit_attention(q, k0, v0, ek, ev, _allowed(B, T, seq_lens) & near)
     tol = dict(atol=1e-11, rtol=1e-11)
     torch.testing.assert_close(out, ref, **tol)
@@ -140,25 +147,37 @@ def test_sliding_window_matches_explicit(impl, heads, kv_heads, n_extra, packed,
 def test_sliding_window_pieces_skip_varlen_only_where_it_binds():
     """Documents no longer than the window keep the one-call path (varlen on CUDA); a longer one is
     cut into chunks whose biases hold causality and the window."""
-    segments = attention.with_window(Segments.from_lengths([[4, 4], [3, 0]], 8), 5, 2, 8)  # padding 3..8
+    segments = attention.with_window(
+        Segments.from_lengths([[4, 4], [3, 0]], 8), 5, 2, 8
+    )  # padding 3..8
     assert not segments.window_binds and segments.window == 5
     like = torch.zeros(1)
-    assert [p[:4] for p in attention._pieces(segments, like)] == [(0, 0, 4, 0), (0, 4, 8, 4), (1, 0, 3, 0), (1, 3, 8, 3)]
+    assert [p[:4] for p in attention._pieces(segments, like)] == [
+        (0, 0, 4, 0),
+        (0, 4, 8, 4),
+        (1, 0, 3, 0),
+        (1, 3, 8, 3),
+    ]
     longer = attention.with_window(Segments.from_lengths([[9]], 9), 3, 1, 9)
     assert longer.window_binds
     pieces = list(attention._pieces(longer, like))
     assert [p[:4] for p in pieces] == [(0, 0, 9, 0)]  # WINDOW_CHUNK (256) rows per call
     bias = attention.window_bias(3, 5, 3, torch.float32, "cpu")  # queries 2..4 of keys 0..4
-    assert torch.equal(bias[0, 0] == 0, torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).bool())
+    assert torch.equal(
+        bias[0, 0] == 0, torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]).bool()
+    )
     assert bias.stride(2) == 16  # padded storage: the CUDA kernels' alignment
-    assert attention.with_window(None, 9, 1, 9) is None  # a window over the whole row changes nothing
+    assert (
+        attention.with_window(None, 9, 1, 9) is None
+    )  # a window over the whole row changes nothing
 
 
 def test_bfloat16_runs_close_to_fp32():
     q, k0, v0, ek, ev = _inputs(1, 4, 2, 9, 8, 2, torch.float32)
     ref = ttt_attention(q, k0, v0, ek, ev)
-    low = ttt_attention(*(x.bfloat16() for x in (q, k0, v0)), [x.bfloat16() for x in ek],
-                        [x.bfloat16() for x in ev])
+    low = ttt_attention(
+        *(x.bfloat16() for x in (q, k0, v0)), [x.bfloat16() for x in ek], [x.bfloat16() for x in ev]
+    )
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
 
@@ -182,7 +201,14 @@ def test_broken_fused_kernel_falls_back_to_math(monkeypatch):
 def test_segments_cover_every_slot_once():
     seq_lens = torch.tensor([[2, 3, 0], [1, 0, 0], [4, 2, 0]])
     assert Segments.from_seq_lens(seq_lens, 6).spans == (
-        (0, 0, 2), (0, 2, 5), (0, 5, 6), (1, 0, 1), (1, 1, 6), (2, 0, 4), (2, 4, 6))
+        (0, 0, 2),
+        (0, 2, 5),
+        (0, 5, 6),
+        (1, 0, 1),
+        (1, 1, 6),
+        (2, 0, 4),
+        (2, 4, 6),
+    )
 
 
 def test_document_index_and_bias():
@@ -195,6 +221,7 @@ def test_document_index_and_bias():
 
 def test_memory_is_linear_in_length():
     """No [T, T] tensor is saved for backward: saved bytes grow linearly with T."""
+
     def saved_bytes(T):
         q, k0, v0, ek, ev = _inputs(1, 4, 2, T, 8, 3, torch.float32)
         seen = {}
@@ -222,7 +249,9 @@ def test_cuda_kernel_plumbing_on_meta_tensors(packed):
     bias = None
     if packed:
         bias = torch.zeros(B, 1, T, 32, device="meta")[..., :T]
-    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, bias, d ** -0.5, 1, q, k0, v0, k1, v1)
+    out = attention._TTTAttention.apply(
+        attention.CUDA_EFFICIENT, bias, d**-0.5, 1, q, k0, v0, k1, v1
+    )
     assert out.shape == (B, h, T, d)
     grads = torch.autograd.grad(out, [q, k0, v0, k1, v1], torch.ones_like(out))
     assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
@@ -244,7 +273,9 @@ def test_cuda_kernel_takes_windowed_calls_on_meta_tensors(monkeypatch):
     q = torch.randn(B, h, T, d, device="meta", requires_grad=True)
     k0, v0, k1, v1 = (torch.randn(B, kv, T, d, device="meta", requires_grad=True) for _ in range(4))
     windowed = attention.with_window(None, 6, B, T)
-    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, windowed, d ** -0.5, 1, q, k0, v0, k1, v1)
+    out = attention._TTTAttention.apply(
+        attention.CUDA_EFFICIENT, windowed, d**-0.5, 1, q, k0, v0, k1, v1
+    )
     grads = torch.autograd.grad(out, [q, k0, v0, k1, v1], torch.ones_like(out))
     assert [g.shape for g in grads] == [q.shape] + [k0.shape] * 4
     assert seen == [(8, 8, (1, 4, 8, 8)), (8, 13, (1, 4, 8, 13)), (3, 8, (1, 4, 3, 8))]
@@ -264,15 +295,24 @@ def test_cuda_backward_reads_out_in_the_forwards_layout(packed, monkeypatch):
         seen.append((dout.stride(), out.stride(), out.shape))
         return real(dout, q, k, v, bias, out, *rest, **kwargs)
 
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording)
+    monkeypatch.setattr(
+        torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording
+    )
     B, h, kv, T, d = 2, 4, 2, 19, 16
     q = torch.randn(B, h, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    k0, v0 = (torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    bias = torch.zeros(B, 1, T, 32, device="meta", dtype=torch.bfloat16)[..., :T] if packed else None
-    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, bias, d ** -0.5, 0, q, k0, v0)
+    k0, v0 = (
+        torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+    bias = (
+        torch.zeros(B, 1, T, 32, device="meta", dtype=torch.bfloat16)[..., :T] if packed else None
+    )
+    out = attention._TTTAttention.apply(attention.CUDA_EFFICIENT, bias, d**-0.5, 0, q, k0, v0)
     torch.autograd.grad(out, [q, k0, v0], torch.ones_like(out))
     assert seen
-    bthd = torch.empty(B, T, h, d, device="meta").transpose(1, 2).stride()  # the forward's own layout
+    bthd = (
+        torch.empty(B, T, h, d, device="meta").transpose(1, 2).stride()
+    )  # the forward's own layout
     for dout_stride, out_stride, shape in seen:
         assert shape == (B, h, T, d)
         assert out_stride == bthd and dout_stride == bthd
@@ -316,17 +356,24 @@ def test_under_bf16_autocast_the_attention_gets_one_dtype_and_keeps_the_fused_ke
             out = ttt_forward(draft, batch, ttt_steps=3)
         out.loss.backward()
     assert calls and all(dtypes == {torch.bfloat16} for dtypes in calls)
-    assert {name for _, name in seen} == {attention.fused_kernel(torch.device("cpu"), torch.bfloat16).name}
+    assert {name for _, name in seen} == {
+        attention.fused_kernel(torch.device("cpu"), torch.bfloat16).name
+    }
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in draft.parameters())
 
 
-VARLEN_KINDS = [("flash", "heads_total", 1), ("flash", "per_document", 1), ("efficient", "per_document", 32)]
+VARLEN_KINDS = [
+    ("flash", "heads_total", 1),
+    ("flash", "per_document", 1),
+    ("efficient", "per_document", 32),
+]
 
 
 @pytest.mark.parametrize("kind,lse_layout,pad_to", VARLEN_KINDS)
 @pytest.mark.parametrize("heads,kv_heads,n_extra", [(4, 2, 0), (4, 2, 3), (2, 1, 6)])
-def test_packed_rows_in_one_varlen_call_match_explicit(kind, lse_layout, pad_to, heads, kv_heads, n_extra,
-                                                       monkeypatch):
+def test_packed_rows_in_one_varlen_call_match_explicit(
+    kind, lse_layout, pad_to, heads, kv_heads, n_extra, monkeypatch
+):
     """Packed rows on CUDA go to one varlen kernel call per batch, forward and backward, whatever the
     number of documents (the per-document loop was ~60 calls per row and TTT step). The CUDA ops are
     stood in by CPU implementations of their contracts (tests/draft/varlen_ops.py): this tests the
@@ -347,7 +394,13 @@ def test_packed_rows_in_one_varlen_call_match_explicit(kind, lse_layout, pad_to,
     assert ops.calls == {"fwd": 1, "bwd": 1}
 
     ref_in = [x.detach().clone().requires_grad_() for x in (q, k0, v0, *ek, *ev)]
-    rq, rk, rv, rek, rev = ref_in[0], ref_in[1], ref_in[2], ref_in[3:3 + n_extra], ref_in[3 + n_extra:]
+    rq, rk, rv, rek, rev = (
+        ref_in[0],
+        ref_in[1],
+        ref_in[2],
+        ref_in[3 : 3 + n_extra],
+        ref_in[3 + n_extra :],
+    )
     ref = explicit_attention(rq, rk, rv, rek, rev, _allowed(B, T, seq_lens))
     ref_grads = torch.autograd.grad(ref, ref_in, dout)
     torch.testing.assert_close(out, ref)
@@ -371,9 +424,14 @@ def test_varlen_self_check_failure_falls_back_to_one_call_per_document(monkeypat
     B, T, d = 1, 12, 8
     seq_lens = torch.tensor([[4, 8]])
     q, k0, v0, ek, ev = _inputs(B, 2, 2, T, d, 2, torch.float64)
-    with pytest.warns(UserWarning, match="flash_varlen .* failed its self-check.*one kernel call per document"):
+    with pytest.warns(
+        UserWarning, match="flash_varlen .* failed its self-check.*one kernel call per document"
+    ):
         out = ttt_attention(q, k0, v0, ek, ev, bias=Segments.from_seq_lens(seq_lens, T))
-    assert attention.packed_kernel_name(attention.CPU_FLASH, q.device, q.dtype) == "cpu_flash per document"
+    assert (
+        attention.packed_kernel_name(attention.CPU_FLASH, q.device, q.dtype)
+        == "cpu_flash per document"
+    )
     ref = explicit_attention(q, k0, v0, ek, ev, _allowed(B, T, seq_lens))
     torch.testing.assert_close(out, ref)
 
@@ -411,8 +469,11 @@ def test_flash_varlen_plumbing_on_meta_tensors():
     segments = Segments.from_lengths([[7, 12], [19, 0]], T)
     q = torch.randn(B, h, T, d, device="meta", dtype=torch.bfloat16)
     k, v = (torch.randn(B, kv, T, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    out, lse, state = attention.FLASH_VARLEN.fwd(q, k, v, segments, d ** -0.5)
+    out, lse, state = attention.FLASH_VARLEN.fwd(q, k, v, segments, d**-0.5)
     assert out.shape == q.shape and lse.shape == (B, h, T) and lse.dtype == torch.float32
-    assert state[2] == ((h, B * T), torch.float32)  # the kernel's lse layout, kept for the backward (not the tensor)
-    grads = attention.FLASH_VARLEN.bwd(q, q, k, v, segments, out, lse, d ** -0.5, state)
+    assert state[2] == (
+        (h, B * T),
+        torch.float32,
+    )  # the kernel's lse layout, kept for the backward (not the tensor)
+    grads = attention.FLASH_VARLEN.bwd(q, q, k, v, segments, out, lse, d**-0.5, state)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

@@ -16,9 +16,15 @@ from tests.launch import torchrun
 
 def test_zig_zag_layout_balances_causal_work():
     shards = [ContextShard(size=4, rank=r, length=32) for r in range(4)]
-    assert [s.chunks() for s in shards] == [((0, 4), (28, 32)), ((4, 8), (24, 28)), ((8, 12), (20, 24)),
-                                            ((12, 16), (16, 20))]
-    work = [sum(t + 1 for a, b in s.chunks() for t in range(a, b)) for s in shards]  # causal keys per query
+    assert [s.chunks() for s in shards] == [
+        ((0, 4), (28, 32)),
+        ((4, 8), (24, 28)),
+        ((8, 12), (20, 24)),
+        ((12, 16), (16, 20)),
+    ]
+    work = [
+        sum(t + 1 for a, b in s.chunks() for t in range(a, b)) for s in shards
+    ]  # causal keys per query
     assert len(set(work)) == 1
     x = torch.arange(32)[None]
     assert torch.equal(torch.cat([s.owned(x) for s in shards], 1).sort().values, x)
@@ -43,7 +49,9 @@ def test_context_parallel_objective_equals_the_whole_rows(tmp_path):
     # keys, and its plan gathers the rows' masks once)
     for case, d in results.items():
         forwards = 2 if d["checkpoint"] else 1
-        assert d["all_gather_into_tensor"] == 2 * d["layers"] * forwards + d.get("mask_gathers", 0), (case, d)
+        assert d["all_gather_into_tensor"] == 2 * d["layers"] * forwards + d.get(
+            "mask_gathers", 0
+        ), (case, d)
         assert d["reduce_scatter_tensor"] == 2 * d["layers"], (case, d)
 
 

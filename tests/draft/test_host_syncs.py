@@ -65,8 +65,9 @@ def test_eagle3_step_syncs_once(ttt_steps, docs, checkpoint):
     draft = tiny_draft()
     seq_lens = None if docs == 1 else [[T // docs] * docs, [T // docs] * (docs - 1)]
     batch = random_batch(draft.config, [T, T - 5], T, seq_lens)
-    for counts in step_syncs(draft, lambda d, b: ttt_forward(d, b, ttt_steps=ttt_steps, checkpoint=checkpoint),
-                             batch):
+    for counts in step_syncs(
+        draft, lambda d, b: ttt_forward(d, b, ttt_steps=ttt_steps, checkpoint=checkpoint), batch
+    ):
         assert counts == {"tolist": 1}, dict(counts)
 
 
@@ -78,7 +79,9 @@ def test_eagle3_windowed_step_syncs_once(docs, checkpoint):
     draft = tiny_draft(sliding_window=7)
     seq_lens = None if docs == 1 else [[T // docs] * docs, [T // docs] * (docs - 1)]
     batch = random_batch(draft.config, [T, T - 5], T, seq_lens)
-    for counts in step_syncs(draft, lambda d, b: ttt_forward(d, b, ttt_steps=3, checkpoint=checkpoint), batch):
+    for counts in step_syncs(
+        draft, lambda d, b: ttt_forward(d, b, ttt_steps=3, checkpoint=checkpoint), batch
+    ):
         assert counts == {"tolist": 1}, dict(counts)
 
 
@@ -107,7 +110,9 @@ def test_the_emulation_sees_a_host_to_device_copy():
         torch.arange(4.0).to(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("ttt_steps,segments,packed", [(4, 1, True), (7, 1, True), (4, 2, False), (7, 3, True)])
+@pytest.mark.parametrize(
+    "ttt_steps,segments,packed", [(4, 1, True), (7, 1, True), (4, 2, False), (7, 3, True)]
+)
 def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
     """P-EAGLE: COD sampling, the segments' element sets, the supervised counts and the documents come
     to the host together, once per batch, whatever the depth and the number of segments (it was ~5 per
@@ -118,11 +123,15 @@ def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
 
     draft = peagle_draft()
     batch = packed_batch(draft.config) if packed else random_batch(draft.config, [20, 17], 20)
-    objective = PEagleObjective(draft, ObjectiveOptions(ttt_steps=ttt_steps, peagle_segments=segments))
+    objective = PEagleObjective(
+        draft, ObjectiveOptions(ttt_steps=ttt_steps, peagle_segments=segments)
+    )
     params = [p for p in draft.parameters() if p.requires_grad]
 
     def step():
-        for unit in objective.plan(batch):  # as the trainer runs a batch: plan once, each unit's pass
+        for unit in objective.plan(
+            batch
+        ):  # as the trainer runs a batch: plan once, each unit's pass
             objective(batch, unit).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
 
@@ -133,9 +142,17 @@ def test_peagle_batch_syncs_once(ttt_steps, segments, packed):
         assert mode.counts == {"tolist": 1}, dict(mode.counts)
 
 
-@pytest.mark.parametrize("algorithm,size,packed,checkpoint,anchors", [
-    ("dflash", 4, True, False, 0), ("dflash", 8, True, True, 0), ("dflash", 16, False, False, 0),
-    ("dflash", 8, True, False, 5), ("dspark", 3, True, False, 0), ("dspark", 3, True, True, 5)])
+@pytest.mark.parametrize(
+    "algorithm,size,packed,checkpoint,anchors",
+    [
+        ("dflash", 4, True, False, 0),
+        ("dflash", 8, True, True, 0),
+        ("dflash", 16, False, False, 0),
+        ("dflash", 8, True, False, 5),
+        ("dspark", 3, True, False, 0),
+        ("dspark", 3, True, True, 5),
+    ],
+)
 def test_block_drafter_batch_syncs_once(algorithm, size, packed, checkpoint, anchors):
     """DFlash and DSpark: every block offset's supervised slots, their counts and the documents come to the
     host together, once per batch, whatever the block size (the loss normaliser stays on the device);

@@ -13,22 +13,50 @@ from tests.draft import (
 )
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-                                     {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
-                                      "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5},
-                                     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
-                                      "attention_factor": 1.3, "truncate": False}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.5,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 1.3,
+            "truncate": False,
+        },
+    ],
+)
 def test_rope_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = tiny_config(head_dim=64, hidden_size=256, rope_theta=500000.0, rope_scaling=scaling)
     params = {"rope_type": "default", "rope_theta": 500000.0, **(scaling or {})}
-    hf = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=params,
-                     max_position_embeddings=4096)
+    hf = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        rope_parameters=params,
+        max_position_embeddings=4096,
+    )
     kind = params["rope_type"]
     if kind == "default":
         expected, scale = 1.0 / 500000.0 ** (torch.arange(0, 64, 2).float() / 64), 1.0

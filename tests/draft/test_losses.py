@@ -36,24 +36,31 @@ def test_soft_ce_value_and_gradient_match_the_plain_formula():
     plain = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
     value = soft_cross_entropy(logits, target_p)
     torch.testing.assert_close(value, plain)
-    torch.testing.assert_close(torch.autograd.grad(3 * value, logits)[0],
-                               torch.autograd.grad(3 * plain, logits)[0])
+    torch.testing.assert_close(
+        torch.autograd.grad(3 * value, logits)[0], torch.autograd.grad(3 * plain, logits)[0]
+    )
 
 
 def test_soft_ce_of_one_hot_is_cross_entropy():
     logits, _ = _dist()
     labels = torch.tensor([0, 3, 9, 2, 2, 5])
     one_hot = torch.nn.functional.one_hot(labels, 10).double()
-    torch.testing.assert_close(soft_cross_entropy(logits, one_hot),
-                               torch.nn.functional.cross_entropy(logits, labels))
+    torch.testing.assert_close(
+        soft_cross_entropy(logits, one_hot), torch.nn.functional.cross_entropy(logits, labels)
+    )
 
 
 def test_alpha_of_identical_distributions_is_one():
     logits, _ = _dist()
     p = logits.detach().softmax(-1)
-    torch.testing.assert_close(acceptance(logits, p, torch.ones(6, dtype=torch.float64)),
-                               torch.ones(6, dtype=torch.float64))
-    assert float(lk_alpha_loss(acceptance(logits, p, torch.ones(6, dtype=torch.float64))).detach()) < 1e-12
+    torch.testing.assert_close(
+        acceptance(logits, p, torch.ones(6, dtype=torch.float64)),
+        torch.ones(6, dtype=torch.float64),
+    )
+    assert (
+        float(lk_alpha_loss(acceptance(logits, p, torch.ones(6, dtype=torch.float64))).detach())
+        < 1e-12
+    )
 
 
 def test_alpha_uses_the_full_vocab_normaliser():
@@ -68,13 +75,17 @@ def test_alpha_is_one_minus_total_variation():
     logits, target_p = _dist()
     q = logits.softmax(-1)
     tv = 0.5 * (target_p - q).abs().sum(-1)
-    torch.testing.assert_close(acceptance(logits, target_p, torch.ones(6, dtype=torch.float64)), 1 - tv)
+    torch.testing.assert_close(
+        acceptance(logits, target_p, torch.ones(6, dtype=torch.float64)), 1 - tv
+    )
 
 
 def test_lk_alpha_skips_zero_acceptance_without_nan():
     alpha = torch.tensor([0.5, 0.0, 0.25], dtype=torch.float64, requires_grad=True)
     value = lk_alpha_loss(alpha)
-    torch.testing.assert_close(value, -(torch.tensor(0.5).log() + torch.tensor(0.25).log()).double() / 3)
+    torch.testing.assert_close(
+        value, -(torch.tensor(0.5).log() + torch.tensor(0.25).log()).double() / 3
+    )
     value.backward()
     assert torch.isfinite(alpha.grad).all() and alpha.grad[1] == 0
 
@@ -131,7 +142,9 @@ def _head_case(dtype=torch.float64, B=2, T=9, H=6, V=11, seed=0):
         head.weight.copy_(torch.randn(V, H, generator=gen))
     norm.to(dtype), head.to(dtype)
     state = torch.randn(B, T, H, generator=gen, dtype=dtype).requires_grad_()
-    target_p = torch.randn(B, T, V, generator=gen, dtype=dtype).softmax(-1) * 0.9  # mass 0.9 over the draft vocab
+    target_p = (
+        torch.randn(B, T, V, generator=gen, dtype=dtype).softmax(-1) * 0.9
+    )  # mass 0.9 over the draft vocab
     b = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1])
     t = torch.tensor([0, 2, 5, 0, 1, 3, 4, 6, 6, 2])
     return norm, head, state, target_p, b, t
@@ -149,7 +162,9 @@ def test_chunked_soft_ce_matches_the_plain_head(chunk_rows):
     logits = head(norm(state[b, t]))
     ref = soft_cross_entropy(logits, target_p[b, t + k])
     ref_grads = torch.autograd.grad(ref, [state, *params])
-    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t + k), 11, chunk_rows=chunk_rows)
+    loss, argmax = chunked_soft_ce(
+        lambda x: head(norm(x)), state, (b, t), target_p, (b, t + k), 11, chunk_rows=chunk_rows
+    )
     grads = torch.autograd.grad(loss, [state, *params])
     torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-12)
     assert torch.equal(argmax, logits.argmax(-1))
@@ -174,12 +189,18 @@ def test_chunked_soft_ce_keeps_no_position_by_vocab_tensor():
 
     def run(f):
         made.clear()
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: pack(x) if id(x) not in inputs else x, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda x: pack(x) if id(x) not in inputs else x, lambda x: x
+        ):
             f()
         return [s for s in made if len(s) == 2 and s[0] == N and s[1] == V]
 
     assert run(lambda: soft_cross_entropy(head(norm(state[b, t])), target_p[b, t]))
-    assert not run(lambda: chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t), V, chunk_rows=4))
+    assert not run(
+        lambda: chunked_soft_ce(
+            lambda x: head(norm(x)), state, (b, t), target_p, (b, t), V, chunk_rows=4
+        )
+    )
 
 
 def test_chunked_soft_ce_under_bf16_autocast_is_the_plain_heads():
@@ -192,7 +213,9 @@ def test_chunked_soft_ce_under_bf16_autocast_is_the_plain_heads():
     params = [head.weight, norm.weight]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = soft_cross_entropy(head(norm(state[b, t])), target_p[b, t + 1])
-        loss, _ = chunked_soft_ce(lambda x: head(norm(x)), state, (b, t), target_p, (b, t + 1), 64, chunk_rows=3)
+        loss, _ = chunked_soft_ce(
+            lambda x: head(norm(x)), state, (b, t), target_p, (b, t + 1), 64, chunk_rows=3
+        )
     ref_grads = torch.autograd.grad(ref, [state, *params])
     grads = torch.autograd.grad(loss, [state, *params])
     torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
@@ -206,7 +229,9 @@ def test_chunked_soft_ce_of_no_positions_is_zero_with_zero_gradients():
 
     norm, head, state, target_p, _, _ = _head_case()
     none = torch.zeros(0, dtype=torch.long)
-    loss, argmax = chunked_soft_ce(lambda x: head(norm(x)), state, (none, none), target_p, (none, none), 11)
+    loss, argmax = chunked_soft_ce(
+        lambda x: head(norm(x)), state, (none, none), target_p, (none, none), 11
+    )
     grads = torch.autograd.grad(loss, [state, head.weight])
     assert loss.item() == 0 and argmax.numel() == 0
     assert all(torch.count_nonzero(g) == 0 for g in grads)

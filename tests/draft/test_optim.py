@@ -15,8 +15,14 @@ from spec_cli.train_options import OptimOptions
 
 def tiny_draft() -> nn.ModuleDict:
     torch.manual_seed(0)
-    return nn.ModuleDict({"fc": nn.Linear(12, 8, bias=False), "norm": nn.LayerNorm(8),
-                          "up": nn.Linear(8, 16, bias=False), "lm_head": nn.Linear(16, 10, bias=False)})
+    return nn.ModuleDict(
+        {
+            "fc": nn.Linear(12, 8, bias=False),
+            "norm": nn.LayerNorm(8),
+            "up": nn.Linear(8, 16, bias=False),
+            "lm_head": nn.Linear(16, 10, bias=False),
+        }
+    )
 
 
 def loss_of(m: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +44,9 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if tall else x
 
 
-def by_hand(m: nn.ModuleDict, x, steps: int, lr: float, muon_lr: float, wd: float, muon_wd: float) -> None:
+def by_hand(
+    m: nn.ModuleDict, x, steps: int, lr: float, muon_lr: float, wd: float, muon_wd: float
+) -> None:
     """Muon (momentum 0.95 as a moving average, Nesterov, the update scaled by 0.2 * sqrt(max side) to
     AdamW's RMS, decoupled decay) on fc and up; AdamW (0.9, 0.95, eps 1e-8) on the rest, written out."""
     matrices = {m["fc"].weight, m["up"].weight}
@@ -50,15 +58,19 @@ def by_hand(m: nn.ModuleDict, x, steps: int, lr: float, muon_lr: float, wd: floa
             for p in m.parameters():
                 g, s = p.grad, state.setdefault(p, {})
                 if p in matrices:
-                    buf = s["buf"] = 0.95 * s.get("buf", torch.zeros_like(g)) + 0.05 * g  # an average
-                    update = newton_schulz(0.05 * g + 0.95 * buf).to(p.dtype)  # Nesterov: one more step
+                    buf = s["buf"] = (
+                        0.95 * s.get("buf", torch.zeros_like(g)) + 0.05 * g
+                    )  # an average
+                    update = newton_schulz(0.05 * g + 0.95 * buf).to(
+                        p.dtype
+                    )  # Nesterov: one more step
                     p.mul_(1 - muon_lr * muon_wd)
                     p.sub_(muon_lr * 0.2 * math.sqrt(max(p.shape)) * update)
                 else:
                     m1 = s["m"] = 0.9 * s.get("m", torch.zeros_like(g)) + 0.1 * g
                     m2 = s["v"] = 0.95 * s.get("v", torch.zeros_like(g)) + 0.05 * g * g
                     p.mul_(1 - lr * wd)
-                    p.sub_(lr * (m1 / (1 - 0.9 ** t)) / ((m2 / (1 - 0.95 ** t)).sqrt() + 1e-8))
+                    p.sub_(lr * (m1 / (1 - 0.9**t)) / ((m2 / (1 - 0.95**t)).sqrt() + 1e-8))
 
 
 def test_muon_for_matrices_adamw_for_the_rest_equals_the_update_by_hand():
@@ -66,9 +78,17 @@ def test_muon_for_matrices_adamw_for_the_rest_equals_the_update_by_hand():
     # by-hand update by ~1% of one Muon step in fc.weight (a bf16 rounding in Newton-Schulz, under review)
     x = torch.randn(6, 12, generator=torch.Generator().manual_seed(0))
     ours, theirs = tiny_draft(), tiny_draft()
-    options = OptimOptions(optimizer="muon", lr=2e-3, muon_lr=5e-3, weight_decay=0.01, muon_weight_decay=0.1)
+    options = OptimOptions(
+        optimizer="muon", lr=2e-3, muon_lr=5e-3, weight_decay=0.01, muon_weight_decay=0.1
+    )
     named = ordered(list(ours.named_parameters()), options)
-    assert [n for n, _ in named] == ["fc.weight", "up.weight", "norm.weight", "norm.bias", "lm_head.weight"]
+    assert [n for n, _ in named] == [
+        "fc.weight",
+        "up.weight",
+        "norm.weight",
+        "norm.bias",
+        "lm_head.weight",
+    ]
     optimizer = make_optimizer([p for _, p in named], options, [n for n, _ in named])
     assert isinstance(optimizer, MuonAdamW)
     for _ in range(3):
@@ -107,7 +127,11 @@ def test_muon_state_survives_a_save_and_load_and_the_schedule_scales_each_group(
     assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(4e-3), pytest.approx(1e-3)]
     assert scheduled_lr(optimizer) == pytest.approx(1e-3)
     assert set(optimizer.state_dict()["state"][0]) == {"momentum_buffer"}  # fc: Muon's
-    assert set(optimizer.state_dict()["state"][4]) == {"step", "exp_avg", "exp_avg_sq"}  # lm_head: AdamW's
+    assert set(optimizer.state_dict()["state"][4]) == {
+        "step",
+        "exp_avg",
+        "exp_avg_sq",
+    }  # lm_head: AdamW's
 
 
 def test_muon_refuses_parameters_out_of_group_order():
@@ -125,7 +149,9 @@ def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_share():
     lrs = [lr_at(s, total, o) for s in range(total)]
     assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])  # warmup
     assert lrs[10:80] == pytest.approx([1e-3] * 70)  # stable
-    assert lrs[80:] == pytest.approx([1e-3 * (0.1 + 0.9 * (1 - (s - 79) / 20)) for s in range(80, 100)])
+    assert lrs[80:] == pytest.approx(
+        [1e-3 * (0.1 + 0.9 * (1 - (s - 79) / 20)) for s in range(80, 100)]
+    )
     assert lrs[-1] == pytest.approx(1e-4)  # the floor on the last step
     cosine = OptimOptions(lr=1e-3, warmup_ratio=0.0)
     assert lr_at(50, 100, cosine) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
@@ -147,7 +173,10 @@ def test_feature_noise_is_relative_to_each_slices_size():
 def test_make_optimizer_takes_a_namespace_for_plain_adamw():
     p = nn.Parameter(torch.zeros(3))
     optimizer = make_optimizer([p], SimpleNamespace(lr=1e-4, weight_decay=0.0))
-    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (
+        0.9,
+        0.95,
+    )
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.05, 100.0])

@@ -25,7 +25,9 @@ class Objective(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.draft = nn.ModuleDict({"fc": nn.Linear(8, 8, bias=False), "lm_head": nn.Linear(8, 5, bias=False)})
+        self.draft = nn.ModuleDict(
+            {"fc": nn.Linear(8, 8, bias=False), "lm_head": nn.Linear(8, 5, bias=False)}
+        )
         self.seen = {}
 
     def forward(self, batch: Batch):
@@ -48,7 +50,11 @@ def group(monkeypatch):
 
 def test_the_gpu_policy_gathers_bf16_reduces_fp32_and_leaves_the_batch_alone():
     gpu, cpu = sharding.policy(torch.device("cuda")), sharding.policy(torch.device("cpu"))
-    assert (gpu.param_dtype, gpu.reduce_dtype, gpu.cast_forward_inputs) == (torch.bfloat16, torch.float32, False)
+    assert (gpu.param_dtype, gpu.reduce_dtype, gpu.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        False,
+    )
     assert (cpu.param_dtype, cpu.reduce_dtype, cpu.cast_forward_inputs) == (None, None, False)
 
 
@@ -69,7 +75,11 @@ def test_one_root_over_the_objective_computes_in_bf16_and_keeps_fp32_gradients(g
     (2 * reference_loss).backward()  # two micro-batches of the same batch, in fp32
     for name, param in objective.named_parameters():
         grad = param.grad.full_tensor()
-        assert param.dtype == grad.dtype == torch.float32, name  # sharded fp32 master weights and grads
+        assert param.dtype == grad.dtype == torch.float32, (
+            name
+        )  # sharded fp32 master weights and grads
         expected = dict(reference.named_parameters())[name].grad
-        torch.testing.assert_close(grad, expected, rtol=0.05, atol=0.02)  # bf16 compute, fp32 reduce
+        torch.testing.assert_close(
+            grad, expected, rtol=0.05, atol=0.02
+        )  # bf16 compute, fp32 reduce
         assert not torch.equal(grad, expected)  # it did compute in bf16

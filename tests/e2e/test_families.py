@@ -29,36 +29,69 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WINDOW = 16
 ROW = 160  # tokens per packed row: several documents, most past the window
 STEPS = 12
-FAMILIES = {"llama": "llama3", "qwen2": "chatml", "qwen3": "qwen3-think", "mistral": "mistral",
-            "gemma3": "gemma", "phi3": "phi3"}  # arch -> chat-template family of tests/tiny.py
+FAMILIES = {
+    "llama": "llama3",
+    "qwen2": "chatml",
+    "qwen3": "qwen3-think",
+    "mistral": "mistral",
+    "gemma3": "gemma",
+    "phi3": "phi3",
+}  # arch -> chat-template family of tests/tiny.py
 VLLM_REFUSES = {"gemma3"}  # vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3
-KINDS = {"llama": ["full_attention"], "qwen2": ["full_attention", "sliding_attention"],
-         "qwen3": ["full_attention"], "mistral": ["sliding_attention"],
-         "gemma3": ["sliding_attention", "full_attention"], "phi3": ["sliding_attention"]}
+KINDS = {
+    "llama": ["full_attention"],
+    "qwen2": ["full_attention", "sliding_attention"],
+    "qwen3": ["full_attention"],
+    "mistral": ["sliding_attention"],
+    "gemma3": ["sliding_attention", "full_attention"],
+    "phi3": ["sliding_attention"],
+}
 
 
 def config(arch: str, vocab_size: int):
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                  tie_word_embeddings=False, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "qwen2":  # Qwen2's own layout: the first max_window_layers full, the rest sliding
-        return transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW,
-                                        max_window_layers=4)
+        return transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=4
+        )
     if arch == "qwen3":
         return transformers.Qwen3Config(**common)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=WINDOW)
-    if arch == "gemma3":  # Gemma3ForCausalLM: 2 sliding : 1 full, sqrt(H) embedding scale, tied head
+    if (
+        arch == "gemma3"
+    ):  # Gemma3ForCausalLM: 2 sliding : 1 full, sqrt(H) embedding scale, tied head
         kinds = ["sliding_attention", "sliding_attention", "full_attention"]
-        return transformers.Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, sliding_window=WINDOW,
-                                             layer_types=(kinds * 3)[:8], query_pre_attn_scalar=8)
-    if arch == "phi3":  # Phi-3-mini's sliding_window (2047) on every layer; its config defaults ids to 32000
-        return transformers.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"},
-                                       sliding_window=WINDOW, bos_token_id=None, eos_token_id=0)
+        return transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True},
+            sliding_window=WINDOW,
+            layer_types=(kinds * 3)[:8],
+            query_pre_attn_scalar=8,
+        )
+    if (
+        arch == "phi3"
+    ):  # Phi-3-mini's sliding_window (2047) on every layer; its config defaults ids to 32000
+        return transformers.Phi3Config(
+            **{k: v for k, v in common.items() if k != "head_dim"},
+            sliding_window=WINDOW,
+            bos_token_id=None,
+            eos_token_id=0,
+        )
     raise ValueError(arch)
 
 
@@ -89,16 +122,29 @@ def self_distilled(target: Path, rng: random.Random, n: int) -> list[dict]:
     so a few steps teach the draft enough for multi-token acceptances at eval."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(str(target)), AutoTokenizer.from_pretrained(str(target))
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(str(target)),
+        AutoTokenizer.from_pretrained(str(target)),
+    )
     records = []
     for _ in range(n):
         question = tiny.random_text(rng)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        records.append({"conversations": [{"from": "human", "value": question},
-                                          {"from": "gpt", "value": answer or "ok"}]})
+        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        records.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": question},
+                    {"from": "gpt", "value": answer or "ok"},
+                ]
+            }
+        )
     return records
 
 
@@ -114,23 +160,84 @@ def made(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(arch)
     target = save_target(root / "target", arch)
     rng = random.Random(3)
-    data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(8)]
-                       + self_distilled(target, rng, 16))
+    data = write_jsonl(
+        root / "chat.jsonl",
+        [tiny.random_sharegpt(rng) for _ in range(8)] + self_distilled(target, rng, 16),
+    )
     vm, cache = root / "vm.safetensors", root / "cache"
-    train = ["-v", vm, "--pack", "--batch-tokens", ROW, "--ttt-steps", 2, "--max-steps", STEPS, "--lr", 1e-2,
-             "--eval-fraction", 0.2, "--eval-every", 0, "--save-every", 3, "--log-every", 1, "-q"]
+    train = [
+        "-v",
+        vm,
+        "--pack",
+        "--batch-tokens",
+        ROW,
+        "--ttt-steps",
+        2,
+        "--max-steps",
+        STEPS,
+        "--lr",
+        1e-2,
+        "--eval-fraction",
+        0.2,
+        "--eval-every",
+        0,
+        "--save-every",
+        3,
+        "--log-every",
+        1,
+        "-q",
+    ]
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert spec("build-vocab-map", "-t", target, "-d", data, "--draft-vocab-size", 64, "-o", vm, "-q") == 0
-        assert spec("precompute", "-t", target, "-d", data, "-v", vm, "-o", cache, "--batch-tokens", 512,
-                    "-q") == 0
+        assert (
+            spec(
+                "build-vocab-map",
+                "-t",
+                target,
+                "-d",
+                data,
+                "--draft-vocab-size",
+                64,
+                "-o",
+                vm,
+                "-q",
+            )
+            == 0
+        )
+        assert (
+            spec(
+                "precompute",
+                "-t",
+                target,
+                "-d",
+                data,
+                "-v",
+                vm,
+                "-o",
+                cache,
+                "--batch-tokens",
+                512,
+                "-q",
+            )
+            == 0
+        )
         assert spec("train", "--cache", cache, "-o", root / "run", *train) == 0
-        assert spec("train", "-t", target, "-d", data, "--dtype", "fp32", "-o", root / "live", *train) == 0
+        assert (
+            spec("train", "-t", target, "-d", data, "--dtype", "fp32", "-o", root / "live", *train)
+            == 0
+        )
     finally:
         mp.undo()
-    return {"arch": arch, "root": root, "target": target, "data": data, "cache": cache, "run": root / "run",
-            "live": root / "live"}
+    return {
+        "arch": arch,
+        "root": root,
+        "target": target,
+        "data": data,
+        "cache": cache,
+        "run": root / "run",
+        "live": root / "live",
+    }
 
 
 def test_the_targets_are_the_families_they_claim(made):
@@ -141,9 +248,17 @@ def test_the_targets_are_the_families_they_claim(made):
     assert layout.kinds == KINDS[made["arch"]]
     assert layout.sliding_window == (None if layout.kinds == ["full_attention"] else WINDOW)
     arch = json.loads((made["cache"] / "manifest.json").read_text())["architecture"]
-    assert arch == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                    "phi3": "Phi3ForCausalLM"}[made["arch"]]
+    assert (
+        arch
+        == {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "gemma3": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
+        }[made["arch"]]
+    )
 
 
 def test_packed_live_supervision_equals_the_unpacked_cache_per_document(made):
@@ -159,11 +274,16 @@ def test_packed_live_supervision_equals_the_unpacked_cache_per_document(made):
         past = 0
         for row in rows:
             ids, am, lm, seq_lens = collate_packed(tokens, row)
-            past += int(any(n > WINDOW for n in seq_lens[0, 1:].tolist()))  # a later document, past the window
+            past += int(
+                any(n > WINDOW for n in seq_lens[0, 1:].tolist())
+            )  # a later document, past the window
             got = live.generate_batch(ids, am, lm, seq_lens=seq_lens).tensors()
             want = cache.generate_batch(ids, am, lm, seq_lens=seq_lens).tensors()
             assert got.keys() == want.keys()
-            for name, t in got.items():  # ids, masks, argmax exactly; hidden states and probabilities in fp32
+            for (
+                name,
+                t,
+            ) in got.items():  # ids, masks, argmax exactly; hidden states and probabilities in fp32
                 if t.is_floating_point():
                     torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-5, msg=name)
                 else:
@@ -177,8 +297,13 @@ def test_packed_live_supervision_equals_the_unpacked_cache_per_document(made):
 def test_packed_training_live_equals_training_from_the_unpacked_cache(made):
     """The trainer sees the same packed batches either way; only where their supervision came from
     differs (a packed forward with per-layer-kind masks vs one document per row), so the losses agree."""
+
     def log(run):
-        return [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["split"] == "train"]
+        return [
+            r
+            for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+            if r["split"] == "train"
+        ]
 
     cached, live = log(made["run"]), log(made["live"])
     assert [r["step"] for r in cached] == [r["step"] for r in live] == list(range(1, STEPS + 1))
@@ -187,8 +312,12 @@ def test_packed_training_live_equals_training_from_the_unpacked_cache(made):
         assert a["acc"] == pytest.approx(b["acc"], abs=1e-6)
 
 
-def test_export_every_format_and_decode_as_the_target_past_the_window(made, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(vllm, "version", lambda: None)  # engine support from spec_cli's table (vLLM 0.32)
+def test_export_every_format_and_decode_as_the_target_past_the_window(
+    made, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(
+        vllm, "version", lambda: None
+    )  # engine support from spec_cli's table (vLLM 0.32)
     monkeypatch.setenv("SPEC_HOME", str(made["root"] / "home"))
     exports = {}
     for fmt in ("vllm", "speculators", "sglang"):
@@ -203,23 +332,62 @@ def test_export_every_format_and_decode_as_the_target_past_the_window(made, tmp_
         assert spec(*args) == 0, fmt
         printed = " ".join(capsys.readouterr().out.split())
         assert "self-check" in printed and "passed" in printed, fmt
-        assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+        assert sorted(p.name for p in out.iterdir()) == [
+            "README.md",
+            "config.json",
+            "model.safetensors",
+        ]
         exports[fmt] = out
 
     # the two longest questions the draft was trained on (answers it has seen the target give), as two
     # turns of one conversation: each prompt alone is longer than the window
-    questions = sorted((r["conversations"][0]["value"] for r in map(json.loads, made["data"].read_text().splitlines())
-                        if len(r["conversations"]) == 2), key=len)[-2:]
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": [
-        {"from": "human", "value": questions[1]}, {"from": "gpt", "value": "ok"},
-        {"from": "human", "value": questions[0]}]}])
+    questions = sorted(
+        (
+            r["conversations"][0]["value"]
+            for r in map(json.loads, made["data"].read_text().splitlines())
+            if len(r["conversations"]) == 2
+        ),
+        key=len,
+    )[-2:]
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": questions[1]},
+                    {"from": "gpt", "value": "ok"},
+                    {"from": "human", "value": questions[0]},
+                ]
+            }
+        ],
+    )
     served = "sglang" if made["arch"] in VLLM_REFUSES else "vllm"
     accepted = []  # drafts accepted at each target forward, every turn of both evals
-    for name, draft, shape in (("chain", exports[served], ["--depth", 3]),
-                               ("tree", made["run"], ["--depth", 3, "--topk", 2, "--num-tokens", 6])):
+    for name, draft, shape in (
+        ("chain", exports[served], ["--depth", 3]),
+        ("tree", made["run"], ["--depth", 3, "--topk", 2, "--num-tokens", 6]),
+    ):
         out = tmp_path / f"eval-{name}"
-        assert spec("eval", "-t", made["target"], "--draft", draft, "--prompts", prompts, "--max-new-tokens", 24,
-                    "--threads", 1, *shape, "-o", out, "-q") == 0
+        assert (
+            spec(
+                "eval",
+                "-t",
+                made["target"],
+                "--draft",
+                draft,
+                "--prompts",
+                prompts,
+                "--max-new-tokens",
+                24,
+                "--threads",
+                1,
+                *shape,
+                "-o",
+                out,
+                "-q",
+            )
+            == 0
+        )
         turns = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
         assert len(turns) == 2
         for turn in turns:

@@ -25,7 +25,13 @@ from tests.stages.test_regenerate import add_end_tokens  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]  # a vLLM engine per regenerate run (over 10 s)
 
-LATER = ("_train", "_export", "_eval", "_eval_vllm", "_tune")  # not this test's: the same as without one pass
+LATER = (
+    "_train",
+    "_export",
+    "_eval",
+    "_eval_vllm",
+    "_tune",
+)  # not this test's: the same as without one pass
 
 
 def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch):
@@ -33,12 +39,22 @@ def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch)
     rng = random.Random(3)
     found = {
         "smollm2": add_end_tokens(tiny.save_vllm_sized_target(tmp_path / "target")),
-        "sharegpt": write_jsonl(tmp_path / "sharegpt.jsonl", [tiny.random_sharegpt(rng) for _ in range(40)]),
-        "mt-bench": write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 81, "category": "writing",
-                                                         "turns": ["a b", "c d"]}]),
+        "sharegpt": write_jsonl(
+            tmp_path / "sharegpt.jsonl", [tiny.random_sharegpt(rng) for _ in range(40)]
+        ),
+        "mt-bench": write_jsonl(
+            tmp_path / "mt.jsonl",
+            [{"question_id": 81, "category": "writing", "turns": ["a b", "c d"]}],
+        ),
     }
-    profile = replace(TINY, samples=4, original_samples=5, one_pass_samples=12, max_length=128,
-                      regen_max_new_tokens=16)
+    profile = replace(
+        TINY,
+        samples=4,
+        original_samples=5,
+        one_pass_samples=12,
+        max_length=128,
+        regen_max_new_tokens=16,
+    )
     monkeypatch.setattr(assets, "ensure_all", lambda install=True: found)
     monkeypatch.setitem(demo.PROFILES, "quick", profile)
     monkeypatch.setattr(demo, "_estimate", lambda *a: None)
@@ -49,8 +65,11 @@ def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch)
 
     assert main(args) == 0
     done = statuses(out)
-    assert (done["regenerate"], done["build-vocab-map"], done["precompute"]) == ("ran", "in regenerate",
-                                                                                "in regenerate")
+    assert (done["regenerate"], done["build-vocab-map"], done["precompute"]) == (
+        "ran",
+        "in regenerate",
+        "in regenerate",
+    )
     carried = record(out)["profile"]
     assert carried["one_pass"] and (carried["samples"], carried["original_samples"]) == (12, 0)
     # the training data is the target's answers alone, and the cache and the vocab map are made from them
@@ -61,13 +80,35 @@ def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch)
     assert manifest["num_samples"] == len(regenerated.splitlines()) == 12
     assert manifest["data"] == str(out / "regenerated.jsonl")
     vmap = load_vocab_map(out / f"vocab-{profile.draft_vocab_size}.safetensors")
-    assert vmap.metadata["data"] == str(out / "regenerated.jsonl") and manifest["vocab_map_fingerprint"] == vmap.fingerprint
+    assert (
+        vmap.metadata["data"] == str(out / "regenerated.jsonl")
+        and manifest["vocab_map_fingerprint"] == vmap.fingerprint
+    )
     sidecar = json.loads((out / "regenerated.jsonl.meta.json").read_text())
-    assert sidecar["features"]["rows_replayed"] == 12 and sidecar["features"]["from_generation"] > 0.15
+    assert (
+        sidecar["features"]["rows_replayed"] == 12 and sidecar["features"]["from_generation"] > 0.15
+    )
 
     # `spec train` reads that cache as the demo's train stage does
-    assert main(["train", "--cache", str(out / "cache"), "--vocab-map", str(out / f"vocab-{profile.draft_vocab_size}"
-                 ".safetensors"), "-o", str(tmp_path / "run"), "--max-steps", "2", "--batch-tokens", "256", "-q"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(out / "cache"),
+                "--vocab-map",
+                str(out / f"vocab-{profile.draft_vocab_size}.safetensors"),
+                "-o",
+                str(tmp_path / "run"),
+                "--max-steps",
+                "2",
+                "--batch-tokens",
+                "256",
+                "-q",
+            ]
+        )
+        == 0
+    )
 
     before = (out / "cache" / fc.MANIFEST).read_bytes()
     assert main(args) == 0  # a rerun: everything reused, the target not run again

@@ -36,8 +36,13 @@ def vllm_heads():
     from vllm.model_executor.models import qwen3_dspark
 
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                     local_rank=0, backend="gloo")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
         initialize_model_parallel(1, 1)
         try:
             yield qwen3_dspark, LogitsProcessor
@@ -54,18 +59,25 @@ def test_vllms_heads_load_the_exported_names_and_compute_the_drafts_values(vllm_
     draft = dspark_draft(seed=7, with_markov=with_markov)
     c = draft.config
     state = {k: v.detach() for k, v in draft.state_dict().items()}
-    markov = qwen3_dspark.DSparkMarkovHead(c.vocab_size, c.draft_vocab_size, RANK, prefix="model.markov_head")
+    markov = qwen3_dspark.DSparkMarkovHead(
+        c.vocab_size, c.draft_vocab_size, RANK, prefix="model.markov_head"
+    )
     width = c.hidden_size + (RANK if with_markov else 0)
-    confidence = qwen3_dspark.DSparkConfidenceHead(width, prefix="model.confidence_head", bias=True,
-                                                   with_markov=with_markov)
+    confidence = qwen3_dspark.DSparkConfidenceHead(
+        width, prefix="model.confidence_head", bias=True, with_markov=with_markov
+    )
     for prefix, module in (("markov_head.", markov), ("confidence_head.", confidence)):
         names = {n for n, _ in module.named_parameters()}
-        assert {prefix + n for n in names} == {k for k in state if k.startswith(prefix)}  # the exported names
+        assert {prefix + n for n in names} == {
+            k for k in state if k.startswith(prefix)
+        }  # the exported names
         for name, param in module.named_parameters():
             loader = getattr(param, "weight_loader", None)
             tensor = state[prefix + name].to(param.dtype)
             loader(param, tensor) if loader else param.data.copy_(tensor)
-        for sub in module.modules():  # as vLLM's loader finishes every module (the CPU kernels' packing)
+        for (
+            sub
+        ) in module.modules():  # as vLLM's loader finishes every module (the CPU kernels' packing)
             if getattr(sub, "quant_method", None) is not None:
                 sub.quant_method.process_weights_after_loading(sub)
     assert confidence.proj.weight.dtype == torch.float32  # vLLM builds the head in fp32
@@ -78,4 +90,6 @@ def test_vllms_heads_load_the_exported_names_and_compute_the_drafts_values(vllm_
         ours = draft.markov_embed(previous)
         torch.testing.assert_close(embed, ours)
         torch.testing.assert_close(bias, draft.markov_head.markov_w2(ours), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(prob, torch.sigmoid(draft.confidence_logit(hidden, ours)), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            prob, torch.sigmoid(draft.confidence_logit(hidden, ours)), rtol=1e-6, atol=1e-6
+        )

@@ -28,17 +28,39 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]  # two vLLM engines (over 10
 TOL = {"aux_hidden": 1e-5, "final_hidden": 5e-5, "lse": 2e-4}
 
 
-def test_the_cache_kept_while_answering_is_the_precompute_of_the_answers(tmp_path, monkeypatch, capsys):
+def test_the_cache_kept_while_answering_is_the_precompute_of_the_answers(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("SPEC_HOME", str(tmp_path / "home"))
     target = add_end_tokens(save_vllm_sized_target(tmp_path / "target"))
     rng = random.Random(5)
-    data = write_jsonl(tmp_path / "chats.jsonl", [multi_turn(rng, rng.randint(1, 3), system=i % 4 == 0)
-                                                  for i in range(24)])
+    data = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [multi_turn(rng, rng.randint(1, 3), system=i % 4 == 0) for i in range(24)],
+    )
     out, vocab, cache = tmp_path / "regen.jsonl", tmp_path / "vocab.safetensors", tmp_path / "cache"
     common = ["-t", str(target), "--max-length", "256", "--dtype", "fp32"]
-    args = ["regenerate", *common, "-d", str(data), "-o", str(out), "--engine", "vllm", "--max-new-tokens", "32",
-            "--chunk-size", "10", "--features", str(cache), "--vocab-map", str(vocab), "--draft-vocab-size", "64",
-            "-q"]
+    args = [
+        "regenerate",
+        *common,
+        "-d",
+        str(data),
+        "-o",
+        str(out),
+        "--engine",
+        "vllm",
+        "--max-new-tokens",
+        "32",
+        "--chunk-size",
+        "10",
+        "--features",
+        str(cache),
+        "--vocab-map",
+        str(vocab),
+        "--draft-vocab-size",
+        "64",
+        "-q",
+    ]
     write_part = stage._write_part
 
     def stopped_before_the_second_chunk(folder, k, part):
@@ -55,17 +77,51 @@ def test_the_cache_kept_while_answering_is_the_precompute_of_the_answers(tmp_pat
     assert sidecar["parts_reused"] == 1
     meta = sidecar["features"]
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sum(m["role"] == "assistant" for r in records for m in r["messages"]) > len(records)  # 2nd turns
-    assert meta["rows_computed"] == 0 and meta["rows_replayed"] == fc.read_manifest(cache)["num_samples"]
-    assert 0.15 < meta["from_generation"] < 1  # 30-40% here: random tokens, re-tokenised, often split otherwise
+    assert sum(m["role"] == "assistant" for r in records for m in r["messages"]) > len(
+        records
+    )  # 2nd turns
+    assert (
+        meta["rows_computed"] == 0
+        and meta["rows_replayed"] == fc.read_manifest(cache)["num_samples"]
+    )
+    assert (
+        0.15 < meta["from_generation"] < 1
+    )  # 30-40% here: random tokens, re-tokenised, often split otherwise
     assert not (tmp_path / "regen.jsonl.parts").exists()
 
     fresh = tmp_path / "fresh"
-    assert main(["precompute", *common, "-d", str(out), "-v", str(vocab), "-o", str(fresh), "--target-engine",
-                 "vllm", "-q"]) == 0
+    assert (
+        main(
+            [
+                "precompute",
+                *common,
+                "-d",
+                str(out),
+                "-v",
+                str(vocab),
+                "-o",
+                str(fresh),
+                "--target-engine",
+                "vllm",
+                "-q",
+            ]
+        )
+        == 0
+    )
     mine, theirs = fc.read_manifest(cache), fc.read_manifest(fresh)
-    identity = ("target_fingerprint", "tokenizer_fingerprint", "vocab_map_fingerprint", "aux_layers", "dtype",
-                "data_fingerprint", "max_length", "batch_tokens", "shard_tokens", "num_samples", "num_tokens")
+    identity = (
+        "target_fingerprint",
+        "tokenizer_fingerprint",
+        "vocab_map_fingerprint",
+        "aux_layers",
+        "dtype",
+        "data_fingerprint",
+        "max_length",
+        "batch_tokens",
+        "shard_tokens",
+        "num_samples",
+        "num_tokens",
+    )
     assert {k: mine[k] for k in identity} == {k: theirs[k] for k in identity}
     diffs = {}
     for i in range(len(theirs["shards"])):
@@ -77,8 +133,11 @@ def test_the_cache_kept_while_answering_is_the_precompute_of_the_answers(tmp_pat
             else:
                 assert torch.equal(a[name], b[name]), name
     with capsys.disabled():
-        print("\nkept while answering vs precompute afresh:", " ".join(f"{k}={v:.1e}" for k, v in sorted(diffs.items())),
-              f"; {meta['from_generation']:.0%} of the rows' positions computed while answering")
+        print(
+            "\nkept while answering vs precompute afresh:",
+            " ".join(f"{k}={v:.1e}" for k, v in sorted(diffs.items())),
+            f"; {meta['from_generation']:.0%} of the rows' positions computed while answering",
+        )
     for name, diff in diffs.items():
         assert diff <= TOL[name], (name, diff)
 

@@ -16,11 +16,37 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_vllm_dflash_proposes_what_spec_cli_proposes(tmp_path, monkeypatch, capsys, fmt):
-    run = train_on_sized_target(tmp_path, "--algorithm", "dflash", "--block-size", "4", "--max-steps", "120",
-                                "--eval-every", "0")
+    run = train_on_sized_target(
+        tmp_path,
+        "--algorithm",
+        "dflash",
+        "--block-size",
+        "4",
+        "--max-steps",
+        "120",
+        "--eval-every",
+        "0",
+    )
     monkeypatch.setenv("SPEC_HOME", str(tmp_path / "home"))
     capsys.readouterr()
-    assert main(["export", str(run["run"]), "--format", fmt, "--dtype", "fp32", "--engine-check", "vllm",
-                 "-t", str(run["target"]), "-o", str(tmp_path / "export")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(run["run"]),
+                "--format",
+                fmt,
+                "--dtype",
+                "fp32",
+                "--engine-check",
+                "vllm",
+                "-t",
+                str(run["target"]),
+                "-o",
+                str(tmp_path / "export"),
+            ]
+        )
+        == 0
+    )
     text, _ = served_as_checked(capsys, 90)
     assert '"method": "dflash"' in text

@@ -28,16 +28,44 @@ def _why_not() -> str:
 def trained(tmp_path_factory):
     if _why_not():
         pytest.skip(_why_not())
-    return train_on_sized_target(tmp_path_factory.mktemp("dspark-engine"), "--algorithm", "dspark", "--block-size",
-                                 "3", "--markov-rank", "16", "--max-steps", "120", "--eval-every", "0")
+    return train_on_sized_target(
+        tmp_path_factory.mktemp("dspark-engine"),
+        "--algorithm",
+        "dspark",
+        "--block-size",
+        "3",
+        "--markov-rank",
+        "16",
+        "--max-steps",
+        "120",
+        "--eval-every",
+        "0",
+    )
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_vllm_dspark_proposes_what_spec_cli_proposes(trained, tmp_path, monkeypatch, capsys, fmt):
     monkeypatch.setenv("SPEC_HOME", str(trained["root"] / "home"))
     capsys.readouterr()
-    assert main(["export", str(trained["run"]), "--format", fmt, "--dtype", "fp32", "--engine-check", "vllm",
-                 "-t", str(trained["target"]), "-o", str(tmp_path / "export")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(trained["run"]),
+                "--format",
+                fmt,
+                "--dtype",
+                "fp32",
+                "--engine-check",
+                "vllm",
+                "-t",
+                str(trained["target"]),
+                "-o",
+                str(tmp_path / "export"),
+            ]
+        )
+        == 0
+    )
     text, _ = served_as_checked(capsys, 90)
     assert '"method": "dspark"' in text
 
@@ -48,16 +76,48 @@ def test_adaptive_verification_keeps_the_targets_greedy_text(trained, tmp_path, 
     from vllm import LLM, SamplingParams
 
     monkeypatch.setenv("SPEC_HOME", str(trained["root"] / "home"))
-    assert main(["export", str(trained["run"]), "--format", "vllm", "--engine-check", "none",
-                 "-t", str(trained["target"]), "-o", str(tmp_path / "export"), "-q"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(trained["run"]),
+                "--format",
+                "vllm",
+                "--engine-check",
+                "none",
+                "-t",
+                str(trained["target"]),
+                "-o",
+                str(tmp_path / "export"),
+                "-q",
+            ]
+        )
+        == 0
+    )
     prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 300 for j in range(12)]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=32)
     outputs = {}
-    for name, spec in (("target", None),
-                       ("adaptive", {"method": "dspark", "model": str(tmp_path / "export"),
-                                     "num_speculative_tokens": 3, "enable_adaptive_verification": True})):
-        llm = LLM(model=str(trained["target"]), speculative_config=spec, dtype="float32", max_model_len=256,
-                  gpu_memory_utilization=0.3)
-        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for name, spec in (
+        ("target", None),
+        (
+            "adaptive",
+            {
+                "method": "dspark",
+                "model": str(tmp_path / "export"),
+                "num_speculative_tokens": 3,
+                "enable_adaptive_verification": True,
+            },
+        ),
+    ):
+        llm = LLM(
+            model=str(trained["target"]),
+            speculative_config=spec,
+            dtype="float32",
+            max_model_len=256,
+            gpu_memory_utilization=0.3,
+        )
+        outputs[name] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
         del llm
     assert outputs["adaptive"] == outputs["target"]

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (the `vllm` extra): no runner internals to check")
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed (the `vllm` extra): no runner internals to check"
+)
 
 from spec_cli.engine import vllm_runner  # noqa: E402
 from spec_cli.errors import ConfigError  # noqa: E402
@@ -50,7 +52,11 @@ SET_ON_INSTANCES = [
     (V2, "GPUModelRunner", "speculator"),  # drafter, V2
     (V2, "GPUModelRunner", "vllm_config"),
     (V2, "GPUModelRunner", "model"),
-    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator", "model"),  # draft_model, V2
+    (
+        "vllm.v1.worker.gpu.spec_decode.speculator",
+        "DraftModelSpeculator",
+        "model",
+    ),  # draft_model, V2
 ]
 
 # (module, class, method or property the class has, its own or inherited)
@@ -82,7 +88,11 @@ def _cls(module: str, name: str):
 
 def _class_node(module: str, name: str) -> ast.ClassDef:
     path = Path(importlib.util.find_spec(module).origin)
-    found = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name]
+    found = [
+        n
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.ClassDef) and n.name == name
+    ]
     assert found, f"vLLM's {path} defines no class {name}"
     return found[0]
 
@@ -91,26 +101,40 @@ def _set_on_self(node: ast.ClassDef) -> set[str]:
     """The attributes the class's methods assign on `self` (plain, annotated or tuple assignments)."""
     names = set()
     for sub in ast.walk(node):
-        targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else []
+        targets = (
+            sub.targets
+            if isinstance(sub, ast.Assign)
+            else [sub.target]
+            if isinstance(sub, ast.AnnAssign)
+            else []
+        )
         for target in targets:
-            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                ):
                     names.add(t.attr)
     return names
 
 
-@pytest.mark.parametrize("module, name, attribute", SET_ON_INSTANCES,
-                         ids=[f"{c}.{a}" for _, c, a in SET_ON_INSTANCES])
+@pytest.mark.parametrize(
+    "module, name, attribute", SET_ON_INSTANCES, ids=[f"{c}.{a}" for _, c, a in SET_ON_INSTANCES]
+)
 def test_each_instance_attribute_the_boundary_reads_is_set_by_its_class(module, name, attribute):
-    assert attribute in _set_on_self(_class_node(module, name)), \
+    assert attribute in _set_on_self(_class_node(module, name)), (
         f"vLLM's {module}.{name} no longer sets self.{attribute}, which spec_cli/engine/vllm_runner.py reads"
+    )
 
 
-@pytest.mark.parametrize("module, name, method", METHODS, ids=[f"{m.rsplit('.', 2)[-2]}.{c}.{a}"
-                                                               for m, c, a in METHODS])
+@pytest.mark.parametrize(
+    "module, name, method", METHODS, ids=[f"{m.rsplit('.', 2)[-2]}.{c}.{a}" for m, c, a in METHODS]
+)
 def test_each_method_the_boundary_calls_is_on_its_class(module, name, method):
-    assert hasattr(_cls(module, name), method), \
+    assert hasattr(_cls(module, name), method), (
         f"vLLM's {module}.{name} has no {method}, which spec_cli/engine/vllm_runner.py uses"
+    )
 
 
 def test_the_v2_batch_fields_and_where_the_runner_builds_the_batch():
@@ -119,33 +143,63 @@ def test_the_v2_batch_fields_and_where_the_runner_builds_the_batch():
     fields = {f.name for f in dataclasses.fields(_cls(V2_BATCH, "InputBatch"))}
     assert {"req_ids", "num_reqs", "query_start_loc_np"} <= fields
     runner = _cls(V2, "GPUModelRunner")
-    assert inspect.signature(runner.prepare_inputs).return_annotation in ("InputBatch", _cls(V2_BATCH, "InputBatch"))
-    execute = next(n for n in _class_node(V2, "GPUModelRunner").body
-                   if isinstance(n, ast.FunctionDef) and n.name == "execute_model")
+    assert inspect.signature(runner.prepare_inputs).return_annotation in (
+        "InputBatch",
+        _cls(V2_BATCH, "InputBatch"),
+    )
+    execute = next(
+        n
+        for n in _class_node(V2, "GPUModelRunner").body
+        if isinstance(n, ast.FunctionDef) and n.name == "execute_model"
+    )
     calls = {}
     for node in ast.walk(execute):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
             calls.setdefault(node.func.attr, node.lineno)
     assert "prepare_inputs" in calls, "V2's execute_model no longer calls self.prepare_inputs"
-    forward = next((n.lineno for n in ast.walk(execute) if isinstance(n, ast.Call)
-                    and isinstance(n.func, ast.Attribute) and n.func.attr == "model"
-                    and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"), None)
+    forward = next(
+        (
+            n.lineno
+            for n in ast.walk(execute)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "model"
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "self"
+        ),
+        None,
+    )
     assert forward is not None and calls["prepare_inputs"] < forward
 
 
 def test_the_proposer_and_reload_signatures():
     """V2's propose takes the step's InputBatch first; vLLM's in-place reload takes what reload_draft passes."""
-    propose = inspect.signature(_cls("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator").propose)
+    propose = inspect.signature(
+        _cls("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator").propose
+    )
     assert list(propose.parameters)[1] == "input_batch"
-    reload = inspect.signature(_cls("vllm.model_executor.model_loader.reload.inplace", "reload_weights"))
+    reload = inspect.signature(
+        _cls("vllm.model_executor.model_loader.reload.inplace", "reload_weights")
+    )
     assert list(reload.parameters)[:2] == ["vllm_config", "model"]
     assert {"weights_iterator", "weights_path", "is_checkpoint_format"} <= set(reload.parameters)
 
 
 def test_runner_kind_of_vllms_own_runner_classes():
-    kinds = {m: vllm_runner.runner_kind(object.__new__(_cls(m, n))) for m, n in
-             [(V1, "GPUModelRunner"), (V1_CPU, "CPUModelRunner"), (V2, "GPUModelRunner"), (V2_CPU, "CPUModelRunner")]}
+    kinds = {
+        m: vllm_runner.runner_kind(object.__new__(_cls(m, n)))
+        for m, n in [
+            (V1, "GPUModelRunner"),
+            (V1_CPU, "CPUModelRunner"),
+            (V2, "GPUModelRunner"),
+            (V2_CPU, "CPUModelRunner"),
+        ]
+    }
     assert kinds == {V1: "V1", V1_CPU: "V1", V2: "V2", V2_CPU: "V2"}
     assert vllm_runner.V1_MODULE == V1 and vllm_runner.V2_MODULE == V2
     with pytest.raises(ConfigError, match="is neither its V1 nor its V2 runner"):
@@ -154,17 +208,27 @@ def test_runner_kind_of_vllms_own_runner_classes():
 
 # ----------------------------------------------------------------------------- V2 step rows
 
+
 def _batch(requests: list[tuple[str, int, int]], padding: int = 0):
     """vLLM's own InputBatch for one step: requests (id, tokens computed before, tokens this step) in
     the step's order, `padding` extra rows and tokens past them (as CUDA-graph padding adds)."""
     cls = _cls(V2_BATCH, "InputBatch")
     counts = [n for _, _, n in requests] + [0] * padding
-    fields = {f.name: None for f in dataclasses.fields(cls)
-              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return cls(**{**fields, "req_ids": [r for r, _, _ in requests], "num_reqs": len(requests),
-                  "num_reqs_after_padding": len(requests) + padding,
-                  "query_start_loc_np": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-                  "num_computed_tokens_np": np.array([c for _, c, _ in requests], dtype=np.int32)})
+    fields = {
+        f.name: None
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    return cls(
+        **{
+            **fields,
+            "req_ids": [r for r, _, _ in requests],
+            "num_reqs": len(requests),
+            "num_reqs_after_padding": len(requests) + padding,
+            "query_start_loc_np": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+            "num_computed_tokens_np": np.array([c for _, c, _ in requests], dtype=np.int32),
+        }
+    )
 
 
 TAG = {"a": 1, "b": 2, "c": 3, "d": 4}
@@ -173,8 +237,12 @@ TAG = {"a": 1, "b": 2, "c": 3, "d": 4}
 def _inputs(requests, padding_tokens: int):
     """The forward's positions and states for a step: each token's state is TAG[its request] * 1000 +
     its position, aux i adds i / 10."""
-    positions = torch.cat([torch.arange(c, c + n) for _, c, n in requests] + [torch.zeros(padding_tokens).long()])
-    tags = torch.cat([torch.full((n,), TAG[r]) for r, _, n in requests] + [torch.zeros(padding_tokens).long()])
+    positions = torch.cat(
+        [torch.arange(c, c + n) for _, c, n in requests] + [torch.zeros(padding_tokens).long()]
+    )
+    tags = torch.cat(
+        [torch.full((n,), TAG[r]) for r, _, n in requests] + [torch.zeros(padding_tokens).long()]
+    )
     hidden = (tags * 1000 + positions).double()[:, None]  # [N, 1]
     return positions, hidden, [hidden + 0.1, hidden + 0.2]
 
@@ -222,23 +290,36 @@ def _expected(requests) -> dict:
 
 def _run(runner, requests, padding=0, padding_tokens=0, dummy=False) -> dict:
     runner.rows = []
-    runner.execute_model({"batch": _batch(requests, padding), "inputs": _inputs(requests, padding_tokens),
-                          "dummy": dummy})
+    runner.execute_model(
+        {
+            "batch": _batch(requests, padding),
+            "inputs": _inputs(requests, padding_tokens),
+            "dummy": dummy,
+        }
+    )
     assert len({rid for rid, *_ in runner.rows}) == len(runner.rows)
     return {rid: (pos, h, a) for rid, pos, h, a in runner.rows}
 
 
 def test_v2_rows_are_each_request_s_tokens_of_the_step_running(fake_v2):
     # V2 orders a step's requests its own way (decodes first, then extends, then prefills), not by arrival
-    steps = [[("c", 7, 1), ("a", 0, 5), ("b", 0, 3)],
-             [("b", 3, 1), ("c", 8, 1), ("a", 5, 2), ("d", 0, 4)]]
+    steps = [
+        [("c", 7, 1), ("a", 0, 5), ("b", 0, 3)],
+        [("b", 3, 1), ("c", 8, 1), ("a", 5, 2), ("d", 0, 4)],
+    ]
     for requests in steps:
         got = _run(fake_v2, requests, padding=2, padding_tokens=3)
         want = _expected(requests)
         assert set(got) == set(want)  # the padding rows give none
         for rid, (pos, h, a) in want.items():
-            assert torch.equal(got[rid][0], pos) and torch.equal(got[rid][1], h) and torch.equal(got[rid][2], a)
-    assert _run(fake_v2, steps[0], dummy=True) == {}  # a dummy step (profile, warm-up): no request's rows
+            assert (
+                torch.equal(got[rid][0], pos)
+                and torch.equal(got[rid][1], h)
+                and torch.equal(got[rid][2], a)
+            )
+    assert (
+        _run(fake_v2, steps[0], dummy=True) == {}
+    )  # a dummy step (profile, warm-up): no request's rows
 
 
 def test_v2_step_requests_need_follow_steps():
@@ -257,23 +338,30 @@ def test_v1_rows_read_the_persistent_batch():
 
 # ----------------------------------------------------------------------------- draft and proposals
 
+
 def test_the_draft_model_and_the_proposals_on_each_runner():
     """draft_model through vLLM's own get_draft_model; the proposals as propose returned them, though V2
     masks its buffer in place right after (dynamic k)."""
     module = torch.nn.Linear(2, 2)
     v1 = object.__new__(_cls(V1_CPU, "CPUModelRunner"))
     v2 = object.__new__(_cls(V2, "GPUModelRunner"))
-    speculator = object.__new__(_cls("vllm.v1.worker.gpu.spec_decode.eagle.speculator", "EagleSpeculator"))
+    speculator = object.__new__(
+        _cls("vllm.v1.worker.gpu.spec_decode.eagle.speculator", "EagleSpeculator")
+    )
     buffer = torch.tensor([[5, 6, 7], [8, 9, 10]])
     speculator.model, speculator.propose = module, lambda *args, **kwargs: buffer[:2]
     v2.speculator = speculator
-    v1.drafter = SimpleNamespace(model=module, propose=lambda *args, **kwargs: (buffer[:1].clone(), None))
+    v1.drafter = SimpleNamespace(
+        model=module, propose=lambda *args, **kwargs: (buffer[:1].clone(), None)
+    )
     assert vllm_runner.draft_model(v1) is module and vllm_runner.draft_model(v2) is module
     v2.speculator = None
     assert vllm_runner.draft_model(v2) is None and vllm_runner.record_proposals(v2, print) is False
     v2.speculator = speculator
     kept = []
-    assert vllm_runner.record_proposals(v1, kept.extend) and vllm_runner.record_proposals(v2, kept.extend)
+    assert vllm_runner.record_proposals(v1, kept.extend) and vllm_runner.record_proposals(
+        v2, kept.extend
+    )
     v1.drafter.propose()
     v2.speculator.propose()
     buffer[:, 1:] = -1  # what V2's runner does to the drafts past the step's k

@@ -13,7 +13,11 @@ import torch
 from spec_cli.cli import main
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.engine, pytest.mark.real, pytest.mark.slow]  # trains and serves SmolLM2 (minutes)
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.real,
+    pytest.mark.slow,
+]  # trains and serves SmolLM2 (minutes)
 
 
 @pytest.fixture(scope="module")
@@ -26,43 +30,129 @@ def smol(tmp_path_factory, real_assets):
         lines = real_assets["sharegpt"].read_text(encoding="utf-8").split("\n")
         data = root / "sharegpt.jsonl"
         data.write_text("\n".join(lines[:200]) + "\n", encoding="utf-8")
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "2048",
-                     "-o", str(root / "vm.safetensors"), "-q"]) == 0
-        assert main(["train", "--target", str(target), "--data", str(data), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "run"), "--max-samples", "32", "--max-length", "256", "--pack",
-                     "--batch-tokens", "1024", "--ttt-steps", "2", "--max-steps", "6", "--lr", "2e-3",
-                     "--eval-fraction", "0", "-q"]) == 0
+        assert (
+            main(
+                [
+                    "build-vocab-map",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "--draft-vocab-size",
+                    "2048",
+                    "-o",
+                    str(root / "vm.safetensors"),
+                    "-q",
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "train",
+                    "--target",
+                    str(target),
+                    "--data",
+                    str(data),
+                    "-v",
+                    str(root / "vm.safetensors"),
+                    "-o",
+                    str(root / "run"),
+                    "--max-samples",
+                    "32",
+                    "--max-length",
+                    "256",
+                    "--pack",
+                    "--batch-tokens",
+                    "1024",
+                    "--ttt-steps",
+                    "2",
+                    "--max-steps",
+                    "6",
+                    "--lr",
+                    "2e-3",
+                    "--eval-fraction",
+                    "0",
+                    "-q",
+                ]
+            )
+            == 0
+        )
     finally:
         mp.undo()
-    return {"root": root, "run": root / "run", "data": data, "target": target,
-            "mt-bench": real_assets["mt-bench"]}
+    return {
+        "root": root,
+        "run": root / "run",
+        "data": data,
+        "target": target,
+        "mt-bench": real_assets["mt-bench"],
+    }
 
 
 def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance_and_aux_ids_off_by_one_are_caught(
-        smol, tmp_path, capsys):
+    smol, tmp_path, capsys
+):
     from spec_cli.errors import ExportCheckError
     from spec_cli.eval.engine_check import engine_check
     from spec_cli.export.source import load_source
 
     out = tmp_path / "export"
-    assert main(["export", str(smol["run"]), "--format", "vllm", "--engine-check", "vllm", "-t", str(smol["target"]),
-                 "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(smol["run"]),
+                "--format",
+                "vllm",
+                "--engine-check",
+                "vllm",
+                "-t",
+                str(smol["target"]),
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "passed: vLLM" in capsys.readouterr().out
 
     # the same export with its aux ids one layer early: the engine check catches it
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     config = json.loads((bad / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    config["eagle_aux_hidden_state_layer_ids"] = [
+        i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]
+    ]
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportCheckError, match="draft tokens at only"):
         engine_check(bad, "vllm", load_source(smol["run"]), torch.bfloat16, smol["target"], depth=3)
 
     reports = {}
     for engine in ("torch", "vllm"):
-        assert main(["eval", "-t", str(smol["target"]), "--draft", str(out), "--prompts", str(smol["mt-bench"]),
-                     "--num-prompts", "1",
-                     "--max-new-tokens", "16", "--engine", engine, "-o", str(tmp_path / engine), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "-t",
+                    str(smol["target"]),
+                    "--draft",
+                    str(out),
+                    "--prompts",
+                    str(smol["mt-bench"]),
+                    "--num-prompts",
+                    "1",
+                    "--max-new-tokens",
+                    "16",
+                    "--engine",
+                    engine,
+                    "-o",
+                    str(tmp_path / engine),
+                    "-q",
+                ]
+            )
+            == 0
+        )
         reports[engine] = json.loads((tmp_path / engine / "eval.json").read_text())["overall"]
     t, v = reports["torch"], reports["vllm"]
     assert v["turns"] == t["turns"] == 2  # an MT-bench question, both turns

@@ -19,16 +19,42 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def windowed_run(tmp_path_factory):
-    return train_on_sized_target(tmp_path_factory.mktemp("window"), "--draft-window", "6", "--ttt-steps", "2",
-                                 "--max-steps", "120", "--eval-every", "0")
+    return train_on_sized_target(
+        tmp_path_factory.mktemp("window"),
+        "--draft-window",
+        "6",
+        "--ttt-steps",
+        "2",
+        "--max-steps",
+        "120",
+        "--eval-every",
+        "0",
+    )
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_vllm_serves_the_window_spec_cli_trained(windowed_run, tmp_path, monkeypatch, capsys, fmt):
     monkeypatch.setenv("SPEC_HOME", str(windowed_run["root"] / "home"))
     out = tmp_path / "export"
-    assert main(["export", str(windowed_run["run"]), "--format", fmt, "--dtype", "fp32", "--engine-check", "vllm",
-                 "-t", str(windowed_run["target"]), "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(windowed_run["run"]),
+                "--format",
+                fmt,
+                "--dtype",
+                "fp32",
+                "--engine-check",
+                "vllm",
+                "-t",
+                str(windowed_run["target"]),
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     assert layer["sliding_window"] == 6 and layer["layer_types"] == ["sliding_attention"]

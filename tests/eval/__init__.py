@@ -27,8 +27,15 @@ def peaky_target(path, scale: float = 40.0):
     return model
 
 
-def make_draft(model, selected: torch.Tensor | None = None, seed: int = 0, head_scale: float = 1.0,
-               cls=Eagle3Draft, aux: list[int] = AUX, **kwargs) -> Eagle3Draft:
+def make_draft(
+    model,
+    selected: torch.Tensor | None = None,
+    seed: int = 0,
+    head_scale: float = 1.0,
+    cls=Eagle3Draft,
+    aux: list[int] = AUX,
+    **kwargs,
+) -> Eagle3Draft:
     V = model.config.vocab_size
     selected = torch.arange(V) if selected is None else selected
     config = DraftConfig.from_target(model.config, selected.numel(), aux)
@@ -44,9 +51,15 @@ def make_draft(model, selected: torch.Tensor | None = None, seed: int = 0, head_
 @torch.no_grad()
 def greedy(model, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy continuation (transformers' generate)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()
@@ -74,7 +87,9 @@ class OracleDraft(Eagle3Draft):
     or a decoy at the indices in `wrong`. Its weights still run, so the KV cache is kept as usual.
     Needs the identity vocab map (draft id == target id)."""
 
-    def __init__(self, config: DraftConfig, reference: list[int], wrong: frozenset[int] = frozenset()):
+    def __init__(
+        self, config: DraftConfig, reference: list[int], wrong: frozenset[int] = frozenset()
+    ):
         super().__init__(config)
         self.reference = torch.tensor(reference)
         self.wrong = wrong

@@ -27,14 +27,17 @@ def test_identical_outputs_have_no_parting():
     assert parting(ours([5, 7, 9]), target([5, 7, 9], top(19.0)), BF16) is None
 
 
-@pytest.mark.parametrize("logit_of_8, eps, tie", [
-    (20.0, BF16, True),  # an exact tie
-    (19.875, BF16, True),  # one bf16 ulp at 20 (0.125)
-    (18.8, BF16, True),  # 1.2 <= 8 ulps * 20 = 1.25
-    (18.7, BF16, False),  # 1.3: more than rounding in bf16
-    (19.9995, FP32, True),  # within fp32's floor (1e-3)
-    (19.99, FP32, False),  # 0.01 is no fp32 rounding
-])
+@pytest.mark.parametrize(
+    "logit_of_8, eps, tie",
+    [
+        (20.0, BF16, True),  # an exact tie
+        (19.875, BF16, True),  # one bf16 ulp at 20 (0.125)
+        (18.8, BF16, True),  # 1.2 <= 8 ulps * 20 = 1.25
+        (18.7, BF16, False),  # 1.3: more than rounding in bf16
+        (19.9995, FP32, True),  # within fp32's floor (1e-3)
+        (19.99, FP32, False),  # 0.01 is no fp32 rounding
+    ],
+)
 def test_a_flip_is_a_tie_only_within_rounding(logit_of_8, eps, tie):
     got = parting(ours([5, 8, 1]), target([5, 7, 9], top(logit_of_8)), eps)
     assert got["at"] == 1 and got["target"] == 7 and got["spec"] == 8
@@ -71,7 +74,9 @@ def test_the_line_counts_ties_and_warns_about_the_rest():
     assert (m["same_as_target"], m["parted_at_tie"], m["parted_not_tie"]) == (1, 1, 1)
     assert m["largest_tie_margin"] == pytest.approx(0.125)
     line = identity_text(m, "bfloat16")
-    assert line.startswith("greedy outputs identical to the target's: 1/3 turns; 1 more part from it")
+    assert line.startswith(
+        "greedy outputs identical to the target's: 1/3 turns; 1 more part from it"
+    )
     assert "bfloat16 rounding (margin <= 0.125)" in line
     assert "WARNING: 1 part from it where its logits do not tie" in line
     clean = identity_text({"same_as_target": 3, "turns": 3, "parted_at_tie": 0}, "float32")

@@ -35,15 +35,23 @@ def world(tiny_llama_dir):
     drafts = {
         "random": make_draft(model),
         "fitted": fitted_draft(model, fit_prompts, n=24),
-        "oracle": [make_draft(model, cls=OracleDraft, reference=p + r, wrong=frozenset(range(0, 200, 5)))
-                   for p, r in zip(prompts, refs)],
+        "oracle": [
+            make_draft(model, cls=OracleDraft, reference=p + r, wrong=frozenset(range(0, 200, 5)))
+            for p, r in zip(prompts, refs)
+        ],
     }
     target = Target(model, drafts["random"].config.aux_layer_ids)
     return {"model": model, "target": target, "prompts": prompts, "refs": refs, "drafts": drafts}
 
 
-@pytest.mark.parametrize("kind,shapes", [("random", [(1, 1, 0), (3, 1, 0), (3, 3, 8)]),
-                                         ("fitted", CHAINS + TREES), ("oracle", CHAINS + TREES)])
+@pytest.mark.parametrize(
+    "kind,shapes",
+    [
+        ("random", [(1, 1, 0), (3, 1, 0), (3, 3, 8)]),
+        ("fitted", CHAINS + TREES),
+        ("oracle", CHAINS + TREES),
+    ],
+)
 def test_greedy_is_the_targets_greedy_token_for_token(world, kind, shapes):
     accepted = {}  # shape -> drafts accepted per step
     for depth, topk, nodes in shapes:
@@ -65,7 +73,7 @@ def test_target_alone_and_eos(world):
     base = spec.generate_target(target, prompt, spec.Settings(max_new_tokens=N_NEW))
     assert base.tokens == ref[:N_NEW] and base.steps == []
     eos = ref[5]
-    cut = ref[:ref.index(eos) + 1]
+    cut = ref[: ref.index(eos) + 1]
     settings = spec.Settings(depth=3, max_new_tokens=N_NEW, eos_ids=frozenset({eos}))
     assert spec.generate_target(target, prompt, settings).tokens == cut
     assert spec.generate(target, world["drafts"]["oracle"][0], prompt, settings).tokens == cut
@@ -79,7 +87,9 @@ def test_exact_draft_accepts_everything(world, depth, topk):
     settings = spec.Settings(depth=depth, topk=topk, num_tokens=0, max_new_tokens=N_NEW)
     out = spec.generate(world["target"], oracle, prompt, settings)
     assert out.tokens == ref[:N_NEW]
-    assert out.steps == [(depth, depth)] * -(-(N_NEW - 1) // (depth + 1))  # the prefill gave token 1
+    assert out.steps == [(depth, depth)] * -(
+        -(N_NEW - 1) // (depth + 1)
+    )  # the prefill gave token 1
     assert out.acceptance_length == depth + 1
     tally = Tally()
     tally.add(out, None)
@@ -90,9 +100,16 @@ def test_acceptance_accounting_on_a_constructed_case(world):
     """The oracle is wrong at every 5th token index: the accepted counts follow by hand."""
     model, prompt = world["model"], world["prompts"][1]
     depth, wrong = 3, frozenset(range(0, 200, 5))
-    oracle = make_draft(model, cls=OracleDraft, reference=prompt + greedy(model, prompt, 40), wrong=wrong)
-    out = spec.generate(world["target"], oracle, prompt, spec.Settings(depth=depth, max_new_tokens=N_NEW))
-    expected, n = [], len(prompt) + 1  # n: tokens so far; the step proposes token indices n, n+1, ...
+    oracle = make_draft(
+        model, cls=OracleDraft, reference=prompt + greedy(model, prompt, 40), wrong=wrong
+    )
+    out = spec.generate(
+        world["target"], oracle, prompt, spec.Settings(depth=depth, max_new_tokens=N_NEW)
+    )
+    expected, n = (
+        [],
+        len(prompt) + 1,
+    )  # n: tokens so far; the step proposes token indices n, n+1, ...
     while n - len(prompt) < N_NEW:
         m = 0
         while m < depth and n + m not in wrong:
@@ -117,26 +134,36 @@ def test_draft_reads_what_training_feeds_it(world, monkeypatch):
     forward's (Eagle3Draft.forward, step 0 of TTT)."""
     target, draft, prompt = world["target"], world["drafts"]["fitted"], world["prompts"][0]
     calls = []
+
     def recording(draft_, cache, ids, aux):
         calls.append((len(cache), ids.clone(), aux.clone()))
         return decoding.catch_up(draft_, cache, ids, aux)
 
     monkeypatch.setattr(eagle3_code, "catch_up", recording)  # what EAGLE3.catch_up loads
-    out = spec.generate(target, draft, prompt, spec.Settings(depth=3, topk=2, num_tokens=5,
-                                                             max_new_tokens=N_NEW), algorithm=EAGLE3)
+    out = spec.generate(
+        target,
+        draft,
+        prompt,
+        spec.Settings(depth=3, topk=2, num_tokens=5, max_new_tokens=N_NEW),
+        algorithm=EAGLE3,
+    )
     seq = torch.tensor(prompt + out.tokens)
     starts = [c[0] for c in calls]
     sizes = [c[1].numel() for c in calls]
     assert starts == [sum(sizes[:i]) for i in range(len(calls))]  # contiguous slots from 0
     ids, aux = torch.cat([c[1] for c in calls]), torch.cat([c[2] for c in calls])
     T = ids.numel()
-    assert torch.equal(ids, seq[1:T + 1])
+    assert torch.equal(ids, seq[1 : T + 1])
     full = world["model"](input_ids=seq[None, :T], output_hidden_states=True)
     true_aux = torch.cat([full.hidden_states[i + 1] for i in draft.config.aux_layer_ids], -1)[0]
     torch.testing.assert_close(aux, true_aux, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
-        trained = draft(seq[None, 1:T + 1], true_aux[None])[0, -1]  # [H] training forward, last slot
-        decoded = decoding.catch_up(draft, _cache_after(draft, ids[:T // 2], aux[:T // 2]), ids[T // 2:], aux[T // 2:])
+        trained = draft(seq[None, 1 : T + 1], true_aux[None])[
+            0, -1
+        ]  # [H] training forward, last slot
+        decoded = decoding.catch_up(
+            draft, _cache_after(draft, ids[: T // 2], aux[: T // 2]), ids[T // 2 :], aux[T // 2 :]
+        )
     torch.testing.assert_close(decoded[0, 0], trained, rtol=1e-4, atol=1e-4)
 
 
@@ -172,12 +199,17 @@ def test_tree_nodes_are_top_k_of_the_draft_run_along_their_path(world):
         c = _cache_after(draft, seq[1:], aux[:-1])
         s = state
         for j, node in enumerate(path[:-1]):  # feed the ancestors one by one
-            s = draft.forward_step(tree.tokens[node].view(1, 1), s,
-                                   torch.tensor([[len(prompt) - 1 + j]]), c)
+            s = draft.forward_step(
+                tree.tokens[node].view(1, 1), s, torch.tensor([[len(prompt) - 1 + j]]), c
+            )
         top = draft.to_target_ids(draft.logits(s[0, -1]).topk(k).indices)
         assert int(tree.tokens[i]) in top.tolist(), i
-    chain = decoding.draft_chain(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 0.0, None)
-    line = decoding.draft_tree(draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 1, num_tokens=0)
+    chain = decoding.draft_chain(
+        draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 0.0, None
+    )
+    line = decoding.draft_tree(
+        draft, _cache_after(draft, seq[1:], aux[:-1]), state, depth, 1, num_tokens=0
+    )
     assert torch.equal(chain.tokens, line.tokens) and torch.equal(chain.parents, line.parents)
 
 
@@ -191,11 +223,19 @@ def test_target_alone_keeps_its_best_logits_per_token(world):
     out = spec.generate_target(world["target"], prompt, spec.Settings(max_new_tokens=N_NEW))
     assert len(out.top) == len(out.tokens) == N_NEW
     with torch.no_grad():
-        logits = world["model"](torch.tensor([prompt + out.tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = (
+            world["model"](torch.tensor([prompt + out.tokens]))
+            .logits[0, len(prompt) - 1 : -1]
+            .float()
+        )
     values, ids = logits.topk(spec.TOP_LOGITS, dim=-1)
     for i, kept in enumerate(out.top):
         assert list(kept) == ids[i].tolist() and out.tokens[i] == int(ids[i, 0])
         assert list(kept.values()) == pytest.approx(values[i].tolist(), abs=1e-4)
-    sampled = spec.generate_target(world["target"], prompt, spec.Settings(max_new_tokens=4, temperature=1.0),
-                                   torch.Generator().manual_seed(0))
+    sampled = spec.generate_target(
+        world["target"],
+        prompt,
+        spec.Settings(max_new_tokens=4, temperature=1.0),
+        torch.Generator().manual_seed(0),
+    )
     assert sampled.top == []  # kept for greedy only (ties mean nothing when sampling)

@@ -20,17 +20,34 @@ SHAPES = [(3, 1, 0), (4, 1, 0), (3, 2, 0), (4, 3, 8)]  # depth, topk, tree nodes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=[("mistral", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager"),
-                                        ("llama4", "sdpa"), ("llama", "sdpa")], ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("mistral", "sdpa"),
+        ("gemma3", "sdpa"),
+        ("gemma3", "eager"),
+        ("llama4", "sdpa"),
+        ("llama", "sdpa"),
+    ],
+    ids=lambda p: "-".join(p),
+)
 def world(request):
     arch, attention = request.param
     model = windowed.model(arch, 256, head_scale=40.0)
     model.config._attn_implementation = attention  # the decoder reads it at each forward
     prompt = torch.randint(5, 256, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = greedy(model, prompt, N_NEW)
-    oracle = make_draft(model, cls=OracleDraft, aux=windowed.AUX, reference=prompt + ref, wrong=WRONG)
-    return {"model": model, "target": Target(model, windowed.AUX), "prompt": prompt, "ref": ref,
-            "oracle": oracle, "random": make_draft(model, aux=windowed.AUX)}
+    oracle = make_draft(
+        model, cls=OracleDraft, aux=windowed.AUX, reference=prompt + ref, wrong=WRONG
+    )
+    return {
+        "model": model,
+        "target": Target(model, windowed.AUX),
+        "prompt": prompt,
+        "ref": ref,
+        "oracle": oracle,
+        "random": make_draft(model, aux=windowed.AUX),
+    }
 
 
 @pytest.mark.parametrize("depth,topk,nodes", SHAPES)
@@ -57,4 +74,6 @@ def test_a_target_whose_layers_keep_a_state_is_refused():
     model = windowed.model("qwen3next", 256)
     target = Target(model, windowed.AUX)
     with pytest.raises(ConfigError, match="linear_attention layers keep a state"):
-        spec.generate(target, make_draft(model, aux=windowed.AUX), [5, 6, 7], spec.Settings(max_new_tokens=4))
+        spec.generate(
+            target, make_draft(model, aux=windowed.AUX), [5, 6, 7], spec.Settings(max_new_tokens=4)
+        )

@@ -15,4 +15,7 @@ def run_dir(tmp_path_factory):
 def exports(run_dir, tmp_path_factory):
     """One checked export per format (bf16)."""
     root = tmp_path_factory.mktemp("exports")
-    return {fmt: stage.run(stage.ExportConfig(source=run_dir, format=fmt, output=root / fmt)) for fmt in FORMATS}
+    return {
+        fmt: stage.run(stage.ExportConfig(source=run_dir, format=fmt, output=root / fmt))
+        for fmt in FORMATS
+    }

@@ -39,8 +39,11 @@ from tests.export.drafts import VD, H, N, V, make_run
 if importlib.util.find_spec("speculators") is None:
     pytest.skip("the speculators library is not installed", allow_module_level=True)
 
-pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+]
 
 T = 24  # positions in the forward
 # the speculators model keys a speculators-format file need not hold: the verifier's (load_verifier_weights)
@@ -63,11 +66,23 @@ def save_target(folder: Path, embed: torch.Tensor) -> Path:
     target shape plus the three tensors speculators reads from a verifier (embed_tokens, lm_head, norm)."""
     from transformers import LlamaConfig
 
-    LlamaConfig(num_hidden_layers=N, hidden_size=H, vocab_size=V, num_attention_heads=4,
-                intermediate_size=64, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    LlamaConfig(
+        num_hidden_layers=N,
+        hidden_size=H,
+        vocab_size=V,
+        num_attention_heads=4,
+        intermediate_size=64,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
     g = torch.Generator().manual_seed(7)
-    save_file({"model.embed_tokens.weight": embed.contiguous(), "model.norm.weight": torch.ones(H),
-               "lm_head.weight": torch.randn(V, H, generator=g)}, str(folder / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": embed.contiguous(),
+            "model.norm.weight": torch.ones(H),
+            "lm_head.weight": torch.randn(V, H, generator=g),
+        },
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
@@ -75,8 +90,19 @@ def spec_export(run: Path, target: Path, out: Path) -> Path:
     from spec_cli import cli
     from spec_cli.commands.export import export_cmd
 
-    argv = ["export", str(run), "--format", "speculators", "--dtype", "fp32", "-o", str(out),
-            "--target", str(target), "-q"]
+    argv = [
+        "export",
+        str(run),
+        "--format",
+        "speculators",
+        "--dtype",
+        "fp32",
+        "-o",
+        str(out),
+        "--target",
+        str(target),
+        "-q",
+    ]
     if "engine_check" in inspect.signature(export_cmd).parameters:
         argv += ["--engine-check", "none"]  # vLLM's own load is another test's business
     assert cli.main(argv) == 0
@@ -135,7 +161,11 @@ def problems(speculators, folder: Path, src) -> tuple[list[str], dict]:
     found += [f"{k} is not a speculators parameter" for k in unexpected]
     found += [f"{k} is not in the file (left at its random init)" for k in missing]
     found += [f"{k} loaded differently from the file" for k in changed]
-    found += [f"{k} is not finite" for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+    found += [
+        f"{k} is not finite"
+        for k, v in state.items()
+        if v.is_floating_point() and not v.isfinite().all()
+    ]
     if not torch.equal(model.embed_tokens.weight, src.state["embed_tokens.weight"]):
         found.append("embed_tokens is not the checkpoint's (= the target's) embedding")
 
@@ -157,16 +187,25 @@ def problems(speculators, folder: Path, src) -> tuple[list[str], dict]:
     ids = torch.randint(0, V, (1, T), generator=g)
     spec_layers = [k - 1 for k in model.config.eagle_aux_hidden_state_layer_ids]
     if sorted(spec_layers) != sorted(layer_states):
-        return found + [f"speculators reads the outputs of layers {spec_layers}, the draft was trained on "
-                        f"{src.config.aux_layer_ids}"], {}
+        return found + [
+            f"speculators reads the outputs of layers {spec_layers}, the draft was trained on "
+            f"{src.config.aux_layer_ids}"
+        ], {}
     aux_spec = torch.cat([layer_states[i] for i in spec_layers], dim=-1)  # [1, T, 3*H]
-    aux_ckpt = torch.cat([layer_states[i] for i in src.config.aux_layer_ids], dim=-1)  # checkpoint order
+    aux_ckpt = torch.cat(
+        [layer_states[i] for i in src.config.aux_layer_ids], dim=-1
+    )  # checkpoint order
 
     logits = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out))
     with torch.no_grad():
-        draft_ids = model(hidden_states=aux_spec, input_ids=ids, document_ids=torch.zeros_like(ids),
-                          position_ids=torch.arange(T)[None], ttt_steps=1)[0]  # [1, T] draft vocab
+        draft_ids = model(
+            hidden_states=aux_spec,
+            input_ids=ids,
+            document_ids=torch.zeros_like(ids),
+            position_ids=torch.arange(T)[None],
+            ttt_steps=1,
+        )[0]  # [1, T] draft vocab
     hook.remove()
     spec_logits = logits[0]  # [1, T, Vd]
     # vLLM / speculators: target = draft + d2t[draft]; the draft's own ids without a map
@@ -184,7 +223,9 @@ def problems(speculators, folder: Path, src) -> tuple[list[str], dict]:
     if not torch.equal(draft_ids, ref_logits.argmax(-1)):
         found.append("draft-vocab argmax differs")
     if not torch.equal(spec_targets, ref_targets):
-        found.append(f"predicted target ids differ at {int((spec_targets != ref_targets).sum())}/{T} positions")
+        found.append(
+            f"predicted target ids differ at {int((spec_targets != ref_targets).sum())}/{T} positions"
+        )
     return found, {"max_abs_logit_diff": diff, "scale": ref_logits.abs().max().item()}
 
 
@@ -204,20 +245,35 @@ def test_config_is_speculators_eagle3(speculators, exported):
 
     folder, target, src = exported
     c = src.config
-    config = speculators.SpeculatorModelConfig.from_pretrained(str(folder))  # resolved by speculators_model_type
+    config = speculators.SpeculatorModelConfig.from_pretrained(
+        str(folder)
+    )  # resolved by speculators_model_type
     assert type(config) is speculators.Eagle3SpeculatorConfig
-    assert (config.draft_vocab_size, config.target_vocab_size, config.target_hidden_size) == (VD, V, H)
-    assert config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in sorted(c.aux_layer_ids)]  # vLLM's count
+    assert (config.draft_vocab_size, config.target_vocab_size, config.target_hidden_size) == (
+        VD,
+        V,
+        H,
+    )
+    assert config.eagle_aux_hidden_state_layer_ids == [
+        i + 1 for i in sorted(c.aux_layer_ids)
+    ]  # vLLM's count
     assert (config.norm_before_residual, config.norm_before_fc) == (False, False)
     assert (config.fc_norm, config.norm_output) == (c.fc_norm, c.norm_output)
     layer = config.transformer_layer_config
     assert type(layer) is LlamaConfig  # built from its model_type
     assert (layer.hidden_size, layer.intermediate_size, layer.num_hidden_layers) == (
-        c.hidden_size, c.intermediate_size, c.num_hidden_layers)
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+    )
     assert (layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim) == (4, 2, 8)
-    assert layer.rope_parameters["rope_theta"] == c.rope_theta and layer.rms_norm_eps == c.rms_norm_eps
+    assert (
+        layer.rope_parameters["rope_theta"] == c.rope_theta and layer.rms_norm_eps == c.rms_norm_eps
+    )
     assert config.speculators_config.verifier.name_or_path == str(target)
-    assert config.speculators_config.proposal_methods[0].speculative_tokens == 2  # the run's TTT depth
+    assert (
+        config.speculators_config.proposal_methods[0].speculative_tokens == 2
+    )  # the run's TTT depth
 
 
 def test_loads_and_predicts_as_the_checkpoint(speculators, exported):
@@ -234,7 +290,11 @@ def test_a_full_vocab_draft_loads_without_a_vocab_map(speculators, tmp_path, one
         mp.setenv("HF_HUB_OFFLINE", "1")
         run = make_run(tmp_path / "run", target_hidden_size=H, draft_vocab_size=V)
         src = load_source(run)
-        folder = spec_export(run, save_target(tmp_path / "target", src.state["embed_tokens.weight"]), tmp_path / "out")
+        folder = spec_export(
+            run,
+            save_target(tmp_path / "target", src.state["embed_tokens.weight"]),
+            tmp_path / "out",
+        )
     assert not {"d2t", "t2d"} & set(load_file(str(folder / "model.safetensors")))
     found, numbers = problems(speculators, folder, src)
     assert found == [] and numbers["max_abs_logit_diff"] < 1e-4 < numbers["scale"]
@@ -258,8 +318,11 @@ def test_zeroed_d2t_gives_wrong_target_ids(speculators, exported, tmp_path):
 
 def test_renamed_key_is_a_random_weight(speculators, exported, tmp_path):
     folder, _, src = exported
-    bad = tampered(folder, tmp_path / "bad", lambda t: t.update(
-        {"layers.0.mlp.up.weight": t.pop("layers.0.mlp.up_proj.weight")}))
+    bad = tampered(
+        folder,
+        tmp_path / "bad",
+        lambda t: t.update({"layers.0.mlp.up.weight": t.pop("layers.0.mlp.up_proj.weight")}),
+    )
     found, _ = problems(speculators, bad, src)
     assert "layers.0.mlp.up.weight is not a speculators parameter" in found
     assert "layers.0.mlp.up_proj.weight is not in the file (left at its random init)" in found
@@ -272,5 +335,6 @@ def test_swapped_fc_blocks_change_the_logits(speculators, exported, tmp_path):
     def swap(t):
         a, b, c = t["fc.weight"].split(H, dim=1)
         t["fc.weight"] = torch.cat([b, a, c], dim=1).contiguous()
+
     found, _ = problems(speculators, tampered(folder, tmp_path / "bad", swap), src)
     assert any("logits differ" in p for p in found)

@@ -16,19 +16,29 @@ from tests.draft import tiny_config
 
 
 def cfg(pack=False, batch_tokens=512):
-    return types.SimpleNamespace(objective=ObjectiveOptions(ttt_steps=2), optim=OptimOptions(),
-                                 data=types.SimpleNamespace(pack=pack, batch_tokens=batch_tokens))
+    return types.SimpleNamespace(
+        objective=ObjectiveOptions(ttt_steps=2),
+        optim=OptimOptions(),
+        data=types.SimpleNamespace(pack=pack, batch_tokens=batch_tokens),
+    )
 
 
 def test_checkpointing_turns_on_only_when_the_step_would_not_fit(capsys):
     eagle3 = algorithms.get("eagle3")
     config = tiny_config()
     shape = (2, 256)
-    peaks = {c: measure_step(eagle3, config, cfg().objective, 256, batch=2, activation_checkpointing=c).peak
-             * (1 + FRAGMENTATION) for c in (False, True)}
+    peaks = {
+        c: measure_step(
+            eagle3, config, cfg().objective, 256, batch=2, activation_checkpointing=c
+        ).peak
+        * (1 + FRAGMENTATION)
+        for c in (False, True)
+    }
     assert peaks[True] < peaks[False]
     on_device = 1000
-    assert not needs_checkpointing(eagle3, config, cfg(), shape, int(peaks[False]) - on_device + 1, on_device)
+    assert not needs_checkpointing(
+        eagle3, config, cfg(), shape, int(peaks[False]) - on_device + 1, on_device
+    )
     assert capsys.readouterr().err == ""
     between = int((peaks[False] + peaks[True]) / 2)
     assert needs_checkpointing(eagle3, config, cfg(), shape, between, on_device)
@@ -47,10 +57,15 @@ def test_no_plan_no_change():
 
 def test_largest_batch_by_padded_tokens():
     lengths = torch.tensor([100, 30, 90, 50, 10])
-    source = types.SimpleNamespace(tokens=types.SimpleNamespace(lengths=lengths), plan=[[0], [2, 3], [1, 4]])
+    source = types.SimpleNamespace(
+        tokens=types.SimpleNamespace(lengths=lengths), plan=[[0], [2, 3], [1, 4]]
+    )
     assert largest_batch(source, cfg()) == (2, 90)  # 2 x 90 = 180 padded tokens beat 1 x 100
     assert largest_batch(source, cfg(pack=True)) == (1, 140)  # packed: the row's documents together
-    assert largest_batch(types.SimpleNamespace(tokens=None, plan=[]), cfg(batch_tokens=4096)) == (1, 4096)
+    assert largest_batch(types.SimpleNamespace(tokens=None, plan=[]), cfg(batch_tokens=4096)) == (
+        1,
+        4096,
+    )
 
 
 def test_an_fp32_run_is_planned_in_fp32():
@@ -58,8 +73,11 @@ def test_an_fp32_run_is_planned_in_fp32():
     (more memory than bf16's): free memory between the two turns checkpointing on for fp32 only."""
     eagle3 = algorithms.get("eagle3")
     config = tiny_config()
-    peaks = {d: measure_step(eagle3, config, cfg().objective, 256, batch=2, autocast_dtype=d).peak
-             * (1 + FRAGMENTATION) for d in (torch.bfloat16, None)}
+    peaks = {
+        d: measure_step(eagle3, config, cfg().objective, 256, batch=2, autocast_dtype=d).peak
+        * (1 + FRAGMENTATION)
+        for d in (torch.bfloat16, None)
+    }
     assert peaks[None] > peaks[torch.bfloat16]
     between = int((peaks[None] + peaks[torch.bfloat16]) / 2)
     assert not needs_checkpointing(eagle3, config, cfg(), (2, 256), between, 0, torch.bfloat16)

@@ -22,14 +22,33 @@ B, T, V = 2, 384, 640
 
 def config(algorithm) -> DraftConfig:
     a = algorithms.get(algorithm)
-    return DraftConfig(vocab_size=V, target_hidden_size=96, aux_layer_ids=a.default_aux_layers(8)[:a.aux_layers],
-                       target_num_layers=8, hidden_size=96, intermediate_size=256, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=24, draft_vocab_size=V if algorithm == "eagle" else 160,
-                       algorithm=algorithm, **({"mask_token_id": 5, "extra": {"block_size": 8}}
-                                               if algorithm == "dflash" else {}),
-                       **({"mask_token_id": 5, "extra": {"block_size": 8, "markov_rank": 256, "confidence_head": True,
-                                                         "confidence_with_markov": True}}
-                          if algorithm == "dspark" else {}))
+    return DraftConfig(
+        vocab_size=V,
+        target_hidden_size=96,
+        aux_layer_ids=a.default_aux_layers(8)[: a.aux_layers],
+        target_num_layers=8,
+        hidden_size=96,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        draft_vocab_size=V if algorithm == "eagle" else 160,
+        algorithm=algorithm,
+        **({"mask_token_id": 5, "extra": {"block_size": 8}} if algorithm == "dflash" else {}),
+        **(
+            {
+                "mask_token_id": 5,
+                "extra": {
+                    "block_size": 8,
+                    "markov_rank": 256,
+                    "confidence_head": True,
+                    "confidence_with_markov": True,
+                },
+            }
+            if algorithm == "dspark"
+            else {}
+        ),
+    )
 
 
 def real_batch(cfg: DraftConfig, final_hidden: bool) -> TargetBatch:
@@ -40,11 +59,18 @@ def real_batch(cfg: DraftConfig, final_hidden: bool) -> TargetBatch:
     supervised = ones.clone()
     supervised[:, -1] = 0
     return TargetBatch(
-        aux_hidden=torch.randn(B, T, len(cfg.aux_layer_ids) * cfg.target_hidden_size, generator=gen),
-        input_ids=torch.randint(0, V, (B, T), generator=gen), attention_mask=ones, loss_mask=supervised,
+        aux_hidden=torch.randn(
+            B, T, len(cfg.aux_layer_ids) * cfg.target_hidden_size, generator=gen
+        ),
+        input_ids=torch.randint(0, V, (B, T), generator=gen),
+        attention_mask=ones,
+        loss_mask=supervised,
         target_p=torch.rand(B, T, cfg.draft_vocab_size, generator=gen).softmax(-1),
-        position_mask=supervised.bool(), target_ids=torch.randint(0, V, (B, T), generator=gen),
-        target_mass=torch.ones(B, T), final_hidden=torch.randn(B, T, cfg.target_hidden_size) if final_hidden else None)
+        position_mask=supervised.bool(),
+        target_ids=torch.randint(0, V, (B, T), generator=gen),
+        target_mass=torch.ones(B, T),
+        final_hidden=torch.randn(B, T, cfg.target_hidden_size) if final_hidden else None,
+    )
 
 
 def measured(algorithm: str, checkpointing: bool) -> tuple[int, int]:
@@ -66,18 +92,31 @@ def measured(algorithm: str, checkpointing: bool) -> tuple[int, int]:
         optimizer_step(params, optimizer, 1.0)
 
     step()
-    resident = sum(t.untyped_storage().nbytes() for t in
-                   [*draft.parameters(), *draft.buffers(), *batch.tensors().values(),
-                    *(v for s in optimizer.state.values() for v in s.values())])
+    resident = sum(
+        t.untyped_storage().nbytes()
+        for t in [
+            *draft.parameters(),
+            *draft.buffers(),
+            *batch.tensors().values(),
+            *(v for s in optimizer.state.values() for v in s.values()),
+        ]
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = []
 
     def walk(node):
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+            events.append(
+                (
+                    node.start_time_ns,
+                    node.extra_fields.alloc_size,
+                    node.extra_fields.total_allocated,
+                )
+            )
         for child in node.children:
             walk(child)
+
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     events.sort()
@@ -90,8 +129,16 @@ def measured(algorithm: str, checkpointing: bool) -> tuple[int, int]:
 def test_plan_matches_a_real_cpu_step(algorithm, checkpointing):
     torch.set_num_threads(1)
     resident, above = measured(algorithm, checkpointing)
-    plan = measure_step(algorithms.get(algorithm), config(algorithm), ObjectiveOptions(), T, batch=B,
-                        activation_checkpointing=checkpointing, autocast_dtype=None, target_dtype=torch.float32)
+    plan = measure_step(
+        algorithms.get(algorithm),
+        config(algorithm),
+        ObjectiveOptions(),
+        T,
+        batch=B,
+        activation_checkpointing=checkpointing,
+        autocast_dtype=None,
+        target_dtype=torch.float32,
+    )
     print(algorithm, checkpointing, resident, plan.resident, above, plan.peak - plan.resident)
     assert plan.resident == resident
     assert abs((plan.peak - plan.resident) - above) <= 0.02 * above

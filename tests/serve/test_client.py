@@ -25,8 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir):
     """Two servers, each with its own copy of the target."""
-    handles = [start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok")
-               for _ in range(2)]
+    handles = [
+        start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok") for _ in range(2)
+    ]
     yield handles
     for h in handles:
         h.stop(grace=5)
@@ -43,8 +44,9 @@ def assert_same_batch(got: TargetBatch, want: TargetBatch):
 def count_calls(monkeypatch, handle) -> list:
     calls = []
     real = handle.logic.backend.generate_batch
-    monkeypatch.setattr(handle.logic.backend, "generate_batch",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        handle.logic.backend, "generate_batch", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     return calls
 
 
@@ -54,7 +56,9 @@ def test_remote_supervision_equals_in_process(servers, local, monkeypatch):
     assert remote.info == {k: local.info[k] for k in remote.info}
     assert torch.equal(remote.get_input_embeddings(), local.get_input_embeddings())
     remote.set_vocab_mapping(draft_vocab())
-    requests = [random_batch(B, T, seed) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33), (2, 2)])]
+    requests = [
+        random_batch(B, T, seed) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33), (2, 2)])
+    ]
     for ids, am, lm in requests:  # synchronous
         assert_same_batch(remote.generate_batch(ids, am, lm), local.generate_batch(ids, am, lm))
     with ThreadPoolExecutor(3) as pool:  # as the trainer's producer threads: 3 requests in flight
@@ -64,8 +68,10 @@ def test_remote_supervision_equals_in_process(servers, local, monkeypatch):
     packed = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(9))
     seq_lens = torch.tensor([[11, 12, 7]])
     ones = torch.ones_like(packed)
-    assert_same_batch(remote.generate_batch(packed, ones, ones, seq_lens=seq_lens),
-                      local.generate_batch(packed, ones, ones, seq_lens=seq_lens))
+    assert_same_batch(
+        remote.generate_batch(packed, ones, ones, seq_lens=seq_lens),
+        local.generate_batch(packed, ones, ones, seq_lens=seq_lens),
+    )
     assert all(len(c) >= 3 for c in calls), [len(c) for c in calls]  # both servers did work
     remote.close()
 
@@ -80,7 +86,9 @@ def test_a_different_target_is_a_clear_error(servers, tiny_llama_dir, local):
     same = {k: local.info[k] for k in ("target_fingerprint", "tokenizer_fingerprint", "aux_layers")}
     ok = RemoteBackend(url, token="tok", expect=same)
     ok.close()
-    other = start_server(load_backend(tiny_llama_dir, aux_layers=[1, 2, 5]), tiny_llama_dir, token="tok")
+    other = start_server(
+        load_backend(tiny_llama_dir, aux_layers=[1, 2, 5]), tiny_llama_dir, token="tok"
+    )
     try:
         with pytest.raises(RemoteMismatchError, match="disagree on aux layers"):
             RemoteBackend([url, other.url], token="tok")
@@ -96,12 +104,17 @@ def test_refusals_are_clear_errors(servers, tiny_llama_dir):
     for bad in ("ftp://127.0.0.1:1", "http://127.0.0.1:80/v1", "http://127.0.0.1:99999", ""):
         with pytest.raises(RemoteError):
             RemoteBackend(bad)
-    small = start_server(load_backend(tiny_llama_dir), tiny_llama_dir,
-                         limits=Limits(max_batch_tokens=64, max_seq_len=16))
+    small = start_server(
+        load_backend(tiny_llama_dir),
+        tiny_llama_dir,
+        limits=Limits(max_batch_tokens=64, max_seq_len=16),
+    )
     try:
         remote = RemoteBackend(small.url)
         remote.set_vocab_mapping(draft_vocab())
-        with pytest.raises(RemoteError, match="sequence length 20 exceeds the target server's limit 16"):
+        with pytest.raises(
+            RemoteError, match="sequence length 20 exceeds the target server's limit 16"
+        ):
             remote.generate_batch(*random_batch(3, 20))
         remote.close()
     finally:
@@ -149,7 +162,9 @@ def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local)
             outcomes = []
             for i, future in enumerate(futures):
                 try:
-                    assert_same_batch(future.result(timeout=30), local.generate_batch(*requests[i % 3]))
+                    assert_same_batch(
+                        future.result(timeout=30), local.generate_batch(*requests[i % 3])
+                    )
                     outcomes.append("ok")
                 except RemoteError as exc:
                     assert "cannot be reached" in str(exc) and "--resume" in exc.hint
@@ -164,6 +179,7 @@ def test_a_server_killed_mid_run_fails_the_client_clearly(tiny_llama_dir, local)
 
 # ----------------------------------------------------------------------------- training
 
+
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory, tiny_llama_dir):
     """A peaked tiny target (tiny.peaked_copy), chat data and a vocab map."""
@@ -171,28 +187,65 @@ def train_setup(tmp_path_factory, tiny_llama_dir):
     target = tiny.peaked_copy(tiny_llama_dir, root / "peaky-llama")
     rng = random.Random(11)
     data = write_jsonl(root / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(24)])
-    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "96",
-                 "-o", str(root / "vm.safetensors"), "-q"]) == 0
+    assert (
+        main(
+            [
+                "build-vocab-map",
+                "-t",
+                str(target),
+                "-d",
+                str(data),
+                "--draft-vocab-size",
+                "96",
+                "-o",
+                str(root / "vm.safetensors"),
+                "-q",
+            ]
+        )
+        == 0
+    )
     return {"target": target, "data": data, "vm": root / "vm.safetensors"}
 
 
 @pytest.mark.parametrize("pack, prefetch", [(False, 2), (True, 0)])
-def test_training_against_a_server_equals_training_in_process(train_setup, tmp_path, monkeypatch, pack, prefetch):
+def test_training_against_a_server_equals_training_in_process(
+    train_setup, tmp_path, monkeypatch, pack, prefetch
+):
     """With --prefetch N the batches come from N producer threads ahead of the loop (spec_cli/stream,
     a memory store, no stream.json); with 0 each is asked for when the loop needs it."""
-    kw = dict(vocab_map=train_setup["vm"], target=str(train_setup["target"]), data=str(train_setup["data"]),
-              dtype="fp32", ttt_steps=3, lr=3e-3, max_steps=3, log_every=1, eval_every=2, save_every=3,
-              eval_fraction=0.2, batch_tokens=256, pack=pack)
+    kw = dict(
+        vocab_map=train_setup["vm"],
+        target=str(train_setup["target"]),
+        data=str(train_setup["data"]),
+        dtype="fp32",
+        ttt_steps=3,
+        lr=3e-3,
+        max_steps=3,
+        log_every=1,
+        eval_every=2,
+        save_every=3,
+        eval_fraction=0.2,
+        batch_tokens=256,
+        pack=pack,
+    )
     live = stage.run(stage.TrainConfig.from_options(output=tmp_path / "live", **kw))
     handle = start_server(load_backend(train_setup["target"]), train_setup["target"])
     calls = count_calls(monkeypatch, handle)
     threads = []  # the client threads that asked for supervision
     real = RemoteBackend.generate_batch
-    monkeypatch.setattr(RemoteBackend, "generate_batch",
-                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    monkeypatch.setattr(
+        RemoteBackend,
+        "generate_batch",
+        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k),
+    )
     try:
-        remote = stage.run(stage.TrainConfig.from_options(output=tmp_path / "remote", prefetch=prefetch,
-                                                          **{**kw, "target": None, "remote": handle.url}))
+        remote = stage.run(
+            stage.TrainConfig.from_options(
+                output=tmp_path / "remote",
+                prefetch=prefetch,
+                **{**kw, "target": None, "remote": handle.url},
+            )
+        )
     finally:
         handle.stop(grace=5)
         handle.logic.backend.close()
@@ -200,7 +253,9 @@ def test_training_against_a_server_equals_training_in_process(train_setup, tmp_p
     assert len(calls) >= 3  # every batch came from the server
     assert ("spec-stream-0" in threads) == (prefetch > 0)  # (evaluation asks from the main thread)
     assert set(threads) <= {"MainThread", *(f"spec-stream-{k}" for k in range(prefetch))}
-    assert remote.stream is None and not (tmp_path / "remote" / "stream.json").exists()  # that is --stream's
+    assert (
+        remote.stream is None and not (tmp_path / "remote" / "stream.json").exists()
+    )  # that is --stream's
     from safetensors.torch import load_file
 
     from spec_cli.artifacts import checkpoint as ckpt

@@ -24,8 +24,10 @@ def logic(tiny_llama_dir):
 
 def _generate(logic, meta):
     ids, am, lm = random_batch(2, 16, seed=1)
-    body = wire.encode({"input_ids": ids, "attention_mask": am, "loss_mask": lm},
-                       {"vocab_id": vocab_id(draft_vocab()), **meta}).tobytes()
+    body = wire.encode(
+        {"input_ids": ids, "attention_mask": am, "loss_mask": lm},
+        {"vocab_id": vocab_id(draft_vocab()), **meta},
+    ).tobytes()
     return logic.handle("POST", "/v1/generate", {}, body), am
 
 
@@ -35,7 +37,9 @@ def test_the_server_computes_the_asked_field_from_the_target(logic):
     tensors, _ = wire.decode(bytearray(answer.body()))
     norm, final = tensors["extra.hidden_norm"], tensors["final_hidden"]
     assert list(norm.shape) == [2, 16, 1]
-    expected = torch.where(am.bool(), final.float().norm(dim=-1), 0.0)  # pad positions carry nothing
+    expected = torch.where(
+        am.bool(), final.float().norm(dim=-1), 0.0
+    )  # pad positions carry nothing
     torch.testing.assert_close(norm[..., 0], expected)
     plain, _ = _generate(logic, {})  # not asked: not sent
     assert not any(k.startswith("extra.") for k in wire.decode(bytearray(plain.body()))[0])

@@ -34,9 +34,15 @@ def backends(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def server(backends, tiny_llama_dir):
-    handle = start_server(backends[0], tiny_llama_dir, token=TOKEN, request_timeout=1.0,
-                          limits=Limits(max_batch_tokens=1024, max_batch_size=8, max_seq_len=256,
-                                        max_body_bytes=1 << 20))  # as in test_server (BAD_GENERATE)
+    handle = start_server(
+        backends[0],
+        tiny_llama_dir,
+        token=TOKEN,
+        request_timeout=1.0,
+        limits=Limits(
+            max_batch_tokens=1024, max_batch_size=8, max_seq_len=256, max_body_bytes=1 << 20
+        ),
+    )  # as in test_server (BAD_GENERATE)
     yield handle
     handle.stop(grace=5)
 
@@ -67,8 +73,14 @@ def exchange(port: int, data: bytes, timeout: float = 5.0) -> int:
     return status
 
 
-def request(path: str, body: bytes = b"", method: str = "POST", token: str | None = TOKEN,
-            length: int | None = None, extra: str = "") -> bytes:
+def request(
+    path: str,
+    body: bytes = b"",
+    method: str = "POST",
+    token: str | None = TOKEN,
+    length: int | None = None,
+    extra: str = "",
+) -> bytes:
     head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     if token is not None:
         head += f"Authorization: Bearer {token}\r\n"
@@ -79,38 +91,60 @@ def request(path: str, body: bytes = b"", method: str = "POST", token: str | Non
 
 def good_message(seed: int = 0) -> bytes:
     ids, am, lm = random_batch(seed=seed)
-    return wire.encode({"input_ids": ids, "attention_mask": am, "loss_mask": lm},
-                       {"vocab_id": vocab_id(draft_vocab())}).tobytes()
+    return wire.encode(
+        {"input_ids": ids, "attention_mask": am, "loss_mask": lm},
+        {"vocab_id": vocab_id(draft_vocab())},
+    ).tobytes()
 
 
 def malformed_requests(rng: random.Random) -> list[tuple[str, bytes]]:
     good = good_message()
     head_len = 8 + int.from_bytes(good[:8], "little")
-    text_positions = [i for i in range(8, head_len) if good[i:i + 1] not in b" "]
+    text_positions = [i for i in range(8, head_len) if good[i : i + 1] not in b" "]
     cases = []
-    for path, method in [("/v1/health", "GET"), ("/v1/info", "GET"), ("/v1/generate", "POST"),
-                         ("/v1/input_embeddings", "GET"), ("/v1/vocab_mapping", "POST"),
-                         ("/v1/disconnect", "POST"), ("/v1/tokenizer", "GET")]:
+    for path, method in [
+        ("/v1/health", "GET"),
+        ("/v1/info", "GET"),
+        ("/v1/generate", "POST"),
+        ("/v1/input_embeddings", "GET"),
+        ("/v1/vocab_mapping", "POST"),
+        ("/v1/disconnect", "POST"),
+        ("/v1/tokenizer", "GET"),
+    ]:
         for token in (None, "wrong", TOKEN[:-1], TOKEN + "x", ""):
             cases.append(("token", request(path, good if method == "POST" else b"", method, token)))
     for _ in range(50):  # garbage instead of HTTP
-        cases.append(("garbage", bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))) + b"\r\n\r\n"))
-    cases += [("bad line", b"GET\r\n\r\n"), ("bad line", b"GET / HTTP/9.9\r\n\r\n"),
-              ("long url", f"GET /{'a' * 70000} HTTP/1.1\r\n\r\n".encode()),
-              ("many headers", request("/v1/info", method="GET", extra="X-A: b\r\n" * 120)),
-              ("long header", request("/v1/info", method="GET", extra=f"X-A: {'b' * 70000}\r\n")),
-              ("long client id", request("/v1/info", method="GET", extra=f"X-Spec-Client: {'c' * 65}\r\n"))]
+        cases.append(
+            ("garbage", bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))) + b"\r\n\r\n")
+        )
+    cases += [
+        ("bad line", b"GET\r\n\r\n"),
+        ("bad line", b"GET / HTTP/9.9\r\n\r\n"),
+        ("long url", f"GET /{'a' * 70000} HTTP/1.1\r\n\r\n".encode()),
+        ("many headers", request("/v1/info", method="GET", extra="X-A: b\r\n" * 120)),
+        ("long header", request("/v1/info", method="GET", extra=f"X-A: {'b' * 70000}\r\n")),
+        (
+            "long client id",
+            request("/v1/info", method="GET", extra=f"X-Spec-Client: {'c' * 65}\r\n"),
+        ),
+    ]
     for method in ("PUT", "DELETE", "HEAD", "FOO", "PATCH"):
         cases.append(("method", request("/v1/generate", good, method)))
     for path in ("/", "/v1", "/v1/generatex", "/v2/generate", "/../etc/passwd", "/v1/health/.."):
         cases.append(("path", request(path, b"", "GET")))
-    cases += [("no length", request("/v1/generate", method="POST")),
-              ("bad length", request("/v1/generate", b"", length=None, extra="Content-Length: ten\r\n")),
-              ("negative length", request("/v1/generate", b"", length=-5)),
-              ("huge length", request("/v1/generate", b"x" * 100, length=10 ** 15)),
-              ("over limit", request("/v1/generate", b"x" * ((1 << 20) + 1))),
-              ("chunked", request("/v1/generate", b"5\r\nhello\r\n0\r\n\r\n",
-                                  extra="Transfer-Encoding: chunked\r\n"))]
+    cases += [
+        ("no length", request("/v1/generate", method="POST")),
+        ("bad length", request("/v1/generate", b"", length=None, extra="Content-Length: ten\r\n")),
+        ("negative length", request("/v1/generate", b"", length=-5)),
+        ("huge length", request("/v1/generate", b"x" * 100, length=10**15)),
+        ("over limit", request("/v1/generate", b"x" * ((1 << 20) + 1))),
+        (
+            "chunked",
+            request(
+                "/v1/generate", b"5\r\nhello\r\n0\r\n\r\n", extra="Transfer-Encoding: chunked\r\n"
+            ),
+        ),
+    ]
     for _ in range(60):  # the body stops early (the declared length is the full one)
         cut = rng.randrange(0, len(good) - 1)
         cases.append(("truncated body", request("/v1/generate", good[:cut], length=len(good))))
@@ -120,19 +154,37 @@ def malformed_requests(rng: random.Random) -> list[tuple[str, bytes]]:
     for _ in range(60):  # one flipped byte in the safetensors header
         pos = rng.choice(text_positions)
         body = bytearray(good)
-        body[pos] ^= rng.choice([0x01, 0x02, 0x10, 0x40, 0x7f])
+        body[pos] ^= rng.choice([0x01, 0x02, 0x10, 0x40, 0x7F])
         cases.append(("flipped header byte", request("/v1/generate", bytes(body))))
     for tensors, _why in BAD_GENERATE:  # well-formed messages, wrong contents
-        cases.append(("bad tensors", request("/v1/generate", wire.encode(
-            tensors, {"vocab_id": vocab_id(draft_vocab())}).tobytes())))
+        cases.append(
+            (
+                "bad tensors",
+                request(
+                    "/v1/generate",
+                    wire.encode(tensors, {"vocab_id": vocab_id(draft_vocab())}).tobytes(),
+                ),
+            )
+        )
     zeros = torch.zeros(16, 257, dtype=torch.long)
-    cases.append(("too long", request("/v1/generate", wire.encode(
-        {"input_ids": zeros, "attention_mask": zeros, "loss_mask": zeros}).tobytes())))
+    cases.append(
+        (
+            "too long",
+            request(
+                "/v1/generate",
+                wire.encode(
+                    {"input_ids": zeros, "attention_mask": zeros, "loss_mask": zeros}
+                ).tobytes(),
+            ),
+        )
+    )
     for text in (b"{", b"[]", b"nul", b"\xff\xfe", b'{"vocab_id": 3}'):
         cases.append(("bad json", request("/v1/output_head", text)))
         cases.append(("json as tensors", request("/v1/vocab_mapping", text)))
-    unknown_vocab = wire.encode(dict(zip(("input_ids", "attention_mask", "loss_mask"), random_batch())),
-                                {"vocab_id": "f" * 16})
+    unknown_vocab = wire.encode(
+        dict(zip(("input_ids", "attention_mask", "loss_mask"), random_batch())),
+        {"vocab_id": "f" * 16},
+    )
     cases.append(("unknown vocab", request("/v1/generate", unknown_vocab.tobytes())))
     return cases
 
@@ -170,8 +222,14 @@ def test_serve_runs_until_the_last_client_disconnects(tiny_llama_dir):
     from spec_cli.serve.run import serve
 
     ready = []
-    thread = threading.Thread(target=serve, args=(tiny_llama_dir,), kwargs=dict(
-        port=0, device="cpu", dtype="fp32", exit_on_disconnect=True, on_ready=ready.append), daemon=True)
+    thread = threading.Thread(
+        target=serve,
+        args=(tiny_llama_dir,),
+        kwargs=dict(
+            port=0, device="cpu", dtype="fp32", exit_on_disconnect=True, on_ready=ready.append
+        ),
+        daemon=True,
+    )
     thread.start()
     deadline = time.monotonic() + 60
     while not ready and time.monotonic() < deadline:
@@ -211,8 +269,10 @@ def test_a_client_that_resets_its_connection_is_one_log_line_not_a_traceback(ser
     import struct
 
     caplog.set_level(logging.INFO, logger="spec_cli.serve.http")
-    for partial in (b"POST /v1/generate HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{\"x\": ",
-                    b"POST /v1/generate HTTP/1.1\r\nContent-Le"):
+    for partial in (
+        b'POST /v1/generate HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{"x": ',
+        b"POST /v1/generate HTTP/1.1\r\nContent-Le",
+    ):
         s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
         s.sendall(partial)
         time.sleep(0.2)  # the server is reading the request
@@ -222,4 +282,6 @@ def test_a_client_that_resets_its_connection_is_one_log_line_not_a_traceback(ser
     assert exchange(server.port, request("/v1/health", method="GET")) == 200
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err, err
-    assert any("reset" in r.getMessage() or "ended" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("reset" in r.getMessage() or "ended" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )

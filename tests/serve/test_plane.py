@@ -23,8 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def planes(tiny_llama_dir):
     """A server with a tensor plane and one without (the same target)."""
-    with_plane = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok",
-                              plane=PlaneHost("127.0.0.1", 0, timeout=20))
+    with_plane = start_server(
+        load_backend(tiny_llama_dir),
+        tiny_llama_dir,
+        token="tok",
+        plane=PlaneHost("127.0.0.1", 0, timeout=20),
+    )
     without = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok")
     yield with_plane, without
     for h in (with_plane, without):
@@ -36,7 +40,9 @@ def sent_bodies(monkeypatch, handle) -> list:
     """The generate answers' content types (JSON: tensors over the plane; safetensors: in the body)."""
     seen = []
     real = handle.logic.generate
-    monkeypatch.setattr(handle.logic, "generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    monkeypatch.setattr(
+        handle.logic, "generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    )
     handle.logic.routes["/v1/generate"] = ("POST", handle.logic.generate)
     return seen
 
@@ -56,7 +62,9 @@ def test_the_plane_carries_the_same_tensors_as_the_body_and_the_target(planes, l
     local.keep_final_hidden = True
     packed = torch.randint(5, 400, (1, 30), generator=torch.Generator().manual_seed(9))
     ones = torch.ones_like(packed)
-    requests = [(random_batch(B, T, seed), {}) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33)])]
+    requests = [
+        (random_batch(B, T, seed), {}) for seed, (B, T) in enumerate([(3, 20), (1, 7), (4, 33)])
+    ]
     requests.append(((packed, ones, ones), {"seq_lens": torch.tensor([[11, 12, 7]])}))
     try:
         tensor_bytes = []
@@ -70,13 +78,21 @@ def test_the_plane_carries_the_same_tensors_as_the_body_and_the_target(planes, l
         assert over_plane.received == {"plane": 4, "http": 0}
         assert over_http.received == old_server.received == {"plane": 0, "http": 4}
         kinds = [a.content_type for a in answers]
-        assert kinds == [wire.JSON_TYPE, wire.TENSOR_TYPE] * 4  # the plane's answers carry no tensor bytes
+        assert (
+            kinds == [wire.JSON_TYPE, wire.TENSOR_TYPE] * 4
+        )  # the plane's answers carry no tensor bytes
         assert all(a.nbytes < 1500 for a in answers[::2])
         assert all(a.nbytes > n for a, n in zip(answers[1::2], tensor_bytes))
-        with ThreadPoolExecutor(3) as pool:  # producer threads: a channel each, three transfers at once
-            futures = [pool.submit(over_plane.generate_batch, *requests[i % 3][0]) for i in range(9)]
+        with ThreadPoolExecutor(
+            3
+        ) as pool:  # producer threads: a channel each, three transfers at once
+            futures = [
+                pool.submit(over_plane.generate_batch, *requests[i % 3][0]) for i in range(9)
+            ]
             for i, future in enumerate(futures):
-                assert_same_batch(future.result(timeout=60), local.generate_batch(*requests[i % 3][0]))
+                assert_same_batch(
+                    future.result(timeout=60), local.generate_batch(*requests[i % 3][0])
+                )
         assert over_plane.received["plane"] == 13 and len(over_plane._channels) == 4
     finally:
         local.keep_final_hidden = False
@@ -98,7 +114,9 @@ def test_a_lost_channel_is_reopened_and_a_failing_plane_falls_back_to_http(plane
         assert remote.received == {"plane": 1, "http": 0} and remote.servers[0].plane_failures == 0
         real = plane.Channel.send
 
-        def broken(self, tensors, tag):  # not a PlaneError: whatever fails, the server drops the channel
+        def broken(
+            self, tensors, tag
+        ):  # not a PlaneError: whatever fails, the server drops the channel
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         plane.Channel.send = broken  # the server's sends fail (it stays up): the client's receive
@@ -125,12 +143,21 @@ def test_plane_answers_are_checked(planes):
     with pytest.raises(wire.WireError, match="shape must be"):
         plane.parse_header([["a", "F32", [-1]]])
     logic = planes[0].logic
-    answer = logic.handle("POST", "/v1/plane", {"Authorization": "Bearer tok"}, b'{"backend": "mpi"}')
-    assert wire.loads(answer.body()) == {"channel": None,
-                                         "reason": "this server runs no mpi tensor plane (it has gloo)"}
-    refused = logic.handle("POST", "/v1/generate", {"Authorization": "Bearer tok", "X-Spec-Plane": "nope"},
-                           wire.encode(dict(zip(("input_ids", "attention_mask", "loss_mask"),
-                                                random_batch()))).tobytes())
+    answer = logic.handle(
+        "POST", "/v1/plane", {"Authorization": "Bearer tok"}, b'{"backend": "mpi"}'
+    )
+    assert wire.loads(answer.body()) == {
+        "channel": None,
+        "reason": "this server runs no mpi tensor plane (it has gloo)",
+    }
+    refused = logic.handle(
+        "POST",
+        "/v1/generate",
+        {"Authorization": "Bearer tok", "X-Spec-Plane": "nope"},
+        wire.encode(
+            dict(zip(("input_ids", "attention_mask", "loss_mask"), random_batch()))
+        ).tobytes(),
+    )
     assert refused.status == 409 and wire.loads(refused.body())["code"] == "plane"
 
 
@@ -149,7 +176,8 @@ KILLER = textwrap.dedent("""
 
 
 def test_a_server_killed_mid_transfer_is_a_clear_error_and_a_restarted_one_serves_again(
-        tiny_llama_dir, local):
+    tiny_llama_dir, local
+):
     dying = ServerProcess(tiny_llama_dir, code=KILLER)
     port = int(dying.url.rsplit(":", 1)[1])
     try:
@@ -158,7 +186,9 @@ def test_a_server_killed_mid_transfer_is_a_clear_error_and_a_restarted_one_serve
         remote.set_vocab_mapping(draft_vocab())
         ids, am, lm = random_batch(4, 64, seed=1)
         start = time.monotonic()
-        with pytest.raises(RemoteError, match="cannot be reached .*tensor plane|cannot be reached") as err:
+        with pytest.raises(
+            RemoteError, match="cannot be reached .*tensor plane|cannot be reached"
+        ) as err:
             remote.generate_batch(ids, am, lm)
         assert time.monotonic() - start < 20  # no hang: the receive fails when the peer goes
         assert "--resume" in err.value.hint
@@ -185,20 +215,44 @@ def test_spec_train_takes_the_plane_and_says_so(train_setup, tmp_path, capsys):
 
     server = ServerProcess(train_setup["target"])
     try:
-        common = ["train", "--vocab-map", str(train_setup["vm"]), "--remote", server.url,
-                  "--data", str(train_setup["data"]), "--dtype", "fp32", "--ttt-steps", "3", "--lr", "3e-3",
-                  "--max-steps", "3", "--batch-tokens", "256", "--eval-fraction", "0.2", "--save-every", "3"]
+        common = [
+            "train",
+            "--vocab-map",
+            str(train_setup["vm"]),
+            "--remote",
+            server.url,
+            "--data",
+            str(train_setup["data"]),
+            "--dtype",
+            "fp32",
+            "--ttt-steps",
+            "3",
+            "--lr",
+            "3e-3",
+            "--max-steps",
+            "3",
+            "--batch-tokens",
+            "256",
+            "--eval-fraction",
+            "0.2",
+            "--save-every",
+            "3",
+        ]
         capsys.readouterr()
         assert main([*common, "-o", str(tmp_path / "plane"), "--prefetch", "2"]) == 0
         said = capsys.readouterr()
         text = " ".join((said.out + said.err).split())
         assert f"remote supervision: {server.url}: tensor plane (gloo, after a JSON header)" in text
-        assert (found := re.search(r"(\d+) batch\(es\) over the tensor plane, 0 in HTTP bodies",
-                                                 text)) and int(found.group(1)) >= 3
+        assert (
+            found := re.search(r"(\d+) batch\(es\) over the tensor plane, 0 in HTTP bodies", text)
+        ) and int(found.group(1)) >= 3
         assert main([*common, "-o", str(tmp_path / "http"), "--no-tensor-plane"]) == 0
         said = capsys.readouterr()
         text = " ".join((said.out + said.err).split())
-        assert "HTTP bodies (--no-tensor-plane)" in text and "0 batch(es) over the tensor plane" in text
+        assert (
+            "HTTP bodies (--no-tensor-plane)" in text
+            and "0 batch(es) over the tensor plane" in text
+        )
     finally:
         server.kill()
     a = load_file(str(ckpt.latest_checkpoint(tmp_path / "plane") / "model.safetensors"))
@@ -219,7 +273,11 @@ def test_nccl_is_chosen_only_gpu_to_gpu(monkeypatch):
     for host in (gpu_server, cpu_server):
         host.close()
     remote = RemoteBackend.__new__(RemoteBackend)
-    for trainer, served, want in [("cuda:1", "gpu", "nccl"), ("cuda:1", "cpu", "gloo"), ("cpu", "gpu", "gloo")]:
+    for trainer, served, want in [
+        ("cuda:1", "gpu", "nccl"),
+        ("cuda:1", "cpu", "gloo"),
+        ("cpu", "gpu", "gloo"),
+    ]:
         server = _Server("127.0.0.1:1")
         server.info = {"plane": offers[served]}
         remote.device, remote.servers = torch.device(trainer), [server]
@@ -240,7 +298,9 @@ def test_a_trainer_on_the_servers_own_gpu_takes_gloo(monkeypatch):
 
     monkeypatch.setattr(plane, "backends", lambda: ["gloo", "nccl"])
     uuids = {0: "GPU-aaaa", 1: "GPU-bbbb"}
-    monkeypatch.setattr(plane, "gpu_identity", lambda d: uuids.get(d.index) if d.type == "cuda" else None)
+    monkeypatch.setattr(
+        plane, "gpu_identity", lambda d: uuids.get(d.index) if d.type == "cuda" else None
+    )
     host = PlaneHost("127.0.0.1", 0, timeout=5, device="cuda:0")
     offer = host.info()
     host.close()
@@ -334,6 +394,7 @@ def test_nccl_transfers_are_polled_on_the_host_and_every_error_is_a_plane_error(
     """The NCCL path's logic, emulated: wait() there only orders the stream, so completion is polled on
     the host and bounded by the channel's timeout; errors while posting or completing, as NCCL raises
     them, are PlaneErrors (the client then retries on a new channel) rather than a crash."""
+
     def channel(group, timeout=0.3):
         return plane.Channel("c", group, "nccl", torch.device("cpu"), timeout)
 
@@ -344,11 +405,16 @@ def test_nccl_transfers_are_polled_on_the_host_and_every_error_is_a_plane_error(
     with pytest.raises(plane.PlaneError, match="did not finish within 0.3 s"):
         channel(_Group([_Work(polls=10**9)])).send({"a": torch.ones(2)}, tag=1)
     assert time.monotonic() - start < 2
-    with pytest.raises(plane.PlaneError, match="receiving .* failed: NCCL error: remote process exited"):
+    with pytest.raises(
+        plane.PlaneError, match="receiving .* failed: NCCL error: remote process exited"
+    ):
         channel(_Group([_Work(error="NCCL error: remote process exited\nmore")])).recv(
-            [("a", torch.float32, [2])], tag=1)
+            [("a", torch.float32, [2])], tag=1
+        )
     with pytest.raises(plane.PlaneError, match="sending .* failed: NCCL communicator was aborted"):
-        channel(_Group(post_error="NCCL communicator was aborted on rank 0")).send({"a": torch.ones(2)}, tag=1)
+        channel(_Group(post_error="NCCL communicator was aborted on rank 0")).send(
+            {"a": torch.ones(2)}, tag=1
+        )
 
 
 def test_nccl_channels_abort_themselves_not_the_process(monkeypatch):
@@ -366,7 +432,9 @@ def test_nccl_channels_abort_themselves_not_the_process(monkeypatch):
             pass
 
         def __init__(self, store, rank, size, options):
-            seen.append(({k: os.environ.get(k) for k in plane.NCCL_ENV}, rank, size, options._timeout))
+            seen.append(
+                ({k: os.environ.get(k) for k in plane.NCCL_ENV}, rank, size, options._timeout)
+            )
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     for before in (None, "3"):
@@ -377,8 +445,11 @@ def test_nccl_channels_abort_themselves_not_the_process(monkeypatch):
                 monkeypatch.setenv(name, before)
         plane.pair(None, 1, "nccl", "127.0.0.1", datetime.timedelta(seconds=7))
         assert all(os.environ.get(name) == before for name in plane.NCCL_ENV)
-    want = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    want = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+    }
     assert seen == [(want, 1, 2, datetime.timedelta(seconds=7))] * 2
 
 
@@ -391,12 +462,25 @@ def test_the_gloo_join_is_bounded_by_the_connect_timeout():
 
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30),
-                          wait_for_workers=False, master_listen_fd=sock.detach())
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     start = time.monotonic()
     with pytest.raises(RuntimeError):
-        plane.pair(dist.PrefixStore("lonely", store), 1, "gloo", "127.0.0.1", datetime.timedelta(seconds=600),
-                   connect=datetime.timedelta(seconds=1))
+        plane.pair(
+            dist.PrefixStore("lonely", store),
+            1,
+            "gloo",
+            "127.0.0.1",
+            datetime.timedelta(seconds=600),
+            connect=datetime.timedelta(seconds=1),
+        )
     assert time.monotonic() - start < 10
 
 
@@ -404,7 +488,9 @@ def test_idle_channels_are_closed(monkeypatch):
     """A trainer gone without its goodbye leaves channels: those unused for IDLE_SECONDS are closed when
     a channel is opened, and a full server closes its least recently used one idle past its timeout."""
     host = PlaneHost("127.0.0.1", 0, timeout=5)
-    monkeypatch.setattr(plane.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(
+        plane.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})()
+    )
     now = time.monotonic()
 
     def add(name, idle):
@@ -423,7 +509,9 @@ def test_idle_channels_are_closed(monkeypatch):
         answer = host.open("c", "gloo", "127.0.0.1")
         assert answer["channel"] and quiet.closed and not recent.closed
         add("busy", 0)
-        assert host.open("c", "gloo", "127.0.0.1")["channel"] is None  # all in use: refused, none closed
+        assert (
+            host.open("c", "gloo", "127.0.0.1")["channel"] is None
+        )  # all in use: refused, none closed
         assert not recent.closed
     finally:
         host._channels.clear()
@@ -437,11 +525,18 @@ def test_a_plane_beyond_this_machine_is_announced_with_its_exposure(tiny_llama_d
 
     said = {}
     for host in ("127.0.0.1", "0.0.0.0"):
-        handle = start_server(load_backend(tiny_llama_dir), tiny_llama_dir, token="tok", host=host,
-                              plane=PlaneHost(host, 0, timeout=5))
+        handle = start_server(
+            load_backend(tiny_llama_dir),
+            tiny_llama_dir,
+            token="tok",
+            host=host,
+            plane=PlaneHost(host, 0, timeout=5),
+        )
         try:
             capsys.readouterr()
-            _serve_until_stopped(handle, tiny_llama_dir, "tok", lambda url, h=handle: h.logic.shutdown_event.set())
+            _serve_until_stopped(
+                handle, tiny_llama_dir, "tok", lambda url, h=handle: h.logic.shutdown_event.set()
+            )
             out = capsys.readouterr()
             said[host] = " ".join((out.out + out.err).split())
         finally:

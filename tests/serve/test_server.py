@@ -23,10 +23,15 @@ def backend(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def logic(backend, tiny_llama_dir):
-    server = TargetServer(backend, target_config=loading.load_config(tiny_llama_dir).to_dict(),
-                          tokenizer_files=tokenizer_files(loading.load_tokenizer(tiny_llama_dir)),
-                          token=TOKEN, limits=Limits(max_batch_tokens=1024, max_batch_size=8,
-                                                     max_seq_len=256, max_body_bytes=1 << 20))
+    server = TargetServer(
+        backend,
+        target_config=loading.load_config(tiny_llama_dir).to_dict(),
+        tokenizer_files=tokenizer_files(loading.load_tokenizer(tiny_llama_dir)),
+        token=TOKEN,
+        limits=Limits(
+            max_batch_tokens=1024, max_batch_size=8, max_seq_len=256, max_body_bytes=1 << 20
+        ),
+    )
     answer = post(server, "/v1/vocab_mapping", {"selected_token_ids": draft_vocab()})
     assert answer.status == 200, answer.body()
     return server
@@ -47,7 +52,9 @@ def as_json(response) -> dict:
 
 
 def generate(logic, tensors, meta=None):
-    return post(logic, "/v1/generate", tensors, {"vocab_id": vocab_id(draft_vocab()), **(meta or {})})
+    return post(
+        logic, "/v1/generate", tensors, {"vocab_id": vocab_id(draft_vocab()), **(meta or {})}
+    )
 
 
 def good_request(B=3, T=20, seed=0):
@@ -59,8 +66,17 @@ def test_info_health_tokenizer_embeddings(logic, backend):
     health = get(logic, "/v1/health")
     assert health.status == 200 and as_json(health)["status"] == "ok"
     info = as_json(get(logic, "/v1/info"))
-    for key in ("architecture", "vocab_size", "hidden_size", "aux_layers", "target_fingerprint",
-                "tokenizer_fingerprint", "target_config", "limits", "protocol"):
+    for key in (
+        "architecture",
+        "vocab_size",
+        "hidden_size",
+        "aux_layers",
+        "target_fingerprint",
+        "tokenizer_fingerprint",
+        "target_config",
+        "limits",
+        "protocol",
+    ):
         assert info[key] == {**backend.info, "protocol": wire.PROTOCOL}.get(key, info[key]), key
     assert info["vocab_size"] == 400 and info["aux_layers"] == [1, 3, 4]
     assert info["target_config"]["num_hidden_layers"] == 8 and info["limits"]["max_batch_size"] == 8
@@ -83,13 +99,26 @@ def test_generate_answers_exactly_the_in_process_batch(logic, backend):
 
 
 def test_token_is_required_on_every_endpoint(logic):
-    for path, method in [("/v1/health", "GET"), ("/v1/info", "GET"), ("/v1/generate", "POST"),
-                         ("/v1/input_embeddings", "GET"), ("/v1/disconnect", "POST")]:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                        {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": f"bearer {TOKEN}"}):
+    for path, method in [
+        ("/v1/health", "GET"),
+        ("/v1/info", "GET"),
+        ("/v1/generate", "POST"),
+        ("/v1/input_embeddings", "GET"),
+        ("/v1/disconnect", "POST"),
+    ]:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Bearer {TOKEN}x"},
+            {"Authorization": f"bearer {TOKEN}"},
+        ):
             answer = logic.handle(method, path, headers, b"")
             assert answer.status == 401, (path, headers)
-            assert "token" in as_json(answer)["error"] and answer.headers["WWW-Authenticate"] == "Bearer"
+            assert (
+                "token" in as_json(answer)["error"]
+                and answer.headers["WWW-Authenticate"] == "Bearer"
+            )
     assert get(logic, "/v1/health").status == 200
 
 
@@ -104,13 +133,20 @@ def with_(request, **changes):
 
 
 def ones(B, T):
-    return {name: torch.ones(B, T, dtype=torch.long) for name in ("input_ids", "attention_mask", "loss_mask")}
+    return {
+        name: torch.ones(B, T, dtype=torch.long)
+        for name in ("input_ids", "attention_mask", "loss_mask")
+    }
 
 
 R = good_request()
 IDS, AM, LM = R["input_ids"], R["attention_mask"], R["loss_mask"]
-PACKED = {"input_ids": IDS[:1], "attention_mask": torch.ones(1, 20, dtype=torch.long),
-          "loss_mask": LM[:1], "seq_lens": torch.tensor([[7, 13]])}
+PACKED = {
+    "input_ids": IDS[:1],
+    "attention_mask": torch.ones(1, 20, dtype=torch.long),
+    "loss_mask": LM[:1],
+    "seq_lens": torch.tensor([[7, 13]]),
+}
 BAD_GENERATE = [
     (with_(R, extra=IDS), "unknown tensor"),
     (with_(R, loss_mask=None), "missing tensor"),
@@ -126,12 +162,21 @@ BAD_GENERATE = [
     (with_(R, attention_mask=AM * 2), "attention_mask must hold only 0 and 1"),
     (with_(R, loss_mask=LM - 1), "loss_mask must hold only 0 and 1"),
     (with_(R, loss_mask=torch.ones_like(LM)), "padding cannot be supervised"),
-    (with_(R, attention_mask=AM.clone().index_fill_(0, torch.tensor([0]), 0),
-           loss_mask=torch.zeros_like(LM)), "no real token"),
+    (
+        with_(
+            R,
+            attention_mask=AM.clone().index_fill_(0, torch.tensor([0]), 0),
+            loss_mask=torch.zeros_like(LM),
+        ),
+        "no real token",
+    ),
     (ones(9, 4), "batch of 9 rows exceeds"),
     (ones(1, 257), "sequence length 257 exceeds"),
     (ones(8, 256), "2048 tokens exceeds"),
-    (with_(R, position_ids=torch.arange(20).expand(3, 20).contiguous() - 1), "position_ids must lie"),
+    (
+        with_(R, position_ids=torch.arange(20).expand(3, 20).contiguous() - 1),
+        "position_ids must lie",
+    ),
     (with_(R, position_ids=torch.arange(20).expand(2, 20).contiguous()), "position_ids has shape"),
     (with_(PACKED, seq_lens=torch.tensor([[7, 14]])), "sum to more than"),
     (with_(PACKED, seq_lens=torch.tensor([[7, -1]])), "non-negative"),
@@ -173,7 +218,9 @@ def test_bad_vocab_maps_paths_and_methods(logic):
     ]
     for tensors, why in cases:
         answer = post(logic, "/v1/vocab_mapping", tensors)
-        assert answer.status == 400 and why.split("\\")[0] in as_json(answer)["error"], as_json(answer)
+        assert answer.status == 400 and why.split("\\")[0] in as_json(answer)["error"], as_json(
+            answer
+        )
     assert get(logic, "/v1/nope").status == 404
     assert get(logic, "/v1/generate").status == 405
     assert post(logic, "/v1/info").status == 405
@@ -189,8 +236,9 @@ def test_several_vocab_maps_are_kept_and_switched(logic, backend):
     assert post(logic, "/v1/vocab_mapping", {"selected_token_ids": other}).status == 200
     request = good_request(seed=3)
     mine = wire.decode(bytearray(generate(logic, request).body()))[0]  # switches back to ours
-    theirs = wire.decode(bytearray(post(logic, "/v1/generate", request,
-                                        {"vocab_id": vocab_id(other)}).body()))[0]
+    theirs = wire.decode(
+        bytearray(post(logic, "/v1/generate", request, {"vocab_id": vocab_id(other)}).body())
+    )[0]
     assert mine["target_p"].shape[-1] == 64 and theirs["target_p"].shape[-1] == 32
     backend.set_vocab_mapping(other)
     assert torch.equal(theirs["target_p"], backend.generate_batch(**request).target_p)

@@ -30,8 +30,23 @@ def made(tmp_path_factory, tiny_llama_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size", "64",
-                     "-o", str(vm), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "build-vocab-map",
+                    "-t",
+                    str(tiny_llama_dir),
+                    "-d",
+                    str(data),
+                    "--draft-vocab-size",
+                    "64",
+                    "-o",
+                    str(vm),
+                    "-q",
+                ]
+            )
+            == 0
+        )
         assert main(precompute_args(tiny_llama_dir, data, vm, cache)) == 0
     finally:
         mp.undo()
@@ -40,12 +55,29 @@ def made(tmp_path_factory, tiny_llama_dir):
 
 
 def precompute_args(target, data, vm, out, *extra) -> list[str]:
-    return ["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(out), "--batch-tokens",
-            "256", "--shard-tokens", "300", "-q", *extra]
+    return [
+        "precompute",
+        "-t",
+        str(target),
+        "-d",
+        str(data),
+        "-v",
+        str(vm),
+        "-o",
+        str(out),
+        "--batch-tokens",
+        "256",
+        "--shard-tokens",
+        "300",
+        "-q",
+        *extra,
+    ]
 
 
 def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def one_error(capsys) -> str:
@@ -62,6 +94,7 @@ def copy_cache(made, tmp_path) -> Path:
 
 # ----------------------------------------------------------------------------- 1. precompute --no-resume
 
+
 def test_no_resume_refuses_a_folder_holding_other_files(made, tmp_path, capsys):
     out = tmp_path / "work"
     out.mkdir()
@@ -71,8 +104,11 @@ def test_no_resume_refuses_a_folder_holding_other_files(made, tmp_path, capsys):
     before = snapshot(out)
     assert main(precompute_args(made["target"], made["data"], made["vm"], out, "--no-resume")) == 1
     msg = one_error(capsys)
-    assert f"-o {out} is a folder holding files spec_cli did not write, not a feature cache; it is never " \
-           "replaced; pass another -o (--no-resume replaces only a feature cache that spec_cli wrote)" in msg
+    assert (
+        f"-o {out} is a folder holding files spec_cli did not write, not a feature cache; it is never "
+        "replaced; pass another -o (--no-resume replaces only a feature cache that spec_cli wrote)"
+        in msg
+    )
     assert snapshot(out) == before
 
 
@@ -83,11 +119,15 @@ def test_no_resume_refuses_the_folder_holding_its_own_data(made, tmp_path, capsy
     shutil.copy(made["data"], data)
     before = snapshot(out)
     assert main(precompute_args(made["target"], data, made["vm"], out, "--no-resume")) == 1
-    assert f"-o {out} holds this command's input --data {data}; nothing was written" in one_error(capsys)
+    assert f"-o {out} holds this command's input --data {data}; nothing was written" in one_error(
+        capsys
+    )
     assert snapshot(out) == before
 
 
-def test_no_resume_refuses_a_cache_with_a_foreign_file_and_replaces_a_clean_one(made, tmp_path, capsys):
+def test_no_resume_refuses_a_cache_with_a_foreign_file_and_replaces_a_clean_one(
+    made, tmp_path, capsys
+):
     out = copy_cache(made, tmp_path)
     (out / "keep.me").write_text("mine")
     before = snapshot(out)
@@ -102,11 +142,12 @@ def test_no_resume_refuses_a_cache_with_a_foreign_file_and_replaces_a_clean_one(
 
 # ----------------------------------------------------------------------------- 2. verified caches
 
+
 def test_a_truncated_shard_is_named_on_every_read(made, tmp_path, capsys):
     out = copy_cache(made, tmp_path)
     shard = out / fc.shard_name(1)
     size = shard.stat().st_size
-    shard.write_bytes(shard.read_bytes()[:size - 100])
+    shard.write_bytes(shard.read_bytes()[: size - 100])
     assert main(["inspect", str(out)]) == 1
     msg = one_error(capsys)
     assert f"shard-00001.safetensors has {size - 100} bytes, the manifest says {size}" in msg
@@ -150,10 +191,14 @@ def test_a_hand_edited_manifest_is_caught_against_the_tensors(made, tmp_path, ca
     out = copy_cache(made, tmp_path)
     manifest = json.loads((out / fc.MANIFEST).read_text())
     n, hidden = len(manifest["aux_layers"]), manifest["hidden_size"]
-    (out / fc.MANIFEST).write_text(json.dumps({**manifest, "aux_layers": manifest["aux_layers"][:-1]}))
+    (out / fc.MANIFEST).write_text(
+        json.dumps({**manifest, "aux_layers": manifest["aux_layers"][:-1]})
+    )
     assert main(["inspect", str(out)]) == 1
-    assert (f"stores aux states {n * hidden} wide, but manifest.json says {n - 1} aux layers"
-            in one_error(capsys))
+    assert (
+        f"stores aux states {n * hidden} wide, but manifest.json says {n - 1} aux layers"
+        in one_error(capsys)
+    )
     (out / fc.MANIFEST).write_text(json.dumps({**manifest, "encoding": "probs"}))
     assert main(["inspect", str(out)]) == 1
     assert "lacks target_p, target_mass, which encoding 'probs'" in one_error(capsys)
@@ -163,30 +208,60 @@ def test_an_export_with_edited_aux_layers_is_refused(tmp_path, capsys):
     out = tmp_path / "export"
     out.mkdir()
     save_file({"fc.weight": torch.zeros(8, 3 * 8)}, str(out / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8, "target_hidden_size": 8,
-              "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": 8,
+        "target_hidden_size": 8,
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+    }
     (out / "config.json").write_text(json.dumps(config))
     assert main(["inspect", str(out)]) == 0
     capsys.readouterr()
-    (out / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2]}))
+    (out / "config.json").write_text(
+        json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2]})
+    )
     assert main(["inspect", str(out)]) == 1
-    assert "lists 2 aux layers ([1, 2]), but fc.weight takes 24 inputs, not 2 x 8 = 16" in one_error(capsys)
+    assert (
+        "lists 2 aux layers ([1, 2]), but fc.weight takes 24 inputs, not 2 x 8 = 16"
+        in one_error(capsys)
+    )
 
 
 # ----------------------------------------------------------------------------- 3. regenerate -o
 
+
 def test_regenerate_refuses_a_folder_as_output_up_front(made, tmp_path, capsys):
     out = tmp_path / "existing"
     out.mkdir()
-    assert main(["regenerate", "-t", str(made["target"]), "-d", str(made["data"]), "-o", str(out), "-q"]) == 1
+    assert (
+        main(
+            ["regenerate", "-t", str(made["target"]), "-d", str(made["data"]), "-o", str(out), "-q"]
+        )
+        == 1
+    )
     msg = one_error(capsys)
-    assert f"-o {out} is a folder (a folder holding files spec_cli did not write); chat data written by spec " \
-           "regenerate is one file" in msg
+    assert (
+        f"-o {out} is a folder (a folder holding files spec_cli did not write); chat data written by spec "
+        "regenerate is one file" in msg
+    )
     assert list(out.iterdir()) == [] and not Path(str(out) + ".parts").exists()
     afile = tmp_path / "afile"
     afile.write_text("x")
-    assert main(["regenerate", "-t", str(made["target"]), "-d", str(made["data"]), "-o",
-                 str(afile / "out.jsonl"), "-q"]) == 1
+    assert (
+        main(
+            [
+                "regenerate",
+                "-t",
+                str(made["target"]),
+                "-d",
+                str(made["data"]),
+                "-o",
+                str(afile / "out.jsonl"),
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert f"{afile} is a file, not a folder" in one_error(capsys)
     assert afile.read_text() == "x"
 
@@ -210,10 +285,17 @@ def test_regenerate_keeps_a_parts_folder_holding_foreign_files(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stop_signal_during_precompute_keeps_finished_shards_and_exits_with_its_code(made, tmp_path, sig, code):
+def test_a_stop_signal_during_precompute_keeps_finished_shards_and_exits_with_its_code(
+    made, tmp_path, sig, code
+):
     """Ctrl-C (SIGINT) or a scheduler's SIGTERM: the shards written are kept, verified, for the rerun."""
     out = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "spec_cli.cli", *precompute_args(made["target"], made["data"], made["vm"], out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spec_cli.cli",
+        *precompute_args(made["target"], made["data"], made["vm"], out),
+    ]
     env = {**os.environ, "SPEC_TEST_SHARD_DELAY": "2", "SPEC_HOME": str(made["root"] / "home")}
     with signalled_child(cmd, env=env, stderr=subprocess.PIPE, text=True) as proc:
         wait_for(out / "shard-00000.json", proc, "precompute")
@@ -222,29 +304,50 @@ def test_a_stop_signal_during_precompute_keeps_finished_shards_and_exits_with_it
     assert proc.returncode == code, err
     assert "Traceback" not in err and "Exception" not in err, err  # -q: not even the one line
     assert (out / "shard-00000.safetensors").is_file() and not (out / fc.MANIFEST).exists()
-    assert fc.completed_shard(out, 0, {k: fc.read_manifest(made["cache"])[k] for k in fc.IDENTITY_KEYS}) \
+    assert (
+        fc.completed_shard(
+            out, 0, {k: fc.read_manifest(made["cache"])[k] for k in fc.IDENTITY_KEYS}
+        )
         == fc.read_manifest(made["cache"])["shards"][0]
+    )
 
 
 # ----------------------------------------------------------------------------- 4. build-vocab-map -o
 
+
 def test_build_vocab_map_refuses_to_overwrite_unless_forced(made, tmp_path, capsys):
-    base = ["build-vocab-map", "-t", str(made["target"]), "-d", str(made["data"]), "--draft-vocab-size", "64", "-q"]
+    base = [
+        "build-vocab-map",
+        "-t",
+        str(made["target"]),
+        "-d",
+        str(made["data"]),
+        "--draft-vocab-size",
+        "64",
+        "-q",
+    ]
     precious = tmp_path / "precious.safetensors"
     precious.write_bytes(b"not a vocab map")
     assert main([*base, "-o", str(precious)]) == 1
-    assert f"-o {precious} is a .safetensors file (weights or tensors) spec_cli did not write, not a vocab map; " \
-           "it is never replaced" in one_error(capsys)
+    assert (
+        f"-o {precious} is a .safetensors file (weights or tensors) spec_cli did not write, not a vocab map; "
+        "it is never replaced" in one_error(capsys)
+    )
     assert precious.read_bytes() == b"not a vocab map"
     other = tmp_path / "vm.safetensors"
     shutil.copy(made["vm"], other)
     before = other.read_bytes()
     assert main([*base[:-3], "--draft-vocab-size", "32", "-q", "-o", str(other)]) == 1
-    assert "already holds a vocab map made from other inputs (draft_vocab_size differ)" in one_error(capsys)
+    assert (
+        "already holds a vocab map made from other inputs (draft_vocab_size differ)"
+        in one_error(capsys)
+    )
     assert other.read_bytes() == before
     assert main([*base, "-o", str(other)]) == 0  # the same inputs: rewritten, the same bytes
     assert other.read_bytes() == before
-    assert main([*base, "-o", str(precious), "--force"]) == 1  # --force replaces vocab maps, nothing else
+    assert (
+        main([*base, "-o", str(precious), "--force"]) == 1
+    )  # --force replaces vocab maps, nothing else
     assert "(--force replaces only a vocab map that spec_cli wrote)" in one_error(capsys)
     assert precious.read_bytes() == b"not a vocab map"
     assert main([*base[:-3], "--draft-vocab-size", "32", "-q", "-o", str(other), "--force"]) == 0
@@ -254,12 +357,28 @@ def test_build_vocab_map_refuses_to_overwrite_unless_forced(made, tmp_path, caps
 def test_empty_data_file_says_it_is_empty(made, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert main(["build-vocab-map", "-t", str(made["target"]), "-d", str(empty), "--draft-vocab-size", "64", "-o",
-                 str(tmp_path / "vm.safetensors"), "-q"]) == 1
+    assert (
+        main(
+            [
+                "build-vocab-map",
+                "-t",
+                str(made["target"]),
+                "-d",
+                str(empty),
+                "--draft-vocab-size",
+                "64",
+                "-o",
+                str(tmp_path / "vm.safetensors"),
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert f"{empty} is empty: it holds no records" in one_error(capsys)
 
 
 # ----------------------------------------------------------------------------- 5. serve-target fields
+
 
 def test_serve_target_answers_400_naming_a_malformed_field(tiny_llama_dir):
     from spec_cli.serve import wire
@@ -269,34 +388,62 @@ def test_serve_target_answers_400_naming_a_malformed_field(tiny_llama_dir):
     backend = load_backend(tiny_llama_dir)
     try:
         server = TargetServer(backend)
-        ok = server.handle("POST", "/v1/vocab_mapping", {}, wire.encode(
-            {"selected_token_ids": draft_vocab()}).tobytes())
+        ok = server.handle(
+            "POST",
+            "/v1/vocab_mapping",
+            {},
+            wire.encode({"selected_token_ids": draft_vocab()}).tobytes(),
+        )
         vid = wire.loads(ok.body())["vocab_id"]
         ids, am, lm = random_batch(2, 8, 0)
         tensors = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
-        cases = [("/v1/generate", wire.encode(tensors, {"vocab_id": [1, 2]}).tobytes(), "vocab_id must be a string"),
-                 ("/v1/generate", wire.encode(tensors, {"vocab_id": vid, "final_hidden": "yes"}).tobytes(),
-                  "final_hidden must be true or false"),
-                 ("/v1/output_head", json.dumps({"vocab_id": [vid]}).encode(), "vocab_id must be a string")]
+        cases = [
+            (
+                "/v1/generate",
+                wire.encode(tensors, {"vocab_id": [1, 2]}).tobytes(),
+                "vocab_id must be a string",
+            ),
+            (
+                "/v1/generate",
+                wire.encode(tensors, {"vocab_id": vid, "final_hidden": "yes"}).tobytes(),
+                "final_hidden must be true or false",
+            ),
+            (
+                "/v1/output_head",
+                json.dumps({"vocab_id": [vid]}).encode(),
+                "vocab_id must be a string",
+            ),
+        ]
         for path, body, why in cases:
             answer = server.handle("POST", path, {}, body)
             assert answer.status == 400 and why in wire.loads(answer.body())["error"], answer.body()
-        assert server.handle("POST", "/v1/generate", {}, wire.encode(tensors, {"vocab_id": vid}).tobytes()).status == 200
+        assert (
+            server.handle(
+                "POST", "/v1/generate", {}, wire.encode(tensors, {"vocab_id": vid}).tobytes()
+            ).status
+            == 200
+        )
     finally:
         backend.close()
 
 
 # ----------------------------------------------------------------------------- one line each (issue 51)
 
+
 def test_a_record_that_is_not_utf8_is_named_by_number(made, tmp_path, capsys):
     lines = made["data"].read_bytes().splitlines(keepends=True)
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b"".join(lines[:4]) + lines[4].replace(b'"value": "', b'"value": "\xff\xfe', 1)
-                    + b"".join(lines[5:]))
+    bad.write_bytes(
+        b"".join(lines[:4])
+        + lines[4].replace(b'"value": "', b'"value": "\xff\xfe', 1)
+        + b"".join(lines[5:])
+    )
     byte = lines[4].index(b'"value": "') + len(b'"value": "') + 1  # counted from 1
     assert main(precompute_args(made["target"], bad, made["vm"], tmp_path / "cache")) == 1
-    assert one_error(capsys) == (f"error: {bad}: record 5 (line 5, byte {byte} of the line) is not valid UTF-8; "
-                                 "fix or remove it (data files are read as UTF-8)")
+    assert one_error(capsys) == (
+        f"error: {bad}: record 5 (line 5, byte {byte} of the line) is not valid UTF-8; "
+        "fix or remove it (data files are read as UTF-8)"
+    )
     assert not (tmp_path / "cache").exists()
 
 
@@ -304,20 +451,61 @@ def test_a_json_file_of_no_records_says_so(made, tmp_path, capsys):
     empty = tmp_path / "none.json"
     empty.write_text("[]")
     assert main(precompute_args(made["target"], empty, made["vm"], tmp_path / "cache")) == 1
-    assert one_error(capsys) == (f"error: no records in {empty}; pass a file that holds conversations (a JSON "
-                                 "list of records, or JSON lines)")
+    assert one_error(capsys) == (
+        f"error: no records in {empty}; pass a file that holds conversations (a JSON "
+        "list of records, or JSON lines)"
+    )
 
 
-def test_a_vocab_map_option_given_a_folder_says_what_it_is_and_where_the_map_is(made, tmp_path, capsys):
+def test_a_vocab_map_option_given_a_folder_says_what_it_is_and_where_the_map_is(
+    made, tmp_path, capsys
+):
     assert main(precompute_args(made["target"], made["data"], made["cache"], tmp_path / "c2")) == 1
-    assert one_error(capsys).startswith(f"error: --vocab-map {made['cache']} is a feature cache, not a vocab map "
-                                        "file; pass the vocab map file the cache was made with")
+    assert one_error(capsys).startswith(
+        f"error: --vocab-map {made['cache']} is a feature cache, not a vocab map "
+        "file; pass the vocab map file the cache was made with"
+    )
     run = tmp_path / "run"
-    assert main(["train", "--cache", str(made["cache"]), "-v", str(made["vm"]), "-o", str(run), "--max-steps", "1",
-                 "--ttt-steps", "2", "--batch-tokens", "256", "-q"]) == 0
-    assert main(["train", "--cache", str(made["cache"]), "-v", str(run), "-o", str(tmp_path / "run2"), "-q"]) == 1
-    assert one_error(capsys) == (f"error: --vocab-map {run} is a training run, not a vocab map file; pass the "
-                                 f"vocab map file the run was trained with: {made['vm']}")
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(made["cache"]),
+                "-v",
+                str(made["vm"]),
+                "-o",
+                str(run),
+                "--max-steps",
+                "1",
+                "--ttt-steps",
+                "2",
+                "--batch-tokens",
+                "256",
+                "-q",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(made["cache"]),
+                "-v",
+                str(run),
+                "-o",
+                str(tmp_path / "run2"),
+                "-q",
+            ]
+        )
+        == 1
+    )
+    assert one_error(capsys) == (
+        f"error: --vocab-map {run} is a training run, not a vocab map file; pass the "
+        f"vocab map file the run was trained with: {made['vm']}"
+    )
 
 
 def test_inspect_of_an_unfinished_cache_says_how_to_finish_it(made, tmp_path, capsys):
@@ -325,6 +513,8 @@ def test_inspect_of_an_unfinished_cache_says_how_to_finish_it(made, tmp_path, ca
     (cache / fc.MANIFEST).unlink()
     shards = len(list(cache.glob("shard-*.safetensors")))
     assert main(["inspect", str(cache)]) == 1
-    assert one_error(capsys) == (f"error: {cache} is an unfinished feature cache ({shards} shard(s) written, no "
-                                 "manifest.json yet); rerun the same `spec precompute` command to finish it (it "
-                                 "keeps the shards it verifies)")
+    assert one_error(capsys) == (
+        f"error: {cache} is an unfinished feature cache ({shards} shard(s) written, no "
+        "manifest.json yet); rerun the same `spec precompute` command to finish it (it "
+        "keeps the shards it verifies)"
+    )

@@ -36,24 +36,92 @@ def sized(tmp_path_factory):
         data = root / "data.jsonl"
         data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(80)))
         vm, cache = root / "vm.safetensors", root / "cache"
-        assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64", "-o",
-                     str(vm), "-q"]) == 0
-        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o", str(cache),
-                     "--batch-tokens", "512", "-q"]) == 0
+        assert (
+            main(
+                [
+                    "build-vocab-map",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "--draft-vocab-size",
+                    "64",
+                    "-o",
+                    str(vm),
+                    "-q",
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "precompute",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "-v",
+                    str(vm),
+                    "-o",
+                    str(cache),
+                    "--batch-tokens",
+                    "512",
+                    "-q",
+                ]
+            )
+            == 0
+        )
     finally:
         mp.undo()
     return {"root": root, "target": target, "data": data, "vm": vm, "cache": cache}
 
 
 def train_args(sized, out: Path, *extra: str) -> list[str]:
-    return ["train", "--cache", str(sized["cache"]), "-v", str(sized["vm"]), "-o", str(out), "--max-steps", "30",
-            "--lr", "1e-2", "--ttt-steps", "2", "--eval-fraction", "0.15", "--save-every", "10", "--keep-last", "10",
-            "--log-every", "5", "--eval-engine", "torch", "--eval-engine-every", "5", "--eval-engine-wait",
-            "--eval-engine-prompts", "4", "--eval-engine-tokens", TOKENS, "--keep", "best", "-q", *extra]
+    return [
+        "train",
+        "--cache",
+        str(sized["cache"]),
+        "-v",
+        str(sized["vm"]),
+        "-o",
+        str(out),
+        "--max-steps",
+        "30",
+        "--lr",
+        "1e-2",
+        "--ttt-steps",
+        "2",
+        "--eval-fraction",
+        "0.15",
+        "--save-every",
+        "10",
+        "--keep-last",
+        "10",
+        "--log-every",
+        "5",
+        "--eval-engine",
+        "torch",
+        "--eval-engine-every",
+        "5",
+        "--eval-engine-wait",
+        "--eval-engine-prompts",
+        "4",
+        "--eval-engine-tokens",
+        TOKENS,
+        "--keep",
+        "best",
+        "-q",
+        *extra,
+    ]
 
 
 def engine_records(run: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["split"] == "engine"]
+    return [
+        r
+        for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+        if r["split"] == "engine"
+    ]
 
 
 def damage_after(mp: pytest.MonkeyPatch, first: int, stop_at: int | None = None) -> dict:
@@ -91,7 +159,9 @@ def peaked_run(sized, tmp_path_factory):
     try:
         assert main(train_args(sized, run)) == 130
         first = engine_records(run)
-        done["step"] = 21  # the resumed run continues after step 22's optimizer step (21 done + the stopped one)
+        done["step"] = (
+            21  # the resumed run continues after step 22's optimizer step (21 done + the stopped one)
+        )
         assert main(train_args(sized, run, "--resume")) == 0
     finally:
         mp.undo()
@@ -100,10 +170,19 @@ def peaked_run(sized, tmp_path_factory):
 
 def test_the_peak_is_kept_as_run_best_not_the_last(peaked_run):
     run, records = peaked_run["run"], peaked_run["all"]
-    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]  # --eval-engine-wait: none skipped
+    assert [r["step"] for r in records] == [
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+    ]  # --eval-engine-wait: none skipped
     assert all(r["engine"] == "torch" and r["turns"] > 0 and "error" not in r for r in records)
     by_step = {r["step"]: r["acceptance_length"] for r in records}
-    assert by_step[20] > 1.5 and max(by_step[25], by_step[30]) < by_step[20] - 0.3  # it did peak early
+    assert (
+        by_step[20] > 1.5 and max(by_step[25], by_step[30]) < by_step[20] - 0.3
+    )  # it did peak early
     best_al = max(by_step.values())
     expected = max(s for s, al in by_step.items() if al == best_al)  # ties: the later step
     record = json.loads((run / ckpt.BEST / ckpt.BEST_JSON).read_text())
@@ -134,19 +213,54 @@ def test_a_resumed_run_keeps_the_best_so_far_record(peaked_run):
 def test_export_and_eval_of_the_run_take_the_best_and_say_so(peaked_run, sized, tmp_path, capsys):
     run = peaked_run["run"]
     best = json.loads((run / ckpt.BEST / ckpt.BEST_JSON).read_text())
-    assert main(["export", str(run), "-f", "vllm", "-o", str(tmp_path / "export"), "--engine-check", "none"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "-f",
+                "vllm",
+                "-o",
+                str(tmp_path / "export"),
+                "--engine-check",
+                "none",
+            ]
+        )
+        == 0
+    )
     said = " ".join(capsys.readouterr().out.split())
     assert f"kept its best checkpoint: taking {run / 'best'} (step {best['step']}" in said
     assert "the last checkpoint is step 30" in said
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["spec_cli"]["step"] == best["step"]
+    assert (
+        json.loads((tmp_path / "export" / "config.json").read_text())["spec_cli"]["step"]
+        == best["step"]
+    )
     # the in-loop numbers are spec eval's on the same prompts
     prompts = run / ckpt.ENGINE_EVAL / engine.PROMPTS
     out = tmp_path / "eval"
-    assert main(["eval", "-t", str(sized["target"]), "--draft", str(run), "--prompts", str(prompts),
-                 "--max-new-tokens", TOKENS, "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(sized["target"]),
+                "--draft",
+                str(run),
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                TOKENS,
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "kept its best checkpoint" in capsys.readouterr().out
     separate = json.loads((out / "eval.json").read_text())
-    in_loop = json.loads((run / ckpt.ENGINE_EVAL / f"step-{best['step']:08d}" / "eval.json").read_text())
+    in_loop = json.loads(
+        (run / ckpt.ENGINE_EVAL / f"step-{best['step']:08d}" / "eval.json").read_text()
+    )
     assert separate["draft"]["step"] == best["step"]
     for key in ("accepted", "verified", "turns", "same_as_target"):
         assert separate["overall"][key] == in_loop["overall"][key], key
@@ -160,7 +274,10 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
     from spec_cli.targets.cache_backend import CacheBackend
 
     run = peaked_run["run"]
-    chosen = [json.loads(line) for line in (run / ckpt.ENGINE_EVAL / engine.PROMPTS).read_text().splitlines()]
+    chosen = [
+        json.loads(line)
+        for line in (run / ckpt.ENGINE_EVAL / engine.PROMPTS).read_text().splitlines()
+    ]
     assert len(chosen) == 4 and all(1 <= len(r["turns"]) <= 2 for r in chosen)
     backend = CacheBackend(sized["cache"])
     tokens = backend.tokens()
@@ -172,7 +289,9 @@ def test_the_engine_decodes_held_out_conversations_chosen_once(peaked_run, sized
     assert {r["source_index"] for r in chosen} <= held_out - trained
     records = [json.loads(line) for line in sized["data"].read_text().splitlines()]
     for r in chosen:
-        users = [m["value"] for m in records[r["source_index"]]["conversations"] if m["from"] == "human"]
+        users = [
+            m["value"] for m in records[r["source_index"]]["conversations"] if m["from"] == "human"
+        ]
         assert r["turns"] == users[:2]
     turns = sum(len(r["turns"]) for r in chosen)
     assert all(r["turns"] == turns for r in peaked_run["all"])
@@ -184,25 +303,52 @@ def test_training_png_shows_the_engines_acceptance(peaked_run):
     from spec_cli.trainer.log import plot_curves
 
     path = plot_curves(peaked_run["run"])
-    assert matplotlib.image.imread(str(path)).shape[1] > 2000  # four panels: the engine's is the fourth
+    assert (
+        matplotlib.image.imread(str(path)).shape[1] > 2000
+    )  # four panels: the engine's is the fourth
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--keep", "best"], "--keep best keeps the checkpoint the engine measured best, and no --eval-engine"),
-    (["--eval-engine", "torch", "--eval-prompts", "EMPTY"], "no user turns found in"),
-    (["--eval-engine", "torch", "--eval-fraction", "0"], "this run holds none out"),
-    (["--eval-engine", "vllm"], "--eval-engine vllm needs vLLM, which is not installed"),
-])
-def test_bad_engine_options_are_one_line_and_write_nothing(sized, tmp_path, capsys, monkeypatch, args, says):
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--keep", "best"],
+            "--keep best keeps the checkpoint the engine measured best, and no --eval-engine",
+        ),
+        (["--eval-engine", "torch", "--eval-prompts", "EMPTY"], "no user turns found in"),
+        (["--eval-engine", "torch", "--eval-fraction", "0"], "this run holds none out"),
+        (["--eval-engine", "vllm"], "--eval-engine vllm needs vLLM, which is not installed"),
+    ],
+)
+def test_bad_engine_options_are_one_line_and_write_nothing(
+    sized, tmp_path, capsys, monkeypatch, args, says
+):
     from spec_cli.engine import vllm
 
     monkeypatch.setattr(vllm, "available", lambda: False)  # (as on a machine without the extra)
     empty = tmp_path / "empty.jsonl"
-    empty.write_text(json.dumps({"conversations": [{"from": "gpt", "value": "only an answer"}]}) + "\n")
+    empty.write_text(
+        json.dumps({"conversations": [{"from": "gpt", "value": "only an answer"}]}) + "\n"
+    )
     args = [str(empty) if a == "EMPTY" else a for a in args]
     out = tmp_path / "run"
-    assert main(["train", "--cache", str(sized["cache"]), "-v", str(sized["vm"]), "-o", str(out), "--max-steps",
-                 "2", *args]) == 1
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(sized["cache"]),
+                "-v",
+                str(sized["vm"]),
+                "-o",
+                str(out),
+                "--max-steps",
+                "2",
+                *args,
+            ]
+        )
+        == 1
+    )
     err = " ".join(capsys.readouterr().err.split())
     assert says in err and err.count("error") <= 1, err
     assert not out.exists()
@@ -227,7 +373,11 @@ def test_best_keeper_takes_ties_at_the_later_step_and_never_a_worse_one(tmp_path
     assert not keeper.consider(result(30, 1.4), snapshot(30))
     assert (run / "best" / "model.safetensors").read_bytes() == b"weights of 20"
     record = json.loads((run / "best" / "best.json").read_text())
-    assert record["step"] == 20 and record["before"] == {"step": 10, "acceptance_length": 1.5, "comparable": True}
+    assert record["step"] == 20 and record["before"] == {
+        "step": 10,
+        "acceptance_length": 1.5,
+        "comparable": True,
+    }
     assert engine_process.BestKeeper(run).record["step"] == 20  # read back (--resume)
     # measured under other settings (another engine, say): not compared with; the next answer replaces it
     other = engine_process.BestKeeper(run, signature={"engine": "vllm"})
@@ -247,10 +397,19 @@ def test_busy_share_counts_each_moment_once():
 
 
 def _evaluator(tmp_path, command, warnings):
-    config = engine_process.WorkerConfig(run_dir=str(tmp_path), engine="torch", target=str(tmp_path / "none"),
-                                      prompts="mt-bench", depth=3, max_new_tokens=8, num_prompts=None,
-                                      export_format="vllm")
-    evaluator = engine_process.EngineEvaluator(config, True, lambda record: None, warn=warnings.append)
+    config = engine_process.WorkerConfig(
+        run_dir=str(tmp_path),
+        engine="torch",
+        target=str(tmp_path / "none"),
+        prompts="mt-bench",
+        depth=3,
+        max_new_tokens=8,
+        num_prompts=None,
+        export_format="vllm",
+    )
+    evaluator = engine_process.EngineEvaluator(
+        config, True, lambda record: None, warn=warnings.append
+    )
     evaluator.command = command
     evaluator.start()
     return evaluator
@@ -286,7 +445,9 @@ def test_an_engine_that_does_not_answer_is_stopped_after_the_limit(tmp_path):
 
     warnings: list[str] = []
     records: list[dict] = []
-    evaluator = _evaluator(tmp_path, (sys.executable, "-c", "import time; time.sleep(300)"), warnings)
+    evaluator = _evaluator(
+        tmp_path, (sys.executable, "-c", "import time; time.sleep(300)"), warnings
+    )
     evaluator.on_result = records.append
     process = evaluator.process
     evaluator.submit(5, tmp_path / "engine-eval" / "step-00000005" / "checkpoint")
@@ -305,12 +466,28 @@ def test_the_worker_ends_itself_when_the_trainer_is_gone(tmp_path):
     import sys
 
     config = tmp_path / "worker.json"
-    config.write_text(json.dumps({"run_dir": str(tmp_path), "engine": "torch", "target": "x", "prompts": "mt-bench",
-                                  "depth": 3, "max_new_tokens": 8, "num_prompts": None, "export_format": "vllm"}))
+    config.write_text(
+        json.dumps(
+            {
+                "run_dir": str(tmp_path),
+                "engine": "torch",
+                "target": "x",
+                "prompts": "mt-bench",
+                "depth": 3,
+                "max_new_tokens": 8,
+                "num_prompts": None,
+                "export_format": "vllm",
+            }
+        )
+    )
     read, write = os.pipe()
     env = {**os.environ, engine_process.RESULT_FD: str(write), engine_process.PARENT_PID: "1"}
-    process = subprocess.Popen([sys.executable, "-m", "spec_cli.stages.engine_worker", str(config)],
-                               stdin=subprocess.PIPE, pass_fds=(write,), env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "spec_cli.stages.engine_worker", str(config)],
+        stdin=subprocess.PIPE,
+        pass_fds=(write,),
+        env=env,
+    )
     os.close(write)
     try:
         assert process.wait(timeout=60) == 3
@@ -325,11 +502,31 @@ def test_a_new_run_removes_what_an_abandoned_run_left(sized, tmp_path, capsys):
     (run / "best" / "best.json").write_text("{}")
     (run / "best" / "model.safetensors").write_bytes(b"old")
     (run / "engine-eval" / "step-00000005").mkdir(parents=True)
-    assert main(["train", "--cache", str(sized["cache"]), "-v", str(sized["vm"]), "-o", str(run), "--max-steps",
-                 "2", "--ttt-steps", "2"]) == 0
-    assert "left by an earlier run in this folder that saved no checkpoint" in " ".join(capsys.readouterr().out.split())
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(sized["cache"]),
+                "-v",
+                str(sized["vm"]),
+                "-o",
+                str(run),
+                "--max-steps",
+                "2",
+                "--ttt-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert "left by an earlier run in this folder that saved no checkpoint" in " ".join(
+        capsys.readouterr().out.split()
+    )
     assert not (run / "best").exists() and not (run / "engine-eval").exists()
-    assert ckpt.resolve_checkpoint(run).name == "step-00000002"  # export and eval take the latest again
+    assert (
+        ckpt.resolve_checkpoint(run).name == "step-00000002"
+    )  # export and eval take the latest again
 
 
 def test_inspect_shows_the_engines_curve_and_the_best(peaked_run, capsys):
@@ -338,5 +535,7 @@ def test_inspect_shows_the_engines_curve_and_the_best(peaked_run, capsys):
     assert main(["inspect", str(run)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "engine (torch) acceptance length: " in printed and "@ 30" in printed
-    assert f"best: {run / 'best'} (step {best['step']}, acceptance length {best['acceptance_length']:.3f} in torch)" \
+    assert (
+        f"best: {run / 'best'} (step {best['step']}, acceptance length {best['acceptance_length']:.3f} in torch)"
         in printed
+    )

@@ -28,17 +28,65 @@ def trained(tmp_path_factory, tiny_llama_dir):
     model = AutoModelForCausalLM.from_pretrained(str(target))
     rng = random.Random(5)
     data = write_jsonl(root / "chat.jsonl", _self_distilled(model, target, rng, 32))
-    prompts = write_jsonl(root / "prompts.jsonl", [
-        {**tiny.random_sharegpt(rng, turns=2), "category": ["coding", "math"][i % 2]} for i in range(4)])
+    prompts = write_jsonl(
+        root / "prompts.jsonl",
+        [
+            {**tiny.random_sharegpt(rng, turns=2), "category": ["coding", "math"][i % 2]}
+            for i in range(4)
+        ],
+    )
     vocab_and_cache(root, tiny_llama_dir, data, 64, "--batch-tokens", "512")
     with own_home(root):
-        assert main(["train", "--cache", str(root / "cache"), "-v", str(root / "vm.safetensors"),
-                     "-o", str(root / "run"), "--ttt-steps", "2", "--max-steps", "12", "--lr", "1e-2",
-                     "--batch-tokens", "512", "--eval-fraction", "0.2", "--save-every", "12", "-q"]) == 0
-        assert main(["export", str(root / "run"), "--format", "vllm", "--dtype", "fp32",
-                     "-o", str(root / "export"), "-q"]) == 0
-    return {"root": root, "run": root / "run", "export": root / "export", "target": tiny_llama_dir,
-            "prompts": prompts}
+        assert (
+            main(
+                [
+                    "train",
+                    "--cache",
+                    str(root / "cache"),
+                    "-v",
+                    str(root / "vm.safetensors"),
+                    "-o",
+                    str(root / "run"),
+                    "--ttt-steps",
+                    "2",
+                    "--max-steps",
+                    "12",
+                    "--lr",
+                    "1e-2",
+                    "--batch-tokens",
+                    "512",
+                    "--eval-fraction",
+                    "0.2",
+                    "--save-every",
+                    "12",
+                    "-q",
+                ]
+            )
+            == 0
+        )
+        assert (
+            main(
+                [
+                    "export",
+                    str(root / "run"),
+                    "--format",
+                    "vllm",
+                    "--dtype",
+                    "fp32",
+                    "-o",
+                    str(root / "export"),
+                    "-q",
+                ]
+            )
+            == 0
+        )
+    return {
+        "root": root,
+        "run": root / "run",
+        "export": root / "export",
+        "target": tiny_llama_dir,
+        "prompts": prompts,
+    }
 
 
 @torch.no_grad()
@@ -50,20 +98,31 @@ def _self_distilled(model, target, rng, n: int) -> list[dict]:
     records = []
     for _ in range(n):
         question = tiny.random_text(rng)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        records.append({"conversations": [{"from": "human", "value": question},
-                                          {"from": "gpt", "value": answer or "ok"}]})
+        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        records.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": question},
+                    {"from": "gpt", "value": answer or "ok"},
+                ]
+            }
+        )
     return records
 
 
 def _eval(args: list[str]) -> dict:
     """Run `spec eval` quietly; its eval.json when -o is given."""
     assert main(["eval", *args, "-q"]) == 0
-    return json.loads((Path(args[args.index("-o") + 1]) / "eval.json").read_text()) if "-o" in args else {}
+    return (
+        json.loads((Path(args[args.index("-o") + 1]) / "eval.json").read_text())
+        if "-o" in args
+        else {}
+    )
 
 
 def _consistent(report: dict) -> None:
@@ -71,9 +130,13 @@ def _consistent(report: dict) -> None:
     assert o["target_forwards"] > 0
     assert o["acceptance_length"] == pytest.approx(o["tokens_produced"] / o["target_forwards"])
     assert o["verified"][0] == o["target_forwards"]  # position 1 is verified at every step
-    assert o["acceptance_rate"] == [a / v if v else None for a, v in zip(o["accepted"], o["verified"])]
+    assert o["acceptance_rate"] == [
+        a / v if v else None for a, v in zip(o["accepted"], o["verified"])
+    ]
     assert o["speedup"] == pytest.approx(o["spec_tokens_per_s"] / o["target_tokens_per_s"])
-    assert o["same_as_target"] == o["turns"]  # greedy fp32: the target's own output, token for token
+    assert (
+        o["same_as_target"] == o["turns"]
+    )  # greedy fp32: the target's own output, token for token
     assert o["spec_tokens"] == o["target_tokens"]
     cats = report["categories"].values()
     for key in ("turns", "target_forwards", "tokens_produced", "spec_tokens"):
@@ -81,16 +144,31 @@ def _consistent(report: dict) -> None:
 
 
 def test_eval_run_folder_and_its_export_agree(trained, tmp_path):
-    common = ["-t", str(trained["target"]), "--prompts", str(trained["prompts"]), "--max-new-tokens", "12",
-              "--depth", "3"]
+    common = [
+        "-t",
+        str(trained["target"]),
+        "--prompts",
+        str(trained["prompts"]),
+        "--max-new-tokens",
+        "12",
+        "--depth",
+        "3",
+    ]
     from_run = _eval([*common, "--draft", str(trained["run"]), "-o", str(tmp_path / "run")])
-    from_export = _eval([*common, "--draft", str(trained["export"]), "-o", str(tmp_path / "export")])
+    from_export = _eval(
+        [*common, "--draft", str(trained["export"]), "-o", str(tmp_path / "export")]
+    )
     for report in (from_run, from_export):
         _consistent(report)
         assert report["settings"]["turns"] == 8 and set(report["categories"]) == {"coding", "math"}
         assert len(report["overall"]["acceptance_rate"]) == 3
     assert from_run["draft"]["kind"] == "run" and from_export["draft"]["format"] == "vllm"
-    for key in ("accepted", "verified", "tokens_produced", "target_forwards"):  # the same draft, read back
+    for key in (
+        "accepted",
+        "verified",
+        "tokens_produced",
+        "target_forwards",
+    ):  # the same draft, read back
         assert from_run["overall"][key] == from_export["overall"][key], key
     png = tmp_path / "run" / "acceptance.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
@@ -98,7 +176,9 @@ def test_eval_run_folder_and_its_export_agree(trained, tmp_path):
     assert len(lines) == 8 and {json.loads(line)["turn"] for line in lines} == {0, 1}
 
 
-def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(trained, tmp_path, capsys):
+def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(
+    trained, tmp_path, capsys
+):
     """The embedding is stored once per run (frozen.safetensors); a checkpoint copied out of its run
     takes the target's own table, the one it was copied from: the same draft, the same decoding."""
     from spec_cli.artifacts import checkpoint as ckpt
@@ -107,15 +187,28 @@ def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(train
     assert "embed_tokens.weight" not in ckpt.load_checkpoint(checkpoint)["model"]
     lone = tmp_path / "lone-step"
     shutil.copytree(checkpoint, lone)
-    common = ["-t", str(trained["target"]), "--prompts", str(trained["prompts"]), "--num-prompts", "2",
-              "--max-new-tokens", "8", "--depth", "3"]
+    common = [
+        "-t",
+        str(trained["target"]),
+        "--prompts",
+        str(trained["prompts"]),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--depth",
+        "3",
+    ]
     from_run = _eval([*common, "--draft", str(checkpoint), "-o", str(tmp_path / "in-run")])
     from_lone = _eval([*common, "--draft", str(lone), "-o", str(tmp_path / "lone")])
     for key in ("accepted", "verified", "tokens_produced", "target_forwards"):
         assert from_run["overall"][key] == from_lone["overall"][key], key
     assert main(["inspect", str(checkpoint)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "frozen (not in the checkpoint): embed_tokens.weight" in text and str(trained["run"]) in text
+    assert (
+        "frozen (not in the checkpoint): embed_tokens.weight" in text
+        and str(trained["run"]) in text
+    )
     assert main(["inspect", str(lone)]) == 0
     assert "MISSING" in capsys.readouterr().out
     assert main(["inspect", str(trained["run"])]) == 0
@@ -125,9 +218,33 @@ def test_a_checkpoint_without_its_run_folder_embeds_with_the_targets_table(train
 def test_compare_depths_decodes_each_chain_against_the_same_baseline(trained, tmp_path, capsys):
     """--compare-depths 1,2 beside --depth 3: each chain's counts equal its own spec eval --depth run (the
     same greedy decoding, an independent run), all against the one target-alone timing of each turn."""
-    common = ["-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
-              str(trained["prompts"]), "--num-prompts", "2", "--max-new-tokens", "10"]
-    assert main(["eval", *common, "--depth", "3", "--compare-depths", "2,1,3", "-o", str(tmp_path / "all")]) == 0
+    common = [
+        "-t",
+        str(trained["target"]),
+        "--draft",
+        str(trained["export"]),
+        "--prompts",
+        str(trained["prompts"]),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "10",
+    ]
+    assert (
+        main(
+            [
+                "eval",
+                *common,
+                "--depth",
+                "3",
+                "--compare-depths",
+                "2,1,3",
+                "-o",
+                str(tmp_path / "all"),
+            ]
+        )
+        == 0
+    )
     printed = " ".join(capsys.readouterr().out.split())
     report = json.loads((tmp_path / "all" / "eval.json").read_text())
     _consistent(report)
@@ -136,53 +253,101 @@ def test_compare_depths_decodes_each_chain_against_the_same_baseline(trained, tm
     assert list(depths) == ["1", "2", "3"] and depths["3"] == report["overall"]
     for d in ("1", "2"):
         alone = _eval([*common, "--depth", d, "-o", str(tmp_path / f"depth-{d}")])["overall"]
-        for key in ("accepted", "verified", "tokens_produced", "target_forwards", "same_as_target", "spec_tokens"):
+        for key in (
+            "accepted",
+            "verified",
+            "tokens_produced",
+            "target_forwards",
+            "same_as_target",
+            "spec_tokens",
+        ):
             assert depths[d][key] == alone[key], (d, key)
         assert len(depths[d]["acceptance_rate"]) == int(d)
         # the speed-up is over the same baseline as depth 3's
         assert depths[d]["target_seconds"] == report["overall"]["target_seconds"]
-        assert depths[d]["speedup"] == pytest.approx(depths[d]["spec_tokens_per_s"] /
-                                                     report["overall"]["target_tokens_per_s"])
+        assert depths[d]["speedup"] == pytest.approx(
+            depths[d]["spec_tokens_per_s"] / report["overall"]["target_tokens_per_s"]
+        )
     fastest = max(depths, key=lambda d: depths[d]["speedup"])
     assert report["fastest_depth"] == int(fastest)
     assert f"fastest here: a chain of {fastest} ({depths[fastest]['speedup']:.2f}x" in printed
-    records = [json.loads(line) for line in (tmp_path / "all" / "outputs.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "all" / "outputs.jsonl").read_text().splitlines()
+    ]
     assert all(set(r["depths"]) == {"1", "2"} for r in records)
-    assert sum(r["depths"]["1"]["spec_seconds"] for r in records) == pytest.approx(depths["1"]["spec_seconds"],
-                                                                                  abs=1e-3)
+    assert sum(r["depths"]["1"]["spec_seconds"] for r in records) == pytest.approx(
+        depths["1"]["spec_seconds"], abs=1e-3
+    )
 
-    for extra, says in ((["--compare-depths", "1,x"], "is not a list of whole numbers"),
-                        (["--compare-depths", "0"], "a depth is at least 1"),
-                        (["--compare-depths", "1", "--topk", "2"], "--compare-depths compares chains"),
-                        (["--compare-depths", "1", "--engine", "vllm"], "runs in PyTorch only")):
+    for extra, says in (
+        (["--compare-depths", "1,x"], "is not a list of whole numbers"),
+        (["--compare-depths", "0"], "a depth is at least 1"),
+        (["--compare-depths", "1", "--topk", "2"], "--compare-depths compares chains"),
+        (["--compare-depths", "1", "--engine", "vllm"], "runs in PyTorch only"),
+    ):
         assert main(["eval", *common, *extra, "-o", str(tmp_path / "bad"), "-q"]) == 1
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) <= 2, err
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("costs, compared", [
-    ({1: 1.0, 2: 1.04, 3: 1.08, 4: 1.49}, [1, 2]),  # measured on 2 AVX-512 cores, SmolLM2 fp32
-    ({1: 1.0, 2: 1.91, 3: 1.85, 4: 1.90}, []),  # the same capped to AVX2: every forward of 2+ costs alike
-    ({1: 1.0, 2: 1.0, 3: 1.4, 4: 1.5}, [1])])
-def test_compare_depths_auto_follows_the_measured_forward_costs(trained, tmp_path, capsys, monkeypatch,
-                                                                costs, compared):
+@pytest.mark.parametrize(
+    "costs, compared",
+    [
+        ({1: 1.0, 2: 1.04, 3: 1.08, 4: 1.49}, [1, 2]),  # measured on 2 AVX-512 cores, SmolLM2 fp32
+        (
+            {1: 1.0, 2: 1.91, 3: 1.85, 4: 1.90},
+            [],
+        ),  # the same capped to AVX2: every forward of 2+ costs alike
+        ({1: 1.0, 2: 1.0, 3: 1.4, 4: 1.5}, [1]),
+    ],
+)
+def test_compare_depths_auto_follows_the_measured_forward_costs(
+    trained, tmp_path, capsys, monkeypatch, costs, compared
+):
     """auto compares the shorter chains whose forward is <= 0.9x the chain's own: the decision and the
     printed curve come from the times the probe measured (here injected; the probe itself: below)."""
     from spec_cli.eval import session
 
-    monkeypatch.setattr(session, "verify_costs", lambda target, ids, sizes: {n: costs[n] / 100 for n in sizes})
+    monkeypatch.setattr(
+        session, "verify_costs", lambda target, ids, sizes: {n: costs[n] / 100 for n in sizes}
+    )
     out = tmp_path / "auto"
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
-                 str(trained["prompts"]), "--num-prompts", "1", "--max-new-tokens", "4", "--depth", "3",
-                 "--compare-depths", "auto", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["export"]),
+                "--prompts",
+                str(trained["prompts"]),
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--depth",
+                "3",
+                "--compare-depths",
+                "auto",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = " ".join(capsys.readouterr().out.split())
     report = json.loads((out / "eval.json").read_text())
     assert report["settings"]["compare_depths"] == compared
     assert report["settings"]["compare_depths_asked"] == "auto"
-    assert {int(n): t for n, t in report["verify_seconds"].items()} == pytest.approx({n: c / 100 for n, c in costs.items()})
-    assert f"against one token (10.0 ms): 2 tokens {costs[2]:.2f}x, 3 tokens {costs[3]:.2f}x, 4 tokens " \
-           f"{costs[4]:.2f}x" in printed
+    assert {int(n): t for n, t in report["verify_seconds"].items()} == pytest.approx(
+        {n: c / 100 for n, c in costs.items()}
+    )
+    assert (
+        f"against one token (10.0 ms): 2 tokens {costs[2]:.2f}x, 3 tokens {costs[3]:.2f}x, 4 tokens "
+        f"{costs[4]:.2f}x" in printed
+    )
     assert ("depths" in report) == bool(compared)
 
 
@@ -212,17 +377,52 @@ def test_the_forward_cost_probe_times_each_size_and_leaves_the_cache_as_it_found
 
 @pytest.mark.real  # the installed MT-bench
 def test_eval_tree_on_mt_bench_with_default_output(trained, real_home, capsys):
-    _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "2",
-           "--max-new-tokens", "8", "--depth", "2", "--topk", "2", "--num-tokens", "5"])
-    out = trained["root"] / "export-eval"  # beside the export, which stays exactly what engines load
+    _eval(
+        [
+            "-t",
+            str(trained["target"]),
+            "--draft",
+            str(trained["export"]),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--depth",
+            "2",
+            "--topk",
+            "2",
+            "--num-tokens",
+            "5",
+        ]
+    )
+    out = (
+        trained["root"] / "export-eval"
+    )  # beside the export, which stays exactly what engines load
     report = json.loads((out / "eval.json").read_text())
     _consistent(report)
     assert report["settings"]["num_tokens"] == 5 and report["settings"]["turns"] == 4
     assert len(report["categories"]) == 2  # two prompts, round-robin over MT-bench's categories
-    assert sorted(p.name for p in trained["export"].iterdir()) == ["README.md", "config.json",
-                                                                    "model.safetensors"]
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["run"]), "--num-prompts", "1",
-                 "--max-new-tokens", "4"]) == 0
+    assert sorted(p.name for p in trained["export"].iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["run"]),
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "acceptance rate by draft position" in capsys.readouterr().out
     assert (trained["run"] / "eval" / "step-00000012" / "eval.json").is_file()
 
@@ -236,14 +436,41 @@ def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)
     model.save_pretrained(str(other))
-    args = ["eval", "-t", str(other), "--draft", str(trained["run"]), "--prompts", str(trained["prompts"]),
-            "--num-prompts", "1", "--max-new-tokens", "3", "-o", str(tmp_path / "out"), "-q"]
+    args = [
+        "eval",
+        "-t",
+        str(other),
+        "--draft",
+        str(trained["run"]),
+        "--prompts",
+        str(trained["prompts"]),
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "-o",
+        str(tmp_path / "out"),
+        "-q",
+    ]
     assert main(args) == 1
     assert "different target" in capsys.readouterr().err
     assert main(args + ["--no-fingerprint-check"]) == 0
 
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["run"]), "--num-tokens", "4",
-                 "-q"]) == 1
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["run"]),
+                "--num-tokens",
+                "4",
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert "--num-tokens sizes a tree" in capsys.readouterr().err
     assert main(["eval", "-t", str(trained["target"]), "--draft", str(tmp_path), "-q"]) == 1
     assert "holds no draft checkpoint" in capsys.readouterr().err
@@ -257,27 +484,51 @@ def test_eval_refuses_another_target_and_bad_options(trained, tmp_path, capsys):
     config = json.loads((shallow / "config.json").read_text())
     config["num_hidden_layers"] = 6
     (shallow / "config.json").write_text(json.dumps(config))
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(shallow))).save_pretrained(str(shallow))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(shallow))).save_pretrained(
+        str(shallow)
+    )
     assert main(["eval", "-t", str(shallow), "--draft", str(trained["export"]), "-q"]) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "was made for a target with layers 8 (the target has 6)" in err and "re-export" not in err
+    assert (
+        "was made for a target with layers 8 (the target has 6)" in err and "re-export" not in err
+    )
 
 
 @pytest.mark.real  # the installed MT-bench
 def test_inspect_describes_every_folder_the_pipeline_writes(trained, real_home, tmp_path, capsys):
     """Run, checkpoint, export (and its model.safetensors) and eval folders, as the README promises."""
-    _eval(["-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "1",
-           "--max-new-tokens", "4", "-o", str(tmp_path / "ev")])
+    _eval(
+        [
+            "-t",
+            str(trained["target"]),
+            "--draft",
+            str(trained["export"]),
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "-o",
+            str(tmp_path / "ev"),
+        ]
+    )
     report = json.loads((tmp_path / "ev" / "eval.json").read_text())
     checkpoint = trained["run"] / "checkpoints" / "step-00000012"
     expected = {
         trained["run"]: ["kind: run", "step-00000012", "ttt_steps: 2"],
         checkpoint: ["kind: draft_checkpoint", "step: 12", "aux_layer_ids: [1, 3, 4]"],
-        trained["export"]: ["kind: draft_export", "format: vllm", "step: 12", "d2t",
-                            "aux layer ids as the engine counts them: [2, 4, 5]"],
+        trained["export"]: [
+            "kind: draft_export",
+            "format: vllm",
+            "step: 12",
+            "d2t",
+            "aux layer ids as the engine counts them: [2, 4, 5]",
+        ],
         trained["export"] / "model.safetensors": ["kind: draft_export", "format: vllm"],
-        tmp_path / "ev": ["kind: eval", "engine: torch",
-                          f"acceptance length {report['overall']['acceptance_length']:.2f}"],
+        tmp_path / "ev": [
+            "kind: eval",
+            "engine: torch",
+            f"acceptance length {report['overall']['acceptance_length']:.2f}",
+        ],
     }
     for path, wanted in expected.items():
         assert main(["inspect", str(path)]) == 0, path
@@ -291,8 +542,10 @@ def test_inspect_describes_every_folder_the_pipeline_writes(trained, real_home, 
 
 # ----------------------------------------------------------------------------- fair timing
 
+
 class _Tokenizer:
     """Just what decode_all needs: no chat template (plain text prompts), ids from word lengths."""
+
     chat_template = None
 
     def __call__(self, text):
@@ -313,38 +566,60 @@ def test_repeats_alternate_the_decoders_and_keep_each_turns_median(monkeypatch):
 
     rng = random.Random(3)
     turns = 4  # 2 conversations x 2 turns
-    times = {"spec": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)],
-             "base": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)]}
+    times = {
+        "spec": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)],
+        "base": [[rng.uniform(0.5, 2.0) for _ in range(3)] for _ in range(turns)],
+    }
     calls = []
 
     def decoder(name, tokens):
-        def decode(ids, seed, s=None):  # the r-th run of this decoder on turn t takes times[name][t][r]
+        def decode(
+            ids, seed, s=None
+        ):  # the r-th run of this decoder on turn t takes times[name][t][r]
             turn, run = divmod(sum(1 for c in calls if c[0] == name), 3)
             calls.append((name, tuple(ids), seed))
-            return Generation(tokens=tokens, seconds=times[name][turn][run],
-                              steps=[(2, 3), (1, 3)] if name == "spec" else [])
+            return Generation(
+                tokens=tokens,
+                seconds=times[name][turn][run],
+                steps=[(2, 3), (1, 3)] if name == "spec" else [],
+            )
+
         return decode
 
-    conversations = [Conversation(id=f"c{i}", turns=["a bb ccc", "dd e"], category=["x", "y"][i])
-                     for i in range(2)]
+    conversations = [
+        Conversation(id=f"c{i}", turns=["a bb ccc", "dd e"], category=["x", "y"][i])
+        for i in range(2)
+    ]
     overall, categories, records = evaluate.decode_all(
-        decoder("spec", [5, 6, 7, 8, 9]), decoder("base", [5, 6, 7, 8, 9]), _Tokenizer(), conversations,
-        Settings(depth=3, temperature=0.7), evaluate._Seeds(11), repeats=3)
+        decoder("spec", [5, 6, 7, 8, 9]),
+        decoder("base", [5, 6, 7, 8, 9]),
+        _Tokenizer(),
+        conversations,
+        Settings(depth=3, temperature=0.7),
+        evaluate._Seeds(11),
+        repeats=3,
+    )
 
     assert [c[0] for c in calls] == ["spec", "base"] * 3 * turns
     for t in range(turns):  # the same prompt and the same seed per decoder, every repeat
-        turn_calls = calls[6 * t:6 * t + 6]
+        turn_calls = calls[6 * t : 6 * t + 6]
         assert len({c[1] for c in turn_calls}) == 1
-        assert len({c[2] for c in turn_calls[0::2]}) == 1 and len({c[2] for c in turn_calls[1::2]}) == 1
+        assert (
+            len({c[2] for c in turn_calls[0::2]}) == 1
+            and len({c[2] for c in turn_calls[1::2]}) == 1
+        )
     spec_med = [float(np.median(t)) for t in times["spec"]]
     base_med = [float(np.median(t)) for t in times["base"]]
-    ratios = [b / s for s, b in zip(spec_med, base_med)]  # same tokens: the tokens/s ratio is a time ratio
+    ratios = [
+        b / s for s, b in zip(spec_med, base_med)
+    ]  # same tokens: the tokens/s ratio is a time ratio
     m = overall.metrics()
     assert m["spec_seconds"] == pytest.approx(sum(spec_med), abs=1e-4)
     assert m["speedup"] == pytest.approx(sum(base_med) / sum(spec_med))
     q1, median, q3 = np.percentile(ratios, [25, 50, 75])
-    assert m["speedup_spread"] == pytest.approx({"turns": 4, "median": median, "q1": q1, "q3": q3,
-                                                 "min": min(ratios), "max": max(ratios)})
+    assert m["speedup_spread"] == pytest.approx(
+        {"turns": 4, "median": median, "q1": q1, "q3": q3, "min": min(ratios), "max": max(ratios)}
+    )
     x = categories["x"].metrics()["speedup_spread"]  # conversation 0's two turns
     assert x["turns"] == 2 and x["median"] == pytest.approx(np.median(ratios[:2]))
     for record, s, b, r, t in zip(records, spec_med, base_med, ratios, range(turns)):
@@ -359,28 +634,66 @@ def test_one_timing_run_keeps_outputs_jsonl_as_it_was():
     from spec_cli.eval.speculative import Generation
     from spec_cli.stages import eval as evaluate
 
-    s, b, record = evaluate.timed_turn(lambda ids, seed: Generation([1, 2], 0.5),
-                                       lambda ids, seed: Generation([1, 2], 1.0), [3], None, None, 1)
+    s, b, record = evaluate.timed_turn(
+        lambda ids, seed: Generation([1, 2], 0.5),
+        lambda ids, seed: Generation([1, 2], 1.0),
+        [3],
+        None,
+        None,
+        1,
+    )
     assert record == {"spec_seconds": 0.5, "target_seconds": 1.0, "speedup": 2.0}
     assert (s.seconds, b.seconds) == (0.5, 1.0)
     runs = iter([0.1, 0.3, 0.2])  # the PyTorch loop's draft time: the median over the repeats
-    s, _, record = evaluate.timed_turn(lambda ids, seed: Generation([1, 2], 0.5, draft_seconds=next(runs)),
-                                       lambda ids, seed: Generation([1, 2], 1.0), [3], None, None, 3)
+    s, _, record = evaluate.timed_turn(
+        lambda ids, seed: Generation([1, 2], 0.5, draft_seconds=next(runs)),
+        lambda ids, seed: Generation([1, 2], 1.0),
+        [3],
+        None,
+        None,
+        3,
+    )
     assert record["draft_seconds"] == s.draft_seconds == 0.2
 
 
 def test_eval_records_threads_repeats_and_per_turn_timings(trained, tmp_path, capsys):
     out = tmp_path / "timed"
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
-                 str(trained["prompts"]), "--num-prompts", "2", "--max-new-tokens", "6", "--threads", "1",
-                 "--timing-repeats", "2", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["export"]),
+                "--prompts",
+                str(trained["prompts"]),
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--threads",
+                "1",
+                "--timing-repeats",
+                "2",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = " ".join(capsys.readouterr().out.split())
     report = json.loads((out / "eval.json").read_text())
     s = report["settings"]
     assert (s["threads"], s["threads_reason"], s["timing_repeats"]) == (1, "--threads 1", 2)
-    assert "timing: 1 thread (--threads 1); each turn timed 2 times per decoder, alternating" in printed
+    assert (
+        "timing: 1 thread (--threads 1); each turn timed 2 times per decoder, alternating"
+        in printed
+    )
     spread = report["overall"]["speedup_spread"]
-    assert spread["turns"] == 4 and spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"]
+    assert (
+        spread["turns"] == 4 and spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"]
+    )
     assert "per-turn speed-up" in printed and f"median {spread['median']:.2f}x" in printed
     assert set(report["categories"]["coding"]["speedup_spread"]) == set(spread)
     busy = report["busy"]  # measured, whatever it says on this machine
@@ -389,8 +702,12 @@ def test_eval_records_threads_repeats_and_per_turn_timings(trained, tmp_path, ca
     assert len(records) == 4
     for r in records:
         assert len(r["spec_seconds_runs"]) == len(r["target_seconds_runs"]) == 2
-        assert r["spec_seconds"] == pytest.approx(sum(r["spec_seconds_runs"]) / 2, abs=1e-4)  # median of 2
-        assert r["speedup"] > 0 and r["repeats_same_output"] is True  # greedy: the same output each time
+        assert r["spec_seconds"] == pytest.approx(
+            sum(r["spec_seconds_runs"]) / 2, abs=1e-4
+        )  # median of 2
+        assert (
+            r["speedup"] > 0 and r["repeats_same_output"] is True
+        )  # greedy: the same output each time
 
 
 def test_a_busy_machine_is_named_in_the_table_and_eval_json(trained, tmp_path, capsys, monkeypatch):
@@ -399,18 +716,41 @@ def test_a_busy_machine_is_named_in_the_table_and_eval_json(trained, tmp_path, c
     meter = threads.Meter
 
     def crowded():  # 10 s of timing: 3 s of CPU for 1 thread, neighbours 1.5 cores busy on 2
-        return meter(clock=iter([0.0, 10.0]).__next__, cpu=iter([0.0, 3.0]).__next__,
-                             busy=iter([0.0, 18.0]).__next__)
+        return meter(
+            clock=iter([0.0, 10.0]).__next__,
+            cpu=iter([0.0, 3.0]).__next__,
+            busy=iter([0.0, 18.0]).__next__,
+        )
 
     monkeypatch.setattr(threads, "Meter", crowded)
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     out = tmp_path / "busy"
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--num-prompts", "1",
-                 "--max-new-tokens", "4", "--threads", "1", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["export"]),
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--threads",
+                "1",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = " ".join(capsys.readouterr().out.split())
-    assert "WARNING: the machine was too busy for these speeds to mean much: this process got 30% of the " \
-           "1 core(s) it used; other processes kept 1.5 of 2 cores busy (we left them 1). Rerun on a quiet " \
-           "machine" in printed
+    assert (
+        "WARNING: the machine was too busy for these speeds to mean much: this process got 30% of the "
+        "1 core(s) it used; other processes kept 1.5 of 2 cores busy (we left them 1). Rerun on a quiet "
+        "machine" in printed
+    )
     busy = json.loads((out / "eval.json").read_text())["busy"]
     assert busy["too_busy"] and busy["cpu_share"] == 0.3 and busy["other_load"] == 1.5
     assert main(["inspect", str(out)]) == 0
@@ -418,6 +758,7 @@ def test_a_busy_machine_is_named_in_the_table_and_eval_json(trained, tmp_path, c
 
 
 # ----------------------------------------------------------------------------- a turn that fails
+
 
 def test_a_failing_turn_keeps_the_finished_ones_and_names_its_prompt(tmp_path):
     """outputs.jsonl holds every turn before the one that failed (written after each turn); the error
@@ -439,23 +780,42 @@ def test_a_failing_turn_keeps_the_finished_ones_and_names_its_prompt(tmp_path):
             if len(calls) == call:
                 raise error
             return Generation(tokens=[len(calls)], seconds=1.0, steps=[(0, 1)])
+
         return decode
 
     base = lambda ids, seed, s=None: Generation(tokens=[0], seconds=1.0)  # noqa: E731
     with pytest.raises(RuntimeError) as err:
-        evaluate.decode_all(failing_at(3, IndexError("index 9 is out of bounds")), base, _Tokenizer(),
-                            conversations, Settings(depth=3), None, outputs=outputs)
-    assert str(err.value) == (f"prompt 'c1' (2 of 2), turn 1 failed: IndexError: index 9 is out of bounds "
-                              f"(the turns before it (2) are in {outputs})")
+        evaluate.decode_all(
+            failing_at(3, IndexError("index 9 is out of bounds")),
+            base,
+            _Tokenizer(),
+            conversations,
+            Settings(depth=3),
+            None,
+            outputs=outputs,
+        )
+    assert str(err.value) == (
+        f"prompt 'c1' (2 of 2), turn 1 failed: IndexError: index 9 is out of bounds "
+        f"(the turns before it (2) are in {outputs})"
+    )
     records = [json.loads(line) for line in outputs.read_text().splitlines()]
     assert [(r["id"], r["turn"], r["answer"]) for r in records] == [("c0", 0, "1"), ("c0", 1, "2")]
 
     with pytest.raises(evaluate.TurnError) as err:  # a user error keeps its message and hint
-        evaluate.decode_all(failing_at(1, ConfigError("too long", "use a shorter prompt")), base,
-                            _Tokenizer(), conversations, Settings(depth=3), None, outputs=outputs)
+        evaluate.decode_all(
+            failing_at(1, ConfigError("too long", "use a shorter prompt")),
+            base,
+            _Tokenizer(),
+            conversations,
+            Settings(depth=3),
+            None,
+            outputs=outputs,
+        )
     assert err.value.message == "prompt 'c0' (1 of 2), turn 1: too long"
     assert err.value.hint == f"use a shorter prompt; the turns before it (0) are in {outputs}"
-    assert outputs.read_text() == ""  # nothing of the earlier run is left to be mistaken for this one
+    assert (
+        outputs.read_text() == ""
+    )  # nothing of the earlier run is left to be mistaken for this one
 
 
 def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, capsys, monkeypatch):
@@ -463,18 +823,39 @@ def test_eval_that_fails_mid_run_leaves_the_finished_turns(trained, tmp_path, ca
 
     out = tmp_path / "failed"
     out.mkdir()
-    (out / "eval.json").write_text('{"kind": "eval"}')  # an earlier run's report must not sit beside new outputs
+    (out / "eval.json").write_text(
+        '{"kind": "eval"}'
+    )  # an earlier run's report must not sit beside new outputs
     real, calls = session.generate, []
 
-    def flaky(*args, **kwargs):  # the warm-up, then turns 1 and 2 of prompt 0; turn 1 of prompt 1 fails
+    def flaky(
+        *args, **kwargs
+    ):  # the warm-up, then turns 1 and 2 of prompt 0; turn 1 of prompt 1 fails
         calls.append(1)
         if len(calls) == 4:
             raise RuntimeError("out of memory")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(session, "generate", flaky)
-    assert main(["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
-                 str(trained["prompts"]), "--max-new-tokens", "4", "-o", str(out), "-q"]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(trained["target"]),
+                "--draft",
+                str(trained["export"]),
+                "--prompts",
+                str(trained["prompts"]),
+                "--max-new-tokens",
+                "4",
+                "-o",
+                str(out),
+                "-q",
+            ]
+        )
+        == 2
+    )
     err = " ".join(capsys.readouterr().err.split())
     assert "prompt '1' (2 of 4), turn 1 failed: RuntimeError: out of memory" in err, err
     assert "the turns before it (2) are in" in err
@@ -489,17 +870,26 @@ def test_compared_chains_decode_after_the_two_decoders_each_repeat_and_keep_thei
     from spec_cli.eval.speculative import Generation
     from spec_cli.stages import eval as evaluate
 
-    calls, times = [], {"spec": iter([0.5, 0.7, 0.6]), "base": iter([1.0, 1.2, 1.1]), 1: iter([0.3, 0.9, 0.4]),
-                        2: iter([0.45, 0.4, 0.5])}
+    calls, times = (
+        [],
+        {
+            "spec": iter([0.5, 0.7, 0.6]),
+            "base": iter([1.0, 1.2, 1.1]),
+            1: iter([0.3, 0.9, 0.4]),
+            2: iter([0.45, 0.4, 0.5]),
+        },
+    )
 
     def decoder(name):
         def decode(ids, seed):
             calls.append((name, seed))
             return Generation([1, 2, 3], next(times[name]))
+
         return decode
 
-    s, b, record = evaluate.timed_turn(decoder("spec"), decoder("base"), [3], 7, 8, 3,
-                                       {1: decoder(1), 2: decoder(2)})
+    s, b, record = evaluate.timed_turn(
+        decoder("spec"), decoder("base"), [3], 7, 8, 3, {1: decoder(1), 2: decoder(2)}
+    )
     assert calls == [("spec", 7), ("base", 8), (1, 7), (2, 7)] * 3
     assert (s.seconds, b.seconds) == (0.6, 1.1)
     assert {d: g.seconds for d, g in record["by_depth"].items()} == {1: 0.4, 2: 0.45}
@@ -508,13 +898,31 @@ def test_compared_chains_decode_after_the_two_decoders_each_repeat_and_keep_thei
 def test_the_depth_table_claims_identity_only_under_greedy(capsys):
     from spec_cli.eval.report import print_depths
 
-    depths = {1: {"acceptance_length": 1.2, "spec_tokens_per_s": 30.0, "speedup": 1.1, "speedup_spread": None,
-                  "same_as_target": 0, "turns": 4},
-              3: {"acceptance_length": 1.3, "spec_tokens_per_s": 20.0, "speedup": 0.7, "speedup_spread": None,
-                  "same_as_target": 4, "turns": 4}}
+    depths = {
+        1: {
+            "acceptance_length": 1.2,
+            "spec_tokens_per_s": 30.0,
+            "speedup": 1.1,
+            "speedup_spread": None,
+            "same_as_target": 0,
+            "turns": 4,
+        },
+        3: {
+            "acceptance_length": 1.3,
+            "spec_tokens_per_s": 20.0,
+            "speedup": 0.7,
+            "speedup_spread": None,
+            "same_as_target": 4,
+            "turns": 4,
+        },
+    }
     print_depths(depths, "float32", greedy=False)
     out = capsys.readouterr().out
-    assert "0/4" not in out and "4/4" not in out and "fastest here: a chain of 1 (1.10x" in " ".join(out.split())
+    assert (
+        "0/4" not in out
+        and "4/4" not in out
+        and "fastest here: a chain of 1 (1.10x" in " ".join(out.split())
+    )
     print_depths(depths, "float32")
     assert "0/4" in capsys.readouterr().out
 
@@ -522,10 +930,25 @@ def test_the_depth_table_claims_identity_only_under_greedy(capsys):
 def test_sampled_eval_names_its_draft_sampling_and_acceptance_rule(trained, tmp_path, capsys):
     """--temperature > 0: eval.json and the printed summary say how the drafts were proposed and accepted;
     argmax drafts (the default, as vLLM serves) and sampled ones are each named; a tree cannot sample."""
-    common = ["eval", "-t", str(trained["target"]), "--draft", str(trained["export"]), "--prompts",
-              str(trained["prompts"]), "--num-prompts", "1", "--max-new-tokens", "4", "--temperature", "0.7"]
-    for drafts, rule, says in (("greedy", "target-prob", "accepted with probability p_target(token)"),
-                               ("sampled", "prob-ratio", "accepted with probability min(1, p_target/q)")):
+    common = [
+        "eval",
+        "-t",
+        str(trained["target"]),
+        "--draft",
+        str(trained["export"]),
+        "--prompts",
+        str(trained["prompts"]),
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0.7",
+    ]
+    for drafts, rule, says in (
+        ("greedy", "target-prob", "accepted with probability p_target(token)"),
+        ("sampled", "prob-ratio", "accepted with probability min(1, p_target/q)"),
+    ):
         out = tmp_path / drafts
         assert main([*common, "--draft-sampling", drafts, "-o", str(out)]) == 0
         settings = json.loads((out / "eval.json").read_text())["settings"]

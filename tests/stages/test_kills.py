@@ -40,15 +40,35 @@ def test_sigkill_then_resume_equals_the_straight_run(setup, tmp_path, which):
     scenario = {s.name: s for s in kr.scenarios(setup, setup["url"])}[which]
     straight = tmp_path / "straight"
     duration = kr.straight_run(scenario, straight)
-    t = kr.kill_trial(scenario, straight, tmp_path / "killed", MOMENT * duration, then=(kr.new_files,))
+    t = kr.kill_trial(
+        scenario, straight, tmp_path / "killed", MOMENT * duration, then=(kr.new_files,)
+    )
     assert t.killed and t.then_killed == [True], t  # both kills landed mid-command
     assert t.ok, (which, t.problems)
     assert t.lock_ok and t.resumed_ok and t.equal and t.reruns == 1
 
-    if which == "train --remote":  # the straight run against `spec serve-target` == training in process
+    if (
+        which == "train --remote"
+    ):  # the straight run against `spec serve-target` == training in process
         live = tmp_path / "live"
-        assert main(["train", "--target", str(setup["target"]), "--data", str(setup["data"]), "-v", str(setup["vm"]),
-                     "--dtype", "fp32", "-o", str(live), *kr.TRAIN_OPTS]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--target",
+                    str(setup["target"]),
+                    "--data",
+                    str(setup["data"]),
+                    "-v",
+                    str(setup["vm"]),
+                    "--dtype",
+                    "fp32",
+                    "-o",
+                    str(live),
+                    *kr.TRAIN_OPTS,
+                ]
+            )
+            == 0
+        )
         assert kr.same_train(live, tmp_path / "straight") is None
         assert kr.TOKEN not in (tmp_path / "straight" / "run.json").read_text()
-

@@ -38,21 +38,56 @@ def workdir(tmp_path_factory, tiny_llama_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
     try:
-        assert main(["build-vocab-map", "-t", str(tiny_llama_dir), "-d", str(data), "--draft-vocab-size",
-                     "64", "-o", str(vm), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "build-vocab-map",
+                    "-t",
+                    str(tiny_llama_dir),
+                    "-d",
+                    str(data),
+                    "--draft-vocab-size",
+                    "64",
+                    "-o",
+                    str(vm),
+                    "-q",
+                ]
+            )
+            == 0
+        )
     finally:
         mp.undo()
     return {"data": data, "vm": vm, "root": root}
 
 
 def precompute(target, workdir, out, *extra) -> int:
-    return main(["precompute", "-t", str(target), "-d", str(workdir["data"]), "-v", str(workdir["vm"]),
-                 "-o", str(out), "--batch-tokens", "512", "--shard-tokens", "600", "-q", *extra])
+    return main(
+        [
+            "precompute",
+            "-t",
+            str(target),
+            "-d",
+            str(workdir["data"]),
+            "-v",
+            str(workdir["vm"]),
+            "-o",
+            str(out),
+            "--batch-tokens",
+            "512",
+            "--shard-tokens",
+            "600",
+            "-q",
+            *extra,
+        ]
+    )
 
 
 def digest(folder: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-            if p.name != ".spec.lock"}  # the lock file names the process that wrote the cache
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.name != ".spec.lock"
+    }  # the lock file names the process that wrote the cache
 
 
 @pytest.mark.parametrize("encoding", ["hidden", "probs"])
@@ -84,12 +119,15 @@ def test_bf16_cache_is_within_bf16_rounding(tiny_llama_dir, workdir, tmp_path):
     live.set_vocab_mapping(load_vocab_map(workdir["vm"]).selected_token_ids)
     ids, am, lm = collate(cache.tokens(), cache.plan()[0])
     got, want = cache.generate_batch(ids, am, lm), live.generate_batch(ids, am, lm)
-    assert torch.equal(got.aux_hidden, want.aux_hidden) and torch.equal(got.target_ids, want.target_ids)
-    torch.testing.assert_close(got.target_p, want.target_p, rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(got.aux_hidden, want.aux_hidden) and torch.equal(
+        got.target_ids, want.target_ids
+    )
+    torch.testing.assert_close(got.target_p, want.target_p, rtol=2**-7, atol=1e-6)
 
 
-def test_the_bar_counts_tokens_and_advances_once_per_target_batch(tiny_llama_dir, workdir, tmp_path,
-                                                                  monkeypatch):
+def test_the_bar_counts_tokens_and_advances_once_per_target_batch(
+    tiny_llama_dir, workdir, tmp_path, monkeypatch
+):
     from spec_cli.stages import precompute as stage
 
     bars = []
@@ -110,18 +148,40 @@ def test_the_bar_counts_tokens_and_advances_once_per_target_batch(tiny_llama_dir
     assert len(bar.advances) == manifest["num_batches"] > 3 and sum(bar.advances) == bar.total
 
 
-def test_the_summary_says_on_how_many_threads_the_throughput_was_measured(tiny_llama_dir, workdir, tmp_path,
-                                                                          capsys):
+def test_the_summary_says_on_how_many_threads_the_throughput_was_measured(
+    tiny_llama_dir, workdir, tmp_path, capsys
+):
     before = torch.get_num_threads()
-    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v", str(workdir["vm"]),
-                 "-o", str(tmp_path / "cache"), "--batch-tokens", "512", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                str(tiny_llama_dir),
+                "-d",
+                str(workdir["data"]),
+                "-v",
+                str(workdir["vm"]),
+                "-o",
+                str(tmp_path / "cache"),
+                "--batch-tokens",
+                "512",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "tokens/s on 1 thread (--threads 1)" in " ".join(capsys.readouterr().out.split())
     assert torch.get_num_threads() == before  # the stage's choice does not leak into what runs next
-    assert "threads" not in fc.read_manifest(tmp_path / "cache")  # reruns and torchrun: the same bytes
+    assert "threads" not in fc.read_manifest(
+        tmp_path / "cache"
+    )  # reruns and torchrun: the same bytes
 
 
-def test_off_a_terminal_the_tokens_done_are_logged_in_lines(tiny_llama_dir, workdir, tmp_path,
-                                                             capsys, monkeypatch):
+def test_off_a_terminal_the_tokens_done_are_logged_in_lines(
+    tiny_llama_dir, workdir, tmp_path, capsys, monkeypatch
+):
     """stdout to a file or a pipe (capsys here): plain lines of tokens done of the total, with the
     rate and the time left (a line at every target batch: the interval is set to 0), then the
     end."""
@@ -129,16 +189,36 @@ def test_off_a_terminal_the_tokens_done_are_logged_in_lines(tiny_llama_dir, work
 
     monkeypatch.setattr(console, "LINE_INTERVAL_S", 0.0)
     out = tmp_path / "cache"
-    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v",
-                 str(workdir["vm"]), "-o", str(out), "--batch-tokens", "512"]) == 0
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                str(tiny_llama_dir),
+                "-d",
+                str(workdir["data"]),
+                "-v",
+                str(workdir["vm"]),
+                "-o",
+                str(out),
+                "--batch-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "\x1b" not in text and "\r" not in text
     n = fc.read_manifest(out)["num_tokens"]
     assert n < 10_000  # said in full below 10k
     lines = [line for line in text.splitlines() if line.startswith("precompute: ")]
     assert lines[0] == f"precompute: {n} tokens to do"
-    said = [re.fullmatch(rf"precompute: (\d+)/{n} tokens, [\d.]+k? tokens/s, \S+ so far, \S+ left",
-                         line) for line in lines[1:-1]]
+    said = [
+        re.fullmatch(
+            rf"precompute: (\d+)/{n} tokens, [\d.]+k? tokens/s, \S+ so far, \S+ left", line
+        )
+        for line in lines[1:-1]
+    ]
     assert len(said) >= 3 and all(said), lines  # one per target batch; the last: the end line
     done = [int(m.group(1)) for m in said]
     assert done == sorted(done) and 0 < done[-1] < n
@@ -153,9 +233,25 @@ def test_resume_after_kill_9_gives_the_identical_cache(tiny_llama_dir, workdir, 
     assert n_shards >= 4
 
     resumed = tmp_path / "resumed"
-    cmd = [sys.executable, "-m", "spec_cli.cli", "precompute", "-t", str(tiny_llama_dir), "-d",
-           str(workdir["data"]), "-v", str(workdir["vm"]), "-o", str(resumed), "--batch-tokens", "512",
-           "--shard-tokens", "600", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spec_cli.cli",
+        "precompute",
+        "-t",
+        str(tiny_llama_dir),
+        "-d",
+        str(workdir["data"]),
+        "-v",
+        str(workdir["vm"]),
+        "-o",
+        str(resumed),
+        "--batch-tokens",
+        "512",
+        "--shard-tokens",
+        "600",
+        "-q",
+    ]
     env = {**os.environ, "SPEC_TEST_SHARD_DELAY": "0.5"}
     proc = subprocess.Popen(cmd, env=env)
     deadline = time.time() + 120
@@ -189,8 +285,9 @@ def test_damaged_shard_is_recomputed(tiny_llama_dir, workdir, tmp_path):
     assert digest(out) == reference
 
 
-def test_a_rerun_checks_the_shards_it_reuses_and_recomputes_a_damaged_one(tiny_llama_dir, workdir, tmp_path,
-                                                                          capsys):
+def test_a_rerun_checks_the_shards_it_reuses_and_recomputes_a_damaged_one(
+    tiny_llama_dir, workdir, tmp_path, capsys
+):
     out = tmp_path / "c"
     assert precompute(tiny_llama_dir, workdir, out) == 0
     reference = digest(out)
@@ -201,18 +298,38 @@ def test_a_rerun_checks_the_shards_it_reuses_and_recomputes_a_damaged_one(tiny_l
     shard.write_bytes(bytes(data))
     assert main(["inspect", str(out), "--verify"]) == 1
     capsys.readouterr()
-    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v", str(workdir["vm"]),
-                 "-o", str(out), "--batch-tokens", "512", "--shard-tokens", "600"]) == 0
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                str(tiny_llama_dir),
+                "-d",
+                str(workdir["data"]),
+                "-v",
+                str(workdir["vm"]),
+                "-o",
+                str(out),
+                "--batch-tokens",
+                "512",
+                "--shard-tokens",
+                "600",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
-    assert " ".join(printed.err.split()) == (f"warning: feature cache {out}: shard-00002.safetensors fails its "
-                                             "checksum: recomputing it")
+    assert " ".join(printed.err.split()) == (
+        f"warning: feature cache {out}: shard-00002.safetensors fails its checksum: recomputing it"
+    )
     assert f"shards {n} (1 computed, {n - 1} reused)" in " ".join(printed.out.split())
     assert digest(out) == reference
     assert main(["inspect", str(out), "--verify"]) == 0
 
 
-def test_a_different_cache_is_never_mixed_in(tiny_llama_dir, tiny_tokenizer_dirs, workdir, tmp_path,
-                                             capsys):
+def test_a_different_cache_is_never_mixed_in(
+    tiny_llama_dir, tiny_tokenizer_dirs, workdir, tmp_path, capsys
+):
     out = tmp_path / "c"
     assert precompute(tiny_llama_dir, workdir, out) == 0
     assert precompute(tiny_llama_dir, workdir, out, "--aux-layers", "1,2,3") == 1
@@ -222,22 +339,55 @@ def test_a_different_cache_is_never_mixed_in(tiny_llama_dir, tiny_tokenizer_dirs
     assert "encoding" in capsys.readouterr().err
     # a vocab map from another tokenizer is refused before any work
     other = tmp_path / "other.safetensors"
-    assert main(["build-vocab-map", "-t", str(tiny_tokenizer_dirs["chatml"]), "-d", str(workdir["data"]),
-                 "--draft-vocab-size", "64", "-o", str(other), "-q"]) == 0
-    assert main(["precompute", "-t", str(tiny_llama_dir), "-d", str(workdir["data"]), "-v", str(other),
-                 "-o", str(tmp_path / "x"), "-q"]) == 1
+    assert (
+        main(
+            [
+                "build-vocab-map",
+                "-t",
+                str(tiny_tokenizer_dirs["chatml"]),
+                "-d",
+                str(workdir["data"]),
+                "--draft-vocab-size",
+                "64",
+                "-o",
+                str(other),
+                "-q",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                str(tiny_llama_dir),
+                "-d",
+                str(workdir["data"]),
+                "-v",
+                str(other),
+                "-o",
+                str(tmp_path / "x"),
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert "different tokenizer" in capsys.readouterr().err
     assert precompute(tiny_llama_dir, workdir, out, "--no-resume", "--aux-layers", "1,2,3") == 0
     assert fc.read_manifest(out)["aux_layers"] == [1, 2, 3]
 
 
-def test_bad_aux_layers_and_full_disk_fail_before_work(tiny_llama_dir, workdir, tmp_path, capsys,
-                                                       monkeypatch):
+def test_bad_aux_layers_and_full_disk_fail_before_work(
+    tiny_llama_dir, workdir, tmp_path, capsys, monkeypatch
+):
     assert precompute(tiny_llama_dir, workdir, tmp_path / "a", "--aux-layers", "1,2,8") == 1
     assert "out of range: the target has 8 decoder layers" in capsys.readouterr().err
     import spec_cli.stages.precompute as stage
 
-    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    monkeypatch.setattr(
+        stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000)
+    )
     assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 1
     assert "1.00 KB free" in " ".join(capsys.readouterr().err.split())
     assert not list((tmp_path / "b").glob("shard-*"))
@@ -245,28 +395,52 @@ def test_bad_aux_layers_and_full_disk_fail_before_work(tiny_llama_dir, workdir, 
 
 # ----------------------------------------------------------------------------- size and storage dtype
 
+
 def _run(target, workdir, out, **kw):
     from spec_cli.stages import precompute as stage
 
-    return stage.run(stage.PrecomputeConfig(target=str(target), data=str(workdir["data"]), vocab_map=workdir["vm"],
-                                            output=out, batch_tokens=512, shard_tokens=600, **kw))
+    return stage.run(
+        stage.PrecomputeConfig(
+            target=str(target),
+            data=str(workdir["data"]),
+            vocab_map=workdir["vm"],
+            output=out,
+            batch_tokens=512,
+            shard_tokens=600,
+            **kw,
+        )
+    )
 
 
-@pytest.mark.parametrize("encoding,storage", [("hidden", None), ("probs", None), ("hidden", "bf16")])
-def test_the_estimate_counts_every_byte_the_cache_holds(tiny_llama_dir, workdir, tmp_path, encoding, storage,
-                                                        capsys):
+@pytest.mark.parametrize(
+    "encoding,storage", [("hidden", None), ("probs", None), ("hidden", "bf16")]
+)
+def test_the_estimate_counts_every_byte_the_cache_holds(
+    tiny_llama_dir, workdir, tmp_path, encoding, storage, capsys
+):
     """Shards, sidecars, head.safetensors (embed_tokens [V, H] + the draft-vocab rows of lm_head) and
     the manifest: the estimate the disk check uses is what lands on disk."""
     out = tmp_path / "cache"
     result = _run(tiny_llama_dir, workdir, out, encoding=encoding, storage_dtype=storage)
-    on_disk = sum(p.stat().st_size for p in out.iterdir() if p.name != ".spec.lock")  # the lock is no cache byte
+    on_disk = sum(
+        p.stat().st_size for p in out.iterdir() if p.name != ".spec.lock"
+    )  # the lock is no cache byte
     assert result.disk["total"] == on_disk
     head = (out / fc.HEAD).stat().st_size
     assert result.disk["head"] == head == result.manifest["head_bytes"]
     assert head > 0.01 * on_disk  # the part the estimate used to leave out
-    assert abs(result.estimated_bytes - on_disk) <= 0.002 * on_disk, (result.estimated_bytes, on_disk)
+    assert abs(result.estimated_bytes - on_disk) <= 0.002 * on_disk, (
+        result.estimated_bytes,
+        on_disk,
+    )
     m = result.manifest
-    assert abs(fc.head_bytes(m["vocab_size"], m["hidden_size"], m["draft_vocab_size"], m["dtype"]) - head) < 256
+    assert (
+        abs(
+            fc.head_bytes(m["vocab_size"], m["hidden_size"], m["draft_vocab_size"], m["dtype"])
+            - head
+        )
+        < 256
+    )
     from spec_cli.console import human_bytes, set_quiet
     from spec_cli.ui import print_precompute_summary
 
@@ -283,17 +457,25 @@ def test_the_disk_check_counts_the_head_too(tiny_llama_dir, workdir, tmp_path, c
     estimated = _run(tiny_llama_dir, workdir, tmp_path / "sized").estimated_bytes
     head = (tmp_path / "sized" / fc.HEAD).stat().st_size
     free = {"bytes": estimated - head // 2}  # room for every shard, not for the head as well
-    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, free["bytes"]))
+    monkeypatch.setattr(
+        stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, free["bytes"])
+    )
     assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "the cache needs about" in err and "head" in err and "free" in err and "--storage-dtype bf16" in err
+    assert (
+        "the cache needs about" in err
+        and "head" in err
+        and "free" in err
+        and "--storage-dtype bf16" in err
+    )
     assert not list((tmp_path / "b").glob("shard-*")) and not (tmp_path / "b" / fc.HEAD).exists()
     free["bytes"] = estimated + 1024
     assert precompute(tiny_llama_dir, workdir, tmp_path / "b") == 0
 
 
-def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tiny_llama_dir, workdir, tmp_path,
-                                                                             capsys):
+def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(
+    tiny_llama_dir, workdir, tmp_path, capsys
+):
     from safetensors import safe_open
 
     from spec_cli.stages import train
@@ -303,9 +485,15 @@ def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tin
     assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "bf16") == 0
     a, b = fc.read_manifest(full), fc.read_manifest(half)
     assert (a["dtype"], a["storage_dtype"], b["dtype"], b["storage_dtype"]) == (
-        "float32", "float32", "float32", "bfloat16")
+        "float32",
+        "float32",
+        "float32",
+        "bfloat16",
+    )
     H = a["hidden_size"]
-    assert a["bytes_per_token"] - b["bytes_per_token"] == 4 * H * 2  # aux [3H] + final [H]: 4 -> 2 bytes
+    assert (
+        a["bytes_per_token"] - b["bytes_per_token"] == 4 * H * 2
+    )  # aux [3H] + final [H]: 4 -> 2 bytes
 
     def feature_bytes(folder):
         total = 0
@@ -325,14 +513,26 @@ def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tin
     got, want = cached.generate_batch(ids, am, lm), rounded.generate_batch(ids, am, lm)
     assert got.aux_hidden.dtype == torch.float32
     assert torch.equal(got.aux_hidden, want.aux_hidden.bfloat16().float())
-    assert torch.equal(got.target_ids, want.target_ids) and torch.equal(got.position_mask, want.position_mask)
+    assert torch.equal(got.target_ids, want.target_ids) and torch.equal(
+        got.position_mask, want.position_mask
+    )
     torch.testing.assert_close(got.target_p, want.target_p, rtol=0.05, atol=2e-3)
     assert not torch.equal(got.target_p, want.target_p)
     # spec inspect shows it; training from it works
     assert main(["inspect", str(half)]) == 0
     assert "storage_dtype: bfloat16" in capsys.readouterr().out
-    result = train.run(train.TrainConfig.from_options(vocab_map=workdir["vm"], output=tmp_path / "run", cache=half, ttt_steps=2,
-                                         max_steps=3, batch_tokens=512, eval_every=0, log_every=1))
+    result = train.run(
+        train.TrainConfig.from_options(
+            vocab_map=workdir["vm"],
+            output=tmp_path / "run",
+            cache=half,
+            ttt_steps=2,
+            max_steps=3,
+            batch_tokens=512,
+            eval_every=0,
+            log_every=1,
+        )
+    )
     assert result.steps == 3 and 0 < result.final_train["loss"] < float("inf")
     # another storage dtype is another cache: refused on resume, naming the option
     assert precompute(tiny_llama_dir, workdir, half) == 1
@@ -341,7 +541,9 @@ def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tin
     (half / fc.MANIFEST).unlink()  # an interrupted cache: each shard is checked
     assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "fp16") == 1
     assert "(--storage-dtype)" in capsys.readouterr().err
-    assert precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "bf16") == 0  # the same: resumes
+    assert (
+        precompute(tiny_llama_dir, workdir, half, "--storage-dtype", "bf16") == 0
+    )  # the same: resumes
     assert precompute(tiny_llama_dir, workdir, tmp_path / "x", "--storage-dtype", "int8") == 1
     assert "unknown --storage-dtype 'int8'" in capsys.readouterr().err
 
@@ -349,12 +551,19 @@ def test_bf16_storage_halves_the_features_trains_and_is_part_of_the_identity(tin
 def test_caches_from_before_storage_dtype_keep_their_identity_and_fp16_refuses_overflow():
     from spec_cli.stages.precompute import _stored
 
-    old = {"dtype": "float32"}  # a manifest written before storage_dtype existed stored the model dtype
+    old = {
+        "dtype": "float32"
+    }  # a manifest written before storage_dtype existed stored the model dtype
     expected = {k: old.get(k) for k in fc.IDENTITY_KEYS}
-    assert fc.identity_mismatch({**expected, "dtype": "float32", "storage_dtype": "float32"}, old) is None
+    assert (
+        fc.identity_mismatch({**expected, "dtype": "float32", "storage_dtype": "float32"}, old)
+        is None
+    )
     why = fc.identity_mismatch({**expected, "dtype": "float32", "storage_dtype": "bfloat16"}, old)
     assert why == "storage dtype: cache has 'float32', this run has 'bfloat16' (--storage-dtype)"
-    assert torch.equal(_stored(torch.tensor([3.0, -70000.0]), torch.bfloat16),
-                       torch.tensor([3.0, -70000.0]).bfloat16())
+    assert torch.equal(
+        _stored(torch.tensor([3.0, -70000.0]), torch.bfloat16),
+        torch.tensor([3.0, -70000.0]).bfloat16(),
+    )
     with pytest.raises(ArtifactError, match="beyond fp16's range"):
         _stored(torch.tensor([3.0, -70000.0]), torch.float16)

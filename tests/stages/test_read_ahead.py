@@ -34,6 +34,7 @@ def reader(log, fail_at=None, delay=0.0):
         if i == fail_at:
             raise ArtifactError(f"shard of batch {i} is damaged", "run spec precompute again")
         return Recorded(i, log)
+
     return read
 
 
@@ -41,6 +42,7 @@ def finisher(log):
     def finish(batch):
         log.append(("finish", batch.i, threading.current_thread().name))
         return batch
+
     return finish
 
 
@@ -54,7 +56,13 @@ def test_batches_come_in_order_read_ahead_by_one_thread():
         assert reads[:3] == [3, 4, 5]
         assert all(e[2].startswith("spec-cache-read") for e in log if e[0] == "read")
         assert [loader.get(i).i for i in (4, 5, 6, 7)] == [4, 5, 6, 7]
-        assert sorted(e[1] for e in log if e[0] == "read") == [3, 4, 5, 6, 7]  # each once, none past the end
+        assert sorted(e[1] for e in log if e[0] == "read") == [
+            3,
+            4,
+            5,
+            6,
+            7,
+        ]  # each once, none past the end
         assert not [e for e in log if e[0] == "pin"]  # on a CPU nothing is pinned
         assert all(e[3] is False for e in log if e[0] == "to")
     finally:
@@ -63,7 +71,9 @@ def test_batches_come_in_order_read_ahead_by_one_thread():
 
 def test_on_cuda_the_thread_pins_and_the_copy_does_not_wait():
     log = []
-    loader = _ReadAhead(reader(log), finisher(log), torch.device("cuda", 0), start=0, end=3, depth=1)
+    loader = _ReadAhead(
+        reader(log), finisher(log), torch.device("cuda", 0), start=0, end=3, depth=1
+    )
     try:
         for i in range(3):
             loader.get(i)
@@ -71,7 +81,9 @@ def test_on_cuda_the_thread_pins_and_the_copy_does_not_wait():
         loader.close()
     pins = [e for e in log if e[0] == "pin"]
     moves = [e for e in log if e[0] == "to"]
-    assert [e[1] for e in pins] == [0, 1, 2] and all(e[2].startswith("spec-cache-read") for e in pins)
+    assert [e[1] for e in pins] == [0, 1, 2] and all(
+        e[2].startswith("spec-cache-read") for e in pins
+    )
     assert moves == [("to", i, "cuda:0", True, threading.current_thread().name) for i in range(3)]
     # decoded on the device by the loop's thread, after the copy: the reading thread does host work only
     finishes = [e for e in log if e[0] == "finish"]
@@ -81,7 +93,9 @@ def test_on_cuda_the_thread_pins_and_the_copy_does_not_wait():
 
 def test_a_read_error_is_raised_where_the_batch_is_asked_for():
     log = []
-    loader = _ReadAhead(reader(log, fail_at=2), finisher(log), torch.device("cpu"), start=0, end=5, depth=2)
+    loader = _ReadAhead(
+        reader(log, fail_at=2), finisher(log), torch.device("cpu"), start=0, end=5, depth=2
+    )
     try:
         assert loader.get(0).i == 0 and loader.get(1).i == 1
         with pytest.raises(ArtifactError, match="shard of batch 2 is damaged"):
@@ -92,7 +106,9 @@ def test_a_read_error_is_raised_where_the_batch_is_asked_for():
 
 def test_close_waits_for_the_read_in_flight():
     log = []
-    loader = _ReadAhead(reader(log, delay=0.3), finisher(log), torch.device("cpu"), start=0, end=10, depth=3)
+    loader = _ReadAhead(
+        reader(log, delay=0.3), finisher(log), torch.device("cpu"), start=0, end=10, depth=3
+    )
     loader.close()  # while batch 0 is being read
     assert [e[1] for e in log if e[0] == "read"] == [0]  # it finished; the rest were cancelled
     assert not any(t.name.startswith("spec-cache-read") for t in threading.enumerate())

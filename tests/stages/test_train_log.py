@@ -17,8 +17,17 @@ def test_the_steps_bar_advances_every_step_with_tokens_per_second(tmp_path, monk
         logger.step(1000)
     task = logger.display.tasks[0]
     assert (task.total, task.completed, task.fields["counted"]) == (100, 43, 3000)
-    logger.log({"split": "train", "step": 43, "loss": 1.25, "acc": [0.5, 0.4, 0.3, 0.2],
-                "acceptance_length": 2.0, "tokens_per_s": 1234.0, "steps_in_record": 3})
+    logger.log(
+        {
+            "split": "train",
+            "step": 43,
+            "loss": 1.25,
+            "acc": [0.5, 0.4, 0.3, 0.2],
+            "acceptance_length": 2.0,
+            "tokens_per_s": 1234.0,
+            "steps_in_record": 3,
+        }
+    )
     logger.close()
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the terminal's control codes
     assert "43/100 steps" in text and " tokens/s" in text and re.search(r"eta \d:\d\d:\d\d", text)

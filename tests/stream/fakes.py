@@ -15,13 +15,17 @@ class FakeBackend(TargetBackend):
     """Supervision that is a pure function of the inputs. `delay` seconds per call; `fail_at`: the
     call whose input_ids[0, 0] equals it raises RuntimeError."""
 
-    def __init__(self, hidden: int = 8, vocab: int = 16, delay: float = 0.0, fail_at: int | None = None):
+    def __init__(
+        self, hidden: int = 8, vocab: int = 16, delay: float = 0.0, fail_at: int | None = None
+    ):
         self.hidden, self.vocab, self.delay, self.fail_at = hidden, vocab, delay, fail_at
         self.info = {"target_fingerprint": "fake-target"}
         self.calls: list[int] = []
         self._lock = threading.Lock()
 
-    def generate_batch(self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None):
+    def generate_batch(
+        self, input_ids, attention_mask, loss_mask, position_ids=None, seq_lens=None
+    ):
         first = int(input_ids[0, 0])
         with self._lock:
             self.calls.append(first)
@@ -33,10 +37,16 @@ class FakeBackend(TargetBackend):
         gen = torch.Generator().manual_seed(first)
         return TargetBatch(
             aux_hidden=torch.randn(B, T, 3 * self.hidden, generator=gen).to(torch.bfloat16),
-            input_ids=input_ids.clone(), attention_mask=attention_mask.clone(), loss_mask=loss_mask.clone(),
+            input_ids=input_ids.clone(),
+            attention_mask=attention_mask.clone(),
+            loss_mask=loss_mask.clone(),
             target_p=torch.softmax(torch.randn(B, T, self.vocab, generator=gen), dim=-1),
-            position_mask=loss_mask.bool(), target_ids=input_ids % self.vocab,
-            target_mass=torch.rand(B, T, generator=gen), position_ids=position_ids, seq_lens=seq_lens)
+            position_mask=loss_mask.bool(),
+            target_ids=input_ids % self.vocab,
+            target_mass=torch.rand(B, T, generator=gen),
+            position_ids=position_ids,
+            seq_lens=seq_lens,
+        )
 
 
 def inputs(i: int, B: int = 2, T: int = 12) -> dict:
@@ -44,7 +54,7 @@ def inputs(i: int, B: int = 2, T: int = 12) -> dict:
     ids = torch.arange(B * T).view(B, T) + i
     ids[0, 0] = i
     am = torch.ones(B, T, dtype=torch.long)
-    am[-1, T - 3:] = 0
+    am[-1, T - 3 :] = 0
     return {"input_ids": ids, "attention_mask": am, "loss_mask": am.clone()}
 
 

@@ -46,8 +46,12 @@ def hf_inputs(i: int) -> dict:
     """Batch i: plain rows of varying shapes, every third one packed (block-causal documents)."""
     if i % 3 == 2:
         ids = torch.randint(5, 400, (1, 24), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-                "seq_lens": torch.tensor([[9, 11, 4]])}
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids),
+            "seq_lens": torch.tensor([[9, 11, 4]]),
+        }
     ids, am, lm = random_batch(B=1 + i % 3, T=6 + 3 * i, seed=i)
     return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
 
@@ -108,7 +112,9 @@ def test_a_produced_ref_is_tensor_free_and_a_dropped_one_is_evicted():
 def test_producers_stay_prefetch_batches_ahead_and_put_in_order():
     backend = FakeBackend(delay=0.01)
     store = MemoryStore(max_samples=2)
-    with StreamLoader(Producer(backend, store, "w"), inputs, 5, 15, prefetch=1, workers=3) as loader:
+    with StreamLoader(
+        Producer(backend, store, "w"), inputs, 5, 15, prefetch=1, workers=3
+    ) as loader:
         for i in range(5, 15):
             time.sleep(0.02)  # the trainer is slower: producers wait for it
             assert_same_batch(loader.get(i), FakeBackend().generate_batch(**inputs(i)))
@@ -119,7 +125,9 @@ def test_producers_stay_prefetch_batches_ahead_and_put_in_order():
 
 def test_a_producer_error_reaches_the_trainer_at_its_batch(make_store):
     store = make_store(max_samples=4)
-    loader = StreamLoader(Producer(FakeBackend(fail_at=4), store, "e"), inputs, 0, 10, prefetch=3, workers=2)
+    loader = StreamLoader(
+        Producer(FakeBackend(fail_at=4), store, "e"), inputs, 0, 10, prefetch=3, workers=2
+    )
     try:
         for i in range(4):  # the batches before the failure still arrive
             assert_same_batch(loader.get(i), FakeBackend().generate_batch(**inputs(i)))

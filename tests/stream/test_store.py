@@ -33,8 +33,12 @@ def make_store(request, tmp_path):
 
 def tensors(n: int = 64, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, generator=gen), "h": torch.randn(2, n, generator=gen).to(torch.bfloat16),
-            "ids": torch.randint(0, 100, (n,), generator=gen), "mask": torch.rand(n, generator=gen) > 0.5}
+    return {
+        "x": torch.randn(n, generator=gen),
+        "h": torch.randn(2, n, generator=gen).to(torch.bfloat16),
+        "ids": torch.randint(0, 100, (n,), generator=gen),
+        "mask": torch.rand(n, generator=gen) > 0.5,
+    }
 
 
 def size_of(make, **bounds) -> int:
@@ -216,8 +220,11 @@ def test_a_slow_consumer_never_lets_the_store_exceed_max_bytes(make_store):
     health = store.health()
     assert consumed == n and health["puts"] == n and health["released"] == n
     assert health["put_waits"] > 0  # the bound did hold producers back
-    assert health["peak_bytes"] <= bound and max(seen) <= bound, (health["peak_bytes"], max(seen), bound)
+    assert health["peak_bytes"] <= bound and max(seen) <= bound, (
+        health["peak_bytes"],
+        max(seen),
+        bound,
+    )
     assert health["peak_bytes"] > one  # and it was used
     store.close()
     assert left_in(make_store.folder) == []
-

@@ -27,8 +27,10 @@ def main(target: str, out: str) -> None:
     grouped = GroupTarget(inner, group, rank, 2, torch.device("cpu"))
     grouped.halo = HALO
     grouped.set_vocab_mapping(vocab())
-    tensors = {"embeddings": grouped.get_input_embeddings(),
-               **{f"head.{k}": v for k, v in grouped.get_output_head().items()}}
+    tensors = {
+        "embeddings": grouped.get_input_embeddings(),
+        **{f"head.{k}": v for k, v in grouped.get_output_head().items()},
+    }
     for name, (final_hidden, packed) in CASES.items():
         grouped.keep_final_hidden = final_hidden
         kw = inputs(packed)
@@ -37,8 +39,12 @@ def main(target: str, out: str) -> None:
         tensors |= {f"{name}.{k}": v for k, v in batch.tensors().items()}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
-    (folder / f"rank{rank}.json").write_text(json.dumps({"info": grouped.info, "loaded": inner is not None}))
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors")
+    )
+    (folder / f"rank{rank}.json").write_text(
+        json.dumps({"info": grouped.info, "loaded": inner is not None})
+    )
     grouped.close()
     dist.barrier()
 

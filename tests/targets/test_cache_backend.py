@@ -28,10 +28,14 @@ def stored_features(cache, sample: int) -> dict:
     for shard, batches in enumerate(SHARDS):
         order = [i for batch in batches for i in batch]
         if sample in order:
-            start = sum(len(cache["samples"][i]) for i in order[:order.index(sample)])
+            start = sum(len(cache["samples"][i]) for i in order[: order.index(sample)])
             end = start + len(cache["samples"][sample])
             tensors = cache["shards"][shard]
-            return {k: v[start:end] for k, v in tensors.items() if v.shape[0] == tensors["input_ids"].shape[0]}
+            return {
+                k: v[start:end]
+                for k, v in tensors.items()
+                if v.shape[0] == tensors["input_ids"].shape[0]
+            }
     raise KeyError(sample)
 
 
@@ -50,19 +54,23 @@ def test_rows_in_any_batch_get_the_features_stored_for_their_tokens(cache):
     batch = backend.generate_batch(ids, am, lm)
     for row, sample in enumerate(rows):
         n, got = len(samples[sample]), stored_features(cache, sample)
-        assert torch.equal(ids[row, :n], samples[sample]) and torch.equal(lm[row, :n], got["loss_mask"].long())
+        assert torch.equal(ids[row, :n], samples[sample]) and torch.equal(
+            lm[row, :n], got["loss_mask"].long()
+        )
         assert torch.equal(batch.aux_hidden[row, :n], got["aux_hidden"])  # position-aligned
         assert not batch.aux_hidden[row, n:].any()  # padding carries no state
         # shifted by one: position t learns the target's distribution for token t+1
-        assert torch.equal(batch.target_ids[row, :n - 1], got["argmax"][1:].long())
-        torch.testing.assert_close(batch.target_p[row, :n - 1], expected_target_p(cache, got)[1:])
-        assert torch.equal(batch.input_ids[row, :n - 1], samples[sample][1:])
-        assert torch.equal(batch.loss_mask[row, :n - 1], got["loss_mask"][1:].long())
-        assert not batch.loss_mask[row, n - 1:].any() and not batch.target_p[row, n - 1:].any()
+        assert torch.equal(batch.target_ids[row, : n - 1], got["argmax"][1:].long())
+        torch.testing.assert_close(batch.target_p[row, : n - 1], expected_target_p(cache, got)[1:])
+        assert torch.equal(batch.input_ids[row, : n - 1], samples[sample][1:])
+        assert torch.equal(batch.loss_mask[row, : n - 1], got["loss_mask"][1:].long())
+        assert not batch.loss_mask[row, n - 1 :].any() and not batch.target_p[row, n - 1 :].any()
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[cache["selected"]] = True
-        assert torch.equal(batch.position_mask[row, :n - 1],
-                           t2d[got["argmax"][1:].long()] & got["loss_mask"][1:].bool())
+        assert torch.equal(
+            batch.position_mask[row, : n - 1],
+            t2d[got["argmax"][1:].long()] & got["loss_mask"][1:].bool(),
+        )
 
 
 def test_packed_documents_are_found_one_by_one(cache):
@@ -74,9 +82,13 @@ def test_packed_documents_are_found_one_by_one(cache):
     assert torch.equal(batch.aux_hidden[0], torch.cat([f["aux_hidden"] for f in features]))
     # each document's own next-token targets; its last token predicts nothing (the next one starts
     # another document)
-    target_p = torch.cat([torch.cat([p[1:], torch.zeros_like(p[:1])])
-                          for p in (expected_target_p(cache, f) for f in features)])
-    torch.testing.assert_close(batch.target_p[0, :len(target_p)], target_p)
+    target_p = torch.cat(
+        [
+            torch.cat([p[1:], torch.zeros_like(p[:1])])
+            for p in (expected_target_p(cache, f) for f in features)
+        ]
+    )
+    torch.testing.assert_close(batch.target_p[0, : len(target_p)], target_p)
     assert torch.equal(batch.seq_lens, seq_lens)
 
 
@@ -86,7 +98,9 @@ def test_tokens_plan_and_head_are_the_caches_own(cache):
     assert len(tokens) == 6
     for gid, sample in enumerate(ORDER):
         ids, mask = tokens.sample(gid)
-        assert torch.equal(ids.long(), samples[sample]) and torch.equal(mask, cache["loss_masks"][sample])
+        assert torch.equal(ids.long(), samples[sample]) and torch.equal(
+            mask, cache["loss_masks"][sample]
+        )
     assert torch.equal(tokens.source_index, torch.tensor(ORDER))
     assert backend.plan() == [[0, 1], [2], [3, 4, 5]]
     assert torch.equal(backend.get_input_embeddings(), cache["head"]["embed_tokens"])

@@ -16,7 +16,9 @@ def model(tiny_llama_dir):
 
 def test_takes_the_chosen_layer_outputs_in_the_order_asked(model):
     ids = torch.randint(5, 400, (1, 9), generator=torch.Generator().manual_seed(0))
-    capture = AuxCapture(model, [6, 1, 3])  # not ascending: the order is the draft's concatenation order
+    capture = AuxCapture(
+        model, [6, 1, 3]
+    )  # not ascending: the order is the draft's concatenation order
     try:
         with torch.no_grad():
             out = model(input_ids=ids, output_hidden_states=True)
@@ -26,7 +28,9 @@ def test_takes_the_chosen_layer_outputs_in_the_order_asked(model):
     H = model.config.hidden_size
     assert aux.shape == (1, 9, 3 * H)
     for k, layer in enumerate([6, 1, 3]):  # hidden_states[i + 1] is layer i's output
-        torch.testing.assert_close(aux[..., k * H:(k + 1) * H], out.hidden_states[layer + 1], rtol=0, atol=0)
+        torch.testing.assert_close(
+            aux[..., k * H : (k + 1) * H], out.hidden_states[layer + 1], rtol=0, atol=0
+        )
 
 
 def test_no_layers_give_an_empty_state_per_position(model):

@@ -37,8 +37,12 @@ def inputs(packed: bool) -> dict:
         kw = {}
     lm = (torch.rand(ids.shape, generator=gen) < 0.7).long() * am
     pad = (0, 3)  # 21 or 29 slots -> 24 or 32
-    return {"input_ids": torch.nn.functional.pad(ids, pad), "attention_mask": torch.nn.functional.pad(am, pad),
-            "loss_mask": torch.nn.functional.pad(lm, pad), **kw}
+    return {
+        "input_ids": torch.nn.functional.pad(ids, pad),
+        "attention_mask": torch.nn.functional.pad(am, pad),
+        "loss_mask": torch.nn.functional.pad(lm, pad),
+        **kw,
+    }
 
 
 @pytest.mark.slow
@@ -66,10 +70,12 @@ def test_each_rank_gets_its_slots_of_the_whole_targets_batch(tiny_llama_dir, tmp
         whole = pad_rows(whole_target.generate_batch(**cut), T)
         for r in (0, 1):
             want = take_slots(whole, kept_ranges(2, r, T, HALO)).tensors()
-            mine = {k[len(name) + 1:]: v for k, v in got[r].items() if k.startswith(name + ".")}
+            mine = {k[len(name) + 1 :]: v for k, v in got[r].items() if k.startswith(name + ".")}
             assert set(mine) == set(want), (name, r)
             assert ("final_hidden" in mine) == final_hidden
             for k, v in want.items():
                 assert mine[k].dtype == v.dtype and torch.equal(mine[k], v), (name, r, k)
-            assert mine["aux_hidden"].shape[1] == sum(b - a for a, b in kept_ranges(2, r, T, HALO)) < T
+            assert (
+                mine["aux_hidden"].shape[1] == sum(b - a for a, b in kept_ranges(2, r, T, HALO)) < T
+            )
     whole_target.close()

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def backend(tiny_llama_dir):
-    b = HFTargetBackend(tiny_llama_dir, aux_layers=",".join(map(str, AUX)), device="cpu", dtype="fp32")
+    b = HFTargetBackend(
+        tiny_llama_dir, aux_layers=",".join(map(str, AUX)), device="cpu", dtype="fp32"
+    )
     gen = torch.Generator().manual_seed(0)
     b.set_vocab_mapping(torch.sort(torch.randperm(400, generator=gen)[:64]).values)
     yield b
@@ -33,17 +35,30 @@ def test_aux_states_are_the_hidden_states_of_the_chosen_layers(backend):
     with torch.no_grad():
         out = backend.model(input_ids=ids, attention_mask=am, output_hidden_states=True)
     real = am.bool()
-    for k, layer in enumerate(AUX):  # hidden_states[0] is the embedding output, [i + 1] layer i's output
-        torch.testing.assert_close(aux[..., k * H:(k + 1) * H][real], out.hidden_states[layer + 1][real],
-                                   rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(final[real], out.hidden_states[-1][real], rtol=1e-6, atol=1e-6)  # normed
-    torch.testing.assert_close((final @ backend.model.lm_head.weight.T)[real], out.logits[real],
-                               rtol=1e-5, atol=1e-5)
+    for k, layer in enumerate(
+        AUX
+    ):  # hidden_states[0] is the embedding output, [i + 1] layer i's output
+        torch.testing.assert_close(
+            aux[..., k * H : (k + 1) * H][real],
+            out.hidden_states[layer + 1][real],
+            rtol=1e-6,
+            atol=1e-6,
+        )
+    torch.testing.assert_close(
+        final[real], out.hidden_states[-1][real], rtol=1e-6, atol=1e-6
+    )  # normed
+    torch.testing.assert_close(
+        (final @ backend.model.lm_head.weight.T)[real], out.logits[real], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_info_describes_the_target(backend, tiny_llama_dir):
     info = backend.info
-    assert (info["architecture"], info["num_layers"], info["aux_layers"]) == ("LlamaForCausalLM", 8, AUX)
+    assert (info["architecture"], info["num_layers"], info["aux_layers"]) == (
+        "LlamaForCausalLM",
+        8,
+        AUX,
+    )
     assert (info["vocab_size"], info["hidden_size"], info["dtype"]) == (400, 32, "float32")
     assert info["target_fingerprint"] == loading.target_fingerprint(tiny_llama_dir)
     assert torch.equal(backend.get_input_embeddings(), backend.model.model.embed_tokens.weight)
@@ -54,9 +69,13 @@ def test_bad_aux_layers_are_refused_before_the_model_loads(tiny_llama_dir, monke
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(loading, "load_model", no_load)
-    with pytest.raises(ConfigError, match=r"--aux-layers \[7\] out of range: the target has 8 decoder layers"):
+    with pytest.raises(
+        ConfigError, match=r"--aux-layers \[7\] out of range: the target has 8 decoder layers"
+    ):
         HFTargetBackend(tiny_llama_dir, aux_layers="1,2,7", device="cpu", dtype="fp32")
-    with pytest.raises(ConfigError, match=r"--aux-layers \[7\] out of range"):  # a list: the stage chose it
+    with pytest.raises(
+        ConfigError, match=r"--aux-layers \[7\] out of range"
+    ):  # a list: the stage chose it
         HFTargetBackend(tiny_llama_dir, aux_layers=[1, 2, 7], device="cpu", dtype="fp32")
 
 
@@ -70,11 +89,15 @@ def test_output_head_is_the_targets_lm_head_rows_and_final_norm(backend):
     sel = backend.selected
     assert torch.equal(head["lm_head_selected"], backend.model.lm_head.weight[sel])
     # RMSNorm of a ones vector is its per-channel scale: for Llama that is the weight itself
-    torch.testing.assert_close(head["final_norm"], backend.model.model.norm.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        head["final_norm"], backend.model.model.norm.weight.detach(), rtol=1e-5, atol=1e-6
+    )
     # and the scale reproduces the norm on any input (independent of how it was read)
     x = torch.randn(4, head["final_norm"].numel())
     rms = x.pow(2).mean(-1, keepdim=True).add(backend.model.model.norm.variance_epsilon).rsqrt()
-    torch.testing.assert_close(backend.model.model.norm(x), x * rms * head["final_norm"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        backend.model.model.norm(x), x * rms * head["final_norm"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_final_norm_scale_reads_gemmas_one_plus_weight_form():

@@ -24,11 +24,25 @@ def test_gemma3_multimodal_layers_and_depth_from_text_config():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     config = Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                           num_attention_heads=4, image_size=28, patch_size=14),
-        mm_tokens_per_image=4)
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+    )
     assert getattr(config, "num_hidden_layers", None) is None
     assert loading.num_layers(config) == 6
     model = Gemma3ForConditionalGeneration(config)
@@ -65,7 +79,11 @@ def test_aux_layer_defaults_and_validation():
     assert loading.parse_aux_layers("0,14,28", 30) == [0, 14, 28]
     with pytest.raises(ConfigError, match="out of range"):
         loading.parse_aux_layers("-1,14,20", 30)
-    assert loading.parse_aux_layers("1,14,14", 30) == [1, 14, 14]  # typed: a warning (vLLM cannot serve it)
+    assert loading.parse_aux_layers("1,14,14", 30) == [
+        1,
+        14,
+        14,
+    ]  # typed: a warning (vLLM cannot serve it)
     # EAGLE-3's rule [1, N//2-1, N-4] repeats a layer at N = 5, 6; vLLM captures each layer once
     # (sorted(set(...))), so the default spreads three distinct layers there instead
     assert loading.default_aux_layers(6) == [1, 2, 4] and loading.default_aux_layers(5) == [1, 2, 3]
@@ -109,9 +127,12 @@ def test_fingerprints_track_what_matters(tiny_tokenizer_dirs):
     assert loading.tokenizer_fingerprint(a) != loading.tokenizer_fingerprint(c)
 
 
-@pytest.mark.parametrize("amx, avx512_bf16, native", [(True, False, True), (False, True, True),
-                                                      (False, False, False)])
-def test_bf16_is_suggested_only_where_the_cpu_runs_it_natively(monkeypatch, amx, avx512_bf16, native):
+@pytest.mark.parametrize(
+    "amx, avx512_bf16, native", [(True, False, True), (False, True, True), (False, False, False)]
+)
+def test_bf16_is_suggested_only_where_the_cpu_runs_it_natively(
+    monkeypatch, amx, avx512_bf16, native
+):
     # the probes decide on a CPU whose kernels go past AVX2 (an AVX2-only machine runs this test too)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -134,7 +155,9 @@ def test_bf16_probe_missing_from_torch_means_not_native(monkeypatch):
     assert loading.fast_bf16(torch.device("cpu")) is False
 
 
-def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_installed(monkeypatch):
+def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_installed(
+    monkeypatch,
+):
     import transformers.utils
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -145,7 +168,9 @@ def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_
     assert loading.supervision_attention(cuda, torch.float32) is None  # flash attention has no fp32
     assert loading.supervision_attention(cpu, torch.bfloat16) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
-    assert loading.supervision_attention(cuda, torch.bfloat16) is None  # flash attention 2 needs sm80+
+    assert (
+        loading.supervision_attention(cuda, torch.bfloat16) is None
+    )  # flash attention 2 needs sm80+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
     assert loading.supervision_attention(cuda, torch.bfloat16) is None  # not installed: sdpa
@@ -154,6 +179,8 @@ def test_a_supervising_target_asks_for_flash_attention_on_a_gpu_in_16_bit_where_
 def test_a_target_that_does_not_take_the_attention_loads_with_the_default(tiny_llama_dir, capsys):
     """flash-attn installed but the architecture (or the package's build) refuses it: a warning, and the
     target as before; asking for nothing loads the default."""
-    model = loading.load_model(tiny_llama_dir, torch.device("cpu"), torch.float32, attention="no_such_attention")
+    model = loading.load_model(
+        tiny_llama_dir, torch.device("cpu"), torch.float32, attention="no_such_attention"
+    )
     assert model.config._attn_implementation == "sdpa"
     assert "does not load with no_such_attention" in capsys.readouterr().err

@@ -6,10 +6,28 @@ import spec_cli.engine.vllm as vllm_engine
 from spec_cli.cli import main
 
 COMMANDS = {
-    "precompute": ["precompute", "-t", "missing-target", "-d", "missing.jsonl", "-v", "missing.safetensors",
-                   "-o", "cache"],
-    "train": ["train", "-t", "missing-target", "-d", "missing.jsonl", "-v", "missing.safetensors",
-              "-o", "run"],
+    "precompute": [
+        "precompute",
+        "-t",
+        "missing-target",
+        "-d",
+        "missing.jsonl",
+        "-v",
+        "missing.safetensors",
+        "-o",
+        "cache",
+    ],
+    "train": [
+        "train",
+        "-t",
+        "missing-target",
+        "-d",
+        "missing.jsonl",
+        "-v",
+        "missing.safetensors",
+        "-o",
+        "run",
+    ],
     "serve-target": ["serve-target", "-t", "missing-target", "--port", "0"],
 }
 
@@ -27,12 +45,42 @@ def test_without_vllm_the_option_says_how_to_install_it(command, monkeypatch, ca
 
 
 def test_unknown_engine_and_engine_without_a_live_target(capsys, tmp_path):
-    assert main(["precompute", "-t", "x", "-d", "x", "-v", "x", "-o", str(tmp_path / "c"),
-                 "--target-engine", "tensorrt"]) == 1
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                "x",
+                "-d",
+                "x",
+                "-v",
+                "x",
+                "-o",
+                str(tmp_path / "c"),
+                "--target-engine",
+                "tensorrt",
+            ]
+        )
+        == 1
+    )
     assert "unknown --target-engine 'tensorrt'" in capsys.readouterr().err
     if not vllm_engine.available():
         return
     (tmp_path / "cache").mkdir()
-    assert main(["train", "--cache", str(tmp_path / "cache"), "-v", "x", "-o", str(tmp_path / "r"),
-                 "--target-engine", "vllm"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(tmp_path / "cache"),
+                "-v",
+                "x",
+                "-o",
+                str(tmp_path / "r"),
+                "--target-engine",
+                "vllm",
+            ]
+        )
+        == 1
+    )
     assert "runs a live --target" in capsys.readouterr().err

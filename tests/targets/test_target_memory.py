@@ -23,15 +23,44 @@ def asked(monkeypatch):
     return calls
 
 
-def test_vllm_is_asked_for_the_share_the_user_gives_and_train_defaults_to_half(train_setup, tmp_path, asked,
-                                                                              monkeypatch, capsys):
+def test_vllm_is_asked_for_the_share_the_user_gives_and_train_defaults_to_half(
+    train_setup, tmp_path, asked, monkeypatch, capsys
+):
     monkeypatch.setenv("SPEC_HOME", str(train_setup["root"] / "home"))
     s = {k: str(v) for k, v in train_setup.items()}
-    train = ["train", "--target", s["target"], "--data", s["data"], "-v", s["vm"], "--target-engine", "vllm", "-q"]
+    train = [
+        "train",
+        "--target",
+        s["target"],
+        "--data",
+        s["data"],
+        "-v",
+        s["vm"],
+        "--target-engine",
+        "vllm",
+        "-q",
+    ]
     assert main([*train, "-o", str(tmp_path / "a")]) == 1
     assert main([*train, "-o", str(tmp_path / "b"), "--target-memory", "0.3"]) == 1
-    assert main(["precompute", "-t", s["target"], "-d", s["data"], "-v", s["vm"], "-o", str(tmp_path / "c"),
-                 "--target-engine", "vllm", "-q"]) == 1
+    assert (
+        main(
+            [
+                "precompute",
+                "-t",
+                s["target"],
+                "-d",
+                s["data"],
+                "-v",
+                s["vm"],
+                "-o",
+                str(tmp_path / "c"),
+                "--target-engine",
+                "vllm",
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert "stopped here by the test" in capsys.readouterr().err
     assert [call.get("gpu_memory_utilization") for call in asked] == [0.5, 0.3, None]
     assert main([*train, "-o", str(tmp_path / "d"), "--target-memory", "1.5"]) == 2  # out of (0, 1]

@@ -13,7 +13,12 @@ from spec_cli.targets import local
 def test_auto_shards_only_a_target_too_big_for_one_gpu(monkeypatch, tmp_path):
     """The GPU path's decision, emulated: an 8B target (16 GB) on an 80 GB GPU stays whole on each rank,
     a 70B one (141 GB) is sharded; off GPUs, and in one process, the target is whole."""
-    for key, value in {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3"}.items():
+    for key, value in {
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "8",
+        "RANK": "3",
+        "LOCAL_RANK": "3",
+    }.items():
         monkeypatch.setenv(key, value)
 
     class H100:

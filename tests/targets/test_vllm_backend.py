@@ -61,9 +61,17 @@ def target(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm-target")
     tokenizer = tiny.build_tokenizer("llama3")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                         max_position_embeddings=512, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(root / "raw"))
     tokenizer.save_pretrained(str(root / "raw"))
@@ -80,7 +88,9 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backends(target, home):
-    selected = torch.sort(torch.randperm(400, generator=torch.Generator().manual_seed(0))[:64]).values
+    selected = torch.sort(
+        torch.randperm(400, generator=torch.Generator().manual_seed(0))[:64]
+    ).values
     hf = HFTargetBackend(target, AUX, "cpu", "fp32")
     vb = VLLMTargetBackend(target, AUX, "cpu", "fp32")
     for b in (hf, vb):
@@ -112,8 +122,10 @@ def test_aux_states_are_outputs_of_the_aux_layers(backends, target):
     H = 64
     for b in range(ids.shape[0]):
         n = int(am[b].sum())
-        for k, j in enumerate(AUX):  # hidden_states[0] is the embedding output, [j + 1] layer j's output
-            got, want = aux[b, :n, k * H:(k + 1) * H], out.hidden_states[j + 1][b, :n]
+        for k, j in enumerate(
+            AUX
+        ):  # hidden_states[0] is the embedding output, [j + 1] layer j's output
+            got, want = aux[b, :n, k * H : (k + 1) * H], out.hidden_states[j + 1][b, :n]
             assert float((got - want).abs().max()) <= TOL["aux_hidden"], (b, j)
             if j != AUX[k - 1]:  # and not the neighbouring layer's (an off-by-one would be far off)
                 assert float((got - out.hidden_states[j][b, :n]).abs().max()) > 1e-2
@@ -131,8 +143,12 @@ def test_batch_equals_the_transformers_batch(backends):
         va, vh = vb.run_target(ids, am)
         real = am.bool()
         lse_want, lse_got = hf.full_vocab_stats(hh)[1][real], vb.full_vocab_stats(vh)[1][real]
-        assert_within({"final_hidden": float((hh[real] - vh[real]).abs().max()),
-                       "lse": float((lse_want - lse_got).abs().max())})
+        assert_within(
+            {
+                "final_hidden": float((hh[real] - vh[real]).abs().max()),
+                "lse": float((lse_want - lse_got).abs().max()),
+            }
+        )
 
 
 def test_packed_rows_equal_the_transformers_batch(backends):
@@ -149,7 +165,9 @@ def test_packed_rows_equal_the_transformers_batch(backends):
     # explicit per-document positions are the same request; any others cannot be honoured
     positions = torch.cat([torch.arange(n) for n in (10, 20, 10)]).expand(3, -1).clone()
     positions[1] = torch.cat([torch.arange(1), torch.arange(39)])
-    positions[2] = torch.cat([torch.arange(17), torch.arange(13), torch.zeros(10, dtype=torch.long)])
+    positions[2] = torch.cat(
+        [torch.arange(17), torch.arange(13), torch.zeros(10, dtype=torch.long)]
+    )
     again = vb.generate_batch(ids, am, lm, position_ids=positions, seq_lens=seq_lens)
     assert torch.equal(again.aux_hidden, got.aux_hidden)
     with pytest.raises(ConfigError, match="numbers positions from 0"):
@@ -173,17 +191,55 @@ def test_precompute_with_vllm_writes_the_transformers_cache(target, tmp_path):
     rng = random.Random(3)
     data = write_jsonl(tmp_path / "chat.jsonl", [tiny.random_sharegpt(rng) for _ in range(24)])
     vm = tmp_path / "vm.safetensors"
-    assert main(["build-vocab-map", "-t", str(target), "-d", str(data), "--draft-vocab-size", "64",
-                 "-o", str(vm), "-q"]) == 0
+    assert (
+        main(
+            [
+                "build-vocab-map",
+                "-t",
+                str(target),
+                "-d",
+                str(data),
+                "--draft-vocab-size",
+                "64",
+                "-o",
+                str(vm),
+                "-q",
+            ]
+        )
+        == 0
+    )
     caches = {}
-    runs = {"transformers": ["--target-engine", "transformers"], "vllm": ["--target-engine", "vllm"],
-            # the model over 2 worker processes (vLLM's tensor parallel; the states come back from rank 0,
-            # the head and embedding from both ranks' vocab shards)
-            "vllm-tp2": ["--target-engine", "vllm", "--target-tensor-parallel", "2"]}
+    runs = {
+        "transformers": ["--target-engine", "transformers"],
+        "vllm": ["--target-engine", "vllm"],
+        # the model over 2 worker processes (vLLM's tensor parallel; the states come back from rank 0,
+        # the head and embedding from both ranks' vocab shards)
+        "vllm-tp2": ["--target-engine", "vllm", "--target-tensor-parallel", "2"],
+    }
     for name, engine in runs.items():
         caches[name] = tmp_path / f"cache-{name}"
-        assert main(["precompute", "-t", str(target), "-d", str(data), "-v", str(vm), "-o",
-                     str(caches[name]), "--batch-tokens", "512", "--shard-tokens", "600", *engine, "-q"]) == 0
+        assert (
+            main(
+                [
+                    "precompute",
+                    "-t",
+                    str(target),
+                    "-d",
+                    str(data),
+                    "-v",
+                    str(vm),
+                    "-o",
+                    str(caches[name]),
+                    "--batch-tokens",
+                    "512",
+                    "--shard-tokens",
+                    "600",
+                    *engine,
+                    "-q",
+                ]
+            )
+            == 0
+        )
     hf_m = fc.read_manifest(caches["transformers"])
     hf_cache = CacheBackend(caches["transformers"])
     selected = load_vocab_map(vm).selected_token_ids
@@ -191,7 +247,10 @@ def test_precompute_with_vllm_writes_the_transformers_cache(target, tmp_path):
     tokens = hf_cache.tokens()
     for name in ("vllm", "vllm-tp2"):
         vllm_m = fc.read_manifest(caches[name])
-        assert fc.identity_mismatch(hf_m, vllm_m) is None and vllm_m["num_shards"] == hf_m["num_shards"] > 1
+        assert (
+            fc.identity_mismatch(hf_m, vllm_m) is None
+            and vllm_m["num_shards"] == hf_m["num_shards"] > 1
+        )
         assert vllm_m["target_engine"] == "vllm"
         # the stored tensors, shard by shard
         diffs = {}
@@ -211,5 +270,9 @@ def test_precompute_with_vllm_writes_the_transformers_cache(target, tmp_path):
         assert vllm_cache.plan() == hf_cache.plan()
         for indices in hf_cache.plan():
             ids, am, lm = collate(tokens, indices)
-            assert_within(max_diffs(hf_cache.generate_batch(ids, am, lm).tensors(),
-                                    vllm_cache.generate_batch(ids, am, lm).tensors()))
+            assert_within(
+                max_diffs(
+                    hf_cache.generate_batch(ids, am, lm).tensors(),
+                    vllm_cache.generate_batch(ids, am, lm).tensors(),
+                )
+            )

@@ -25,8 +25,12 @@ def batch(rank: int) -> dict:
         mask[1, 18:] = 0
         return dict(input_ids=ids, attention_mask=mask, loss_mask=mask.clone())
     ids = torch.randint(3, 200, (1, 31), generator=g)
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids),
-                seq_lens=torch.tensor([[10, 12, 9]]))
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=torch.ones_like(ids),
+        seq_lens=torch.tensor([[10, 12, 9]]),
+    )
 
 
 def main(target: str, out: str) -> None:
@@ -37,15 +41,28 @@ def main(target: str, out: str) -> None:
     selected = torch.arange(0, 256, 2)  # a draft vocabulary of 128 ids
     results = {}
     for parallel in ("replica", "tensor"):
-        backend = local.open_backend("transformers", Path(target), None, cpu, torch.float32, parallel=parallel)
+        backend = local.open_backend(
+            "transformers", Path(target), None, cpu, torch.float32, parallel=parallel
+        )
         backend.set_vocab_mapping(selected)
-        results[parallel] = (backend.generate_batch(**batch(rank)).tensors(), backend.group is not None)
+        results[parallel] = (
+            backend.generate_batch(**batch(rank)).tensors(),
+            backend.group is not None,
+        )
         backend.close()
     whole, sharded = results["replica"][0], results["tensor"][0]
     diffs = {k: float((whole[k].double() - sharded[k].double()).abs().max()) for k in whole}
-    Path(out, f"rank-{rank}.json").write_text(json.dumps({
-        "sharded": results["tensor"][1], "replica_sharded": results["replica"][1], "diffs": diffs,
-        "keys": sorted(whole) == sorted(sharded), "shape": list(whole["aux_hidden"].shape)}))
+    Path(out, f"rank-{rank}.json").write_text(
+        json.dumps(
+            {
+                "sharded": results["tensor"][1],
+                "replica_sharded": results["replica"][1],
+                "diffs": diffs,
+                "keys": sorted(whole) == sorted(sharded),
+                "shape": list(whole["aux_hidden"].shape),
+            }
+        )
+    )
     distributed.shutdown()
 
 

@@ -19,6 +19,7 @@ from spec_cli.errors import ConfigError
 @dataclass
 class Newest:
     """The newest verified token and its position (the block's first slot)."""
+
     token: torch.Tensor  # [] target id
     position: int
 
@@ -32,16 +33,28 @@ def catch_up(draft: DFlashDraft, cache: KVCache, ids: torch.Tensor, aux: torch.T
     return Newest(ids[-1], start + m)
 
 
-def propose(draft: DFlashDraft, cache: KVCache, state: Newest, depth: int, topk: int, num_tokens: int,
-            temperature: float, generator: torch.Generator | None) -> Proposal:
+def propose(
+    draft: DFlashDraft,
+    cache: KVCache,
+    state: Newest,
+    depth: int,
+    topk: int,
+    num_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> Proposal:
     """A chain of `depth` tokens from one block forward (greedy, or each sampled from its own q)."""
     if topk > 1:
-        raise ConfigError("a DFlash draft proposes a chain (one block per forward), not a tree",
-                          "evaluate it with --topk 1")
+        raise ConfigError(
+            "a DFlash draft proposes a chain (one block per forward), not a tree",
+            "evaluate it with --topk 1",
+        )
     if depth > draft.block_size - 1:
-        raise ConfigError(f"this DFlash draft was trained on blocks of {draft.block_size} tokens, so it proposes "
-                          f"at most {draft.block_size - 1} per forward, not {depth}",
-                          f"pass --depth {draft.block_size - 1} or less")
+        raise ConfigError(
+            f"this DFlash draft was trained on blocks of {draft.block_size} tokens, so it proposes "
+            f"at most {draft.block_size - 1} per forward, not {depth}",
+            f"pass --depth {draft.block_size - 1} or less",
+        )
     device = state.token.device
     ids = torch.cat([state.token.view(1), draft.mask_ids((depth,), device)])[None]  # [1, depth + 1]
     positions = torch.arange(state.position, state.position + depth + 1, device=device)[None]
@@ -53,5 +66,10 @@ def propose(draft: DFlashDraft, cache: KVCache, state: Newest, depth: int, topk:
         drafted = torch.multinomial(q, 1, generator=generator)[:, 0]
         selected = draft.to_target_ids(torch.arange(draft.config.draft_vocab_size, device=device))
         qs = torch.zeros(depth, draft.config.vocab_size, device=device).index_copy_(1, selected, q)
-    return Proposal(tokens=draft.to_target_ids(drafted), parents=torch.arange(depth, device=device) - 1,
-                    depths=torch.arange(1, depth + 1, device=device), q=qs, chain=True)
+    return Proposal(
+        tokens=draft.to_target_ids(drafted),
+        parents=torch.arange(depth, device=device) - 1,
+        depths=torch.arange(1, depth + 1, device=device),
+        q=qs,
+        chain=True,
+    )

@@ -32,7 +32,9 @@ FORMATS = ("vllm", "speculators")
 
 def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     if fmt not in FORMATS:
-        raise ExportError(f"DFlash drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}")
+        raise ExportError(
+            f"DFlash drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}"
+        )
     c = src.config
     n = len(c.aux_layer_ids)
     order = sorted(range(n), key=lambda j: c.aux_layer_ids[j])
@@ -42,10 +44,19 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     layer = qwen3_layer(src, dtype)
     if fmt == "vllm":
         ids = outputs
-        config = {"architectures": ["DFlashDraftModel"], **layer,
-                  "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
-                  "block_size": block_size(c), "num_target_layers": c.target_num_layers,
-                  "dflash_config": {"target_layer_ids": ids, "mask_token_id": c.mask_token_id, "causal": False}}
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            **layer,
+            "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.target_hidden_size,
+            "block_size": block_size(c),
+            "num_target_layers": c.target_num_layers,
+            "dflash_config": {
+                "target_layer_ids": ids,
+                "mask_token_id": c.mask_token_id,
+                "causal": False,
+            },
+        }
     else:
         ids = [i + 1 for i in outputs]
         config = {
@@ -64,16 +75,28 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
             "speculators_config": speculators_block(src, "dflash", steps),
         }
     config["spec_cli"] = provenance(src, fmt, dtype)
-    return ExportFiles(format=fmt, config=config, tensors=tensors, engine_aux_ids=ids,
-                       aux_layer_outputs=outputs, num_speculative_tokens=steps)
+    return ExportFiles(
+        format=fmt,
+        config=config,
+        tensors=tensors,
+        engine_aux_ids=ids,
+        aux_layer_outputs=outputs,
+        num_speculative_tokens=steps,
+    )
 
 
 def qwen3_layer(src: Checkpoint, dtype: torch.dtype) -> dict:
     """The Qwen3Config fields vLLM builds the draft's layers from: the Llama layer's (rope, sizes, the
     TARGET vocab for the shared embedding and the d2t range, no biases), all of them full attention."""
     layer = {k: v for k, v in llama_layer(src, dtype).items() if k != "mlp_bias"}
-    layer.update({"model_type": "qwen3", "layer_types": ["full_attention"] * src.config.num_hidden_layers,
-                  "use_sliding_window": False, "sliding_window": None})
+    layer.update(
+        {
+            "model_type": "qwen3",
+            "layer_types": ["full_attention"] * src.config.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    )
     return layer
 
 
@@ -85,10 +108,15 @@ def _tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dtype) ->
     state.pop("embed_tokens.weight", None)  # vLLM shares the target's
     if fmt == "vllm":
         state.pop("t2d")  # vLLM skips it
-    if c.draft_vocab_size == c.vocab_size:  # vLLM builds no draft_id_to_target_id: the map must be the identity
+    if (
+        c.draft_vocab_size == c.vocab_size
+    ):  # vLLM builds no draft_id_to_target_id: the map must be the identity
         if bool(state["d2t"].any()):
-            raise ExportError("the draft vocab is the whole target vocab in another order, which vLLM's DFlash "
-                              "model cannot map", "rebuild the vocab map (a full vocab is the identity)")
+            raise ExportError(
+                "the draft vocab is the whole target vocab in another order, which vLLM's DFlash "
+                "model cannot map",
+                "rebuild the vocab map (a full vocab is the identity)",
+            )
         state.pop("d2t")
         state.pop("t2d", None)
     out = {}

@@ -46,7 +46,12 @@ class QKNormAttention(nn.Module):
 
     def __init__(self, config: DraftConfig):
         super().__init__()
-        h, kv, d, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        h, kv, d, H = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.hidden_size,
+        )
         self.heads, self.kv_heads, self.head_dim = h, kv, d
         self.q_proj = nn.Linear(H, h * d, bias=False)
         self.k_proj = nn.Linear(H, kv * d, bias=False)
@@ -102,14 +107,21 @@ class DFlashDraft(Eagle3Draft):
     def __init__(self, config: DraftConfig):
         SteppedDraft.__init__(self)
         if config.mask_token_id is None or not 0 <= config.mask_token_id < config.vocab_size:
-            raise ConfigError(f"a DFlash draft needs a mask token id in 0..{config.vocab_size - 1}, "
-                              f"got {config.mask_token_id}", "rebuild the draft config with --algorithm dflash")
+            raise ConfigError(
+                f"a DFlash draft needs a mask token id in 0..{config.vocab_size - 1}, "
+                f"got {config.mask_token_id}",
+                "rebuild the draft config with --algorithm dflash",
+            )
         if config.fc_norm or config.norm_output:
-            raise ConfigError("a DFlash draft has no --fc-norm or --norm-output (vLLM's dflash model has neither)",
-                              "train it without those options")
+            raise ConfigError(
+                "a DFlash draft has no --fc-norm or --norm-output (vLLM's dflash model has neither)",
+                "train it without those options",
+            )
         if block_size(config) < 2:
-            raise ConfigError(f"a DFlash block holds at least 2 tokens, the config says {block_size(config)}",
-                              "train with --block-size 2 or more")
+            raise ConfigError(
+                f"a DFlash block holds at least 2 tokens, the config says {block_size(config)}",
+                "train with --block-size 2 or more",
+            )
         self.config = config
         H, Ht = config.hidden_size, config.target_hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
@@ -140,9 +152,16 @@ class DFlashDraft(Eagle3Draft):
 
     # -- training: every slot anchors a block ----------------------------------------------------
 
-    def block_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
-                      bias=None, size: int | None = None, checkpoint: bool = False,
-                      first: int = 1) -> list[torch.Tensor]:
+    def block_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        bias=None,
+        size: int | None = None,
+        checkpoint: bool = False,
+        first: int = 1,
+    ) -> list[torch.Tensor]:
         """The blocks anchored at every slot of whole rows (module docstring).
 
         input_ids [B, T] shifted (x[t + 1] at t), aux_hidden [B, T, n*H_t], position_ids [B, T]; bias: None
@@ -154,21 +173,33 @@ class DFlashDraft(Eagle3Draft):
         B, T = input_ids.shape
         context = self.context(aux_hidden)  # [B, T, H]
         cos_c, sin_c = self.rope(position_ids)
-        ids = torch.cat([input_ids[None], self.mask_ids((size - 1, B, T), input_ids.device)])  # [b, B, T]
+        ids = torch.cat(
+            [input_ids[None], self.mask_ids((size - 1, B, T), input_ids.device)]
+        )  # [b, B, T]
         offsets = torch.arange(1, size + 1, device=input_ids.device)[:, None, None]
         cos_b, sin_b = self.rope((position_ids[None] + offsets).flatten(0, 1))  # [b*B, T, d]
         hidden = self.embed_tokens(ids.flatten(0, 1))  # [b*B, T, H], frozen
         for layer in self.layers:
             run = _LayerRun(layer, size, B, bias, self.attn_impl)
             if checkpoint:  # recompute the layer in backward: keeps its inputs only
-                hidden = activation_checkpoint(run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False)
+                hidden = activation_checkpoint(
+                    run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False
+                )
             else:
                 hidden = run(hidden, context, cos_b, sin_b, cos_c, sin_c)
         return list(self.norm(hidden).view(size, B, T, -1)[first:].unbind(0))
 
-    def anchor_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
-                       anchors: torch.Tensor, doc_start: torch.Tensor, size: int | None = None,
-                       checkpoint: bool = False, first: int = 1) -> list[torch.Tensor]:
+    def anchor_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        doc_start: torch.Tensor,
+        size: int | None = None,
+        checkpoint: bool = False,
+        first: int = 1,
+    ) -> list[torch.Tensor]:
         """The blocks of `anchors` [B, A] (slots of each row; --max-anchors) only: block_forward's blocks at
         those slots, each offset [B, A, H]. The block queries of all anchors run as one sequence against the
         row's context keys and every anchor's block keys, under a boolean mask: anchor a's queries see the
@@ -180,18 +211,32 @@ class DFlashDraft(Eagle3Draft):
         device = input_ids.device
         context = self.context(aux_hidden)  # [B, T, H]
         cos_c, sin_c = self.rope(position_ids)
-        ids = torch.cat([input_ids.gather(1, anchors)[..., None], self.mask_ids((B, A, size - 1), device)], -1)
+        ids = torch.cat(
+            [input_ids.gather(1, anchors)[..., None], self.mask_ids((B, A, size - 1), device)], -1
+        )
         offsets = torch.arange(1, size + 1, device=device)
-        cos_b, sin_b = self.rope((position_ids.gather(1, anchors)[..., None] + offsets).flatten(1))  # [B, A*b, d]
+        cos_b, sin_b = self.rope(
+            (position_ids.gather(1, anchors)[..., None] + offsets).flatten(1)
+        )  # [B, A*b, d]
         hidden = self.embed_tokens(ids.flatten(1))  # [B, A*b, H], frozen
         t = torch.arange(T, device=device)
-        sees = (t <= anchors[..., None]) & (t >= doc_start.gather(1, anchors)[..., None])  # [B, A, T]
-        own = torch.eye(A, dtype=torch.bool, device=device).repeat_interleave(size, 0).repeat_interleave(size, 1)
-        mask = torch.cat([sees.repeat_interleave(size, 1), own.expand(B, -1, -1)], -1)[:, None]  # [B, 1, Ab, T+Ab]
+        sees = (t <= anchors[..., None]) & (
+            t >= doc_start.gather(1, anchors)[..., None]
+        )  # [B, A, T]
+        own = (
+            torch.eye(A, dtype=torch.bool, device=device)
+            .repeat_interleave(size, 0)
+            .repeat_interleave(size, 1)
+        )
+        mask = torch.cat([sees.repeat_interleave(size, 1), own.expand(B, -1, -1)], -1)[
+            :, None
+        ]  # [B, 1, Ab, T+Ab]
         for layer in self.layers:
             run = _AnchorRun(layer, mask)
             if checkpoint:
-                hidden = activation_checkpoint(run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False)
+                hidden = activation_checkpoint(
+                    run, hidden, context, cos_b, sin_b, cos_c, sin_c, use_reentrant=False
+                )
             else:
                 hidden = run(hidden, context, cos_b, sin_b, cos_c, sin_c)
         return list(self.norm(hidden).view(B, A, size, -1)[:, :, first:].unbind(2))
@@ -205,17 +250,21 @@ class DFlashDraft(Eagle3Draft):
         for i, layer in enumerate(self.layers):
             cache.update(i, *layer.self_attn.kv(context, cos, sin))
 
-    def draft_block(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft_block(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """One block forward: input_ids [1, b] ([newest token, masks]) at position_ids [1, b], attending to
         the whole `cache` (the context) and the whole block; the cache is left as it was. Returns the
         final states [1, b, H] (vLLM samples offsets 1 .. b - 1)."""
         cos, sin = self.rope(position_ids)
         hidden = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
+
             def attend(q, k, v, i=i):
                 if cache.k[i] is not None:
                     k, v = torch.cat([cache.k[i], k], 2), torch.cat([cache.v[i], v], 2)
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
             hidden = layer(hidden, cos, sin, attend)
         return self.norm(hidden)
 
@@ -238,8 +287,10 @@ class _LayerRun:
 
         def attend(q, k, v):
             ks, vs = list(k.split(self.rows)), list(v.split(self.rows))
-            outs = [ttt_attention(qj, k_ctx, v_ctx, ks, vs, bias=self.bias, impl=self.impl)
-                    for qj in q.split(self.rows)]
+            outs = [
+                ttt_attention(qj, k_ctx, v_ctx, ks, vs, bias=self.bias, impl=self.impl)
+                for qj in q.split(self.rows)
+            ]
             return torch.cat(outs)
 
         return self.layer(hidden, cos_b, sin_b, attend)

@@ -49,8 +49,12 @@ def element_masks(batch: TargetBatch, size: int) -> tuple[torch.Tensor, torch.Te
     row s = t + j - 1, which must be in t's document with loss_mask set; supervised also needs
     position_mask there."""
     remaining = doc_remaining(batch.attention_mask, batch.seq_lens)
-    counted = torch.stack([(remaining > k) & shift_left(batch.loss_mask, k).bool() for k in range(size - 1)])
-    supervised = counted & torch.stack([shift_left(batch.position_mask, k).bool() for k in range(size - 1)])
+    counted = torch.stack(
+        [(remaining > k) & shift_left(batch.loss_mask, k).bool() for k in range(size - 1)]
+    )
+    supervised = counted & torch.stack(
+        [shift_left(batch.position_mask, k).bool() for k in range(size - 1)]
+    )
     return counted, supervised
 
 
@@ -64,7 +68,9 @@ def doc_starts(batch: TargetBatch) -> torch.Tensor:
     return starts.gather(1, document_index(lens, T).clamp_max(lens.shape[1] - 1))
 
 
-def choose_anchors(eligible: torch.Tensor, count: int, training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_anchors(
+    eligible: torch.Tensor, count: int, training: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` anchor slots of each row, uniformly among the `eligible` [B, T] ones: (anchors [B, A],
     valid [B, A]; rows with fewer eligible slots fill up with invalid ones). In training the scores come
     from the batch device's own generator, which checkpoints store (the CPU's, or the GPU's: a resume draws
@@ -81,8 +87,15 @@ def choose_anchors(eligible: torch.Tensor, count: int, training: bool = True) ->
     return anchors, top >= 0
 
 
-def run_blocks(draft: DFlashDraft, batch: TargetBatch, size: int, first: int, max_anchors: int,
-               checkpoint: bool, training: bool = True):
+def run_blocks(
+    draft: DFlashDraft,
+    batch: TargetBatch,
+    size: int,
+    first: int,
+    max_anchors: int,
+    checkpoint: bool,
+    training: bool = True,
+):
     """The block forward of a training batch and where each element is scored: (states per element row k
     [B, T or A, H], counted per k [K], [(where, at)] per k: index tuples of its supervised elements into
     the states and into the batch's targets, supervised per k [K]). Element row k (DFlash offset k + 1,
@@ -92,16 +105,36 @@ def run_blocks(draft: DFlashDraft, batch: TargetBatch, size: int, first: int, ma
     counted, supervised = element_masks(batch, K + 1)
     if not max_anchors:
         slots, n_supervised, segments = step_slots(supervised, batch.attention_mask, batch.seq_lens)
-        states = draft.block_forward(batch.input_ids, batch.aux_hidden, positions(batch), segments, size,
-                                     checkpoint, first=first)
+        states = draft.block_forward(
+            batch.input_ids,
+            batch.aux_hidden,
+            positions(batch),
+            segments,
+            size,
+            checkpoint,
+            first=first,
+        )
         pairs = [((rows, t), (rows, t + k)) for k, (rows, t) in enumerate(slots)]
         return states, counted.flatten(1).sum(1), pairs, n_supervised
-    anchors, valid = choose_anchors(counted.any(0), max_anchors, training)  # slots with an element to score
+    anchors, valid = choose_anchors(
+        counted.any(0), max_anchors, training
+    )  # slots with an element to score
     index = anchors.expand(K, -1, -1)
-    counted, supervised = counted.gather(2, index) & valid, supervised.gather(2, index) & valid  # [K, B, A]
+    counted, supervised = (
+        counted.gather(2, index) & valid,
+        supervised.gather(2, index) & valid,
+    )  # [K, B, A]
     slots, n_supervised, _ = step_slots(supervised, torch.ones_like(anchors), None)
-    states = draft.anchor_forward(batch.input_ids, batch.aux_hidden, positions(batch), anchors, doc_starts(batch),
-                                  size, checkpoint, first=first)
+    states = draft.anchor_forward(
+        batch.input_ids,
+        batch.aux_hidden,
+        positions(batch),
+        anchors,
+        doc_starts(batch),
+        size,
+        checkpoint,
+        first=first,
+    )
     pairs = [((rows, i), (rows, anchors[rows, i] + k)) for k, (rows, i) in enumerate(slots)]
     return states, counted.flatten(1).sum(1), pairs, n_supervised
 
@@ -112,11 +145,17 @@ class DFlashObjective(Objective):
     def __init__(self, draft: DFlashDraft, options, activation_checkpointing: bool = False):
         super().__init__()
         if options.loss not in LOSSES:
-            raise ConfigError(f"--loss {options.loss} is not a per-element loss, and DFlash's loss is a weighted "
-                              "mean over block elements", f"use --loss {' or --loss '.join(LOSSES)} with --algorithm dflash")
+            raise ConfigError(
+                f"--loss {options.loss} is not a per-element loss, and DFlash's loss is a weighted "
+                "mean over block elements",
+                f"use --loss {' or --loss '.join(LOSSES)} with --algorithm dflash",
+            )
         if options.block_size != draft.block_size:
-            raise ConfigError(f"--block-size {options.block_size} differs from the draft's {draft.block_size} "
-                              "(the block size is part of the draft)", f"pass --block-size {draft.block_size}")
+            raise ConfigError(
+                f"--block-size {options.block_size} differs from the draft's {draft.block_size} "
+                "(the block size is part of the draft)",
+                f"pass --block-size {draft.block_size}",
+            )
         self.draft = draft
         self.loss = options.loss
         self.size = draft.block_size
@@ -126,16 +165,22 @@ class DFlashObjective(Objective):
 
     def forward(self, batch: TargetBatch, unit=None) -> ObjectiveOutput:
         draft, size = self.draft, self.size
-        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 1, self.max_anchors, self.checkpoint,
-                                                            self.training)
+        states, counted, pairs, n_supervised = run_blocks(
+            draft, batch, size, 1, self.max_anchors, self.checkpoint, self.training
+        )
         weights = offset_weights(size, self.decay)
         total = states[0].new_zeros((), dtype=torch.float32)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         losses, correct = [], []
-        for k, (state, (where, at)) in enumerate(zip(states, pairs)):  # offset j = k + 1, scored at t + k
-            if self.checkpoint and self.loss == "soft-ce":  # long rows: the head chunk by chunk, recomputed
-                value, argmax = chunked_soft_ce(draft.logits, state, where, batch.target_p, at,
-                                                draft.config.draft_vocab_size)
+        for k, (state, (where, at)) in enumerate(
+            zip(states, pairs)
+        ):  # offset j = k + 1, scored at t + k
+            if (
+                self.checkpoint and self.loss == "soft-ce"
+            ):  # long rows: the head chunk by chunk, recomputed
+                value, argmax = chunked_soft_ce(
+                    draft.logits, state, where, batch.target_p, at, draft.config.draft_vocab_size
+                )
                 hits = top1_hits(argmax, draft.d2t, batch.target_ids[at])
             else:
                 logits = draft.logits(state[where])  # [N, Vd]
@@ -144,5 +189,10 @@ class DFlashObjective(Objective):
             total = total + weights[k] * value * n_supervised[k] / den.clamp_min(1e-12)
             losses.append(value.detach())
             correct.append(hits)
-        return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                               total=counted, supervised=n_supervised)
+        return ObjectiveOutput(
+            loss=total,
+            step_loss=torch.stack(losses),
+            correct=torch.stack(correct),
+            total=counted,
+            supervised=n_supervised,
+        )

@@ -38,28 +38,53 @@ def decay(block_size: int) -> float:
 class DSparkOptions:
     """`spec train --algorithm dspark`'s own options; --block-size, --block-decay and --max-anchors are
     DFlash's (a DSpark block of B queries proposes B tokens). Its objective: objective.py."""
+
     markov_rank: int = option(
-        MARKOV_RANK, "--markov-rank", help="--algorithm dspark: the rank r of the Markov head (markov_w1 "
-                                           "[target vocab, r], markov_w2 [draft vocab, r]).", panel=OBJECTIVE, min=1)
+        MARKOV_RANK,
+        "--markov-rank",
+        help="--algorithm dspark: the rank r of the Markov head (markov_w1 "
+        "[target vocab, r], markov_w2 [draft vocab, r]).",
+        panel=OBJECTIVE,
+        min=1,
+    )
     confidence_head: bool = option(
-        True, "--confidence-head/--no-confidence-head",
+        True,
+        "--confidence-head/--no-confidence-head",
         help="--algorithm dspark: train the confidence head (per-position acceptance probability; vLLM's "
-             "adaptive verification reads it).", panel=OBJECTIVE)
+        "adaptive verification reads it).",
+        panel=OBJECTIVE,
+    )
     confidence_with_markov: bool = option(
-        True, "--confidence-with-markov/--confidence-without-markov",
+        True,
+        "--confidence-with-markov/--confidence-without-markov",
         help="--algorithm dspark: the confidence head reads the Markov embedding of the previous token "
-             "beside the position's state.", panel=OBJECTIVE)
+        "beside the position's state.",
+        panel=OBJECTIVE,
+    )
     ce_weight: float = option(
-        CE_WEIGHT, "--ce-weight", help="--algorithm dspark: weight of the hard cross-entropy against the "
-                                       "target's top-1 token.", panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        CE_WEIGHT,
+        "--ce-weight",
+        help="--algorithm dspark: weight of the hard cross-entropy against the "
+        "target's top-1 token.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
     l1_weight: float = option(
-        L1_WEIGHT, "--l1-weight", help="--algorithm dspark: weight of the L1 distance between the draft's "
-                                       "and the target's next-token distributions (2 x total variation).",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        L1_WEIGHT,
+        "--l1-weight",
+        help="--algorithm dspark: weight of the L1 distance between the draft's "
+        "and the target's next-token distributions (2 x total variation).",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
     confidence_weight: float = option(
-        CONFIDENCE_WEIGHT, "--confidence-weight",
+        CONFIDENCE_WEIGHT,
+        "--confidence-weight",
         help="--algorithm dspark: weight of the confidence head's binary cross-entropy against each "
-             "position's acceptance probability.", panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        "position's acceptance probability.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
 
 
 DSPARK = Algorithm(
@@ -69,12 +94,17 @@ DSPARK = Algorithm(
     aux_layers=AUX_LAYERS,
     default_aux_layers=default_aux_layers,
     implementation="spec_cli.draft.dspark.implementation",
-    formats=(ExportFormat("vllm", "vLLM", "vllm", "dspark", runner="v2"),  # (vllm/config/vllm.py: V1 refuses it)
-             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "dspark", runner="v2")),
+    formats=(
+        ExportFormat(
+            "vllm", "vLLM", "vllm", "dspark", runner="v2"
+        ),  # (vllm/config/vllm.py: V1 refuses it)
+        ExportFormat("speculators", "vLLM (speculators format)", "vllm", "dspark", runner="v2"),
+    ),
     export_rules="spec_cli.export.dspark",
     options=DSparkOptions,
     vllm_draft_class="vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM",
     draft_options=("block_size", "markov_rank", "confidence_head", "confidence_with_markov"),
-    steps=lambda options: options.block_size, steps_name="block positions",  # queries 0 .. B - 1
+    steps=lambda options: options.block_size,
+    steps_name="block positions",  # queries 0 .. B - 1
     eval_depth=lambda config: config.extra["block_size"],  # one block forward proposes B tokens
 )

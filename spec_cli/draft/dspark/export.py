@@ -27,22 +27,35 @@ FORMATS = dflash.FORMATS
 
 def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     if fmt not in FORMATS:
-        raise ExportError(f"DSpark drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}")
+        raise ExportError(
+            f"DSpark drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}"
+        )
     files = dflash.build(src, fmt, dtype)
     x = src.config.extra
     size = int(x["block_size"])
-    heads = {"markov_rank": int(x["markov_rank"]), "enable_confidence_head": bool(x["confidence_head"]),
-             "confidence_head_with_markov": bool(x["confidence_head"] and x["confidence_with_markov"]),
-             "block_size": size, "sample_from_anchor": True}
+    heads = {
+        "markov_rank": int(x["markov_rank"]),
+        "enable_confidence_head": bool(x["confidence_head"]),
+        "confidence_head_with_markov": bool(x["confidence_head"] and x["confidence_with_markov"]),
+        "block_size": size,
+        "sample_from_anchor": True,
+    }
     config = files.config
     if fmt == "vllm":
         config["architectures"] = ["Qwen3DSparkModel"]
         config.update(heads, dspark_bonus_anchor=False)
     else:
-        config.update(architectures=["DSparkSpeculator"], speculators_model_type="dspark", markov_head_type="vanilla",
-                      speculators_config=speculators_block(src, "dspark", size), **heads)
+        config.update(
+            architectures=["DSparkSpeculator"],
+            speculators_model_type="dspark",
+            markov_head_type="vanilla",
+            speculators_config=speculators_block(src, "dspark", size),
+            **heads,
+        )
         config.pop("sliding_window_non_causal", None)
-        config["sliding_window_non_causal"] = True  # (after the heads: the key order of the peers' files)
+        config["sliding_window_non_causal"] = (
+            True  # (after the heads: the key order of the peers' files)
+        )
     config["spec_cli"] = config.pop("spec_cli")  # (last, as for every format)
     for key in [k for k in files.tensors if k.startswith("confidence_head.")]:
         files.tensors[key] = src.state[key].to(torch.float32).contiguous()  # vLLM's head is fp32

@@ -34,7 +34,9 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        nn.init.normal_(self.markov_w1.weight, std=0.01)  # a near-zero bias at the start (as speculators)
+        nn.init.normal_(
+            self.markov_w1.weight, std=0.01
+        )  # a near-zero bias at the start (as speculators)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
 
 
@@ -48,13 +50,19 @@ class DSparkDraft(DFlashDraft):
     def __init__(self, config: DraftConfig):
         rank = markov_rank(config)
         if rank < 1:
-            raise ConfigError(f"a DSpark draft needs a Markov rank of 1 or more (vLLM always builds the Markov "
-                              f"head), the config says {rank}", "train with --markov-rank 1 or more")
+            raise ConfigError(
+                f"a DSpark draft needs a Markov rank of 1 or more (vLLM always builds the Markov "
+                f"head), the config says {rank}",
+                "train with --markov-rank 1 or more",
+            )
         config.extra.setdefault("confidence_head", True)
         # (no head: no Markov input to it either, as the exports say)
-        config.extra["confidence_with_markov"] = bool(config.extra.get("confidence_with_markov", True)
-                                                      and config.extra["confidence_head"])
-        super().__init__(config)  # (DFlash's checks: the noise token, no EAGLE-3.1 options, blocks of 2 or more)
+        config.extra["confidence_with_markov"] = bool(
+            config.extra.get("confidence_with_markov", True) and config.extra["confidence_head"]
+        )
+        super().__init__(
+            config
+        )  # (DFlash's checks: the noise token, no EAGLE-3.1 options, blocks of 2 or more)
         self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size, rank)
         self.confidence_head = None
         if config.extra["confidence_head"]:

@@ -49,31 +49,46 @@ class DSparkObjective(Objective):
     def __init__(self, draft: DSparkDraft, options, activation_checkpointing: bool = False):
         super().__init__()
         if options.loss != "soft-ce":
-            raise ConfigError(f"--loss {options.loss} does not apply to DSpark, whose loss is its own mix of hard "
-                              "cross-entropy, L1 and the confidence head's BCE",
-                              "drop --loss; weigh the terms with --ce-weight, --l1-weight and --confidence-weight")
-        mine_of = {"confidence_with_markov": options.confidence_with_markov and options.confidence_head}
+            raise ConfigError(
+                f"--loss {options.loss} does not apply to DSpark, whose loss is its own mix of hard "
+                "cross-entropy, L1 and the confidence head's BCE",
+                "drop --loss; weigh the terms with --ce-weight, --l1-weight and --confidence-weight",
+            )
+        mine_of = {
+            "confidence_with_markov": options.confidence_with_markov and options.confidence_head
+        }
         for name in ("block_size", "markov_rank", "confidence_head", "confidence_with_markov"):
             mine, its = mine_of.get(name, getattr(options, name)), draft.config.extra[name]
             if mine != its:
                 flag = name.replace("_", "-")
-                raise ConfigError(f"--{flag} {mine} differs from the draft's {its} (it is part of the draft)",
-                                  f"pass the draft's --{flag} value when resuming")
-        if draft.confidence_head is None and options.confidence_weight != CONFIDENCE_WEIGHT:  # (set, so meant)
-            raise ConfigError(f"--confidence-weight {options.confidence_weight} without a confidence head "
-                              "(--no-confidence-head) weighs nothing", "drop one of the two options")
+                raise ConfigError(
+                    f"--{flag} {mine} differs from the draft's {its} (it is part of the draft)",
+                    f"pass the draft's --{flag} value when resuming",
+                )
+        if (
+            draft.confidence_head is None and options.confidence_weight != CONFIDENCE_WEIGHT
+        ):  # (set, so meant)
+            raise ConfigError(
+                f"--confidence-weight {options.confidence_weight} without a confidence head "
+                "(--no-confidence-head) weighs nothing",
+                "drop one of the two options",
+            )
         self.draft = draft
         self.size = draft.block_size
         self.decay = options.block_decay or decay(self.size)
-        self.weights = (options.ce_weight, options.l1_weight,
-                        options.confidence_weight if draft.confidence_head is not None else 0.0)
+        self.weights = (
+            options.ce_weight,
+            options.l1_weight,
+            options.confidence_weight if draft.confidence_head is not None else 0.0,
+        )
         self.max_anchors = options.max_anchors
         self.checkpoint = activation_checkpointing
 
     def forward(self, batch: TargetBatch, unit=None) -> ObjectiveOutput:
         draft, size = self.draft, self.size
-        states, counted, pairs, n_supervised = run_blocks(draft, batch, size, 0, self.max_anchors, self.checkpoint,
-                                                            self.training)
+        states, counted, pairs, n_supervised = run_blocks(
+            draft, batch, size, 0, self.max_anchors, self.checkpoint, self.training
+        )
         weights = position_weights(size, self.decay)
         den = sum(w * n for w, n in zip(weights, n_supervised.float().unbind(0)))
         total = states[0].new_zeros((), dtype=torch.float32)
@@ -83,29 +98,63 @@ class DSparkObjective(Objective):
             total = total + weights[i] * value * n_supervised[i] / den.clamp_min(1e-12)
             losses.append(value.detach())
             correct.append(hits)
-        return ObjectiveOutput(loss=total, step_loss=torch.stack(losses), correct=torch.stack(correct),
-                               total=counted, supervised=n_supervised)
+        return ObjectiveOutput(
+            loss=total,
+            step_loss=torch.stack(losses),
+            correct=torch.stack(correct),
+            total=counted,
+            supervised=n_supervised,
+        )
 
     def terms(self, state: torch.Tensor, where: tuple, batch: TargetBatch, at: tuple):
         """The mean three-term loss of one query's N elements and their top-1 hits; under activation
         checkpointing chunk by chunk of elements, each recomputed in backward (no [N, Vd] kept)."""
         n = where[0].shape[0]
         if not self.checkpoint or n == 0:
-            value, hits = _terms(self.draft, self.weights, state, where, batch.input_ids, batch.target_p,
-                                 batch.target_mass, batch.target_ids, at)
+            value, hits = _terms(
+                self.draft,
+                self.weights,
+                state,
+                where,
+                batch.input_ids,
+                batch.target_p,
+                batch.target_mass,
+                batch.target_ids,
+                at,
+            )
             return value / max(n, 1), hits
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * self.draft.config.draft_vocab_size))
         value, hits = state.new_zeros((), dtype=torch.float32), 0
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
-            v, h = activation_checkpoint(_terms, self.draft, self.weights, state, tuple(x[part] for x in where),
-                                         batch.input_ids, batch.target_p, batch.target_mass, batch.target_ids,
-                                         tuple(x[part] for x in at), use_reentrant=False)
+            v, h = activation_checkpoint(
+                _terms,
+                self.draft,
+                self.weights,
+                state,
+                tuple(x[part] for x in where),
+                batch.input_ids,
+                batch.target_p,
+                batch.target_mass,
+                batch.target_ids,
+                tuple(x[part] for x in at),
+                use_reentrant=False,
+            )
             value, hits = value + v, hits + h
         return value / n, hits
 
 
-def _terms(draft: DSparkDraft, weights: tuple, state, where, input_ids, target_p, target_mass, target_ids, at):
+def _terms(
+    draft: DSparkDraft,
+    weights: tuple,
+    state,
+    where,
+    input_ids,
+    target_p,
+    target_mass,
+    target_ids,
+    at,
+):
     """(the three-term loss summed over the elements, their top-1 hits) for state[where] scored at
     `at`; the previous token of each is input_ids[at] (x[t + 1 + i] for query i of slot t)."""
     ce_w, l1_w, conf_w = weights
@@ -119,5 +168,6 @@ def _terms(draft: DSparkDraft, weights: tuple, state, where, input_ids, target_p
         value = value + ce_w * F.cross_entropy(logits.float(), p.argmax(-1), reduction="sum")
     if conf_w:
         value = value + conf_w * F.binary_cross_entropy_with_logits(
-            draft.confidence_logit(hidden, embed), alpha.detach().float(), reduction="sum")
+            draft.confidence_logit(hidden, embed), alpha.detach().float(), reduction="sum"
+        )
     return value, top1_hits(logits.detach().argmax(-1), draft.d2t, target_ids[at])

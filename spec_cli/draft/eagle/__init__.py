@@ -16,13 +16,22 @@ from spec_cli.options import NON_NEGATIVE, option
 @dataclass(frozen=True)
 class EagleOptions:
     """`spec train --algorithm eagle`'s own options (its objective: spec_cli/draft/eagle/objective.py)."""
+
     feature_weight: float = option(
-        1.0, "--feature-weight", help="--algorithm eagle and msd: weight of SmoothL1 on the predicted next feature.",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        1.0,
+        "--feature-weight",
+        help="--algorithm eagle and msd: weight of SmoothL1 on the predicted next feature.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
     token_weight: float = option(
-        0.1, "--token-weight", help="--algorithm eagle and msd: weight of soft-CE between the target's next-token "
-                                    "distribution and the draft's (through the target's lm_head).",
-        panel=OBJECTIVE, allowed=NON_NEGATIVE)
+        0.1,
+        "--token-weight",
+        help="--algorithm eagle and msd: weight of soft-CE between the target's next-token "
+        "distribution and the draft's (through the target's lm_head).",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
 
 
 def no_aux_layers(n: int) -> list[int]:
@@ -35,8 +44,10 @@ EAGLE = Algorithm(
     aux_layers=0,
     default_aux_layers=no_aux_layers,
     implementation="spec_cli.draft.eagle.implementation",
-    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle"),
-             ExportFormat("sglang", "SGLang", "sglang", "EAGLE")),
+    formats=(
+        ExportFormat("vllm", "vLLM", "vllm", "eagle"),
+        ExportFormat("sglang", "SGLang", "sglang", "EAGLE"),
+    ),
     export_rules="spec_cli.export.eagle",
     options=EagleOptions,
     needs=frozenset({FINAL_HIDDEN, LM_HEAD}),

@@ -32,17 +32,30 @@ SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's; both engines
 def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
     """The files of `fmt` for this checkpoint; ExportError where the engine cannot serve it as trained."""
     if fmt not in FORMATS:
-        raise ExportError(f"EAGLE-1/2 drafts are written for vllm and sglang, not {fmt!r}",
-                          "use --format vllm or --format sglang (the speculators format has no EAGLE-1 type)")
+        raise ExportError(
+            f"EAGLE-1/2 drafts are written for vllm and sglang, not {fmt!r}",
+            "use --format vllm or --format sglang (the speculators format has no EAGLE-1 type)",
+        )
     c = src.config
     if c.hidden_act != "silu":  # both engines' LlamaMLP: SiluAndMul only
-        raise ExportError(f"the draft uses hidden_act {c.hidden_act!r}; the engines' Llama MLP is silu only",
-                          "train the draft with the default activation")
+        raise ExportError(
+            f"the draft uses hidden_act {c.hidden_act!r}; the engines' Llama MLP is silu only",
+            "train the draft with the default activation",
+        )
     tensors = {k: v.to(dtype).contiguous() for k, v in src.state.items() if k not in SHARED}
     if fmt == "sglang":
         tensors["fc.bias"] = torch.zeros(c.hidden_size, dtype=dtype)  # trained without one
-    config = {"architectures": [ARCHITECTURES[fmt]], **llama_layer(src, dtype),
-              "bias": False}  # EAGLE's own configs call the fc bias `bias`; the engines read it as qkv bias
+    config = {
+        "architectures": [ARCHITECTURES[fmt]],
+        **llama_layer(src, dtype),
+        "bias": False,
+    }  # EAGLE's own configs call the fc bias `bias`; the engines read it as qkv bias
     config["spec_cli"] = provenance(src, fmt, dtype)
-    return ExportFiles(format=fmt, config=config, tensors=tensors, engine_aux_ids=[], aux_layer_outputs=[],
-                       num_speculative_tokens=SERVING_STEPS)
+    return ExportFiles(
+        format=fmt,
+        config=config,
+        tensors=tensors,
+        engine_aux_ids=[],
+        aux_layer_outputs=[],
+        num_speculative_tokens=SERVING_STEPS,
+    )

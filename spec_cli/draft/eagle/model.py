@@ -55,22 +55,31 @@ class EagleDraft(SteppedDraft):
     def __init__(self, config: DraftConfig):
         super().__init__()
         if config.hidden_size != config.target_hidden_size:
-            raise ConfigError(f"an {self.title} draft predicts the target's {config.target_hidden_size}-wide "
-                              f"feature; its hidden size {config.hidden_size} must be the same",
-                              "drop --draft-hidden-size")
+            raise ConfigError(
+                f"an {self.title} draft predicts the target's {config.target_hidden_size}-wide "
+                f"feature; its hidden size {config.hidden_size} must be the same",
+                "drop --draft-hidden-size",
+            )
         if config.draft_vocab_size != config.vocab_size:
-            raise ConfigError(f"an {self.title} draft proposes from the target's whole vocabulary "
-                              f"({config.vocab_size} tokens, through the target's lm_head); the vocab map "
-                              f"has {config.draft_vocab_size}",
-                              f"build one with `spec build-vocab-map --draft-vocab-size {config.vocab_size}`")
+            raise ConfigError(
+                f"an {self.title} draft proposes from the target's whole vocabulary "
+                f"({config.vocab_size} tokens, through the target's lm_head); the vocab map "
+                f"has {config.draft_vocab_size}",
+                f"build one with `spec build-vocab-map --draft-vocab-size {config.vocab_size}`",
+            )
         if config.fc_norm or config.norm_output:
-            raise ConfigError("--fc-norm and --norm-output are EAGLE-3.1 options", "drop them for --algorithm eagle")
+            raise ConfigError(
+                "--fc-norm and --norm-output are EAGLE-3.1 options",
+                "drop them for --algorithm eagle",
+            )
         self.config = config
         H, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's
         self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList(EagleLayer(config, first=i == 0) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            EagleLayer(config, first=i == 0) for i in range(config.num_hidden_layers)
+        )
         self.lm_head = nn.Linear(H, V, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's
         rope_inv_freq(config)  # fail early on an unsupported rope type
@@ -81,25 +90,34 @@ class EagleDraft(SteppedDraft):
     def copy_embeddings(self, weight: torch.Tensor) -> None:
         """Copy the target's input embedding [V, H]."""
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ConfigError(f"target embedding {tuple(weight.shape)} does not fit the draft's "
-                              f"{tuple(self.embed_tokens.weight.shape)}", "train the draft for this target")
+            raise ConfigError(
+                f"target embedding {tuple(weight.shape)} does not fit the draft's "
+                f"{tuple(self.embed_tokens.weight.shape)}",
+                "train the draft for this target",
+            )
         self.embed_tokens.weight.copy_(weight)
 
     @torch.no_grad()
     def copy_head(self, weight: torch.Tensor) -> None:
         """Copy the target's lm_head [V, H] (the draft proposes through it; it is never trained)."""
         if tuple(weight.shape) != tuple(self.lm_head.weight.shape):
-            raise ConfigError(f"target lm_head {tuple(weight.shape)} does not fit the draft's "
-                              f"{tuple(self.lm_head.weight.shape)}", "train the draft for this target")
+            raise ConfigError(
+                f"target lm_head {tuple(weight.shape)} does not fit the draft's "
+                f"{tuple(self.lm_head.weight.shape)}",
+                "train the draft for this target",
+            )
         self.lm_head.weight.copy_(weight)
 
     def set_vocab_map(self, selected_token_ids: torch.Tensor) -> None:
         """The whole vocabulary, in order: an EAGLE-1/2 draft has no id map of its own."""
         ids = torch.as_tensor(selected_token_ids).long().cpu()
         if not torch.equal(ids, torch.arange(self.config.vocab_size)):
-            raise ConfigError(f"an {self.title} draft proposes from the target's whole vocabulary; this vocab "
-                              "map selects a subset", f"build one with `spec build-vocab-map "
-                              f"--draft-vocab-size {self.config.vocab_size}`")
+            raise ConfigError(
+                f"an {self.title} draft proposes from the target's whole vocabulary; this vocab "
+                "map selects a subset",
+                f"build one with `spec build-vocab-map "
+                f"--draft-vocab-size {self.config.vocab_size}`",
+            )
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids  # the draft's vocabulary is the target's

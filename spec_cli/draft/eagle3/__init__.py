@@ -27,11 +27,14 @@ EAGLE3 = Algorithm(
     aux_layers=3,
     default_aux_layers=default_aux_layers,
     implementation="spec_cli.draft.eagle3.implementation",
-    formats=(ExportFormat("vllm", "vLLM", "vllm", "eagle3"),
-             ExportFormat("sglang", "SGLang", "sglang", "EAGLE3"),
-             ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3")),
+    formats=(
+        ExportFormat("vllm", "vLLM", "vllm", "eagle3"),
+        ExportFormat("sglang", "SGLang", "sglang", "EAGLE3"),
+        ExportFormat("speculators", "vLLM (speculators format)", "vllm", "eagle3"),
+    ),
     export_rules="spec_cli.export.eagle3",
     vllm_draft_class="vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
     # --draft-window (sliding-window attention) and --context-parallel (spec_cli/draft/context.py)
-    sliding_window=True, context_parallel=True,
+    sliding_window=True,
+    context_parallel=True,
 )

@@ -51,11 +51,18 @@ def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
         ids = vllm_aux_ids(outputs)
         config = _speculators_config(src, ids, dtype, steps)
     config["spec_cli"] = provenance(src, fmt, dtype)
-    return ExportFiles(format=fmt, config=config, tensors=tensors, engine_aux_ids=ids,
-                       aux_layer_outputs=outputs, num_speculative_tokens=steps)
+    return ExportFiles(
+        format=fmt,
+        config=config,
+        tensors=tensors,
+        engine_aux_ids=ids,
+        aux_layer_outputs=outputs,
+        num_speculative_tokens=steps,
+    )
 
 
 # ----------------------------------------------------------------------------- aux layer ids
+
 
 def vllm_aux_ids(layer_outputs: list[int]) -> list[int]:
     """spec_cli ids -> vLLM's `eagle_aux_hidden_state_layer_ids`.
@@ -79,6 +86,7 @@ def sglang_aux_ids(layer_outputs: list[int]) -> list[int]:
 
 # ----------------------------------------------------------------------------- what cannot be served
 
+
 def refuse_unservable(src: Checkpoint, fmt: str) -> None:
     """Raise ExportError for options the engine cannot represent (it would load and serve wrongly)."""
     c = src.config
@@ -86,16 +94,20 @@ def refuse_unservable(src: Checkpoint, fmt: str) -> None:
         raise ExportError(f"unknown export format {fmt!r}", f"use one of {', '.join(FORMATS)}")
     if c.hidden_act != "silu":
         # vLLM/SGLang LlamaMLP: SiluAndMul only.
-        raise ExportError(f"the draft uses hidden_act {c.hidden_act!r}; the engines' Llama MLP is silu only",
-                          "train the draft with the default activation")
+        raise ExportError(
+            f"the draft uses hidden_act {c.hidden_act!r}; the engines' Llama MLP is silu only",
+            "train the draft with the default activation",
+        )
     last = c.target_num_layers - 2
     late = [i for i in c.aux_layer_ids if not 0 <= i <= last]
     if late:
         # Both engines capture aux states BEFORE running a layer (vLLM llama.py LlamaModel.forward,
         # SGLang llama.py LlamaModel.forward), so the output of the last layer is never captured.
-        raise ExportError(f"aux layer(s) {late} cannot be captured by the engines: they record the input of "
-                          f"layers 0..{c.target_num_layers - 1}, i.e. outputs of layers 0..{last}",
-                          f"retrain with --aux-layers in 0..{last}")
+        raise ExportError(
+            f"aux layer(s) {late} cannot be captured by the engines: they record the input of "
+            f"layers 0..{c.target_num_layers - 1}, i.e. outputs of layers 0..{last}",
+            f"retrain with --aux-layers in 0..{last}",
+        )
     if fmt != "sglang":
         return
     if c.sliding_window is not None:
@@ -103,28 +115,37 @@ def refuse_unservable(src: Checkpoint, fmt: str) -> None:
         # reads neither sliding_window nor layer_types; llama_eagle3.py (sglang 0.5.23) sets one only from the
         # server flag --speculative-draft-window-size, which counts one key more than vLLM's window (its
         # backends take it as the keys left of the query). A folder cannot make SGLang serve the window.
-        raise ExportError(f"the draft was trained with --draft-window {c.sliding_window}; SGLang reads no window "
-                          "from a draft's config.json and would attend the whole context",
-                          "export it with --format vllm or speculators; or train without --draft-window for "
-                          "SGLang (recent SGLang has --speculative-draft-window-size, which counts one key "
-                          f"more: {c.sliding_window - 1} would match)")
+        raise ExportError(
+            f"the draft was trained with --draft-window {c.sliding_window}; SGLang reads no window "
+            "from a draft's config.json and would attend the whole context",
+            "export it with --format vllm or speculators; or train without --draft-window for "
+            "SGLang (recent SGLang has --speculative-draft-window-size, which counts one key "
+            f"more: {c.sliding_window - 1} would match)",
+        )
     if c.num_hidden_layers != 1:
         # python/sglang/srt/models/llama_eagle3.py: older versions build extra layers as
         # `additional_layers` (BasicDecoderLayer, which drops the incoming residual) and silently skip
         # `layers.*` keys; newer ones name them `layers.{i}` with `hidden_norm` as the input norm.
-        raise ExportError(f"the draft has {c.num_hidden_layers} decoder layers; SGLang's EAGLE-3 model "
-                          "computes and names extra layers differently across versions (llama_eagle3.py)",
-                          "export it with --format vllm, or train a 1-layer draft for SGLang")
+        raise ExportError(
+            f"the draft has {c.num_hidden_layers} decoder layers; SGLang's EAGLE-3 model "
+            "computes and names extra layers differently across versions (llama_eagle3.py)",
+            "export it with --format vllm, or train a 1-layer draft for SGLang",
+        )
     arch = c.target_architecture
     if arch in SGLANG_BOUNDARY_IDS:
-        raise ExportError(f"SGLang reads the aux layer ids of a {arch} target as hidden-state boundaries "
-                          "(sglang PR 32334), a convention spec_cli does not write",
-                          "export it with --format vllm")
+        raise ExportError(
+            f"SGLang reads the aux layer ids of a {arch} target as hidden-state boundaries "
+            "(sglang PR 32334), a convention spec_cli does not write",
+            "export it with --format vllm",
+        )
     first = min(c.aux_layer_ids)
     if first != 1 and arch not in SGLANG_ALWAYS_PLUS_ONE:
-        raise ExportError(f"SGLang's reading of aux layer ids whose first id is {first} (not 1) depends on "
-                          f"the target's model file (llama.py adds 1, deepseek_v2.py does not), and "
-                          f"{arch or 'this target'} is not one spec_cli has verified", _first_layer_hint(c))
+        raise ExportError(
+            f"SGLang's reading of aux layer ids whose first id is {first} (not 1) depends on "
+            f"the target's model file (llama.py adds 1, deepseek_v2.py does not), and "
+            f"{arch or 'this target'} is not one spec_cli has verified",
+            _first_layer_hint(c),
+        )
 
 
 def _first_layer_hint(c) -> str:
@@ -134,15 +155,23 @@ def _first_layer_hint(c) -> str:
 
     last = c.target_num_layers - 2
     if last < len(c.aux_layer_ids):  # layers 1 .. last are too few: the first must be layer 0
-        return (f"a {c.target_num_layers}-layer target has outputs of layers 0..{last} to read, too few for "
-                f"{len(c.aux_layer_ids)} distinct layers from layer 1: export it with --format vllm")
+        return (
+            f"a {c.target_num_layers}-layer target has outputs of layers 0..{last} to read, too few for "
+            f"{len(c.aux_layer_ids)} distinct layers from layer 1: export it with --format vllm"
+        )
     ids = default_aux_layers(c.target_num_layers)
     if min(ids) != 1:
-        ids = sorted({round(1 + i * (last - 1) / (len(c.aux_layer_ids) - 1)) for i in range(len(c.aux_layer_ids))})
+        ids = sorted(
+            {
+                round(1 + i * (last - 1) / (len(c.aux_layer_ids) - 1))
+                for i in range(len(c.aux_layer_ids))
+            }
+        )
     return f"train with --aux-layers {','.join(map(str, ids))} (the first is layer 1) or export --format vllm"
 
 
 # ----------------------------------------------------------------------------- tensors
+
 
 def _engine_tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dtype) -> dict:
     """Checkpoint tensors -> the engine's file keys: float weights cast to `dtype`, d2t int64, t2d bool."""
@@ -178,8 +207,10 @@ def _engine_tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dt
     if fmt == "speculators":
         # speculators' Eagle3 model keeps its decoder layers in `layers` (layers.0 is the EAGLE layer);
         # vLLM then loads them as model.layers.* without any renaming.
-        state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
-                 for k, v in state.items()}
+        state = {
+            k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
+            for k, v in state.items()
+        }
     # vllm/sglang: `midlayer.*` as trained. vLLM maps it to layers.0 (LlamaModel.load_weights /
     # hf_to_vllm_mapper); SGLang's older model has a `midlayer` module, the newer maps it to layers.0.
     out = {}
@@ -194,6 +225,7 @@ def _engine_tensors(src: Checkpoint, fmt: str, order: list[int], dtype: torch.dt
 
 
 # ----------------------------------------------------------------------------- config.json
+
 
 def _rope(c) -> dict:
     """Rope in both spellings: `rope_theta` + `rope_scaling` (transformers 4.x, older engines) and
@@ -237,8 +269,11 @@ def window_fields(c) -> dict:
     so the same fields work there. `use_sliding_window` is read by neither; speculators writes it, so do we."""
     if c.sliding_window is None:
         return {}
-    return {"sliding_window": c.sliding_window, "use_sliding_window": True,
-            "layer_types": ["sliding_attention"] * c.num_hidden_layers}
+    return {
+        "sliding_window": c.sliding_window,
+        "use_sliding_window": True,
+        "layer_types": ["sliding_attention"] * c.num_hidden_layers,
+    }
 
 
 def _vllm_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> dict:
@@ -283,7 +318,9 @@ def _sglang_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype) -> d
     }
 
 
-def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype, steps: int) -> dict:
+def _speculators_config(
+    src: Checkpoint, aux_ids: list[int], dtype: torch.dtype, steps: int
+) -> dict:
     """vllm-project/speculators Eagle3SpeculatorConfig, as vLLM reads it:
     vllm/transformers_utils/configs/speculators/base.py SpeculatorsConfig (validate_speculators_config,
     extract_transformers_pre_trained_config) + algos.py update_eagle3."""
@@ -292,7 +329,14 @@ def _speculators_config(src: Checkpoint, aux_ids: list[int], dtype: torch.dtype,
     # update_eagle3 builds vLLM's config from transformer_layer_config and copies only draft_vocab_size,
     # target_hidden_size, norm_before_residual and the aux ids; the EAGLE-3.1 flags are read from the
     # layer config (LlamaModel getattr), so they go there too, not only at the top level.
-    layer.update({"fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": False, **window_fields(c)})
+    layer.update(
+        {
+            "fc_norm": c.fc_norm,
+            "norm_output": c.norm_output,
+            "norm_before_fc": False,
+            **window_fields(c),
+        }
+    )
     return {
         "architectures": ["Eagle3Speculator"],
         "model_type": "speculators",  # vLLM's HF config parser -> SpeculatorsConfig
@@ -316,8 +360,19 @@ def speculators_block(src: Checkpoint, algorithm: str, steps: int) -> dict:
     """The `speculators_config` vLLM reads (base.py validate_speculators_config): the proposal method's
     speculative tokens and the verifier's name."""
     c = src.config
-    return {"algorithm": algorithm, "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": src.target or "TARGET",
-                         "architectures": [c.target_architecture] if c.target_architecture else []}}
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": steps,
+                "accept_tolerance": 0.0,
+                "verifier_accept_k": 1,
+            }
+        ],
+        "verifier": {
+            "name_or_path": src.target or "TARGET",
+            "architectures": [c.target_architecture] if c.target_architecture else [],
+        },
+    }

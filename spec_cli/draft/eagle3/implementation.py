@@ -22,9 +22,14 @@ class TTTObjective(Objective):
     def __init__(self, draft: Eagle3Draft, options, activation_checkpointing: bool = False):
         super().__init__()
         self.draft = draft
-        self.kw = dict(ttt_steps=options.ttt_steps, step_weight=options.step_weight, loss=options.loss,
-                       lk_kl_scale=options.lk_kl_scale, lk_kl_decay=options.lk_kl_decay,
-                       checkpoint=activation_checkpointing)
+        self.kw = dict(
+            ttt_steps=options.ttt_steps,
+            step_weight=options.step_weight,
+            loss=options.loss,
+            lk_kl_scale=options.lk_kl_scale,
+            lk_kl_decay=options.lk_kl_decay,
+            checkpoint=activation_checkpointing,
+        )
         self.context_halo = options.ttt_steps  # slots past its own a TTT step reads (t + k, k < K)
 
     def forward(self, batch, unit=None):

@@ -52,7 +52,9 @@ class DecoderLayer(nn.Module):
         """embeds [B, T, H] (first layer; None otherwise), hidden [B, T, H] ->
         (hidden [B, T, H], k [B, hkv, T, d], v [B, hkv, T, d]). attend(q, k, v) -> [B, h, T, d]."""
         if self.first:
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+            x = torch.cat(
+                [self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1
+            )  # [B, T, 2H]
         else:
             x = self.input_layernorm(hidden)
         q, k, v = self.self_attn.qkv(x, cos, sin)
@@ -73,12 +75,18 @@ class Eagle3Draft(SteppedDraft):
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps) for _ in config.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(Ht, config.rms_norm_eps) for _ in config.aux_layer_ids
+            )
         self.fc = nn.Linear(len(config.aux_layer_ids) * Ht, H, bias=False)  # EAGLE-3: 3 aux states
         self.midlayer = DecoderLayer(config, first=True)
         if config.num_hidden_layers > 1:
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, first=False)
-                                         for i in range(1, config.num_hidden_layers)})
+            self.layers = nn.ModuleDict(
+                {
+                    str(i): DecoderLayer(config, first=False)
+                    for i in range(1, config.num_hidden_layers)
+                }
+            )
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -93,11 +101,16 @@ class Eagle3Draft(SteppedDraft):
         ids = torch.as_tensor(selected_token_ids).long().to(self.d2t.device)
         V, Vd = self.config.vocab_size, self.config.draft_vocab_size
         if ids.shape != (Vd,):
-            raise ConfigError(f"vocab map has {ids.numel()} ids, the draft vocab is {Vd}",
-                              "rebuild the vocab map or the draft with the same --draft-vocab-size")
+            raise ConfigError(
+                f"vocab map has {ids.numel()} ids, the draft vocab is {Vd}",
+                "rebuild the vocab map or the draft with the same --draft-vocab-size",
+            )
         if not vocab_map.valid_ids(ids, V):
-            raise ConfigError("selected token ids must be ascending, distinct and inside the target "
-                              f"vocab (0..{V - 1})", "rebuild the vocab map for this target")
+            raise ConfigError(
+                "selected token ids must be ascending, distinct and inside the target "
+                f"vocab (0..{V - 1})",
+                "rebuild the vocab map for this target",
+            )
         self.d2t.copy_(vocab_map.d2t_from_ids(ids))
         self.t2d.copy_(vocab_map.t2d_from_ids(ids, V))
 
@@ -113,13 +126,17 @@ class Eagle3Draft(SteppedDraft):
     def copy_embeddings(self, weight: torch.Tensor) -> None:
         """Copy the target's input embedding [V, H]."""
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ConfigError(f"target embedding {tuple(weight.shape)} does not fit the draft's "
-                              f"{tuple(self.embed_tokens.weight.shape)}",
-                              "the draft's hidden size must equal the target's")
+            raise ConfigError(
+                f"target embedding {tuple(weight.shape)} does not fit the draft's "
+                f"{tuple(self.embed_tokens.weight.shape)}",
+                "the draft's hidden size must equal the target's",
+            )
         self.embed_tokens.weight.copy_(weight)
 
     @torch.no_grad()
-    def init_from_target(self, lm_head_selected: torch.Tensor, final_norm: torch.Tensor | None = None) -> bool:
+    def init_from_target(
+        self, lm_head_selected: torch.Tensor, final_norm: torch.Tensor | None = None
+    ) -> bool:
         """Start `lm_head` from the target's lm_head rows of the draft vocab and `norm` from the target's
         final norm, so the draft learns to produce a state in the target's own output space instead of
         also learning a token geometry from scratch. (The draft at position t reads the target's state
@@ -142,23 +159,40 @@ class Eagle3Draft(SteppedDraft):
         for the other aux states start at zero (they learn from there). One error when the shapes differ."""
         first, H = self.midlayer, self.config.hidden_size
         attn = first.self_attn
-        pairs = {"self_attn.o_proj.weight": attn.o_proj.weight, "mlp.gate_proj.weight": first.mlp.gate_proj.weight,
-                 "mlp.up_proj.weight": first.mlp.up_proj.weight, "mlp.down_proj.weight": first.mlp.down_proj.weight,
-                 "input_layernorm.weight": first.hidden_norm.weight,
-                 "post_attention_layernorm.weight": first.post_attention_layernorm.weight}
-        pairs.update({f"self_attn.{n}_proj.weight": getattr(attn, f"{n}_proj").weight[:, H:] for n in "qkv"})
-        wrong = [f"{name} {tuple(layer[name].shape)} against {tuple(param.shape)}"
-                 for name, param in pairs.items() if tuple(layer[name].shape) != tuple(param.shape)]
+        pairs = {
+            "self_attn.o_proj.weight": attn.o_proj.weight,
+            "mlp.gate_proj.weight": first.mlp.gate_proj.weight,
+            "mlp.up_proj.weight": first.mlp.up_proj.weight,
+            "mlp.down_proj.weight": first.mlp.down_proj.weight,
+            "input_layernorm.weight": first.hidden_norm.weight,
+            "post_attention_layernorm.weight": first.post_attention_layernorm.weight,
+        }
+        pairs.update(
+            {f"self_attn.{n}_proj.weight": getattr(attn, f"{n}_proj").weight[:, H:] for n in "qkv"}
+        )
+        wrong = [
+            f"{name} {tuple(layer[name].shape)} against {tuple(param.shape)}"
+            for name, param in pairs.items()
+            if tuple(layer[name].shape) != tuple(param.shape)
+        ]
         if wrong or self.config.target_hidden_size != H:
-            raise ConfigError("the target's layer does not fit the draft's (" + "; ".join(
-                wrong or [f"target hidden {self.config.target_hidden_size} against the draft's {H}"]) + ")",
-                              "leave the draft's shape at the target's (no --draft-hidden-size, "
-                              "--draft-intermediate-size, --draft-heads or --draft-kv-heads), or leave out "
-                              "--init-layer-from-target")
+            raise ConfigError(
+                "the target's layer does not fit the draft's ("
+                + "; ".join(
+                    wrong
+                    or [f"target hidden {self.config.target_hidden_size} against the draft's {H}"]
+                )
+                + ")",
+                "leave the draft's shape at the target's (no --draft-hidden-size, "
+                "--draft-intermediate-size, --draft-heads or --draft-kv-heads), or leave out "
+                "--init-layer-from-target",
+            )
         for name, param in pairs.items():
             param.copy_(layer[name].to(param.dtype))
         self.fc.weight.zero_()
-        self.fc.weight[:, aux_index * H:(aux_index + 1) * H].copy_(torch.eye(H, dtype=self.fc.weight.dtype))
+        self.fc.weight[:, aux_index * H : (aux_index + 1) * H].copy_(
+            torch.eye(H, dtype=self.fc.weight.dtype)
+        )
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -171,8 +205,12 @@ class Eagle3Draft(SteppedDraft):
         """[B, T, 3*H_t] target aux states -> [B, T, H]: (noise) fc_norm (EAGLE-3.1) then fc."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
         if self.training and self.hidden_noise > 0:  # --hidden-noise: training only
-            aux_hidden = feature_noise(aux_hidden, self.hidden_noise, len(self.config.aux_layer_ids),
-                                       offset=self.noise_offset)
+            aux_hidden = feature_noise(
+                aux_hidden,
+                self.hidden_noise,
+                len(self.config.aux_layer_ids),
+                offset=self.noise_offset,
+            )
         if self.config.fc_norm:
             chunks = aux_hidden.chunk(len(self.config.aux_layer_ids), dim=-1)
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)

@@ -21,27 +21,44 @@ from spec_cli.options import FRACTION, option
 
 # Why `spec export` writes nothing for it (read in vLLM 0.32's sources; SGLang's SpeculativeAlgorithm enum
 # has EAGLE, EAGLE3, STANDALONE and NGRAM, NEXTN taken as EAGLE)
-REASON = ("no serving engine runs MSD drafts: vLLM 0.32's speculative methods (SpeculativeMethod in "
-          "vllm/config/speculative.py) have none, and its EAGLE drafts embed an image's placeholder tokens "
-          "with their own table (llama_eagle3.py's embed_input_ids ignores the target's image features), so "
-          "an MSD draft served as EAGLE would not read what it was trained on; SGLang has no MSD either")
+REASON = (
+    "no serving engine runs MSD drafts: vLLM 0.32's speculative methods (SpeculativeMethod in "
+    "vllm/config/speculative.py) have none, and its EAGLE drafts embed an image's placeholder tokens "
+    "with their own table (llama_eagle3.py's embed_input_ids ignores the target's image features), so "
+    "an MSD draft served as EAGLE would not read what it was trained on; SGLang has no MSD either"
+)
 
 
 @dataclass(frozen=True)
 class MsdOptions:
     """`spec train --algorithm msd`'s own options (its objective also reads --feature-weight and
     --token-weight, EAGLE-1/2's)."""
+
     text_steps: int = option(
-        0, "--text-steps", help="--algorithm msd: optimizer steps on text batches only, before image-text "
-                                "batches enter.", panel=OBJECTIVE, min=0)
+        0,
+        "--text-steps",
+        help="--algorithm msd: optimizer steps on text batches only, before image-text "
+        "batches enter.",
+        panel=OBJECTIVE,
+        min=0,
+    )
     multimodal_ratio: float = option(
-        0.5, "--multimodal-ratio", help="--algorithm msd: the share of optimizer steps on image-text batches "
-                                        "once the ramp is done.", panel=OBJECTIVE, allowed=FRACTION)
+        0.5,
+        "--multimodal-ratio",
+        help="--algorithm msd: the share of optimizer steps on image-text batches "
+        "once the ramp is done.",
+        panel=OBJECTIVE,
+        allowed=FRACTION,
+    )
     multimodal_ramp_steps: int = option(
-        0, "--multimodal-ramp-steps", help="--algorithm msd: optimizer steps over which the image-text share "
-                                           "rises linearly to --multimodal-ratio after --text-steps (step k of "
-                                           "the ramp: ratio x k / this; 0: the whole ratio at once).",
-        panel=OBJECTIVE, min=0)
+        0,
+        "--multimodal-ramp-steps",
+        help="--algorithm msd: optimizer steps over which the image-text share "
+        "rises linearly to --multimodal-ratio after --text-steps (step k of "
+        "the ramp: ratio x k / this; 0: the whole ratio at once).",
+        panel=OBJECTIVE,
+        min=0,
+    )
 
 
 MSD = Algorithm(
@@ -53,6 +70,8 @@ MSD = Algorithm(
     implementation="spec_cli.draft.msd.implementation",
     options=MsdOptions,
     needs=frozenset({FINAL_HIDDEN, LM_HEAD, INPUT_EMBEDS}),
-    own_embeddings=False, curriculum=True, not_served=REASON,
+    own_embeddings=False,
+    curriculum=True,
+    not_served=REASON,
     context_parallel=True,  # --context-parallel (spec_cli/draft/context.py), as EAGLE-1/2
 )

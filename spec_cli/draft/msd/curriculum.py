@@ -60,10 +60,15 @@ class Curriculum:
 
     def state(self, step: int) -> dict:
         """What a checkpoint records after `step` optimizer steps (a resume checks it)."""
-        return {"text_steps": self.text_steps, "multimodal_ratio": self.ratio, "ramp_steps": self.ramp_steps,
-                "steps_on_text": self.steps_before(step, TEXT),
-                "steps_on_image_text": self.steps_before(step, MULTIMODAL),
-                "share": round(self.share(step), 6), "phase": self.phase(step)}
+        return {
+            "text_steps": self.text_steps,
+            "multimodal_ratio": self.ratio,
+            "ramp_steps": self.ramp_steps,
+            "steps_on_text": self.steps_before(step, TEXT),
+            "steps_on_image_text": self.steps_before(step, MULTIMODAL),
+            "share": round(self.share(step), 6),
+            "phase": self.phase(step),
+        }
 
     def uses(self, total_steps: int) -> tuple[bool, bool]:
         """(any text step, any image-text step) in a run of `total_steps`."""
@@ -72,5 +77,7 @@ class Curriculum:
 
     def describe(self) -> str:
         ramp = f", rising over {self.ramp_steps} steps" if self.ramp_steps > 0 else ""
-        return (f"text batches only for {self.text_steps} steps, then image-text batches on a share of "
-                f"{self.ratio:g} of the steps{ramp} (drawn per step from the seed)")
+        return (
+            f"text batches only for {self.text_steps} steps, then image-text batches on a share of "
+            f"{self.ratio:g} of the steps{ramp} (drawn per step from the seed)"
+        )

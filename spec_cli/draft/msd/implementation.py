@@ -11,13 +11,21 @@ from spec_cli.draft.contract import TargetField
 from spec_cli.draft.msd.model import MsdDraft
 from spec_cli.draft.msd.objective import MsdObjective
 
-config = DraftConfig.from_target  # the target's shapes (MsdDraft, like EAGLE-1/2's, predicts its features)
+config = (
+    DraftConfig.from_target
+)  # the target's shapes (MsdDraft, like EAGLE-1/2's, predicts its features)
 build = MsdDraft
 objective = MsdObjective
 propose = decoding.propose  # drafted tokens are embedded by the target's module (MsdDraft.embed)
 
-target_fields = {INPUT_EMBEDS: TargetField(INPUT_EMBEDS, width=lambda hidden: hidden,
-                                           compute=lambda embeds, aux, ids: embeds, reads=INPUT_EMBEDS)}
+target_fields = {
+    INPUT_EMBEDS: TargetField(
+        INPUT_EMBEDS,
+        width=lambda hidden: hidden,
+        compute=lambda embeds, aux, ids: embeds,
+        reads=INPUT_EMBEDS,
+    )
+}
 
 
 def catch_up(draft, cache, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
@@ -27,7 +35,9 @@ def catch_up(draft, cache, ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor
     target) the target's embedding of it. Returns the last slot's state [1, 1, H]."""
     H = draft.config.target_hidden_size
     features, embeds = aux[:, :H], aux[:, H:]
-    inputs = torch.cat([embeds[1:].to(features.dtype), draft.embed(ids[-1:]).to(features.dtype)])  # [m, H]
+    inputs = torch.cat(
+        [embeds[1:].to(features.dtype), draft.embed(ids[-1:]).to(features.dtype)]
+    )  # [m, H]
     start, m = len(cache), ids.numel()
     positions = torch.arange(start, start + m, device=ids.device)[None]
     return draft.forward_step(inputs[None], draft.project(features[None]), positions, cache)[:, -1:]

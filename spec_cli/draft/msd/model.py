@@ -27,9 +27,11 @@ class MsdDraft(EagleDraft):
         del self.embed_tokens  # it reads the target's input embeddings, image features included
 
     def copy_embeddings(self, weight: torch.Tensor) -> None:
-        raise ConfigError("an MSD draft holds no token embeddings: it reads what the target's first layer "
-                          "reads (images included)", "pass the target's embedding module with "
-                          "use_target_embeddings (spec eval does)")
+        raise ConfigError(
+            "an MSD draft holds no token embeddings: it reads what the target's first layer "
+            "reads (images included)",
+            "pass the target's embedding module with use_target_embeddings (spec eval does)",
+        )
 
     def use_target_embeddings(self, module) -> None:
         """Decode with the target's input embedding module (kept outside the draft's own modules: never
@@ -39,8 +41,11 @@ class MsdDraft(EagleDraft):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         module = self.__dict__.get("_target_embed")
         if module is None:
-            raise ConfigError("an MSD draft embeds the tokens it drafts with the target's embedding module, and "
-                              "none was given", "call use_target_embeddings(target.get_input_embeddings())")
+            raise ConfigError(
+                "an MSD draft embeds the tokens it drafts with the target's embedding module, and "
+                "none was given",
+                "call use_target_embeddings(target.get_input_embeddings())",
+            )
         return module(ids.to(module.weight.device))
 
     def _layers(self, inputs, hidden, cos, sin, attends):

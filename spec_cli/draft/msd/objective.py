@@ -16,10 +16,17 @@ class MsdObjective(EagleObjective):
     def forward(self, batch, unit=None):
         embeds = batch.extras.get(INPUT_EMBEDS)
         if embeds is None:
-            raise ConfigError("MSD trains on the target's input embeddings and this supervision has none",
-                              "train from a `spec precompute --algorithm msd` cache or a live --target")
+            raise ConfigError(
+                "MSD trains on the target's input embeddings and this supervision has none",
+                "train from a `spec precompute --algorithm msd` cache or a live --target",
+            )
         # context parallelism: the embeddings are a per-slot field like the features (whole rows, or this
         # rank's kept ranges, whose halo covers the one-slot shift and the TTT steps' reading ahead)
         batch, shard = self.context_shard(batch, halo=self.context_halo)
-        return eagle_forward(self.draft, batch, **self.kw, shard=shard,
-                             inputs=shift_left(batch.extras[INPUT_EMBEDS], 1))
+        return eagle_forward(
+            self.draft,
+            batch,
+            **self.kw,
+            shard=shard,
+            inputs=shift_left(batch.extras[INPUT_EMBEDS], 1),
+        )

@@ -18,6 +18,7 @@ from spec_cli.errors import ConfigError
 @dataclass
 class Pending:
     """The verified slots not yet run (catch_up defers them to the one forward of `propose`)."""
+
     ids: torch.Tensor  # [m] x[i + 1] for the slots i
     aux: torch.Tensor  # [m, 3*H_t] the target's aux states at those slots
 
@@ -26,19 +27,31 @@ def catch_up(draft: PEagleDraft, cache: KVCache, ids: torch.Tensor, aux: torch.T
     return Pending(ids, aux)
 
 
-def propose(draft: PEagleDraft, cache: KVCache, state: Pending, depth: int, topk: int, num_tokens: int,
-            temperature: float, generator: torch.Generator | None) -> Proposal:
+def propose(
+    draft: PEagleDraft,
+    cache: KVCache,
+    state: Pending,
+    depth: int,
+    topk: int,
+    num_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> Proposal:
     """A chain of `depth` tokens from one forward (greedy, or each sampled from its own q)."""
     if topk > 1:
-        raise ConfigError("a P-EAGLE draft proposes a chain (all depths in one forward), not a tree",
-                          "evaluate it with --topk 1")
+        raise ConfigError(
+            "a P-EAGLE draft proposes a chain (all depths in one forward), not a tree",
+            "evaluate it with --topk 1",
+        )
     device = state.ids.device
     start, m = len(cache), state.ids.numel()
     masks = depth - 1
     ids = torch.cat([state.ids, draft.mask_ids(masks, device)])[None]  # [1, m + depth - 1]
-    hidden = torch.cat([draft.project(state.aux[None]), draft.mask_state().expand(1, masks, -1)], dim=1)
+    hidden = torch.cat(
+        [draft.project(state.aux[None]), draft.mask_state().expand(1, masks, -1)], dim=1
+    )
     positions = torch.arange(start, start + m + masks, device=device)[None]
-    states = draft.forward_step(ids, hidden, positions, cache)[0, m - 1:]  # [depth, H]
+    states = draft.forward_step(ids, hidden, positions, cache)[0, m - 1 :]  # [depth, H]
     logits = draft.logits(states).float()  # [depth, Vd]
     if temperature == 0:
         drafted, qs = logits.argmax(-1), None
@@ -47,5 +60,10 @@ def propose(draft: PEagleDraft, cache: KVCache, state: Pending, depth: int, topk
         drafted = torch.multinomial(q, 1, generator=generator)[:, 0]
         selected = draft.to_target_ids(torch.arange(draft.config.draft_vocab_size, device=device))
         qs = torch.zeros(depth, draft.config.vocab_size, device=device).index_copy_(1, selected, q)
-    return Proposal(tokens=draft.to_target_ids(drafted), parents=torch.arange(depth, device=device) - 1,
-                    depths=torch.arange(1, depth + 1, device=device), q=qs, chain=True)
+    return Proposal(
+        tokens=draft.to_target_ids(drafted),
+        parents=torch.arange(depth, device=device) - 1,
+        depths=torch.arange(1, depth + 1, device=device),
+        q=qs,
+        chain=True,
+    )

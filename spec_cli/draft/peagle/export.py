@@ -25,8 +25,12 @@ SERVING_STEPS = 3
 
 
 def build(src: Checkpoint, fmt: str, dtype: torch.dtype) -> ExportFiles:
-    if fmt not in FORMATS:  # SGLang has no parallel drafting: it would serve the draft as an EAGLE-3 chain
-        raise ExportError(f"P-EAGLE drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}")
+    if (
+        fmt not in FORMATS
+    ):  # SGLang has no parallel drafting: it would serve the draft as an EAGLE-3 chain
+        raise ExportError(
+            f"P-EAGLE drafts are not written as --format {fmt}", f"use one of {', '.join(FORMATS)}"
+        )
     state = dict(src.state)
     mask = state.pop("mask_hidden.weight")
     # the engines concatenate the aux states in ascending layer order: reorder the mask's chunks as fc's

@@ -24,7 +24,9 @@ def mask_token_id(target_config) -> int:
     return int(text.vocab_size) - 1
 
 
-def config(target_config, draft_vocab_size: int, aux_layer_ids: list[int], **options) -> DraftConfig:
+def config(
+    target_config, draft_vocab_size: int, aux_layer_ids: list[int], **options
+) -> DraftConfig:
     options.setdefault("mask_token_id", mask_token_id(target_config))
     return DraftConfig.from_target(target_config, draft_vocab_size, aux_layer_ids, **options)
 
@@ -38,8 +40,12 @@ export = writer.build
 
 def readme_lines(src, files) -> list[str]:
     """The export README's words on serving a P-EAGLE draft (spec_cli/export/readme.py asks)."""
-    return ["## Parallel drafting", "",
-            f"vLLM proposes all {files.num_speculative_tokens} draft tokens in one forward of this draft "
-            "(`\"parallel_drafting\": true` in the speculative config above), the target's token "
-            f"{src.config.mask_token_id} standing in for the ones not yet drafted. SGLang has no parallel "
-            "drafting, so no SGLang format is written.", ""]
+    return [
+        "## Parallel drafting",
+        "",
+        f"vLLM proposes all {files.num_speculative_tokens} draft tokens in one forward of this draft "
+        '(`"parallel_drafting": true` in the speculative config above), the target\'s token '
+        f"{src.config.mask_token_id} standing in for the ones not yet drafted. SGLang has no parallel "
+        "drafting, so no SGLang format is written.",
+        "",
+    ]

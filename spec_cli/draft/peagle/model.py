@@ -45,8 +45,11 @@ class PEagleDraft(Eagle3Draft):
     def __init__(self, config: DraftConfig):
         super().__init__(config)
         if config.mask_token_id is None or not 0 <= config.mask_token_id < config.vocab_size:
-            raise ConfigError(f"a P-EAGLE draft needs a mask token id in 0..{config.vocab_size - 1}, "
-                              f"got {config.mask_token_id}", "rebuild the draft config with --algorithm peagle")
+            raise ConfigError(
+                f"a P-EAGLE draft needs a mask token id in 0..{config.vocab_size - 1}, "
+                f"got {config.mask_token_id}",
+                "rebuild the draft config with --algorithm peagle",
+            )
         self.mask_hidden = MaskHidden(len(config.aux_layer_ids) * config.target_hidden_size)
 
     def mask_state(self) -> torch.Tensor:
@@ -57,8 +60,14 @@ class PEagleDraft(Eagle3Draft):
     def mask_ids(self, n: int, device) -> torch.Tensor:
         return torch.full((n,), self.config.mask_token_id, dtype=torch.long, device=device)
 
-    def parallel_forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
-                         bias, rollouts: list[tuple[torch.Tensor, torch.Tensor]]):
+    def parallel_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        bias,
+        rollouts: list[tuple[torch.Tensor, torch.Tensor]],
+    ):
         """All depths in one pass over whole rows.
 
         input_ids [B, T], aux_hidden [B, T, 3*H_t], position_ids [B, T]; bias: None (causal) or
@@ -70,9 +79,16 @@ class PEagleDraft(Eagle3Draft):
         device = input_ids.device
         counts = [rows.numel() for rows, _ in rollouts]
         n = sum(counts)
-        depth_pos = torch.cat([position_ids[rows, anchors] + d
-                               for d, (rows, anchors) in enumerate(rollouts, start=1)]) if n else \
-            position_ids.new_zeros(0)
+        depth_pos = (
+            torch.cat(
+                [
+                    position_ids[rows, anchors] + d
+                    for d, (rows, anchors) in enumerate(rollouts, start=1)
+                ]
+            )
+            if n
+            else position_ids.new_zeros(0)
+        )
         cos0, sin0 = self.rope(position_ids)
         cosd, sind = self.rope(depth_pos[None])  # [1, N, d]
         embeds0 = self.embed_tokens(input_ids)
@@ -87,7 +103,9 @@ class PEagleDraft(Eagle3Draft):
                 return ttt_attention(q, k, v, bias=bias, impl=self.attn_impl)
 
             def attendd(q, k, v):
-                return _rollout_attention(q, k, v, kv0[0], rollouts, counts, (B, T), bias, self.attn_impl)
+                return _rollout_attention(
+                    q, k, v, kv0[0], rollouts, counts, (B, T), bias, self.attn_impl
+                )
 
             new_h0, _, _ = layer(embeds0 if i == 0 else None, h0, cos0, sin0, attend0)
             if n:
@@ -95,7 +113,9 @@ class PEagleDraft(Eagle3Draft):
             h0 = new_h0
         if self.config.norm_output:
             h0, hd = self.norm(h0), self.norm(hd)
-        return h0, list(hd[0].split(counts)) if n else [h0.new_zeros(0, h0.shape[-1]) for _ in rollouts]
+        return h0, list(hd[0].split(counts)) if n else [
+            h0.new_zeros(0, h0.shape[-1]) for _ in rollouts
+        ]
 
 
 def _grid(x: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor, shape) -> torch.Tensor:
@@ -116,6 +136,8 @@ def _rollout_attention(q, k, v, kv0, rollouts, counts, shape, bias, impl):
     for d, (rows, anchors) in enumerate(rollouts):
         k_grids.append(_grid(ks[d], rows, anchors, shape))
         v_grids.append(_grid(vs[d], rows, anchors, shape))
-        o = ttt_attention(_grid(qs[d], rows, anchors, shape), k0, v0, k_grids, v_grids, bias=bias, impl=impl)
+        o = ttt_attention(
+            _grid(qs[d], rows, anchors, shape), k0, v0, k_grids, v_grids, bias=bias, impl=impl
+        )
         out.append(o.transpose(1, 2)[rows, anchors].transpose(0, 1))  # [heads, N_d, d]
     return torch.cat(out, dim=1)[None]

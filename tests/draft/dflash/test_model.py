@@ -26,8 +26,14 @@ N_AUX = 5
 
 def dflash_draft(seed=0, size=4, layers=2, **overrides) -> DFlashDraft:
     torch.manual_seed(seed)
-    config = tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6],
-                         num_hidden_layers=layers, extra={"block_size": size}, **overrides)
+    config = tiny_config(
+        algorithm="dflash",
+        mask_token_id=5,
+        aux_layer_ids=[1, 2, 3, 5, 6],
+        num_hidden_layers=layers,
+        extra={"block_size": size},
+        **overrides,
+    )
     return randomised(DFlashDraft(config))
 
 
@@ -60,8 +66,11 @@ def _norm(x, w, eps):
 def _rope(x, pos, theta):  # x [n, heads, d]
     d = x.shape[-1]
     ang = pos[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
-    cos, sin = torch.cat([ang, ang], -1).cos().float()[:, None], torch.cat([ang, ang], -1).sin().float()[:, None]
-    rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    cos, sin = (
+        torch.cat([ang, ang], -1).cos().float()[:, None],
+        torch.cat([ang, ang], -1).sin().float()[:, None],
+    )
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -73,19 +82,40 @@ def reference_block(draft, aux_ctx, ctx_pos, ids, pos):
     h = draft.embed_tokens.weight[ids]
     for layer in draft.layers:
         a = layer.self_attn
-        kc = _rope(_norm((c @ a.k_proj.weight.T).view(-1, kv_, d), a.k_norm.weight, eps), ctx_pos, cfg.rope_theta)
+        kc = _rope(
+            _norm((c @ a.k_proj.weight.T).view(-1, kv_, d), a.k_norm.weight, eps),
+            ctx_pos,
+            cfg.rope_theta,
+        )
         vc = (c @ a.v_proj.weight.T).view(-1, kv_, d)
         x = _norm(h, layer.input_layernorm.weight, eps)
-        q = _rope(_norm((x @ a.q_proj.weight.T).view(-1, h_, d), a.q_norm.weight, eps), pos, cfg.rope_theta)
-        kb = _rope(_norm((x @ a.k_proj.weight.T).view(-1, kv_, d), a.k_norm.weight, eps), pos, cfg.rope_theta)
+        q = _rope(
+            _norm((x @ a.q_proj.weight.T).view(-1, h_, d), a.q_norm.weight, eps),
+            pos,
+            cfg.rope_theta,
+        )
+        kb = _rope(
+            _norm((x @ a.k_proj.weight.T).view(-1, kv_, d), a.k_norm.weight, eps),
+            pos,
+            cfg.rope_theta,
+        )
         vb = (x @ a.v_proj.weight.T).view(-1, kv_, d)
-        k, v = torch.cat([kc, kb]).repeat_interleave(h_ // kv_, 1), torch.cat([vc, vb]).repeat_interleave(h_ // kv_, 1)
+        k, v = (
+            torch.cat([kc, kb]).repeat_interleave(h_ // kv_, 1),
+            torch.cat([vc, vb]).repeat_interleave(h_ // kv_, 1),
+        )
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), -1)
         h = h + o @ a.o_proj.weight.T
         m = _norm(h, layer.post_attention_layernorm.weight, eps)
-        h = h + (torch.nn.functional.silu(m @ layer.mlp.gate_proj.weight.T) * (m @ layer.mlp.up_proj.weight.T)) \
+        h = (
+            h
+            + (
+                torch.nn.functional.silu(m @ layer.mlp.gate_proj.weight.T)
+                * (m @ layer.mlp.up_proj.weight.T)
+            )
             @ layer.mlp.down_proj.weight.T
+        )
     return _norm(h, draft.norm.weight, eps)
 
 
@@ -94,10 +124,14 @@ def _docs(batch):
     B, T = batch.input_ids.shape
     doc, pos = torch.full((B, T), -1), torch.zeros(B, T, dtype=torch.long)
     for b in range(B):
-        lens = batch.seq_lens[b].tolist() if batch.seq_lens is not None else [int(batch.attention_mask[b].sum())]
+        lens = (
+            batch.seq_lens[b].tolist()
+            if batch.seq_lens is not None
+            else [int(batch.attention_mask[b].sum())]
+        )
         s = 0
         for i, n in enumerate(lens):
-            doc[b, s:s + n], pos[b, s:s + n] = i, torch.arange(n)
+            doc[b, s : s + n], pos[b, s : s + n] = i, torch.arange(n)
             s += n
     return doc, pos
 
@@ -110,8 +144,12 @@ def test_every_slots_block_is_the_block_vllm_computes_there(packed):
     size = draft.block_size
     with torch.no_grad():
         from spec_cli.draft.unroll import step_slots
-        _, _, segments = step_slots(torch.ones(1, *batch.input_ids.shape, dtype=torch.bool), batch.attention_mask,
-                                    batch.seq_lens)
+
+        _, _, segments = step_slots(
+            torch.ones(1, *batch.input_ids.shape, dtype=torch.bool),
+            batch.attention_mask,
+            batch.seq_lens,
+        )
         states = draft.block_forward(batch.input_ids, batch.aux_hidden, pos, segments)
         assert len(states) == size - 1
         B, T = batch.input_ids.shape
@@ -122,8 +160,13 @@ def test_every_slots_block_is_the_block_vllm_computes_there(packed):
                     continue
                 ctx = (doc[b] == doc[b, t]) & (torch.arange(T) <= t)
                 ids = torch.tensor([int(batch.input_ids[b, t])] + [5] * (size - 1))
-                want = reference_block(draft, batch.aux_hidden[b, ctx], pos[b, ctx], ids,
-                                       pos[b, t] + 1 + torch.arange(size))
+                want = reference_block(
+                    draft,
+                    batch.aux_hidden[b, ctx],
+                    pos[b, ctx],
+                    ids,
+                    pos[b, t] + 1 + torch.arange(size),
+                )
                 got = torch.stack([s[b, t] for s in states])
                 torch.testing.assert_close(got, want[1:], rtol=1e-4, atol=1e-4)
                 checked += 1
@@ -136,16 +179,28 @@ def test_decoding_adds_context_and_drafts_the_block_vllm_drafts():
     aux, ids = batch.aux_hidden[0], batch.input_ids[0]
     with torch.no_grad():
         cache = draft.new_cache()
-        state = decoding.catch_up(draft, cache, ids[:6], aux[:6])  # slots 0..5, then 6..8 in a second call
+        state = decoding.catch_up(
+            draft, cache, ids[:6], aux[:6]
+        )  # slots 0..5, then 6..8 in a second call
         state = decoding.catch_up(draft, cache, ids[6:9], aux[6:9])
         assert len(cache) == 9 and state.position == 9 and int(state.token) == int(ids[8])
-        got = draft.draft_block(torch.tensor([[int(ids[8]), 5, 5, 5]]), torch.arange(9, 13)[None], cache)[0]
+        got = draft.draft_block(
+            torch.tensor([[int(ids[8]), 5, 5, 5]]), torch.arange(9, 13)[None], cache
+        )[0]
         assert len(cache) == 9  # the block's keys never enter the cache
-        want = reference_block(draft, aux[:9], torch.arange(9), torch.tensor([int(ids[8]), 5, 5, 5]),
-                               torch.arange(9, 13))
+        want = reference_block(
+            draft,
+            aux[:9],
+            torch.arange(9),
+            torch.tensor([int(ids[8]), 5, 5, 5]),
+            torch.arange(9, 13),
+        )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         proposal = decoding.propose(draft, cache, state, 3, 1, 0, 0.0, None)
-        assert proposal.tokens.tolist() == draft.to_target_ids(draft.logits(want[1:]).argmax(-1)).tolist()
+        assert (
+            proposal.tokens.tolist()
+            == draft.to_target_ids(draft.logits(want[1:]).argmax(-1)).tolist()
+        )
         assert proposal.parents.tolist() == [-1, 0, 1] and proposal.chain
         with pytest.raises(ConfigError, match="at most 4 per forward"):
             decoding.propose(draft, cache, state, 5, 1, 0, 0.0, None)
@@ -163,8 +218,12 @@ def test_the_loss_is_the_decayed_weighted_mean_of_soft_ce_over_supervised_elemen
     out = objective(batch)
     with torch.no_grad():
         from spec_cli.draft.unroll import step_slots
-        _, _, segments = step_slots(torch.ones(1, *batch.input_ids.shape, dtype=torch.bool), batch.attention_mask,
-                                    batch.seq_lens)
+
+        _, _, segments = step_slots(
+            torch.ones(1, *batch.input_ids.shape, dtype=torch.bool),
+            batch.attention_mask,
+            batch.seq_lens,
+        )
         states = draft.block_forward(batch.input_ids, batch.aux_hidden, pos, segments)
     B, T = batch.input_ids.shape
     num = den = 0.0
@@ -188,18 +247,23 @@ def test_the_loss_is_the_decayed_weighted_mean_of_soft_ce_over_supervised_elemen
         den += w * supervised
         assert int(out.total[j - 1]) == counted and int(out.supervised[j - 1]) == supervised
         assert int(out.correct[j - 1]) == hits
-        torch.testing.assert_close(out.step_loss[j - 1], torch.stack(losses).mean(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            out.step_loss[j - 1], torch.stack(losses).mean(), rtol=1e-5, atol=1e-6
+        )
     torch.testing.assert_close(out.loss, torch.tensor(num / den), rtol=1e-5, atol=1e-6)
     out.loss.backward()
     grads = {n: p.grad for n, p in draft.named_parameters() if p.requires_grad}
-    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), \
-        [n for n, g in grads.items() if g is None or g.abs().sum() == 0]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [
+        n for n, g in grads.items() if g is None or g.abs().sum() == 0
+    ]
     assert draft.embed_tokens.weight.grad is None
 
 
 def test_activation_checkpointing_gives_the_same_loss_metrics_and_gradients():
-    checkpointing_changes_nothing(lambda: dflash_draft(seed=3), lambda d, c: DFlashObjective(
-        d, ObjectiveOptions(block_size=4), activation_checkpointing=c))
+    checkpointing_changes_nothing(
+        lambda: dflash_draft(seed=3),
+        lambda d, c: DFlashObjective(d, ObjectiveOptions(block_size=4), activation_checkpointing=c),
+    )
 
 
 def checkpointing_changes_nothing(make_draft, make_objective):
@@ -212,7 +276,9 @@ def checkpointing_changes_nothing(make_draft, make_objective):
         outs.append(out)
         grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad})
     torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=1e-7)
-    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(outs[1].supervised, outs[0].supervised)
+    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(
+        outs[1].supervised, outs[0].supervised
+    )
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
 
@@ -245,7 +311,11 @@ def test_bf16_autocast_trains_with_one_dtype_into_attention():
         model.ttt_attention = original
     assert seen and all(s == {torch.bfloat16} for s in seen)
     assert abs(float(half.detach()) - float(fp32.detach())) < 0.05 * float(fp32.detach())
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in draft.parameters() if p.requires_grad)
+    assert all(
+        p.grad is not None and torch.isfinite(p.grad).all()
+        for p in draft.parameters()
+        if p.requires_grad
+    )
 
 
 def test_offset_weights_and_default_layers():
@@ -254,18 +324,36 @@ def test_offset_weights_and_default_layers():
     assert default_aux_layers(30) == [1, 8, 14, 20, 27]
     # small targets: five distinct layers (vLLM captures each once), never the last layer's output
     assert default_aux_layers(6) == [0, 1, 2, 3, 4] and default_aux_layers(7) == [0, 1, 2, 4, 5]
-    assert all(len(set(default_aux_layers(n))) == 5 and max(default_aux_layers(n)) <= n - 2 for n in range(6, 80))
+    assert all(
+        len(set(default_aux_layers(n))) == 5 and max(default_aux_layers(n)) <= n - 2
+        for n in range(6, 80)
+    )
 
 
 def test_what_vllm_cannot_serve_is_refused_when_the_draft_is_built():
     with pytest.raises(ConfigError, match="mask token"):
-        DFlashDraft(tiny_config(algorithm="dflash", aux_layer_ids=[1, 2, 3, 5, 6], extra={"block_size": 4}))
+        DFlashDraft(
+            tiny_config(algorithm="dflash", aux_layer_ids=[1, 2, 3, 5, 6], extra={"block_size": 4})
+        )
     with pytest.raises(ConfigError, match="no --fc-norm"):
-        DFlashDraft(tiny_config(algorithm="dflash", mask_token_id=5, fc_norm=True, aux_layer_ids=[1, 2, 3, 5, 6],
-                                extra={"block_size": 4}))
+        DFlashDraft(
+            tiny_config(
+                algorithm="dflash",
+                mask_token_id=5,
+                fc_norm=True,
+                aux_layer_ids=[1, 2, 3, 5, 6],
+                extra={"block_size": 4},
+            )
+        )
     with pytest.raises(ConfigError, match="at least 2"):
-        DFlashDraft(tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6],
-                                extra={"block_size": 1}))
+        DFlashDraft(
+            tiny_config(
+                algorithm="dflash",
+                mask_token_id=5,
+                aux_layer_ids=[1, 2, 3, 5, 6],
+                extra={"block_size": 1},
+            )
+        )
     draft = dflash_draft()
     with pytest.raises(ConfigError, match="differs from the draft.s 4"):
         DFlashObjective(draft, ObjectiveOptions(block_size=8))
@@ -279,8 +367,14 @@ def test_training_scores_each_offset_on_the_token_decoding_proposes_there():
     from spec_cli.targets.supervision import assemble_batch
 
     torch.manual_seed(0)
-    config = tiny_config(algorithm="dflash", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6], num_hidden_layers=2,
-                         draft_vocab_size=64, extra={"block_size": 4})
+    config = tiny_config(
+        algorithm="dflash",
+        mask_token_id=5,
+        aux_layer_ids=[1, 2, 3, 5, 6],
+        num_hidden_layers=2,
+        draft_vocab_size=64,
+        extra={"block_size": 4},
+    )
     draft = DFlashDraft(config)
     with torch.no_grad():  # weights large enough that the proposals vary with the position
         for p in draft.parameters():
@@ -293,16 +387,26 @@ def test_training_scores_each_offset_on_the_token_decoding_proposes_there():
 
     def proposals(t):  # the block anchored at slot t: context 0..t, first token x[t + 1]
         cache = draft.new_cache()
-        state = decoding.catch_up(draft, cache, x[1:t + 2], aux[:t + 1])
+        state = decoding.catch_up(draft, cache, x[1 : t + 2], aux[: t + 1])
         return decoding.propose(draft, cache, state, K, 1, 0, 0.0, None).tokens
 
     with torch.no_grad():
-        x[t0 + 2:t0 + 2 + K] = proposals(t0)  # x[t0 + 1 + j] is what offset j proposes
-        assert len(set(x[t0 + 1:t0 + 3 + K].tolist())) == K + 2  # distinct: a shifted reading cannot match
+        x[t0 + 2 : t0 + 2 + K] = proposals(t0)  # x[t0 + 1 + j] is what offset j proposes
+        assert (
+            len(set(x[t0 + 1 : t0 + 3 + K].tolist())) == K + 2
+        )  # distinct: a shifted reading cannot match
         argmax = torch.cat([x[1:], x[:1]])  # the target at position p predicts x[p + 1]
         ones = torch.ones(1, T, dtype=torch.long)
-        batch = assemble_batch(aux[None], x[None], ones, ones, torch.nn.functional.one_hot(argmax, 64)[None].float(),
-                               torch.ones(1, T), argmax[None], torch.ones(64, dtype=torch.bool))
+        batch = assemble_batch(
+            aux[None],
+            x[None],
+            ones,
+            ones,
+            torch.nn.functional.one_hot(argmax, 64)[None].float(),
+            torch.ones(1, T),
+            argmax[None],
+            torch.ones(64, dtype=torch.bool),
+        )
         out = DFlashObjective(draft, ObjectiveOptions(block_size=4))(batch)
         want = [0] * K
         for t in range(T - 1):
@@ -337,26 +441,39 @@ def test_anchored_blocks_are_the_every_slot_blocks_at_their_anchors(packed):
     batch = batch_for(draft, packed)
     doc, pos = _docs(batch)
     with torch.no_grad():
-        _, _, segments = step_slots(torch.ones(1, *batch.input_ids.shape, dtype=torch.bool), batch.attention_mask,
-                                    batch.seq_lens)
+        _, _, segments = step_slots(
+            torch.ones(1, *batch.input_ids.shape, dtype=torch.bool),
+            batch.attention_mask,
+            batch.seq_lens,
+        )
         every = draft.block_forward(batch.input_ids, batch.aux_hidden, pos, segments)
         anchors = torch.tensor([[0, 5, 8, 13], [1, 9, 10, 12]])
-        anchored = draft.anchor_forward(batch.input_ids, batch.aux_hidden, pos, anchors, doc_starts(batch))
+        anchored = draft.anchor_forward(
+            batch.input_ids, batch.aux_hidden, pos, anchors, doc_starts(batch)
+        )
     for j in range(3):
         want = every[j].gather(1, anchors[..., None].expand(-1, -1, every[j].shape[-1]))
         torch.testing.assert_close(anchored[j], want, rtol=1e-4, atol=1e-5)
     ref = DFlashObjective(draft, ObjectiveOptions(block_size=4))(batch)
-    out = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=10 ** 4))(batch)
+    out = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=10**4))(batch)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(out.correct, ref.correct) and torch.equal(out.total, ref.total)
     assert torch.equal(out.supervised, ref.supervised)
     torch.manual_seed(0)
     few = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
-    assert (few.total <= 2 * 3).all() and int(few.total.sum()) > 0 and torch.isfinite(few.loss)  # 3 a row
+    assert (
+        (few.total <= 2 * 3).all() and int(few.total.sum()) > 0 and torch.isfinite(few.loss)
+    )  # 3 a row
     torch.manual_seed(0)
     again = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
-    assert torch.equal(again.loss, few.loss)  # the CPU generator's state decides the anchors (checkpointed)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # CUDA's training precision: one dtype into SDPA
+    assert torch.equal(
+        again.loss, few.loss
+    )  # the CPU generator's state decides the anchors (checkpointed)
+    with torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    ):  # CUDA's training precision: one dtype into SDPA
         torch.manual_seed(0)
         half = DFlashObjective(draft, ObjectiveOptions(block_size=4, max_anchors=3))(batch)
-    assert abs(float(half.loss.detach()) - float(few.loss.detach())) < 0.05 * float(few.loss.detach())
+    assert abs(float(half.loss.detach()) - float(few.loss.detach())) < 0.05 * float(
+        few.loss.detach()
+    )

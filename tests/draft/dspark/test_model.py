@@ -31,9 +31,18 @@ RANK = 6
 
 def dspark_draft(seed=0, size=3, layers=2, with_markov=True, confidence=True) -> DSparkDraft:
     torch.manual_seed(seed)
-    config = tiny_config(algorithm="dspark", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6], num_hidden_layers=layers,
-                         extra={"block_size": size, "markov_rank": RANK, "confidence_head": confidence,
-                                "confidence_with_markov": with_markov})
+    config = tiny_config(
+        algorithm="dspark",
+        mask_token_id=5,
+        aux_layer_ids=[1, 2, 3, 5, 6],
+        num_hidden_layers=layers,
+        extra={
+            "block_size": size,
+            "markov_rank": RANK,
+            "confidence_head": confidence,
+            "confidence_with_markov": with_markov,
+        },
+    )
     draft = randomised(DSparkDraft(config))
     with torch.no_grad():
         draft.markov_head.markov_w1.weight.normal_()  # a bias large enough to change the argmax
@@ -46,7 +55,10 @@ def options(**kw):
 
 def ref_logits(draft, h, previous):
     """vLLM: compute_draft_logits(h) + markov_bias(markov_embed(previous))."""
-    return h @ draft.lm_head.weight.T + draft.markov_head.markov_w1.weight[previous] @ draft.markov_head.markov_w2.weight.T
+    return (
+        h @ draft.lm_head.weight.T
+        + draft.markov_head.markov_w1.weight[previous] @ draft.markov_head.markov_w2.weight.T
+    )
 
 
 def ref_confidence(draft, h, previous, with_markov=True):
@@ -65,7 +77,13 @@ def test_decoding_is_one_block_forward_then_the_markov_chain_vllm_samples():
         proposal = decoding.propose(draft, cache, state, 4, 1, 0, 0.0, None)
         assert len(cache) == 9  # the block's keys never enter the cache
         # the block: [newest, noise x 3] at positions 9 .. 12 (the anchor predicts position 10)
-        h = reference_block(draft, aux[:9], torch.arange(9), torch.tensor([int(ids[8]), 5, 5, 5]), torch.arange(9, 13))
+        h = reference_block(
+            draft,
+            aux[:9],
+            torch.arange(9),
+            torch.tensor([int(ids[8]), 5, 5, 5]),
+            torch.arange(9, 13),
+        )
         previous, want, conf = int(ids[8]), [], []
         for i in range(4):
             token = int(draft.to_target_ids(ref_logits(draft, h[i], previous).argmax()))
@@ -89,13 +107,22 @@ def test_sampled_drafts_carry_the_biased_distribution_they_were_drawn_from():
     with torch.no_grad():
         cache = draft.new_cache()
         state = decoding.catch_up(draft, cache, batch.input_ids[0, :7], batch.aux_hidden[0, :7])
-        proposal = decoding.propose(draft, cache, state, 3, 1, 0, 0.7, torch.Generator().manual_seed(0))
-        h = reference_block(draft, batch.aux_hidden[0, :7], torch.arange(7),
-                            torch.tensor([int(batch.input_ids[0, 6]), 5, 5]), torch.arange(7, 10))
+        proposal = decoding.propose(
+            draft, cache, state, 3, 1, 0, 0.7, torch.Generator().manual_seed(0)
+        )
+        h = reference_block(
+            draft,
+            batch.aux_hidden[0, :7],
+            torch.arange(7),
+            torch.tensor([int(batch.input_ids[0, 6]), 5, 5]),
+            torch.arange(7, 10),
+        )
         previous = int(batch.input_ids[0, 6])
         for i in range(3):
             q = torch.softmax(ref_logits(draft, h[i], previous) / 0.7, -1)
-            full = torch.zeros(draft.config.vocab_size).index_copy_(0, draft.to_target_ids(torch.arange(len(q))), q)
+            full = torch.zeros(draft.config.vocab_size).index_copy_(
+                0, draft.to_target_ids(torch.arange(len(q))), q
+            )
             torch.testing.assert_close(proposal.q[i], full, rtol=1e-4, atol=1e-6)
             previous = int(proposal.tokens[i])
 
@@ -121,14 +148,24 @@ def test_the_loss_is_the_three_term_mix_over_supervised_elements(packed):
                 counted += 1
                 ctx = (doc[b] == doc[b, t]) & (torch.arange(T) <= t)
                 block = torch.tensor([int(batch.input_ids[b, t]), 5, 5])
-                h = reference_block(draft, batch.aux_hidden[b, ctx], pos[b, ctx], block, pos[b, t] + 1 + torch.arange(3))[i]
+                h = reference_block(
+                    draft,
+                    batch.aux_hidden[b, ctx],
+                    pos[b, ctx],
+                    block,
+                    pos[b, t] + 1 + torch.arange(3),
+                )[i]
                 previous = int(batch.input_ids[b, s])  # x[t + 1 + i], the true token before it
                 logits = ref_logits(draft, h, previous)
                 hits += int(draft.to_target_ids(logits.argmax()) == batch.target_ids[b, s])
                 if batch.position_mask[b, s]:
-                    p_full = batch.target_p[b, s] * batch.target_mass[b, s]  # the target's full-vocab probabilities
+                    p_full = (
+                        batch.target_p[b, s] * batch.target_mass[b, s]
+                    )  # the target's full-vocab probabilities
                     q = logits.softmax(-1)
-                    l1 = (q - p_full).abs().sum() + (1 - p_full.sum())  # its mass outside the draft vocab is missed
+                    l1 = (q - p_full).abs().sum() + (
+                        1 - p_full.sum()
+                    )  # its mass outside the draft vocab is missed
                     alpha = torch.minimum(q, p_full).sum()
                     ce = -logits.log_softmax(-1)[batch.target_p[b, s].argmax()]
                     c = ref_confidence(draft, h, previous)
@@ -136,13 +173,20 @@ def test_the_loss_is_the_three_term_mix_over_supervised_elements(packed):
                     losses.append(0.3 * ce + 0.6 * l1 + 0.5 * bce)
         num += w * float(sum(losses).detach())
         den += w * len(losses)
-        assert int(out.total[i]) == counted and int(out.supervised[i]) == len(losses) and int(out.correct[i]) == hits
-        torch.testing.assert_close(out.step_loss[i], torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-5)
+        assert (
+            int(out.total[i]) == counted
+            and int(out.supervised[i]) == len(losses)
+            and int(out.correct[i]) == hits
+        )
+        torch.testing.assert_close(
+            out.step_loss[i], torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-5
+        )
     torch.testing.assert_close(out.loss.detach(), torch.tensor(num / den), rtol=1e-4, atol=1e-5)
     out.loss.backward()
     grads = {n: p.grad for n, p in draft.named_parameters() if p.requires_grad}
-    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), \
-        [n for n, g in grads.items() if g is None or g.abs().sum() == 0]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [
+        n for n, g in grads.items() if g is None or g.abs().sum() == 0
+    ]
     assert draft.embed_tokens.weight.grad is None
 
 
@@ -155,34 +199,58 @@ def test_the_hits_are_what_decoding_each_slot_with_its_own_proposals_accepts():
     batch = batch_for(draft, False, seed=3)
     T = int(batch.attention_mask[0].sum())
     rng = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # the data: the draft's own first proposal at 3 slots in 4 (its chains then hit)
+    with (
+        torch.no_grad()
+    ):  # the data: the draft's own first proposal at 3 slots in 4 (its chains then hit)
         for s in range(T - 1):
             cache = draft.new_cache()
-            state = decoding.catch_up(draft, cache, batch.input_ids[0, :s + 1], batch.aux_hidden[0, :s + 1])
+            state = decoding.catch_up(
+                draft, cache, batch.input_ids[0, : s + 1], batch.aux_hidden[0, : s + 1]
+            )
             first = int(decoding.propose(draft, cache, state, 1, 1, 0, 0.0, None).tokens[0])
             if torch.rand((), generator=rng) < 0.75:
                 batch.input_ids[0, s + 1] = first
-    batch.target_ids[0, :T - 1] = batch.input_ids[0, 1:T]
-    batch.position_mask[0] = draft.t2d[batch.target_ids[0]]  # supervised: the target's top-1 is a draft token
+    batch.target_ids[0, : T - 1] = batch.input_ids[0, 1:T]
+    batch.position_mask[0] = draft.t2d[
+        batch.target_ids[0]
+    ]  # supervised: the target's top-1 is a draft token
     batch.loss_mask[:] = 0
-    batch.loss_mask[0, :T - 1] = 1
+    batch.loss_mask[0, : T - 1] = 1
     out = DSparkObjective(draft, options())(batch)
     _, pos = _docs(batch)
     with torch.no_grad():
-        states = draft.block_forward(batch.input_ids[:1], batch.aux_hidden[:1], pos[:1], None, 3, first=0)
-        forced = torch.stack([draft.to_target_ids(draft.biased_logits(
-            states[i][0], draft.markov_embed(torch.roll(batch.input_ids[0], -i))).argmax(-1)) for i in range(3)])
+        states = draft.block_forward(
+            batch.input_ids[:1], batch.aux_hidden[:1], pos[:1], None, 3, first=0
+        )
+        forced = torch.stack(
+            [
+                draft.to_target_ids(
+                    draft.biased_logits(
+                        states[i][0], draft.markov_embed(torch.roll(batch.input_ids[0], -i))
+                    ).argmax(-1)
+                )
+                for i in range(3)
+            ]
+        )
     hit = torch.zeros(3, T, dtype=torch.bool)
     for i in range(3):
-        hit[i, :T - 1 - i] = forced[i, :T - 1 - i] == batch.target_ids[0, i:T - 1]
-    assert out.correct.tolist() == hit.sum(1).tolist() and int(hit[0].sum()) > 3 and int(hit[1].sum()) > 0
+        hit[i, : T - 1 - i] = forced[i, : T - 1 - i] == batch.target_ids[0, i : T - 1]
+    assert (
+        out.correct.tolist() == hit.sum(1).tolist()
+        and int(hit[0].sum()) > 3
+        and int(hit[1].sum()) > 0
+    )
     with torch.no_grad():
         for t in range(T - 1):
             cache = draft.new_cache()
-            state = decoding.catch_up(draft, cache, batch.input_ids[0, :t + 1], batch.aux_hidden[0, :t + 1])
+            state = decoding.catch_up(
+                draft, cache, batch.input_ids[0, : t + 1], batch.aux_hidden[0, : t + 1]
+            )
             chain = decoding.propose(draft, cache, state, 3, 1, 0, 0.0, None).tokens.tolist()
             accepted = 0
-            while accepted < min(3, T - 1 - t) and chain[accepted] == int(batch.target_ids[0, t + accepted]):
+            while accepted < min(3, T - 1 - t) and chain[accepted] == int(
+                batch.target_ids[0, t + accepted]
+            ):
                 accepted += 1
             prefix = 0
             while prefix < min(3, T - 1 - t) and hit[prefix, t]:
@@ -191,8 +259,10 @@ def test_the_hits_are_what_decoding_each_slot_with_its_own_proposals_accepts():
 
 
 def test_activation_checkpointing_gives_the_same_loss_metrics_and_gradients():
-    checkpointing_changes_nothing(lambda: dspark_draft(seed=3), lambda d, c: DSparkObjective(
-        d, options(), activation_checkpointing=c))
+    checkpointing_changes_nothing(
+        lambda: dspark_draft(seed=3),
+        lambda d, c: DSparkObjective(d, options(), activation_checkpointing=c),
+    )
 
 
 def test_the_confidence_head_runs_in_fp32_under_bf16_autocast_and_bf16_weights():
@@ -221,15 +291,23 @@ def test_without_the_confidence_head_or_its_markov_input():
     draft = dspark_draft(with_markov=False)
     assert draft.confidence_head.proj.weight.shape == (1, draft.config.hidden_size)
     h = torch.randn(draft.config.hidden_size)
-    torch.testing.assert_close(torch.sigmoid(draft.confidence_logit(h, torch.zeros(RANK))),
-                               ref_confidence(draft, h, 0, with_markov=False))
+    torch.testing.assert_close(
+        torch.sigmoid(draft.confidence_logit(h, torch.zeros(RANK))),
+        ref_confidence(draft, h, 0, with_markov=False),
+    )
 
 
 def test_what_cannot_be_trained_or_served_is_refused():
     assert position_weights(3, 2.0) == [1.0, math.exp(-0.5), math.exp(-1.0)]
     with pytest.raises(ConfigError, match="Markov rank"):
-        DSparkDraft(tiny_config(algorithm="dspark", mask_token_id=5, aux_layer_ids=[1, 2, 3, 5, 6],
-                                extra={"block_size": 3, "markov_rank": 0}))
+        DSparkDraft(
+            tiny_config(
+                algorithm="dspark",
+                mask_token_id=5,
+                aux_layer_ids=[1, 2, 3, 5, 6],
+                extra={"block_size": 3, "markov_rank": 0},
+            )
+        )
     draft = dspark_draft()
     with pytest.raises(ConfigError, match="--block-size 8 differs from the draft's 3"):
         DSparkObjective(draft, ObjectiveOptions(block_size=8, markov_rank=RANK))
@@ -243,6 +321,6 @@ def test_anchors_covering_every_slot_give_the_every_slot_objective():
     draft = dspark_draft(seed=5)
     batch = batch_for(draft, True)
     ref = DSparkObjective(draft, options())(batch)
-    out = DSparkObjective(draft, options(max_anchors=10 ** 4))(batch)
+    out = DSparkObjective(draft, options(max_anchors=10**4))(batch)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(out.correct, ref.correct) and torch.equal(out.total, ref.total)

@@ -19,9 +19,20 @@ V, H = 40, 16
 
 
 def eagle_config(**overrides) -> DraftConfig:
-    values = dict(vocab_size=V, target_hidden_size=H, aux_layer_ids=[], target_num_layers=6, hidden_size=H,
-                  intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                  draft_vocab_size=V, rope_theta=1000.0, algorithm="eagle")
+    values = dict(
+        vocab_size=V,
+        target_hidden_size=H,
+        aux_layer_ids=[],
+        target_num_layers=6,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        draft_vocab_size=V,
+        rope_theta=1000.0,
+        algorithm="eagle",
+    )
     values.update(overrides)
     return DraftConfig(**values)
 
@@ -38,7 +49,9 @@ def eagle_draft(seed: int = 0, **overrides) -> EagleDraft:
     return draft
 
 
-def reference(W: dict, c: DraftConfig, ids: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    W: dict, c: DraftConfig, ids: torch.Tensor, feats: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] ids, [T, H] features at positions 0..T-1 -> (states [T, H], logits [T, V]), causal."""
     nh, nkv, hd, T = c.num_attention_heads, c.num_key_value_heads, c.head_dim, ids.numel()
 
@@ -49,7 +62,7 @@ def reference(W: dict, c: DraftConfig, ids: torch.Tensor, feats: torch.Tensor) -
         inv = 1.0 / c.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
         ang = torch.arange(T).float()[:, None] * inv
         cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-        return x * cos + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+        return x * cos + torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * sin
 
     x = torch.cat([W["embed_tokens.weight"][ids], feats], -1) @ W["fc.weight"].T
     mask = torch.full((T, T), float("-inf")).triu(1)
@@ -57,29 +70,56 @@ def reference(W: dict, c: DraftConfig, ids: torch.Tensor, feats: torch.Tensor) -
         p = f"layers.{i}."
         h = x if i == 0 else rms(x, W[p + "input_layernorm.weight"])
         q = rope((h @ W[p + "self_attn.q_proj.weight"].T).view(T, nh, hd))
-        k = rope((h @ W[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd)).repeat_interleave(nh // nkv, 1)
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(T, nkv, hd).repeat_interleave(nh // nkv, 1)
+        k = rope((h @ W[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd)).repeat_interleave(
+            nh // nkv, 1
+        )
+        v = (
+            (h @ W[p + "self_attn.v_proj.weight"].T)
+            .view(T, nkv, hd)
+            .repeat_interleave(nh // nkv, 1)
+        )
         att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd) + mask).softmax(-1)
-        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(T, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", att, v).reshape(T, nh * hd)
+            @ W[p + "self_attn.o_proj.weight"].T
+        )
         h = rms(x, W[p + "post_attention_layernorm.weight"])
-        x = x + (F.silu(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)) \
+        x = (
+            x
+            + (F.silu(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T))
             @ W[p + "mlp.down_proj.weight"].T
+        )
     return x, x @ W["lm_head.weight"].T
 
 
 def test_parameters_are_the_engines_names_with_no_layer0_input_norm_and_no_final_norm():
     draft = eagle_draft(num_hidden_layers=2)
     shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
-    layer = {"self_attn.q_proj.weight": (16, H), "self_attn.k_proj.weight": (8, H),
-             "self_attn.v_proj.weight": (8, H), "self_attn.o_proj.weight": (H, 16),
-             "mlp.gate_proj.weight": (24, H), "mlp.up_proj.weight": (24, H), "mlp.down_proj.weight": (H, 24),
-             "post_attention_layernorm.weight": (H,)}
-    expected = {"embed_tokens.weight": (V, H), "fc.weight": (H, 2 * H), "lm_head.weight": (V, H),
-                **{f"layers.0.{k}": s for k, s in layer.items()}, **{f"layers.1.{k}": s for k, s in layer.items()},
-                "layers.1.input_layernorm.weight": (H,)}
+    layer = {
+        "self_attn.q_proj.weight": (16, H),
+        "self_attn.k_proj.weight": (8, H),
+        "self_attn.v_proj.weight": (8, H),
+        "self_attn.o_proj.weight": (H, 16),
+        "mlp.gate_proj.weight": (24, H),
+        "mlp.up_proj.weight": (24, H),
+        "mlp.down_proj.weight": (H, 24),
+        "post_attention_layernorm.weight": (H,),
+    }
+    expected = {
+        "embed_tokens.weight": (V, H),
+        "fc.weight": (H, 2 * H),
+        "lm_head.weight": (V, H),
+        **{f"layers.0.{k}": s for k, s in layer.items()},
+        **{f"layers.1.{k}": s for k, s in layer.items()},
+        "layers.1.input_layernorm.weight": (H,),
+    }
     assert shapes == expected
     trained = {n for n, p in draft.named_parameters() if p.requires_grad}
-    assert trained == set(expected) - {"embed_tokens.weight", "lm_head.weight"}  # both are the target's
+    assert trained == set(expected) - {
+        "embed_tokens.weight",
+        "lm_head.weight",
+    }  # both are the target's
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -36,12 +36,18 @@ Q, KV, I = 4 * 8, 2 * 8, 64  # heads * head_dim, kv heads * head_dim, intermedia
 
 
 def layer_keys(prefix: str) -> dict:
-    return {f"{prefix}input_layernorm.weight": [H], f"{prefix}hidden_norm.weight": [H],
-            f"{prefix}post_attention_layernorm.weight": [H],
-            f"{prefix}self_attn.q_proj.weight": [Q, 2 * H], f"{prefix}self_attn.k_proj.weight": [KV, 2 * H],
-            f"{prefix}self_attn.v_proj.weight": [KV, 2 * H], f"{prefix}self_attn.o_proj.weight": [H, Q],
-            f"{prefix}mlp.gate_proj.weight": [I, H], f"{prefix}mlp.up_proj.weight": [I, H],
-            f"{prefix}mlp.down_proj.weight": [H, I]}
+    return {
+        f"{prefix}input_layernorm.weight": [H],
+        f"{prefix}hidden_norm.weight": [H],
+        f"{prefix}post_attention_layernorm.weight": [H],
+        f"{prefix}self_attn.q_proj.weight": [Q, 2 * H],
+        f"{prefix}self_attn.k_proj.weight": [KV, 2 * H],
+        f"{prefix}self_attn.v_proj.weight": [KV, 2 * H],
+        f"{prefix}self_attn.o_proj.weight": [H, Q],
+        f"{prefix}mlp.gate_proj.weight": [I, H],
+        f"{prefix}mlp.up_proj.weight": [I, H],
+        f"{prefix}mlp.down_proj.weight": [H, I],
+    }
 
 
 COMMON = {"fc.weight": [H, 3 * HT], "norm.weight": [H], "lm_head.weight": [VD, H], "d2t": [VD]}
@@ -62,7 +68,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_exact_keys_shapes_and_dtypes(exports, fmt):
     folder = exports[fmt].output
-    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     _, tensors = read(folder)
     assert {k: list(v.shape) for k, v in tensors.items()} == EXPECTED_KEYS[fmt]
     assert tensors["d2t"].dtype == torch.int64
@@ -76,7 +86,9 @@ def test_exact_keys_shapes_and_dtypes(exports, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fc_norm_keys_and_flags(tmp_path, fmt):
     run = make_run(tmp_path / "run", fc_norm=True, norm_output=True)
-    result = stage.run(stage.ExportConfig(source=run, format=fmt, output=tmp_path / "out", dtype="fp32"))
+    result = stage.run(
+        stage.ExportConfig(source=run, format=fmt, output=tmp_path / "out", dtype="fp32")
+    )
     config, tensors = read(result.output)
     assert {k: list(v.shape) for k, v in tensors.items()} == {**EXPECTED_KEYS[fmt], **FC_NORM_KEYS}
     assert {v.dtype for k, v in tensors.items() if k not in ("d2t", "t2d")} == {torch.float32}
@@ -106,7 +118,6 @@ def test_configs_as_each_engine_reads_them(exports):
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny-llama"
     assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
-
 
 
 # ----------------------------------------------------------------------------- vocab map and aux layers
@@ -141,13 +152,20 @@ def test_unsorted_aux_layers_follow_the_engines_concatenation_order(tmp_path, fm
     _, tensors = read(result.output)
     original = load_file(str(load_source(run).checkpoint / "model.safetensors"))
     blocks = original["fc.weight"].split(HT, dim=1)
-    assert torch.equal(tensors["fc.weight"], torch.cat([blocks[1], blocks[0], blocks[2]], 1).bfloat16())
+    assert torch.equal(
+        tensors["fc.weight"], torch.cat([blocks[1], blocks[0], blocks[2]], 1).bfloat16()
+    )
     assert torch.equal(tensors["fc_norm.0.weight"], original["fc_norm.1.weight"].bfloat16())
 
 
 def test_llama3_rope_is_written_in_both_spellings_and_checked(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     run = make_run(tmp_path / "run", rope_scaling=scaling)
     result = stage.run(stage.ExportConfig(source=run, format="vllm", output=tmp_path / "out"))
     config, _ = read(result.output)
@@ -156,10 +174,11 @@ def test_llama3_rope_is_written_in_both_spellings_and_checked(tmp_path):
     from transformers import LlamaConfig
 
     assert LlamaConfig(**config).rope_parameters == config["rope_parameters"]
-    folder = tampered(result.output, tmp_path, config_fn=lambda c: c["rope_parameters"].update(factor=4.0))
+    folder = tampered(
+        result.output, tmp_path, config_fn=lambda c: c["rope_parameters"].update(factor=4.0)
+    )
     found = problems_of(folder, "vllm", run)
     assert "disagree" in found and "rope_scaling" in found
-
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -169,29 +188,49 @@ def test_refuses_what_an_engine_cannot_serve_as_trained(tmp_path):
     two_layers = make_run(tmp_path / "two", num_hidden_layers=2)
     with pytest.raises(ExportError, match="decoder layers"):
         stage.run(stage.ExportConfig(source=two_layers, format="sglang", output=tmp_path / "o1"))
-    odd_aux = make_run(tmp_path / "odd", aux_layer_ids=[2, 3, 4], target_architecture="SomeNewForCausalLM")
+    odd_aux = make_run(
+        tmp_path / "odd", aux_layer_ids=[2, 3, 4], target_architecture="SomeNewForCausalLM"
+    )
     with pytest.raises(ExportError, match="first id is 2") as caught:
         stage.run(stage.ExportConfig(source=odd_aux, format="sglang", output=tmp_path / "o2"))
     from spec_cli.draft.eagle3 import default_aux_layers
 
-    assert f"--aux-layers {','.join(map(str, default_aux_layers(N)))} (the first is layer 1)" in caught.value.hint
+    assert (
+        f"--aux-layers {','.join(map(str, default_aux_layers(N)))} (the first is layer 1)"
+        in caught.value.hint
+    )
     # a 4-layer target (a small MoE's default aux layers are 0, 1, 2): layers from 1 are too few, so the
     # hint does not send the user to the defaults
-    small = make_run(tmp_path / "small", aux_layer_ids=[0, 1, 2], target_num_layers=4,
-                     target_architecture="SomeNewForCausalLM")
+    small = make_run(
+        tmp_path / "small",
+        aux_layer_ids=[0, 1, 2],
+        target_num_layers=4,
+        target_architecture="SomeNewForCausalLM",
+    )
     with pytest.raises(ExportError, match="first id is 0") as caught:
         stage.run(stage.ExportConfig(source=small, format="sglang", output=tmp_path / "o5"))
-    assert caught.value.hint.endswith("export it with --format vllm") and "default" not in caught.value.hint
+    assert (
+        caught.value.hint.endswith("export it with --format vllm")
+        and "default" not in caught.value.hint
+    )
     last = make_run(tmp_path / "last", aux_layer_ids=[1, 3, N - 1])
     with pytest.raises(ExportError, match="cannot be captured"):
         stage.run(stage.ExportConfig(source=last, format="vllm", output=tmp_path / "o3"))
     with pytest.raises(ConfigError, match="--format"):
         stage.run(stage.ExportConfig(source=last, format="onnx", output=tmp_path / "o4"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "odd", "small", "two"]  # no output written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last",
+        "odd",
+        "small",
+        "two",
+    ]  # no output written
 
 
 def test_multi_layer_drafts_export_for_vllm(tmp_path):
     run = make_run(tmp_path / "run", num_hidden_layers=2)
     result = stage.run(stage.ExportConfig(source=run, format="vllm", output=tmp_path / "out"))
     _, tensors = read(result.output)
-    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (Q, H)  # later layers read H, not 2H
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (
+        Q,
+        H,
+    )  # later layers read H, not 2H

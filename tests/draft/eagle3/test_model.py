@@ -20,16 +20,32 @@ from tests.draft import (
     tiny_draft,
 )
 
-LAYER = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+LAYER = [
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 
 
 def test_state_dict_has_engine_names_and_shapes():
     draft = Eagle3Draft(tiny_config())
     sd = draft.state_dict()
-    expected = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-                *(f"midlayer.{n}" for n in LAYER)}
+    expected = {
+        "embed_tokens.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        *(f"midlayer.{n}" for n in LAYER),
+    }
     assert set(sd) == expected
     H, Ht, d = 32, 12, 8
     assert sd["embed_tokens.weight"].shape == (V, H)
@@ -91,10 +107,14 @@ def test_project_and_logits_shapes():
     assert draft.logits(hidden).shape == (2, 5, VD)
     torch.testing.assert_close(draft.logits(hidden), draft.lm_head(draft.norm(hidden)))
     normed = tiny_draft(norm_output=True)
-    torch.testing.assert_close(normed.logits(hidden), normed.lm_head(hidden))  # norm already applied
+    torch.testing.assert_close(
+        normed.logits(hidden), normed.lm_head(hidden)
+    )  # norm already applied
 
 
-@pytest.mark.parametrize("options", [dict(), dict(num_hidden_layers=2, norm_output=True, fc_norm=True)])
+@pytest.mark.parametrize(
+    "options", [dict(), dict(num_hidden_layers=2, norm_output=True, fc_norm=True)]
+)
 def test_incremental_decoding_matches_full_forward(options):
     draft = tiny_draft(dtype=torch.float64, **options)
     batch = random_batch(draft.config, [11, 11], 11, dtype=torch.float64)
@@ -105,8 +125,11 @@ def test_incremental_decoding_matches_full_forward(options):
         cache = KVCache(options.get("num_hidden_layers", 1))
         pieces = []
         for start, end in [(0, 4), (4, 5), (5, 6), (6, 11)]:  # a prefill, then single tokens
-            pieces.append(draft.forward_step(batch.input_ids[:, start:end], hidden[:, start:end],
-                                             pos[:, start:end], cache))
+            pieces.append(
+                draft.forward_step(
+                    batch.input_ids[:, start:end], hidden[:, start:end], pos[:, start:end], cache
+                )
+            )
             assert len(cache) == end
         torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-12, rtol=1e-10)
 
@@ -133,8 +156,12 @@ def test_ttt_step_one_equals_decoding_with_an_extra_key():
         hidden = draft.project(batch.aux_hidden)
         for t in range(T):
             cache = KVCache(1)
-            draft.forward_step(batch.input_ids[:, :t + 1], hidden[:, :t + 1], pos[:, :t + 1], cache)
-            step = draft.forward_step(ids1[:, t:t + 1], h0[:, t:t + 1], pos[:, t:t + 1] + 1, cache)
+            draft.forward_step(
+                batch.input_ids[:, : t + 1], hidden[:, : t + 1], pos[:, : t + 1], cache
+            )
+            step = draft.forward_step(
+                ids1[:, t : t + 1], h0[:, t : t + 1], pos[:, t : t + 1] + 1, cache
+            )
             torch.testing.assert_close(step[:, 0], h1[:, t], atol=1e-12, rtol=1e-10)
 
 
@@ -149,7 +176,12 @@ def test_hidden_noise_only_in_training_and_relative_to_each_aux_state():
     noisy = draft.project(aux)
     assert not torch.allclose(noisy, clean)
     torch.manual_seed(1)
-    expected = draft.fc(torch.cat([norm(c) for norm, c in zip(draft.fc_norm, feature_noise(aux, 0.05, 3).chunk(3, -1))], -1))
+    expected = draft.fc(
+        torch.cat(
+            [norm(c) for norm, c in zip(draft.fc_norm, feature_noise(aux, 0.05, 3).chunk(3, -1))],
+            -1,
+        )
+    )
     torch.testing.assert_close(noisy, expected)
     draft.eval()
     assert torch.equal(draft.project(aux), clean)
@@ -175,17 +207,25 @@ def test_sliding_window_ttt_equals_windowed_decoding(layers, window, packed):
         ids, states = batch.input_ids, []
         state = draft.project(batch.aux_hidden)
         for k in range(K):
-            state = draft.ttt_step(torch.roll(ids, -k, dims=1), state, *draft.rope(pos + k), caches, bias)
+            state = draft.ttt_step(
+                torch.roll(ids, -k, dims=1), state, *draft.rope(pos + k), caches, bias
+            )
             states.append(state)
         hidden = draft.project(batch.aux_hidden)
         checked = 0
         for s, e in spans:
             for t in range(s, e - K + 1):  # slots whose K draft tokens stay in their document
                 cache = KVCache(layers)
-                draft.forward_step(ids[:, s:t + 1], hidden[:, s:t + 1], pos[:, s:t + 1], cache)
+                draft.forward_step(
+                    ids[:, s : t + 1], hidden[:, s : t + 1], pos[:, s : t + 1], cache
+                )
                 for k in range(1, K):
-                    step = draft.forward_step(ids[:, t + k:t + k + 1], states[k - 1][:, t:t + 1],
-                                              pos[:, t:t + 1] + k, cache)
+                    step = draft.forward_step(
+                        ids[:, t + k : t + k + 1],
+                        states[k - 1][:, t : t + 1],
+                        pos[:, t : t + 1] + k,
+                        cache,
+                    )
                     torch.testing.assert_close(step[:, 0], states[k][:, t], atol=1e-12, rtol=1e-10)
                     checked += 1
         assert checked >= 2 * (T - 2 * K)
@@ -194,7 +234,9 @@ def test_sliding_window_ttt_equals_windowed_decoding(layers, window, packed):
         caches = [[] for _ in range(layers)]
         last = plain.project(batch.aux_hidden)
         for k in range(K):
-            last = plain.ttt_step(torch.roll(ids, -k, dims=1), last, *plain.rope(pos + k), caches, bias)
+            last = plain.ttt_step(
+                torch.roll(ids, -k, dims=1), last, *plain.rope(pos + k), caches, bias
+            )
         assert not torch.allclose(last, states[-1])
 
 
@@ -233,10 +275,16 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_llama_dir)
     draft = Eagle3Draft(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        states = target(input_ids=ids, output_hidden_states=True).hidden_states  # [i]: layer i-1's output
+        states = target(
+            input_ids=ids, output_hidden_states=True
+        ).hidden_states  # [i]: layer i-1's output
         draft.init_layer_from_target(loading.read_decoder_layer(tiny_llama_dir, 5), aux_index=2)
         H = config.hidden_size
-        for proj in (draft.midlayer.self_attn.q_proj, draft.midlayer.self_attn.k_proj, draft.midlayer.self_attn.v_proj):
+        for proj in (
+            draft.midlayer.self_attn.q_proj,
+            draft.midlayer.self_attn.k_proj,
+            draft.midlayer.self_attn.v_proj,
+        ):
             proj.weight[:, :H] = 0  # the token's half: random at the start, silenced here
         got = draft(ids, torch.cat([states[i + 1] for i in aux], dim=-1))
     torch.testing.assert_close(got, states[6], rtol=1e-4, atol=1e-4)
@@ -245,7 +293,9 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_llama_dir)
 def test_a_target_layer_that_does_not_fit_is_one_error(tiny_llama_dir):
     from spec_cli.targets import loading
 
-    config = DraftConfig.from_target(loading.load_config(tiny_llama_dir), 64, [0, 1, 4], intermediate_size=48)
+    config = DraftConfig.from_target(
+        loading.load_config(tiny_llama_dir), 64, [0, 1, 4], intermediate_size=48
+    )
     with pytest.raises(ConfigError, match="mlp.gate_proj.weight .* against"):
         Eagle3Draft(config).init_layer_from_target(loading.read_decoder_layer(tiny_llama_dir, 5), 2)
     with pytest.raises(TargetError, match="do not hold layer 8's"):

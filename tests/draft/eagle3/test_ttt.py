@@ -31,8 +31,11 @@ def rope(x, pos, theta):  # x [B, h, T, d], pos [B, T]
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
     ang = pos[..., None].float() * inv  # [B, T, d/2]
-    cos, sin = ang.cos().repeat(1, 1, 2)[:, None].to(x.dtype), ang.sin().repeat(1, 1, 2)[:, None].to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    cos, sin = (
+        ang.cos().repeat(1, 1, 2)[:, None].to(x.dtype),
+        ang.sin().repeat(1, 1, 2)[:, None].to(x.dtype),
+    )
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -47,7 +50,7 @@ def documents(batch):
             docs = [int(batch.attention_mask[b].sum())]
         start = 0
         for i, n in enumerate(docs):
-            doc[b, start:start + n] = i
+            doc[b, start : start + n] = i
             start += n
     return doc
 
@@ -64,21 +67,28 @@ def reference_ttt(draft, batch, steps, step_weight, loss="soft-ce"):
 
     aux = batch.aux_hidden
     if cfg.fc_norm:
-        aux = torch.cat([rms(c, P[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(aux.chunk(3, -1))], -1)
+        aux = torch.cat(
+            [rms(c, P[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(aux.chunk(3, -1))], -1
+        )
     hidden = aux @ P["fc.weight"].T
     names = ["midlayer"] + [f"layers.{i}" for i in range(1, cfg.num_hidden_layers)]
     cache = {n: ([], []) for n in names}
-    weights = [step_weight ** k for k in range(steps)]
+    weights = [step_weight**k for k in range(steps)]
     total, out = 0.0, []
     for k in range(steps):
         ids = torch.zeros_like(batch.input_ids)
-        ids[:, :T - k] = batch.input_ids[:, k:]
+        ids[:, : T - k] = batch.input_ids[:, k:]
         x = hidden
         for li, n in enumerate(names):
             if li == 0:
                 emb = draft.embed_tokens.weight[ids]
-                inp = torch.cat([rms(emb, P[f"{n}.input_layernorm.weight"], eps),
-                                 rms(x, P[f"{n}.hidden_norm.weight"], eps)], -1)
+                inp = torch.cat(
+                    [
+                        rms(emb, P[f"{n}.input_layernorm.weight"], eps),
+                        rms(x, P[f"{n}.hidden_norm.weight"], eps),
+                    ],
+                    -1,
+                )
             else:
                 inp = rms(x, P[f"{n}.input_layernorm.weight"], eps)
             q = (inp @ P[f"{n}.self_attn.q_proj.weight"].T).view(B, T, h, d).transpose(1, 2)
@@ -90,9 +100,13 @@ def reference_ttt(draft, batch, steps, step_weight, loss="soft-ce"):
             vs.append(vv.repeat_interleave(h // kvh, 1))
             scores = q @ ks[0].transpose(-1, -2) / math.sqrt(d)  # [B, h, T, T]
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            diag = [(q * kj).sum(-1, keepdim=True) / math.sqrt(d) for kj in ks[1:]]  # [B, h, T, 1] each
+            diag = [
+                (q * kj).sum(-1, keepdim=True) / math.sqrt(d) for kj in ks[1:]
+            ]  # [B, h, T, 1] each
             p = torch.cat([scores, *diag], -1).softmax(-1)  # [B, h, T, T + k]
-            o = p[..., :T] @ vs[0] + sum(p[..., T + j - 1:T + j] * vs[j] for j in range(1, len(vs)))
+            o = p[..., :T] @ vs[0] + sum(
+                p[..., T + j - 1 : T + j] * vs[j] for j in range(1, len(vs))
+            )
             x = x + o.transpose(1, 2).reshape(B, T, h * d) @ P[f"{n}.self_attn.o_proj.weight"].T
             m = rms(x, P[f"{n}.post_attention_layernorm.weight"], eps)
             gate, up = m @ P[f"{n}.mlp.gate_proj.weight"].T, m @ P[f"{n}.mlp.up_proj.weight"].T
@@ -109,15 +123,15 @@ def reference_ttt(draft, batch, steps, step_weight, loss="soft-ce"):
                 valid[b, t] = doc[b, t] >= 0 and doc[b, t + k] == doc[b, t]
         pm = torch.zeros(B, T, dtype=torch.bool)
         lm = torch.zeros(B, T, dtype=torch.bool)
-        pm[:, :T - k] = batch.position_mask[:, k:].bool()
-        lm[:, :T - k] = batch.loss_mask[:, k:].bool()
+        pm[:, : T - k] = batch.position_mask[:, k:].bool()
+        lm[:, : T - k] = batch.loss_mask[:, k:].bool()
         pm, lm = pm & valid, lm & valid
         tp = torch.zeros_like(batch.target_p)
-        tp[:, :T - k] = batch.target_p[:, k:]
+        tp[:, : T - k] = batch.target_p[:, k:]
         mass = torch.zeros_like(batch.target_mass)
-        mass[:, :T - k] = batch.target_mass[:, k:]
+        mass[:, : T - k] = batch.target_mass[:, k:]
         tid = torch.full_like(batch.target_ids, -1)
-        tid[:, :T - k] = batch.target_ids[:, k:]
+        tid[:, : T - k] = batch.target_ids[:, k:]
 
         logp = logits.log_softmax(-1)
         n_sup = pm.sum()
@@ -143,8 +157,13 @@ CASES = {  # name: (draft options, lengths, T, seq_lens, steps)
     "steps-1": (dict(), [13, 9], 13, None, 1),
     "packing-7": (dict(), [14, 12], 14, [[5, 9], [4, 3, 5]], 7),
     "fc_norm-norm_output": (dict(fc_norm=True, norm_output=True), [12, 7], 12, None, 4),
-    "two-layers-packing": (dict(num_hidden_layers=2, num_key_value_heads=1), [12, 11], 12,
-                           [[6, 6], [3, 8]], 5),
+    "two-layers-packing": (
+        dict(num_hidden_layers=2, num_key_value_heads=1),
+        [12, 11],
+        12,
+        [[6, 6], [3, 8]],
+        5,
+    ),
 }
 
 
@@ -178,7 +197,9 @@ def test_matches_reference_fp32(case):
     draft = tiny_draft(**options)
     batch = random_batch(draft.config, lengths, T, seq_lens)
     out = _compare(draft, batch, steps)
-    assert out.supervised.sum() > 0 and out.total[0] > out.supervised[0] > 0  # some out-of-vocab targets
+    assert (
+        out.supervised.sum() > 0 and out.total[0] > out.supervised[0] > 0
+    )  # some out-of-vocab targets
 
 
 @pytest.mark.parametrize("case", ["padding-gqa-7", "packing-7", "two-layers-packing"])
@@ -222,11 +243,16 @@ def unshifted_documents(config, masks: str, seed: int = 0) -> dict:
     loss = torch.ones(1, T, dtype=torch.long)
     if masks == "chat":
         for start in (0, 4, 10):
-            loss[0, start:start + 2] = 0
-    return {"aux": torch.randn(1, T, 3 * config.target_hidden_size, generator=gen),
-            "ids": torch.randint(0, V, (1, T), generator=gen), "loss": loss,
-            "p": logits[..., sel].softmax(-1).float(), "argmax": logits.argmax(-1), "t2d": t2d,
-            "mass": (logits[..., sel].logsumexp(-1) - logits.logsumexp(-1)).exp().float()}
+            loss[0, start : start + 2] = 0
+    return {
+        "aux": torch.randn(1, T, 3 * config.target_hidden_size, generator=gen),
+        "ids": torch.randint(0, V, (1, T), generator=gen),
+        "loss": loss,
+        "p": logits[..., sel].softmax(-1).float(),
+        "argmax": logits.argmax(-1),
+        "t2d": t2d,
+        "mass": (logits[..., sel].logsumexp(-1) - logits.logsumexp(-1)).exp().float(),
+    }
 
 
 def assembled(u: dict, rows: list[slice], seq_lens: list[list[int]] | None = None):
@@ -238,14 +264,23 @@ def assembled(u: dict, rows: list[slice], seq_lens: list[list[int]] | None = Non
     def take(x):
         out = torch.zeros((len(rows), L, *x.shape[2:]), dtype=x.dtype)
         for i, r in enumerate(rows):
-            out[i, :r.stop - r.start] = x[0, r]
+            out[i, : r.stop - r.start] = x[0, r]
         return out
 
     mask = take(torch.ones_like(u["loss"]))
     packed = None if seq_lens is None else torch.tensor(seq_lens)
-    return assemble_batch(take(u["aux"]), take(u["ids"]), mask, take(u["loss"]), take(u["p"]), take(u["mass"]),
-                          take(u["argmax"]), u["t2d"], None if packed is None else packed_positions(packed, L),
-                          packed)
+    return assemble_batch(
+        take(u["aux"]),
+        take(u["ids"]),
+        mask,
+        take(u["loss"]),
+        take(u["p"]),
+        take(u["mass"]),
+        take(u["argmax"]),
+        u["t2d"],
+        None if packed is None else packed_positions(packed, L),
+        packed,
+    )
 
 
 @pytest.mark.parametrize("masks", ["text", "chat"])
@@ -265,10 +300,13 @@ def test_a_packed_row_trains_on_what_its_documents_do_alone(masks):
     torch.testing.assert_close(a.step_loss, b.step_loss)
     # slots scored at step k: each document's tokens with a target k + 1 tokens ahead in that document
     loss = u["loss"][0]
-    expected = [sum(int(loss[s + 1 + k:s + n].sum()) for s, n in zip(starts, DOCS)) for k in range(3)]
+    expected = [
+        sum(int(loss[s + 1 + k : s + n].sum()) for s, n in zip(starts, DOCS)) for k in range(3)
+    ]
     assert a.total.tolist() == expected  # text: [12, 9, 6], chat: [9, 9, 6]
-    assert doc_remaining(packed.attention_mask, packed.seq_lens).tolist() == [[4, 3, 2, 1, 6, 5, 4, 3, 2, 1,
-                                                                               5, 4, 3, 2, 1]]
+    assert doc_remaining(packed.attention_mask, packed.seq_lens).tolist() == [
+        [4, 3, 2, 1, 6, 5, 4, 3, 2, 1, 5, 4, 3, 2, 1]
+    ]
 
 
 def test_rolling_never_reads_past_the_real_length():
@@ -299,7 +337,9 @@ def test_metrics_and_acceptance_length():
     out = ttt_forward(draft, batch, ttt_steps=3)
     acc = out.correct.double() / out.total.double()
     torch.testing.assert_close(out.accuracy, acc)
-    torch.testing.assert_close(out.acceptance_length, 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
+    torch.testing.assert_close(
+        out.acceptance_length, 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
+    )
     assert float(acceptance_length(torch.tensor([1.0, 1.0, 0.5]))) == 3.5
 
 

@@ -21,9 +21,13 @@ from spec_cli.options import NON_NEGATIVE, option
 @dataclass(frozen=True)
 class NormOptions:
     norm_weight: float = option(
-        0.5, "--norm-weight", help="--algorithm norm-eagle: weight of the squared difference between the "
-                                   "draft's fc norm and the target's hidden-state norm.", panel=OBJECTIVE,
-        allowed=NON_NEGATIVE)
+        0.5,
+        "--norm-weight",
+        help="--algorithm norm-eagle: weight of the squared difference between the "
+        "draft's fc norm and the target's hidden-state norm.",
+        panel=OBJECTIVE,
+        allowed=NON_NEGATIVE,
+    )
 
 
 def two_aux_layers(n: int) -> list[int]:

@@ -48,10 +48,14 @@ def documents(batch):
     B, T = batch.input_ids.shape
     doc = torch.full((B, T), -1)
     for b in range(B):
-        docs = batch.seq_lens[b].tolist() if batch.seq_lens is not None else [int(batch.attention_mask[b].sum())]
+        docs = (
+            batch.seq_lens[b].tolist()
+            if batch.seq_lens is not None
+            else [int(batch.attention_mask[b].sum())]
+        )
         start = 0
         for i, n in enumerate(docs):
-            doc[b, start:start + n] = i
+            doc[b, start : start + n] = i
             start += n
     return doc
 
@@ -69,26 +73,37 @@ def reference_states(draft, batch, rollouts):
         anchor = torch.cat(anchors)
         ids = torch.where(depth == 0, batch.input_ids[b, anchor], cfg.mask_token_id)
         mask_state = draft.project(draft.mask_hidden.weight)[0, 0]
-        hidden = torch.where((depth == 0)[:, None], draft.project(batch.aux_hidden[b, anchor]), mask_state)
+        hidden = torch.where(
+            (depth == 0)[:, None], draft.project(batch.aux_hidden[b, anchor]), mask_state
+        )
         position = pos[b, anchor] + depth
         da, dk = doc[b, anchor], doc[b, anchor]
-        same_doc = (da[:, None] == dk[None]) & (da[:, None] >= 0) | (da[:, None] < 0) & (dk[None] < 0)
-        allowed = same_doc & (((depth[None] == 0) & (anchor[None] <= anchor[:, None]))
-                              | ((anchor[None] == anchor[:, None]) & (depth[None] <= depth[:, None])))
+        same_doc = (da[:, None] == dk[None]) & (da[:, None] >= 0) | (da[:, None] < 0) & (
+            dk[None] < 0
+        )
+        allowed = same_doc & (
+            ((depth[None] == 0) & (anchor[None] <= anchor[:, None]))
+            | ((anchor[None] == anchor[:, None]) & (depth[None] <= depth[:, None]))
+        )
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         ang = position[:, None].float() * inv
         cos, sin = torch.cat([ang, ang], -1).cos()[None], torch.cat([ang, ang], -1).sin()[None]
         embeds = draft.embed_tokens(ids)[None]
         h = hidden[None]
         for i, layer in enumerate(draft.decoder_layers):
-            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], -1) if i == 0 else \
-                layer.input_layernorm(h)
+            x = (
+                torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], -1)
+                if i == 0
+                else layer.input_layernorm(h)
+            )
             a = layer.self_attn
             q = a.q_proj(x).view(1, -1, a.heads, a.head_dim).transpose(1, 2)
             k = a.k_proj(x).view(1, -1, a.kv_heads, a.head_dim).transpose(1, 2)
             v = a.v_proj(x).view(1, -1, a.kv_heads, a.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed[None, None], enable_gqa=True
+            )
             h = h + a.out(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         out.append((depth, anchor, h[0]))
@@ -98,32 +113,37 @@ def reference_states(draft, batch, rollouts):
 @pytest.mark.parametrize("layers,packed", [(1, False), (2, True)])
 def test_parallel_forward_matches_the_explicit_mask(layers, packed):
     draft = peagle_draft(num_hidden_layers=layers)
-    batch = packed_batch(draft.config) if packed else random_batch(draft.config, [20, 13], 20, seed=1)
+    batch = (
+        packed_batch(draft.config) if packed else random_batch(draft.config, [20, 13], 20, seed=1)
+    )
     torch.manual_seed(3)
     rollouts = sample_rollouts(valid_depths(batch, 5), 0.7, 0.2)
     B, T = batch.input_ids.shape
     pos = batch.position_ids if batch.position_ids is not None else torch.arange(T).expand(B, T)
     from spec_cli.draft.attention import Segments
+
     bias = Segments.from_seq_lens(batch.seq_lens, T) if packed else None
     state0, deep = draft.parallel_forward(batch.input_ids, batch.aux_hidden, pos, bias, rollouts)
     for b, (depth, anchor, ref) in enumerate(reference_states(draft, batch, rollouts)):
         real = torch.arange(T) < int(batch.attention_mask[b].sum())  # padding slots: any value
         torch.testing.assert_close(state0[b][real], ref[depth == 0][real], atol=1e-5, rtol=1e-4)
         for d, (rows, anchors) in enumerate(rollouts, start=1):
-            torch.testing.assert_close(deep[d - 1][rows == b], ref[depth == d], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                deep[d - 1][rows == b], ref[depth == d], atol=1e-5, rtol=1e-4
+            )
 
 
 def test_cod_keeps_the_stated_share_nested_and_uniformly():
     T, K, r, floor = 400, 6, 0.7, 0.2
     valid = torch.ones(K, 1, T, dtype=torch.bool)
     for d in range(K):
-        valid[d, 0, T - d:] = False  # the last d anchors have no target at depth d
+        valid[d, 0, T - d :] = False  # the last d anchors have no target at depth d
     hits = torch.zeros(T)
     for seed in range(200):
         rollouts = sample_rollouts(valid, r, floor, generator=torch.Generator().manual_seed(seed))
         prev = set(range(T))
         for d, (rows, anchors) in enumerate(rollouts, start=1):
-            assert len(anchors) == int((T - d) * max(r ** d, floor))  # the share of the valid anchors
+            assert len(anchors) == int((T - d) * max(r**d, floor))  # the share of the valid anchors
             kept = set(anchors.tolist())
             assert kept <= prev and all(a < T - d for a in kept)  # nested, and only valid anchors
             prev = kept
@@ -140,9 +160,11 @@ def test_evaluation_keeps_every_valid_element():
     unit = objective.plan(batch)[0]
     valid = valid_depths(batch, 4)
     for d, (rows, anchors) in enumerate(unit.rollouts, start=1):
-        nested = valid[1:d + 1].all(0)
-        assert torch.equal(torch.sort(rows * 100 + anchors).values, torch.sort(
-            nested.nonzero()[:, 0] * 100 + nested.nonzero()[:, 1]).values)
+        nested = valid[1 : d + 1].all(0)
+        assert torch.equal(
+            torch.sort(rows * 100 + anchors).values,
+            torch.sort(nested.nonzero()[:, 0] * 100 + nested.nonzero()[:, 1]).values,
+        )
 
 
 def test_the_loss_is_the_count_normalised_sum_over_supervised_elements():
@@ -154,8 +176,14 @@ def test_the_loss_is_the_count_normalised_sum_over_supervised_elements():
     T = batch.input_ids.shape[1]
     pos = packed_positions(batch.seq_lens, T)
     from spec_cli.draft.attention import Segments
-    state0, deep = draft.parallel_forward(batch.input_ids, batch.aux_hidden, pos,
-                                          Segments.from_seq_lens(batch.seq_lens, T), unit.rollouts)
+
+    state0, deep = draft.parallel_forward(
+        batch.input_ids,
+        batch.aux_hidden,
+        pos,
+        Segments.from_seq_lens(batch.seq_lens, T),
+        unit.rollouts,
+    )
     valid = valid_depths(batch, 4)
     total, count = 0.0, 0
     for d in range(4):
@@ -189,6 +217,7 @@ def test_segments_add_up_to_the_single_forward_in_value_and_gradient(segments):
     parted = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad(set_to_none=True)
     from spec_cli.draft.peagle.objective import split_back
+
     single = objective(batch, split_back(units))  # the same COD elements, one forward
     single.loss.backward()
     merged = outs[0].merge(outs)
@@ -210,9 +239,13 @@ def test_one_decoding_forward_proposes_what_training_scores():
     valid = torch.zeros(K, 1, 16, dtype=torch.bool)
     valid[:, 0, a] = True
     rollouts = sample_rollouts(valid, 1.0, 1.0, sample=False)
-    state0, deep = draft.parallel_forward(batch.input_ids, batch.aux_hidden, torch.arange(16)[None], None, rollouts)
+    state0, deep = draft.parallel_forward(
+        batch.input_ids, batch.aux_hidden, torch.arange(16)[None], None, rollouts
+    )
     cache = KVCache(2)
-    pending = decoding.catch_up(draft, cache, batch.input_ids[0, :a + 1], batch.aux_hidden[0, :a + 1])
+    pending = decoding.catch_up(
+        draft, cache, batch.input_ids[0, : a + 1], batch.aux_hidden[0, : a + 1]
+    )
     with torch.no_grad():
         proposal = decoding.propose(draft, cache, pending, K, 1, 0, 0.0, None)
     expected = [draft.logits(state0[0, a]).argmax()] + [draft.logits(s[0]).argmax() for s in deep]
@@ -232,19 +265,25 @@ def test_checkpointing_with_the_chunked_head_gives_the_same_loss_and_gradients(m
     chunks here), recomputed in backward; loss, metrics and gradients stay the plain head's."""
     from spec_cli.draft import losses
 
-    monkeypatch.setattr(losses, "HEAD_CHUNK_BYTES", 4 * 3 * tiny_config(algorithm="peagle").draft_vocab_size)
+    monkeypatch.setattr(
+        losses, "HEAD_CHUNK_BYTES", 4 * 3 * tiny_config(algorithm="peagle").draft_vocab_size
+    )
     draft = peagle_draft(num_hidden_layers=2)
     batch = packed_batch(draft.config, seed=2)
     params = [p for p in draft.parameters() if p.requires_grad]
     outs, grads = [], []
     for checkpointing in (False, True):
-        objective = PEagleObjective(draft, ObjectiveOptions(ttt_steps=4), activation_checkpointing=checkpointing)
+        objective = PEagleObjective(
+            draft, ObjectiveOptions(ttt_steps=4), activation_checkpointing=checkpointing
+        )
         torch.manual_seed(5)  # the same COD draw
         out = objective(batch)
         outs.append(out)
         grads.append(torch.autograd.grad(out.loss, params))
     torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(outs[1].step_loss, outs[0].step_loss, rtol=1e-6, atol=1e-7)
-    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(outs[1].supervised, outs[0].supervised)
+    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(
+        outs[1].supervised, outs[0].supervised
+    )
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

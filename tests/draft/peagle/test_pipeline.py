@@ -18,9 +18,18 @@ from spec_cli.export.source import load_source
 from tests.draft.runs import log, tampered, weights
 from tests.draft.runs import peagle_train_args as _train_args
 
-LAYER0 = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-          "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+LAYER0 = [
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,35 +62,108 @@ def test_segments_do_not_change_the_training_numbers(pipeline, tmp_path, monkeyp
     two = [r["loss"] for r in log(pipeline["root"] / "run") if r["split"] == "train"]
     one = [r["loss"] for r in log(tmp_path / "one") if r["split"] == "train"]
     assert one == pytest.approx(two, rel=1e-5)
-    norms = [[r["grad_norm"] for r in log(run) if r["split"] == "train"] for run in (tmp_path / "one", pipeline["root"] / "run")]
+    norms = [
+        [r["grad_norm"] for r in log(run) if r["split"] == "train"]
+        for run in (tmp_path / "one", pipeline["root"] / "run")
+    ]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # the step's gradient itself, before Adam
     # (gradients equal to fp32 rounding, tests/draft/peagle/test_objective.py; where one is tiny, Adam's
     # division by its RMS shows that rounding: up to ~1e-5 after 4 steps at lr 3e-3, 0.4% of one step)
     for key, value in weights(tmp_path / "one").items():
-        torch.testing.assert_close(value, weights(pipeline["root"] / "run")[key], rtol=1e-4, atol=3e-5)
+        torch.testing.assert_close(
+            value, weights(pipeline["root"] / "run")[key], rtol=1e-4, atol=3e-5
+        )
 
 
 @pytest.mark.slow
-def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(pipeline, tmp_path, monkeypatch):
+def test_live_streamed_and_served_supervision_train_the_same_numbers_as_the_cache(
+    pipeline, tmp_path, monkeypatch
+):
     from spec_cli.targets.hf_backend import HFTargetBackend
     from tests.serve.harness import start_server
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
-    common = ["-v", pipeline["vm"], "--algorithm", "peagle", "--ttt-steps", "4", "--max-steps", "4", "--lr",
-              "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--save-every", "4", "--dtype", "fp32",
-              "--peagle-segments", "2", "-q"]
-    assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]),
-                 "-o", str(tmp_path / "live"), *common]) == 0
-    assert main(["train", "--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--stream",
-                 "-o", str(tmp_path / "streamed"), *common]) == 0
-    assert all(torch.equal(v, weights(tmp_path / "live")[k]) for k, v in weights(tmp_path / "streamed").items())
-    aux = json.loads((sorted((pipeline["root"] / "run" / "checkpoints").iterdir())[-1] / "config.json")
-                     .read_text())["aux_layer_ids"]
+    common = [
+        "-v",
+        pipeline["vm"],
+        "--algorithm",
+        "peagle",
+        "--ttt-steps",
+        "4",
+        "--max-steps",
+        "4",
+        "--lr",
+        "3e-3",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--save-every",
+        "4",
+        "--dtype",
+        "fp32",
+        "--peagle-segments",
+        "2",
+        "-q",
+    ]
+    assert (
+        main(
+            [
+                "train",
+                "--target",
+                str(pipeline["target"]),
+                "--data",
+                str(pipeline["data"]),
+                "-o",
+                str(tmp_path / "live"),
+                *common,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--target",
+                str(pipeline["target"]),
+                "--data",
+                str(pipeline["data"]),
+                "--stream",
+                "-o",
+                str(tmp_path / "streamed"),
+                *common,
+            ]
+        )
+        == 0
+    )
+    assert all(
+        torch.equal(v, weights(tmp_path / "live")[k])
+        for k, v in weights(tmp_path / "streamed").items()
+    )
+    aux = json.loads(
+        (
+            sorted((pipeline["root"] / "run" / "checkpoints").iterdir())[-1] / "config.json"
+        ).read_text()
+    )["aux_layer_ids"]
     backend = HFTargetBackend(pipeline["target"], aux, device="cpu", dtype="fp32")
     handle = start_server(backend, pipeline["target"])
     try:
-        assert main(["train", "--remote", handle.url, "--data", str(pipeline["data"]),
-                     "-o", str(tmp_path / "served"), *common]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--remote",
+                    handle.url,
+                    "--data",
+                    str(pipeline["data"]),
+                    "-o",
+                    str(tmp_path / "served"),
+                    *common,
+                ]
+            )
+            == 0
+        )
     finally:
         handle.stop(grace=5)
         backend.close()
@@ -104,23 +186,59 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
     from tests.test_distributed import stopped_then_resumed
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
-    common = ["-v", pipeline["vm"], "--algorithm", "peagle", "--ttt-steps", "4", "--max-steps", "3", "--lr",
-              "3e-3", "--batch-tokens", "512", "--eval-fraction", "0.2", "--eval-every", "3", "--save-every", "3",
-              "--precision", "fp32", "-q"]
+    common = [
+        "-v",
+        pipeline["vm"],
+        "--algorithm",
+        "peagle",
+        "--ttt-steps",
+        "4",
+        "--max-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--batch-tokens",
+        "512",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        "--precision",
+        "fp32",
+        "-q",
+    ]
     cache = ["--cache", str(pipeline["root"] / "cache")]
-    runs = {"cache": cache, "packed": [*cache, "--pack"], "fsdp": [*cache, "--fsdp"],
-            "live": ["--target", str(pipeline["target"]), "--data", str(pipeline["data"]), "--dtype", "fp32"]}
+    runs = {
+        "cache": cache,
+        "packed": [*cache, "--pack"],
+        "fsdp": [*cache, "--fsdp"],
+        "live": [
+            "--target",
+            str(pipeline["target"]),
+            "--data",
+            str(pipeline["data"]),
+            "--dtype",
+            "fp32",
+        ],
+    }
     # (the same losses and gradient norms to 1e-7; the depth-0 keys' gradients are summed from each depth's
     # grid and the gathered rows, so Adam shows their rounding in k_proj up to ~2e-5, 0.6% of one step)
     context_parallel_equals_one_process(runs, common, tmp_path, atol=5e-5)
     for name in runs:
-        one, cp = ([r for r in log(tmp_path / f"{kind}-{name}") if r["split"] == "eval"] for kind in ("one", "cp"))
+        one, cp = (
+            [r for r in log(tmp_path / f"{kind}-{name}") if r["split"] == "eval"]
+            for kind in ("one", "cp")
+        )
         assert one and cp[-1]["loss"] == pytest.approx(one[-1]["loss"], rel=1e-5)
         assert cp[-1]["acc"] == pytest.approx(one[-1]["acc"], abs=1e-12)
     # stopped after its first step and resumed under the group: the COD seeds come from the restored RNG
     stopped = ["train", *cache, "-o", str(tmp_path / "stopped"), "--context-parallel", "2", *common]
-    torchrun([[*stopped, "--max-time", "0.001s", "--save-every", "1"], [*stopped, "--resume"]],
-             tmp_path / "launch-resume")
+    torchrun(
+        [[*stopped, "--max-time", "0.001s", "--save-every", "1"], [*stopped, "--resume"]],
+        tmp_path / "launch-resume",
+    )
     stopped_then_resumed(tmp_path / "stopped")
     straight = weights(tmp_path / "cp-cache")
     assert all(torch.equal(v, straight[k]) for k, v in weights(tmp_path / "stopped").items())
@@ -141,20 +259,60 @@ def test_segments_are_refused_under_context_parallelism():
     assert objective.context is None
 
 
-def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_path, monkeypatch, capsys):
+def test_speculative_decoding_gives_the_targets_own_greedy_text(
+    pipeline, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     out = tmp_path / "eval"
-    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
-                 str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "8", "--depth", "4",
-                 "-o", str(out), "-q"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(pipeline["target"]),
+                "--draft",
+                str(pipeline["root"] / "run"),
+                "--prompts",
+                str(pipeline["prompts"]),
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--depth",
+                "4",
+                "-o",
+                str(out),
+                "-q",
+            ]
+        )
+        == 0
+    )
     overall = json.loads((out / "eval.json").read_text())["overall"]
     assert overall["same_as_target"] == overall["turns"] > 0 and sum(overall["verified"]) > 0
     assert overall["draft_ms_per_cycle"] > 0 and 0 < overall["draft_share"] < 1
     records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert all(0 < r["draft_seconds"] < r["spec_seconds"] for r in records)
-    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
-                 str(pipeline["prompts"]), "--num-prompts", "1", "--topk", "3", "-o", str(tmp_path / "t"),
-                 "-q"]) == 1
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(pipeline["target"]),
+                "--draft",
+                str(pipeline["root"] / "run"),
+                "--prompts",
+                str(pipeline["prompts"]),
+                "--num-prompts",
+                "1",
+                "--topk",
+                "3",
+                "-o",
+                str(tmp_path / "t"),
+                "-q",
+            ]
+        )
+        == 1
+    )
     assert "--topk 1" in capsys.readouterr().err
 
 
@@ -162,8 +320,24 @@ def test_speculative_decoding_gives_the_targets_own_greedy_text(pipeline, tmp_pa
 def exports(pipeline, tmp_path_factory):
     root = tmp_path_factory.mktemp("peagle-exports")
     for fmt in ("vllm", "speculators"):
-        assert main(["export", str(pipeline["root"] / "run"), "--format", fmt, "--dtype", "fp32",
-                     "--engine-check", "none", "-o", str(root / fmt), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "export",
+                    str(pipeline["root"] / "run"),
+                    "--format",
+                    fmt,
+                    "--dtype",
+                    "fp32",
+                    "--engine-check",
+                    "none",
+                    "-o",
+                    str(root / fmt),
+                    "-q",
+                ]
+            )
+            == 0
+        )
     return root
 
 
@@ -171,7 +345,14 @@ def exports(pipeline, tmp_path_factory):
 def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
     tensors = load_file(str(exports / fmt / "model.safetensors"))
     first = "midlayer." if fmt == "vllm" else "layers.0."
-    want = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "mask_hidden", *(first + k for k in LAYER0)}
+    want = {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "mask_hidden",
+        *(first + k for k in LAYER0),
+    }
     if fmt == "speculators":
         want |= {"t2d", "embed_tokens.weight"}
     assert set(tensors) == want
@@ -181,8 +362,14 @@ def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
     config = json.loads((exports / fmt / "config.json").read_text())
     assert config["mask_token_id"] == src.config.mask_token_id
     readme = (exports / fmt / "README.md").read_text()
-    assert "## Parallel drafting" in readme and f"token {src.config.mask_token_id} standing in" in readme
-    assert "P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34" in readme
+    assert (
+        "## Parallel drafting" in readme
+        and f"token {src.config.mask_token_id} standing in" in readme
+    )
+    assert (
+        "P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34"
+        in readme
+    )
     if fmt == "vllm":
         assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
         assert '"method": "eagle3"' in readme and '"parallel_drafting": true' in readme
@@ -192,36 +379,89 @@ def test_each_format_has_what_parallel_drafting_reads(exports, pipeline, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
-def test_an_installed_vllm_034_refuses_the_export_with_the_releases_that_serve_it(pipeline, tmp_path, capsys,
-                                                                                 monkeypatch, fmt):
+def test_an_installed_vllm_034_refuses_the_export_with_the_releases_that_serve_it(
+    pipeline, tmp_path, capsys, monkeypatch, fmt
+):
     from spec_cli.engine import vllm
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     monkeypatch.setenv("SPEC_ENGINE_CHECK", "auto")  # (the tests' default is none)
     monkeypatch.setattr(vllm, "available", lambda: True)
     monkeypatch.setattr(vllm, "version", lambda: "0.34.0")
-    assert main(["export", str(pipeline["root"] / "run"), "--format", fmt, "-o", str(tmp_path / "x"), "-q"]) == 1
+    assert (
+        main(
+            [
+                "export",
+                str(pipeline["root"] / "run"),
+                "--format",
+                fmt,
+                "-o",
+                str(tmp_path / "x"),
+                "-q",
+            ]
+        )
+        == 1
+    )
     err = " ".join(capsys.readouterr().err.split())
-    assert ("the installed vLLM cannot serve P-EAGLE drafts: vLLM 0.34.0 does not serve eagle3 drafts with "
-            "parallel_drafting: 0.34 removed them along with its V1 model runner") in err
-    assert "install vllm>=0.32,<0.34" in err and "--engine-check none" in err and "Traceback" not in err
+    assert (
+        "the installed vLLM cannot serve P-EAGLE drafts: vLLM 0.34.0 does not serve eagle3 drafts with "
+        "parallel_drafting: 0.34 removed them along with its V1 model runner"
+    ) in err
+    assert (
+        "install vllm>=0.32,<0.34" in err
+        and "--engine-check none" in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "x").exists()
 
 
-def test_vllm_034_in_the_loop_eval_and_tune_is_refused_before_anything_runs(pipeline, tmp_path, capsys, monkeypatch):
+def test_vllm_034_in_the_loop_eval_and_tune_is_refused_before_anything_runs(
+    pipeline, tmp_path, capsys, monkeypatch
+):
     from spec_cli.engine import vllm
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     monkeypatch.setattr(vllm, "available", lambda: True)
     monkeypatch.setattr(vllm, "version", lambda: "0.34.0")
     removed = "vLLM 0.34.0 does not serve eagle3 drafts with parallel_drafting"
-    assert main([*_train_args(pipeline["root"], pipeline["vm"], tmp_path / "loop"), "--eval-engine", "vllm"]) == 1
+    assert (
+        main(
+            [
+                *_train_args(pipeline["root"], pipeline["vm"], tmp_path / "loop"),
+                "--eval-engine",
+                "vllm",
+            ]
+        )
+        == 1
+    )
     err = " ".join(capsys.readouterr().err.split())
-    assert f"--eval-engine vllm cannot run P-EAGLE drafts here: {removed}" in err and "install vllm>=0.32,<0.34" in err
+    assert (
+        f"--eval-engine vllm cannot run P-EAGLE drafts here: {removed}" in err
+        and "install vllm>=0.32,<0.34" in err
+    )
     assert not (tmp_path / "loop" / "checkpoints").exists()
-    assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(pipeline["root"] / "run"), "--prompts",
-                 str(pipeline["prompts"]), "--engine", "vllm", "-o", str(tmp_path / "e"), "-q"]) == 1
-    assert f"spec eval cannot run P-EAGLE drafts in vLLM here: {removed}" in " ".join(capsys.readouterr().err.split())
+    assert (
+        main(
+            [
+                "eval",
+                "-t",
+                str(pipeline["target"]),
+                "--draft",
+                str(pipeline["root"] / "run"),
+                "--prompts",
+                str(pipeline["prompts"]),
+                "--engine",
+                "vllm",
+                "-o",
+                str(tmp_path / "e"),
+                "-q",
+            ]
+        )
+        == 1
+    )
+    assert f"spec eval cannot run P-EAGLE drafts in vLLM here: {removed}" in " ".join(
+        capsys.readouterr().err.split()
+    )
 
 
 def test_training_says_which_engines_serve_the_draft(pipeline, tmp_path, capsys, monkeypatch):
@@ -229,19 +469,34 @@ def test_training_says_which_engines_serve_the_draft(pipeline, tmp_path, capsys,
     args = [a for a in _train_args(pipeline["root"], pipeline["vm"], tmp_path / "run") if a != "-q"]
     assert main([*args, "--max-steps", "1", "--save-every", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert ("P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34 (it removed its "
-            "V1 model runner, and them with it) nor by SGLang") in out
+    assert (
+        "P-EAGLE drafts are served by vLLM 0.32-0.33 (its V1 model runner); not by vLLM 0.34 (it removed its "
+        "V1 model runner, and them with it) nor by SGLang"
+    ) in out
     assert out.index("served by") < out.index("step 1/1")  # at its start
 
 
 def test_sglang_is_refused_with_the_reason(pipeline, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
-    assert main(["export", str(pipeline["root"] / "run"), "--format", "sglang", "-o", str(tmp_path / "x"),
-                 "-q"]) == 1
-    assert "peagle drafts are not written as --format sglang; use one of vllm, speculators" in \
-        " ".join(capsys.readouterr().err.split())
+    assert (
+        main(
+            [
+                "export",
+                str(pipeline["root"] / "run"),
+                "--format",
+                "sglang",
+                "-o",
+                str(tmp_path / "x"),
+                "-q",
+            ]
+        )
+        == 1
+    )
+    assert (
+        "peagle drafts are not written as --format sglang; use one of vllm, speculators"
+        in " ".join(capsys.readouterr().err.split())
+    )
     assert not (tmp_path / "x").exists()
-
 
 
 def _swap_mask_chunks(t):
@@ -249,15 +504,29 @@ def _swap_mask_chunks(t):
     t["mask_hidden"] = torch.cat([m[1], m[0], m[2]]).view(1, 1, -1)
 
 
-@pytest.mark.parametrize("fmt, edit_tensors, edit_config, message", [
-    ("vllm", lambda t: t.pop("mask_hidden"), None, "mask_hidden is not in the file"),
-    ("vllm", _swap_mask_chunks, None, "predictions differ"),
-    ("vllm", lambda t: t.update({"mask_hidden": t["mask_hidden"] * 1.5}), None, "predictions differ"),
-    ("vllm", None, lambda c: c.update({"mask_token_id": c["mask_token_id"] + 1}), "mask_token_id"),
-    ("speculators", None, lambda c: c.pop("mask_token_id"), "without mask_token_id"),
-])
-def test_the_self_check_catches_what_vllm_would_load_wrongly(exports, pipeline, tmp_path, fmt, edit_tensors,
-                                                            edit_config, message):
+@pytest.mark.parametrize(
+    "fmt, edit_tensors, edit_config, message",
+    [
+        ("vllm", lambda t: t.pop("mask_hidden"), None, "mask_hidden is not in the file"),
+        ("vllm", _swap_mask_chunks, None, "predictions differ"),
+        (
+            "vllm",
+            lambda t: t.update({"mask_hidden": t["mask_hidden"] * 1.5}),
+            None,
+            "predictions differ",
+        ),
+        (
+            "vllm",
+            None,
+            lambda c: c.update({"mask_token_id": c["mask_token_id"] + 1}),
+            "mask_token_id",
+        ),
+        ("speculators", None, lambda c: c.pop("mask_token_id"), "without mask_token_id"),
+    ],
+)
+def test_the_self_check_catches_what_vllm_would_load_wrongly(
+    exports, pipeline, tmp_path, fmt, edit_tensors, edit_config, message
+):
     src = load_source(pipeline["root"] / "run")
     check_export(exports / fmt, fmt, src, torch.float32)  # the untouched export passes
     folder = tampered(exports, tmp_path, fmt, edit_tensors, edit_config)
@@ -266,12 +535,37 @@ def test_the_self_check_catches_what_vllm_would_load_wrongly(exports, pipeline, 
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
-def test_spec_eval_reads_an_export_as_its_engine_does(exports, pipeline, tmp_path, fmt, monkeypatch):
+def test_spec_eval_reads_an_export_as_its_engine_does(
+    exports, pipeline, tmp_path, fmt, monkeypatch
+):
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
     results = []
     for name, draft in (("run", pipeline["root"] / "run"), ("export", exports / fmt)):
-        assert main(["eval", "-t", str(pipeline["target"]), "--draft", str(draft), "--prompts",
-                     str(pipeline["prompts"]), "--num-prompts", "2", "--max-new-tokens", "8", "--depth", "3",
-                     "-o", str(tmp_path / name), "-q"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "-t",
+                    str(pipeline["target"]),
+                    "--draft",
+                    str(draft),
+                    "--prompts",
+                    str(pipeline["prompts"]),
+                    "--num-prompts",
+                    "2",
+                    "--max-new-tokens",
+                    "8",
+                    "--depth",
+                    "3",
+                    "-o",
+                    str(tmp_path / name),
+                    "-q",
+                ]
+            )
+            == 0
+        )
         results.append(json.loads((tmp_path / name / "eval.json").read_text())["overall"])
-    assert results[0]["accepted"] == results[1]["accepted"] and results[0]["verified"] == results[1]["verified"]
+    assert (
+        results[0]["accepted"] == results[1]["accepted"]
+        and results[0]["verified"] == results[1]["verified"]
+    )
