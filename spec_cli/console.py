@@ -254,15 +254,18 @@ class ProgressLines:
         unit: str,
         rate: str | None = None,
         completed: int = 0,
+        announce: bool = True,
     ):
+        """announce False: no start line (the stage has said its work in its own words)."""
         self.description, self.total, self.unit, self.rate = description, total, unit, rate
         self.completed, self.advanced, self.counted = completed, 0, 0
         self.start = self.advanced_at = self.said_at = _now()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        what = f"{_amount(total - completed)} {unit} to do" if total is not None else "started"
-        before = f" ({_amount(completed)} done before)" if completed else ""
-        self._say(f"{description}: {what}{before}")
+        if announce:
+            what = f"{_amount(total - completed)} {unit} to do" if total is not None else "started"
+            before = f" ({_amount(completed)} done before)" if completed else ""
+            self._say(f"{description}: {what}{before}")
         self._thread = threading.Thread(target=self._heartbeat, name="progress-lines", daemon=True)
         self._thread.start()
 
@@ -274,6 +277,12 @@ class ProgressLines:
             self.advanced_at = _now()
             if self.total is None or self.completed < self.total:  # the last line says the end
                 self._line_if_due()
+
+    def heard(self) -> None:
+        """The stage printed its own progress just now (`spec train`'s step records): the next
+        line comes LINE_INTERVAL_S after it, so lines fill only the silences between records."""
+        with self._lock:
+            self.said_at = _now()
 
     def tick(self) -> None:
         """A line if none came for LINE_INTERVAL_S (the heartbeat calls it)."""

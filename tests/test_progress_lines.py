@@ -144,3 +144,44 @@ def test_a_long_message_stays_one_line_in_a_log(capsys):
     info(f"exporting {path} for vLLM")
     # (rich would wrap it at 80 columns)
     assert capsys.readouterr().out == f"exporting {path} for vLLM\n"
+
+
+def test_train_off_a_terminal_fills_only_the_silences_between_its_step_records(
+    clock, capsys, tmp_path
+):
+    """`spec train` prints a record every --log-every steps; a line of its own comes only when no
+    record came for LINE_INTERVAL_S (slow steps before the first record), with the steps' rate and
+    the time left, and none at the start or the end (the run's own lines say those)."""
+    from spec_cli.trainer.log import TrainLogger
+
+    def record(step: int) -> dict:
+        return {
+            "split": "train",
+            "step": step,
+            "loss": 2.0,
+            "acc": [0.5],
+            "acceptance_length": 1.5,
+            "tokens_per_s": 100.0,
+            "steps_in_record": 1,
+        }
+
+    log = TrainLogger(tmp_path, total_steps=100, start_step=10)
+    try:
+        clock[0] += 20
+        log.step(tokens=1000)  # step 11 at 20 s: too soon
+        clock[0] += 20
+        log.step(tokens=1000)  # step 12 at 40 s, no record yet: a line
+        clock[0] += 5
+        log.log(record(12))  # a record at 45 s: the next line is due 30 s after it
+        clock[0] += 27
+        log.step(tokens=1000)  # 72 s: 32 s after the last line but 27 s after the record: none
+        clock[0] += 8
+        log.step(tokens=1000)  # 80 s, 35 s after the record: a line
+    finally:
+        log.close()
+    printed = lines(capsys)
+    # at 40 s: 2 steps, 2,000 tokens -> 50 tokens/s; 88 steps left at 20 s each
+    # at 80 s: 4 steps, 4,000 tokens in 80 s -> 50 tokens/s; 86 steps x 20 s
+    assert printed[0] == "train: 12/100 steps, 50 tokens/s, 40s so far, 29m20s left"
+    assert printed[1].startswith("step 12/100  loss 2.0000")
+    assert printed[2:] == ["train: 14/100 steps, 50 tokens/s, 1m20s so far, 28m40s left"]

@@ -73,8 +73,8 @@ TREES = (
     (2, 8),
     (4, 16),
 )  # --engine torch: (top-k, nodes verified) of the EAGLE-2 trees swept at each depth
-# vLLM's output tokens/s at batch size b over one request's: about b ** 0.7 (measured on SmolLM2 on
-# CPU: batch 4 3.6x, batch 16 6.9x); _Forecast scales the first run's pace by it
+# vLLM's output tokens/s at batch size b over one request's: about b ** 0.7 (SmolLM2 on a CPU;
+# docs/results.md); _Forecast scales the first run's pace by it, and `spec demo`'s clock its tune stage
 BATCH_SPEED_POWER = 0.7
 
 

@@ -12,7 +12,16 @@ from rich.live import Live
 from rich.table import Table
 
 from spec_cli.artifacts.io import atomic_path
-from spec_cli.console import Bar, console, info, is_quiet, progress_display, progress_enabled
+from spec_cli.console import (
+    Bar,
+    ProgressLines,
+    console,
+    info,
+    is_quiet,
+    progress_display,
+    progress_enabled,
+    progress_lines_enabled,
+)
 
 
 def _fmt_acc(acc: list[float], n: int = 4) -> str:
@@ -66,6 +75,9 @@ class TrainLogger:
         self.last_eval: dict | None = None
         self.last_engine: dict | None = None  # --eval-engine's last answer
         self.tb = None
+        self.lines: ProgressLines | None = (
+            None  # off a terminal: lines in the silences between records
+        )
         if not enabled:
             return
         forget_after(self.path, start_step)
@@ -84,11 +96,22 @@ class TrainLogger:
                 self._view(None), console=console, refresh_per_second=2, transient=False
             )
             self.live.start()
+        elif progress_lines_enabled():
+            self.lines = ProgressLines(
+                "train" if world == 1 else "train (rank 0)",
+                total_steps,
+                unit="steps",
+                rate="tokens",
+                completed=start_step,
+                announce=False,  # the run's own "training: ..." line says the work
+            )
 
     def step(self, tokens: int) -> None:
         """One optimizer step done, over `tokens` tokens of this process."""
         if self.bar is not None:
             self.bar.advance(1, count=tokens)
+        if self.lines is not None:
+            self.lines.advance(1, count=tokens)
 
     def _view(self, record: dict | None) -> Group:
         return Group(self._table(record), self.display)
@@ -163,6 +186,8 @@ class TrainLogger:
                     )
                     + f"eta {record['eta_s'] / 60:.1f} min"
                 )
+                if self.lines is not None:
+                    self.lines.heard()
             else:
                 info(
                     f"eval @ {record['step']}  loss {record['loss']:.4f}  acc {_fmt_acc(record['acc'])}  "
@@ -190,6 +215,9 @@ class TrainLogger:
             info(text)
 
     def close(self) -> None:
+        if self.lines is not None:  # (no last line: the run's summary says its steps and time)
+            self.lines.stop()
+            self.lines = None
         if self.live is not None:
             self.live.stop()
             self.live = None

@@ -184,7 +184,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
         "tune",
     }
     assert all(v > 0 for v in estimate["speeds"].values()) and estimate["minutes"] > 0
-    from spec_cli.stages.demo_clock import ENGINE_SLOWDOWN, OVERHEAD
+    from spec_cli.stages.demo.clock import ENGINE_SLOWDOWN, OVERHEAD
 
     engine_tokens = (
         2 * TINY.engine_prompts * 2 * TINY.engine_tokens * 2
@@ -507,7 +507,7 @@ def test_the_estimate_counts_the_chains_the_mt_bench_eval_compares():
     what the machine measured (demo_clock.chains_compared), a list's is its length."""
     from dataclasses import replace
 
-    from spec_cli.stages.demo_clock import OVERHEAD, Speeds, stage_seconds
+    from spec_cli.stages.demo.clock import OVERHEAD, Speeds, stage_seconds
 
     speeds = Speeds(batched_decode=100.0, prefill=1000.0, decode=10.0, train=500.0)
     one_pass = TINY.eval_prompts * 2 * TINY.eval_max_new_tokens / 10.0 * OVERHEAD["eval"]
@@ -528,7 +528,7 @@ def test_the_estimate_of_a_one_pass_profile_moves_the_cache_into_regenerate():
     the answers alone."""
     from dataclasses import replace
 
-    from spec_cli.stages.demo_clock import OVERHEAD, TOKENS_PER_CONVERSATION, Speeds, stage_seconds
+    from spec_cli.stages.demo.clock import OVERHEAD, TOKENS_PER_CONVERSATION, Speeds, stage_seconds
 
     speeds = Speeds(batched_decode=100.0, prefill=1000.0, decode=10.0, train=500.0)
     profile = replace(TINY, one_pass_samples=40)
@@ -602,7 +602,7 @@ def test_an_estimate_measured_on_a_busy_machine_says_so(tmp_path, capsys, monkey
     """The start-of-run estimate comes from speeds measured now: on a crowded machine they are low and the
     estimate long (625 minutes once, 30 when quiet), so the line says the machine was busy."""
     from spec_cli import threads
-    from spec_cli.stages import demo_clock
+    from spec_cli.stages.demo import clock as demo_clock
     from spec_cli.ui import print_demo_summary
 
     class Busy:

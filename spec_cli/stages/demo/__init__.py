@@ -339,9 +339,9 @@ def data_dtype(cfg: DemoConfig) -> str | None:
 
 
 def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> dict | None:
-    """This machine's speed at each kind of step, measured now (spec_cli/stages/demo_clock.py), and the
+    """This machine's speed at each kind of step, measured now (spec_cli/stages/demo/clock.py), and the
     minutes the stages not yet done will take at it; None when every stage is done."""
-    from spec_cli.stages import demo_clock
+    from spec_cli.stages.demo import clock as demo_clock
 
     stages = (
         "regenerate",

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from spec_cli.stages.tune import BATCH_SPEED_POWER
 from spec_cli.targets import loading
 
 # counted on the demo's data (machine-independent): answer tokens regenerate writes per sample (7,810
@@ -65,11 +66,11 @@ FIXED_SECONDS = 40.0  # assets, vocab map, the export and its checks (measured: 
 # evaluation's decoding took 1.7x its tokens at the clock's one-row speed (vLLM on one thread, beside
 # training): 1.7 x 0.24 = 0.4 of those seconds are added to the stage. The closing `spec tune`: its
 # engines' loading and the check of the recommended config (TUNE_FIXED_SECONDS), then its decoding, whose
-# tokens/s at batch b is the one-row decode's times b ** TUNE_BATCH_POWER (measured in vLLM on SmolLM2:
-# batch 4 3.6x, batch 16 6.9x one row's), TUNE_OVERHEAD longer (the same demo: 247 s against 189 s).
+# tokens/s at batch b is the one-row decode's times b ** TUNE_BATCH_POWER (spec tune's own forecast),
+# TUNE_OVERHEAD longer (the same demo: 247 s against 189 s).
 ENGINE_SLOWDOWN = 0.4
 TUNE_FIXED_SECONDS = {"vllm": 75.0, "torch": 5.0}
-TUNE_BATCH_POWER = 0.7
+TUNE_BATCH_POWER = BATCH_SPEED_POWER
 TUNE_OVERHEAD = 1.3
 # spec eval --engine vllm: two engines loaded, then the turns at the one-row speed (measured on the default
 # demo, AMX cores: 1.5 min, the engines 0.5 of it)
