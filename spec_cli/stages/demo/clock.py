@@ -43,7 +43,7 @@ SUPERVISED_SHARE = (
 # and on the same cores capped to AVX2 (1,150 tokens/s in the loop against 1,414 calibrated, evals and
 # checkpoints every 50 steps: ~1.28x); the cache's reading beside the step is most of it. Not refitted
 # on the EPYC cores (its old factor, 0.62, went with a calibration step that scored every slot); the
-# demo states its total again once training has run 50 steps (stages/demo.py TrainPace).
+# demo states its total again once training has run 50 steps (stages/demo/__init__.py TrainPace).
 OVERHEAD = {
     "regenerate/vllm": 0.33,
     "regenerate/transformers": 2.1,
