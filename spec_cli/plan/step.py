@@ -9,9 +9,10 @@ draft upcasts its softmaxes and norms itself, so the two autocast policies give 
 every op the step runs. The attention runs the CPU's fused kernel, whose outputs (out, lse) are the
 CUDA kernel's sizes. Every slot of the batch carries a loss (the upper bound; real data masks some).
 
-Two steps run and the second is measured: the first makes the optimizer's state (AdamW's moments),
-which is then resident, as in every step of a real run after the first. A third forward and backward
-counts the FLOPs (torch's FlopCounterMode keeps references that would inflate the memory).
+The measured step is a real run's second: the optimizer's own step, on gradients shaped as the
+parameters', first makes its state (AdamW's moments), which is then resident, as in every step of a
+real run after the first. The measured step's forward and backward also count its FLOPs, by torch's
+formulas (FlopCounterMode's; its module tracking keeps references the memory would count).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from spec_cli.batch import TargetBatch
 from spec_cli.draft.algorithm import FINAL_HIDDEN, LM_HEAD, Algorithm  # noqa: F401
@@ -81,6 +83,27 @@ ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_fwd,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_bwd,
 }
+
+
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the ops run under it (matmuls and attention, as torch's FlopCounterMode counts them,
+    with ATTENTION_FLOPS), holding no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+        self._formulas = {
+            **flop_registry,
+            **{k: shape_wrapper(f) for k, f in ATTENTION_FLOPS.items()},
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self._formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def plan_batch(
@@ -176,22 +199,21 @@ def measure_step(
         )
         memory = LiveBytes()
         memory.track(list(draft.parameters()), list(draft.buffers()), data.tensors())
-        flops = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+        flops = FlopCount()
         with memory:
-            for measured in (False, True):
-                if measured:
-                    resident = memory.now
-                    memory.reset_peak()
+            # the optimizer's state, made by its own step (the gradients are freed by it)
+            for p in params:
+                p.grad = torch.empty_like(p)
+            optimizer_step(params, optimizer, grad_clip)
+            resident = memory.now
+            memory.reset_peak()
+            with flops:
                 forward_backward(objective, objective, data, 1, autocast)
-                optimizer_step(params, optimizer, grad_clip)
-        with (
-            flops
-        ):  # a step of its own: the counter holds on to what it sees, which the memory would count
-            forward_backward(objective, objective, data, 1, autocast)
+            optimizer_step(params, optimizer, grad_clip)
         return StepMeasure(
             resident=resident,
             peak=memory.peak,
-            flops=int(flops.get_total_flops()),
+            flops=int(flops.total),
             trained=sum(p.numel() for p in params),
             frozen=sum(p.numel() for p in draft.parameters() if not p.requires_grad),
             batch_bytes=sum(t.numel() * t.element_size() for t in data.tensors().values()),
