@@ -37,27 +37,76 @@ def assert_same(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def remote_args(setup, url, out) -> list[str]:
+    """live_args's run with its supervision from a `spec serve-target` at `url` (--remote)."""
+    args = [
+        a
+        for a in live_args(setup, out, "replica")
+        if a not in ("--target-parallel", "replica", "--dtype", "fp32")
+    ]
+    args[args.index(str(setup["target"]))] = url
+    args[args.index("--target")] = "--remote"
+    return [*args, *FP32]
+
+
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, train_setup, eagle_pipeline) -> dict:
+    """Every two-process run of this module in one torchrun launch (tests/launch.py), the 2 x 2 run in
+    one of four. A server in this process supervises `--remote` runs: one process's (before the launch)
+    and a context-parallel group's (in it); "calls" holds the batch shapes it ran for each."""
+    from spec_cli.serve.plane import PlaneHost
+    from tests.serve.harness import load_backend, start_server
+
     root = tmp_path_factory.mktemp("context")
     out = {
         name: root / name
-        for name in ("cp", "cp-fsdp", "cp-stopped", "eagle-cp", "cp2x2", "live-cp")
+        for name in (
+            "cp",
+            "cp-fsdp",
+            "cp-stopped",
+            "eagle-cp",
+            "cp2x2",
+            "live-cp",
+            "remote-one",
+            "remote-cp",
+        )
     }
     cp = ("--context-parallel", "2", *FP32)
-    torchrun(
-        [
-            eagle3_args(train_setup, out["cp"], *cp),
-            eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
-            eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
-            eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
-            eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume"),
-            [*live_args(train_setup, out["live-cp"], "replica"), *cp],
-        ],
-        root / "launch",
+    server = start_server(
+        load_backend(train_setup["target"]),
+        train_setup["target"],
+        plane=PlaneHost("127.0.0.1", 0, timeout=60),
     )
+    calls = []
+    real = server.logic.backend.generate_batch
+    server.logic.backend.generate_batch = lambda *a, **k: (
+        calls.append(a[0].shape if a else k["input_ids"].shape) or real(*a, **k)
+    )
+    try:
+        assert main(remote_args(train_setup, server.url, out["remote-one"])) == 0
+        alone = list(calls)
+        calls.clear()
+        torchrun(
+            [
+                eagle3_args(train_setup, out["cp"], *cp),
+                eagle3_args(train_setup, out["cp-stopped"], *cp, "--max-time", "0.001s"),
+                eagle3_args(train_setup, out["cp-fsdp"], *cp, "--fsdp"),
+                eagle_args(eagle_pipeline, out["eagle-cp"], *cp),
+                eagle3_args(train_setup, out["cp-stopped"], *cp, "--resume"),
+                [*live_args(train_setup, out["live-cp"], "replica"), *cp],
+                [
+                    *remote_args(train_setup, server.url, out["remote-cp"]),
+                    "--context-parallel",
+                    "2",
+                ],
+            ],
+            root / "launch",
+        )
+    finally:
+        server.stop(grace=5)
+        server.logic.backend.close()
     torchrun([eagle3_args(train_setup, out["cp2x2"], *cp)], root / "launch-4", processes=4)
-    return out
+    return {**out, "calls": {"alone": alone, "group": list(calls)}}
 
 
 @pytest.fixture(scope="module")
@@ -198,39 +247,12 @@ def test_a_cache_reads_only_a_ranks_slots(train_setup, pack):
     source.backend.close()
 
 
-def test_a_served_target_is_asked_once_per_group(train_setup, singles, tmp_path):
+def test_a_served_target_is_asked_once_per_group(cp_runs, singles):
     """--remote under --context-parallel 2: the group's first rank asks the server (over its tensor plane)
     and sends the other rank its slots: the server runs each batch once, as for one process, and the
     draft is the one the live target trains."""
-    from spec_cli.serve.plane import PlaneHost
-    from tests.serve.harness import load_backend, start_server
-
-    server = start_server(
-        load_backend(train_setup["target"]),
-        train_setup["target"],
-        plane=PlaneHost("127.0.0.1", 0, timeout=60),
-    )
-    calls = []
-    real = server.logic.backend.generate_batch
-    server.logic.backend.generate_batch = lambda *a, **k: (
-        calls.append(a[0].shape if a else k["input_ids"].shape) or real(*a, **k)
-    )
-    args = [
-        a if a != str(train_setup["target"]) else server.url
-        for a in live_args(train_setup, tmp_path / "one", "replica")
-        if a not in ("--target-parallel", "replica", "--dtype", "fp32")
-    ]
-    args[args.index("--target")] = "--remote"
-    try:
-        assert main([*args, *FP32]) == 0
-        alone = list(calls)
-        calls.clear()
-        grouped = [a if a != str(tmp_path / "one") else str(tmp_path / "cp") for a in args]
-        torchrun([[*grouped, "--context-parallel", "2", *FP32]], tmp_path / "launch")
-    finally:
-        server.stop(grace=5)
-        server.logic.backend.close()
+    alone, group = cp_runs["calls"]["alone"], cp_runs["calls"]["group"]
     # each batch once, whole rows, as one process asks (the prefetched next batch may reach the server first)
-    assert sorted(map(tuple, calls)) == sorted(map(tuple, alone)) and len(alone) >= 2
-    assert_same(weights(singles["live"]), weights(tmp_path / "cp"))
-    assert_same(weights(tmp_path / "one"), weights(tmp_path / "cp"))
+    assert sorted(map(tuple, group)) == sorted(map(tuple, alone)) and len(alone) >= 2
+    assert_same(weights(singles["live"]), weights(cp_runs["remote-cp"]))
+    assert_same(weights(cp_runs["remote-one"]), weights(cp_runs["remote-cp"]))

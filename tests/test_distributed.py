@@ -219,6 +219,10 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline, dflash_
     }
     torchrun(
         [
+            # first, in fresh processes: it patches torch's Muon (float64 Newton-Schulz) and puts it
+            # back; after the jobs below in the same two processes it once died of a heap corruption
+            # (glibc abort) that it never showed alone
+            ["-m", "tests.draft.muon_shards", out["muon-shards"]],
             eagle3_args(train_setup, out["eagle3-fsdp"], "--fsdp", "--max-time", "0.001s"),
             eagle_args(eagle_pipeline, out["eagle-fsdp"], "--fsdp", "--max-time", "0.001s"),
             eagle3_args(train_setup, out["eagle3-ddp"]),
@@ -271,9 +275,6 @@ def runs(tmp_path_factory, train_setup, eagle_pipeline, peagle_pipeline, dflash_
         ],
         root / "launch",
     )
-    # in processes of its own: it patches torch's Muon (float64 Newton-Schulz); after the jobs above in the
-    # same two processes it once died of a heap corruption (glibc abort) that it never showed alone
-    torchrun([["-m", "tests.draft.muon_shards", out["muon-shards"]]], root / "launch-muon")
     out["tp-supervision"].mkdir(exist_ok=True)
     return out
 

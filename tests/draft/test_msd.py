@@ -522,9 +522,14 @@ def test_a_served_target_gives_the_input_embeddings(vlm, tmp_path):
         live.close()
 
 
-def msd_vocab_and_cache(target, chat, tmp_path):
-    """The full-vocabulary map MSD proposes through and an fp32 `--algorithm msd` cache of `chat`."""
-    vm, cache = tmp_path / "vm.safetensors", tmp_path / "cache"
+@pytest.fixture(scope="module")
+def llava_msd(vlm, tmp_path_factory):
+    """Llava's chats, the full-vocabulary map MSD proposes through and an fp32 `--algorithm msd` cache of
+    them, made once for the torchrun tests below."""
+    targets, data = vlm
+    target, chat = targets["llava"], data / "chat.jsonl"
+    root = tmp_path_factory.mktemp("llava-msd")
+    vm, cache = root / "vm.safetensors", root / "cache"
     vocab = loading.load_config(target).text_config.vocab_size
     assert (
         main(
@@ -568,18 +573,16 @@ def msd_vocab_and_cache(target, chat, tmp_path):
         )
         == 0
     )
-    return vm, cache
+    return target, chat, vm, cache
 
 
 @pytest.mark.slow
-def test_msd_under_context_parallelism_trains_what_one_process_trains(vlm, tmp_path):
+def test_msd_under_context_parallelism_trains_what_one_process_trains(llava_msd, tmp_path):
     """torchrun x2, --context-parallel 2, MSD on Llava image and text chats through the curriculum (text
     steps, then image-text batches): each rank reads the input embeddings of its slots (live: sent by the
     group's first rank; cached: read for it), shifted one slot within its ranges' halo, and the group
     trains the draft one process trains on the same batches, step for step."""
-    targets, data = vlm
-    target, chat = targets["llava"], data / "chat.jsonl"
-    vm, cache = msd_vocab_and_cache(target, chat, tmp_path)
+    target, chat, vm, cache = llava_msd
     common = [
         "-v",
         str(vm),
@@ -611,15 +614,13 @@ def test_msd_under_context_parallelism_trains_what_one_process_trains(vlm, tmp_p
 
 
 @pytest.mark.slow
-def test_torchrun_ranks_draw_the_same_curriculum_or_stop(vlm, tmp_path, capfd):
+def test_torchrun_ranks_draw_the_same_curriculum_or_stop(llava_msd, tmp_path, capfd):
     """DDP x2 under torchrun on Llava chats: every rank draws the same source at every step (checked over
     the ranks at the start: the sources of all steps and the pools, hashed) and the run trains; a rank
     whose curriculum differs at one step makes the run stop with one line on every rank, before a step."""
     from tests.launch import torchrun
 
-    targets, data = vlm
-    target, chat = targets["llava"], data / "chat.jsonl"
-    vm, cache = msd_vocab_and_cache(target, chat, tmp_path)
+    vm, cache = llava_msd[2:]
     common = [
         "--cache",
         str(cache),
