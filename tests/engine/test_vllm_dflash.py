@@ -14,10 +14,11 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
-def test_vllm_dflash_proposes_what_spec_cli_proposes(tmp_path, monkeypatch, capsys, fmt):
-    run = train_on_sized_target(
-        tmp_path,
+@pytest.fixture(scope="module")
+def dflash_run(tmp_path_factory):
+    """A DFlash draft (blocks of 4) on the peaked vLLM-sized target, trained once for both."""
+    return train_on_sized_target(
+        tmp_path_factory.mktemp("dflash"),
         "--algorithm",
         "dflash",
         "--block-size",
@@ -27,6 +28,13 @@ def test_vllm_dflash_proposes_what_spec_cli_proposes(tmp_path, monkeypatch, caps
         "--eval-every",
         "0",
     )
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_dflash_proposes_what_spec_cli_proposes(
+    dflash_run, tmp_path, monkeypatch, capsys, fmt
+):
+    run = dflash_run
     monkeypatch.setenv("SPEC_HOME", str(tmp_path / "home"))
     capsys.readouterr()
     assert (
