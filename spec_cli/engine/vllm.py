@@ -346,6 +346,21 @@ def _torchrun_env():
     return _env_kept("LOCAL_WORLD_SIZE")
 
 
+# vLLM's default gpu_memory_utilization: the share of the GPU's memory one engine takes for its
+# weights, activations and KV cache
+GPU_SHARE = 0.9
+
+
+def shared_gpu(engines: int) -> float | None:
+    """gpu_memory_utilization for each of `engines` vLLM engines this process holds at once on a
+    GPU: vLLM's default share split between them. At the default each, the second engine finds
+    less free memory than its share and refuses to start. None with one engine (vLLM's default)
+    and without CUDA (on a CPU the KV cache is VLLM_CPU_KVCACHE_SPACE)."""
+    if engines <= 1 or not torch.cuda.is_available():
+        return None
+    return round(GPU_SHARE / engines, 4)
+
+
 def drafts_all_at_once(speculative_options: dict) -> bool:
     """Whether a speculative config drafts every token of an EAGLE-3 draft in one forward
     (`"parallel_drafting": true`, P-EAGLE): vLLM's proposer (v1/spec_decode/llm_base_proposer.py) then

@@ -126,14 +126,15 @@ class VllmSession:
         max_model_len: int | None = None,
         memory: float | None = None,
     ):
-        """memory: on a GPU, the share of it each engine may take (vLLM's gpu_memory_utilization)."""
+        """memory: on a GPU, the share of it each engine may take (vLLM's gpu_memory_utilization);
+        None: vLLM's default split between the two engines the session holds."""
         from spec_cli.engine import vllm
 
         self.vllm = vllm
         self.target_dir, self.dtype, self.depth, self.seed = Path(target_dir), dtype, depth, seed
         self.algorithm = algorithms.get(algorithm_name)
         self.length = max_model_len or loading.max_positions(loading.load_config(target_dir))
-        self.memory = memory
+        self.memory = memory if memory is not None else vllm.shared_gpu(2)
         self.spec_engine = self.base_engine = None
         self.load_problems: list[str] = []
         self.folder: Path | None = None

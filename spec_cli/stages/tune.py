@@ -452,6 +452,7 @@ def _run_vllm(
                 f"loading {target_dir.name} {len(lengths) + 1} times in vLLM ({str(dtype).replace('torch.', '')}): "
                 f"alone, and with the draft {folder} (up to {max_k} draft tokens, batches up to {biggest})"
             )
+            share = vllm.shared_gpu(len(lengths) + 1)  # the engines are held at once
             with contextlib.ExitStack() as engines:
                 loading_start = time.perf_counter()
                 base = engines.enter_context(
@@ -462,6 +463,7 @@ def _run_vllm(
                         max_model_len=length,
                         max_num_seqs=biggest,
                         max_num_batched_tokens=budget,
+                        gpu_memory_utilization=share,
                     )
                 )
                 drafters = {}
@@ -472,7 +474,15 @@ def _run_vllm(
                     }
                     drafters[k] = engines.enter_context(
                         _drafting_engine(
-                            target_dir, config, algorithm, dtype, length, biggest, budget, impl
+                            target_dir,
+                            config,
+                            algorithm,
+                            dtype,
+                            length,
+                            biggest,
+                            budget,
+                            impl,
+                            share,
                         )
                     )
                 forecast.load_seconds = (time.perf_counter() - loading_start) / loads  # one engine
@@ -638,8 +648,10 @@ def _drafting_engine(
     biggest: int,
     budget: int,
     impl: str | None,
+    share: float | None = None,
 ):
-    """vLLM with the draft, started with `config` (a speculative config: method, model, the rest)."""
+    """vLLM with the draft, started with `config` (a speculative config: method, model, the rest);
+    share: its gpu_memory_utilization (None: vLLM's default, for an engine held alone)."""
     from spec_cli.engine import vllm
 
     options = {
@@ -657,6 +669,7 @@ def _drafting_engine(
         draft_class=algorithm.vllm_draft_class,
         speculative_options=options,
         model_impl=impl,
+        gpu_memory_utilization=share,
     )
 
 
