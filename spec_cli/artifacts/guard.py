@@ -51,7 +51,10 @@ def folder_kind(folder: Path) -> str | None:
     for marker, kind in _KINDS:
         if (folder / marker).is_file():
             return kind
-    if any(folder.glob("shard-*.safetensors")):
+    from spec_cli.artifacts import feature_cache
+
+    # a precompute stopped before its manifest: its head (written first) or shards
+    if feature_cache.own_files(folder):
         return "an unfinished feature cache"
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return "a model (or an exported draft)"

@@ -140,6 +140,18 @@ def test_no_resume_refuses_a_cache_with_a_foreign_file_and_replaces_a_clean_one(
     assert fc.folder_bytes(out) == fc.folder_bytes(made["cache"])  # the lock is not counted
 
 
+def test_a_run_killed_after_writing_only_its_head_resumes(made, tmp_path):
+    """precompute writes the cache's head before any shard: a run killed between the two leaves a
+    folder holding the head alone, which the rerun of the same command takes up, not refuses as a
+    folder of the user's."""
+    out = copy_cache(made, tmp_path)
+    for p in out.iterdir():
+        if p.name != fc.HEAD:
+            p.unlink()
+    assert main(precompute_args(made["target"], made["data"], made["vm"], out)) == 0
+    assert fc.folder_bytes(out) == fc.folder_bytes(made["cache"])
+
+
 # ----------------------------------------------------------------------------- 2. verified caches
 
 
