@@ -575,3 +575,34 @@ def test_building_an_engine_leaves_torchruns_local_world_size_alone(tmp_path, mo
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # under torchrun
     engine.Engine(tmp_path)
     assert os.environ["LOCAL_WORLD_SIZE"] == "8"
+
+
+def test_vllm_builds_its_engine_over_a_frozen_heap_that_is_thawed_after(tmp_path, monkeypatch):
+    """vLLM runs full garbage collections while it loads the target and the draft; each walks every
+    object in the process unless the heap is frozen. While the engine is built the heap is frozen
+    (its collections then scan only what the load creates), and it is unfrozen again when the
+    engine closes and when the build fails, so no object is kept from the collector for good."""
+    import gc
+    from types import SimpleNamespace
+
+    from spec_cli.engine import vllm as engine
+    from spec_cli.errors import ArtifactError
+
+    seen = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.append(gc.get_freeze_count())
+            if kwargs.get("seed") == 1:
+                raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(
+        engine, "require", lambda what: SimpleNamespace(LLM=LLM, SamplingParams=None)
+    )
+    assert gc.get_freeze_count() == 0
+    with engine.Engine(tmp_path):
+        assert seen[-1] > 1000  # the whole heap, frozen before vLLM's loader ran
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ArtifactError, match="no memory for the KV cache"):
+        engine.Engine(tmp_path, seed=1)
+    assert seen[-1] > 1000 and gc.get_freeze_count() == 0
