@@ -1,0 +1,469 @@
+"""The race: EAGLE-3 drafts for SmolLM2-135M-Instruct from spec_cli and from its peers, trained on the
+same data for the same minutes (and, apart, for the same tokens), each saved by its own tool and
+served by vLLM from the folder that tool wrote.
+
+    spec demo                      # (or spec demo --quick) makes the data, vocab map and feature cache
+    python bench/race.py --demo ~/.cache/spec_cli/demo/full --out /tmp/race --minutes 5,15 \
+        --tokens auto --seeds 0,1
+
+Contestants (--contestants; the peers' modules say what each needed on a CPU):
+- spec        `spec train` at its defaults (spec_cli/train_options.py), exported by `spec export`;
+- spec-demo   `spec train` with the demo's recipe (spec_cli/stages/demo PROFILES["full"]), without
+              the demo's engine-picked checkpoint (the race takes the last one, as for every other);
+- speculators bench/race_speculators.py: speculators 0.9.0's EAGLE-3 model, loss, Muon and schedule;
+- speculators-2k  the same with packed rows of 2,048 tokens instead of 8,192: on a CPU its attention
+              runs as SDPA over a dense document mask whose cost grows with the row's square
+              (8,192-token rows train at a third of 2,048-token rows' tokens/s here), where its
+              CUDA default, flex attention, skips the masked blocks;
+- specforge   bench/race_specforge.py: SpecForge 0.2.0's;
+- nemo        bench/race_nemo.py: NeMo AutoModel 0.7.0's `train_eagle3` recipe's.
+
+The same for all: the demo's feature cache (bench/race_data.py: the same token ids, loss masks, aux
+states and target distributions, its draft vocab map), a one-layer draft, this machine, one
+contestant at a time. A time budget of M minutes: each contestant's seconds per step are measured
+first (a few steps, thrown away), its schedule is set over the steps M minutes hold, and training
+stops at M minutes whatever the step. A token budget: the steps that hold that many tokens of rows.
+
+Measured the same way: vLLM (this process, fp32, greedy) serves each folder with a chain of --chain
+tokens; acceptance is vLLM's pooled figure, 1 + accepted / drafts, with the per-request mean beside
+it (what SpecForge reports), on the first turns of --mt-bench MT-bench questions and of --heldout
+ShareGPT conversations after the last one the demo trained on, --max-new-tokens each, all requests
+of a set in one batch (acceptance does not depend on the batch).
+
+Finished runs and evaluations are kept in OUT (runs/<name>/result.json, eval-*.json) and reused: a
+rerun adds what is missing. OUT/race.json holds every number, the versions and the command;
+OUT/race.png plots acceptance against training minutes per trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from race_data import Feed  # noqa: E402
+
+from spec_cli.artifacts.io import write_json  # noqa: E402
+from spec_cli.console import set_quiet  # noqa: E402
+
+CONTESTANTS = ("spec", "spec-demo", "speculators", "speculators-2k", "specforge", "nemo")
+PEER_MODULES = {
+    "speculators": "race_speculators",
+    "speculators-2k": "race_speculators",
+    "specforge": "race_specforge",
+    "nemo": "race_nemo",
+}
+
+
+# ----------------------------------------------------------------------------- spec_cli's contestants
+
+
+class SpecCli:
+    """`spec train` from the cache (its own loop, optimizer and schedule), exported by `spec export`."""
+
+    def __init__(self, name: str, vocab_map: Path):
+        from spec_cli import __version__
+        from spec_cli.stages.demo import PROFILES
+
+        self.NAME, self.VERSION, self.vocab_map = name, __version__, vocab_map
+        full = PROFILES["full"]
+        self.options = (
+            {}
+            if name == "spec"
+            else dict(
+                pack=True,
+                batch_tokens=full.batch_tokens,
+                ttt_steps=full.ttt_steps,
+                lr=full.lr,
+                fc_norm=True,
+                schedule=full.schedule,
+                optimizer=full.optimizer,
+            )
+        )
+
+    def settings(self) -> dict:
+        from spec_cli.train_options import TrainConfig
+
+        o = TrainConfig.from_options(cache="-", vocab_map="-", output="-", **self.options).options()
+        keys = (
+            "optimizer lr schedule warmup_ratio decay_ratio weight_decay grad_clip ttt_steps "
+            "step_weight pack batch_tokens max_length fc_norm"
+        ).split()
+        return {k: o.get(k) for k in keys}
+
+    def adaptations(self) -> list[str]:
+        return [
+            "--eval-fraction 0 (every contestant trains on all rows); no engine in the loop: the "
+            "last checkpoint is exported"
+        ]
+
+    def _run(self, feed_cache: Path, out: Path, steps: int, max_seconds, seed: int) -> Path:
+        from spec_cli.stages import train
+
+        train.run(
+            train.TrainConfig.from_options(
+                cache=str(feed_cache),
+                vocab_map=str(self.vocab_map),
+                output=out,
+                max_steps=steps,
+                max_time=max_seconds,
+                seed=seed,
+                eval_fraction=0,
+                log_every=1,
+                eval_every=10**9,
+                save_every=10**9,
+                **self.options,
+            )
+        )
+        return out
+
+    @staticmethod
+    def _log(run: Path) -> list[dict]:
+        lines = (run / "log.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r.get("split") == "train"]
+
+    def step_seconds(self, cache: Path, scratch: Path, seed: int = 0) -> float:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+        records = self._log(self._run(cache, scratch, 8, None, seed))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return statistics.median(r["tokens"] / r["tokens_per_s"] for r in records[2:])
+
+    def train(self, cache: Path, out: Path, total_steps: int, max_seconds, seed: int) -> dict:
+        from spec_cli.cli import main
+
+        run = out / "run"
+        start = time.perf_counter()
+        self._run(cache, run, total_steps, max_seconds, seed)
+        seconds = time.perf_counter() - start
+        records = self._log(run)
+        export = out / "vllm"
+        code = main(["export", str(run), "--format", "vllm", "--engine-check", "none",
+                     "-o", str(export), "-q"])  # fmt: skip
+        if code != 0:
+            raise SystemExit(f"spec export of {run} failed ({code})")
+        return {
+            "steps": records[-1]["step"] if records else 0,
+            "tokens": sum(r["tokens"] for r in records),
+            "seconds": seconds,  # the run's wall time, start-up included (the peers' counts less)
+            "train_seconds": sum(r["tokens"] / r["tokens_per_s"] for r in records),
+            "folder": str(export),
+            "num_speculative_tokens": None,
+            "losses": [r["loss"] for r in records[:: max(1, len(records) // 8)]],
+        }
+
+
+# ----------------------------------------------------------------------------- the budgets
+
+
+def contestant(name: str, vocab_map: Path):
+    if name in ("spec", "spec-demo"):
+        return SpecCli(name, vocab_map)
+    peer = importlib.import_module(PEER_MODULES[name])
+    if name == "speculators-2k":
+        return _ShortRows(peer, name, 2048)
+    return peer
+
+
+class _ShortRows:
+    """A peer module with its packed rows cut to `row_tokens` (a CPU adaptation; see the docstring)."""
+
+    def __init__(self, peer, name: str, row_tokens: int):
+        self.peer, self.NAME, self.VERSION = peer, name, peer.VERSION
+        self.ROWS = (peer.ROWS[0], row_tokens)
+
+    def settings(self) -> dict:
+        return {**self.peer.settings(), "rows": f"packed, {self.ROWS[1]} tokens (race adaptation)"}
+
+    def adaptations(self) -> list[str]:
+        return self.peer.adaptations() + [
+            f"rows: packed to {self.ROWS[1]} tokens, not {self.peer.ROWS[1]}: on a CPU its SDPA "
+            "attention over a dense document mask costs the row's square"
+        ]
+
+    def step_seconds(self, feed) -> float:
+        return self.peer.step_seconds(feed)
+
+    def train(self, feed, out: Path, total_steps: int, max_seconds, seed: int) -> dict:
+        return self.peer.train(feed, out, total_steps, max_seconds, seed)
+
+
+def feed_for(c, cache: Path, seed: int) -> Feed | None:
+    """The peer's rows (its ROWS); spec_cli's contestants read the cache themselves."""
+    if isinstance(c, SpecCli):
+        return None
+    rows, tokens = c.ROWS
+    return Feed(cache, rows=rows, row_tokens=tokens, seed=seed)
+
+
+def seconds_per_step(c, cache: Path, out: Path) -> float:
+    """Measured once per contestant and kept in OUT/probe-<name>.json."""
+    path = out / f"probe-{c.NAME}.json"
+    if path.is_file():
+        return json.loads(path.read_text())["seconds_per_step"]
+    if isinstance(c, SpecCli):
+        s = c.step_seconds(cache, out / f"probe-{c.NAME}")
+    else:
+        s = c.step_seconds(feed_for(c, cache, 0))
+    write_json(path, {"seconds_per_step": s})
+    return s
+
+
+def steps_for_tokens(c, cache: Path, tokens: int) -> int:
+    """Steps whose rows hold `tokens` tokens (rows of epoch 0's order; spec_cli's: its batch plan)."""
+    if isinstance(c, SpecCli):
+        from spec_cli.train_options import TrainConfig
+        from spec_cli.trainer.sources import _cache_source
+
+        cfg = TrainConfig.from_options(cache=str(cache), vocab_map=str(c.vocab_map), output="-",
+                                       **c.options)  # fmt: skip
+        from spec_cli.artifacts.vocab_map import load_vocab_map
+
+        source = _cache_source(cfg, torch.device("cpu"), load_vocab_map(c.vocab_map))
+        per_row = [int(sum(source.tokens.lengths[i] for i in b)) for b in source.plan]
+    else:
+        feed = feed_for(c, cache, 0)
+        per_row = [feed.row_tokens_of(i) for i in range(len(feed))]
+    mean = sum(per_row) / len(per_row)
+    return max(1, math.ceil(tokens / mean))
+
+
+def run_one(c, cache: Path, out: Path, kind: str, value: float, seed: int) -> dict:
+    folder = out / "runs" / f"{c.NAME}-{kind}{value:g}-s{seed}"
+    done = folder / "result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    if kind == "min":
+        per_step = seconds_per_step(c, cache, out)
+        steps, cap = max(1, int(value * 60 / per_step)), value * 60
+    else:
+        steps, cap = steps_for_tokens(c, cache, int(value)), None
+    print(f"== {c.NAME}: {kind} {value:g}, seed {seed}: {steps} steps", flush=True)
+    torch.manual_seed(seed)
+    if isinstance(c, SpecCli):
+        result = c.train(cache, folder, steps, cap, seed)
+    else:
+        result = c.train(feed_for(c, cache, seed), folder, steps, cap, seed)
+    result.update(
+        contestant=c.NAME, version=c.VERSION, budget=kind, value=value, seed=seed,
+        planned_steps=steps, settings=c.settings(), adaptations=c.adaptations(),
+    )  # fmt: skip
+    write_json(done, result)
+    return result
+
+
+# ----------------------------------------------------------------------------- served acceptance
+
+
+def prompt_sets(demo: Path, target: Path, mt_bench: int, heldout: int) -> dict[str, list]:
+    """{"mt-bench": [ids], "heldout": [ids]}: first user turns, as the target's chat template renders them."""
+    from spec_cli import assets
+    from spec_cli.eval import prompts
+    from spec_cli.paths import spec_home
+    from spec_cli.stages.demo import _last_source_index, _sharegpt_after
+    from spec_cli.targets import loading
+
+    tokenizer = loading.load_tokenizer(target)
+    found = assets.installed(spec_home())
+    mt = prompts.load_conversations("mt-bench")[:mt_bench]
+    trained = (
+        demo / "train.jsonl" if (demo / "train.jsonl").is_file() else demo / "regenerated.jsonl"
+    )
+    held = [
+        prompts.Conversation(id=str(r["source_index"]), turns=[r["messages"][-1]["content"]])
+        for r in _sharegpt_after(found, _last_source_index(trained), heldout, keep_users=1)
+    ]
+    return {
+        "mt-bench": [prompts.prompt_ids(tokenizer, c, 0) for c in mt],
+        "heldout": [prompts.prompt_ids(tokenizer, c, 0) for c in held],
+    }
+
+
+def served(target: Path, folder: Path, sets: dict, depth: int, max_new_tokens: int) -> dict:
+    """vLLM's acceptance for each prompt set: pooled (1 + accepted / drafts) and the per-request mean."""
+    from spec_cli.engine import vllm
+    from spec_cli.eval.speculative import eos_ids
+    from spec_cli.targets import loading
+
+    eos = eos_ids(loading.load_tokenizer(target), loading.generation_config(target))
+    longest = max(len(p) for ids in sets.values() for p in ids)
+    out = {}
+    with vllm.Engine(
+        target, folder, depth, torch.float32, longest + max_new_tokens + depth + 8
+    ) as e:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False,
+                                stop_token_ids=sorted(eos))  # fmt: skip
+        for name, ids in sets.items():
+            start = time.perf_counter()
+            outs = e.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+            accepted, drafts, per_request = 0, 0, []
+            for o in outs:
+                m = o.outputs[0].spec_decode_metrics  # per request ("detailed", Engine asks)
+                a, d = sum(m.per_step_accepted), len(m.per_step_accepted)
+                accepted, drafts = accepted + a, drafts + d
+                if d:
+                    per_request.append(1 + a / d)
+            out[name] = {
+                "acceptance_length": 1 + accepted / max(drafts, 1),
+                "per_request_mean": statistics.mean(per_request) if per_request else None,
+                "requests": len(ids),
+                "drafts": drafts,
+                "accepted": accepted,
+                "seconds": time.perf_counter() - start,
+            }
+    return out
+
+
+def evaluate(result: dict, out: Path, target: Path, sets: dict, args) -> dict:
+    depth = args.chain
+    path = Path(result["folder"]).parent / f"eval-chain{depth}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    got = served(target, Path(result["folder"]), sets, depth, args.max_new_tokens)
+    write_json(path, got)
+    return got
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| trainer | budget | seed | steps | tokens | train tok/s | MT-bench AL (per request) "
+        "| held-out AL (per request) |\n|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        e = r["eval"]
+        budget = f"{r['value']:g} min" if r["budget"] == "min" else f"{int(r['value']):,} tokens"
+        secs = r.get("train_seconds") or r["seconds"]
+        lines.append(
+            f"| {r['contestant']} {r['version']} | {budget} | {r['seed']} | {r['steps']} "
+            f"| {r['tokens']:,} | {r['tokens'] / max(secs, 1e-9):.0f} "
+            f"| {e['mt-bench']['acceptance_length']:.3f} ({e['mt-bench']['per_request_mean']:.3f}) "
+            f"| {e['heldout']['acceptance_length']:.3f} ({e['heldout']['per_request_mean']:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["contestant"] for r in rows):
+        pts = sorted(
+            (r["value"], r["eval"]["mt-bench"]["acceptance_length"])
+            for r in rows
+            if r["contestant"] == name and r["budget"] == "min"
+        )
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xlabel("training minutes")
+    ax.set_ylabel("MT-bench acceptance length (vLLM, chain 3)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _cpu() -> str:
+    """The CPU's model name (what a stated duration names), from /proc/cpuinfo where there is one."""
+    import platform
+
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--demo", type=Path, required=True, help="a spec demo folder (its cache)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", default="5,15", help="time budgets, comma-separated")
+    ap.add_argument("--tokens", default="auto", help="a token budget; auto: what `spec` trained in "
+                    "the smallest time budget; 0: none")  # fmt: skip
+    ap.add_argument("--seeds", default="0", help="seeds; those after the first run at the largest "
+                    "time budget only")  # fmt: skip
+    ap.add_argument("--contestants", default=",".join(CONTESTANTS))
+    ap.add_argument("--chain", type=int, default=3)
+    ap.add_argument("--mt-bench", type=int, default=80)
+    ap.add_argument("--heldout", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    set_quiet(True)
+    demo, out = args.demo.expanduser(), args.out.expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    cache = demo / "cache"
+    (vocab_map,) = sorted(demo.glob("vocab-*.safetensors"))
+    target = Path(json.loads((cache / "manifest.json").read_text())["target"])
+    minutes = [float(m) for m in args.minutes.split(",") if m]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    names = [n for n in args.contestants.split(",") if n]
+    from spec_cli.engine import vllm
+
+    contestants = [contestant(n, vocab_map) for n in names]
+    started = time.time()
+
+    sets = prompt_sets(demo, target, args.mt_bench, args.heldout)
+    plan = [(c, "min", m, seeds[0]) for m in minutes for c in contestants]
+    plan += [(c, "min", max(minutes), s) for s in seeds[1:] for c in contestants]
+    rows: list[dict] = []
+
+    def race(c, kind: str, value: float, seed: int) -> None:
+        """Train (or reuse) one run, serve it, and rewrite OUT/race.json with every row so far."""
+        r = run_one(c, cache, out, kind, value, seed)
+        r["eval"] = evaluate(r, out, target, sets, args)
+        rows.append(r)
+        e = r["eval"]
+        print(f"-- {c.NAME} {kind} {value:g} seed {seed}: MT-bench "
+              f"{e['mt-bench']['acceptance_length']:.3f}, held-out "
+              f"{e['heldout']['acceptance_length']:.3f}", flush=True)  # fmt: skip
+        write_json(
+            out / "race.json",
+            {
+                "command": "python bench/race.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+                "vllm": vllm.version(),
+                "torch": torch.__version__,
+                "cpu": _cpu(),
+                "threads": torch.get_num_threads(),
+                "seconds": time.time() - started,
+                "rows": rows,
+                "table": table(rows),
+            },
+        )
+
+    for step in plan:
+        race(*step)
+    tokens = args.tokens
+    if tokens == "auto":
+        ours = [r for r in rows if r["contestant"] == names[0] and r["value"] == min(minutes)]
+        tokens = ours[0]["tokens"] if ours else 0
+    for c in contestants if int(tokens) else ():
+        race(c, "tok", int(tokens), seeds[0])
+    print(table(rows))
+    if plot(rows, out / "race.png"):
+        print(f"plot: {out / 'race.png'}")
+
+
+if __name__ == "__main__":
+    main()
