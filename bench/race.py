@@ -28,7 +28,8 @@ Measured the same way: vLLM (this process, fp32, greedy) serves each folder with
 tokens; acceptance is vLLM's pooled figure, 1 + accepted / drafts, with the per-request mean beside
 it (what SpecForge reports), on the first turns of --mt-bench MT-bench questions and of --heldout
 ShareGPT conversations after the last one the demo trained on, --max-new-tokens each, all requests
-of a set in one batch (acceptance does not depend on the batch).
+of a set in one batch (acceptance does not depend on the batch); and output tokens/s with one
+request at a time on the first --batch1 MT-bench prompts, over the target alone's on the same ones.
 
 Finished runs and evaluations are kept in OUT (runs/<name>/result.json, eval-*.json) and reused: a
 rerun adds what is missing. OUT/race.json holds every number, the versions and the command;
@@ -239,10 +240,14 @@ def steps_for_tokens(c, cache: Path, tokens: int) -> int:
 
 
 def run_one(c, cache: Path, out: Path, kind: str, value: float, seed: int) -> dict:
+    """Train one run (or read its result.json). The draft's folder is kept relative to the run's, so
+    OUT's JSON files alone (what bench/race-results keeps in git) let a rerun skip finished runs."""
     folder = out / "runs" / f"{c.NAME}-{kind}{value:g}-s{seed}"
     done = folder / "result.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        result["folder"] = str(folder / result["folder"])
+        return {**result, "run": str(folder)}
     if kind == "min":
         per_step = seconds_per_step(c, cache, out)
         steps, cap = max(1, int(value * 60 / per_step)), value * 60
@@ -258,8 +263,8 @@ def run_one(c, cache: Path, out: Path, kind: str, value: float, seed: int) -> di
         contestant=c.NAME, version=c.VERSION, budget=kind, value=value, seed=seed,
         planned_steps=steps, settings=c.settings(), adaptations=c.adaptations(),
     )  # fmt: skip
-    write_json(done, result)
-    return result
+    write_json(done, {**result, "folder": str(Path(result["folder"]).relative_to(folder))})
+    return {**result, "run": str(folder)}
 
 
 # ----------------------------------------------------------------------------- served acceptance
@@ -289,14 +294,33 @@ def prompt_sets(demo: Path, target: Path, mt_bench: int, heldout: int) -> dict[s
     }
 
 
-def served(target: Path, folder: Path, sets: dict, depth: int, max_new_tokens: int) -> dict:
-    """vLLM's acceptance for each prompt set: pooled (1 + accepted / drafts) and the per-request mean."""
+def batch1(engine, ids: list[list[int]], max_new_tokens: int, eos) -> dict:
+    """Output tokens/s with one request at a time (after one unmeasured request)."""
+    engine.generate(ids[0], 8, 0.0, eos)
+    tokens, seconds = 0, 0.0
+    for p in ids:
+        g = engine.generate(p, max_new_tokens, 0.0, eos)
+        tokens, seconds = tokens + len(g.tokens), seconds + g.seconds
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "requests": len(ids)}
+
+
+def served(
+    target: Path,
+    folder: Path | None,
+    sets: dict,
+    depth: int,
+    max_new_tokens: int,
+    b1: list[list[int]] | None = None,
+) -> dict:
+    """vLLM's acceptance for each prompt set (`sets`, may be empty): pooled (1 + accepted / drafts)
+    and the per-request mean; and output tokens/s at batch 1 on the prompts `b1` (None: not
+    measured). No folder: the target alone."""
     from spec_cli.engine import vllm
     from spec_cli.eval.speculative import eos_ids
     from spec_cli.targets import loading
 
     eos = eos_ids(loading.load_tokenizer(target), loading.generation_config(target))
-    longest = max(len(p) for ids in sets.values() for p in ids)
+    longest = max(len(p) for ids in [*sets.values(), b1 or []] for p in ids)
     out = {}
     with vllm.Engine(
         target, folder, depth, torch.float32, longest + max_new_tokens + depth + 8
@@ -305,7 +329,9 @@ def served(target: Path, folder: Path, sets: dict, depth: int, max_new_tokens: i
 
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False,
                                 stop_token_ids=sorted(eos))  # fmt: skip
-        for name, ids in sets.items():
+        if b1:
+            out["batch1"] = batch1(e, b1, max_new_tokens, eos)
+        for name, ids in sets.items() if folder is not None else ():
             start = time.perf_counter()
             outs = e.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
             accepted, drafts, per_request = 0, 0, []
@@ -327,38 +353,65 @@ def served(target: Path, folder: Path, sets: dict, depth: int, max_new_tokens: i
 
 
 def evaluate(result: dict, out: Path, target: Path, sets: dict, args) -> dict:
-    depth = args.chain
-    path = Path(result["folder"]).parent / f"eval-chain{depth}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    got = served(target, Path(result["folder"]), sets, depth, args.max_new_tokens)
-    write_json(path, got)
+    """The served figures of one run, kept in its run folder and reused: acceptance in
+    eval-chain<k>.json, tokens/s at batch 1 in batch1-chain<k>.json."""
+    depth, folder, run = args.chain, Path(result["folder"]), Path(result["run"])
+    acceptance = run / f"eval-chain{depth}.json"
+    speed = run / f"batch1-chain{depth}.json"
+    todo_sets = {} if acceptance.is_file() else sets
+    todo_b1 = sets["mt-bench"][: args.batch1] if args.batch1 and not speed.is_file() else None
+    if todo_sets or todo_b1:
+        got = served(target, folder, todo_sets, depth, args.max_new_tokens, todo_b1)
+        if todo_b1:
+            write_json(speed, {"batch1": got.pop("batch1")})
+        if todo_sets:
+            write_json(acceptance, got)
+    got = json.loads(acceptance.read_text())
+    if speed.is_file():
+        got.update(json.loads(speed.read_text()))
     return got
+
+
+def alone(out: Path, target: Path, sets: dict, args) -> dict | None:
+    """The target alone at batch 1 on the same prompts: the baseline of the speedups."""
+    if not args.batch1:
+        return None
+    path = out / "target-alone.json"
+    if not path.is_file():
+        b1 = sets["mt-bench"][: args.batch1]
+        write_json(path, served(target, None, {}, 0, args.max_new_tokens, b1))
+    return json.loads(path.read_text())["batch1"]
 
 
 # ----------------------------------------------------------------------------- the table
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], base: dict | None = None) -> str:
+    """The race as markdown; `base`: the target alone at batch 1 (speedup = tokens/s over it)."""
     head = (
         "| trainer | budget | seed | steps | tokens | train tok/s | MT-bench AL (per request) "
-        "| held-out AL (per request) |\n|---|---|---|---|---|---|---|---|"
+        "| held-out AL (per request) | batch-1 speedup |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         e = r["eval"]
+        b1 = e.get("batch1")  # measured on the same prompts as base
+        speedup = f"{b1['tokens_per_s'] / base['tokens_per_s']:.2f}x" if b1 and base else "-"
         budget = f"{r['value']:g} min" if r["budget"] == "min" else f"{int(r['value']):,} tokens"
         secs = r.get("train_seconds") or r["seconds"]
         lines.append(
             f"| {r['contestant']} {r['version']} | {budget} | {r['seed']} | {r['steps']} "
             f"| {r['tokens']:,} | {r['tokens'] / max(secs, 1e-9):.0f} "
             f"| {e['mt-bench']['acceptance_length']:.3f} ({e['mt-bench']['per_request_mean']:.3f}) "
-            f"| {e['heldout']['acceptance_length']:.3f} ({e['heldout']['per_request_mean']:.3f}) |"
+            f"| {e['heldout']['acceptance_length']:.3f} ({e['heldout']['per_request_mean']:.3f}) "
+            f"| {speedup} |"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> bool:
+    """Acceptance against training minutes per trainer (the mean over seeds), MT-bench and
+    held-out side by side; False where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -366,20 +419,24 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["contestant"] for r in rows):
-        pts = sorted(
-            (r["value"], r["eval"]["mt-bench"]["acceptance_length"])
-            for r in rows
-            if r["contestant"] == name and r["budget"] == "min"
-        )
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xlabel("training minutes")
-    ax.set_ylabel("MT-bench acceptance length (vLLM, chain 3)")
-    ax.legend()
+    timed = [r for r in rows if r["budget"] == "min"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, prompts in zip(axes, ("mt-bench", "heldout")):
+        for name in dict.fromkeys(r["contestant"] for r in timed):
+            by_minutes: dict[float, list[float]] = {}
+            for r in timed:
+                if r["contestant"] == name:
+                    al = r["eval"][prompts]["acceptance_length"]
+                    by_minutes.setdefault(r["value"], []).append(al)
+            xs = sorted(by_minutes)
+            ax.plot(xs, [statistics.mean(by_minutes[x]) for x in xs], marker="o", label=name)
+        ax.set_title(f"{prompts} (vLLM, chain 3)")
+        ax.set_xlabel("training minutes")
+    axes[0].set_ylabel("acceptance length")
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
 
 
@@ -409,9 +466,11 @@ def main() -> None:
     ap.add_argument("--mt-bench", type=int, default=80)
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch1", type=int, default=8, help="MT-bench prompts decoded one at a time "
+                    "for tokens/s at batch 1 (and the target alone's); 0: none")  # fmt: skip
     args = ap.parse_args()
     set_quiet(True)
-    demo, out = args.demo.expanduser(), args.out.expanduser()
+    demo, out = args.demo.expanduser().resolve(), args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     cache = demo / "cache"
     (vocab_map,) = sorted(demo.glob("vocab-*.safetensors"))
@@ -425,44 +484,76 @@ def main() -> None:
     started = time.time()
 
     sets = prompt_sets(demo, target, args.mt_bench, args.heldout)
+    base = alone(out, target, sets, args)
     plan = [(c, "min", m, seeds[0]) for m in minutes for c in contestants]
     plan += [(c, "min", max(minutes), s) for s in seeds[1:] for c in contestants]
-    rows: list[dict] = []
+    invocation = {
+        "command": "python bench/race.py " + " ".join(map(shlex.quote, sys.argv[1:])),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "cpu": _cpu(),
+        "threads": torch.get_num_threads(),
+        "vllm": vllm.version(),
+        "torch": torch.__version__,
+    }
+    done: list[dict] = []
 
     def race(c, kind: str, value: float, seed: int) -> None:
-        """Train (or reuse) one run, serve it, and rewrite OUT/race.json with every row so far."""
+        """Train (or reuse) one run, serve it, and rewrite OUT/race.json and the plot."""
         r = run_one(c, cache, out, kind, value, seed)
-        r["eval"] = evaluate(r, out, target, sets, args)
-        rows.append(r)
-        e = r["eval"]
+        e = evaluate(r, out, target, sets, args)
+        done.append(r)
         print(f"-- {c.NAME} {kind} {value:g} seed {seed}: MT-bench "
               f"{e['mt-bench']['acceptance_length']:.3f}, held-out "
               f"{e['heldout']['acceptance_length']:.3f}", flush=True)  # fmt: skip
-        write_json(
-            out / "race.json",
-            {
-                "command": "python bench/race.py " + " ".join(map(shlex.quote, sys.argv[1:])),
-                "vllm": vllm.version(),
-                "torch": torch.__version__,
-                "cpu": _cpu(),
-                "threads": torch.get_num_threads(),
-                "seconds": time.time() - started,
-                "rows": rows,
-                "table": table(rows),
-            },
-        )
+        record(out, args.chain, {**invocation, "seconds": time.time() - started}, base)
 
     for step in plan:
         race(*step)
     tokens = args.tokens
     if tokens == "auto":
-        ours = [r for r in rows if r["contestant"] == names[0] and r["value"] == min(minutes)]
+        ours = [r for r in done if r["contestant"] == names[0] and r["value"] == min(minutes)]
         tokens = ours[0]["tokens"] if ours else 0
     for c in contestants if int(tokens) else ():
         race(c, "tok", int(tokens), seeds[0])
-    print(table(rows))
-    if plot(rows, out / "race.png"):
-        print(f"plot: {out / 'race.png'}")
+    print(record(out, args.chain, {**invocation, "seconds": time.time() - started}, base))
+    print(f"race.json and race.png in {out}")
+
+
+def collected(out: Path, chain: int) -> list[dict]:
+    """Every run in OUT that has been served, whichever command ran it: time budgets by minutes,
+    then token budgets, each seed by seed, contestants in CONTESTANTS' order."""
+    rows = []
+    for done in sorted((out / "runs").glob("*/result.json")):
+        acceptance = done.parent / f"eval-chain{chain}.json"
+        if not acceptance.is_file():
+            continue
+        row = json.loads(done.read_text())
+        row["eval"] = json.loads(acceptance.read_text())
+        speed = done.parent / f"batch1-chain{chain}.json"
+        if speed.is_file():
+            row["eval"].update(json.loads(speed.read_text()))
+        rows.append(row)
+    order = {n: i for i, n in enumerate(CONTESTANTS)}
+    rows.sort(
+        key=lambda r: (r["budget"] != "min", r["value"], r["seed"], order.get(r["contestant"]))
+    )
+    return rows
+
+
+def record(out: Path, chain: int, invocation: dict, base: dict | None) -> str:
+    """OUT/race.json (every served run, and each command that added to OUT with its machine and
+    time) and OUT/race.png; returns the table."""
+    path = out / "race.json"
+    before = json.loads(path.read_text()).get("invocations", []) if path.is_file() else []
+    invocations = [i for i in before if i["started"] != invocation["started"]] + [invocation]
+    rows = collected(out, chain)
+    text = table(rows, base)
+    write_json(
+        path,
+        {"invocations": invocations, "target_alone_batch1": base, "rows": rows, "table": text},
+    )
+    plot(rows, out / "race.png")
+    return text
 
 
 if __name__ == "__main__":
