@@ -94,6 +94,17 @@ def test_packing_is_first_fit_decreasing_within_the_row_budget():
         assert int(LENGTHS[row].sum()) <= 128 or len(row) == 1
 
 
+def test_packing_finds_the_rows_a_scan_of_every_row_finds():
+    """The tree's first fit against the plain one (bench/pack_plan.py: scan the rows in order, take
+    the first with room), on lengths with ties, zero-length and over-budget samples."""
+    from bench.pack_plan import scanned
+
+    g = torch.Generator().manual_seed(0)
+    for n, budget in [(1, 8), (7, 8), (300, 64), (1000, 256), (513, 100)]:
+        lengths = torch.randint(0, budget + budget // 2, (n,), generator=g)
+        assert plan_packed(lengths, budget) == scanned(lengths.tolist(), budget), (n, budget)
+
+
 def test_a_packed_row_keeps_each_document_whole_and_in_order():
     data = tokenized([3, 6, 1, 4])
     docs = [1, 3, 0]
