@@ -1,6 +1,8 @@
 """The real SmolLM2-135M target in vLLM: a draft trained a few steps on ShareGPT, exported, loaded by
-vLLM; vLLM's acceptance counts equal spec_cli's evaluator's, and an export whose aux ids are off by one
-(the engines' convention mix-up, vLLM PR 50170) is caught by the engine check."""
+vLLM; the export's engine check passes (vLLM's acceptance equals the PyTorch decoder's on the same
+draft and prompts), and an export whose aux ids are off by one (the engines' convention mix-up, vLLM
+PR 50170) is caught by it. `spec eval --engine vllm` against `--engine torch` is compared on the tiny
+models in tests/engine/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -86,7 +88,6 @@ def smol(tmp_path_factory, real_assets):
         "run": root / "run",
         "data": data,
         "target": target,
-        "mt-bench": real_assets["mt-bench"],
     }
 
 
@@ -127,36 +128,3 @@ def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance_and_aux_id
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportCheckError, match="draft tokens at only"):
         engine_check(bad, "vllm", load_source(smol["run"]), torch.bfloat16, smol["target"], depth=3)
-
-    reports = {}
-    for engine in ("torch", "vllm"):
-        assert (
-            main(
-                [
-                    "eval",
-                    "-t",
-                    str(smol["target"]),
-                    "--draft",
-                    str(out),
-                    "--prompts",
-                    str(smol["mt-bench"]),
-                    "--num-prompts",
-                    "1",
-                    "--max-new-tokens",
-                    "16",
-                    "--engine",
-                    engine,
-                    "-o",
-                    str(tmp_path / engine),
-                    "-q",
-                ]
-            )
-            == 0
-        )
-        reports[engine] = json.loads((tmp_path / engine / "eval.json").read_text())["overall"]
-    t, v = reports["torch"], reports["vllm"]
-    assert v["turns"] == t["turns"] == 2  # an MT-bench question, both turns
-    assert v["same_as_target"] == v["turns"]  # vLLM with the draft == vLLM alone, token for token
-    # fp32 on both sides, different kernels: the counts agree up to an argmax flip on a near tie
-    assert v["tokens_produced"] == pytest.approx(t["tokens_produced"], abs=2)
-    assert v["acceptance_length"] == pytest.approx(t["acceptance_length"], abs=0.05)
