@@ -16,13 +16,16 @@ Contestants (--contestants; the peers' modules say what each needed on a CPU):
               (8,192-token rows train at a third of 2,048-token rows' tokens/s here), where its
               CUDA default, flex attention, skips the masked blocks;
 - specforge   bench/race_specforge.py: SpecForge 0.2.0's;
-- nemo        bench/race_nemo.py: NeMo AutoModel 0.7.0's `train_eagle3` recipe's.
+- nemo        bench/race_nemo.py: NeMo AutoModel 0.7.0's `train_eagle3` recipe's;
+- spec+LEVER[+LEVER...]  `spec train` at its defaults with recipe levers changed (LEVERS below: pack,
+              bt2048, ttt3, lr1e-3, wsd, fcnorm, ...), each lever measured alone at equal minutes.
 
 The same for all: the demo's feature cache (bench/race_data.py: the same token ids, loss masks, aux
 states and target distributions, its draft vocab map), a one-layer draft, this machine, one
 contestant at a time. A time budget of M minutes: each contestant's seconds per step are measured
 first (a few steps, thrown away), its schedule is set over the steps M minutes hold, and training
-stops at M minutes whatever the step. A token budget: the steps that hold that many tokens of rows.
+stops at M minutes whatever the step. spec_cli's seconds per step are the wall clock's: two short
+runs, their difference over the difference of their steps (start-up and the last save cancel). A token budget: the steps that hold that many tokens of rows.
 
 Measured the same way: vLLM (this process, fp32, greedy) serves each folder with a chain of --chain
 tokens; acceptance is vLLM's pooled figure, 1 + accepted / drafts, with the per-request mean beside
@@ -57,6 +60,19 @@ from spec_cli.artifacts.io import write_json  # noqa: E402
 from spec_cli.console import set_quiet  # noqa: E402
 
 CONTESTANTS = ("spec", "spec-demo", "speculators", "speculators-2k", "specforge", "nemo")
+# spec+<lever>: one `spec train` option changed from its default (the demo's recipe, lever by lever)
+LEVERS = {
+    "pack": dict(pack=True),
+    "bt2048": dict(batch_tokens=2048),
+    "bt4096": dict(batch_tokens=4096),
+    "ttt3": dict(ttt_steps=3),
+    "ttt5": dict(ttt_steps=5),
+    "lr5e-4": dict(lr=5e-4),
+    "lr1e-3": dict(lr=1e-3),
+    "wsd": dict(schedule="wsd"),
+    "fcnorm": dict(fc_norm=True),
+    "muon": dict(optimizer="muon"),
+}
 PEER_MODULES = {
     "speculators": "race_speculators",
     "speculators-2k": "race_speculators",
@@ -77,6 +93,13 @@ class SpecCli:
 
         self.NAME, self.VERSION, self.vocab_map = name, __version__, vocab_map
         full = PROFILES["full"]
+        if name.startswith("spec+"):
+            self.options = {}
+            for lever in name.split("+")[1:]:
+                if lever not in LEVERS:
+                    raise SystemExit(f"{name}: no lever {lever!r} (levers: {', '.join(LEVERS)})")
+                self.options.update(LEVERS[lever])
+            return
         self.options = (
             {}
             if name == "spec"
@@ -133,12 +156,19 @@ class SpecCli:
         return [r for r in map(json.loads, lines) if r.get("split") == "train"]
 
     def step_seconds(self, cache: Path, scratch: Path, seed: int = 0) -> float:
+        """Wall-clock seconds per step: runs of 4 and 20 steps, the difference of their wall times
+        over 16 (the log's per-window rates leave out the time between windows: the median of 8
+        steps' rates planned 347 steps into 5 minutes that held 317)."""
         import shutil
 
+        walls = {}
+        for steps in (4, 20):
+            shutil.rmtree(scratch, ignore_errors=True)
+            start = time.perf_counter()
+            self._run(cache, scratch, steps, None, seed)
+            walls[steps] = time.perf_counter() - start
         shutil.rmtree(scratch, ignore_errors=True)
-        records = self._log(self._run(cache, scratch, 8, None, seed))
-        shutil.rmtree(scratch, ignore_errors=True)
-        return statistics.median(r["tokens"] / r["tokens_per_s"] for r in records[2:])
+        return (walls[20] - walls[4]) / 16
 
     def train(self, cache: Path, out: Path, total_steps: int, max_seconds, seed: int) -> dict:
         from spec_cli.cli import main
@@ -168,7 +198,7 @@ class SpecCli:
 
 
 def contestant(name: str, vocab_map: Path):
-    if name in ("spec", "spec-demo"):
+    if name in ("spec", "spec-demo") or name.startswith("spec+"):
         return SpecCli(name, vocab_map)
     peer = importlib.import_module(PEER_MODULES[name])
     if name == "speculators-2k":
@@ -533,10 +563,13 @@ def collected(out: Path, chain: int) -> list[dict]:
         if speed.is_file():
             row["eval"].update(json.loads(speed.read_text()))
         rows.append(row)
-    order = {n: i for i, n in enumerate(CONTESTANTS)}
+    order = {n: i for i, n in enumerate(CONTESTANTS)}  # then spec+<levers>, by name
     rows.sort(
-        key=lambda r: (r["budget"] != "min", r["value"], r["seed"], order.get(r["contestant"]))
-    )
+        key=lambda r: (
+            r["budget"] != "min", r["value"], r["seed"],
+            order.get(r["contestant"], len(order)), r["contestant"],
+        )
+    )  # fmt: skip
     return rows
 
 
