@@ -25,7 +25,8 @@ states and target distributions, its draft vocab map), a one-layer draft, this m
 contestant at a time. A time budget of M minutes: each contestant's seconds per step are measured
 first (a few steps, thrown away), its schedule is set over the steps M minutes hold, and training
 stops at M minutes whatever the step. spec_cli's seconds per step are the wall clock's: two short
-runs, their difference over the difference of their steps (start-up and the last save cancel). A token budget: the steps that hold that many tokens of rows.
+runs, their difference over the difference of their steps (start-up and the last save cancel).
+A token budget: the steps that hold that many tokens of rows.
 
 Measured the same way: vLLM (this process, fp32, greedy) serves each folder with a chain of --chain
 tokens; acceptance is vLLM's pooled figure, 1 + accepted / drafts, with the per-request mean beside

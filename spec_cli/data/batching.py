@@ -89,13 +89,14 @@ def plan_packed(lengths: torch.Tensor, row_tokens: int) -> list[list[int]]:
     room for it, found in a tree of the rows' free room (the most in each subtree): O(log rows) a
     sample, where scanning the open rows costs the square of the samples (bench/pack_plan.py)."""
     order = torch.sort(-lengths.long(), stable=True).indices.tolist()
+    sizes = lengths.long().tolist()
     rows: list[list[int]] = []
     size = 1
     while size < max(len(order), 1):
         size *= 2
     room = [-1] * (2 * size)  # room[size + r]: row r's free tokens (-1: no row yet); inner: the max
     for i in order:
-        n = int(lengths[i])
+        n = sizes[i]
         if room[1] >= n:  # the leftmost row with room: go down, left first
             node = 1
             while node < size:
