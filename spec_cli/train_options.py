@@ -209,7 +209,17 @@ class DraftOptions:
 class ObjectiveFlags:
     """The objective options every algorithm reads (each algorithm's own follow: Algorithm.options)."""
 
-    ttt_steps: int = option(7, "--ttt-steps", help="TTT unroll depth.", panel=OBJECTIVE, min=1)
+    ttt_steps: int = option(
+        3,
+        "--ttt-steps",
+        help="TTT unroll depth: the draft steps each position is trained on (P-EAGLE: its K "
+        "parallel depths). Default: 3 for EAGLE-3, 7 for EAGLE-1/2, MSD and P-EAGLE. Deeper "
+        "trains the later steps of longer chains at the cost of that many draft forwards a "
+        "batch (docs/recipe.md).",
+        panel=OBJECTIVE,
+        min=1,
+        show_default=False,
+    )
     step_weight: float = option(
         0.8,
         "--step-weight",
@@ -252,11 +262,13 @@ class OptimOptions:
     """How the weights are updated, and for how long."""
 
     lr: float = option(
-        2e-4,
+        1e-3,
         "--lr",
-        help="Peak learning rate (AdamW, betas 0.9/0.95).",
+        help="Peak learning rate (AdamW, betas 0.9/0.95). Default: 1e-3 for EAGLE-3, 2e-4 for "
+        "the other algorithms.",
         panel=OPTIMISATION,
         allowed=POSITIVE,
+        show_default=False,
     )
     optimizer: str = option(
         "adamw",
@@ -658,7 +670,9 @@ class TrainConfig:
 
     @classmethod
     def from_options(cls, **options) -> TrainConfig:
-        """A config from flat option values (vocab_map=..., output=..., lr=3e-3); the rest default."""
+        """A config from flat option values (vocab_map=..., output=..., lr=3e-3); the rest default,
+        to the --algorithm's own default where it has one (Algorithm.option_defaults)."""
+        options = {**algorithm_defaults(options.get("algorithm")), **options}
         declared = all_options()
         unknown = sorted(set(options) - set(declared))
         if unknown:
@@ -730,6 +744,23 @@ def all_options() -> dict[str, Option]:
                     f.metadata["allowed"],
                 )
     return out
+
+
+def algorithm_defaults(algorithm: str | None) -> dict[str, object]:
+    """The defaults `algorithm` (None: the default one) sets for options every algorithm takes, where
+    they differ from the declared ones (P-EAGLE's ttt_steps 7); {} for an unknown name, which
+    the trainer refuses with the known ones."""
+    from spec_cli.draft.algorithms import ALGORITHMS, DEFAULT
+
+    known = ALGORITHMS.get(algorithm or DEFAULT)
+    return dict(known.option_defaults) if known is not None else {}
+
+
+def algorithm_defaulted() -> frozenset[str]:
+    """The options some registered algorithm sets its own default for."""
+    from spec_cli.draft.algorithms import ALGORITHMS
+
+    return frozenset(name for a in ALGORITHMS.values() for name, _ in a.option_defaults)
 
 
 def resumable_options() -> frozenset[str]:

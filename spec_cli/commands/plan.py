@@ -53,7 +53,14 @@ def plan_cmd(
     draft_vocab_size: Annotated[
         int, typer.Option("--draft-vocab-size", rich_help_panel=DRAFT)
     ] = 32000,
-    ttt_steps: Annotated[int, typer.Option("--ttt-steps", rich_help_panel=DRAFT)] = 7,
+    ttt_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--ttt-steps",
+            help="As spec train's. Default: the --algorithm's (EAGLE-3 3; EAGLE-1/2, MSD, P-EAGLE 7).",
+            rich_help_panel=DRAFT,
+        ),
+    ] = None,
     draft_layers: Annotated[int, typer.Option("--draft-layers", rich_help_panel=DRAFT)] = 1,
     block_size: Annotated[
         int,

@@ -81,6 +81,9 @@ def train_cmd(config=None, quiet=False, **options):
         flag = declared[name].flag
         if flag is not None and flag.parse is not None:
             options[name] = flag.parse(value, flag.names[0])
+    given = train_options.typed_options()
+    for name in train_options.algorithm_defaulted() - (given or set(declared)):
+        del options[name]  # not typed: the --algorithm's own default (TrainConfig.from_options)
     result = stage.run(train_options.TrainConfig.from_options(**options))
     print_train_summary(result)
     if result.stream:

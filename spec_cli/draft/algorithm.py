@@ -14,6 +14,10 @@ algorithm is declared here, so no caller tells algorithms apart by name:
     options                  a dataclass of its own `spec train` options (fields made with
                              spec_cli.train_options.option); the CLI, run.json and the objective
                              read them by name
+    option_defaults          its defaults for options every algorithm takes, where they differ from
+                             the option's declared one (the default algorithm's): (("ttt_steps", 7),)
+                             for P-EAGLE; a value typed by the user, or recorded in a resumed
+                             run's run.json, wins
     needs                    what it reads of the target besides its input embedding and the aux states:
                              "final_hidden" (the last hidden state after the final norm), "lm_head" (the
                              target's output head, copied into the draft), or a per-token field of its
@@ -91,6 +95,7 @@ class Algorithm:
     formats: tuple[ExportFormat, ...] = ()
     export_rules: str | None = None  # module path (see above); None: no export formats
     options: type | None = None  # a dataclass of train_options.option(...) fields
+    option_defaults: tuple[tuple[str, object], ...] = ()  # (option name, its default here)
     needs: frozenset[str] = frozenset()
     summary: str = ""  # a phrase for --algorithm's help ("all draft tokens in one forward")
     vllm_draft_class: str = ""

@@ -40,7 +40,7 @@ class PlanSettings:
     seq_lens: tuple[int, ...] = (8192, 32768)
     batch_size: int = 1
     draft_vocab_size: int = 32000
-    ttt_steps: int = 7
+    ttt_steps: int | None = None  # None: the algorithm's (spec train's default)
     draft_layers: int = 1
     block_size: int = 8  # DFlash and DSpark: queries per block
     max_anchors: int = 0  # DFlash and DSpark: blocks at this many slots a row (0: every slot)
@@ -144,7 +144,7 @@ def make_plan(s: PlanSettings) -> Plan:
     from spec_cli.plan.step import measure_step
     from spec_cli.plan.target import plan_assumption
     from spec_cli.targets.supervision import LOGITS_CHUNK_BYTES
-    from spec_cli.train_options import ObjectiveOptions
+    from spec_cli.train_options import ObjectiveOptions, algorithm_defaults
 
     if s.gpu not in GPUS and (s.gpu_memory is None or s.gpu_tflops is None):
         raise ConfigError(
@@ -175,8 +175,11 @@ def make_plan(s: PlanSettings) -> Plan:
     draft_config = algorithm.config(
         config, vd, algorithm.default_aux_layers(L), num_hidden_layers=s.draft_layers, **blocks
     )
+    ttt_steps = s.ttt_steps or algorithm_defaults(algorithm.name).get(
+        "ttt_steps", ObjectiveOptions().ttt_steps
+    )  # spec train's default for the algorithm
     options = ObjectiveOptions(
-        ttt_steps=s.ttt_steps,
+        ttt_steps=ttt_steps,
         block_size=s.block_size,
         max_anchors=s.max_anchors,
         markov_rank=s.markov_rank,
@@ -365,11 +368,11 @@ def make_plan(s: PlanSettings) -> Plan:
             "draft_vocab_size": vd,
             "aux_layers": list(draft_config.aux_layer_ids),
             "layers": s.draft_layers,
-            "ttt_steps": s.ttt_steps,
+            "ttt_steps": ttt_steps,
             "steps": (
                 f"{algorithm.steps_name} {algorithm.steps(options)}"
                 if algorithm.steps
-                else f"TTT {s.ttt_steps}"
+                else f"TTT {ttt_steps}"
             ),
         },
         steps=rows,

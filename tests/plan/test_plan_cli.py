@@ -72,7 +72,7 @@ def eagle3_trained(H: int, inter: int, heads: int, kv: int, d: int, vd: int) -> 
 
 @pytest.mark.parametrize("size", ["8b", "70b"])
 def test_llama_plans(tmp_path, size, capsys):
-    plan = plan_of(tmp_path, size)
+    plan = plan_of(tmp_path, size, "--ttt-steps", "7")  # the deepest unroll users train
     s = SIZES[size]
     H, V = s["hidden_size"], LLAMA["vocab_size"]
     assert plan["target"]["parameters"] == PUBLISHED[size]
@@ -98,6 +98,15 @@ def test_llama_plans(tmp_path, size, capsys):
     assert plan["target"]["placement"] == ("replica" if size == "8b" else "tensor-parallel")
     printed = capsys.readouterr().out
     assert "--activation-checkpointing brings it to" in printed
+
+
+def test_the_plan_follows_spec_trains_default_unroll(tmp_path):
+    """spec train's EAGLE-3 default unrolls 3 steps: the plan's default step does too, and needs
+    less memory than 7 (an 8B target's 32k rows then fit an 80 GB GPU without checkpointing)."""
+    plan = plan_of(tmp_path, "8b")
+    assert plan["draft"]["ttt_steps"] == 3 and plan["draft"]["steps"] == "TTT 3"
+    steps = {(r["seq_len"], r["activation_checkpointing"]): r for r in plan["steps"]}
+    assert steps[32768, False]["fits"]
 
 
 def test_plan_errors(tmp_path, capfd):
@@ -136,6 +145,8 @@ def test_context_parallel_plan_per_rank(tmp_path, capsys):
                 "32768",
                 "--context-parallel",
                 "8",
+                "--ttt-steps",
+                "7",
                 "--json",
                 str(out),
             ]

@@ -193,7 +193,11 @@ def test_a_duration_or_size_of_inf_is_refused(setup, tmp_path, capsys):
 def test_help_shows_the_ranges(capsys):
     assert main(["train", "--help"]) == 0
     out = re.sub(r"[\s│]+", " ", capsys.readouterr().out)
-    assert "Peak learning rate (AdamW, betas 0.9/0.95). Allowed: > 0." in out
+    assert (
+        "Peak learning rate (AdamW, betas 0.9/0.95). Default: 1e-3 for EAGLE-3, 2e-4 for the other "
+        "algorithms. Allowed: > 0." in out
+    )
+    assert "[default: 0.001]" not in out  # (the algorithm's default, said in the help)
     assert "Share of batches held out for evaluation. Allowed: in [0, 1)." in out
 
 

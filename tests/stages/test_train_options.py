@@ -24,6 +24,7 @@ from spec_cli.train_options import (
     parse_size,
     parse_size_or_auto,
     resumable_options,
+    typed_options,
 )
 
 
@@ -93,7 +94,7 @@ def test_the_objective_group_is_the_shared_flags_then_each_algorithms_own():
     ]
     assert typing.get_type_hints(PEagleOptions)["peagle_segments"] is int
     defaults = ObjectiveOptions()
-    assert (defaults.ttt_steps, defaults.token_weight, defaults.cod_ratio) == (7, 0.1, 0.7)
+    assert (defaults.ttt_steps, defaults.token_weight, defaults.cod_ratio) == (3, 0.1, 0.7)
     assert (
         ObjectiveOptions(cod_ratio=0.5) != defaults and ObjectiveOptions(cod_ratio=0.7) == defaults
     )
@@ -199,3 +200,91 @@ def test_the_train_command_has_one_option_per_field():
         "eval_engine_target",
         "eval_engine_memory",
     }
+
+
+def _train_config(monkeypatch, tmp_path, *args) -> TrainConfig:
+    """The config `spec train ARGS` trains with once a --resume has read its run.json (the command and
+    trainer.resume as the CLI runs them; nothing is trained)."""
+    import types
+
+    from typer.testing import CliRunner
+
+    import spec_cli.ui
+    from spec_cli.stages import train as stage
+    from spec_cli.trainer import resume
+
+    seen = []
+
+    def run(cfg):
+        seen.append(resume.resumed_config(cfg, typed_options()))
+        return types.SimpleNamespace(stream=None)
+
+    monkeypatch.setattr(stage, "run", run)
+    monkeypatch.setattr(spec_cli.ui, "print_train_summary", lambda result: None)
+    result = CliRunner().invoke(build_app(), ["train", "-v", str(tmp_path / "vm"), *args])
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_each_algorithm_trains_at_its_own_defaults_and_a_typed_value_wins(monkeypatch, tmp_path):
+    run = str(tmp_path / "run")
+    trained = {
+        name: _train_config(monkeypatch, tmp_path, "-o", run, "--algorithm", name)
+        for name in algorithms.ALGORITHMS
+    }
+    got = {name: (c.objective.ttt_steps, c.optim.lr) for name, c in trained.items()}
+    # EAGLE-3 (the default): TTT 3 at lr 1e-3 (docs/peers.md); EAGLE-1/2, MSD (its objective) and
+    # P-EAGLE unroll 7; DFlash and DSpark read no TTT depth (their block is theirs)
+    assert got == {
+        "eagle3": (3, 1e-3),
+        "eagle": (7, 2e-4),
+        "peagle": (7, 2e-4),
+        "dflash": (3, 2e-4),
+        "dspark": (3, 2e-4),
+        "msd": (7, 2e-4),
+    }
+    assert _train_config(monkeypatch, tmp_path, "-o", run) == trained["eagle3"]
+    typed = _train_config(
+        monkeypatch,
+        tmp_path,
+        "-o",
+        run,
+        "--algorithm",
+        "peagle",
+        "--ttt-steps",
+        "3",
+        "--lr",
+        "1e-3",
+    )
+    assert (typed.objective.ttt_steps, typed.optim.lr) == (3, 1e-3)
+    config = tmp_path / "config.yaml"  # a --config file's value is typed too
+    config.write_text("algorithm: eagle\nttt_steps: 2\n")
+    from_file = _train_config(monkeypatch, tmp_path, "-o", run, "--config", str(config))
+    assert (from_file.objective.ttt_steps, from_file.optim.lr) == (2, 2e-4)
+    # the API builds the same configs
+    api = TrainConfig.from_options(vocab_map=tmp_path / "vm", output=Path(run), algorithm="peagle")
+    assert api == trained["peagle"]
+
+
+def test_a_resumed_run_keeps_the_defaults_it_was_started_with(monkeypatch, tmp_path):
+    """A run started before EAGLE-3's defaults moved (run.json: TTT 7, lr 2e-4), or a P-EAGLE run
+    resumed without retyping --algorithm, continues with its own values, not today's defaults."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for algorithm in ("eagle3", "peagle"):
+        recorded = TrainConfig.from_options(
+            vocab_map=str(tmp_path / "vm"),
+            output=str(run),
+            algorithm=algorithm,
+            ttt_steps=7,
+            lr=2e-4,
+        ).options()
+        (run / "run.json").write_text(
+            json.dumps({"options": recorded, "identity": {}}, default=str)
+        )
+        cfg = _train_config(monkeypatch, tmp_path, "-o", str(run), "--resume")
+        assert (cfg.draft.algorithm, cfg.objective.ttt_steps, cfg.optim.lr) == (algorithm, 7, 2e-4)
+        typed = _train_config(monkeypatch, tmp_path, "-o", str(run), "--resume", "--lr", "1e-3")
+        assert typed.optim.lr == 1e-3  # (a typed value is checked against run.json by the trainer)

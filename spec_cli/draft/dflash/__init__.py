@@ -74,6 +74,8 @@ class DFlashOptions:
 
 DFLASH = Algorithm(
     name="dflash",
+    # EAGLE-3's defaults (TTT 3, lr 1e-3) are measured for EAGLE-3 only (docs/recipe.md)
+    option_defaults=(("lr", 2e-4),),
     title="DFlash",
     summary="a block of draft tokens in one non-causal forward",
     aux_layers=AUX_LAYERS,

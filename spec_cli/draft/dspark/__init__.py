@@ -89,6 +89,8 @@ class DSparkOptions:
 
 DSPARK = Algorithm(
     name="dspark",
+    # EAGLE-3's defaults (TTT 3, lr 1e-3) are measured for EAGLE-3 only (docs/recipe.md)
+    option_defaults=(("lr", 2e-4),),
     title="DSpark",
     summary="a DFlash block with a Markov head and a confidence head",
     aux_layers=AUX_LAYERS,

@@ -40,6 +40,8 @@ def no_aux_layers(n: int) -> list[int]:
 
 EAGLE = Algorithm(
     name="eagle",
+    # EAGLE-3's defaults (TTT 3, lr 1e-3) are measured for EAGLE-3 only (docs/recipe.md)
+    option_defaults=(("ttt_steps", 7), ("lr", 2e-4)),
     title="EAGLE-1/2",
     aux_layers=0,
     default_aux_layers=no_aux_layers,

@@ -52,6 +52,8 @@ class PEagleOptions:
 
 PEAGLE = Algorithm(
     name="peagle",
+    # EAGLE-3's defaults (TTT 3, lr 1e-3) are measured for EAGLE-3 only (docs/recipe.md)
+    option_defaults=(("ttt_steps", 7), ("lr", 2e-4)),
     title="P-EAGLE",
     summary="all draft tokens in one forward",
     aux_layers=3,
