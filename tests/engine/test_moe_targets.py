@@ -1,8 +1,8 @@
 """Mixture-of-experts targets through the whole pipeline, as a user runs it: tiny random Qwen3-MoE and
 gpt-oss targets (sized for vLLM's CPU attention: head_dim 32) go through precompute with both target
 engines (the caches equal within fp32 rounding), training, the vLLM export with its engine check, and
-greedy-identical eval in PyTorch and in vLLM. One module fixture per target runs the CLI once; the
-tests read what it wrote.
+(gpt-oss) greedy-identical eval in PyTorch and in vLLM. One module fixture per target runs the CLI
+once; the tests read what it wrote.
 
 gpt-oss keeps its input embedding under `embedding`, not `embed_tokens`: before the fix, precompute
 with --target-engine vllm ended in "internal error: AttributeError: 'GptOssModel' object has no
@@ -27,6 +27,9 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 FIELDS_TOL = {"aux_hidden": 1e-5, "final_hidden": 1e-4, "lse": 1e-4}  # fp32, CPU: rounding only
+# `spec eval` of the export in each engine: for gpt-oss (its own embedding name, sliding layers); the
+# export's engine check already decodes each target's draft in vLLM and in PyTorch and compares them
+EVAL_ENGINES = {"gpt_oss": ("torch", "vllm"), "qwen3_moe": ()}
 
 
 def save_moe_target(path: Path, kind: str) -> Path:
@@ -85,7 +88,7 @@ def save_moe_target(path: Path, kind: str) -> Path:
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def moe(request, tmp_path_factory):
     """The pipeline on one MoE target: vocab map, precompute in transformers and in vLLM, 60 training
-    steps from the transformers cache, the vLLM export with the engine check, eval in both engines."""
+    steps from the transformers cache, the vLLM export with the engine check, eval in EVAL_ENGINES."""
     root = tmp_path_factory.mktemp(request.param)
     mp = pytest.MonkeyPatch()
     mp.setenv("SPEC_HOME", str(root / "home"))
@@ -170,7 +173,7 @@ def moe(request, tmp_path_factory):
             == 0
         )
         evals = {}
-        for engine in ("torch", "vllm"):
+        for engine in EVAL_ENGINES[request.param]:
             out = root / f"eval-{engine}"
             assert (
                 main(
@@ -237,6 +240,8 @@ def test_both_target_engines_write_the_same_cache(moe):
 
 def test_both_engines_decode_the_export_as_the_target_does(moe):
     """(The export itself passed vLLM's engine check in the fixture: a failed check exits non-zero.)"""
+    if not moe["evals"]:
+        pytest.skip(f"{moe['kind']}: the export's engine check compared vLLM with PyTorch")
     for engine, report in moe["evals"].items():
         overall = report["overall"]
         print(
