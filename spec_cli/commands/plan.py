@@ -58,6 +58,7 @@ def plan_cmd(
         typer.Option(
             "--ttt-steps",
             help="As spec train's. Default: the --algorithm's (EAGLE-3 3; EAGLE-1/2, MSD, P-EAGLE 7).",
+            min=1,
             rich_help_panel=DRAFT,
         ),
     ] = None,

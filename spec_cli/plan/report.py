@@ -175,9 +175,11 @@ def make_plan(s: PlanSettings) -> Plan:
     draft_config = algorithm.config(
         config, vd, algorithm.default_aux_layers(L), num_hidden_layers=s.draft_layers, **blocks
     )
-    ttt_steps = s.ttt_steps or algorithm_defaults(algorithm.name).get(
-        "ttt_steps", ObjectiveOptions().ttt_steps
-    )  # spec train's default for the algorithm
+    ttt_steps = (  # None: spec train's default for the algorithm
+        algorithm_defaults(algorithm.name).get("ttt_steps", ObjectiveOptions().ttt_steps)
+        if s.ttt_steps is None
+        else s.ttt_steps
+    )
     options = ObjectiveOptions(
         ttt_steps=ttt_steps,
         block_size=s.block_size,

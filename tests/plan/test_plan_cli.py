@@ -113,6 +113,8 @@ def test_plan_errors(tmp_path, capfd):
     assert main(["plan", str(tmp_path / "nowhere")]) == 1
     assert "no config.json" in capfd.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps(LLAMA | SIZES["8b"]))
+    assert main(["plan", str(tmp_path), "--ttt-steps", "0"]) == 2  # as spec train's range check
+    assert "Invalid value for '--ttt-steps'" in capfd.readouterr().err
     assert main(["plan", str(tmp_path), "--algorithm", "peagle"]) == 1
     err = capfd.readouterr().err
     assert "no plan for --algorithm peagle" in err and "COD" in err
