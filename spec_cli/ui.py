@@ -355,13 +355,26 @@ def print_demo_summary(result) -> None:
     if estimate and estimate.get("paced_minutes") is not None:
         estimated += f", {estimate['paced_minutes']:g} at training's measured pace"
     estimated += ")" if estimate else ""
+    profile = result.profile
+    budget = f" of its {profile.minutes:g}" if getattr(profile, "minutes", 0) else ""
     rows.append(
         (
             "total",
-            f"{result.seconds / 60:.1f} min{estimated}; rerun `spec demo` to reuse the finished "
-            "stages",
+            f"{result.seconds / 60:.1f} min{budget}{estimated}; rerun `spec demo` to reuse the "
+            "finished stages",
         )
     )
+    sizing = (estimate or {}).get("sizing")
+    if sizing:  # what this run bought, and what more minutes would buy on this machine
+        more = sizing["more"]
+        rows.append(
+            (
+                "more minutes",
+                f"this run: {profile.samples:,} answers, {profile.steps:,} steps; --minutes "
+                f"{more['minutes']:g} buys {more['answers']:,} answers and {more['steps']:,} steps "
+                "here (docs/recipe.md: acceptance against answers and steps)",
+            )
+        )
     summary(f"spec demo ({result.profile.name}) in {result.folder}", rows)
 
 

@@ -13,18 +13,32 @@ from spec_cli.train_options import parse_duration
 
 
 def demo_cmd(
+    minutes: Annotated[
+        float | None,
+        typer.Option(
+            "--minutes",
+            help="How long the demo may take (default 30). Before its first stage it measures this "
+            "machine's speed and sizes the target's answers and the training steps to end near "
+            "that: more minutes buy more of both, and a better draft. It says what twice the "
+            "minutes would buy here. Each budget has its own default folder.",
+            show_default=False,
+        ),
+    ] = None,
     quick: Annotated[
         bool,
         typer.Option(
             "--quick",
-            help="A smaller run that exercises every stage (about a fifth of the default's time; the "
-            "demo prints this machine's estimate before it starts).",
+            help="The pipeline's smoke test: every stage on a fixed small amount of work (not sized "
+            "to minutes; the demo prints this machine's estimate before it starts).",
         ),
     ] = False,
     output: Annotated[
         Path | None,
         typer.Option(
-            "--output", "-o", help="Demo folder. Default: SPEC_HOME/demo/full (or /quick)."
+            "--output",
+            "-o",
+            help="Demo folder. Default: SPEC_HOME/demo/full (full-<M>min for another --minutes; "
+            "quick with --quick).",
         ),
     ] = None,
     no_install: Annotated[
@@ -39,8 +53,8 @@ def demo_cmd(
             "--max-time",
             help="Stop training after this long (90s, 10m, 1h; a number is minutes). The draft "
             "is then weaker, and the final table says so; a rerun finishes the schedule. "
-            "Default: no cap (the schedule is fixed in steps, so the result does not depend "
-            "on the machine's speed).",
+            "To make the whole demo shorter, use --minutes instead: it trains fewer steps "
+            "on purpose, with a schedule that ends.",
         ),
     ] = None,
     engine: Annotated[
@@ -56,16 +70,17 @@ def demo_cmd(
     dtype: Dtype = None,
     quiet: Quiet = False,
 ):
-    """The whole pipeline on the built-in SmolLM2 target: assets, regenerate (SmolLM2 answers the
-    ShareGPT prompts itself; with vLLM installed it answers 1,100 and the feature cache is kept as it
-    answers, one pass of the target per answer; without, it answers 320 and 1,300 further ShareGPT
-    conversations are trained on as written), build-vocab-map, precompute, train (a fixed number of
-    steps; the checkpoint that accepts best in the engine is kept), export it for vLLM (self-checked),
-    eval on MT-bench and on held-out ShareGPT prompts, and tune how to serve it (spec tune). Regenerate
-    and precompute run the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16),
-    else as --dtype says. Rerunning reuses finished stages. How long it takes depends on the CPU by more
-    than 2x, so before its first stage the demo times this machine's speeds (about 15 s) and prints
-    its own estimate (times per CPU: docs/results.md)."""
+    """The whole pipeline on the built-in SmolLM2 target, in --minutes (default 30): assets,
+    regenerate (SmolLM2 answers ShareGPT prompts itself, as many as the minutes buy on this machine;
+    with vLLM installed the feature cache is kept as it answers, one pass of the target per answer),
+    build-vocab-map, precompute, train (about four passes over the answers; the checkpoint that
+    accepts best in the engine is kept), export it for vLLM (self-checked), eval on MT-bench and on
+    held-out ShareGPT prompts, and tune how to serve it (spec tune). CPUs differ by more than 2x, so
+    before its first stage the demo times this machine's speeds (about 15 s), sizes the answers and
+    steps from them, and sizes the steps again once the answers are made. Regenerate and precompute
+    run the target in bf16 where that is native (a GPU; a CPU with AMX or AVX512-BF16), else as
+    --dtype says. Rerunning reuses finished stages and the run's sizing (times per CPU:
+    docs/results.md)."""
     from spec_cli.stages import demo as stage
     from spec_cli.ui import print_demo_summary
 
@@ -73,6 +88,7 @@ def demo_cmd(
     result = stage.run(
         stage.DemoConfig(
             quick=quick,
+            minutes=minutes,
             output=output,
             install=not no_install,
             device=device,

@@ -396,18 +396,15 @@ def test_demo_refuses_a_folder_it_does_not_own(builtins, tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_help_states_the_default_data_with_and_without_vllm(capsys):
+def test_help_says_the_demo_is_sized_to_its_minutes(capsys):
     assert main(["demo", "--engine", "transformers", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    full = demo.PROFILES["full"]
+    assert "in --minutes (default 30)" in text
+    assert "as many as the minutes buy on this machine" in text
     assert (
-        f"with vLLM installed it answers {full.one_pass_samples:,} and the feature cache is kept"
-        in text
+        "sizes the answers and steps from them, and sizes the steps again once the answers" in text
     )
-    assert (
-        f"without, it answers {full.samples} and {full.original_samples:,} further ShareGPT" in text
-    )
-    assert "prints its own estimate" in text
+    assert "--minutes" in text.split("Options")[1] and "full-<M>min" in text
 
 
 def test_regenerate_and_precompute_run_the_target_in_bf16_only_where_it_is_native(monkeypatch):
@@ -618,9 +615,16 @@ def test_an_estimate_measured_on_a_busy_machine_says_so(tmp_path, capsys, monkey
         demo_clock, "measure", lambda *a, **k: demo_clock.Speeds(100.0, 1000.0, 10.0, 500.0)
     )
     monkeypatch.setattr(demo.loading, "resolve_target", lambda path: path)
-    estimate = demo._estimate(
-        demo.DemoConfig(engine="transformers", device="cpu"), TINY, {"smollm2": tmp_path}, {}
+    result = demo.DemoResult(folder=tmp_path, profile=TINY)
+    demo._estimate(
+        demo.DemoConfig(engine="transformers", device="cpu"),
+        TINY,
+        {"smollm2": tmp_path},
+        {},
+        result,
+        start=0.0,
     )
+    estimate = result.estimate
     printed = " ".join(capsys.readouterr().out.split())
     assert (
         "WARNING: the machine was too busy for these speeds to mean much: other processes kept 1.9 of 2 "
@@ -661,3 +665,159 @@ def test_the_final_table_heads_with_vllms_speed_up_and_gives_both_engines_tokens
     assert "without vLLM vLLM is not installed, so regenerate runs" in " ".join(
         capsys.readouterr().out.split()
     )
+
+
+# ----------------------------------------------------------------------------- spec demo --minutes
+
+AVX2_LIKE = dict(batched_decode=200.0, prefill=1200.0, decode=25.0, train=1300.0)
+
+
+def test_the_minutes_are_split_into_the_most_answers_that_fit_and_four_passes_of_steps():
+    """clock.size: the largest number of answers whose demo (PASSES passes of steps over them, the fixed
+    stages, the engine in the loop) fits the seconds; more minutes buy more of both."""
+    from spec_cli.stages.demo import clock
+
+    speeds = clock.Speeds(**AVX2_LIKE)
+    full = demo.DemoConfig().profile.for_engine("vllm")
+    assert full.minutes == demo.DEFAULT_MINUTES and not full.sized
+
+    def seconds(p):
+        return clock.demo_seconds(p, speeds, "vllm", 0, "vllm")
+
+    chosen = clock.size(full, speeds, 1800.0, "vllm", 0, "vllm")
+    assert chosen.sized and chosen.original_samples == 0
+    assert chosen.samples == chosen.one_pass_samples
+    assert seconds(chosen) <= 1800.0 < seconds(clock.sized(full, chosen.samples + 1))
+    tokens = chosen.samples * clock.TOKENS_PER_CONVERSATION
+    assert chosen.steps * full.batch_tokens / tokens == pytest.approx(clock.PASSES, abs=0.1)
+    assert chosen.engine_every % 50 == 0 and chosen.steps / chosen.engine_every == pytest.approx(
+        clock.ENGINE_EVALUATIONS, rel=0.3
+    )
+    longer = clock.size(full, speeds, 3600.0, "vllm", 0, "vllm")
+    assert (
+        longer.samples > 2 * chosen.samples and longer.steps > 2 * chosen.steps
+    )  # past the fixed part
+
+    with pytest.raises(ValueError) as too_few:
+        clock.size(full, speeds, 600.0, "vllm", 0, "vllm")
+    smallest = clock.sized(full, clock.MIN_ANSWERS)
+    assert too_few.value.args[0] == pytest.approx(seconds(smallest)) and seconds(smallest) > 600
+
+
+def test_the_steps_are_sized_again_to_the_time_left_up_to_max_passes():
+    from spec_cli.stages.demo import clock
+
+    speeds = clock.Speeds(**AVX2_LIKE)
+    chosen = clock.size(
+        demo.DemoConfig().profile.for_engine("vllm"), speeds, 1800.0, "vllm", 0, "vllm"
+    )
+    after = ("train", "eval", "eval-vllm", "eval-heldout", "tune", "fixed")
+
+    def rest(steps):
+        parts = clock.stage_seconds(
+            clock.sized(chosen, chosen.samples, steps), speeds, "vllm", 0, "vllm"
+        )
+        return sum(parts[n] for n in after)
+
+    left = rest(chosen.steps) * 1.1  # the data stages ran faster than estimated
+    steps = clock.steps_for(chosen, speeds, left, "vllm", 0)
+    assert steps > chosen.steps and rest(steps) <= left < rest(steps + 1)
+    assert clock.steps_for(chosen, speeds, rest(chosen.steps) * 0.8, "vllm", 0) < chosen.steps
+    most = clock.passes_steps(chosen, chosen.samples, clock.MAX_PASSES)
+    assert clock.steps_for(chosen, speeds, 10**7, "vllm", 0) == most  # a GPU: at most 8 passes
+    assert clock.steps_for(chosen, speeds, 1.0, "vllm", 0) == clock.MIN_STEPS
+
+
+def test_each_budget_has_its_own_default_folder():
+    assert demo.DemoConfig().folder().name == "full"
+    assert demo.DemoConfig(minutes=30).folder().name == "full"
+    assert demo.DemoConfig(minutes=45).folder().name == "full-45min"
+    assert demo.DemoConfig(quick=True).folder().name == "quick"
+
+
+@pytest.fixture
+def sized_builtins(builtins, monkeypatch):
+    """The default profile as the tiny one, sized: a machine measured fast (every sizing reaches the
+    answers' cap) unless a test says otherwise."""
+    from dataclasses import replace
+
+    from spec_cli.stages.demo import clock
+
+    monkeypatch.setitem(demo.PROFILES, "full", replace(TINY, name="full"))
+    monkeypatch.setattr(clock, "MIN_ANSWERS", 2)
+    monkeypatch.setattr(clock, "MAX_ANSWERS", 6)
+    monkeypatch.setattr(clock, "MIN_STEPS", 2)
+    monkeypatch.setattr(clock, "FIXED_SECONDS", 0.0)
+    speeds = {"now": clock.Speeds(10**6, 10**6, 10**6, 10**6)}
+    monkeypatch.setattr(clock, "measure", lambda *a, **k: speeds["now"])
+    return speeds
+
+
+def test_the_default_demo_is_sized_to_its_minutes_and_a_rerun_continues_that_sizing(
+    sized_builtins, tmp_path, capsys
+):
+    from spec_cli.stages.demo import clock
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--engine", "transformers", "--minutes", "10", "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    profile = record(out)["profile"]
+    # the cap on answers (a fast machine), PASSES passes of steps at the start, then MAX_PASSES once the
+    # data stages left time over: the steps sized again before training
+    start_steps = clock.passes_steps(TINY, 6, clock.PASSES)
+    steps = clock.passes_steps(TINY, 6, clock.MAX_PASSES)
+    assert (profile["minutes"], profile["sized"], profile["samples"]) == (10, True, 6)
+    assert profile["original_samples"] == 0 and profile["steps"] == steps > start_steps
+    assert record(out)["estimate"]["sizing"]["answers"] == 6
+    assert record(out)["estimate"]["resized_steps"] == {"from": start_steps, "to": steps}
+    assert "sized to 10 minutes on this machine" in printed
+    assert "--minutes 20 buys 6 answers" in printed  # the final table: what more minutes buy here
+    assert f"training takes {steps} steps (sized {start_steps} at the start)" in printed
+    regenerated = (out / "regenerated.jsonl").read_text().splitlines()
+    assert len(regenerated) == 6 and (out / "train.jsonl").read_text().splitlines() == regenerated
+    state = json.loads((ckpt.latest_checkpoint(out / "run") / "trainer_state.json").read_text())
+    assert state["step"] == state["total_steps"] == steps
+
+    # a rerun keeps the sizing (no new answers or steps on a machine now measured slower)
+    sized_builtins["now"] = clock.Speeds(1.0, 1.0, 1.0, 1.0)
+    assert main(["demo", "--engine", "transformers", "--minutes", "10", "-o", str(out)]) == 0
+    assert set(statuses(out).values()) == {"ready", "reused"}
+    assert record(out)["profile"] == profile
+    # another budget in the same folder: refused, with how to continue it
+    capsys.readouterr()
+    assert main(["demo", "--engine", "transformers", "--minutes", "20", "-o", str(out)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "sized to 10 minutes" in err and "--minutes 10 continues it" in err
+
+
+def test_too_few_minutes_say_the_least_this_machine_needs(sized_builtins, tmp_path, capsys):
+    from spec_cli.stages.demo import clock
+
+    sized_builtins["now"] = clock.Speeds(50.0, 50.0, 5.0, 50.0)
+    out = tmp_path / "demo"
+    assert main(["demo", "--engine", "transformers", "--minutes", "1", "-o", str(out)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--minutes 1 is too few for the demo on this machine" in err
+    need = int(err.split("use --minutes ")[1].split()[0])
+    smallest = clock.demo_seconds(
+        clock.sized(demo.PROFILES["full"], 2), sized_builtins["now"], "transformers", 0, "torch"
+    )
+    assert need == pytest.approx(smallest / 60, abs=1.5) and need > 1
+    assert not (out / "regenerated.jsonl").exists()
+    # with enough minutes the same folder goes on (it was claimed, never sized)
+    assert (
+        main(["demo", "--engine", "transformers", "--minutes", str(need + 5), "-o", str(out)]) == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--quick", "--minutes", "10"], "--minutes sizes the default demo"),
+        (["--minutes", "0"], "--minutes 0 is not a length"),
+    ],
+)
+def test_minutes_refused_with_quick_or_not_positive(tmp_path, capsys, args, message):
+    assert main(["demo", *args, "-o", str(tmp_path / "d")]) == 1
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "d").exists()

@@ -15,6 +15,7 @@ resumes from its latest checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -80,6 +81,10 @@ class Profile:
     one_pass: bool = (
         False  # set by for_engine: this run's data is one_pass_samples answered in one pass
     )
+    # `spec demo --minutes`: the minutes this run is sized to (0: the profile as written, --quick), and
+    # whether samples and steps are sized yet (clock.size, from this machine's measured speeds)
+    minutes: float = 0.0
+    sized: bool = False
 
     def for_engine(self, engine: str) -> Profile:
         """The profile as a run with this regenerate engine carries it out."""
@@ -91,8 +96,8 @@ class Profile:
         original = f" + {self.original_samples} as written" if self.original_samples else ""
         one_pass = ", the cache kept as it answers" if self.one_pass else ""
         return (
-            f"{self.samples} ShareGPT prompts answered by the target itself{one_pass}{original} (<= {self.max_length} "
-            f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps} steps "
+            f"{self.samples:,} ShareGPT prompts answered by the target itself{one_pass}{original} (<= {self.max_length} "
+            f"tokens each), Vd {self.draft_vocab_size}, TTT {self.ttt_steps}, {self.steps:,} steps "
             f"({self.optimizer}, {self.schedule}), eval on {self.eval_prompts} MT-bench questions and "
             f"{self.heldout_prompts} held-out ShareGPT conversations"
         )
@@ -148,9 +153,15 @@ PROFILES = {
 }
 
 
+DEFAULT_MINUTES = 30.0  # spec demo --minutes
+
+
 @dataclass
 class DemoConfig:
     quick: bool = False
+    # the default demo's length: its answers and steps are sized to end near this many minutes on this
+    # machine (None: DEFAULT_MINUTES; --quick is sized in work, not minutes)
+    minutes: float | None = None
     output: Path | None = None  # default: SPEC_HOME/demo/<profile>
     install: bool = True  # pip-install the built-in assets when missing
     device: str | None = None
@@ -164,10 +175,21 @@ class DemoConfig:
 
     @property
     def profile(self) -> Profile:
-        return PROFILES["quick" if self.quick else "full"]
+        if self.quick:
+            return PROFILES["quick"]
+        return replace(PROFILES["full"], minutes=self.budget)
+
+    @property
+    def budget(self) -> float:
+        return DEFAULT_MINUTES if self.minutes is None else float(self.minutes)
 
     def folder(self) -> Path:
-        return Path(self.output) if self.output else spec_home() / "demo" / self.profile.name
+        if self.output:
+            return Path(self.output)
+        name = self.profile.name
+        if not self.quick and self.budget != DEFAULT_MINUTES:  # one folder per budget
+            name += f"-{self.budget:g}min"
+        return spec_home() / "demo" / name
 
 
 @dataclass
@@ -214,6 +236,8 @@ class DemoResult:
     estimate: dict | None = (
         None  # measured at the start: this machine's speeds and the stages' minutes
     )
+    speeds: object | None = None  # the start probe's clock.Speeds (None when every stage was done)
+    compared: int | None = None  # the shorter chains the MT-bench eval decodes (the probe's count)
 
     def artifact(self, name: str) -> Path:
         return next(s.artifact for s in self.stages if s.name == name)
@@ -223,12 +247,25 @@ def run(cfg: DemoConfig) -> DemoResult:
     start = time.perf_counter()
     if cfg.engine not in ("auto", "transformers", "vllm"):  # before the folder is claimed
         raise ConfigError(f"unknown --engine {cfg.engine!r}", "use auto, transformers or vllm")
+    if cfg.quick and cfg.minutes is not None:
+        raise ConfigError(
+            "--minutes sizes the default demo; --quick is the pipeline's smoke test, sized in work",
+            "drop --quick to get the best draft those minutes buy, or drop --minutes",
+        )
+    if cfg.minutes is not None and not cfg.minutes > 0:
+        raise ConfigError(f"--minutes {cfg.minutes:g} is not a length", "e.g. --minutes 30")
     profile, folder = cfg.profile.for_engine(regen_engine(cfg)), cfg.folder()
     outputs.check({"-o": (folder, outputs.DEMO)}, {})
     earlier = _produced(folder)  # before _claim_folder rewrites demo.json
-    _claim_folder(folder, profile)
+    profile = _claim_folder(folder, profile)
     result = DemoResult(folder=folder, profile=profile)
-    info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
+    if profile.minutes and not profile.sized:
+        info(
+            f"spec demo ({profile.name}, {profile.minutes:g} minutes): its answers and steps are sized "
+            f"to this machine's speed, measured next; artifacts in {folder}"
+        )
+    else:
+        info(f"spec demo ({profile.name}): {profile.describe()}; artifacts in {folder}")
     if (
         eval_engine(cfg) == "torch" and cfg.engine == "auto"
     ):  # said once: what the demo cannot show here
@@ -260,7 +297,9 @@ def run(cfg: DemoConfig) -> DemoResult:
 
     found: dict = {}
     stage("assets", assets.assets_dir(), lambda: _assets(cfg, found))
-    result.estimate = _estimate(cfg, profile, found, earlier)
+    profile = _estimate(cfg, profile, found, earlier, result, start)
+    result.profile = profile
+    _record(folder, profile, result)  # the sizing, so that a rerun continues the same run
     regenerated = folder / "regenerated.jsonl"
     vocab_map = folder / f"vocab-{profile.draft_vocab_size}.safetensors"
     cache = folder / "cache"
@@ -289,6 +328,8 @@ def run(cfg: DemoConfig) -> DemoResult:
         lambda: _precompute(cfg, profile, found, data, vocab_map, cache, made_in_regenerate),
     )
     run_dir = folder / "run"
+    if profile.sized and result.speeds is not None and ckpt.latest_checkpoint(run_dir) is None:
+        profile = result.profile = _resize_steps(cfg, profile, result, start)
     stage("train", run_dir, lambda: _train(cfg, profile, vocab_map, cache, run_dir, result))
     export_dir = folder / "export-vllm"
     stage("export", export_dir, lambda: _export(run_dir, export_dir, found, result))
@@ -338,9 +379,13 @@ def data_dtype(cfg: DemoConfig) -> str | None:
     return "bf16" if loading.fast_bf16(loading.choose_device(cfg.device)) else None
 
 
-def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> dict | None:
+def _estimate(
+    cfg: DemoConfig, profile: Profile, found: dict, earlier: dict, result: DemoResult, start: float
+) -> Profile:
     """This machine's speed at each kind of step, measured now (spec_cli/stages/demo/clock.py), and the
-    minutes the stages not yet done will take at it; None when every stage is done."""
+    minutes the stages not yet done will take at it (result.estimate; None when every stage is done).
+    A profile with minutes and not yet sized is sized here (clock.size) to end near them, counted from
+    `start`; the profile is returned as the run carries it out."""
     from spec_cli.stages.demo import clock as demo_clock
 
     stages = (
@@ -354,7 +399,7 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     )
     left = [name for name in stages if name not in earlier]
     if not left:
-        return None
+        return profile
     import torch
 
     from spec_cli import threads
@@ -384,6 +429,10 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
     busy = meter.stop(
         torch.get_num_threads(), threads.available_cores(), on_cpu=device.type == "cpu"
     )
+    result.speeds, result.compared = speeds, compared
+    sizing = None
+    if profile.minutes and not profile.sized:
+        profile, sizing = _size(cfg, profile, speeds, compared, time.perf_counter() - start)
     per_stage = demo_clock.stage_seconds(
         profile, speeds, regen_engine(cfg), compared, eval_engine(cfg)
     )
@@ -401,12 +450,76 @@ def _estimate(cfg: DemoConfig, profile: Profile, found: dict, earlier: dict) -> 
             else ""
         )
     )
-    return {
+    result.estimate = {
         "minutes": round(total, 1),
         "stages": {n: round(s, 2) for n, s in seconds.items()},
         "speeds": {k: round(v, 1) for k, v in asdict(speeds).items()},
         "busy": {k: busy.get(k) for k in ("too_busy", "warning", "cpu_share", "other_load")},
+        **({"sizing": sizing} if sizing else {}),
     }
+    return profile
+
+
+def _size(
+    cfg: DemoConfig, profile: Profile, speeds, compared: int | None, spent: float
+) -> tuple[Profile, dict]:
+    """The profile's answers and steps for its minutes, less the `spent` seconds (assets, the probe),
+    on a machine of these speeds; said, with what twice the minutes would buy here."""
+    from spec_cli.stages.demo import clock as demo_clock
+
+    def fit(minutes: float) -> Profile:
+        return demo_clock.size(
+            profile, speeds, minutes * 60 - spent, regen_engine(cfg), compared, eval_engine(cfg)
+        )
+
+    try:
+        chosen = fit(profile.minutes)
+    except ValueError as smallest:
+        need = (float(smallest.args[0]) + spent) / 60
+        raise ConfigError(
+            f"--minutes {profile.minutes:g} is too few for the demo on this machine: its smallest run "
+            f"({demo_clock.MIN_ANSWERS} answers, {demo_clock.MIN_STEPS} steps, the evals and the "
+            f"tune) takes about {need:.0f} minutes here",
+            f"use --minutes {math.ceil(need)} or more, or --quick for the pipeline's smoke test",
+        ) from None
+    more = fit(2 * profile.minutes)
+    sizing = {
+        "minutes": profile.minutes,
+        "answers": chosen.samples,
+        "steps": chosen.steps,
+        "passes": demo_clock.PASSES,
+        "more": {"minutes": 2 * profile.minutes, "answers": more.samples, "steps": more.steps},
+    }
+    info(
+        f"sized to {profile.minutes:g} minutes on this machine: {chosen.describe()}; "
+        f"--minutes {2 * profile.minutes:g} would answer {more.samples:,} prompts and train "
+        f"{more.steps:,} steps (docs/recipe.md: what answers and steps buy)"
+    )
+    return chosen, sizing
+
+
+def _resize_steps(cfg: DemoConfig, profile: Profile, result: DemoResult, start: float) -> Profile:
+    """Before training starts: the steps sized again to the minutes left, now that the data stages have
+    run (their real time replaces their estimate). Only when this run made its data itself: a rerun
+    that found it made keeps the steps it was sized with."""
+    from spec_cli.stages.demo import clock as demo_clock
+
+    made = {s.name: s.status for s in result.stages}
+    if made.get("regenerate") != "ran":
+        return profile
+    left = profile.minutes * 60 - (time.perf_counter() - start)
+    steps = demo_clock.steps_for(profile, result.speeds, left, eval_engine(cfg), result.compared)
+    if steps == profile.steps:
+        return profile
+    resized = demo_clock.sized(profile, profile.samples, steps)
+    if result.estimate is not None:
+        result.estimate["resized_steps"] = {"from": profile.steps, "to": steps}
+    info(
+        f"the data took {sum(s.seconds for s in result.stages) / 60:.1f} min: training takes "
+        f"{steps:,} steps (sized {profile.steps:,} at the start) so that the demo ends near its "
+        f"{profile.minutes:g} minutes"
+    )
+    return resized
 
 
 def _revise(result: DemoResult) -> None:
@@ -1032,16 +1145,33 @@ def _serve_command(export_dir: Path) -> str:
     return ""
 
 
-def _claim_folder(folder: Path, profile: Profile) -> None:
+# set by clock.size (engine_every follows the steps)
+SIZED = ("samples", "original_samples", "one_pass_samples", "steps", "engine_every", "sized")
+
+
+def _claim_folder(folder: Path, profile: Profile) -> Profile:
     """A demo folder belongs to one profile: the stages' artifacts would refuse to mix anyway, but
-    saying so up front is clearer than a mismatch deep inside precompute."""
+    saying so up front is clearer than a mismatch deep inside precompute. A folder sized to the same
+    minutes continues with its sizing (its answers and steps), not a new one."""
     record = folder / DEMO_JSON
     if record.is_file():
         before = json.loads(record.read_text()).get("profile", {})
-        if before.get("name") != profile.name or _shaping(before) != _shaping(asdict(profile)):
+        now = asdict(profile)
+        if before.get("sized") and before.get("minutes") == profile.minutes:
+            profile = replace(profile, **{k: before[k] for k in SIZED if k in before})
+            now = asdict(profile)
+        elif profile.minutes and "minutes" in before and not before.get("sized"):
+            # claimed by a sized run that stopped before its sizing: nothing was made for it yet
+            before, now = (
+                {k: v for k, v in d.items() if k not in SIZED and k != "minutes"}
+                for d in (before, now)
+            )
+        if before.get("name") != profile.name or _shaping(before) != _shaping(now):
+            sized_to = f", sized to {before['minutes']:g} minutes" if before.get("minutes") else ""
             raise ConfigError(
-                f"{folder} holds a demo with other settings ({before.get('name')})",
-                "use another --output folder, or delete that one to start over",
+                f"{folder} holds a demo with other settings ({before.get('name')}{sized_to})",
+                "use another --output folder, or delete that one to start over"
+                + (f"; --minutes {before['minutes']:g} continues it" if sized_to else ""),
             )
     elif folder.is_dir() and any(folder.iterdir()):
         raise ConfigError(
@@ -1050,6 +1180,7 @@ def _claim_folder(folder: Path, profile: Profile) -> None:
         )
     folder.mkdir(parents=True, exist_ok=True)
     write_json(record, {"kind": "demo", "profile": asdict(profile), "stages": []})
+    return profile
 
 
 def _shaping(profile: dict) -> dict:
@@ -1059,7 +1190,7 @@ def _shaping(profile: dict) -> dict:
     a release does not disown a folder whose stages it would make the same."""
     return {
         k: v
-        for k, v in profile.items()
+        for k, v in {"minutes": 0.0, "sized": False, **profile}.items()  # fields older folders lack
         if not k.startswith(("expected_minutes", "engine_", "tune_")) and k != "eval_compare_depths"
     }
 

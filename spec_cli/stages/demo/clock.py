@@ -344,3 +344,90 @@ def stage_seconds(
         ),
         "fixed": FIXED_SECONDS,
     }
+
+
+# ----------------------------------------------------------------------------- sizing to minutes
+# `spec demo --minutes M` buys the most acceptance M minutes allow on this machine: the stages whose work
+# is fixed (the evals, the export, the tune, the engine's start) come first, and the minutes left are split
+# between the target's answers (regenerate) and training steps. The split keeps the training at PASSES
+# passes over the answers' tokens. docs/recipe.md ("Sizing the demo to its minutes") derives it from the
+# measured runs: at 1,000 steps, 2.5 passes over 7.6x the target's answers gave +0.12 MT-bench / +0.18
+# held-out over 8 passes of the smaller data, for about as many minutes as 1,000 more steps on the
+# smaller data bought (+0.10 / +0.09); with the larger data, steps then paid again (+0.20 / +0.20 from 2.5
+# to 5 passes). Eight passes (the earlier default) overfit (training top-1 0.79 against 0.51 held out).
+PASSES = 4.0
+MAX_PASSES = 8.0  # steps sized again after the data stages stop here (a fast machine: a GPU)
+MIN_ANSWERS = 200  # below these the demo is the smoke test's size: --quick is that
+MIN_STEPS = 100
+MAX_ANSWERS = (
+    8000  # the built-in ShareGPT's usable prompts, with room after them for the held-out chats
+)
+ENGINE_EVALUATIONS = (
+    4  # the engine in the loop answers this often over the run (and at the last step)
+)
+
+
+def passes_steps(profile, answers: int, passes: float) -> int:
+    """Steps of the profile's batch that make `passes` passes over `answers` answered conversations
+    (a multiple of 10, at least MIN_STEPS)."""
+    tokens = passes * answers * TOKENS_PER_CONVERSATION
+    return max(MIN_STEPS, round(tokens / profile.batch_tokens / 10) * 10)
+
+
+def sized(profile, answers: int, steps: int | None = None):
+    """The profile with `answers` of the target's answers (none as written) and `steps` steps (default:
+    PASSES passes over the answers' tokens), the engine in the loop ENGINE_EVALUATIONS times."""
+    from dataclasses import replace
+
+    if steps is None:
+        steps = passes_steps(profile, answers, PASSES)
+    every = max(50, round(steps / ENGINE_EVALUATIONS / 50) * 50)
+    changes = dict(samples=answers, original_samples=0, steps=steps, engine_every=every, sized=True)
+    if getattr(profile, "one_pass", False):
+        changes["one_pass_samples"] = answers
+    return replace(profile, **changes)
+
+
+def _largest(seconds, lo: int, hi: int, budget: float) -> int:
+    """The largest n in [lo, hi] with seconds(n) <= budget, by bisection (seconds grows with n); lo - 1
+    when none fits."""
+    if seconds(lo) > budget:
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if seconds(mid) <= budget else (lo, mid - 1)
+    return lo
+
+
+def demo_seconds(profile, speeds: Speeds, engine: str, compared, eval_engine: str) -> float:
+    return sum(stage_seconds(profile, speeds, engine, compared, eval_engine).values())
+
+
+def size(profile, speeds: Speeds, seconds: float, engine: str, compared, eval_engine: str):
+    """The profile sized so that its stages take `seconds` on a machine of `speeds`: the most answers
+    (and PASSES passes of steps over them) that fit. Raises ValueError with the smallest demo's seconds
+    when even MIN_ANSWERS and MIN_STEPS do not fit."""
+
+    def total(answers: int) -> float:
+        return demo_seconds(sized(profile, answers), speeds, engine, compared, eval_engine)
+
+    answers = _largest(total, MIN_ANSWERS, MAX_ANSWERS, seconds)
+    if answers < MIN_ANSWERS:
+        raise ValueError(total(MIN_ANSWERS))
+    return sized(profile, answers)
+
+
+def steps_for(profile, speeds: Speeds, seconds: float, eval_engine: str, compared) -> int:
+    """The most training steps (at least MIN_STEPS, at most MAX_PASSES passes over the answers) whose
+    training and the stages after it take `seconds` on a machine of `speeds`: the demo's steps sized
+    again once its data is made."""
+    after = ("train", "eval", "eval-vllm", "eval-heldout", "tune", "fixed")
+
+    def total(steps: int) -> float:
+        parts = stage_seconds(
+            sized(profile, profile.samples, steps), speeds, "vllm", compared, eval_engine
+        )
+        return sum(parts[n] for n in after if n in parts)
+
+    most = passes_steps(profile, profile.samples, MAX_PASSES)
+    return max(MIN_STEPS, _largest(total, MIN_STEPS, most, seconds))
