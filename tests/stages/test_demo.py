@@ -184,7 +184,7 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
         "tune",
     }
     assert all(v > 0 for v in estimate["speeds"].values()) and estimate["minutes"] > 0
-    from spec_cli.stages.demo.clock import ENGINE_SLOWDOWN, OVERHEAD
+    from spec_cli.stages.demo.clock import ENGINE_SLOWDOWN, EVAL_LOAD_SECONDS, OVERHEAD
 
     engine_tokens = (
         2 * TINY.engine_prompts * 2 * TINY.engine_tokens * 2
@@ -197,7 +197,8 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
     )
     passes = 3  # the target alone, the chain of 2 and the compared chain of 1
     assert estimate["stages"]["eval"] == pytest.approx(
-        TINY.eval_prompts
+        EVAL_LOAD_SECONDS
+        + TINY.eval_prompts
         * 2
         * TINY.eval_max_new_tokens
         * passes
@@ -207,7 +208,8 @@ def test_demo_runs_every_stage_then_reuses_them(builtins, tmp_path, capsys):
         abs=0.01,
     )
     assert estimate["stages"]["eval-heldout"] == pytest.approx(
-        TINY.heldout_prompts
+        EVAL_LOAD_SECONDS
+        + TINY.heldout_prompts
         * 2
         * TINY.eval_max_new_tokens
         * 2
@@ -504,18 +506,19 @@ def test_the_estimate_counts_the_chains_the_mt_bench_eval_compares():
     what the machine measured (demo_clock.chains_compared), a list's is its length."""
     from dataclasses import replace
 
-    from spec_cli.stages.demo.clock import OVERHEAD, Speeds, stage_seconds
+    from spec_cli.stages.demo.clock import EVAL_LOAD_SECONDS, OVERHEAD, Speeds, stage_seconds
 
     speeds = Speeds(batched_decode=100.0, prefill=1000.0, decode=10.0, train=500.0)
     one_pass = TINY.eval_prompts * 2 * TINY.eval_max_new_tokens / 10.0 * OVERHEAD["eval"]
     auto = replace(TINY, eval_compare_depths="auto", eval_depth=3)
-    assert stage_seconds(auto, speeds)["eval"] == pytest.approx(2 * one_pass)
-    assert stage_seconds(auto, speeds, compared=2)["eval"] == pytest.approx(4 * one_pass)
+    load = EVAL_LOAD_SECONDS
+    assert stage_seconds(auto, speeds)["eval"] == pytest.approx(load + 2 * one_pass)
+    assert stage_seconds(auto, speeds, compared=2)["eval"] == pytest.approx(load + 4 * one_pass)
     assert stage_seconds(replace(TINY, eval_compare_depths=(1, 2), eval_depth=2), speeds)[
         "eval"
-    ] == pytest.approx(3 * one_pass)
+    ] == pytest.approx(load + 3 * one_pass)
     assert stage_seconds(auto, speeds, compared=2)["eval-heldout"] == pytest.approx(
-        TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / 10.0 * OVERHEAD["eval"]
+        load + TINY.heldout_prompts * 2 * TINY.eval_max_new_tokens * 2 / 10.0 * OVERHEAD["eval"]
     )
 
 

@@ -44,18 +44,24 @@ SUPERVISED_SHARE = (
 # checkpoints every 50 steps: ~1.28x); the cache's reading beside the step is most of it. Not refitted
 # on the EPYC cores (its old factor, 0.62, went with a calibration step that scored every slot); the
 # demo states its total again once training has run 50 steps (stages/demo/__init__.py TrainPace).
+# The evals: EVAL_LOAD_SECONDS (loading, the prompts' prefill), then their tokens at the one-row speed
+# (OVERHEAD "eval"): the default demo sized to 30 minutes on 2 AMD EPYC cores with AVX2 only (2026-12-07:
+# MT-bench 163 s for 3,072 tokens at 17.4 tokens/s, held-out 130 s for 2,048), where the quick demos'
+# 2.0 (mostly loading) had put them at 352 and 235 s.
 OVERHEAD = {
-    "regenerate/vllm": 0.33,
+    "regenerate/vllm": 0.45,
     "regenerate/transformers": 2.1,
     "precompute": 1.15,
     "train": 1.25,
-    "eval": 2.0,
+    "eval": 1.0,
     "one-pass cache": 0.5,
 }
-# vLLM in regenerate: its engine's start (VLLM_REGEN_START_SECONDS), then its answers at 0.33x the seconds
-# the one-engine batched decode predicts (vLLM batches far more rows than the clock's 16: measured on 2
-# Intel Xeon cores with AMX, 320 answers in 98 s with the clock at 208 tokens/s, 1,100 in 372 s of
-# generation). One pass (regenerate --features): the cache's positions the generation did not compute, the
+EVAL_LOAD_SECONDS = 15.0
+# vLLM in regenerate: its engine's start (VLLM_REGEN_START_SECONDS), then its answers at 0.45x the seconds
+# the one-engine batched decode predicts (vLLM batches far more rows than the clock's 16). Between the two
+# CPU classes measured: 0.35x on 2 Intel Xeon cores with AMX (1,100 answers in 384 s with the clock at 208
+# tokens/s), 0.63x on 2 AMD EPYC cores with AVX2 only (328 answers in 354 s, the clock at 134.5); the demo
+# sizes its steps again once regenerate has run, so its error moves the steps, not the end. One pass (regenerate --features): the cache's positions the generation did not compute, the
 # full-vocabulary statistics and the writing, 0.5x the prefill's seconds over the rows' tokens (1,100 rows,
 # 257k tokens: 78 s of cache and 31 s of kept rows beside a prefill of about 1,200 tokens/s).
 VLLM_REGEN_START_SECONDS = 30.0
@@ -67,14 +73,16 @@ FIXED_SECONDS = 40.0  # assets, vocab map, the export and its checks (measured: 
 # training): 1.7 x 0.24 = 0.4 of those seconds are added to the stage. The closing `spec tune`: its
 # engines' loading and the check of the recommended config (TUNE_FIXED_SECONDS), then its decoding, whose
 # tokens/s at batch b is the one-row decode's times b ** TUNE_BATCH_POWER (spec tune's own forecast),
-# TUNE_OVERHEAD longer (the same demo: 247 s against 189 s).
+# TUNE_OVERHEAD times that (1.3x on the AMX demo: 247 s against 189 s; 0.83x on the AVX2 EPYC demo: 259 s
+# against 75 + 223 s; between them).
 ENGINE_SLOWDOWN = 0.4
 TUNE_FIXED_SECONDS = {"vllm": 75.0, "torch": 5.0}
 TUNE_BATCH_POWER = BATCH_SPEED_POWER
-TUNE_OVERHEAD = 1.3
-# spec eval --engine vllm: two engines loaded, then the turns at the one-row speed (measured on the default
-# demo, AMX cores: 1.5 min, the engines 0.5 of it)
+TUNE_OVERHEAD = 1.05
+# spec eval --engine vllm: two engines loaded, then the turns at VLLM_EVAL_FACTOR x the one-row speed's
+# seconds (the default demo: AMX cores 1.5 min, the engines 0.5 of it, about 0.8x; AVX2 EPYC 109 s, 0.67x)
 VLLM_EVAL_FIXED_SECONDS = 30.0
+VLLM_EVAL_FACTOR = 0.75
 TUNE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -329,15 +337,20 @@ def stage_seconds(
         "precompute": 0.0 if one_pass else precompute * OVERHEAD["precompute"],
         "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"]
         + engine_tokens / speeds.decode * ENGINE_SLOWDOWN,
-        "eval": eval_tokens / speeds.decode * OVERHEAD["eval"],
-        "eval-heldout": heldout_tokens / speeds.decode * OVERHEAD["eval"],
+        "eval": EVAL_LOAD_SECONDS + eval_tokens / speeds.decode * OVERHEAD["eval"],
+        "eval-heldout": EVAL_LOAD_SECONDS + heldout_tokens / speeds.decode * OVERHEAD["eval"],
         "tune": TUNE_FIXED_SECONDS[eval_engine]
         + profile.tune_repeats * tune_seconds * TUNE_OVERHEAD,
         # MT-bench again in vLLM (its two engines' loading, then the target alone and the chain)
         **(
             {
                 "eval-vllm": VLLM_EVAL_FIXED_SECONDS
-                + profile.eval_prompts * 2 * profile.eval_max_new_tokens * 2 / speeds.decode
+                + profile.eval_prompts
+                * 2
+                * profile.eval_max_new_tokens
+                * 2
+                / speeds.decode
+                * VLLM_EVAL_FACTOR
             }
             if eval_engine == "vllm"
             else {}
