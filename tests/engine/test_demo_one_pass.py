@@ -57,7 +57,7 @@ def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch)
     )
     monkeypatch.setattr(assets, "ensure_all", lambda install=True: found)
     monkeypatch.setitem(demo.PROFILES, "quick", profile)
-    monkeypatch.setattr(demo, "_estimate", lambda *a: None)
+    monkeypatch.setattr(demo, "_estimate", lambda cfg, profile, *a: profile)  # no probe
     for name in LATER:
         monkeypatch.setattr(demo, name, lambda *a, **k: "ran")
     out = tmp_path / "demo"
