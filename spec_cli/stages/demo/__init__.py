@@ -4,12 +4,16 @@ assets -> regenerate (SmolLM2 answers the ShareGPT prompts itself, greedy; where
 keeps the feature cache and builds the vocab map as it answers: one pass of the target per answer) ->
 training data (the regenerated conversations; without vLLM, plus the next ShareGPT conversations as
 they are, which a prefill supervises at a fraction of generation's cost) -> build-vocab-map ->
-precompute (both made already in one pass) -> train (a fixed number of steps) -> export (vLLM,
+precompute (both made already in one pass) -> train (its sized steps) -> export (vLLM,
 self-checked) -> eval on MT-bench -> eval on held-out ShareGPT prompts (conversations the draft never
 saw) -> tune. Each stage writes into one demo folder and is skipped when its artifact is already
 complete, so a rerun (or a run after Ctrl-C) picks up where the last one stopped: regenerate keeps its
 finished parts (and the rows' states kept for the cache), precompute its verified shards, train
 resumes from its latest checkpoint.
+
+The default demo is sized to `--minutes` (clock.size): its answers and steps follow this machine's
+speeds, measured before the first stage, and the steps are sized again once the data is made. The
+sizing is kept in demo.json, so a rerun continues the same run. `--quick` is fixed work.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ STAGES = 11  # (10 without vLLM: no eval-vllm)
 
 @dataclass(frozen=True)
 class Profile:
-    """Sizes chosen so that the whole demo fits its time on 2 CPU cores (a GPU finishes far sooner)."""
+    """The demo's work. `quick` is fixed; the default's samples, steps and engine_every are replaced by
+    its sizing to --minutes (clock.size), and those written below are what its fixed-work form ran."""
 
     name: str
     samples: int  # ShareGPT conversations the target answers itself (regenerate), then trained on

@@ -2,8 +2,8 @@
 
 CPUs differ by more than 2x on the demo (a core with a native bf16 path runs the target and the
 training step in bf16; one with AVX2 only runs fp32), so a fixed figure in the help is wrong on one of
-them. The demo's work is fixed by its profile (greedy answers to fixed prompts, a fixed number of
-training steps), so the time is that work over this machine's speed at each kind of step:
+them. Given its profile's work (greedy answers to fixed prompts, a number of training steps), the
+time is that work over this machine's speed at each kind of step:
 
 - regenerate: answer tokens over batched decoding (the target, the stage's dtype, 16 rows);
 - precompute: training tokens over the target's prefill (with the stage's per-token overhead);
@@ -12,7 +12,8 @@ training steps), so the time is that work over this machine's speed at each kind
 
 Each is timed for a few steps (about 15 seconds in all on 2 cores). The per-profile work was counted
 on the demo's own data; how much longer each stage takes than its kind of step alone (`OVERHEAD`) and
-the fixed costs were fitted on whole demo runs on a 2-core AMD EPYC (see the constants).
+the fixed costs were fitted on whole demo runs (see the constants). `size` and `steps_for` turn it
+around for `spec demo --minutes`: the work that fits a number of minutes on this machine.
 """
 
 from __future__ import annotations
