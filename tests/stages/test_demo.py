@@ -818,6 +818,8 @@ def test_too_few_minutes_say_the_least_this_machine_needs(sized_builtins, tmp_pa
     [
         (["--quick", "--minutes", "10"], "--minutes sizes the default demo"),
         (["--minutes", "0"], "--minutes 0 is not a length"),
+        (["--minutes", "inf"], "--minutes inf is not a length"),
+        (["--minutes", "nan"], "--minutes nan is not a length"),
     ],
 )
 def test_minutes_refused_with_quick_or_not_positive(tmp_path, capsys, args, message):

@@ -257,7 +257,7 @@ def run(cfg: DemoConfig) -> DemoResult:
             "--minutes sizes the default demo; --quick is the pipeline's smoke test, sized in work",
             "drop --quick to get the best draft those minutes buy, or drop --minutes",
         )
-    if cfg.minutes is not None and not cfg.minutes > 0:
+    if cfg.minutes is not None and not 0 < cfg.minutes < math.inf:  # nan and inf included
         raise ConfigError(f"--minutes {cfg.minutes:g} is not a length", "e.g. --minutes 30")
     profile, folder = cfg.profile.for_engine(regen_engine(cfg)), cfg.folder()
     outputs.check({"-o": (folder, outputs.DEMO)}, {})
