@@ -152,27 +152,23 @@ def check_prompts(tokenizer) -> list[list[int]]:
     return [prompts.prompt_ids(tokenizer, conv, 0) for conv in conversations]
 
 
-def engine_check(
-    folder: Path,
-    fmt: str,
-    src: DraftSource,
-    dtype: torch.dtype,
-    target_dir: Path,
-    depth: int = DEPTH,
-    model_impl: str | None = None,
-) -> EngineCheckReport:
-    """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report.
-    model_impl "transformers": the target through vLLM's Transformers backend (a target whose native class
-    cannot capture aux states, exported with --allow-unsupported-target)."""
-    from spec_cli.engine import vllm
+@dataclass
+class Reference:
+    """spec_cli's decoder on the checkpoint over the check's prompts: what vLLM's outputs are compared
+    with. One reference serves every folder written from the same checkpoint (another format, a copy)."""
 
-    vllm.require("the export's engine check (--engine-check vllm)")
-    config = loading.load_config(target_dir)
+    ids: list[list[int]]  # the prompts' token ids
+    settings: Settings
+    outputs: list  # generate()'s results, one per prompt
+
+
+def reference_decode(
+    src: DraftSource, dtype: torch.dtype, target_dir: Path, depth: int = DEPTH
+) -> Reference:
+    """The checkpoint's draft (rounded to `dtype`) decoding the check's prompts greedily in fp32 beside
+    the target. Run it before any vLLM engine is built in this process: an engine lowers the process's
+    torch threads for good."""
     algorithm = algorithms.get(src.config.algorithm)
-    if (
-        algorithm.aux_layers and not model_impl
-    ):  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
-        refuse_unservable(config)
     tokenizer = loading.load_tokenizer(target_dir)
     ids = check_prompts(tokenizer)
     settings = Settings(
@@ -183,17 +179,47 @@ def engine_check(
         max_new_tokens=MAX_NEW_TOKENS,
         eos_ids=eos_ids(tokenizer, loading.generation_config(target_dir)),
     )
-
-    # the reference first: building a vLLM engine lowers this process's torch threads for good
     model = loading.load_model(target_dir, torch.device("cpu"), torch.float32)
     draft = reference_draft(src, dtype)
     draft.copy_embeddings(model.get_input_embeddings().weight.float())
     target = Target(model, src.config.aux_layer_ids, final_hidden=algorithm.final_hidden)
     try:
-        reference = [generate(target, draft, p, settings) for p in ids]
+        outputs = [generate(target, draft, p, settings) for p in ids]
     finally:
         target.close()
-    del model, target
+    return Reference(ids, settings, outputs)
+
+
+def engine_check(
+    folder: Path,
+    fmt: str,
+    src: DraftSource,
+    dtype: torch.dtype,
+    target_dir: Path,
+    depth: int = DEPTH,
+    model_impl: str | None = None,
+    reference: Reference | None = None,
+) -> EngineCheckReport:
+    """Raise ExportCheckError when vLLM serves `folder` differently from the checkpoint; else report.
+    model_impl "transformers": the target through vLLM's Transformers backend (a target whose native class
+    cannot capture aux states, exported with --allow-unsupported-target). reference: reference_decode's
+    for this checkpoint, dtype and depth (decoded here when not given)."""
+    from spec_cli.engine import vllm
+
+    vllm.require("the export's engine check (--engine-check vllm)")
+    config = loading.load_config(target_dir)
+    algorithm = algorithms.get(src.config.algorithm)
+    if (
+        algorithm.aux_layers and not model_impl
+    ):  # a draft that reads no aux state (EAGLE-1/2) runs beside any target
+        refuse_unservable(config)
+    if reference is None:
+        reference = reference_decode(src, dtype, target_dir, depth)
+    elif reference.settings.depth != depth:
+        raise ValueError(
+            f"the reference decoded {reference.settings.depth} draft tokens, not {depth}"
+        )
+    ids, settings = reference.ids, reference.settings
 
     length = max(len(p) for p in ids) + MAX_NEW_TOKENS + depth + 8
     served_as = algorithm.format(fmt)  # vLLM's speculative method and options for this format
@@ -213,7 +239,7 @@ def engine_check(
         load = engine.load_report
 
     ours, theirs = Tally(depth), Tally(depth)
-    for r, s in zip(reference, served):
+    for r, s in zip(reference.outputs, served):
         ours.add(r, None)
         theirs.add(s, None)
     o, t = ours.metrics(), theirs.metrics()
@@ -225,13 +251,13 @@ def engine_check(
         reference_acceptance_length=o["acceptance_length"],
         accepted=t["accepted"],
         reference_accepted=o["accepted"],
-        same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference, served)),
+        same_tokens=sum(r.tokens == s.tokens for r, s in zip(reference.outputs, served)),
         shared=list(load.shared),
         model_impl=model_impl,
     )
     pairs = [
         (a, b)
-        for r, s in zip(reference, served)
+        for r, s in zip(reference.outputs, served)
         if r.tokens == s.tokens and s.drafts
         for a, b in zip(r.drafts, s.drafts)
     ]

@@ -1,7 +1,7 @@
 """The real SmolLM2-135M target in vLLM: a draft trained a few steps on ShareGPT, exported, loaded by
 vLLM; the export's engine check passes (vLLM's acceptance equals the PyTorch decoder's on the same
-draft and prompts), and an export whose aux ids are off by one (the engines' convention mix-up, vLLM
-PR 50170) is caught by it. `spec eval --engine vllm` against `--engine torch` is compared on the tiny
+draft and prompts, and it proposes the same draft tokens), and an export whose aux ids are off by one
+(the engines' convention mix-up, vLLM PR 50170) is caught by it. `spec eval --engine vllm` against `--engine torch` is compared on the tiny
 models in tests/engine/test_vllm.py."""
 
 from __future__ import annotations
@@ -92,31 +92,22 @@ def smol(tmp_path_factory, real_assets):
 
 
 def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance_and_aux_ids_off_by_one_are_caught(
-    smol, tmp_path, capsys
+    smol, tmp_path
 ):
+    """The export and a copy with its aux ids one layer early, checked against one reference decode of
+    the checkpoint (the CLI's `--engine-check vllm` runs the same check: tests/engine/test_vllm.py)."""
     from spec_cli.errors import ExportCheckError
-    from spec_cli.eval.engine_check import engine_check
+    from spec_cli.eval.engine_check import engine_check, reference_decode
     from spec_cli.export.source import load_source
 
     out = tmp_path / "export"
-    assert (
-        main(
-            [
-                "export",
-                str(smol["run"]),
-                "--format",
-                "vllm",
-                "--engine-check",
-                "vllm",
-                "-t",
-                str(smol["target"]),
-                "-o",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    assert "passed: vLLM" in capsys.readouterr().out
+    args = ["export", str(smol["run"]), "--format", "vllm", "--engine-check", "none"]
+    assert main([*args, "-t", str(smol["target"]), "-o", str(out), "-q"]) == 0
+    src = load_source(smol["run"])
+    reference = reference_decode(src, torch.bfloat16, smol["target"], depth=3)
+    report = engine_check(out, "vllm", src, torch.bfloat16, smol["target"], 3, reference=reference)
+    assert report.drafts_compared > 10 and report.drafts_equal >= 0.9
+    assert report.shared == ["model.embed_tokens.weight"]  # SmolLM2 ties its head to the embedding
 
     # the same export with its aux ids one layer early: the engine check catches it
     bad = tmp_path / "bad"
@@ -127,4 +118,4 @@ def test_smollm2_export_loads_in_vllm_with_the_checkpoints_acceptance_and_aux_id
     ]
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportCheckError, match="draft tokens at only"):
-        engine_check(bad, "vllm", load_source(smol["run"]), torch.bfloat16, smol["target"], depth=3)
+        engine_check(bad, "vllm", src, torch.bfloat16, smol["target"], 3, reference=reference)
