@@ -597,6 +597,24 @@ def test_training_states_the_demo_total_again_at_the_pace_it_measured(capsys):
     resumed = demo.TrainPace(result, total=1000, first=960, clock=lambda: now[0])
     assert resumed.at == 973  # a third of the 40 steps left
 
+    # the engine in the loop evaluates after steps 100, 200, .. 1000: the ten still to come at step 50
+    # add 30 s each to the pace of the 50 steps that ran without them
+    now[0] = 1000.0
+    engine = demo.TrainPace(
+        result,
+        total=1000,
+        first=0,
+        clock=lambda: now[0],
+        engine_at=range(100, 1001, 100),
+        engine_each=30.0,
+    )
+    now[0] += 75.0
+    engine(50)
+    assert result.estimate["train_paced_minutes"] == (1500.0 + 10 * 30.0) / 60
+    assert "30.0 min at this pace with the engine's 10 evaluation(s) to come" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
 
 def test_an_estimate_measured_on_a_busy_machine_says_so(tmp_path, capsys, monkeypatch):
     """The start-of-run estimate comes from speeds measured now: on a crowded machine they are low and the

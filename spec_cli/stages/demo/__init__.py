@@ -552,8 +552,20 @@ class TrainPace:
     `paced_minutes`). The clock's calibration before the first stage cannot see how fast this machine
     reads the feature cache beside the step (fitted once per CPU class); the stage itself can."""
 
-    def __init__(self, result: DemoResult, total: int, first: int, clock=time.perf_counter):
+    def __init__(
+        self,
+        result: DemoResult,
+        total: int,
+        first: int,
+        clock=time.perf_counter,
+        engine_at: tuple[int, ...] = (),
+        engine_each: float = 0.0,
+    ):
+        """engine_at: the steps after which the engine in the loop evaluates; engine_each: the seconds
+        one evaluation adds to the stage (the clock's). Those still to come when the pace is taken are
+        added to it: the steps before it ran without them."""
         self.result, self.total, self.first, self.clock = result, total, first, clock
+        self.engine_at, self.engine_each = tuple(engine_at), engine_each
         self.start = clock()
         self.at = first + min(PACE_STEPS, max(1, (total - first) // 3))
 
@@ -561,11 +573,20 @@ class TrainPace:
         if step != self.at or step >= self.total:
             return
         ran = self.clock() - self.start
+        evaluations = sum(
+            step <= s <= self.total for s in self.engine_at
+        )  # (after_step comes first)
         stage = ran * (self.total - self.first) / (step - self.first)
+        stage += evaluations * self.engine_each
         estimate = self.result.estimate
         line = (
             f"training: {step - self.first} steps in {ran / 60:.1f} min, so the stage takes about "
             f"{stage / 60:.1f} min at this pace"
+            + (
+                f" with the engine's {evaluations} evaluation(s) to come"
+                if evaluations and self.engine_each
+                else ""
+            )
         )
         if estimate and "train" in estimate["stages"]:
             done = sum(
@@ -581,6 +602,19 @@ class TrainPace:
                 f"{estimate['paced_minutes']:g} min"
             )
         info(line)
+
+
+def _engine_pace(result: DemoResult, profile: Profile) -> dict:
+    """TrainPace's engine_at and engine_each for this run: the clock's seconds per evaluation at the
+    speeds measured at the start (none when this run measured none)."""
+    from spec_cli.stages.demo import clock as demo_clock
+
+    if result.speeds is None:
+        return {}
+    return dict(
+        engine_at=tuple(demo_clock.engine_steps(profile)),
+        engine_each=demo_clock.engine_seconds(profile, result.speeds),
+    )
 
 
 PACE_STEPS = (
@@ -852,7 +886,7 @@ def _train(
             device=cfg.device,
             dtype=cfg.dtype,
         ),
-        after_step=TrainPace(result, profile.steps, first),
+        after_step=TrainPace(result, profile.steps, first, **_engine_pace(result, profile)),
     )
     result.engine_curve = engine_curve(run_dir)
     print_train_summary(outcome)

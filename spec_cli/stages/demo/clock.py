@@ -288,6 +288,19 @@ def chains_compared(target_dir: Path, device: torch.device, dtype: torch.dtype, 
         target.close()
 
 
+def engine_steps(profile) -> list[int]:
+    """The training steps after which the engine in the loop evaluates: every engine_every, and the
+    last."""
+    return [*range(profile.engine_every, profile.steps, profile.engine_every), profile.steps]
+
+
+def engine_seconds(profile, speeds: Speeds) -> float:
+    """What one evaluation of the engine in the loop adds to the train stage: it decodes its prompts'
+    both turns twice (the draft, the target alone) beside the training step, on the same cores."""
+    tokens = profile.engine_prompts * 2 * profile.engine_tokens * 2
+    return tokens / speeds.decode * ENGINE_SLOWDOWN
+
+
 def stage_seconds(
     profile,
     speeds: Speeds,
@@ -307,9 +320,6 @@ def stage_seconds(
     passes = 2 + compared
     eval_tokens = profile.eval_prompts * 2 * profile.eval_max_new_tokens * passes
     heldout_tokens = profile.heldout_prompts * 2 * profile.eval_max_new_tokens * 2
-    # the engine in the loop: each evaluation decodes its prompts' both turns twice (draft, target alone)
-    evaluations = len(range(profile.engine_every, profile.steps, profile.engine_every)) + 1
-    engine_tokens = evaluations * profile.engine_prompts * 2 * profile.engine_tokens * 2
     if (
         eval_engine == "vllm"
     ):  # the target alone and k = 0 .. max_k at each batch size, `requests` prompts
@@ -337,7 +347,7 @@ def stage_seconds(
         "regenerate": regenerate,
         "precompute": 0.0 if one_pass else precompute * OVERHEAD["precompute"],
         "train": profile.steps * profile.batch_tokens / speeds.train * OVERHEAD["train"]
-        + engine_tokens / speeds.decode * ENGINE_SLOWDOWN,
+        + len(engine_steps(profile)) * engine_seconds(profile, speeds),
         "eval": EVAL_LOAD_SECONDS + eval_tokens / speeds.decode * OVERHEAD["eval"],
         "eval-heldout": EVAL_LOAD_SECONDS + heldout_tokens / speeds.decode * OVERHEAD["eval"],
         "tune": TUNE_FIXED_SECONDS[eval_engine]
