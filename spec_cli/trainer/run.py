@@ -95,6 +95,7 @@ def _run(
         # the engine's process takes --eval-engine-memory of this GPU: training keeps to the rest
         torch.cuda.set_per_process_memory_fraction(1 - cfg.runtime.eval_engine_memory, device)
     source = open_source(cfg, device, vocab_map)
+    _say_unused_batch_tokens(cfg, source, given)
     batches = logger = stream_report = evaluator = None
     try:
         source.backend.set_vocab_mapping(vocab_map.selected_token_ids)
@@ -205,6 +206,26 @@ def _run(
 
 
 # ----------------------------------------------------------------------------- setup
+
+
+def _say_unused_batch_tokens(cfg: TrainConfig, source, given: set[str] | None) -> None:
+    """A feature cache keeps the batches `spec precompute` planned unless --pack plans rows anew: a
+    --batch-tokens given beside it that differs from the cache's changes nothing, and the user is told
+    (a step then holds the cache's tokens, not theirs)."""
+    if (
+        cfg.data.cache is None
+        or cfg.data.pack
+        or (given is not None and "batch_tokens" not in given)
+    ):
+        return
+    made = source.backend.reader.manifest.get("batch_tokens")
+    if made is not None and made != cfg.data.batch_tokens:
+        warn(
+            f"--batch-tokens {cfg.data.batch_tokens} does not apply: the feature cache {cfg.data.cache} "
+            f"keeps the batches `spec precompute` planned ({made} tokens each, padding included); "
+            f"precompute with --batch-tokens {cfg.data.batch_tokens}, or add --pack to plan rows of "
+            f"{cfg.data.batch_tokens} tokens from the cache"
+        )
 
 
 def _check_output(cfg: TrainConfig) -> None:

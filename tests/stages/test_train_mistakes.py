@@ -296,6 +296,35 @@ def test_eagle3_default_aux_layers_on_a_six_layer_target_train_silently(setup, t
     ]
 
 
+def test_a_batch_tokens_the_cache_does_not_apply_is_said_and_pack_applies_it(
+    setup, tmp_path, capsys
+):
+    """The cache was planned at 512 tokens a batch: --batch-tokens 256 beside it changes nothing (the
+    step reads the cache's batch, as at 512), and the warning says so and how to apply it; with --pack
+    the rows are planned at 256 and nothing is said. The cache's value, or none typed, says nothing."""
+
+    def run(name: str, *extra: str, batch: str | None = "256") -> int:
+        args = train_args(setup, tmp_path / name, "--max-steps", "1", *extra)
+        if batch is None:
+            args = [a for a in args if a not in ("--batch-tokens", "512")]
+        else:
+            args[args.index("512")] = batch
+        assert main(args) == 0
+        return json.loads((tmp_path / name / "log.jsonl").read_text().splitlines()[0])["tokens"]
+
+    capsys.readouterr()
+    other = run("other")
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"warning: --batch-tokens 256 does not apply: the feature cache {setup['cache']} keeps the "
+        "batches `spec precompute` planned (512 tokens each, padding included); precompute with "
+        "--batch-tokens 256, or add --pack to plan rows of 256 tokens from the cache"
+    ) in err
+    assert other == run("same", batch="512") == run("untyped", batch=None)
+    assert run("packed", "--pack") <= 256
+    assert "--batch-tokens" not in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- 5. --resume of a moved run
 
 
