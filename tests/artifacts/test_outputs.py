@@ -54,8 +54,6 @@ def tree(tmp_path_factory, tiny_llama_dir):
                     str(root / "run"),
                     "--max-steps",
                     "1",
-                    "--batch-tokens",
-                    "256",
                     "--eval-fraction",
                     "0",
                     "--ttt-steps",

@@ -564,6 +564,8 @@ def llava_msd(vlm, tmp_path_factory):
                 str(vm),
                 "-o",
                 str(cache),
+                "--batch-tokens",  # the size training asks: a cache keeps its own batches
+                "256",
                 "--storage-dtype",
                 "fp32",
                 "--dtype",

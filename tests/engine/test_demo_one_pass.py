@@ -104,6 +104,7 @@ def test_the_demo_trains_on_the_cache_its_regenerate_kept(tmp_path, monkeypatch)
                 "2",
                 "--batch-tokens",
                 "256",
+                "--pack",
                 "-q",
             ]
         )

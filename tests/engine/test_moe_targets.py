@@ -98,7 +98,8 @@ def moe(request, tmp_path_factory):
         data = root / "data.jsonl"
         data.write_text("".join(json.dumps(tiny.random_sharegpt(rng)) + "\n" for _ in range(60)))
         vm = str(root / "vm.safetensors")
-        common = ["-t", str(target), "-d", str(data), "-v", vm, "-q"]
+        # the cache's batches are training's (512 tokens, as --batch-tokens below says)
+        common = ["-t", str(target), "-d", str(data), "-v", vm, "--batch-tokens", "512", "-q"]
         assert (
             main(
                 [

@@ -132,6 +132,8 @@ def test_the_pipeline_runs_on_a_vlm_target(vlms, family, tmp_path, capsys):
                 str(vm),
                 "-o",
                 str(cache),
+                "--batch-tokens",  # the size training asks: a cache keeps its own batches
+                "512",
                 "-q",
             ]
         )
@@ -307,6 +309,8 @@ def test_the_pipeline_trains_on_image_chats(vlms, family, tmp_path, capsys):
                 str(vm),
                 "-o",
                 str(cache),
+                "--batch-tokens",  # the size training asks: a cache keeps its own batches
+                "512",
                 "--storage-dtype",
                 "fp32",
                 "--dtype",
@@ -805,6 +809,8 @@ def test_a_cache_reads_image_rows_by_sample_not_by_tokens(vlms, tmp_path):
                 str(vm),
                 "-o",
                 str(cache),
+                "--batch-tokens",  # the size training asks: a cache keeps its own batches
+                "512",
                 "--storage-dtype",
                 "fp32",
                 "--dtype",
@@ -1006,6 +1012,8 @@ def chats_vocab_and_cache(target, tmp_path, *precompute: str):
                 str(vm),
                 "-o",
                 str(cache),
+                "--batch-tokens",  # the size training asks: a cache keeps its own batches
+                "512",
                 "--storage-dtype",
                 "fp32",
                 "--dtype",
