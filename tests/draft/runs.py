@@ -228,26 +228,37 @@ def pipeline(root, target, algorithm: str) -> dict:
     return {"root": root, "target": target, "data": data, "prompts": prompts, "vm": vm, "V": V}
 
 
+def context_parallel_commands(runs: dict[str, list], common: list, folder: Path) -> list[list]:
+    """The torchrun x2 --context-parallel 2 command of each of `runs` (name -> its source options), with
+    `common`, writing folder/cp-NAME: for one launch (tests/launch.py), with other commands if need be."""
+    return [
+        ["train", *source, "-o", str(folder / f"cp-{name}"), "--context-parallel", "2", *common]
+        for name, source in runs.items()
+    ]
+
+
 def context_parallel_equals_one_process(
-    runs: dict[str, list], common: list, folder: Path, atol: float = 1e-5
+    runs: dict[str, list],
+    common: list,
+    folder: Path,
+    atol: float = 1e-5,
+    also: list = (),
+    launched: bool = False,
 ) -> None:
     """Each of `runs` (name -> its source options) trained under torchrun x2 with --context-parallel 2 and
     in one process, both with `common`: the same weights (fp32 rounding: the attention is summed in other
     pieces, and Adam divides a tiny gradient's rounding by its tiny RMS: `atol` of weights moved by a few
-    steps at lr 3e-3) and the same logged training losses and token counts."""
+    steps at lr 3e-3) and the same logged training losses and token counts. `also`: more commands for
+    the same launch (after the runs), whose results the caller checks; `launched`: the caller's launch
+    ran context_parallel_commands already."""
     import pytest
     import torch
 
     from spec_cli.cli import main
     from tests.launch import torchrun
 
-    torchrun(
-        [
-            ["train", *source, "-o", str(folder / f"cp-{name}"), "--context-parallel", "2", *common]
-            for name, source in runs.items()
-        ],
-        folder / "launch",
-    )
+    if not launched:
+        torchrun(context_parallel_commands(runs, common, folder) + list(also), folder / "launch")
     for name, source in runs.items():
         assert main(["train", *source, "-o", str(folder / f"one-{name}"), *common]) == 0
         one, cp = weights(folder / f"one-{name}"), weights(folder / f"cp-{name}")

@@ -42,7 +42,12 @@ from tests.conftest import write_jsonl
 from tests.draft import one_thread  # noqa: F401 (autouse fixture)
 from tests.draft.eagle.test_model import H, V, eagle_config, reference
 from tests.draft.eagle.test_objective import batch_of
-from tests.draft.runs import context_parallel_equals_one_process, log, weights
+from tests.draft.runs import (
+    context_parallel_commands,
+    context_parallel_equals_one_process,
+    log,
+    weights,
+)
 
 
 def msd_draft(seed: int = 0, **overrides) -> MsdDraft:
@@ -578,90 +583,69 @@ def llava_msd(vlm, tmp_path_factory):
     return target, chat, vm, cache
 
 
+# the module's torchrun runs, in one launch: MSD under --context-parallel 2 (live and cached) and DDP x2
+# with and without a rank whose curriculum differs
+CP_COMMON = [
+    "--algorithm",
+    "msd",
+    "--max-steps",
+    "4",
+    "--text-steps",
+    "1",
+    "--multimodal-ratio",
+    "0.5",
+    "--ttt-steps",
+    "2",
+    "--batch-tokens",
+    "256",
+    "--eval-every",
+    "0",
+]
+
+
+@pytest.fixture(scope="module")
+def msd_torchrun(llava_msd, tmp_path_factory):
+    from tests.launch import torchrun
+
+    target, chat, vm, cache = llava_msd
+    root = tmp_path_factory.mktemp("msd-torchrun")
+    cp_common = ["-v", str(vm), *CP_COMMON, "--precision", "fp32", "--lr", "3e-3", "-q"]
+    cp_runs = {
+        "live": ["-t", str(target), "-d", str(chat), "--dtype", "fp32"],
+        "cache": ["--cache", str(cache)],
+    }
+    ddp = ["--cache", str(cache), "-v", str(vm), *CP_COMMON, "-q"]
+    torchrun(
+        [
+            *context_parallel_commands(cp_runs, cp_common, root / "cp"),
+            ["train", *ddp, "-o", str(root / "ddp")],
+            ["-m", "tests.draft.curriculum_rank_skew", "train", *ddp, "-o", str(root / "skewed")],
+        ],
+        root / "launch",
+    )
+    return {"root": root, "cp_runs": cp_runs, "cp_common": cp_common}
+
+
 @pytest.mark.slow
-def test_msd_under_context_parallelism_trains_what_one_process_trains(llava_msd, tmp_path):
+def test_msd_under_context_parallelism_trains_what_one_process_trains(msd_torchrun):
     """torchrun x2, --context-parallel 2, MSD on Llava image and text chats through the curriculum (text
     steps, then image-text batches): each rank reads the input embeddings of its slots (live: sent by the
     group's first rank; cached: read for it), shifted one slot within its ranges' halo, and the group
     trains the draft one process trains on the same batches, step for step."""
-    target, chat, vm, cache = llava_msd
-    common = [
-        "-v",
-        str(vm),
-        "--algorithm",
-        "msd",
-        "--max-steps",
-        "4",
-        "--text-steps",
-        "1",
-        "--multimodal-ratio",
-        "0.5",
-        "--ttt-steps",
-        "2",
-        "--batch-tokens",
-        "256",
-        "--eval-every",
-        "0",
-        "--precision",
-        "fp32",
-        "--lr",
-        "3e-3",
-        "-q",
-    ]
-    runs = {
-        "live": ["-t", str(target), "-d", str(chat), "--dtype", "fp32"],
-        "cache": ["--cache", str(cache)],
-    }
-    context_parallel_equals_one_process(runs, common, tmp_path)
+    r = msd_torchrun
+    context_parallel_equals_one_process(
+        r["cp_runs"], r["cp_common"], r["root"] / "cp", launched=True
+    )
 
 
 @pytest.mark.slow
-def test_torchrun_ranks_draw_the_same_curriculum_or_stop(llava_msd, tmp_path, capfd):
+def test_torchrun_ranks_draw_the_same_curriculum_or_stop(msd_torchrun):
     """DDP x2 under torchrun on Llava chats: every rank draws the same source at every step (checked over
     the ranks at the start: the sources of all steps and the pools, hashed) and the run trains; a rank
     whose curriculum differs at one step makes the run stop with one line on every rank, before a step."""
-    from tests.launch import torchrun
-
-    vm, cache = llava_msd[2:]
-    common = [
-        "--cache",
-        str(cache),
-        "-v",
-        str(vm),
-        "--algorithm",
-        "msd",
-        "--max-steps",
-        "4",
-        "--text-steps",
-        "1",
-        "--multimodal-ratio",
-        "0.5",
-        "--ttt-steps",
-        "2",
-        "--batch-tokens",
-        "256",
-        "--eval-every",
-        "0",
-        "-q",
-    ]
-    torchrun(
-        [
-            ["train", *common, "-o", str(tmp_path / "ddp")],
-            [
-                "-m",
-                "tests.draft.curriculum_rank_skew",
-                "train",
-                *common,
-                "-o",
-                str(tmp_path / "skewed"),
-            ],
-        ],
-        tmp_path / "launch",
-    )
+    root = msd_torchrun["root"]
     state = json.loads(
-        (
-            sorted((tmp_path / "ddp" / "checkpoints").iterdir())[-1] / "trainer_state.json"
-        ).read_text()
+        (sorted((root / "ddp" / "checkpoints").iterdir())[-1] / "trainer_state.json").read_text()
     )
     assert state["world_size"] == 2 and state["curriculum"]["steps_on_image_text"] > 0
-    assert not (tmp_path / "skewed" / "checkpoints").exists()
+    assert not (root / "skewed" / "checkpoints").exists()

@@ -182,7 +182,6 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
     one process's, and the evaluation too (every valid element); a run stopped after its first step and
     resumed under the group equals the straight one bit for bit."""
     from tests.draft.runs import context_parallel_equals_one_process
-    from tests.launch import torchrun
     from tests.test_distributed import stopped_then_resumed
 
     monkeypatch.setenv("SPEC_HOME", str(pipeline["root"] / "home"))
@@ -223,9 +222,12 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
             "fp32",
         ],
     }
+    # stopped after its first step and resumed under the group (in the same launch, checked below)
+    stopped = ["train", *cache, "-o", str(tmp_path / "stopped"), "--context-parallel", "2", *common]
+    stop_resume = [[*stopped, "--max-time", "0.001s", "--save-every", "1"], [*stopped, "--resume"]]
     # (the same losses and gradient norms to 1e-7; the depth-0 keys' gradients are summed from each depth's
     # grid and the gathered rows, so Adam shows their rounding in k_proj up to ~2e-5, 0.6% of one step)
-    context_parallel_equals_one_process(runs, common, tmp_path, atol=5e-5)
+    context_parallel_equals_one_process(runs, common, tmp_path, atol=5e-5, also=stop_resume)
     for name in runs:
         one, cp = (
             [r for r in log(tmp_path / f"{kind}-{name}") if r["split"] == "eval"]
@@ -233,12 +235,7 @@ def test_context_parallelism_trains_what_one_process_trains(pipeline, tmp_path, 
         )
         assert one and cp[-1]["loss"] == pytest.approx(one[-1]["loss"], rel=1e-5)
         assert cp[-1]["acc"] == pytest.approx(one[-1]["acc"], abs=1e-12)
-    # stopped after its first step and resumed under the group: the COD seeds come from the restored RNG
-    stopped = ["train", *cache, "-o", str(tmp_path / "stopped"), "--context-parallel", "2", *common]
-    torchrun(
-        [[*stopped, "--max-time", "0.001s", "--save-every", "1"], [*stopped, "--resume"]],
-        tmp_path / "launch-resume",
-    )
+    # the stopped and resumed run equals the straight one: the COD seeds come from the restored RNG
     stopped_then_resumed(tmp_path / "stopped")
     straight = weights(tmp_path / "cp-cache")
     assert all(torch.equal(v, straight[k]) for k, v in weights(tmp_path / "stopped").items())
